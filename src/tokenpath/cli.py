@@ -1,0 +1,41 @@
+"""`tokenpath` command line: one entry point, each area registers its own subcommands.
+
+`serve`/`engine` live in `tokenpath.api.cli`, `keys`/`audit`/`usage` in `tokenpath.gateway.cli`,
+`bench` in `tokenpath.bench.cli`. Each module exposes `register(subparsers)`; a subcommand's
+handler is stored as `func` and returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "tokenpath.api.cli",
+    "tokenpath.gateway.cli",
+    "tokenpath.bench.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # an area not built yet; never hide a broken import inside it
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""One configuration object behind `LLM(...)` keyword arguments and `tokenpath serve` flags.
+
+`EngineConfig` holds the engine's knobs; the server and gateway settings live beside it in
+`ServerConfig` (see `tokenpath.api`). Both are pydantic models so YAML files, environment
+variables and CLI flags validate the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB' -> 2147483648. Integers are bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a memory size: {value!r} (use e.g. '512MiB' or '2GiB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_CHAT_MODEL
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory: str | int = "1GiB"
+    num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=1)  # default: the model's context length, capped at 8192
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_memory(cls, v: str | int) -> str | int:
+        parse_bytes(v)
+        return v
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)

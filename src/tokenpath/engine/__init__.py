@@ -1,0 +1,1 @@
+"""How are tokens made: sequence, KV cache, scheduler, runner, sampler, step loop."""

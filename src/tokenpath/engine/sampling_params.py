@@ -1,0 +1,101 @@
+"""Sampling parameters, validated before they reach the engine.
+
+Validation raises `SamplingParamsError` (a 400 at the HTTP layer), never `assert`: a NaN or an
+out-of-range value must be a clear client error, not a crash inside a batched step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tokenpath.errors import SamplingParamsError
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> SamplingParamsError:
+            return SamplingParamsError(f"{param} {msg}", param=param)
+
+        def finite(param: str, v: float) -> float:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise bad(param, f"must be a number, got {v!r}")
+            if math.isnan(v) or math.isinf(v):
+                raise bad(param, f"must be finite, got {v!r}")
+            return float(v)
+
+        def integer(param: str, v: object) -> int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(param, f"must be an integer, got {v!r}")
+            return v
+
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise bad("n", f"must be between 1 and {MAX_N}, got {self.n}")
+        if not 0.0 <= finite("temperature", self.temperature) <= 2.0:
+            raise bad("temperature", f"must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < finite("top_p", self.top_p) <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < -1:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= finite("min_p", self.min_p) <= 1.0:
+            raise bad("min_p", f"must be between 0 and 1, got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= finite(name, getattr(self, name)) <= 2.0:
+                raise bad(name, f"must be between -2 and 2, got {getattr(self, name)}")
+        if not 0.0 < finite("repetition_penalty", self.repetition_penalty) <= 2.0:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise bad("seed", "is out of range")
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "entries must be non-empty strings")
+        for t in self.stop_token_ids:
+            if integer("stop_token_ids", t) < 0:
+                raise bad("stop_token_ids", f"must be non-negative token ids, got {t}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")

@@ -1,0 +1,106 @@
+"""Typed errors that cross layers.
+
+Every layer raises one of these; `tokenpath.api.errors` maps them once to an OpenAI error body
+(`{"error": {"message", "type", "param", "code"}}`) and a status code. Nothing else should build
+error responses by hand.
+"""
+
+from __future__ import annotations
+
+
+class TokenpathError(Exception):
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def to_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.error_type,
+            }
+        }
+
+
+class InvalidRequestError(TokenpathError):
+    """A client mistake: bad value, bad shape, too long. Always a 400, never a 500."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is NaN, infinite, negative or out of range."""
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, message: str, **kw) -> None:
+        kw.setdefault("code", "context_length_exceeded")
+        super().__init__(message, **kw)
+
+
+class AuthenticationError(TokenpathError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(TokenpathError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class NotFoundError(TokenpathError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLargeError(TokenpathError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class RateLimitError(TokenpathError):
+    """429: over a rate limit or quota, or shed by admission control. Carries Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: float, **kw) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = max(0.0, retry_after)
+        self.headers.setdefault("Retry-After", str(max(1, int(-(-self.retry_after // 1)))))
+
+
+class ServiceUnavailableError(TokenpathError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class DeadlineExceededError(TokenpathError):
+    """A request still queued past its deadline."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class EngineDeadError(ServiceUnavailableError):
+    """The engine's step loop died; every in-flight request fails with this."""
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded: names the file and the problem. Raised at start-up, not per request."""

@@ -1,0 +1,97 @@
+"""The contract between the HTTP layer and the gateway.
+
+`tokenpath.api` calls a `RequestGuard` at fixed points of every request; `tokenpath.gateway`
+implements it with keys, limits, quotas and the audit log. `OpenGuard` is the guard of a process
+that has no gateway in front of it (e.g. a bare `tokenpath engine` replica behind a gateway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking. `key_prefix` is the short non-secret prefix, never the key itself."""
+
+    tenant: str = "anonymous"
+    key_prefix: str | None = None
+    allowed_models: frozenset[str] | None = None  # None: every model
+    priority: int = 0
+    max_priority: int = 0  # the best (lowest) priority an x-priority header may ask for
+
+
+@dataclass
+class Reservation:
+    """Tokens reserved at admission (prompt + max_tokens); reconciled with the real use at the end."""
+
+    principal: Principal
+    model: str
+    tokens: int
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
+
+
+@dataclass
+class AuditRecord:
+    request_id: str
+    time: float  # wall clock, seconds since epoch
+    tenant: str
+    key_prefix: str | None
+    model: str | None
+    endpoint: str
+    status: int
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    total_s: float | None = None
+    client: str | None = None
+    error_type: str | None = None
+    prompt_text: str | None = None  # only when the operator turns text logging on
+    completion_text: str | None = None
+
+
+class RequestGuard(Protocol):
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal: ...
+
+    def check_model(self, principal: Principal, model: str) -> None: ...
+
+    def visible_models(self, principal: Principal, models: list[str]) -> list[str]: ...
+
+    async def check_policy(self, principal: Principal, texts: list[str]) -> None: ...
+
+    async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation: ...
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...
+
+    async def audit(self, record: AuditRecord) -> None: ...
+
+
+class OpenGuard:
+    """No keys, no limits, no audit: every request is the anonymous principal."""
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        return Principal()
+
+    def check_model(self, principal: Principal, model: str) -> None:
+        return None
+
+    def visible_models(self, principal: Principal, models: list[str]) -> list[str]:
+        return list(models)
+
+    async def check_policy(self, principal: Principal, texts: list[str]) -> None:
+        return None
+
+    async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation:
+        return Reservation(principal=principal, model=model, tokens=tokens)
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        return None
+
+    async def audit(self, record: AuditRecord) -> None:
+        return None

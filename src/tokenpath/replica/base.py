@@ -1,0 +1,52 @@
+"""One interface for every way a request can reach an engine.
+
+Routers and admission control read `state()`; the API layer consumes `generate()`; a disconnect
+becomes `abort()`. Implementations: the in-process engine (`local.py`), a remote
+OpenAI-compatible endpoint (`remote.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenpath.engine.outputs import RequestOutput
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.telemetry.timeline import Timeline
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timeline: Timeline
+    priority: int = 0
+    tenant: str = "anonymous"
+    session_id: str | None = None
+    deadline: float | None = None  # monotonic seconds
+    prompt: str | None = None
+
+
+@dataclass
+class ReplicaState:
+    """vLLM-compatible meanings, so the same routers can drive vLLM replicas."""
+
+    name: str
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+    prefix_hashes: set[int] = field(default_factory=set)  # recently cached/routed block hashes
+    max_num_seqs: int = 0
+
+
+class Replica(Protocol):
+    name: str
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def state(self) -> ReplicaState: ...

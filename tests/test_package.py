@@ -1,0 +1,49 @@
+import math
+
+import pytest
+
+from tokenpath import SamplingParams
+from tokenpath.errors import SamplingParamsError
+from tokenpath.telemetry.timeline import Timeline
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": math.nan},
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": math.inf},
+        {"top_k": -5},
+        {"min_p": 1.5},
+        {"presence_penalty": 3.0},
+        {"repetition_penalty": 0.0},
+        {"max_tokens": 0},
+        {"min_tokens": 5, "max_tokens": 2},
+        {"logprobs": 21},
+        {"n": 0},
+        {"stop": [""]},
+        {"stop_token_ids": [-1]},
+        {"temperature": "hot"},
+    ],
+)
+def test_invalid_sampling_params_raise_typed_error(kw):
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(**kw)
+
+
+def test_valid_sampling_params():
+    p = SamplingParams(temperature=0, stop="###", top_k=0)
+    assert p.greedy and p.stop == ["###"] and p.top_k == -1
+
+
+def test_timeline_durations():
+    t = Timeline("r1")
+    t0 = t.stamps["received"]
+    t.stamp("scheduled", at=t0 + 0.5)
+    t.stamp("first_token", at=t0 + 0.75)
+    t.stamp("finished", at=t0 + 1.0)
+    t.stamp("finished", at=t0 + 9.0)  # first stamp wins
+    d = t.durations()
+    assert d == pytest.approx({"queue": 0.5, "prefill": 0.25, "decode": 0.25, "total": 1.0})
+    assert t.server_timing().startswith("queue;dur=500.0")
