@@ -8,6 +8,7 @@ variables and CLI flags validate the same way.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -54,3 +55,18 @@ class EngineConfig(BaseModel):
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+
+def resolve_data_dir(explicit: str | None = None) -> Path:
+    """`--data-dir`, else `TOKENPATH_DATA_DIR`, else a per-user default (XDG data home)."""
+    import os
+
+    if explicit:
+        path = Path(explicit)
+    elif os.environ.get("TOKENPATH_DATA_DIR"):
+        path = Path(os.environ["TOKENPATH_DATA_DIR"])
+    else:
+        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        path = Path(base) / "tokenpath"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
