@@ -57,6 +57,8 @@ class AuditRecord:
 
 
 class RequestGuard(Protocol):
+    auth_enabled: bool  # False: no keys exist; serve then refuses a non-loopback host without --insecure
+
     async def authenticate(self, headers: Mapping[str, str]) -> Principal: ...
 
     def check_model(self, principal: Principal, model: str) -> None: ...
@@ -74,6 +76,8 @@ class RequestGuard(Protocol):
 
 class OpenGuard:
     """No keys, no limits, no audit: every request is the anonymous principal."""
+
+    auth_enabled = False
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         return Principal()
