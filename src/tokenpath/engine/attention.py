@@ -1,0 +1,78 @@
+"""The attention backend: reads and writes the paged KV cache.
+
+A small, swappable piece. This one works on any device with torch SDPA: new keys and values are
+written to their slots (`slot_mapping`), then each query group gathers its context from the block
+pool. Sequences with one query token (decode, the common case) are batched into one SDPA call
+over a padded context; multi-token chunks (prefill, chunked prefill after a prefix hit) run one
+SDPA call each, with a causal mask offset by the tokens already computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this sequence's tokens in the flattened batch
+    num_tokens: int
+    num_computed: int  # tokens already in the cache before this chunk
+    slots: torch.Tensor | None  # context slots [num_computed + num_tokens] (None when num_computed == 0)
+    mask: torch.Tensor | None  # [num_tokens, context] bool, None when plain causal from position 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decode: int  # rows [0, num_decode) are single-token queries
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class KVCache:
+    """One K and one V pool per layer, shaped [num_blocks * block_size, kv_heads, head_dim] so a
+    token's slot index addresses it directly."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    gqa = q.shape[1] != k.shape[1]
+    if nd:
+        qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        out[:nd] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                                  enable_gqa=gqa).squeeze(2)
+    for p in meta.prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if p.slots is None:
+            kp, vp = k[rows], v[rows]
+        else:
+            kp, vp = k_cache[p.slots], v_cache[p.slots]
+        kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=gqa)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out

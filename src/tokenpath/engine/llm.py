@@ -1,0 +1,90 @@
+"""Offline inference: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages, params)`.
+
+Drives the same `EngineCore` as the server, synchronously: every prompt is submitted at once and
+continuous batching does the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tokenpath.config import EngineConfig
+from tokenpath.engine.core import EngineCore
+from tokenpath.engine.outputs import CompletionOutput, RequestOutput
+from tokenpath.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
+        if model is not None:
+            engine_kwargs["model"] = model
+        self.config = EngineConfig(**engine_kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._expand(params, len(prompts))
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, token_ids, p, priority=priority[i] if priority else 0,
+                                    prompt=prompt if isinstance(prompt, str) else None)
+            ids.append(rid)
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
+
+    @staticmethod
+    def _expand(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step until every request finishes; accumulate deltas into whole completions."""
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_work():
+            for delta in self.engine.step():
+                acc = results.get(delta.request_id)
+                if acc is None:
+                    acc = results[delta.request_id] = RequestOutput(
+                        delta.request_id, [], delta.prompt_token_ids, delta.num_cached_tokens, False,
+                        delta.metrics, delta.prompt)
+                _merge(acc, delta)
+        return [results[i] for i in ids]
+
+
+def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
+    by_index = {c.index: c for c in acc.outputs}
+    for d in delta.outputs:
+        c = by_index.get(d.index)
+        if c is None:
+            c = CompletionOutput(index=d.index, logprobs=[] if d.logprobs is not None else None)
+            acc.outputs.append(c)
+            by_index[d.index] = c
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None and c.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        c.finish_reason = d.finish_reason or c.finish_reason
+        c.stop_reason = d.stop_reason if d.stop_reason is not None else c.stop_reason
+    acc.outputs.sort(key=lambda c: c.index)
+    acc.finished = delta.finished
+    acc.metrics = delta.metrics
+    acc.num_cached_tokens = delta.num_cached_tokens

@@ -1,0 +1,135 @@
+"""From sampled tokens to what a client sees: text, stop conditions, logprobs, deltas.
+
+Stop strings are never emitted: while streaming, the last `len(longest stop) - 1` characters are
+held back until they can be ruled out. Text is produced by an incremental detokenizer that never
+splits a multi-byte UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenpath.telemetry.timeline import Timeline
+
+
+@dataclass
+class ChoiceState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_final: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[ChoiceState]
+    arrival_time: float
+    timeline: Timeline | None = None
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.choices)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def process_token(self, choice: ChoiceState, token: int,
+                      logprob: tuple[float, list[tuple[int, float]]] | None) -> str | None:
+        """Account for one new token of `choice`; returns a finish reason or None."""
+        seq, p = choice.seq, choice.seq.params
+        if logprob is not None:
+            lp, top = logprob
+            text_of = self.tokenizer.token_text
+            choice.logprobs.append(TokenLogprob(token, text_of(token), lp, [(t, text_of(t), v) for t, v in top]))
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens
+        if may_stop and not p.ignore_eos and token == self.tokenizer.eos_token_id:
+            return "stop"
+        if may_stop and token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        before = len(choice.text)
+        choice.text += choice.detok.step(token)
+        if may_stop and p.stop:
+            reason = self._check_stop_strings(choice, p, before)
+            if reason:
+                return reason
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _check_stop_strings(choice: ChoiceState, p: SamplingParams, before: int) -> str | None:
+        # Only a match that ends in the new text is new; earlier text was checked already.
+        window_start = max(0, before - max(len(s) for s in p.stop) + 1)
+        best = -1
+        for s in p.stop:
+            i = choice.text.find(s, window_start)
+            if i != -1 and (best == -1 or i < best):
+                best, choice.seq.stop_reason = i, s
+        if best == -1:
+            return None
+        choice.text = choice.text[:best]
+        return "stop"
+
+    def make_output(self, req: RequestState) -> RequestOutput | None:
+        """The delta since the last call, or None when there is nothing new to say."""
+        outs: list[CompletionOutput] = []
+        for c in req.choices:
+            seq, p = c.seq, c.seq.params
+            hold = 0 if seq.is_finished or not p.stop else max(len(s) for s in p.stop) - 1
+            end = max(c.sent_text, len(c.text) - hold)
+            text = c.text[c.sent_text : end]
+            toks = seq.output_token_ids[c.sent_tokens :]
+            lps = c.logprobs[c.sent_logprobs :] if p.logprobs is not None else None
+            final = seq.is_finished and not c.sent_final
+            if not text and not toks and not final:
+                continue
+            c.sent_text, c.sent_tokens, c.sent_logprobs = end, seq.num_output_tokens, len(c.logprobs)
+            c.sent_final = c.sent_final or final
+            outs.append(CompletionOutput(index=seq.index, text=text, token_ids=toks, logprobs=lps,
+                                         finish_reason=seq.finish_reason if final else None,
+                                         stop_reason=seq.stop_reason if final else None))
+        if not outs:
+            return None
+        return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
+                             num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
+                             finished=req.finished, metrics=metrics_of(req), prompt=req.prompt)
+
+
+def metrics_of(req: RequestState) -> RequestMetrics:
+    seqs = [c.seq for c in req.choices]
+
+    def first(values):
+        vals = [v for v in values if v is not None]
+        return min(vals) if vals else None
+
+    def last(values):
+        vals = [v for v in values if v is not None]
+        return max(vals) if vals else None
+
+    return RequestMetrics(
+        arrival_time=req.arrival_time,
+        first_scheduled_time=first(s.first_scheduled_time for s in seqs),
+        first_token_time=first(s.first_token_time for s in seqs),
+        last_token_time=last(s.last_token_time for s in seqs),
+        finished_time=last(s.finished_time for s in seqs) if req.finished else None,
+        num_preemptions=sum(s.num_preemptions for s in seqs),
+    )

@@ -1,0 +1,133 @@
+"""The model runner: a scheduled batch -> tensors -> one forward pass -> logits of the rows that
+sample.
+
+It owns the model and the KV cache tensors; the scheduler and block manager only deal in ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from tokenpath.config import EngineConfig
+from tokenpath.engine.attention import AttentionMetadata, KVCache, PrefillChunk
+from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.models.llama import LlamaModel
+from tokenpath.engine.sequence import Sequence
+from tokenpath.errors import ModelLoadError
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively, float32 elsewhere."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        cfg = loaded.config
+        self.model_config = cfg
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        model = LlamaModel(cfg, max_positions=max_model_len)
+        model.load_weights(loaded.weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope.to(torch.float32)  # keep cos/sin tables exact
+        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            self.dtype)
+        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        if self.num_blocks < 2:
+            raise ModelLoadError(f"kv_cache_memory={config.kv_cache_memory} holds fewer than 2 blocks "
+                                 f"({per_block} bytes each)")
+        self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.dtype, self.device)
+        if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["TOKENPATH_NUM_THREADS"]))
+
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step. Returns logits [S, vocab] for the sequences whose scheduled tokens reach
+        the end of what they know (they sample); the rest were mid-prompt chunks."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        logit_rows: list[int] = []
+        sampling: list[Sequence] = []
+        decode: list[Sequence] = []
+        prefills: list[PrefillChunk] = []
+        row = 0
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode.append(seq)
+            else:
+                prefills.append(self._prefill_chunk(seq, row, n, table))
+            row += n
+            if start + n == seq.num_tokens:
+                logit_rows.append(row - 1)
+                sampling.append(seq)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            num_decode=len(decode),
+            prefills=prefills,
+        )
+        if decode:
+            meta.decode_slots, meta.decode_mask = self._decode_context(decode)
+        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        logits = self.model(input_ids, positions, self.cache, meta, rows)
+        return logits.cpu(), sampling
+
+    def _prefill_chunk(self, seq: Sequence, row: int, n: int, table: np.ndarray) -> PrefillChunk:
+        done = seq.num_computed_tokens
+        if done == 0:
+            return PrefillChunk(start=row, num_tokens=n, num_computed=0, slots=None, mask=None)
+        ctx = done + n
+        pos = np.arange(ctx)
+        slots = torch.from_numpy(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        q_pos = torch.arange(done, ctx).unsqueeze(1)
+        mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
+        return PrefillChunk(start=row, num_tokens=n, num_computed=done, slots=slots.to(self.device),
+                            mask=mask.to(self.device))
+
+    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ctx = np.array([s.num_computed_tokens + 1 for s in seqs])
+        max_blocks = int(-(-ctx.max() // bs))
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            t = s.block_table[:max_blocks]
+            tables[i, : len(t)] = t
+        slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(seqs), -1)[:, : ctx.max()]
+        mask = np.arange(ctx.max())[None, :] < ctx[:, None]
+        return (torch.from_numpy(slots).to(self.device),
+                torch.from_numpy(mask)[:, None, None, :].to(self.device))

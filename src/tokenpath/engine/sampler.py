@@ -1,0 +1,112 @@
+"""The sampler: logits of one step -> one token per sequence, plus logprobs when asked.
+
+Rows share batched tensor work (penalties, temperature, top-k/top-p/min-p filtering); the random
+draw of a seeded request uses its own `torch.Generator`, so the same seed gives the same tokens
+whatever else shares the batch. Logprobs are those of the model's raw distribution (before
+temperature and penalties), as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenpath.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (sampled token logprob, [(token_id, logprob), ...]) or None when not asked
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_id: int, seed: int = 0) -> None:
+        self.eos_token_id = eos_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = self._apply_penalties(logits, seqs)
+        tokens = self._sample(logits, seqs)
+        lp: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if not want_logprobs[i]:
+                    continue
+                row = raw_logprobs[i]
+                top: list[tuple[int, float]] = []
+                if seq.params.logprobs:
+                    vals, idx = row.topk(seq.params.logprobs)
+                    top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+                lp[i] = (row[tokens[i]].item(), top)
+        return SampleResult(tokens, lp)
+
+    # ------------------------------------------------------------ logits processing
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if _needs_processing(s)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            seq, p = seqs[i], seqs[i].params
+            row = logits[i]
+            out_ids = seq.output_token_ids
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if out_ids and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
+                row -= p.frequency_penalty * counts.to(row.dtype)
+                row -= p.presence_penalty * (counts > 0).to(row.dtype)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = [t for t in [*p.stop_token_ids, *([] if p.ignore_eos else [self.eos_token_id])]
+                          if 0 <= t < vocab]
+                if banned:
+                    row[banned] = -float("inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not random_rows:
+            return tokens
+        idx = torch.tensor(random_rows)
+        sub = logits[idx]
+        temps = torch.tensor([seqs[i].params.temperature for i in random_rows], dtype=sub.dtype).unsqueeze(1)
+        probs = torch.softmax(sub / temps, dim=-1)
+        probs = _filter(probs, [seqs[i].params for i in random_rows])
+        for j, i in enumerate(random_rows):
+            gen = seqs[i].generator or self.generator
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+        return tokens
+
+
+def _needs_processing(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or seq.num_output_tokens < p.min_tokens)
+
+
+def _filter(probs: torch.Tensor, params: list) -> torch.Tensor:
+    """top-k, top-p and min-p on probabilities (rows renormalised by multinomial itself)."""
+    need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if not need_sort:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    cum = sorted_p.cumsum(dim=-1)
+    drop = (ranks >= top_k) | ((cum - sorted_p) >= top_p)  # keep the token that crosses top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)

@@ -1,0 +1,131 @@
+"""The scheduler: which sequences run this step, and how many tokens each.
+
+One rule covers prefill, chunked prefill, prefix hits and decode: every sequence wants
+`num_tokens - num_computed_tokens` more tokens computed, and each step grants
+`{sequence: n}` under a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running sequences go first (so decodes are never starved by a long prompt,
+which instead advances one chunk per step), then waiting ones by priority and arrival. When the
+pool runs out of blocks, the lowest-priority, latest-arrived running sequence is preempted by
+recompute: its blocks are freed and it goes back to the front of its priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from tokenpath.engine.kv_cache import BlockManager
+from tokenpath.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes first, then chunks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Sequence] = []  # sorted by _wait_key
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ membership
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=self._wait_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it is and give back its blocks (finish, abort, error)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @staticmethod
+    def _wait_key(seq: Sequence) -> tuple:
+        # A preempted sequence returns to the front of its priority band.
+        return (seq.priority, 0 if seq.num_preemptions else 1, seq.arrival_time, seq.seq_id)
+
+    # ------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(seq, n, out):
+                continue  # seq itself was preempted
+            out.scheduled.append((seq, n))
+            budget -= n
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        now = time.monotonic()
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                if seq.timeline is not None:
+                    seq.timeline.stamp("scheduled", at=now)
+        # Single-token queries (decodes) first: the runner batches them into one attention call.
+        out.scheduled.sort(key=lambda item: item[1] != 1)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.leader is not None and self._leader_prefilling(seq.leader):
+                i += 1  # n > 1: wait for the leader's prompt blocks, then share them
+                continue
+            if not seq.block_table:
+                self.blocks.lookup_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate(seq, n):
+                self.blocks.release(seq)  # do not pin its prefix hits while it waits
+                break  # FCFS within the band: do not let later, smaller requests jump ahead
+            self.waiting.pop(i)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    @staticmethod
+    def _leader_prefilling(leader: Sequence) -> bool:
+        return not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
+        while not self.blocks.allocate(seq, n):
+            victim = max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+        # It may already be in this step's grants (a decode scheduled before the victim search).
+        out.scheduled = [(s, k) for s, k in out.scheduled if s is not seq]

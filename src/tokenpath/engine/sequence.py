@@ -1,0 +1,73 @@
+"""A Sequence: one choice of one request, from arrival to finish.
+
+The scheduling rule lives in two numbers: `num_computed_tokens` catches up to `num_tokens`.
+Prefill, chunked prefill, a prefix-cache hit (which jumps `num_computed_tokens` ahead) and decode
+(one token behind after each sample) are all the same thing to the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.telemetry.timeline import Timeline
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice index within the request (n > 1)
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    timeline: Timeline | None = None
+    leader: Sequence | None = None  # for n > 1: wait until the leader's prompt is cached, then share it
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower priority number first, then first come first served."""
+        return (self.priority, self.arrival_time, self.seq_id)

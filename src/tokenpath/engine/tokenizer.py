@@ -1,0 +1,100 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+The tokenizer itself is the field's library (Hugging Face `tokenizers`, built by `transformers`
+from GGUF metadata or from a model directory); this module only adapts it. Building the tokenizer
+from GGUF metadata takes seconds, so the result is cached as tokenizer.json next to nothing the
+user owns: in the data dir, keyed by the GGUF file's size and mtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+from tokenpath.errors import InvalidRequestError, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, source: Path) -> None:
+        self._hf = _load_hf_tokenizer(source)
+        self.backend = self._hf.backend_tokenizer
+        self.eos_token_id: int = self._hf.eos_token_id if self._hf.eos_token_id is not None else -1
+        self.bos_token_id: int | None = self._hf.bos_token_id
+        self.vocab_size: int = len(self._hf)
+        self.chat_template: str | None = getattr(self._hf, "chat_template", None)
+        self.all_special_ids = set(self._hf.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as OpenAI logprobs show it."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)
+        except Exception as exc:  # a template error is the caller's input, e.g. an unsupported role order
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.backend, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns one token at a time into text, never splitting a multi-byte UTF-8 character.
+
+    `tokenizers.decoders.DecodeStream` returns None while a character is incomplete (byte-level
+    BPE splits emoji and CJK across tokens), so partial bytes are held back until they complete.
+    """
+
+    def __init__(self, backend, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception:  # an id outside the vocabulary: emit nothing rather than kill the step loop
+            return ""
+
+
+def _cache_dir() -> Path:
+    from tokenpath.config import resolve_data_dir
+
+    return resolve_data_dir() / "tokenizers"
+
+
+def _load_hf_tokenizer(source: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
+            st = source.stat()
+            key = hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+            cached = _cache_dir() / key
+            if (cached / "tokenizer.json").is_file():
+                return PreTrainedTokenizerFast.from_pretrained(str(cached))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+            tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
+            tok.save_pretrained(str(tmp))
+            with contextlib.suppress(OSError):  # another process won the race; its copy is identical
+                os.replace(tmp, cached)
+            return tok
+        return AutoTokenizer.from_pretrained(str(source))
+    except Exception as exc:
+        raise ModelLoadError(f"{source}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
