@@ -4,11 +4,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenpath.gateway.base import AuditRecord, OpenGuard, Principal, RequestGuard, Reservation
+from tokenpath.gateway.base import AuditRecord, Limits, OpenGuard, Principal, RequestGuard, Reservation
+from tokenpath.gateway.guard import Clock, Gateway
+from tokenpath.gateway.policy import DenyListPolicy, PolicyHook, load_policy
+from tokenpath.gateway.store import GatewayStore, resolve_store_location
 
-__all__ = ["AuditRecord", "OpenGuard", "Principal", "RequestGuard", "Reservation", "open_gateway"]
+__all__ = [
+    "AuditRecord", "Clock", "DenyListPolicy", "Gateway", "GatewayStore", "Limits", "OpenGuard", "PolicyHook",
+    "Principal", "RequestGuard", "Reservation", "open_gateway",
+]
 
 
-def open_gateway(data_dir: Path, database_url: str | None = None, **options: object) -> RequestGuard:
-    """The guard `tokenpath serve` puts in front of its routes (replaced by the real gateway)."""
-    return OpenGuard()
+def open_gateway(
+    data_dir: Path,
+    database_url: str | None = None,
+    *,
+    clock: Clock | None = None,
+    policy: str | PolicyHook | None = None,
+    log_text: bool = False,
+) -> Gateway:
+    """The guard `tokenpath serve` puts in front of its routes.
+
+    The store is `database_url` (`postgresql://...`), else `TOKENPATH_DATABASE_URL`, else a
+    SQLite file in `data_dir`. With no key in it, auth is off (every request is anonymous) but
+    audit rows are still written. `policy`: a PolicyHook, `deny-list:PATH` or `module:attribute`.
+    `log_text`: store prompt and completion text in audit rows (off by default).
+    """
+    import time
+
+    store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
+    return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text)

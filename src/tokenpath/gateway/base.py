@@ -13,6 +13,28 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Rate limits and quota of one key or tenant; None means no limit of that kind."""
+
+    rpm: int | None = None  # requests per sliding minute
+    tpm: int | None = None  # tokens (prompt + max_tokens at admission, actual use after) per sliding minute
+    daily_tokens: int | None = None  # tokens per UTC day (of the gateway's clock)
+
+    def tightened_by(self, other: Limits | None) -> Limits:
+        """The stricter of the two for each limit: a key inherits its tenant's defaults or tightens them."""
+        if other is None:
+            return self
+
+        def low(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else min(a, b)
+
+        return Limits(low(self.rpm, other.rpm), low(self.tpm, other.tpm), low(self.daily_tokens, other.daily_tokens))
+
+    def any(self) -> bool:
+        return self.rpm is not None or self.tpm is not None or self.daily_tokens is not None
+
+
+@dataclass(frozen=True)
 class Principal:
     """Who is asking. `key_prefix` is the short non-secret prefix, never the key itself."""
 
@@ -21,6 +43,8 @@ class Principal:
     allowed_models: frozenset[str] | None = None  # None: every model
     priority: int = 0
     max_priority: int = 0  # the best (lowest) priority an x-priority header may ask for
+    key_limits: Limits | None = None  # effective limits of the key (already tightened by the tenant's)
+    tenant_limits: Limits | None = None  # limits on the sum over all of the tenant's keys
 
 
 @dataclass
@@ -31,6 +55,9 @@ class Reservation:
     model: str
     tokens: int
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
+    admission_id: int | None = None  # the store's row for this admission; None: nothing to reconcile
+    day: int | None = None  # the UTC day the tokens were charged to (reconciled there, even after midnight)
+    reconciled: bool = False  # reconcile is idempotent: a second call returns nothing twice
 
 
 @dataclass

@@ -1,0 +1,261 @@
+"""`tokenpath keys | audit | usage`: operate the gateway's store from the command line.
+
+Every command takes `--data-dir` (else TOKENPATH_DATA_DIR, else the per-user default) and
+`--database-url` (else TOKENPATH_DATABASE_URL, else SQLite in the data dir). A new key is printed
+once, alone on stdout (so `KEY=$(tokenpath keys create ...)` works); nothing prints it again.
+Text output escapes control characters, so a hostile model name or client string in an audit row
+cannot forge lines in a terminal or a log file; `--json` output is escaped by JSON itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from tokenpath.config import resolve_data_dir
+from tokenpath.gateway.admin import create_key, set_tenant
+from tokenpath.gateway.base import Limits
+from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys; set tenant defaults")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+
+    create = keys_sub.add_parser("create", help="create a key and print it once")
+    _store_args(create)
+    create.add_argument("--tenant", required=True)
+    _limit_args(create)
+    create.add_argument("--priority", type=int, default=0, help="scheduling priority (lower runs first)")
+    create.add_argument("--expires", type=parse_time, help="ISO 8601 time (UTC if no offset) or e.g. 30d")
+    create.add_argument("--name", help="a label for the key")
+    create.set_defaults(func=cmd_keys_create)
+
+    listing = keys_sub.add_parser("list", help="list keys (prefixes only, never the key)")
+    _store_args(listing)
+    listing.add_argument("--tenant")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_keys_list)
+
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its prefix; effective on the next request")
+    _store_args(revoke)
+    revoke.add_argument("prefix")
+    revoke.set_defaults(func=cmd_keys_revoke)
+
+    tenant = keys_sub.add_parser("tenant", help="create or update a tenant's default limits and models")
+    _store_args(tenant)
+    tenant.add_argument("name")
+    _limit_args(tenant)
+    tenant.set_defaults(func=cmd_keys_tenant)
+
+    audit = subparsers.add_parser("audit", help="query the audit log")
+    _store_args(audit)
+    audit.add_argument("--tenant")
+    audit.add_argument("--since", type=parse_time, help="ISO 8601 time, or a duration back from now: 1h, 7d")
+    audit.add_argument("--until", type=parse_time)
+    audit.add_argument("--request-id")
+    audit.add_argument("--limit", type=int, default=1000)
+    audit.add_argument("--json", action="store_true", help="one JSON object per line")
+    audit.set_defaults(func=cmd_audit)
+
+    usage = subparsers.add_parser("usage", help="tokens by day and model, from the audit log")
+    _store_args(usage)
+    usage.add_argument("--tenant", required=True)
+    usage.add_argument("--since", type=parse_time)
+    usage.add_argument("--until", type=parse_time)
+    usage.add_argument("--json", action="store_true")
+    usage.set_defaults(func=cmd_usage)
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="state directory (default: TOKENPATH_DATA_DIR or the per-user default)")
+    p.add_argument("--database-url", help="postgresql://... (default: TOKENPATH_DATABASE_URL, else SQLite)")
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=_model_set, help="comma-separated models this key/tenant may use")
+    p.add_argument("--rpm", type=_positive, help="requests per minute")
+    p.add_argument("--tpm", type=_positive, help="tokens per minute (prompt + max_tokens reserved)")
+    p.add_argument("--daily-tokens", type=_positive, help="tokens per UTC day")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
+
+
+def _model_set(text: str) -> frozenset[str]:
+    models = frozenset(m.strip() for m in text.split(",") if m.strip())
+    if not models:
+        raise argparse.ArgumentTypeError("name at least one model")
+    return models
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """ISO 8601 (a naive time is UTC) or a duration back from now ('90m', '7d'); epoch seconds."""
+    now = time.time() if now is None else now
+    m = _RELATIVE.fullmatch(text.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time or a duration like 7d: {text!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.timestamp()
+
+
+def _open(args: argparse.Namespace) -> GatewayStore:
+    return GatewayStore(resolve_store_location(resolve_data_dir(args.data_dir), args.database_url))
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(args.rpm, args.tpm, args.daily_tokens)
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        secret, record = create_key(store, args.tenant, models=args.models, limits=_limits(args),
+                                    priority=args.priority, expires_at=args.expires, name=args.name)
+    finally:
+        store.close()
+    print(secret)
+    print(f"created key {record.prefix}... for tenant {record.tenant!r}; it is shown only this once",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        records = store.list_keys(args.tenant)
+    finally:
+        store.close()
+    if args.json:
+        for r in records:
+            print(json.dumps(_key_view(r)))
+        return 0
+    header = ("PREFIX", "TENANT", "MODELS", "RPM", "TPM", "DAILY", "PRIO", "CREATED", "LAST USED", "STATUS")
+    rows = [header] + [_key_row(r) for r in records]
+    _print_table(rows)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        found = store.find_key(args.prefix)
+        revoked = store.revoke_key(args.prefix, time.time()) if found else False
+    finally:
+        store.close()
+    if not found:
+        print(f"no key with prefix {_safe(args.prefix)}", file=sys.stderr)
+        return 1
+    print(f"revoked {found.prefix}" if revoked else f"{found.prefix} was already revoked", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_tenant(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        set_tenant(store, args.name, limits=_limits(args), models=args.models)
+    finally:
+        store.close()
+    print(f"tenant {args.name!r}: {_limit_text(_limits(args))}, models: {_models_text(args.models)}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        records = store.query_audit(tenant=args.tenant, since=args.since, until=args.until,
+                                    request_id=args.request_id, limit=args.limit)
+    finally:
+        store.close()
+    if args.json:
+        for r in records:
+            print(json.dumps(asdict(r)))
+        return 0
+    header = ("TIME", "REQUEST", "TENANT", "KEY", "MODEL", "ENDPOINT", "STATUS", "FINISH", "PROMPT", "CACHED",
+              "COMPLETION", "TOTAL_S", "CLIENT", "ERROR")
+    rows: list[Sequence[object]] = [header]
+    for r in records:
+        rows.append((_iso(r.time), r.request_id, r.tenant, r.key_prefix, r.model, r.endpoint, r.status,
+                     r.finish_reason, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                     None if r.total_s is None else f"{r.total_s:.3f}", r.client, r.error_type))
+    _print_table(rows)
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        rows = store.usage(tenant=args.tenant, since=args.since, until=args.until)
+    finally:
+        store.close()
+    if args.json:
+        for u in rows:
+            print(json.dumps({**asdict(u), "total_tokens": u.total_tokens}))
+        return 0
+    table: list[Sequence[object]] = [("DAY", "MODEL", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "TOTAL")]
+    table += [(u.day, u.model, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.total_tokens)
+              for u in rows]
+    _print_table(table)
+    return 0
+
+
+def _key_view(r: KeyRecord) -> dict[str, object]:
+    return {
+        "prefix": r.prefix, "tenant": r.tenant, "name": r.name,
+        "models": None if r.models is None else sorted(r.models),
+        "rpm": r.limits.rpm, "tpm": r.limits.tpm, "daily_tokens": r.limits.daily_tokens,
+        "priority": r.priority, "created": _iso(r.created_at), "last_used": _iso(r.last_used_at),
+        "expires": _iso(r.expires_at), "revoked": _iso(r.revoked_at),
+    }
+
+
+def _key_row(r: KeyRecord) -> Sequence[object]:
+    status = "revoked" if r.revoked_at else "expired" if r.expires_at and r.expires_at <= time.time() else "active"
+    return (r.prefix, r.tenant, _models_text(r.models), r.limits.rpm, r.limits.tpm, r.limits.daily_tokens,
+            r.priority, _iso(r.created_at), _iso(r.last_used_at), status)
+
+
+def _models_text(models: frozenset[str] | None) -> str:
+    return "*" if models is None else ",".join(sorted(models))
+
+
+def _limit_text(limits: Limits) -> str:
+    return f"rpm={limits.rpm or '-'} tpm={limits.tpm or '-'} daily_tokens={limits.daily_tokens or '-'}"
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _safe(value: object) -> str:
+    """Printable text only: control characters (newlines, ANSI escapes) are shown escaped."""
+    text = "-" if value is None else str(value)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _print_table(rows: Sequence[Sequence[object]]) -> None:
+    cells = [[_safe(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,184 @@
+"""The two SQL backends of the gateway store (SQLite, PostgreSQL) behind one small interface.
+
+The store writes its SQL once, with `?` placeholders and a few dialect words (`{pk}`, `{float}`,
+`{int}`); each backend translates. Everything runs inside `transaction(lock=...)`, which is where
+the exactness of the limits comes from:
+- SQLite: `BEGIN IMMEDIATE` takes the database's write lock before the first read, so the read /
+  decide / write of a reservation is serialised across threads *and* processes sharing the file.
+- PostgreSQL: `SELECT ... FOR UPDATE` on the tenant's row serialises the reservations of that
+  tenant across every gateway process sharing the database, while other tenants proceed.
+One connection per backend, guarded by a thread lock: calls come from `asyncio.to_thread`.
+
+Migrations are numbered; `migrate()` applies the missing ones under the same lock (an advisory
+lock on PostgreSQL), so two processes starting together do not both apply them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+MIGRATIONS: list[list[str]] = [
+    [  # 1: tenants, keys, admissions (sliding windows), daily usage (quotas), audit log
+        """CREATE TABLE tenants (
+            name TEXT PRIMARY KEY, rpm {int}, tpm {int}, daily_tokens {int}, models TEXT,
+            created_at {float} NOT NULL)""",
+        """CREATE TABLE api_keys (
+            prefix TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(name),
+            salt TEXT NOT NULL, digest TEXT NOT NULL, name TEXT, models TEXT,
+            rpm {int}, tpm {int}, daily_tokens {int}, priority INTEGER NOT NULL DEFAULT 0,
+            expires_at {float}, created_at {float} NOT NULL, last_used_at {float}, revoked_at {float})""",
+        "CREATE INDEX api_keys_tenant ON api_keys (tenant)",
+        """CREATE TABLE admissions (
+            id {pk}, key_prefix TEXT NOT NULL, tenant TEXT NOT NULL, at {float} NOT NULL,
+            tokens {int} NOT NULL)""",
+        "CREATE INDEX admissions_key_at ON admissions (key_prefix, at)",
+        "CREATE INDEX admissions_tenant_at ON admissions (tenant, at)",
+        "CREATE INDEX admissions_at ON admissions (at)",
+        """CREATE TABLE daily_usage (
+            scope TEXT NOT NULL, day {int} NOT NULL, requests {int} NOT NULL DEFAULT 0,
+            tokens {int} NOT NULL DEFAULT 0, PRIMARY KEY (scope, day))""",
+        """CREATE TABLE audit_log (
+            id {pk}, request_id TEXT NOT NULL, time {float} NOT NULL, day {int} NOT NULL,
+            tenant TEXT NOT NULL, key_prefix TEXT, model TEXT, endpoint TEXT NOT NULL,
+            status INTEGER NOT NULL, finish_reason TEXT, prompt_tokens {int} NOT NULL DEFAULT 0,
+            cached_tokens {int} NOT NULL DEFAULT 0, completion_tokens {int} NOT NULL DEFAULT 0,
+            queue_s {float}, prefill_s {float}, decode_s {float}, total_s {float}, client TEXT,
+            error_type TEXT, prompt_text TEXT, completion_text TEXT)""",
+        "CREATE INDEX audit_log_time ON audit_log (time)",
+        "CREATE INDEX audit_log_tenant_time ON audit_log (tenant, time)",
+        "CREATE INDEX audit_log_request ON audit_log (request_id)",
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class Tx(Protocol):
+    def q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]: ...
+
+
+class Database(Protocol):
+    kind: str
+
+    def transaction(self, lock_tenant: str | None = None) -> Any: ...
+
+    def migrate(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _SqliteTx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        return self._conn.execute(sql, tuple(params)).fetchall()
+
+
+class SqliteDatabase:
+    """A SQLite file in WAL mode: readers do not block the single writer."""
+
+    kind = "sqlite"
+    words = {"pk": "INTEGER PRIMARY KEY AUTOINCREMENT", "float": "REAL", "int": "INTEGER"}
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=60)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.execute("PRAGMA busy_timeout=60000")
+
+    @contextmanager
+    def transaction(self, lock_tenant: str | None = None) -> Iterator[_SqliteTx]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield _SqliteTx(self._conn)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def migrate(self) -> None:
+        with self.transaction() as tx:
+            _apply_migrations(tx, self.words)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class _PgTx:
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        cur = self._conn.execute(sql.replace("?", "%s"), tuple(params))
+        return cur.fetchall() if cur.description is not None else []
+
+
+class PostgresDatabase:
+    """PostgreSQL via psycopg 3: the store shared by several gateway processes."""
+
+    kind = "postgres"
+    words = {"pk": "BIGSERIAL PRIMARY KEY", "float": "DOUBLE PRECISION", "int": "BIGINT"}
+    _MIGRATION_LOCK = 0x7470_6761_7465  # pg_advisory_xact_lock key: "tpgate"
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self._lock = threading.Lock()
+        self._conn = psycopg.connect(url, autocommit=True)
+
+    @contextmanager
+    def transaction(self, lock_tenant: str | None = None) -> Iterator[_PgTx]:
+        with self._lock, self._conn.transaction():
+            tx = _PgTx(self._conn)
+            if lock_tenant is not None:
+                tx.q("SELECT name FROM tenants WHERE name = ? FOR UPDATE", (lock_tenant,))
+            yield tx
+
+    def migrate(self) -> None:
+        with self.transaction() as tx:
+            tx.q("SELECT pg_advisory_xact_lock(?)", (self._MIGRATION_LOCK,))
+            _apply_migrations(tx, self.words)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _apply_migrations(tx: Tx, words: dict[str, str]) -> None:
+    tx.q("CREATE TABLE IF NOT EXISTS tokenpath_gateway_schema (version INTEGER NOT NULL)")
+    rows = tx.q("SELECT version FROM tokenpath_gateway_schema")
+    current = rows[0][0] if rows else 0
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"the gateway store has schema version {current}, newer than this tokenpath "
+            f"({SCHEMA_VERSION}); upgrade tokenpath"
+        )
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[version - 1]:
+            tx.q(statement.format(**words))
+    if not rows:
+        tx.q("INSERT INTO tokenpath_gateway_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+    elif current != SCHEMA_VERSION:
+        tx.q("UPDATE tokenpath_gateway_schema SET version = ?", (SCHEMA_VERSION,))
+
+
+def connect(url_or_path: str | Path) -> SqliteDatabase | PostgresDatabase:
+    """`postgresql://...` (or `postgres://`) -> PostgreSQL; `sqlite:///path` or a path -> SQLite."""
+    text = str(url_or_path)
+    if text.startswith(("postgresql://", "postgres://")):
+        db: SqliteDatabase | PostgresDatabase = PostgresDatabase(text)
+    else:
+        db = SqliteDatabase(Path(text.removeprefix("sqlite://")))
+    db.migrate()
+    return db

@@ -1,0 +1,150 @@
+"""`Gateway`: the real `RequestGuard` — keys, model access, limits, policy and the audit log.
+
+The HTTP layer calls it at fixed points of each request (see `tokenpath.gateway.base`). Errors are
+raised as the typed exceptions of `tokenpath.errors`; the API layer maps them to responses.
+
+Secrets: the presented credential lives only in a local variable of `authenticate`. Messages,
+log lines and audit rows name a key by its non-secret prefix, and only after the full key has
+been verified (so a guessed or mistyped key is never echoed, not even in part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
+from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
+from tokenpath.gateway.keys import key_prefix, looks_like_key, verify_key
+from tokenpath.gateway.policy import PolicyHook
+from tokenpath.gateway.store import GatewayStore
+
+log = logging.getLogger("tokenpath.gateway")
+
+Clock = Callable[[], float]  # wall-clock seconds since the epoch; injectable for windows and days
+TOUCH_EVERY_S = 60.0  # `last used` is refreshed at most this often per key (one write, not one per request)
+_HOW = "Pass a tokenpath key as 'Authorization: Bearer <key>' or in an 'api-key' header."
+_MISSING = "Missing API key. " + _HOW
+_INVALID = "Invalid API key. " + _HOW
+
+
+def credential_from(headers: Mapping[str, str]) -> str | None:
+    """The key from `Authorization: Bearer <key>`, else from `api-key`; header names case-insensitive."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    auth = lowered.get("authorization", "").strip()
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else ""
+    api_key = lowered.get("api-key")
+    return None if api_key is None else api_key.strip()
+
+
+class Gateway:
+    """Keys and limits from a `GatewayStore`; with no key in the store, every request is anonymous."""
+
+    def __init__(self, store: GatewayStore, *, clock: Clock = time.time, policy: PolicyHook | None = None,
+                 log_text: bool = False) -> None:
+        self.store = store
+        self.clock = clock
+        self.policy = policy
+        self.log_text = log_text
+        self._keys_exist = False  # once true it stays true: key rows are revoked, never deleted
+        self._touched: dict[str, float] = {}
+
+    @property
+    def auth_enabled(self) -> bool:
+        if not self._keys_exist:
+            self._keys_exist = self.store.has_keys()
+        return self._keys_exist
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        if not self._keys_exist and not await asyncio.to_thread(self.store.has_keys):
+            return Principal()
+        self._keys_exist = True
+        secret = credential_from(headers)
+        if not secret:
+            raise AuthenticationError(_MISSING, code="invalid_api_key")
+        if not looks_like_key(secret):
+            raise AuthenticationError(_INVALID, code="invalid_api_key")
+        record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
+        if record is None or not verify_key(secret, record.salt, record.digest):
+            raise AuthenticationError(_INVALID, code="invalid_api_key")
+        now = self.clock()
+        if record.revoked_at is not None:
+            raise AuthenticationError(f"API key {record.prefix}... has been revoked.", code="invalid_api_key")
+        if record.expires_at is not None and record.expires_at <= now:
+            raise AuthenticationError(f"API key {record.prefix}... has expired.", code="invalid_api_key")
+        tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
+        tenant_limits = tenant.limits if tenant else Limits()
+        models = record.models
+        if tenant is not None and tenant.models is not None:
+            models = tenant.models if models is None else models & tenant.models
+        if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
+            self._touched[record.prefix] = now
+            await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+        return Principal(
+            tenant=record.tenant, key_prefix=record.prefix, allowed_models=models,
+            priority=record.priority, max_priority=record.priority,
+            key_limits=record.limits.tightened_by(tenant_limits), tenant_limits=tenant_limits,
+        )
+
+    def check_model(self, principal: Principal, model: str) -> None:
+        if principal.allowed_models is not None and model not in principal.allowed_models:
+            raise PermissionDeniedError(
+                f"The key {principal.key_prefix}... (tenant {principal.tenant!r}) may not use model {model!r}.",
+                param="model", code="model_not_allowed",
+            )
+
+    def visible_models(self, principal: Principal, models: list[str]) -> list[str]:
+        if principal.allowed_models is None:
+            return list(models)
+        return [m for m in models if m in principal.allowed_models]
+
+    async def check_policy(self, principal: Principal, texts: list[str]) -> None:
+        if self.policy is None:
+            return
+        reason = await self.policy.check(principal, texts)
+        if reason:
+            raise InvalidRequestError(reason, code="content_policy_violation")
+
+    async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation:
+        """Charge prompt + max_tokens before any work is queued; refuse with 429 over a limit."""
+        if principal.key_prefix is None:  # anonymous (auth off): no limits to hold
+            return Reservation(principal=principal, model=model, tokens=tokens)
+        admitted = await asyncio.to_thread(
+            self.store.reserve, principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
+            principal.tenant_limits or Limits(), tokens, self.clock(),
+        )
+        verdict = admitted.verdict
+        if verdict.reason == "too_large":
+            raise InvalidRequestError(verdict.message, param="max_tokens", code="rate_limit_exceeded")
+        if not verdict.allowed:
+            raise RateLimitError(verdict.message, retry_after=verdict.retry_after, code="rate_limit_exceeded",
+                                 headers=verdict.headers)
+        return Reservation(principal=principal, model=model, tokens=tokens, headers=verdict.headers,
+                           admission_id=admitted.admission_id, day=admitted.day)
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        """Return the unused part of a reservation (idempotent: the second call does nothing)."""
+        if reservation.reconciled or reservation.admission_id is None or reservation.day is None:
+            return
+        reservation.reconciled = True
+        p = reservation.principal
+        assert p.key_prefix is not None
+        await asyncio.to_thread(self.store.reconcile, reservation.admission_id, p.key_prefix, p.tenant,
+                                reservation.day, reservation.tokens, max(0, int(used_tokens)))
+
+    async def audit(self, record: AuditRecord) -> None:
+        """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
+        would replace the request's own outcome; a failure is logged (without any secret)."""
+        if not self.log_text:
+            record.prompt_text = record.completion_text = None
+        try:
+            await asyncio.to_thread(self.store.write_audit, record)
+        except Exception as exc:  # noqa: BLE001 - logged, and the request's outcome stands
+            log.error("audit row for request %r not written: %s", record.request_id, type(exc).__name__)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,279 @@
+"""The gateway's durable state: tenants, keys, admissions (rate windows), daily usage, audit log.
+
+One class over either backend of `tokenpath.gateway.db`; every method is synchronous and
+short (the guard calls them through `asyncio.to_thread`). Secrets never reach this module:
+it stores and returns a key's prefix, salt and digest only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tokenpath.gateway import limiter
+from tokenpath.gateway.base import AuditRecord, Limits
+from tokenpath.gateway.db import Tx, connect
+from tokenpath.gateway.keys import NewKey
+
+STORE_FILE = "gateway.sqlite3"
+PRUNE_EVERY = 256  # reservations between deletions of admission rows that left every window
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    limits: Limits
+    models: frozenset[str] | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """A key as stored: no secret, only what identifies and verifies it."""
+
+    prefix: str
+    tenant: str
+    salt: str
+    digest: str
+    name: str | None
+    models: frozenset[str] | None
+    limits: Limits
+    priority: int
+    expires_at: float | None
+    created_at: float
+    last_used_at: float | None
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The store's answer to a reservation: the verdict, and the rows to reconcile when admitted."""
+
+    verdict: limiter.Verdict
+    admission_id: int | None = None
+    day: int | None = None
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    day: str  # YYYY-MM-DD (UTC)
+    model: str | None
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+_KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tokens, priority, "
+                "expires_at, created_at, last_used_at, revoked_at")
+AUDIT_COLUMNS = tuple(f.name for f in fields(AuditRecord))
+
+
+def _models_out(models: frozenset[str] | None) -> str | None:
+    return None if models is None else json.dumps(sorted(models))
+
+
+def _models_in(text: str | None) -> frozenset[str] | None:
+    return None if text is None else frozenset(json.loads(text))
+
+
+def _key_from_row(r: tuple) -> KeyRecord:
+    return KeyRecord(r[0], r[1], r[2], r[3], r[4], _models_in(r[5]), Limits(r[6], r[7], r[8]), r[9],
+                     r[10], r[11], r[12], r[13])
+
+
+def resolve_store_location(data_dir: Path, database_url: str | None = None) -> str:
+    """`--database-url`, else `TOKENPATH_DATABASE_URL`, else a SQLite file in the data dir."""
+    url = database_url or os.environ.get("TOKENPATH_DATABASE_URL")
+    return url if url else str(Path(data_dir) / STORE_FILE)
+
+
+class GatewayStore:
+    def __init__(self, location: str | Path) -> None:
+        self.db = connect(location)
+        self.kind = self.db.kind
+        self._reservations = 0
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def put_tenant(self, name: str, limits: Limits | None, models: frozenset[str] | None, now: float,
+                   *, update: bool) -> Tenant:
+        """Create the tenant if missing; with `update`, also replace its default limits and models."""
+        limits = limits or Limits()
+        with self.db.transaction() as tx:
+            exists = tx.q("SELECT 1 FROM tenants WHERE name = ?", (name,))
+            if not exists:
+                tx.q("INSERT INTO tenants (name, rpm, tpm, daily_tokens, models, created_at) "
+                     "VALUES (?, ?, ?, ?, ?, ?)",
+                     (name, limits.rpm, limits.tpm, limits.daily_tokens, _models_out(models), now))
+            elif update:
+                tx.q("UPDATE tenants SET rpm = ?, tpm = ?, daily_tokens = ?, models = ? WHERE name = ?",
+                     (limits.rpm, limits.tpm, limits.daily_tokens, _models_out(models), name))
+        tenant = self.get_tenant(name)
+        assert tenant is not None
+        return tenant
+
+    def get_tenant(self, name: str) -> Tenant | None:
+        with self.db.transaction() as tx:
+            rows = tx.q("SELECT name, rpm, tpm, daily_tokens, models, created_at FROM tenants WHERE name = ?",
+                        (name,))
+        if not rows:
+            return None
+        r = rows[0]
+        return Tenant(r[0], Limits(r[1], r[2], r[3]), _models_in(r[4]), r[5])
+
+    # ---- keys ------------------------------------------------------------------------------
+    def add_key(self, new: NewKey, tenant: str, *, name: str | None, models: frozenset[str] | None,
+                limits: Limits, priority: int, expires_at: float | None, now: float) -> KeyRecord:
+        with self.db.transaction() as tx:
+            tx.q(f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES ({', '.join('?' * 14)})",
+                 (new.prefix, tenant, new.salt, new.digest, name, _models_out(models), limits.rpm,
+                  limits.tpm, limits.daily_tokens, priority, expires_at, now, None, None))
+        record = self.find_key(new.prefix)
+        assert record is not None
+        return record
+
+    def find_key(self, prefix: str) -> KeyRecord | None:
+        with self.db.transaction() as tx:
+            rows = tx.q(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE prefix = ?", (prefix,))
+        return _key_from_row(rows[0]) if rows else None
+
+    def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
+        where, params = ("WHERE tenant = ?", (tenant,)) if tenant else ("", ())
+        with self.db.transaction() as tx:
+            rows = tx.q(f"SELECT {_KEY_COLUMNS} FROM api_keys {where} ORDER BY created_at, prefix", params)
+        return [_key_from_row(r) for r in rows]
+
+    def has_keys(self) -> bool:
+        """Any key, revoked ones included: revoking the last key must not silently turn auth off."""
+        with self.db.transaction() as tx:
+            return bool(tx.q("SELECT 1 FROM api_keys LIMIT 1"))
+
+    def revoke_key(self, prefix: str, now: float) -> bool:
+        with self.db.transaction() as tx:
+            rows = tx.q("UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL "
+                        "RETURNING prefix", (now, prefix))
+        return bool(rows)
+
+    def touch_key(self, prefix: str, now: float) -> None:
+        with self.db.transaction() as tx:
+            tx.q("UPDATE api_keys SET last_used_at = ? WHERE prefix = ?", (now, prefix))
+
+    # ---- rate limits -----------------------------------------------------------------------
+    def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                tokens: int, now: float) -> Admitted:
+        """Read both scopes' usage, decide, and record the admission: one transaction, one lock."""
+        day = limiter.day_of(now)
+        with self.db.transaction(lock_tenant=tenant) as tx:
+            usages = [
+                self._usage(tx, "key", key_prefix, key_limits, now, day),
+                self._usage(tx, "tenant", tenant, tenant_limits, now, day),
+            ]
+            verdict = limiter.decide(usages, tokens, now)
+            if not verdict.allowed:
+                if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
+                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
+                return Admitted(verdict)
+            admission_id = tx.q("INSERT INTO admissions (key_prefix, tenant, at, tokens) VALUES (?, ?, ?, ?) "
+                                "RETURNING id", (key_prefix, tenant, now, tokens))[0][0]
+            for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
+                tx.q("INSERT INTO daily_usage (scope, day, requests, tokens) VALUES (?, ?, 1, ?) "
+                     "ON CONFLICT (scope, day) DO UPDATE SET requests = daily_usage.requests + 1, "
+                     "tokens = daily_usage.tokens + excluded.tokens", (scope, day, tokens))
+        self._reservations += 1
+        if self._reservations % PRUNE_EVERY == 0:
+            self.prune(now)
+        return Admitted(verdict, admission_id, day)
+
+    def reconcile(self, admission_id: int, key_prefix: str, tenant: str, day: int, reserved: int,
+                  used: int) -> None:
+        """Replace the reservation by the real use, in the window and in the day it was charged to."""
+        delta = used - reserved
+        with self.db.transaction() as tx:
+            tx.q("UPDATE admissions SET tokens = ? WHERE id = ?", (used, admission_id))
+            # Key row before tenant row, as `reserve` takes them: no lock-order deadlock on PostgreSQL.
+            for scope in (f"key:{key_prefix}", f"tenant:{tenant}") if delta else ():
+                tx.q("UPDATE daily_usage SET tokens = tokens + ? WHERE scope = ? AND day = ?", (delta, scope, day))
+
+    def prune(self, now: float) -> None:
+        with self.db.transaction() as tx:
+            tx.q("DELETE FROM admissions WHERE at <= ?", (now - 2 * limiter.WINDOW_S,))
+
+    def _usage(self, tx: Tx, kind: str, name: str, limits: Limits, now: float, day: int) -> limiter.ScopeUsage:
+        column = "key_prefix" if kind == "key" else "tenant"
+        u = limiter.ScopeUsage(kind, name, limits)
+        if limits.rpm is not None or limits.tpm is not None:
+            count, total, oldest = tx.q(
+                f"SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(at) FROM admissions "
+                f"WHERE {column} = ? AND at > ?", (name, now - limiter.WINDOW_S))[0]
+            u.requests, u.tokens, u.oldest_at = int(count), int(total), oldest
+        if limits.daily_tokens is not None:
+            rows = tx.q("SELECT tokens FROM daily_usage WHERE scope = ? AND day = ?", (f"{kind}:{name}", day))
+            u.day_tokens = int(rows[0][0]) if rows else 0
+        return u
+
+    def _retry_after(self, tx: Tx, verdict: limiter.Verdict, tokens: int, now: float) -> float:
+        u = verdict.scope
+        assert u is not None and verdict.reason is not None
+        column = "key_prefix" if u.kind == "key" else "tenant"
+        rows = tx.q(f"SELECT at, tokens FROM admissions WHERE {column} = ? AND at > ? ORDER BY at",
+                    (u.name, now - limiter.WINDOW_S))
+        more_requests, more_tokens = limiter.excess(u, verdict.reason, tokens)
+        return limiter.sliding_retry_after([(float(a), int(t)) for a, t in rows], now, more_requests, more_tokens)
+
+    # ---- audit -----------------------------------------------------------------------------
+    def write_audit(self, record: AuditRecord) -> None:
+        values = asdict(record)
+        columns = (*AUDIT_COLUMNS, "day")
+        params = [values[c] for c in AUDIT_COLUMNS] + [limiter.day_of(record.time)]
+        with self.db.transaction() as tx:
+            tx.q(f"INSERT INTO audit_log ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", params)
+
+    def query_audit(self, *, tenant: str | None = None, since: float | None = None, until: float | None = None,
+                    request_id: str | None = None, limit: int | None = 1000) -> list[AuditRecord]:
+        where, params = self._audit_filter(tenant, since, until, request_id)
+        sql = f"SELECT {', '.join(AUDIT_COLUMNS)} FROM audit_log {where} ORDER BY time, id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self.db.transaction() as tx:
+            rows = tx.q(sql, params)
+        return [AuditRecord(**dict(zip(AUDIT_COLUMNS, r, strict=True))) for r in rows]
+
+    def usage(self, *, tenant: str | None = None, since: float | None = None,
+              until: float | None = None) -> list[UsageRow]:
+        """Tokens summed by UTC day and model, from the audit log (what was actually used)."""
+        where, params = self._audit_filter(tenant, since, until, None)
+        sql = (f"SELECT day, model, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens) "
+               f"FROM audit_log {where} GROUP BY day, model ORDER BY day, model")
+        with self.db.transaction() as tx:
+            rows = tx.q(sql, params)
+        return [UsageRow(_day_text(int(d)), m, int(n), int(p or 0), int(c or 0), int(o or 0))
+                for d, m, n, p, c, o in rows]
+
+    @staticmethod
+    def _audit_filter(tenant: str | None, since: float | None, until: float | None,
+                      request_id: str | None) -> tuple[str, Sequence[Any]]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for clause, value in (("tenant = ?", tenant), ("time >= ?", since), ("time < ?", until),
+                              ("request_id = ?", request_id)):
+            if value is not None:
+                clauses.append(clause)
+                params.append(value)
+        return ("WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def _day_text(day: int) -> str:
+    import datetime as dt
+
+    return (dt.date(1970, 1, 1) + dt.timedelta(days=day)).isoformat()
