@@ -40,6 +40,15 @@ class ReplicaState:
     healthy: bool = True
     prefix_hashes: set[int] = field(default_factory=set)  # recently cached/routed block hashes
     max_num_seqs: int = 0
+    # Extensions read by routing/admission (defaults keep older constructors valid):
+    block_size: int = 16  # the engine's KV block size: prefix-aware routing hashes prompts with it
+    num_blocks: int = 0  # KV blocks in the pool (0: unknown)
+    detail: str | None = None  # why unhealthy, for logs and /health
+
+    @property
+    def load(self) -> int:
+        """Requests the replica holds right now (queued in the engine or running)."""
+        return self.waiting + self.running
 
 
 class Replica(Protocol):

@@ -1,25 +1,44 @@
-"""Model routing: which deployment serves this model name?
+"""Model routing: which deployment serves this model name, and the path inside a deployment.
 
 A deployment is one served model name with a task (chat, completion, embedding) and one or more
-replicas. Aliases map extra names onto a deployment; fallbacks name other deployments to try, in
-order, when one is down or saturated. Admission, queueing and replica picking happen inside
-`Deployment.generate` (see `tokenpath.admission` and `tokenpath.routing.replicas`).
+replicas. Aliases map extra names onto a deployment (`gpt-4o-mini -> smollm2-135m-instruct`);
+fallbacks name other deployments to try, in order, when one is down (503) or saturated (429).
+The task check in `resolve` is what keeps an embedding request away from a chat engine.
+
+`Deployment.generate` is the middle of the path: admission (admit / queue / reject with
+Retry-After) -> fair queue -> replica pick (policy + reason on the Timeline) -> replica stream.
+A request that fails before its first token is retried once on another replica (the failed one
+is ejected); after the first token a failure ends the stream with a 503, because tokens already
+sent cannot be taken back. Closing the iterator aborts the request wherever it is: it leaves
+the queue, or the replica is told to abort it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tokenpath.admission import metrics
+from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
 from tokenpath.engine.outputs import RequestOutput
-from tokenpath.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from tokenpath.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+    TokenpathError,
+)
 from tokenpath.replica.base import GenerateRequest, Replica
+from tokenpath.replica.pool import PoolConfig, ReplicaPool
+from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
 
 Task = Literal["chat", "completion", "embedding"]
 # A chat deployment also serves /v1/completions (same engine, no chat template).
 _SERVES: dict[str, set[str]] = {"chat": {"chat", "completion"}, "completion": {"completion"},
                                 "embedding": {"embedding"}}
+MAX_ATTEMPTS = 2  # the first try plus one retry on another replica, before the first token only
 
 
 @dataclass
@@ -31,22 +50,89 @@ class Deployment:
     max_model_len: int = 2048
     embedder: Any = None  # tokenpath.engine.embedding.EmbeddingEngine for task == "embedding"
     owned_by: str = "tokenpath"
+    policy: str = DEFAULT_POLICY
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    pool_config: PoolConfig = field(default_factory=PoolConfig)
+    picker_options: dict[str, float] = field(default_factory=dict)
+    fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
+    _flow: FlowController | None = field(default=None, init=False, repr=False)
 
     def serves(self, task: str) -> bool:
         return task in _SERVES[self.task]
 
+    @property
+    def flow(self) -> FlowController:
+        """Built on first use, so replicas may be added after construction (and rebuilt if so)."""
+        if self._flow is None or len(self._flow.pool) != len(self.replicas):
+            picker: ReplicaPicker = make_picker(self.policy, **self.picker_options)
+            pool = ReplicaPool(list(self.replicas), self.pool_config)
+            self._flow = FlowController(self.name, pool, picker, self.admission)
+        return self._flow
+
     def healthy_replicas(self) -> list[Replica]:
-        return [r for r in self.replicas if r.state().healthy]
+        healthy = {s.name for s in self.flow.pool.healthy()}
+        return [r for r in self.replicas if r.name in healthy]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Closing the iterator aborts the request in its replica."""
-        replicas = self.healthy_replicas()
-        if not replicas:
-            raise ServiceUnavailableError(f"no healthy replica for model '{self.name}'")
-        replica = min(replicas, key=lambda r: (r.state().waiting, r.state().running))
-        request.timeline.stamp("dispatched", replica=replica.name)
-        async for out in replica.generate(request):
+        """Stream deltas for one request. Closing the iterator aborts the request wherever it is."""
+        request.timeline.stamp("routed", deployment=self.name, policy=self.policy)
+        deployment, admission = await self._admit(request)
+        async for out in deployment._run(request, admission):
             yield out
+
+    async def _admit(self, request: GenerateRequest) -> tuple[Deployment, Admission]:
+        """Admission on this deployment, then on each fallback in order, on 503/429 only."""
+        first_error: TokenpathError | None = None
+        for dep in (self, *self.fallbacks):
+            try:
+                admission = await dep.flow.acquire(request)
+            except (ServiceUnavailableError, RateLimitError) as exc:
+                first_error = first_error or exc
+                continue
+            if dep is not self:
+                request.timeline.attrs.update(deployment=dep.name, fallback_from=self.name,
+                                              fallback_reason=first_error.code if first_error else None)
+            return dep, admission
+        assert first_error is not None
+        raise first_error
+
+    async def _run(self, request: GenerateRequest, admission: Admission) -> AsyncIterator[RequestOutput]:
+        tried: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            replica = admission.handle.replica
+            tried.add(replica.name)
+            stream = replica.generate(request)
+            started = finished = False
+            failure: str | None = None
+            try:
+                async for out in stream:
+                    started = True
+                    finished = finished or out.finished
+                    yield out
+                if not finished:
+                    raise ServiceUnavailableError(f"replica '{replica.name}' ended the stream early")
+                return
+            except Exception as exc:
+                if isinstance(exc, TokenpathError) and exc.status_code < 500:
+                    raise  # the request's own fault: no retry, no ejection
+                failure = f"{type(exc).__name__}: {exc}"
+                if started or attempt == MAX_ATTEMPTS:
+                    if isinstance(exc, ServiceUnavailableError):
+                        raise
+                    raise ServiceUnavailableError(
+                        f"replica '{replica.name}' of model '{self.name}' failed: {exc}",
+                        code="replica_failed") from exc
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        await replica.abort(request.request_id)
+                self.flow.release(admission, ok=finished, failure=failure)
+            # Failed before the first token: once more, elsewhere.
+            metrics.RETRIES.labels(self.name).inc()
+            request.timeline.attrs.update(retried_after=replica.name, retry_reason=failure)
+            admission = await self.flow.acquire(request, exclude=frozenset(tried))
 
 
 class ModelRouter:
@@ -62,6 +148,21 @@ class ModelRouter:
         for alias, target in self.aliases.items():
             if target not in self.deployments:
                 raise ValueError(f"alias '{alias}' points at unknown deployment '{target}'")
+            if alias in self.deployments:
+                raise ValueError(f"alias '{alias}' shadows a deployment of the same name")
+        for name, chain in self.fallbacks.items():
+            dep = self.deployments.get(name)
+            if dep is None:
+                raise ValueError(f"fallbacks given for unknown deployment '{name}'")
+            resolved = []
+            for fb in chain:
+                target = self.deployments.get(self.aliases.get(fb, fb))
+                if target is None:
+                    raise ValueError(f"fallback '{fb}' of '{name}' is not a deployment")
+                if target is dep or target.task != dep.task:
+                    raise ValueError(f"fallback '{fb}' of '{name}' must be another {dep.task} deployment")
+                resolved.append(target)
+            dep.fallbacks = resolved
 
     def names(self) -> list[str]:
         return list(self.deployments)
@@ -77,3 +178,8 @@ class ModelRouter:
                 f"The model '{model}' is a {dep.task} model and cannot serve {task} requests", param="model"
             )
         return dep
+
+    async def close(self) -> None:
+        for dep in self.deployments.values():
+            if dep._flow is not None:
+                await dep._flow.close()

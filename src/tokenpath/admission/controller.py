@@ -1,0 +1,271 @@
+"""Admission control and dispatch for one deployment: admit now, queue, or reject at once.
+
+The decision uses a capacity estimate built from replica state: dispatch slots (per healthy
+replica, how many requests it takes at once), the requests already in flight and queued, and the
+recent service time (dispatch to finish, an EWMA). Predicted wait for a new request is
+`requests ahead / drain rate`, with drain rate = slots / service time. From that:
+
+- no healthy replica: 503 at once (with Retry-After until the next probe);
+- room on a replica and nobody of equal or better priority waiting: dispatch immediately;
+- queue (or the tenant's share of it) full, or the predicted wait already past the request's
+  deadline: 429 at once, `Retry-After` = predicted drain time. Waiting in line for a request that
+  cannot make its deadline only burns capacity the others need;
+- otherwise queue it. A queued request leaves when a replica has room, when its deadline passes
+  (504, removed at once) or when its client goes away (removed at once).
+
+Rejections are pure bookkeeping (no I/O, no awaits), so they answer in microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenpath.admission import metrics
+from tokenpath.admission.queue import FairQueue, Ticket
+from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
+from tokenpath.routing.replicas import Pick, ReplicaPicker
+
+
+@dataclass
+class AdmissionConfig:
+    max_queue: int = 256  # per deployment, all bands and tenants together
+    max_queue_per_tenant: int | None = None  # None: no per-tenant cap beyond max_queue
+    # Default deadline (seconds from arrival) by priority band when the request sets none.
+    default_deadline_s: dict[int, float] = field(default_factory=lambda: {0: 120.0, 1: 300.0})
+    fallback_deadline_s: float = 600.0
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    initial_service_s: float = 2.0  # prior for the service-time EWMA before anything has finished
+    ewma_alpha: float = 0.2
+    pump_interval_s: float = 0.05  # re-check room while requests wait (remote state is polled)
+    reject_unreachable_deadline: bool = True
+
+
+@dataclass
+class Admission:
+    """A dispatch slot on one replica, held from dispatch until `release`."""
+
+    handle: ReplicaHandle
+    pick: Pick
+    queued_s: float
+    dispatched_at: float = field(default_factory=time.monotonic)
+
+
+class CapacityEstimator:
+    """Service time EWMA and recent throughput (completions per second over a window)."""
+
+    def __init__(self, initial_service_s: float, alpha: float, window_s: float = 30.0) -> None:
+        self.service_s = initial_service_s
+        self.alpha = alpha
+        self.window_s = window_s
+        self._done: deque[float] = deque()
+
+    def observe(self, service_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.service_s = (1 - self.alpha) * self.service_s + self.alpha * max(service_s, 1e-3)
+        self._done.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._done and self._done[0] < now - self.window_s:
+            self._done.popleft()
+
+    def throughput(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        return len(self._done) / self.window_s
+
+    def drain_rate(self, slots: int) -> float:
+        """Requests per second the deployment finishes when saturated."""
+        return max(slots, 1) / max(self.service_s, 1e-3)
+
+    def predicted_wait(self, ahead: int, slots: int) -> float:
+        return ahead / self.drain_rate(slots)
+
+
+class FlowController:
+    def __init__(self, deployment: str, pool: ReplicaPool, picker: ReplicaPicker,
+                 config: AdmissionConfig | None = None) -> None:
+        self.deployment = deployment
+        self.pool = pool
+        self.picker = picker
+        self.config = config or AdmissionConfig()
+        self.queue = FairQueue(self.config.tenant_weights)
+        self.capacity = CapacityEstimator(self.config.initial_service_s, self.config.ewma_alpha)
+        self._ticker: asyncio.Task | None = None
+        self._depth_seen: set[tuple[int, str]] = set()
+
+    # -- the decision ------------------------------------------------------------------------
+    def deadline_for(self, request: GenerateRequest) -> float:
+        if request.deadline is None:
+            budget = self.config.default_deadline_s.get(request.priority, self.config.fallback_deadline_s)
+            request.deadline = request.timeline.stamps["received"] + budget
+        return request.deadline
+
+    def predicted_wait(self, band: int) -> float:
+        ahead = self.queue.ahead_of(band) + 1
+        return self.capacity.predicted_wait(ahead, self.pool.slots())
+
+    def _reject(self, reason: str, exc: Exception) -> Exception:
+        metrics.REJECTIONS.labels(self.deployment, reason).inc()
+        return exc
+
+    def check(self, request: GenerateRequest, now: float | None = None) -> None:
+        """Raise the 503/429 this request would get right now; return if it would be admitted."""
+        now = time.monotonic() if now is None else now
+        if not self.pool.healthy():
+            retry = max([h.ejected_until - now for h in self.pool.handles.values()] + [1.0])
+            raise self._reject("no_healthy_replica", ServiceUnavailableError(
+                f"no healthy replica for model '{self.deployment}'",
+                code="no_healthy_replica", headers={"Retry-After": str(max(1, int(retry + 0.999)))}))
+        if self.queue.ahead_of(request.priority) == 0 and self.pool.with_room():
+            return
+        drain = self.capacity.predicted_wait(len(self.queue) + 1, self.pool.slots())
+        if len(self.queue) >= self.config.max_queue:
+            raise self._reject("queue_full", RateLimitError(
+                f"model '{self.deployment}' is saturated: the queue is full ({len(self.queue)} waiting)",
+                retry_after=drain, code="queue_full"))
+        cap = self.config.max_queue_per_tenant
+        if cap is not None and self.queue.tenant_depth(request.tenant) >= cap:
+            raise self._reject("tenant_queue_full", RateLimitError(
+                f"too many queued requests for tenant '{request.tenant}' on model '{self.deployment}'",
+                retry_after=drain, code="tenant_queue_full"))
+        wait = self.predicted_wait(request.priority)
+        left = self.deadline_for(request) - now
+        if self.config.reject_unreachable_deadline and wait > left:
+            raise self._reject("deadline_unreachable", RateLimitError(
+                f"model '{self.deployment}' cannot start this request before its deadline "
+                f"(predicted wait {wait:.1f}s, {max(left, 0):.1f}s left)",
+                retry_after=wait, code="deadline_unreachable"))
+
+    async def acquire(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Admission:
+        """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
+        now = time.monotonic()
+        self.deadline_for(request)
+        self.check(request, now)
+        if self.queue.ahead_of(request.priority) == 0:
+            room = self._room(exclude)
+            if room:
+                request.timeline.stamp("admitted", deployment=self.deployment, admission="immediate")
+                metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
+                return self._dispatch(request, room, 0.0)
+        ticket = Ticket(request.request_id, request.tenant, request.priority,
+                        cost=_cost(request), deadline=request.deadline, payload=(request, exclude))
+        ticket.future = asyncio.get_running_loop().create_future()
+        self.queue.push(ticket)
+        request.timeline.stamp("admitted", deployment=self.deployment, admission="queued",
+                               predicted_wait_s=round(self.predicted_wait(request.priority), 3))
+        metrics.ADMISSIONS.labels(self.deployment, "queued").inc()
+        self._changed()
+        return await self._wait(ticket, request)
+
+    async def _wait(self, ticket: Ticket, request: GenerateRequest) -> Admission:
+        assert ticket.future is not None and request.deadline is not None
+        try:
+            timeout = max(0.0, request.deadline - time.monotonic())
+            done, _ = await asyncio.wait({ticket.future}, timeout=timeout)
+        except BaseException:  # client gone (task cancelled / generator closed) while queued
+            if self.queue.remove(ticket):
+                metrics.REJECTIONS.labels(self.deployment, "client_gone").inc()
+                self._changed()
+            elif ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
+                self.release(ticket.future.result(), ok=False)  # dispatched in the same instant
+            ticket.future.cancel()
+            raise
+        if not done and self.queue.remove(ticket):
+            ticket.future.cancel()
+            self._changed()
+            raise self._reject("deadline", DeadlineExceededError(
+                f"request waited {time.monotonic() - ticket.enqueued_at:.1f}s in the queue for model "
+                f"'{self.deployment}' and passed its deadline before a replica had room",
+                code="deadline_exceeded"))
+        return ticket.future.result()
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def _room(self, exclude: frozenset[str]) -> list:
+        room = self.pool.with_room()
+        return [s for s in room if s.name not in exclude] or room
+
+    def _dispatch(self, request: GenerateRequest, room: list, queued_s: float) -> Admission:
+        pick = self.picker.pick(request, room)
+        handle = self.pool.handles[pick.name]
+        handle.inflight += 1
+        metrics.ROUTING_DECISIONS.labels(self.deployment, self.picker.policy, pick.reason).inc()
+        metrics.QUEUE_TIME.labels(self.deployment).observe(queued_s)
+        request.timeline.stamp("dequeued", queued_s=round(queued_s, 4))
+        request.timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
+                               reason=pick.reason, matched_blocks=pick.matched_blocks)
+        return Admission(handle, pick, queued_s)
+
+    def _pump(self) -> None:
+        """Hand queued tickets to replicas while any has room."""
+        while len(self.queue):
+            head = self.queue.peek()
+            if head is None:
+                break
+            request, exclude = head.payload
+            room = self._room(exclude)
+            if not room:
+                break
+            self.queue.pop()
+            assert head.future is not None
+            if head.future.done():
+                continue
+            head.future.set_result(self._dispatch(request, room, time.monotonic() - head.enqueued_at))
+
+    def _changed(self) -> None:
+        self._pump()
+        metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
+        if len(self.queue) and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """While anything waits: re-check room (replica state changes on its own), expire deadlines."""
+        while len(self.queue):
+            await asyncio.sleep(self.config.pump_interval_s)
+            for t in self.queue.expired():
+                if t.future is not None and not t.future.done():
+                    t.future.set_exception(DeadlineExceededError(
+                        f"request passed its deadline in the queue for model '{self.deployment}'",
+                        code="deadline_exceeded"))
+                    metrics.REJECTIONS.labels(self.deployment, "deadline").inc()
+            self._pump()
+            metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
+
+    def release(self, admission: Admission, ok: bool, failure: str | None = None) -> None:
+        """Give the slot back; learn the service time; eject the replica on failure."""
+        handle = admission.handle
+        handle.inflight = max(0, handle.inflight - 1)
+        if ok:
+            handle.succeeded()
+            self.capacity.observe(time.monotonic() - admission.dispatched_at)
+        elif failure is not None:
+            handle.eject(failure)
+            self.picker.forget(handle.name)
+            metrics.REPLICA_EJECTIONS.labels(self.deployment, handle.name).inc()
+        if len(self.queue):
+            self._changed()
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ticker
+
+    def snapshot(self) -> dict[str, float | int]:
+        """The capacity estimate, for logs, /health and benchmarks."""
+        slots = self.pool.slots()
+        return {"slots": slots, "inflight": self.pool.inflight(), "queued": len(self.queue),
+                "service_s": round(self.capacity.service_s, 4),
+                "throughput_rps": round(self.capacity.throughput(), 3),
+                "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
+
+
+def _cost(request: GenerateRequest) -> float:
+    """Work estimate for fair queueing: prompt tokens plus the most it may generate."""
+    return float(len(request.prompt_token_ids) + (request.params.max_tokens or 256))

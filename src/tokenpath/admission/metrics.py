@@ -1,0 +1,57 @@
+"""Prometheus series for the middle of the path, in the default registry (what `/metrics` serves).
+
+Names follow the `tokenpath:` prefix of the engine's vLLM-compatible series. Labels stay
+low-cardinality on purpose: reasons and policies are short fixed words; tenants are bounded by the
+key store.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+QUEUE_DEPTH = Gauge(
+    "tokenpath:queue_depth",
+    "Requests waiting in the gateway's flow-control queue.",
+    ["deployment", "band", "tenant"],
+)
+REJECTIONS = Counter(
+    "tokenpath:admission_rejections",
+    "Requests rejected or removed by admission control, by reason.",
+    ["deployment", "reason"],
+)
+ADMISSIONS = Counter(
+    "tokenpath:admissions",
+    "Requests admitted, by outcome (immediate or queued).",
+    ["deployment", "outcome"],
+)
+ROUTING_DECISIONS = Counter(
+    "tokenpath:routing_decisions",
+    "Replica routing decisions by policy and outcome (prefix_hit, cold, load_escape, ...).",
+    ["deployment", "policy", "outcome"],
+)
+QUEUE_TIME = Histogram(
+    "tokenpath:gateway_queue_time_seconds",
+    "Time from admission to dispatch in the gateway queue.",
+    ["deployment"],
+    buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+REPLICA_EJECTIONS = Counter(
+    "tokenpath:replica_ejections",
+    "Replicas ejected after a failure.",
+    ["deployment", "replica"],
+)
+RETRIES = Counter(
+    "tokenpath:replica_retries",
+    "Requests retried on another replica after failing before their first token.",
+    ["deployment"],
+)
+
+
+def publish_queue_depth(deployment: str, depth: dict[tuple[int, str], int], seen: set[tuple[int, str]]) -> None:
+    """Set the gauge for every (band, tenant) now queued, and zero the ones that emptied."""
+    for band, tenant in seen - set(depth):
+        QUEUE_DEPTH.labels(deployment, str(band), tenant).set(0)
+    for (band, tenant), n in depth.items():
+        QUEUE_DEPTH.labels(deployment, str(band), tenant).set(n)
+    seen.clear()
+    seen.update(depth)

@@ -1,0 +1,138 @@
+"""The replicas of one deployment, as the gateway sees them: in-flight counts, room, ejection.
+
+A replica's own `state()` can lag (a remote one is polled) and does not know what this gateway
+just dispatched, so the pool overlays its own in-flight count. "Room" is what keeps the engines'
+queues short: the gateway dispatches only while a replica holds fewer than `max_inflight`
+of our requests, its engine queue is short and its KV cache is not full; everything else waits in
+the gateway's fair queue, where priorities and deadlines can still act on it.
+
+A replica that fails (an error before the first token, a dead stream, or `healthy=False` in its
+state) is ejected for a backoff that doubles on each consecutive failure, then probed back: once
+the backoff has passed and its state says healthy again, it takes traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from tokenpath.replica.base import Replica, ReplicaState
+
+
+@dataclass
+class PoolConfig:
+    max_inflight: int | None = None  # per replica; None: the replica's max_num_seqs, else 8
+    max_engine_waiting: int = 2  # the engine's own queue may hold at most this many of anyone's
+    kv_limit: float = 0.98  # no dispatch above this KV usage
+    eject_base_s: float = 1.0
+    eject_max_s: float = 30.0
+
+
+class ReplicaHandle:
+    def __init__(self, replica: Replica, config: PoolConfig) -> None:
+        self.replica = replica
+        self.config = config
+        self.inflight = 0
+        self.failures = 0
+        self.ejected_until = 0.0
+        self.eject_reason: str | None = None
+        self.last_raw: ReplicaState | None = None
+
+    @property
+    def name(self) -> str:
+        return self.replica.name
+
+    def raw_state(self) -> ReplicaState:
+        try:
+            return self.replica.state()
+        except Exception as exc:  # a replica that cannot even report is unhealthy, not a crash
+            return ReplicaState(name=self.name, healthy=False, detail=f"state() failed: {exc}")
+
+    def state(self, now: float | None = None) -> ReplicaState:
+        """The replica's state with this gateway's view on top (in-flight count, ejection)."""
+        s = self.last_raw = self.raw_state()
+        now = time.monotonic() if now is None else now
+        healthy = s.healthy and not self.is_ejected(now, s)
+        # Our in-flight requests are in the engine somewhere; if its report has not caught up yet,
+        # count the difference as waiting (that is where a just-dispatched request sits).
+        waiting = max(s.waiting, self.inflight - s.running)
+        return replace(s, waiting=waiting, healthy=healthy,
+                       detail=s.detail if healthy or not self.eject_reason else self.eject_reason)
+
+    def is_ejected(self, now: float, state: ReplicaState | None = None) -> bool:
+        if self.ejected_until == 0.0:
+            return False
+        if now < self.ejected_until:
+            return True
+        # Backoff over: probe. The state must say healthy before traffic returns.
+        s = state or self.raw_state()
+        if s.healthy:
+            self.ejected_until = 0.0
+            self.eject_reason = None
+            return False
+        self.ejected_until = now + self._backoff()
+        return True
+
+    def _backoff(self) -> float:
+        return min(self.config.eject_max_s, self.config.eject_base_s * 2 ** max(0, self.failures - 1))
+
+    def eject(self, reason: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.failures += 1
+        self.eject_reason = reason
+        self.ejected_until = now + self._backoff()
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def limit(self, state: ReplicaState) -> int:
+        if self.config.max_inflight is not None:
+            return self.config.max_inflight
+        return state.max_num_seqs or 8
+
+    def has_room(self, state: ReplicaState) -> bool:
+        """`state` is this handle's overlaid state; the engine-queue test uses the replica's own
+        report, so our in-flight requests that it has not seen yet do not block dispatch."""
+        raw_waiting = self.last_raw.waiting if self.last_raw is not None else state.waiting
+        return (
+            state.healthy
+            and self.inflight < self.limit(state)
+            and raw_waiting <= self.config.max_engine_waiting
+            and state.kv_usage < self.config.kv_limit
+        )
+
+
+class ReplicaPool:
+    def __init__(self, replicas: list[Replica], config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        self.handles = {r.name: ReplicaHandle(r, self.config) for r in replicas}
+        if len(self.handles) != len(replicas):
+            raise ValueError("replica names within a deployment must be unique")
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def states(self) -> list[ReplicaState]:
+        now = time.monotonic()
+        return [h.state(now) for h in self.handles.values()]
+
+    def healthy(self) -> list[ReplicaState]:
+        return [s for s in self.states() if s.healthy]
+
+    def with_room(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[ReplicaState]:
+        out = []
+        now = time.monotonic()
+        for name, h in self.handles.items():
+            if name in exclude:
+                continue
+            s = h.state(now)
+            if h.has_room(s):
+                out.append(s)
+        return out
+
+    def slots(self) -> int:
+        """How many requests the healthy replicas take at once (the dispatch capacity)."""
+        return sum(self.handles[s.name].limit(s) for s in self.healthy())
+
+    def inflight(self) -> int:
+        return sum(h.inflight for h in self.handles.values())

@@ -1,0 +1,241 @@
+"""A replica behind an OpenAI-compatible HTTP endpoint: another `tokenpath engine`, vLLM, SGLang or
+llama.cpp.
+
+Generation is one streaming `POST /v1/completions` with the prompt as token ids (so the gateway's
+tokenization, and hence its prefix hashes, are the ones the engine sees). Closing the stream
+closes the HTTP response; the server sees the disconnect and aborts the request, which is how
+vLLM and tokenpath both treat a vanished client.
+
+State comes from polling the server's Prometheus `/metrics` (parsed with prometheus_client's own
+parser): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
+mapped onto them. A server without `/metrics` is probed on `/health` for liveness only. Failed
+polls mark the replica unhealthy, which ejects it from routing until a poll succeeds again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest, ReplicaState
+
+# Series (family names as prometheus_client reports them) -> ReplicaState field.
+_WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
+            "llamacpp:requests_deferred")
+_RUNNING = ("tokenpath:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
+            "llamacpp:requests_processing")
+_KV = ("tokenpath:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+       "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")
+_CACHE_INFO = ("tokenpath:cache_config_info", "vllm:cache_config_info")
+
+
+def parse_metrics(text: str, name: str) -> ReplicaState:
+    """Prometheus exposition text -> ReplicaState (sums across label sets, e.g. several engines)."""
+    values: dict[str, float] = {}
+    info: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name in _CACHE_INFO or sample.name in _CACHE_INFO:
+                info.update(sample.labels)
+            elif sample.name in (*_WAITING, *_RUNNING, *_KV):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    first = lambda names: next((values[n] for n in names if n in values), 0.0)  # noqa: E731
+    state = ReplicaState(name=name, waiting=int(first(_WAITING)), running=int(first(_RUNNING)),
+                         kv_usage=min(1.0, max(0.0, first(_KV))))
+    with contextlib.suppress(KeyError, ValueError):
+        state.block_size = int(info["block_size"])
+    for key in ("num_gpu_blocks", "num_blocks"):
+        with contextlib.suppress(KeyError, ValueError):
+            state.num_blocks = int(float(info[key]))
+    return state
+
+
+@dataclass
+class RemoteReplicaConfig:
+    url: str  # base URL, e.g. http://127.0.0.1:8001
+    model: str | None = None  # the model name the server knows; default: the deployment's name
+    api_key: str | None = None
+    poll_interval_s: float = 0.25
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 300.0
+    max_num_seqs: int = 0  # not exported by vLLM; set it so admission knows the batch size
+    block_size: int | None = None  # overrides what /metrics reports
+    unhealthy_after: int = 2  # consecutive failed polls
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class RemoteReplica:
+    def __init__(self, name: str, config: RemoteReplicaConfig, model: str | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.model = config.model or model or name
+        self.base = config.url.rstrip("/")
+        headers = dict(config.headers)
+        if config.api_key:
+            headers["Authorization"] = f"Bearer {config.api_key}"
+        timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+        self._client = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=timeout,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._state = ReplicaState(name=name, healthy=False, detail="not polled yet",
+                                   max_num_seqs=config.max_num_seqs, block_size=config.block_size or 16)
+        self._poll_failures = 0
+        self._has_metrics = True
+        self._poller: asyncio.Task | None = None
+        self._open: dict[str, httpx.Response] = {}
+
+    # -- state ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Poll once (so the first routing decision has real state), then keep polling."""
+        await self.poll()
+        self._ensure_poller()
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: start() will do it
+                self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def poll(self) -> ReplicaState:
+        try:
+            if self._has_metrics:
+                r = await self._client.get("/metrics", timeout=self.config.connect_timeout_s)
+                if r.status_code == 404:
+                    self._has_metrics = False
+                else:
+                    r.raise_for_status()
+                    self._set(parse_metrics(r.text, self.name))
+                    return self._state
+            r = await self._client.get("/health", timeout=self.config.connect_timeout_s)
+            r.raise_for_status()
+            self._set(ReplicaState(name=self.name, running=len(self._open)))
+        except Exception as exc:  # any failure to reach it counts against its health
+            self._poll_failures += 1
+            if self._poll_failures >= self.config.unhealthy_after:
+                self._state.healthy = False
+                self._state.detail = f"poll failed: {type(exc).__name__}: {exc}"
+        return self._state
+
+    def _set(self, state: ReplicaState) -> None:
+        self._poll_failures = 0
+        state.max_num_seqs = self.config.max_num_seqs or state.max_num_seqs
+        if self.config.block_size:
+            state.block_size = self.config.block_size
+        self._state = state
+
+    def state(self) -> ReplicaState:
+        self._ensure_poller()
+        return self._state
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(BaseException):
+                await self._poller
+        await self._client.aclose()
+
+    # -- generation ------------------------------------------------------------------------------
+    def _body(self, request: GenerateRequest) -> dict:
+        p = request.params
+        body: dict = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True,
+                      "stream_options": {"include_usage": True}, "n": p.n, "max_tokens": p.max_tokens,
+                      "temperature": p.temperature, "top_p": p.top_p,
+                      "skip_special_tokens": p.skip_special_tokens}
+        optional = {"seed": (p.seed, None), "stop": (p.stop, []), "stop_token_ids": (p.stop_token_ids, []),
+                    "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0), "ignore_eos": (p.ignore_eos, False),
+                    "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
+                    "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
+                    "repetition_penalty": (p.repetition_penalty, 1.0)}
+        body.update({k: v for k, (v, default) in optional.items() if v != default})
+        if request.session_id:
+            body["user"] = request.session_id
+        return body
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        headers = {"X-Request-Id": request.request_id}
+        finished: set[int] = set()
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=self._body(request),
+                                           headers=headers) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _http_error(self.name, resp)
+                self._open[request.request_id] = resp
+                async for data in _sse_data(resp):
+                    out = self._to_output(request, data, metrics, finished)
+                    if out is not None:
+                        yield out
+        except httpx.HTTPError as exc:
+            if request.request_id not in self._open and not finished:
+                raise ServiceUnavailableError(f"replica '{self.name}' unreachable: {exc}") from exc
+            raise ServiceUnavailableError(f"replica '{self.name}' dropped the stream: {exc}") from exc
+        finally:
+            self._open.pop(request.request_id, None)
+        if len(finished) < request.params.n:
+            raise ServiceUnavailableError(f"replica '{self.name}' ended the stream before finishing")
+
+    def _to_output(self, request: GenerateRequest, data: dict, metrics: RequestMetrics,
+                   finished: set[int]) -> RequestOutput | None:
+        now = time.monotonic()
+        outs = []
+        for choice in data.get("choices") or []:
+            idx = int(choice.get("index", 0))
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                finished.add(idx)
+            outs.append(CompletionOutput(index=idx, text=choice.get("text") or "", finish_reason=reason))
+        if not outs:
+            return None  # the usage-only chunk
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        done = len(finished) >= request.params.n
+        if done:
+            metrics.finished_time = now
+        usage = data.get("usage") or {}
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        return RequestOutput(request_id=request.request_id, outputs=outs,
+                             prompt_token_ids=request.prompt_token_ids, num_cached_tokens=int(cached),
+                             finished=done, metrics=metrics, prompt=request.prompt)
+
+    async def abort(self, request_id: str) -> None:
+        resp = self._open.pop(request_id, None)
+        if resp is not None:
+            await resp.aclose()
+
+
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if "error" in data and not data.get("choices"):
+            err = data["error"]
+            raise ServiceUnavailableError(f"replica error: {err.get('message', err) if isinstance(err, dict) else err}")
+        yield data
+
+
+def _http_error(name: str, resp: httpx.Response) -> Exception:
+    try:
+        message = resp.json()["error"]["message"]
+    except Exception:
+        message = resp.text[:500]
+    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+        return InvalidRequestError(f"replica '{name}' refused the request: {message}")
+    return ServiceUnavailableError(f"replica '{name}' answered {resp.status_code}: {message}")

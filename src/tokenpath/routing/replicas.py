@@ -1,0 +1,224 @@
+"""Replica pickers: which replica of a deployment serves this request?
+
+Every policy sits behind one interface, `pick(request, states) -> Pick(state, reason)`, where
+`states` are the replicas that are healthy *and* have room right now (the flow controller filters
+them, so a picker never has to think about saturation or ejection). The `reason` is recorded on
+the request's Timeline and counted on /metrics, so every routing decision can be explained later.
+
+Policies:
+- `round_robin`: the baseline; ignores load and caches.
+- `least_loaded`: power of two choices on a load score (engine queue + running, normalised by the
+  batch size, plus KV usage). Two random samples avoid the herd effect of always taking the global
+  minimum from slightly stale state, which matters once state comes from polled /metrics.
+- `prefix_aware` (default): the prompt's chained block hashes — computed with the engine's own
+  hash and the replica's block size — matched against what each replica reported as cached and
+  what this router recently sent it. Longest match wins unless that replica is more loaded than the
+  least loaded one by `load_threshold`; a cold prompt goes to the least loaded.
+- `session_affinity`: rendezvous hashing of the session id (`user` or `x-session-id`), with the
+  same load escape. Rendezvous hashing needs no table and moves only the sessions of a replica
+  that leaves, so several gateways agree without sharing state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenpath.engine.block_hash import block_hashes
+from tokenpath.replica.base import GenerateRequest, ReplicaState
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
+DEFAULT_POLICY = "prefix_aware"
+_DEFAULT_BATCH = 8  # normaliser when a replica does not report max_num_seqs
+
+
+@dataclass(frozen=True)
+class Pick:
+    state: ReplicaState
+    reason: str  # short, low-cardinality: "prefix_hit", "cold", "load_escape", "p2c", ...
+    matched_blocks: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.state.name
+
+
+class ReplicaPicker(Protocol):
+    policy: str
+
+    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick: ...
+
+    def forget(self, replica: str) -> None:
+        """A replica left (ejected or removed): drop what the picker remembers about it."""
+
+
+def load_score(state: ReplicaState) -> float:
+    """Queue depth relative to the batch size, plus KV usage: both push TTFT up."""
+    batch = state.max_num_seqs or _DEFAULT_BATCH
+    return (state.waiting + state.running) / batch + state.kv_usage
+
+
+def _least(states: Sequence[ReplicaState]) -> ReplicaState:
+    return min(states, key=lambda s: (load_score(s), s.name))
+
+
+def _require(states: Sequence[ReplicaState]) -> None:
+    if not states:
+        raise ValueError("pick() needs at least one candidate replica")
+
+
+class RoundRobinPicker:
+    policy = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+        _require(states)
+        ordered = sorted(states, key=lambda s: s.name)
+        state = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Pick(state, "rotation")
+
+    def forget(self, replica: str) -> None:
+        pass
+
+
+class LeastLoadedPicker:
+    policy = "least_loaded"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+        _require(states)
+        if len(states) <= 2:
+            return Pick(_least(states), "least")
+        a, b = self._rng.sample(list(states), 2)
+        return Pick(_least((a, b)), "p2c")
+
+    def forget(self, replica: str) -> None:
+        pass
+
+
+class PrefixIndex:
+    """Block hashes this router recently sent to each replica, bounded per replica (LRU).
+
+    The replica's own report (`ReplicaState.prefix_hashes`) can lag by a poll interval or be
+    absent (vLLM does not export it); remembering our own routing decisions covers that gap, the
+    same way llm-d's approximate prefix scorer does.
+    """
+
+    def __init__(self, max_blocks_per_replica: int = 50_000) -> None:
+        self.max_blocks = max_blocks_per_replica
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def add(self, replica: str, hashes: Sequence[int]) -> None:
+        lru = self._blocks.setdefault(replica, OrderedDict())
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.max_blocks:
+            lru.popitem(last=False)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        replica, h = key
+        return h in self._blocks.get(replica, ())
+
+    def size(self, replica: str) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def forget(self, replica: str) -> None:
+        self._blocks.pop(replica, None)
+
+    def matched(self, state: ReplicaState, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the prompt this replica holds (reported or routed)."""
+        known = self._blocks.get(state.name, {})
+        n = 0
+        for h in hashes:
+            if h in known or h in state.prefix_hashes:
+                n += 1
+            else:
+                break
+        if n:  # touch the matched blocks so hot prefixes survive eviction
+            self.add(state.name, hashes[:n])
+        return n
+
+
+class PrefixAwarePicker:
+    policy = "prefix_aware"
+
+    def __init__(self, load_threshold: float = 0.5, min_match_blocks: int = 1,
+                 index: PrefixIndex | None = None) -> None:
+        self.load_threshold = load_threshold
+        self.min_match_blocks = min_match_blocks
+        self.index = index or PrefixIndex()
+
+    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+        _require(states)
+        by_size: dict[int, list[int]] = {}
+        best: tuple[int, float, str] | None = None  # (-matched, load, name): lower is better
+        best_state: ReplicaState | None = None
+        for s in states:
+            hashes = by_size.get(s.block_size)
+            if hashes is None:
+                hashes = by_size[s.block_size] = block_hashes(request.prompt_token_ids, s.block_size)
+            key = (-self.index.matched(s, hashes), load_score(s), s.name)
+            if best is None or key < best:
+                best, best_state = key, s
+        assert best is not None and best_state is not None
+        least = _least(states)
+        matched = -best[0]
+        if matched < self.min_match_blocks:
+            chosen, reason, matched = least, "cold", 0
+        elif load_score(best_state) - load_score(least) > self.load_threshold:
+            chosen, reason, matched = least, "load_escape", 0
+        else:
+            chosen, reason = best_state, "prefix_hit"
+        self.index.add(chosen.name, by_size[chosen.block_size])
+        return Pick(chosen, reason, matched)
+
+    def forget(self, replica: str) -> None:
+        self.index.forget(replica)
+
+
+def _hrw(session: str, replica: str) -> int:
+    digest = hashlib.blake2b(f"{session}\0{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class SessionAffinityPicker:
+    policy = "session_affinity"
+
+    def __init__(self, load_threshold: float = 0.5) -> None:
+        self.load_threshold = load_threshold
+
+    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+        _require(states)
+        least = _least(states)
+        if not request.session_id:
+            return Pick(least, "no_session")
+        home = max(states, key=lambda s: _hrw(request.session_id or "", s.name))
+        if load_score(home) - load_score(least) > self.load_threshold:
+            return Pick(least, "load_escape")
+        return Pick(home, "affinity")
+
+    def forget(self, replica: str) -> None:
+        pass
+
+
+def make_picker(policy: str = DEFAULT_POLICY, **options: float) -> ReplicaPicker:
+    """Build a picker by policy name; `options` go to its constructor (e.g. load_threshold)."""
+    if policy == "round_robin":
+        return RoundRobinPicker()
+    if policy == "least_loaded":
+        return LeastLoadedPicker()
+    if policy == "prefix_aware":
+        return PrefixAwarePicker(**options)  # type: ignore[arg-type]
+    if policy == "session_affinity":
+        return SessionAffinityPicker(**options)
+    raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,226 @@
+"""Admission, queueing and dispatch through `Deployment.generate`, on simulated replicas."""
+
+import asyncio
+import time
+
+import pytest
+
+from tokenpath.admission.controller import AdmissionConfig
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.pool import PoolConfig
+from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
+from tokenpath.routing.models import Deployment
+from tokenpath.telemetry.timeline import Timeline
+
+_ids = iter(range(10**9))
+
+
+def req(tokens=(1, 2, 3), max_tokens=4, tenant="anonymous", priority=0, deadline_s=None):
+    rid = f"req-{next(_ids)}"
+    r = GenerateRequest(rid, list(tokens), SamplingParams(max_tokens=max_tokens), Timeline(rid),
+                        priority=priority, tenant=tenant)
+    if deadline_s is not None:
+        r.deadline = time.monotonic() + deadline_s
+    return r
+
+
+def deployment(n=1, seqs=2, interval=0.01, policy="least_loaded", **admission):
+    reps = [SimulatedReplica(f"r{i}", SimulatedConfig(max_num_seqs=seqs, token_interval_s=interval))
+            for i in range(n)]
+    dep = Deployment("m", "chat", reps, policy=policy, admission=AdmissionConfig(**admission),
+                     pool_config=PoolConfig(eject_base_s=0.2))
+    return dep, reps
+
+
+async def run(dep, r):
+    return [o async for o in dep.generate(r)]
+
+
+async def test_immediate_admission_stamps_every_decision():
+    dep, _ = deployment()
+    r = req()
+    outs = await run(dep, r)
+    assert outs[-1].finished and len(outs) == 4
+    for stage in ("routed", "admitted", "dequeued", "dispatched"):
+        assert r.timeline.get(stage) is not None
+    a = r.timeline.attrs
+    assert a["deployment"] == "m" and a["replica"] == "r0" and a["admission"] == "immediate"
+    assert a["policy"] == "least_loaded" and a["reason"]
+
+
+async def test_queued_requests_wait_in_gateway_not_in_engine():
+    dep, (rep,) = deployment(seqs=2, interval=0.02)
+    peak_engine_waiting = 0
+
+    async def watch():
+        nonlocal peak_engine_waiting
+        while True:
+            peak_engine_waiting = max(peak_engine_waiting, rep.state().waiting)
+            await asyncio.sleep(0.005)
+
+    w = asyncio.create_task(watch())
+    rs = [req() for _ in range(8)]
+    results = await asyncio.gather(*(run(dep, r) for r in rs))
+    w.cancel()
+    assert all(o[-1].finished for o in results)
+    assert peak_engine_waiting == 0
+    assert sum(r.timeline.attrs["admission"] == "queued" for r in rs) == 6
+
+
+async def test_full_queue_rejects_at_once_with_retry_after():
+    dep, _ = deployment(seqs=1, interval=0.05, max_queue=2)
+    running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    assert len(dep.flow.queue) == 2
+    t0 = time.perf_counter()
+    with pytest.raises(RateLimitError) as e:
+        await run(dep, req())
+    assert time.perf_counter() - t0 < 0.010  # the issue's bound for a rejection
+    assert e.value.code == "queue_full"
+    assert int(e.value.headers["Retry-After"]) >= 1 and e.value.retry_after > 0
+    await asyncio.gather(*running)
+
+
+async def test_retry_after_follows_predicted_drain():
+    dep, _ = deployment(seqs=1, interval=0.05, max_queue=4, initial_service_s=3.0)
+    running = [asyncio.create_task(run(dep, req(max_tokens=40))) for _ in range(5)]
+    await asyncio.sleep(0.02)
+    with pytest.raises(RateLimitError) as e:
+        await run(dep, req())
+    # 4 queued + this one over 1 slot at ~3 s per request.
+    assert 10 <= e.value.retry_after <= 20
+    for t in running:
+        t.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+
+
+async def test_unreachable_deadline_is_rejected_up_front():
+    dep, _ = deployment(seqs=1, interval=0.05, initial_service_s=5.0)
+    first = asyncio.create_task(run(dep, req(max_tokens=10)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RateLimitError) as e:
+        await run(dep, req(deadline_s=1.0))
+    assert e.value.code == "deadline_unreachable"
+    await first
+
+
+async def test_deadline_expires_in_queue_and_leaves_it():
+    dep, _ = deployment(seqs=1, interval=0.05, initial_service_s=0.01)
+    first = asyncio.create_task(run(dep, req(max_tokens=10)))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        await run(dep, req(deadline_s=0.15))
+    assert time.monotonic() - t0 < 0.4
+    assert len(dep.flow.queue) == 0
+    await first
+
+
+async def test_disconnect_while_queued_leaves_the_queue_at_once():
+    dep, (rep,) = deployment(seqs=1, interval=0.05)
+    first = asyncio.create_task(run(dep, req(max_tokens=10)))
+    await asyncio.sleep(0.01)
+    queued = req()
+    task = asyncio.create_task(run(dep, queued))
+    await asyncio.sleep(0.01)
+    assert len(dep.flow.queue) == 1
+    task.cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(dep.flow.queue) == 0
+    await first
+    assert queued.request_id not in rep.served
+    assert dep.flow.pool.inflight() == 0
+
+
+async def test_closing_the_stream_aborts_in_the_replica():
+    dep, (rep,) = deployment(seqs=2, interval=0.02)
+    gen = dep.generate(req(max_tokens=100))
+    await gen.__anext__()
+    assert rep.state().running == 1
+    await gen.aclose()
+    await asyncio.sleep(0.05)
+    assert rep.state().running == 0 and dep.flow.pool.inflight() == 0
+
+
+async def test_no_healthy_replica_is_503():
+    dep, (rep,) = deployment()
+    rep.kill()
+    with pytest.raises(ServiceUnavailableError) as e:
+        await run(dep, req())
+    assert "Retry-After" in e.value.headers
+
+
+async def test_light_tenant_latency_stays_bounded_while_heavy_floods():
+    dep, _ = deployment(seqs=2, interval=0.01, max_queue=500)
+    heavy = [asyncio.create_task(run(dep, req(tenant="heavy", max_tokens=10))) for _ in range(120)]
+    await asyncio.sleep(0.05)
+    waits = []
+    for _ in range(5):
+        r = req(tenant="light", max_tokens=10)
+        await run(dep, r)
+        waits.append(r.timeline.between("received", "dispatched"))
+        await asyncio.sleep(0.02)
+    assert len(dep.flow.queue) > 50  # the flood is still queued
+    # FIFO would put each light request behind ~100 heavy ones (~0.5 s per 100 at 2 slots x 0.1 s).
+    assert max(waits) < 0.3, waits
+    for t in heavy:
+        t.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+
+
+async def test_priority_band_leaves_first():
+    dep, (rep,) = deployment(seqs=1, interval=0.01)
+    first = asyncio.create_task(run(dep, req(max_tokens=5)))
+    await asyncio.sleep(0.005)
+    low = [req(priority=1) for _ in range(3)]
+    tasks = [asyncio.create_task(run(dep, r)) for r in low]
+    await asyncio.sleep(0.005)
+    high = req(priority=0)
+    tasks.append(asyncio.create_task(run(dep, high)))
+    await asyncio.gather(first, *tasks)
+    assert rep.served.index(high.request_id) < min(rep.served.index(r.request_id) for r in low)
+
+
+async def test_failure_before_first_token_retries_once_elsewhere_and_ejects():
+    dep, (a, b) = deployment(n=2, seqs=2, policy="round_robin")
+    a.fail_before_first = 1
+    b.fail_before_first = 0
+    r = req()
+    outs = await run(dep, r)
+    assert outs[-1].finished
+    assert r.timeline.attrs["retried_after"] == "r0" and r.timeline.attrs["replica"] == "r1"
+    assert not dep.flow.pool.handles["r0"].state().healthy  # ejected
+    await asyncio.sleep(0.25)  # backoff over, state healthy: probed back in
+    assert dep.flow.pool.handles["r0"].state().healthy
+
+
+async def test_retry_happens_only_once():
+    dep, (a, b) = deployment(n=2, seqs=2, policy="round_robin")
+    a.fail_before_first = b.fail_before_first = 1
+    with pytest.raises(ServiceUnavailableError):
+        await run(dep, req())
+    assert dep.flow.pool.inflight() == 0
+
+
+async def test_killed_replica_fails_in_flight_cleanly_and_new_requests_go_elsewhere():
+    dep, (a, b) = deployment(n=2, seqs=4, interval=0.02, policy="round_robin")
+    streams = [dep.generate(req(max_tokens=50)) for _ in range(4)]
+    for s in streams:
+        await s.__anext__()
+    a.kill()
+    failed = 0
+    for s in streams:
+        try:
+            async for _ in s:
+                pass
+        except ServiceUnavailableError:
+            failed += 1
+    assert failed == 2
+    for _ in range(4):
+        r = req()
+        assert (await run(dep, r))[-1].finished
+        assert r.timeline.attrs["replica"] == "r1"
+    assert dep.flow.pool.inflight() == 0

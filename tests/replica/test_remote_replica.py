@@ -1,0 +1,169 @@
+"""RemoteReplica against a real HTTP server on loopback (a small OpenAI-compatible stand-in)."""
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics
+from tokenpath.telemetry.timeline import Timeline
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",num_gpu_blocks="2048"} 1.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m"} 100.0
+"""
+
+
+def test_parse_vllm_metrics():
+    s = parse_metrics(VLLM_METRICS, "x")
+    assert (s.running, s.waiting, s.kv_usage, s.block_size, s.num_blocks) == (4, 2, 0.25, 32, 2048)
+
+
+def test_parse_tokenpath_and_llamacpp_metrics():
+    tp = "tokenpath:num_requests_running 2\ntokenpath:num_requests_waiting 5\ntokenpath:kv_cache_usage_perc 0.5\n"
+    s = parse_metrics(tp, "x")
+    assert (s.running, s.waiting, s.kv_usage) == (2, 5, 0.5)
+    lc = "llamacpp:requests_processing 1\nllamacpp:requests_deferred 4\nllamacpp:kv_cache_usage_ratio 0.75\n"
+    s = parse_metrics(lc, "y")
+    assert (s.running, s.waiting, s.kv_usage) == (1, 4, 0.75)
+
+
+class FakeServer:
+    """Streams `max_tokens` text chunks; records bodies, request ids and disconnects."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.request_ids: list[str] = []
+        self.disconnected: list[str] = []
+        self.metrics = "tokenpath:num_requests_running 1\ntokenpath:num_requests_waiting 0\n"
+        self.app = FastAPI()
+        self.app.get("/metrics")(self._metrics)
+        self.app.post("/v1/completions")(self._completions)
+
+    async def _metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics)
+
+    async def _completions(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        rid = request.headers.get("x-request-id", "")
+        self.request_ids.append(rid)
+        if body.get("max_tokens", 0) > 10_000:
+            return PlainTextResponse(json.dumps({"error": {"message": "too long"}}), status_code=400)
+
+        async def stream():
+            try:
+                n = body["max_tokens"]
+                for i in range(n):
+                    await asyncio.sleep(0.01)
+                    choice = {"index": 0, "text": f"w{i} ", "finish_reason": "length" if i == n - 1 else None}
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                    if body.get("user") == "cut" and i == 1:
+                        return  # the stream ends without a finish
+                usage = {"prompt_tokens": 3, "completion_tokens": n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                self.disconnected.append(rid)
+                raise
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+@contextlib.asynccontextmanager
+async def serve(app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def req(rid="abc", max_tokens=3, session=None):
+    return GenerateRequest(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["x"]),
+                           Timeline(rid), session_id=session)
+
+
+async def test_stream_state_and_body():
+    fake = FakeServer()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url, max_num_seqs=8), model="m")
+        await rep.start()
+        s = rep.state()
+        assert s.healthy and s.running == 1 and s.max_num_seqs == 8
+        outs = [o async for o in rep.generate(req())]
+        assert "".join(o.outputs[0].text for o in outs) == "w0 w1 w2 "
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        body = fake.bodies[0]
+        assert body["prompt"] == [5, 6, 7] and body["model"] == "m" and body["stream"] is True
+        assert body["temperature"] == 0.0 and body["stop"] == ["x"] and "seed" not in body
+        assert fake.request_ids == ["abc"]
+        await rep.close()
+
+
+async def test_closing_the_stream_disconnects_the_server_request():
+    fake = FakeServer()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url))
+        gen = rep.generate(req("gone", max_tokens=500))
+        await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            if fake.disconnected:
+                break
+            await asyncio.sleep(0.02)
+        assert fake.disconnected == ["gone"]
+        await rep.close()
+
+
+async def test_client_errors_and_cut_streams():
+    fake = FakeServer()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url))
+        with pytest.raises(InvalidRequestError):
+            _ = [o async for o in rep.generate(req(max_tokens=20_000))]
+        with pytest.raises(ServiceUnavailableError):
+            _ = [o async for o in rep.generate(req(max_tokens=5, session="cut"))]
+        await rep.close()
+
+
+async def test_dead_server_turns_unhealthy_and_refuses():
+    fake = FakeServer()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url, poll_interval_s=0.05, unhealthy_after=2))
+        await rep.start()
+        assert rep.state().healthy
+    for _ in range(100):  # server gone
+        if not rep.state().healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert not rep.state().healthy and "poll failed" in (rep.state().detail or "")
+    with pytest.raises(ServiceUnavailableError):
+        _ = [o async for o in rep.generate(req())]
+    await rep.close()

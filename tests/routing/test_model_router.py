@@ -1,0 +1,91 @@
+import asyncio
+
+import pytest
+
+from tokenpath.admission.controller import AdmissionConfig
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
+from tokenpath.routing.models import Deployment, ModelRouter
+from tokenpath.telemetry.timeline import Timeline
+
+
+def req(rid, max_tokens=3):
+    return GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), Timeline(rid))
+
+
+def dep(name, task="chat", n=1, seqs=2, **adm):
+    reps = [SimulatedReplica(f"{name}-{i}", SimulatedConfig(max_num_seqs=seqs, token_interval_s=0.01))
+            for i in range(n)]
+    return Deployment(name, task, reps, admission=AdmissionConfig(**adm))
+
+
+def test_aliases_and_tasks():
+    chat, emb = dep("smollm2-135m-instruct"), dep("minilm", task="embedding", n=0)
+    router = ModelRouter([chat, emb], aliases={"gpt-4o-mini": "smollm2-135m-instruct"})
+    assert router.resolve("gpt-4o-mini", "chat") is chat
+    assert router.resolve("smollm2-135m-instruct", "completion") is chat
+    assert router.resolve("minilm", "embedding") is emb
+    with pytest.raises(InvalidRequestError):
+        router.resolve("minilm", "chat")  # an embedding model never reaches a chat engine
+    with pytest.raises(InvalidRequestError):
+        router.resolve("gpt-4o-mini", "embedding")
+    with pytest.raises(NotFoundError):
+        router.resolve("gpt-5", "chat")
+    assert router.names() == ["smollm2-135m-instruct", "minilm"]
+
+
+def test_bad_configs_are_refused():
+    a, b, e = dep("a"), dep("b"), dep("e", task="embedding", n=0)
+    with pytest.raises(ValueError):
+        ModelRouter([a], aliases={"x": "nope"})
+    with pytest.raises(ValueError):
+        ModelRouter([a, e], fallbacks={"a": ["e"]})  # a fallback must do the same task
+    with pytest.raises(ValueError):
+        ModelRouter([a], fallbacks={"a": ["a"]})
+    with pytest.raises(ValueError):
+        ModelRouter([a, b], aliases={"b": "a"})
+
+
+async def test_fallback_when_primary_is_down():
+    primary, backup = dep("primary"), dep("backup")
+    primary.replicas[0].kill()
+    router = ModelRouter([primary, backup], aliases={"alias": "primary"}, fallbacks={"primary": ["backup"]})
+    r = req("r1")
+    outs = [o async for o in router.resolve("alias", "chat").generate(r)]
+    assert outs[-1].finished
+    assert r.timeline.attrs["deployment"] == "backup" and r.timeline.attrs["fallback_from"] == "primary"
+    assert r.timeline.attrs["fallback_reason"] == "no_healthy_replica"
+    assert backup.replicas[0].served == ["r1"]
+
+
+async def test_fallback_when_primary_is_saturated_and_order_is_kept():
+    primary = dep("primary", seqs=1, max_queue=0)
+    second, third = dep("second"), dep("third")
+    router = ModelRouter([primary, second, third], fallbacks={"primary": ["second", "third"]})
+    second.replicas[0].kill()
+    busy = asyncio.create_task(_drain(primary, req("busy", max_tokens=30)))
+    await asyncio.sleep(0.01)
+    r = req("r2")
+    await _drain(router.resolve("primary", "chat"), r)
+    assert r.timeline.attrs["deployment"] == "third"
+    await busy
+
+
+async def test_all_fallbacks_failing_raises_the_primary_error():
+    primary, backup = dep("primary", seqs=1, max_queue=0), dep("backup")
+    backup.replicas[0].kill()
+    router = ModelRouter([primary, backup], fallbacks={"primary": ["backup"]})
+    busy = asyncio.create_task(_drain(primary, req("busy", max_tokens=30)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RateLimitError):
+        await _drain(router.resolve("primary", "chat"), req("r3"))
+    await busy
+    primary.replicas[0].kill()
+    with pytest.raises(ServiceUnavailableError):
+        await _drain(router.resolve("primary", "chat"), req("r4"))
+
+
+async def _drain(deployment, r):
+    return [o async for o in deployment.generate(r)]
