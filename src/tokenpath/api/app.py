@@ -1,0 +1,47 @@
+"""The app factory: routes + error mapping + body/header limits around a router and a guard.
+
+Models are loaded by the caller (`tokenpath serve`, or a test fixture), so the app can be built
+around any set of deployments and starts instantly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from tokenpath.api.config import ServerConfig
+from tokenpath.api.errors import install_error_handlers
+from tokenpath.api.limits import BodyLimitMiddleware
+from tokenpath.api.routes import router as api_routes
+from tokenpath.api.state import AppState
+from tokenpath.gateway.base import OpenGuard, RequestGuard
+from tokenpath.routing.models import ModelRouter
+from tokenpath.telemetry.metrics import ServerMetrics
+
+
+def create_app(
+    router: ModelRouter,
+    guard: RequestGuard | None = None,
+    config: ServerConfig | None = None,
+    on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> FastAPI:
+    config = config or ServerConfig()
+    state = AppState(router=router, guard=guard or OpenGuard(), config=config,
+                     metrics=ServerMetrics(lambda: router.deployments.values()),
+                     on_shutdown=list(on_shutdown))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.close()
+
+    app = FastAPI(title="tokenpath", version="0.1.0", lifespan=lifespan,
+                  summary="OpenAI-compatible LLM serving that says where every millisecond went.")
+    app.state.tokenpath = state
+    install_error_handlers(app)
+    app.include_router(api_routes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
+                       max_header_bytes=config.caps.max_header_bytes)
+    return app

@@ -1,0 +1,168 @@
+"""`tokenpath serve` (the OpenAI-compatible server, gateway in front) and `tokenpath engine`
+(a bare replica: one chat model, no gateway, meant to sit behind another tokenpath's router).
+
+Shutdown (SIGTERM or Ctrl-C): stop accepting, let in-flight requests finish for up to
+`--shutdown-timeout` seconds, then abort the rest (finish_reason `abort`), stop the engines and
+exit 0. The signal is not re-raised after a clean drain, so the exit status stays 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from tokenpath.api.config import ServerConfig
+from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
+from tokenpath.errors import ModelLoadError
+from tokenpath.gateway.base import OpenGuard, RequestGuard
+
+log = logging.getLogger("tokenpath.api")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (chat, completions, embeddings)")
+    _server_flags(serve)
+    serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
+    serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
+    serve.set_defaults(func=run_serve, gateway=True)
+    engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
+    _server_flags(engine)
+    engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None)
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML settings (ServerConfig); flags override it")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000; 0 picks a free one)")
+    p.add_argument("--model", action="append", dest="models", metavar="NAME_OR_PATH",
+                   help="model to serve (repeatable); default: smollm2-135m-instruct and all-minilm-l6-v2")
+    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests get on shutdown (30)")
+    p.add_argument("--max-body-size", help="largest accepted request body, e.g. 4MiB")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow a non-loopback --host without API keys")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--kv-cache-memory")
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+
+
+_ENGINE_FLAGS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
+                 "max_num_seqs", "max_model_len", "enable_prefix_caching")
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
+    if not args.gateway and not args.models and not args.config:
+        cfg.models = [DEFAULT_CHAT_MODEL]
+    server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
+                                            "data_dir", "database_url")}
+    if args.max_body_size is not None:
+        server["max_body_size"] = args.max_body_size
+    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    update = {k: v for k, v in server.items() if v is not None}
+    update["engine"] = cfg.engine.model_copy(update=engine)
+    return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except (ValueError, OSError) as exc:
+        print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.gateway:
+        from tokenpath.gateway import open_gateway
+
+        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url)
+    else:
+        guard = OpenGuard()
+    if not is_loopback(config.host) and not guard.auth_enabled and not config.insecure:
+        print(f"tokenpath: refusing to bind {config.host}: no API keys exist, so anyone who can reach it could "
+              "use it. Create a key (`tokenpath keys create`), bind 127.0.0.1, or pass --insecure.",
+              file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(config, guard))
+    except ModelLoadError as exc:
+        print(f"tokenpath: cannot load model: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during start-up
+        return 130
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a drain deadline: on a signal, stop accepting at once, and abort
+    whatever is still generating after `shutdown_timeout` so connections can close."""
+
+    def __init__(self, config: uvicorn.Config, state, shutdown_timeout: float, banner) -> None:  # noqa: ANN001
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.banner = banner
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets=None) -> None:  # noqa: ANN001
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            self.banner(port)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: a clean drain must exit 0, not die of the re-raised signal.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        if self._loop is not None and not self._draining:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout, self._abort_all)
+
+    def _abort_all(self) -> None:
+        n = self.state.abort_all("shutdown")
+        if n:
+            log.warning("shutdown timeout: aborting %d in-flight request(s)", n)
+
+
+async def _serve(config: ServerConfig, guard: RequestGuard) -> int:
+    from tokenpath.api.app import create_app
+    from tokenpath.api.deployments import load_deployments
+    from tokenpath.routing.models import ModelRouter
+
+    deployments, closers = await load_deployments(config)
+    app = create_app(ModelRouter(deployments, config.aliases), guard, config, on_shutdown=closers)
+
+    def banner(port: int) -> None:
+        served = ", ".join(f"{d.name} ({d.task})" for d in deployments)
+        print(f"tokenpath: serving {served}", flush=True)
+        print(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)",
+              flush=True)
+
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
+                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False)
+    server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
+    await server.serve()
+    return 0

@@ -1,0 +1,52 @@
+"""Turn a list of model names into loaded deployments (one in-process replica each).
+
+Loading happens in a worker thread before the server binds, so start-up errors (a missing
+model, a bad file) stop `tokenpath serve` with the file and the problem, not a half-up server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tokenpath.api.config import ServerConfig, is_embedding_model
+from tokenpath.config import DEFAULT_EMBEDDING_MODEL
+from tokenpath.routing.models import Deployment
+
+Closer = Callable[[], Awaitable[None]]
+
+
+def load_embedding(name: str) -> Deployment:
+    from tokenpath.engine.embedding import EmbeddingEngine
+
+    engine = EmbeddingEngine.from_dir(None if name == DEFAULT_EMBEDDING_MODEL else name)
+    served = name if name == DEFAULT_EMBEDDING_MODEL else Path(name).name
+    return Deployment(name=served, task="embedding", embedder=engine, tokenizer=engine.tokenizer,
+                      max_model_len=engine.max_seq_len)
+
+
+async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer]:
+    from tokenpath.engine.async_engine import AsyncEngine
+    from tokenpath.replica.local import InProcessReplica
+
+    engine_cfg = config.engine.model_copy(update={"model": name})
+    engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
+    await engine.start()
+    dep = Deployment(name=engine.model_name, task="chat", replicas=[InProcessReplica(engine)],
+                     tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
+    return dep, engine.shutdown
+
+
+async def load_deployments(config: ServerConfig) -> tuple[list[Deployment], list[Closer]]:
+    deployments: list[Deployment] = []
+    closers: list[Closer] = []
+    for name in config.models:
+        if is_embedding_model(name):
+            dep = await asyncio.to_thread(load_embedding, name)
+            closers.append(dep.embedder.shutdown)
+        else:
+            dep, closer = await load_chat(name, config)
+            closers.append(closer)
+        deployments.append(dep)
+    return deployments, closers

@@ -1,0 +1,80 @@
+"""POST /v1/embeddings: guard -> router -> the batched BERT embedding engine."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from array import array
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenpath.api.errors import error_response
+from tokenpath.api.run import RequestRun
+from tokenpath.api.schemas import EmbeddingRequest
+from tokenpath.api.sse import Interrupted, race_stop, watch_disconnect
+from tokenpath.api.state import AppState
+from tokenpath.errors import InvalidRequestError, TokenpathError
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    # OpenAI's base64: little-endian float32 bytes (array uses native order; this is little-endian).
+    packed = array("f", vector)
+    if array("h", [1]).tobytes()[0] == 0:
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()
+
+
+async def _tokenize(engine, body: EmbeddingRequest, max_inputs: int) -> tuple[list[list[int]], list[str]]:  # noqa: ANN001
+    raw = body.input
+    if isinstance(raw, str):
+        raw = [raw]
+    if not raw:
+        raise InvalidRequestError("input must not be empty", param="input")
+    if all(isinstance(t, int) for t in raw):
+        raw = [raw]
+    if len(raw) > max_inputs:
+        raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}", param="input")
+    texts = [t for t in raw if isinstance(t, str)]
+    for i, t in enumerate(raw):
+        if isinstance(t, str) and not t:
+            raise InvalidRequestError(f"input[{i}] is an empty string", param="input")
+    encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
+    ids = [next(encoded) if isinstance(t, str) else list(t) for t in raw]
+    for i, seq in enumerate(ids):
+        engine.check_ids(seq, i)
+    return ids, texts
+
+
+async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRequest) -> Response:
+    run = RequestRun(state, request, "/v1/embeddings", "embd")
+    try:
+        await run.authenticate()
+        dep = run.route(body.model, "embedding")
+        engine = dep.embedder
+        body.reject_unsupported(engine.dimensions)
+        ids, texts = await _tokenize(engine, body, state.config.caps.max_embedding_inputs)
+        run.prompt_tokens = sum(len(s) for s in ids)
+        await run.admit(texts, run.prompt_tokens)
+        run.timeline.stamp("scheduled")
+        async with watch_disconnect(request, run.stop):
+            vectors = await race_stop(engine.embed(ids), run.stop)
+        run.timeline.stamp("finished")
+        data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                for i, v in enumerate(vectors)]
+        usage = {"prompt_tokens": run.prompt_tokens, "total_tokens": run.prompt_tokens}
+        return JSONResponse({"object": "list", "data": data, "model": dep.name, "usage": usage},
+                            headers=run.headers(timing=True))
+    except Interrupted:
+        run.disconnected()
+        return Response(status_code=run.status)
+    except TokenpathError as exc:
+        run.fail(exc)
+        return error_response(exc, run.headers())
+    except Exception:
+        run.status, run.error_type = 500, "internal_error"
+        raise
+    finally:
+        await run.finish()

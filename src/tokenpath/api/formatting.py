@@ -1,0 +1,208 @@
+"""Engine outputs -> OpenAI's exact response shapes (chat and legacy completions, streaming and not).
+
+`Accumulator` folds the engine's per-choice deltas into whole choices; the `*_body` and `*_chunk`
+functions only reshape. Usage counts completion tokens over all choices and reports prefix-cache
+hits as `prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenpath.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenpath.telemetry.timeline import Timeline
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # for streaming chat: the first delta carries the role
+
+
+@dataclass
+class Accumulator:
+    """Whole choices from deltas. `part` numbers the prompts of a batched completions request."""
+
+    n: int
+    choices: dict[int, Choice] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    finished_parts: set[int] = field(default_factory=set)
+
+    def index(self, part: int, choice: int) -> int:
+        return part * self.n + choice
+
+    def add(self, part: int, out: RequestOutput) -> list[tuple[Choice, CompletionOutput]]:
+        self.prompt_tokens[part] = out.num_prompt_tokens
+        self.cached_tokens[part] = out.num_cached_tokens
+        touched = []
+        for c in out.outputs:
+            idx = self.index(part, c.index)
+            ch = self.choices.setdefault(idx, Choice(idx))
+            ch.text += c.text
+            ch.num_tokens += len(c.token_ids)
+            ch.logprobs.extend(c.logprobs or ())
+            if c.finish_reason is not None:
+                ch.finish_reason = c.finish_reason
+            touched.append((ch, c))
+        if out.finished:
+            self.finished_parts.add(part)
+        return touched
+
+    def abort_unfinished(self, parts: int) -> list[Choice]:
+        """Mark every choice that has not finished as aborted (server shutdown)."""
+        aborted = []
+        for part in range(parts):
+            for i in range(self.n):
+                ch = self.choices.setdefault(self.index(part, i), Choice(self.index(part, i)))
+                if ch.finish_reason is None:
+                    ch.finish_reason = "abort"
+                    aborted.append(ch)
+        return aborted
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
+
+    def finish_reason(self) -> str | None:
+        reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason]
+        return reasons[0] if reasons else None
+
+    def sorted(self) -> list[Choice]:
+        return [self.choices[k] for k in sorted(self.choices)]
+
+
+def timing_extension(timeline: Timeline) -> dict:
+    """The `tokenpath` extension object the bench tool reads (seconds from the Timeline)."""
+    return {"timing": timeline.durations()}
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": _bytes(lp.token),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in lp.top],
+            }
+            for lp in items
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
+    offsets, pos = [], offset
+    for lp in items:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+# -- whole responses ---------------------------------------------------------------------------
+def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool, timeline: Timeline) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in acc.sorted()
+        ],
+        "usage": acc.usage(),
+        "tokenpath": timing_extension(timeline),
+    }
+
+
+def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
+                    timeline: Timeline) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in acc.sorted()
+        ],
+        "usage": acc.usage(),
+        "tokenpath": timing_extension(timeline),
+    }
+
+
+# -- streaming chunks --------------------------------------------------------------------------
+def chat_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                      want_logprobs: bool) -> dict:
+    delta: dict = {"content": text} if text or not ch.started else {}
+    if not ch.started:
+        delta["role"] = "assistant"
+        ch.started = True
+    return {
+        "index": ch.index,
+        "delta": delta,
+        "logprobs": chat_logprobs(logprobs or []) if want_logprobs and logprobs else None,
+        "finish_reason": finish_reason,
+    }
+
+
+def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,
+                            finish_reason: str | None, want_logprobs: bool) -> dict:
+    offset = len(ch.text) - len(text)
+    return {
+        "index": ch.index,
+        "text": text,
+        "logprobs": completion_logprobs(logprobs or [], offset) if want_logprobs and logprobs else None,
+        "finish_reason": finish_reason,
+    }
+
+
+def chunk(rid: str, created: int, model: str, chat: bool, choices: list[dict], *,
+          include_usage: bool = False) -> dict:
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if include_usage:
+        body["usage"] = None
+    return body

@@ -1,0 +1,75 @@
+"""The HTTP surface: OpenAI-compatible /v1 routes, /health and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenpath.api import generation
+from tokenpath.api.embeddings import handle_embeddings
+from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenpath.api.state import AppState, get_state
+from tokenpath.errors import NotFoundError
+from tokenpath.telemetry.metrics import CONTENT_TYPE
+
+router = APIRouter()
+_ERRORS = {400: {"description": "Invalid request (OpenAI error body)"},
+           404: {"description": "Unknown model"}, 413: {"description": "Body too large"}}
+
+
+@router.post("/v1/chat/completions", responses=_ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           state: AppState = Depends(get_state)) -> Response:
+    return await generation.handle(state, request, body)
+
+
+@router.post("/v1/completions", responses=_ERRORS)
+async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await generation.handle(state, request, body)
+
+
+@router.post("/v1/embeddings", responses=_ERRORS)
+async def embeddings(body: EmbeddingRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await handle_embeddings(state, request, body)
+
+
+def _model_card(state: AppState, name: str) -> dict:
+    dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
+    return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
+            "root": dep.name, "max_model_len": dep.max_model_len, "task": dep.task}
+
+
+async def _visible(state: AppState, request: Request) -> list[str]:
+    principal = await state.guard.authenticate(request.headers)
+    names = state.router.names() + list(state.router.aliases)
+    return state.guard.visible_models(principal, names)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in await _visible(state, request)]})
+
+
+@router.get("/v1/models/{model_id:path}", responses={404: {"description": "Unknown model"}})
+async def get_model(model_id: str, request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    if model_id not in await _visible(state, request):
+        raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(_model_card(state, model_id))
+
+
+@router.get("/health")
+async def health(state: AppState = Depends(get_state)) -> JSONResponse:
+    """503 when any served model has no healthy engine (a dead step loop, a broken encoder)."""
+    models = {}
+    for dep in state.deployments():
+        if dep.task == "embedding":
+            models[dep.name] = bool(getattr(dep.embedder, "healthy", False))
+        else:
+            models[dep.name] = bool(dep.healthy_replicas())
+    ok = all(models.values())
+    return JSONResponse({"status": "ok" if ok else "unhealthy", "models": models}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(state: AppState = Depends(get_state)) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

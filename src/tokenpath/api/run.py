@@ -1,0 +1,148 @@
+"""One HTTP request's walk through the guard and the router, and its single, certain ending.
+
+`RequestRun.finish()` reconciles the token reservation, writes the audit record, observes the
+metrics and records the trace exactly once, whichever way the request ended: success, a typed
+error, a client disconnect, a shutdown abort or an unexpected exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import Request
+
+from tokenpath.api.formatting import Accumulator
+from tokenpath.api.sse import StopSignal
+from tokenpath.api.state import AppState
+from tokenpath.errors import TokenpathError
+from tokenpath.gateway.base import AuditRecord, Principal, Reservation
+from tokenpath.routing.models import Deployment
+from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.tracing import record_trace
+
+log = logging.getLogger("tokenpath.api")
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the audit log
+
+
+class RequestRun:
+    def __init__(self, state: AppState, request: Request, endpoint: str, id_prefix: str) -> None:
+        self.state = state
+        self.request = request
+        self.endpoint = endpoint
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.timeline = Timeline(self.id)
+        self.created = int(time.time())
+        self.principal: Principal | None = None
+        self.reservation: Reservation | None = None
+        self.deployment: Deployment | None = None
+        self.model: str | None = None
+        self.status = 200
+        self.error_type: str | None = None
+        self.acc: Accumulator | None = None
+        self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
+        self.token_times: list[float] = []
+        self.stop = StopSignal()
+        self._finished = False
+
+    # -- the guard, in its fixed order ------------------------------------------------------------
+    async def authenticate(self) -> Principal:
+        self.principal = await self.state.guard.authenticate(self.request.headers)
+        self.timeline.stamp("authenticated", tenant=self.principal.tenant)
+        return self.principal
+
+    def route(self, model: str, task: str) -> Deployment:
+        assert self.principal is not None
+        self.model = model
+        self.state.guard.check_model(self.principal, model)
+        self.deployment = self.state.router.resolve(model, task)
+        self.timeline.stamp("routed", deployment=self.deployment.name)
+        return self.deployment
+
+    async def admit(self, texts: list[str], tokens: int) -> None:
+        assert self.principal is not None and self.deployment is not None
+        await self.state.guard.check_policy(self.principal, texts)
+        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
+        self.timeline.stamp("admitted")
+
+    # -- endings ----------------------------------------------------------------------------------
+    def fail(self, exc: TokenpathError) -> None:
+        self.status = exc.status_code
+        self.error_type = exc.error_type
+
+    def disconnected(self) -> None:
+        self.status = CLIENT_CLOSED
+        self.error_type = "client_disconnected"
+
+    def headers(self, *, timing: bool = False) -> dict[str, str]:
+        out = dict(self.reservation.headers) if self.reservation else {}
+        out["x-request-id"] = self.id
+        if timing:
+            out["server-timing"] = self.timeline.server_timing()
+        return out
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.acc.completion_tokens if self.acc else 0
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(self.acc.prompt_tokens.values()) if self.acc else self.prompt_tokens
+
+    async def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.state.inflight.pop(self.id, None)
+        self.timeline.stamp("finished")
+        finish_reason = self.acc.finish_reason() if self.acc else None
+        if self.status == CLIENT_CLOSED:
+            finish_reason = "abort"
+        prompt, completion = self.total_prompt_tokens, self.completion_tokens
+        guard = self.state.guard
+        if self.reservation is not None:
+            try:
+                await guard.reconcile(self.reservation, prompt + completion)
+            except Exception:
+                log.exception("reconcile failed for %s", self.id)
+        durations = self.timeline.durations()
+        try:
+            await guard.audit(self._audit_record(finish_reason, prompt, completion, durations))
+        except Exception:
+            log.exception("audit failed for %s", self.id)
+        if self.acc is not None and self.deployment is not None and self.status in (200, CLIENT_CLOSED):
+            self.state.metrics.observe_request(
+                self.deployment.name, self.timeline, prompt_tokens=prompt, completion_tokens=completion,
+                finish_reason=finish_reason, token_times=self.token_times,
+            )
+        try:
+            record_trace(self.timeline, endpoint=self.endpoint, model=self.model, status=self.status,
+                         prompt_tokens=prompt, completion_tokens=completion, finish_reason=finish_reason)
+        except Exception:
+            log.exception("tracing failed for %s", self.id)
+
+    def _audit_record(self, finish_reason: str | None, prompt: int, completion: int,
+                      durations: dict[str, float]) -> AuditRecord:
+        p = self.principal
+        client = self.request.client
+        return AuditRecord(
+            request_id=self.id,
+            time=self.timeline.wall_start,
+            tenant=p.tenant if p else "anonymous",
+            key_prefix=p.key_prefix if p else None,
+            model=self.deployment.name if self.deployment else self.model,
+            endpoint=self.endpoint,
+            status=self.status,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt,
+            cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
+            completion_tokens=completion,
+            queue_s=durations.get("queue"),
+            prefill_s=durations.get("prefill"),
+            decode_s=durations.get("decode"),
+            total_s=durations.get("total"),
+            client=client.host if client else None,
+            error_type=self.error_type,
+        )

@@ -1,0 +1,50 @@
+"""What the routes share: router, guard, settings, metrics, and the in-flight generations (so a
+shutdown past its grace period can abort them with finish_reason `abort`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from tokenpath.api.config import ServerConfig
+from tokenpath.api.sse import StopSignal
+from tokenpath.gateway.base import RequestGuard
+from tokenpath.routing.models import ModelRouter
+from tokenpath.telemetry.metrics import ServerMetrics
+
+log = logging.getLogger("tokenpath.api")
+
+
+@dataclass
+class AppState:
+    router: ModelRouter
+    guard: RequestGuard
+    config: ServerConfig
+    metrics: ServerMetrics
+    inflight: dict[str, StopSignal] = field(default_factory=dict)
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def abort_all(self, reason: str = "shutdown") -> int:
+        """Stop every in-flight generation; each one ends with finish_reason `abort`."""
+        for stop in list(self.inflight.values()):
+            stop.set(reason)
+        return len(self.inflight)
+
+    def deployments(self) -> list:
+        return list(self.router.deployments.values())
+
+    async def close(self) -> None:
+        for fn in self.on_shutdown:
+            try:
+                await fn()
+            except Exception:
+                log.exception("error while shutting down")
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.tokenpath

@@ -1,0 +1,132 @@
+"""Prometheus metrics with vLLM's meanings under a `tokenpath:` prefix and a `model_name` label.
+
+Gauges and engine counters (running, waiting, KV usage, prefix-cache queries/hits, preemptions)
+are read from the replicas' state at scrape time, so they can never drift from the engine.
+Per-request histograms and token counters are observed once per finished request from its
+Timeline, the same source as the Server-Timing header and the audit row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenpath.telemetry.timeline import Timeline
+
+PREFIX = "tokenpath:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+def engine_state_of(replica: Any) -> Any | None:
+    """The EngineState behind a replica when it has an in-process engine (counters live there)."""
+    engine = getattr(replica, "engine", None)
+    if engine is not None and hasattr(engine, "state"):
+        try:
+            return engine.state()
+        except Exception:
+            return None
+    return None
+
+
+class _StateCollector(Collector):
+    """Scrape-time view of every deployment's replicas, summed per model."""
+
+    def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
+        self._deployments = deployments
+
+    def collect(self) -> Iterator[Any]:
+        gauges = {
+            "num_requests_running": "Number of requests in model execution batches.",
+            "num_requests_waiting": "Number of requests waiting to be processed.",
+            "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+        }
+        counters = {
+            "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+            "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+            "num_preemptions": "Cumulative number of preemptions from the engine.",
+        }
+        g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in gauges.items()}
+        c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in counters.items()}
+        for dep in self._deployments():
+            if dep.task == "embedding":
+                continue
+            running = waiting = 0
+            usage: list[float] = []
+            queries = hits = preemptions = 0
+            for replica in dep.replicas:
+                st = replica.state()
+                running += st.running
+                waiting += st.waiting
+                usage.append(st.kv_usage)
+                es = engine_state_of(replica)
+                if es is not None:
+                    queries += es.prefix_cache_queries
+                    hits += es.prefix_cache_hits
+                    preemptions += es.num_preemptions
+            g["num_requests_running"].add_metric([dep.name], running)
+            g["num_requests_waiting"].add_metric([dep.name], waiting)
+            g["kv_cache_usage_perc"].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
+            c["prefix_cache_queries"].add_metric([dep.name], queries)
+            c["prefix_cache_hits"].add_metric([dep.name], hits)
+            c["num_preemptions"].add_metric([dep.name], preemptions)
+        yield from g.values()
+        yield from c.values()
+
+
+class ServerMetrics:
+    """One registry per app (tests start several apps in one process)."""
+
+    def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(deployments))
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
+                                         m, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       m + ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             m, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
+                               "Histogram of time spent waiting before the first schedule, in seconds.",
+                               m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram(PREFIX + "request_prefill_time_seconds",
+                                 "Histogram of time spent in the prefill phase, in seconds.",
+                                 m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram(PREFIX + "request_decode_time_seconds",
+                                "Histogram of time spent in the decode phase, in seconds.",
+                                m, buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_request(self, model: str, timeline: Timeline, *, prompt_tokens: int, completion_tokens: int,
+                        finish_reason: str | None, token_times: list[float]) -> None:
+        """Everything about one finished generation, derived from its Timeline."""
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        if finish_reason in ("stop", "length", "abort"):
+            self.request_success.labels(model, finish_reason).inc()
+        ttft = timeline.between("received", "first_token")
+        if ttft is not None:
+            self.ttft.labels(model).observe(ttft)
+        d = timeline.durations()
+        self.e2e.labels(model).observe(d["total"])
+        for name, hist in (("queue", self.queue), ("prefill", self.prefill), ("decode", self.decode)):
+            if name in d:
+                hist.labels(model).observe(d[name])
+        for a, b in zip(token_times, token_times[1:], strict=False):
+            self.itl.labels(model).observe(max(0.0, b - a))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

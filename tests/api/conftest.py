@@ -1,0 +1,95 @@
+"""Real `tokenpath serve` processes on free loopback ports, shared per session/module.
+
+The server is started exactly as a user would start it (the console script), its banner is read
+for the port it bound (`--port 0`), and it is stopped with SIGTERM; a clean exit (0) is asserted
+so every test run also checks graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+CHAT_MODEL = "smollm2-135m-instruct"
+EMBED_MODEL = "all-minilm-l6-v2"
+TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_server(tmp: Path, *args: str, wait: float = 240) -> Server:
+    log = tmp / "server.log"
+    env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
+        if m:
+            return Server(proc, int(m.group(1)), log)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start in {wait}s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default `tokenpath serve`: SmolLM2 chat + MiniLM embeddings, no flags but the port."""
+    srv = start_server(tmp_path_factory.mktemp("serve"))
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()[-3000:]
+
+
+@pytest.fixture
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def read_metric(text: str, name: str, model: str = CHAT_MODEL) -> float:
+    """One sample of a `tokenpath:` metric for a model from a /metrics page."""
+    m = re.search(rf'^tokenpath:{name}\{{model_name="{re.escape(model)}"\}} (\S+)$', text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+@pytest.fixture
+def metric():
+    return read_metric

@@ -1,0 +1,74 @@
+"""The project's BERT encoder reproduces sentence-transformers' all-MiniLM-L6-v2 vectors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tokenpath.engine.embedding import EmbeddingEngine, default_embedding_model_dir
+from tokenpath.errors import ContextLengthError, InvalidRequestError
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "hi",
+    "Paged attention stores the KV cache in fixed-size blocks so that memory is not fragmented, "
+    "and a prefix cache lets requests that share a system prompt reuse those blocks.",
+    "Ünïcödé, emoji 🚀 and punctuation!?",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> EmbeddingEngine:
+    return EmbeddingEngine.from_dir()
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(default_embedding_model_dir()), device="cpu")
+    return torch.tensor(model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True))
+
+
+def test_batched_matches_sentence_transformers(engine, reference):
+    ours = torch.tensor(engine.embed_texts(TEXTS))
+    assert ours.shape == (len(TEXTS), 384)
+    assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
+
+
+def test_single_inputs_match_sentence_transformers(engine, reference):
+    for i, text in enumerate(TEXTS):
+        ours = torch.tensor(engine.embed_texts([text])[0])
+        assert torch.allclose(ours, reference[i], atol=1e-4), (i, (ours - reference[i]).abs().max())
+
+
+def test_vectors_are_unit_length_and_distinguish_inputs(engine):
+    a, b = (torch.tensor(v) for v in engine.embed_texts(["cats purr", "stock market crash"]))
+    assert abs(a.norm().item() - 1) < 1e-5 and abs(b.norm().item() - 1) < 1e-5
+    assert (a @ b).item() < 0.9
+
+
+def test_too_long_input_is_a_400_with_the_numbers(engine):
+    with pytest.raises(ContextLengthError) as err:
+        engine.embed_texts(["word " * 300])
+    assert "302" in err.value.message and "256" in err.value.message
+    assert err.value.status_code == 400
+
+
+def test_bad_token_ids_are_rejected(engine):
+    with pytest.raises(InvalidRequestError):
+        engine.check_ids([101, 10**9, 102])
+    with pytest.raises(InvalidRequestError):
+        engine.check_ids([])
+
+
+async def test_concurrent_requests_are_batched(engine, reference):
+    ids = engine.tokenizer.encode_batch(TEXTS)
+    before = engine.num_batches
+    results = await asyncio.gather(*(engine.embed([x]) for x in ids))
+    # Every caller gets its own vector back, and they shared forward passes.
+    for i, (vec,) in enumerate(results):
+        assert torch.allclose(torch.tensor(vec), reference[i], atol=1e-4)
+    assert engine.num_batches - before < len(TEXTS)
+    await engine.shutdown()
