@@ -61,12 +61,14 @@ def plot_sweep(results: Sequence[RunResult], out: Path) -> Path | None:
         return None
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5))
-    for name in dict.fromkeys(r.target.name for r in results):
+    for n, name in enumerate(dict.fromkeys(r.target.name for r in results)):
         rs = sorted((r for r in results if r.target.name == name), key=_load_x)
         xs = [_load_x(r) for r in rs]
-        a1.plot(xs, [r.summary.output_throughput for r in rs], marker="o", label=name)
-        a2.plot(xs, [r.summary.ttft_ms.median or np.nan for r in rs], marker="o", label=f"{name} p50")
-        a2.plot(xs, [r.summary.ttft_ms.p99 or np.nan for r in rs], marker="x", linestyle="--", label=f"{name} p99")
+        color = f"C{n}"
+        a1.plot(xs, [r.summary.output_throughput for r in rs], marker="o", color=color, label=name)
+        a2.plot(xs, [r.summary.ttft_ms.median or np.nan for r in rs], marker="o", color=color, label=f"{name} p50")
+        a2.plot(xs, [r.summary.ttft_ms.p99 or np.nan for r in rs], marker="x", linestyle="--", color=color,
+                label=f"{name} p99")
     is_rate = all(r.load.rate is not None for r in results)
     for ax in (a1, a2):
         ax.set_xlabel("request rate (req/s)" if is_rate else "concurrency")
@@ -92,7 +94,11 @@ def plot_stages(results: Sequence[RunResult], out: Path) -> Path:
         sm = r.summary.server_ms
         labels.append(f"{r.target.name}\n{r.load.label()}")
         if sm:
-            rows.append({f"server {k}": (sm.get(k) or {}).get("mean") or 0.0 for k in ("queue", "prefill", "decode")})
+            row = {f"server {k}": (sm.get(k) or {}).get("mean") or 0.0 for k in ("queue", "prefill", "decode")}
+            # What the server's own clock does not see (HTTP, SSE, the client), so bar heights = E2EL.
+            row["outside server (E2EL - server total)"] = max(
+                0.0, (r.summary.e2el_ms.mean or 0.0) - ((sm.get("total") or {}).get("mean") or sum(row.values())))
+            rows.append(row)
         else:
             ttft, e2el = r.summary.ttft_ms.mean or 0.0, r.summary.e2el_ms.mean or 0.0
             rows.append({"client TTFT": ttft, "client decode (E2EL-TTFT)": max(0.0, e2el - ttft)})
@@ -101,7 +107,7 @@ def plot_stages(results: Sequence[RunResult], out: Path) -> Path:
     bottom = np.zeros(len(labels))
     for k in keys:
         vals = np.array([row.get(k, 0.0) for row in rows])
-        ax.bar(labels, vals, bottom=bottom, label=k, hatch="//" if k.startswith("client") else None)
+        ax.bar(labels, vals, bottom=bottom, label=k, hatch=None if k.startswith("server") else "//")
         bottom += vals
     ax.set_ylabel("mean latency per request (ms)")
     ax.set_title("where the time goes")
