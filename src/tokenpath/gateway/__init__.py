@@ -21,7 +21,7 @@ def open_gateway(
     *,
     clock: Clock | None = None,
     policy: str | PolicyHook | None = None,
-    log_text: bool = False,
+    log_text: bool | None = None,
 ) -> Gateway:
     """The guard `tokenpath serve` puts in front of its routes.
 
@@ -29,8 +29,15 @@ def open_gateway(
     SQLite file in `data_dir`. With no key in it, auth is off (every request is anonymous) but
     audit rows are still written. `policy`: a PolicyHook, `deny-list:PATH` or `module:attribute`.
     `log_text`: store prompt and completion text in audit rows (off by default).
+    Unset options come from the environment, so an operator can turn them on for `serve`:
+    TOKENPATH_POLICY (same forms as `policy`) and TOKENPATH_AUDIT_TEXT=1.
     """
+    import os
     import time
 
+    if policy is None:
+        policy = os.environ.get("TOKENPATH_POLICY") or None
+    if log_text is None:
+        log_text = os.environ.get("TOKENPATH_AUDIT_TEXT", "").lower() in ("1", "true", "yes", "on")
     store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
     return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text)
