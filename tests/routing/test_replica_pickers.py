@@ -139,3 +139,10 @@ def test_load_score_and_factory():
         make_picker("random")
     with pytest.raises(ValueError):
         RoundRobinPicker().pick(req([1]), [])
+
+
+def test_prefix_aware_spreads_cold_prompts_over_idle_replicas():
+    p = PrefixAwarePicker()
+    idle = [st("a"), st("b")]
+    names = [p.pick(req([i * 7919 + j for j in range(40)]), idle).name for i in range(6)]
+    assert names.count("a") == names.count("b") == 3

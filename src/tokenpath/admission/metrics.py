@@ -1,4 +1,8 @@
-"""Prometheus series for the middle of the path, in the default registry (what `/metrics` serves).
+"""Prometheus series for the middle of the path: queue depth, rejections, routing decisions.
+
+They live in their own registry, `REGISTRY`, because routing state is process-wide (one gateway,
+many deployments) while the API builds one metrics registry per app; `/metrics` appends
+`render()` to its own output.
 
 Names follow the `tokenpath:` prefix of the engine's vLLM-compatible series. Labels stay
 low-cardinality on purpose: reasons and policies are short fixed words; tenants are bounded by the
@@ -7,43 +11,45 @@ key store.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REGISTRY = CollectorRegistry()
 
 QUEUE_DEPTH = Gauge(
     "tokenpath:queue_depth",
     "Requests waiting in the gateway's flow-control queue.",
-    ["deployment", "band", "tenant"],
+    ["deployment", "band", "tenant"], registry=REGISTRY,
 )
 REJECTIONS = Counter(
     "tokenpath:admission_rejections",
     "Requests rejected or removed by admission control, by reason.",
-    ["deployment", "reason"],
+    ["deployment", "reason"], registry=REGISTRY,
 )
 ADMISSIONS = Counter(
     "tokenpath:admissions",
     "Requests admitted, by outcome (immediate or queued).",
-    ["deployment", "outcome"],
+    ["deployment", "outcome"], registry=REGISTRY,
 )
 ROUTING_DECISIONS = Counter(
     "tokenpath:routing_decisions",
     "Replica routing decisions by policy and outcome (prefix_hit, cold, load_escape, ...).",
-    ["deployment", "policy", "outcome"],
+    ["deployment", "policy", "outcome"], registry=REGISTRY,
 )
 QUEUE_TIME = Histogram(
     "tokenpath:gateway_queue_time_seconds",
     "Time from admission to dispatch in the gateway queue.",
-    ["deployment"],
+    ["deployment"], registry=REGISTRY,
     buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 REPLICA_EJECTIONS = Counter(
     "tokenpath:replica_ejections",
     "Replicas ejected after a failure.",
-    ["deployment", "replica"],
+    ["deployment", "replica"], registry=REGISTRY,
 )
 RETRIES = Counter(
     "tokenpath:replica_retries",
     "Requests retried on another replica after failing before their first token.",
-    ["deployment"],
+    ["deployment"], registry=REGISTRY,
 )
 
 
@@ -55,3 +61,8 @@ def publish_queue_depth(deployment: str, depth: dict[tuple[int, str], int], seen
         QUEUE_DEPTH.labels(deployment, str(band), tenant).set(n)
     seen.clear()
     seen.update(depth)
+
+
+def render() -> bytes:
+    """The exposition text of these series, for `/metrics`."""
+    return generate_latest(REGISTRY)

@@ -78,6 +78,8 @@ class RemoteReplica:
         self.name = name
         self.config = config
         self.model = config.model or model or name
+        self._discover_model = not (config.model or model)
+        self.max_model_len: int | None = None
         self.base = config.url.rstrip("/")
         headers = dict(config.headers)
         if config.api_key:
@@ -94,7 +96,14 @@ class RemoteReplica:
 
     # -- state ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Poll once (so the first routing decision has real state), then keep polling."""
+        """Poll once (so the first routing decision has real state), then keep polling. Learn the
+        served model name (and its context length, where the server says) from /v1/models."""
+        with contextlib.suppress(Exception):
+            r = await self._client.get("/v1/models", timeout=self.config.connect_timeout_s)
+            first = r.json()["data"][0]
+            if self._discover_model:
+                self.model = first["id"]
+            self.max_model_len = first.get("max_model_len")
         await self.poll()
         self._ensure_poller()
 

@@ -157,6 +157,14 @@ class PrefixAwarePicker:
         self.load_threshold = load_threshold
         self.min_match_blocks = min_match_blocks
         self.index = index or PrefixIndex()
+        self._turn = 0
+
+    def _least_rotating(self, states: Sequence[ReplicaState]) -> ReplicaState:
+        """The least loaded; ties rotate, so cold prompts spread even over idle replicas."""
+        low = min(load_score(s) for s in states)
+        tied = sorted((s for s in states if load_score(s) <= low + 1e-9), key=lambda s: s.name)
+        self._turn += 1
+        return tied[self._turn % len(tied)]
 
     def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
@@ -171,7 +179,7 @@ class PrefixAwarePicker:
             if best is None or key < best:
                 best, best_state = key, s
         assert best is not None and best_state is not None
-        least = _least(states)
+        least = self._least_rotating(states)
         matched = -best[0]
         if matched < self.min_match_blocks:
             chosen, reason, matched = least, "cold", 0

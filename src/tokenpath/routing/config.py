@@ -1,0 +1,163 @@
+"""Deployments from configuration: which models, which replicas (local processes or URLs), which
+routing policy and admission limits. One gateway can front several machines this way.
+
+```yaml
+deployments:
+  - name: smollm2-135m-instruct
+    aliases: [gpt-4o-mini]
+    policy: prefix_aware          # round_robin | least_loaded | prefix_aware | session_affinity
+    replicas:
+      - local: 2                  # two `tokenpath engine` processes on this machine
+        engine_args: ["--num-kv-blocks", "512"]
+      - url: http://10.0.0.7:8000 # another tokenpath engine, or vLLM / SGLang / llama.cpp
+        max_num_seqs: 64
+    fallbacks: [backup-model]
+    admission: {max_queue: 128, default_deadline_s: {0: 60}}
+```
+
+`tokenpath serve --replicas N` is the same thing for the default chat model: N local processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenpath.admission.controller import AdmissionConfig
+from tokenpath.replica.base import Replica
+from tokenpath.replica.pool import PoolConfig
+from tokenpath.replica.processes import EngineProcess, engine_replicas
+from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
+from tokenpath.routing.models import Deployment, ModelRouter
+from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES
+
+Closer = Callable[[], Awaitable[None]]
+
+
+class ReplicaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = None  # a running OpenAI-compatible server
+    local: int = Field(0, ge=0)  # or: this many `tokenpath engine` processes started here
+    model: str | None = None  # the name the server knows the model by (default: discovered)
+    api_key: str | None = None
+    max_num_seqs: int = Field(0, ge=0)
+    engine_args: list[str] = Field(default_factory=list)  # extra flags for local processes
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ReplicaSpec:
+        if (self.url is None) == (self.local == 0):
+            raise ValueError("a replica entry needs exactly one of `url` or `local: N`")
+        return self
+
+
+class DeploymentSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    task: Literal["chat", "completion"] = "chat"
+    model: str | None = None  # what local engines load and the tokenizer comes from (default: name)
+    aliases: list[str] = Field(default_factory=list)
+    fallbacks: list[str] = Field(default_factory=list)
+    policy: str = DEFAULT_POLICY
+    load_threshold: float | None = None
+    max_model_len: int | None = None
+    replicas: list[ReplicaSpec] = Field(min_length=1)
+    admission: dict[str, Any] = Field(default_factory=dict)  # AdmissionConfig fields
+    pool: dict[str, Any] = Field(default_factory=dict)  # PoolConfig fields
+
+    @model_validator(mode="after")
+    def _policy(self) -> DeploymentSpec:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        AdmissionConfig(**self.admission)
+        PoolConfig(**self.pool)
+        return self
+
+
+class RoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deployments: list[DeploymentSpec]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RoutingConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def load_tokenizer(model: str) -> Any:
+    """The gateway tokenizes for remote replicas too: same ids, so prefix hashes match the engine's."""
+    from tokenpath.engine.loader import resolve_model_path
+    from tokenpath.engine.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model_path(model))
+
+
+async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple[Deployment, list[Closer]]:
+    replicas: list[Replica] = []
+    closers: list[Closer] = []
+    procs: list[EngineProcess] = []
+    model = spec.model or spec.name
+    try:
+        for i, r in enumerate(spec.replicas):
+            if r.local:
+                reps, ps = await engine_replicas(r.local, model, r.engine_args, served_name=r.model,
+                                                 max_num_seqs=r.max_num_seqs)
+                procs += ps
+                replicas += reps
+            else:
+                rep = RemoteReplica(f"{spec.name}-url{i}", RemoteReplicaConfig(
+                    url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs))
+                await rep.start()
+                replicas.append(rep)
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(load_tokenizer, model)
+    except BaseException:
+        await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        raise
+    closers += [r.close for r in replicas if isinstance(r, RemoteReplica)]
+    closers += [p.stop for p in procs]
+    max_len = spec.max_model_len or next(
+        (r.max_model_len for r in replicas if isinstance(r, RemoteReplica) and r.max_model_len), 2048)
+    options = {"load_threshold": spec.load_threshold} if spec.load_threshold is not None else {}
+    dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
+                     policy=spec.policy, admission=AdmissionConfig(**spec.admission),
+                     pool_config=PoolConfig(**spec.pool), picker_options=options)
+    return dep, closers
+
+
+async def build_router(config: RoutingConfig, extra: list[Deployment] | None = None,
+                       aliases: dict[str, str] | None = None) -> tuple[ModelRouter, list[Closer]]:
+    """Start every configured deployment's replicas and wire aliases and fallbacks. `extra` are
+    deployments built elsewhere (e.g. the in-process embedding model)."""
+    deployments = list(extra or [])
+    closers: list[Closer] = []
+    try:
+        for spec in config.deployments:
+            dep, c = await build_deployment(spec)
+            deployments.append(dep)
+            closers += c
+    except BaseException:
+        await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+        raise
+    all_aliases = dict(aliases or {})
+    for spec in config.deployments:
+        all_aliases.update({a: spec.name for a in spec.aliases})
+    fallbacks = {s.name: s.fallbacks for s in config.deployments if s.fallbacks}
+    return ModelRouter(deployments, all_aliases, fallbacks), closers
+
+
+async def replicated_deployment(model: str, n: int, engine_args: list[str] | None = None,
+                                policy: str = DEFAULT_POLICY) -> tuple[Deployment, list[Closer]]:
+    """`tokenpath serve --replicas N`: N local engine processes of one chat model."""
+    spec = DeploymentSpec(name=model, model=model, policy=policy,
+                          replicas=[ReplicaSpec(local=n, engine_args=list(engine_args or []))])
+    dep, closers = await build_deployment(spec)
+    served = next((r.model for r in dep.replicas if isinstance(r, RemoteReplica)), model)
+    dep.name = served
+    return dep, closers
