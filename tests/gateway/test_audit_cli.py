@@ -64,6 +64,7 @@ def test_cli_keys_lifecycle_never_prints_the_key_twice(store_location, tmp_path,
     if not store_location.startswith("postgres"):
         store_args = ["--data-dir", str(tmp_path)]  # the SQLite file in the data dir
     assert main(["keys", "tenant", "acme", "--tpm", "5000", *store_args]) == 0
+    assert capsys.readouterr().out.split() == ["tenant", "acme:", "rpm=-", "tpm=5000", "daily_tokens=-", "models=*"]
     assert main(["keys", "create", "--tenant", "acme", "--models", "a,b", "--rpm", "7", "--tpm", "900",
                  "--daily-tokens", "10000", "--priority", "2", "--expires", "2099-01-01", *store_args]) == 0
     out, err = capsys.readouterr()
@@ -141,3 +142,25 @@ def _dump_all_text(store: GatewayStore) -> str:
         for t in tables:
             parts.extend(repr(row) for row in tx.q(f"SELECT * FROM {t}"))
     return "\n".join(parts)
+
+
+def test_cli_tenant_changes_only_the_flags_given(store_location, tmp_path, capsys):
+    store_args = ["--data-dir", str(tmp_path), "--database-url", store_location]
+    if not store_location.startswith("postgres"):
+        store_args = ["--data-dir", str(tmp_path)]
+    assert main(["keys", "tenant", "t", "--rpm", "5", "--tpm", "100", "--models", "a,b", *store_args]) == 0
+    assert main(["keys", "tenant", "t", "--tpm", "200", *store_args]) == 0
+    assert main(["keys", "tenant", "t", "--rpm", "none", "--models", "none", *store_args]) == 0
+    capsys.readouterr()
+    assert main(["keys", "tenant", "t", *store_args]) == 0  # no flag: show
+    assert capsys.readouterr().out.split() == ["tenant", "t:", "rpm=-", "tpm=200", "daily_tokens=-", "models=*"]
+    with pytest.raises(SystemExit):
+        main(["keys", "create", "--tenant", "t", "--rpm", "none", *store_args])  # 'none' only on tenants
+
+
+def test_cli_expiry_durations_point_forward_and_since_points_back():
+    from tokenpath.gateway.cli import parse_time
+
+    assert parse_time("30d", now=1000.0, future=True) == 1000.0 + 30 * 86400
+    assert parse_time("2h", now=10_000.0) == 10_000.0 - 7200
+    assert parse_time("2026-11-30T00:00:00Z") == parse_time("2026-11-30") == 1_795_996_800.0

@@ -16,7 +16,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tenant", required=True)
     _limit_args(create)
     create.add_argument("--priority", type=int, default=0, help="scheduling priority (lower runs first)")
-    create.add_argument("--expires", type=parse_time, help="ISO 8601 time (UTC if no offset) or e.g. 30d")
+    create.add_argument("--expires", type=lambda t: parse_time(t, future=True),
+                        help="ISO 8601 time (UTC if no offset), or a duration from now such as 30d")
     create.add_argument("--name", help="a label for the key")
     create.set_defaults(func=cmd_keys_create)
 
@@ -51,10 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     revoke.add_argument("prefix")
     revoke.set_defaults(func=cmd_keys_revoke)
 
-    tenant = keys_sub.add_parser("tenant", help="create or update a tenant's default limits and models")
+    tenant = keys_sub.add_parser(
+        "tenant", help="show, create or update a tenant's default limits and models",
+        description="Flags given are changed, others kept; 'none' removes a limit or the model list.")
     _store_args(tenant)
     tenant.add_argument("name")
-    _limit_args(tenant)
+    _limit_args(tenant, clearable=True)
     tenant.set_defaults(func=cmd_keys_tenant)
 
     audit = subparsers.add_parser("audit", help="query the audit log")
@@ -81,18 +84,30 @@ def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--database-url", help="postgresql://... (default: TOKENPATH_DATABASE_URL, else SQLite)")
 
 
-def _limit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", type=_model_set, help="comma-separated models this key/tenant may use")
-    p.add_argument("--rpm", type=_positive, help="requests per minute")
-    p.add_argument("--tpm", type=_positive, help="tokens per minute (prompt + max_tokens reserved)")
-    p.add_argument("--daily-tokens", type=_positive, help="tokens per UTC day")
+_CLEAR = "none"  # on `keys tenant`: remove this limit / the model list
+
+
+def _limit_args(p: argparse.ArgumentParser, *, clearable: bool = False) -> None:
+    number = _positive_or_none if clearable else _positive
+    models = _model_set_or_none if clearable else _model_set
+    p.add_argument("--models", type=models, help="comma-separated models this key/tenant may use")
+    p.add_argument("--rpm", type=number, help="requests per minute")
+    p.add_argument("--tpm", type=number, help="tokens per minute (prompt + max_tokens reserved)")
+    p.add_argument("--daily-tokens", type=number, help="tokens per UTC day")
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be a positive integer")
     return value
+
+
+def _positive_or_none(text: str) -> int | str:
+    return _CLEAR if text.strip().lower() == _CLEAR else _positive(text)
 
 
 def _model_set(text: str) -> frozenset[str]:
@@ -102,12 +117,17 @@ def _model_set(text: str) -> frozenset[str]:
     return models
 
 
-def parse_time(text: str, now: float | None = None) -> float:
-    """ISO 8601 (a naive time is UTC) or a duration back from now ('90m', '7d'); epoch seconds."""
+def _model_set_or_none(text: str) -> frozenset[str] | str:
+    return _CLEAR if text.strip().lower() == _CLEAR else _model_set(text)
+
+
+def parse_time(text: str, now: float | None = None, *, future: bool = False) -> float:
+    """ISO 8601 (a naive time is UTC) or a duration from now ('90m', '7d': back from now, or ahead
+    of it with `future`, as for an expiry); epoch seconds."""
     now = time.time() if now is None else now
     m = _RELATIVE.fullmatch(text.strip())
     if m:
-        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+        return now + (1 if future else -1) * float(m.group(1)) * _UNIT_S[m.group(2)]
     try:
         when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
@@ -169,13 +189,21 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_tenant(args: argparse.Namespace) -> int:
+    """Change the flags given, keep the others; with no flag, just show the tenant."""
     store = _open(args)
     try:
-        set_tenant(store, args.name, limits=_limits(args), models=args.models)
+        current = store.get_tenant(args.name)
+        limits = current.limits if current else Limits()
+        models = current.models if current else None
+        changes = {k: getattr(args, k) for k in ("rpm", "tpm", "daily_tokens") if getattr(args, k) is not None}
+        if changes or args.models is not None or current is None:
+            limits = replace(limits, **{k: None if v == _CLEAR else v for k, v in changes.items()})
+            if args.models is not None:
+                models = None if args.models == _CLEAR else args.models
+            set_tenant(store, args.name, limits=limits, models=models)
     finally:
         store.close()
-    print(f"tenant {args.name!r}: {_limit_text(_limits(args))}, models: {_models_text(args.models)}",
-          file=sys.stderr)
+    print(f"tenant {_safe(args.name)}: {_limit_text(limits)} models={_models_text(models)}")
     return 0
 
 

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import psycopg
+
 MIGRATIONS: list[list[str]] = [
     [  # 1: tenants, keys, admissions (sliding windows), daily usage (quotas), audit log
         """CREATE TABLE tenants (
@@ -132,18 +134,21 @@ class PostgresDatabase:
     _MIGRATION_LOCK = 0x7470_6761_7465  # pg_advisory_xact_lock key: "tpgate"
 
     def __init__(self, url: str) -> None:
-        import psycopg
-
+        self._url = url
         self._lock = threading.Lock()
         self._conn = psycopg.connect(url, autocommit=True)
 
     @contextmanager
     def transaction(self, lock_tenant: str | None = None) -> Iterator[_PgTx]:
-        with self._lock, self._conn.transaction():
-            tx = _PgTx(self._conn)
-            if lock_tenant is not None:
-                tx.q("SELECT name FROM tenants WHERE name = ? FOR UPDATE", (lock_tenant,))
-            yield tx
+        with self._lock:
+            if self._conn.broken:  # the server restarted or the link dropped: the call that met it
+                # has already failed (not retried: it may have committed); this one reconnects.
+                self._conn = psycopg.connect(self._url, autocommit=True)
+            with self._conn.transaction():
+                tx = _PgTx(self._conn)
+                if lock_tenant is not None:
+                    tx.q("SELECT name FROM tenants WHERE name = ? FOR UPDATE", (lock_tenant,))
+                yield tx
 
     def migrate(self) -> None:
         with self.transaction() as tx:
