@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -135,3 +139,53 @@ async def test_no_limits_no_headers_and_anonymous_has_no_limits(store, clock):
 def test_format_duration():
     assert [format_duration(s) for s in (0.25, 1, 12.34, 59.99, 60, 360, 3723)] == [
         "250ms", "1s", "12s", "59s", "1m0s", "6m0s", "1h2m3s"]
+
+
+_WORKER = r"""
+import asyncio, json, os, sys, time
+from tokenpath.errors import RateLimitError
+from tokenpath.gateway import Gateway, GatewayStore
+
+location, secret, go_file, sizes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+
+async def main():
+    gw = Gateway(GatewayStore(location))
+    p = await gw.authenticate({"Authorization": "Bearer " + secret})
+    while not os.path.exists(go_file):  # start together with the other processes
+        await asyncio.sleep(0.005)
+
+    async def one(n):
+        try:
+            await gw.reserve(p, "m", n)
+            return [n, True]
+        except RateLimitError:
+            return [n, False]
+
+    print(json.dumps(await asyncio.gather(*(one(n) for n in sizes))))
+
+asyncio.run(main())
+"""
+
+
+def test_tpm_exact_across_gateway_processes(store_location, tmp_path, clock):
+    """Three OS processes, each its own gateway and connection, race for one key's 1,000 TPM."""
+    admin = GatewayStore(store_location)
+    try:
+        secret, _ = create_key(admin, "acme", limits=Limits(tpm=1000), now=clock())
+    finally:
+        admin.close()
+    go = tmp_path / "go"
+    sizes = [[40 + 3 * ((i + 7 * w) % 11) for i in range(20)] for w in range(3)]  # 60 requests, ~3,000 tokens
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, store_location, secret, str(go), json.dumps(s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in sizes]
+    time.sleep(1.0)  # let them connect; correctness does not depend on it, only how hard they race
+    go.touch()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results += json.loads(out)
+    admitted = sum(n for n, ok in results if ok)
+    refused = [n for n, ok in results if not ok]
+    assert admitted <= 1000 and refused
+    assert all(n > 1000 - admitted for n in refused)

@@ -28,6 +28,7 @@ TOUCH_EVERY_S = 60.0  # `last used` is refreshed at most this often per key (one
 _HOW = "Pass a tokenpath key as 'Authorization: Bearer <key>' or in an 'api-key' header."
 _MISSING = "Missing API key. " + _HOW
 _INVALID = "Invalid API key. " + _HOW
+_DUMMY_SALT, _DUMMY_DIGEST = "00" * 16, "0" * 64  # no key hashes to this digest
 
 
 def credential_from(headers: Mapping[str, str]) -> str | None:
@@ -69,7 +70,9 @@ class Gateway:
         if not looks_like_key(secret):
             raise AuthenticationError(_INVALID, code="invalid_api_key")
         record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
-        if record is None or not verify_key(secret, record.salt, record.digest):
+        # An unknown prefix still costs one hash and compare, so timing tells little about which exist.
+        salt, digest = (record.salt, record.digest) if record else (_DUMMY_SALT, _DUMMY_DIGEST)
+        if not verify_key(secret, salt, digest) or record is None:
             raise AuthenticationError(_INVALID, code="invalid_api_key")
         now = self.clock()
         if record.revoked_at is not None:
