@@ -183,10 +183,19 @@ class RemoteReplica:
                     await resp.aread()
                     raise _http_error(self.name, resp)
                 self._open[request.request_id] = resp
+                last: RequestOutput | None = None  # held back until the usage chunk (cached tokens)
                 async for data in _sse_data(resp):
+                    if last is not None and data.get("usage"):
+                        last.num_cached_tokens = _cached_tokens(data)
                     out = self._to_output(request, data, metrics, finished)
-                    if out is not None:
+                    if out is None:
+                        continue
+                    if out.finished:
+                        last = out
+                    else:
                         yield out
+                if last is not None:
+                    yield last
         except httpx.HTTPError as exc:
             if request.request_id not in self._open and not finished:
                 raise ServiceUnavailableError(f"replica '{self.name}' unreachable: {exc}") from exc
@@ -214,16 +223,19 @@ class RemoteReplica:
         done = len(finished) >= request.params.n
         if done:
             metrics.finished_time = now
-        usage = data.get("usage") or {}
-        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         return RequestOutput(request_id=request.request_id, outputs=outs,
-                             prompt_token_ids=request.prompt_token_ids, num_cached_tokens=int(cached),
+                             prompt_token_ids=request.prompt_token_ids, num_cached_tokens=_cached_tokens(data),
                              finished=done, metrics=metrics, prompt=request.prompt)
 
     async def abort(self, request_id: str) -> None:
         resp = self._open.pop(request_id, None)
         if resp is not None:
             await resp.aclose()
+
+
+def _cached_tokens(data: dict) -> int:
+    usage = data.get("usage") or {}
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:

@@ -90,6 +90,18 @@ class RoutingConfig(BaseModel):
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
 
+def _max_num_seqs(engine_args: list[str]) -> int:
+    """The batch size a local engine process will run with (its flag, else the engine default)."""
+    from tokenpath.config import EngineConfig
+
+    for i, a in enumerate(engine_args):
+        if a == "--max-num-seqs" and i + 1 < len(engine_args):
+            return int(engine_args[i + 1])
+        if a.startswith("--max-num-seqs="):
+            return int(a.split("=", 1)[1])
+    return EngineConfig().max_num_seqs
+
+
 def load_tokenizer(model: str) -> Any:
     """The gateway tokenizes for remote replicas too: same ids, so prefix hashes match the engine's."""
     from tokenpath.engine.loader import resolve_model_path
@@ -107,7 +119,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
         for i, r in enumerate(spec.replicas):
             if r.local:
                 reps, ps = await engine_replicas(r.local, model, r.engine_args, served_name=r.model,
-                                                 max_num_seqs=r.max_num_seqs)
+                                                 max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args))
                 procs += ps
                 replicas += reps
             else:

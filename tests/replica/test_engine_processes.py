@@ -1,0 +1,93 @@
+"""Replicas as real `tokenpath engine` processes on loopback: config-built routing, and a replica
+killed with SIGKILL mid-stream. Slow: starts two engine processes."""
+
+import asyncio
+import random
+
+import pytest
+import pytest_asyncio
+
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.errors import ServiceUnavailableError
+from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.processes import engine_replicas
+from tokenpath.routing.config import RoutingConfig, build_router
+from tokenpath.routing.models import Deployment
+from tokenpath.telemetry.timeline import Timeline
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+_rng = random.Random(3)
+_ids = iter(range(10**9))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines():
+    replicas, procs = await engine_replicas(2, engine_args=["--num-kv-blocks", "96", "--max-num-seqs", "2"],
+                                            max_num_seqs=2, poll_interval_s=0.1)
+    yield replicas, procs
+    for r in replicas:
+        await r.close()
+    await asyncio.gather(*(p.stop() for p in procs))
+
+
+def req(max_tokens=4):
+    rid = f"proc-{next(_ids)}"
+    ids = [_rng.randrange(1000, 40000) for _ in range(30)]
+    return GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           Timeline(rid))
+
+
+async def drain(d, r):
+    return [o async for o in d.generate(r)]
+
+
+async def test_router_from_config_over_urls(engines):
+    _, procs = engines
+    cfg = RoutingConfig.model_validate({"deployments": [{
+        "name": "smollm2-135m-instruct", "aliases": ["gpt-4o-mini"], "policy": "least_loaded",
+        "replicas": [{"url": p.url, "max_num_seqs": 2} for p in procs]}]})
+    router, closers = await build_router(cfg)
+    try:
+        d = router.resolve("gpt-4o-mini", "chat")
+        assert d.tokenizer is not None and d.tokenizer.encode("hello")
+        rs = [req() for _ in range(4)]
+        outs = await asyncio.gather(*(drain(d, r) for r in rs))
+        assert all(o[-1].finished and "".join(x.outputs[0].text for x in o) for o in outs)
+        assert {r.timeline.attrs["replica"] for r in rs} == {"smollm2-135m-instruct-url0",
+                                                               "smollm2-135m-instruct-url1"}
+    finally:
+        for c in closers:
+            await c()
+
+
+async def test_killed_replica_is_ejected_in_flight_fail_cleanly_new_ones_served_elsewhere(engines):
+    replicas, procs = engines
+    d = Deployment("smollm2-135m-instruct", "chat", list(replicas), policy="round_robin")
+    streams = [d.generate(req(max_tokens=60)) for _ in range(2)]
+    firsts = [await s.__anext__() for s in streams]
+    assert all(not f.finished for f in firsts)
+    on = {r: d.flow.pool.handles[r].inflight for r in ("engine-0", "engine-1")}
+    assert on == {"engine-0": 1, "engine-1": 1}
+    procs[0].kill()
+
+    async def finish(s):
+        try:
+            async for _ in s:
+                pass
+            return "ok"
+        except ServiceUnavailableError:
+            return "failed"
+
+    # Immediately after the kill, before any poll notices: new requests still succeed (a failure
+    # before the first token is retried once on the other replica).
+    fresh = [req() for _ in range(3)]
+    results = await asyncio.gather(*(drain(d, r) for r in fresh))
+    assert all(o[-1].finished for o in results)
+    assert all(r.timeline.attrs["replica"] == "engine-1" for r in fresh)
+    # Of the two in-flight streams, the one on the killed replica fails with a clean 503.
+    assert sorted(await asyncio.gather(*(finish(s) for s in streams))) == ["failed", "ok"]
+    assert not d.flow.pool.handles["engine-0"].state().healthy
+    assert d.flow.pool.inflight() == 0
+    more = req()
+    await drain(d, more)
+    assert more.timeline.attrs["replica"] == "engine-1"
