@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 @dataclass
 class StubState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    auth: list[str | None] = field(default_factory=list)  # Authorization header of each request
     fail: dict[int, int] = field(default_factory=dict)  # request number (1-based) -> HTTP status
     empty: set[int] = field(default_factory=set)  # request numbers that stream no content
     timing: bool = True  # attach tokenpath timing to the usage chunk
@@ -41,6 +42,7 @@ def make_app(state: StubState) -> FastAPI:
     async def handle(request: Request, chat: bool):
         body = await request.json()
         state.bodies.append(body)
+        state.auth.append(request.headers.get("authorization"))
         n = len(state.bodies)
         if n in state.fail:
             return JSONResponse({"error": {"message": "nope", "type": "x", "param": None, "code": None}},

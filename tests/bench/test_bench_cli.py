@@ -59,6 +59,7 @@ def test_two_targets_two_loads_all_outputs(tmp_path, capsys):
         "ttft_cdf.png", "itl_cdf.png", "throughput_vs_load.png", "stages.png"}
     md = (tmp_path / "r.md").read_text()
     assert "## Ratios" in md and "| c=2 | peer |" in md and "stub without timing" in md and "cores" in md
+    assert "## Where ours loses" in md and "## Targets" in md
     out = capsys.readouterr().out
     assert "server-side stages" in out and "TTFT p99" in out
 

@@ -126,3 +126,14 @@ async def test_output_tokens_fall_back_to_chunk_count_without_usage():
     assert r.success and r.server_timing is None and r.prompt_tokens is None
     assert (r.output_tokens, r.output_tokens_source) == (3, "chunks")
     assert "ignore_eos" not in state.bodies[0] and "min_tokens" not in state.bodies[0]
+
+
+async def test_total_timeout_bounds_a_slow_stream_and_api_key_is_sent():
+    state = StubState(delay=0.5)
+    with StubServer(state) as srv:
+        target = Target("slow", srv.url, "m", api_key="sk-test")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            r = await send(client, target, spec(output_len=50), build_messages(spec()), total_timeout=0.8)
+    assert not r.success and r.error.startswith("timeout:") and r.status == 200
+    assert state.auth == ["Bearer sk-test"]
+    assert Target("t", "u", "m", api_key="sk-test").public()["api_key"] == "set"  # never written out

@@ -113,7 +113,8 @@ def register(subparsers: Any) -> None:
     a.add_argument("--num-requests", type=int, default=None, help="measured requests per load point (default 100)")
     a.add_argument("--duration", type=float, default=None, help="seconds after which no new request is issued")
     a.add_argument("--warmup", type=int, default=1, help="requests sent first, excluded from results")
-    a.add_argument("--request-timeout", type=float, default=300.0)
+    a.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds one request may take in all before it counts as a timeout error")
     a.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=100ms (also itl, e2el)")
     o = p.add_argument_group("output")
     o.add_argument("--json", dest="json_path", help="write every per-request record and the summaries")

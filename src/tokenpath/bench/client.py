@@ -6,6 +6,7 @@ arrival time of each chunk and the extension fields (tokenpath's server timing) 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -125,16 +126,18 @@ async def _lines(resp: httpx.Response) -> AsyncIterator[str]:
 
 
 async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec,
-               messages: list[dict[str, str]]) -> RequestRecord:
+               messages: list[dict[str, str]], total_timeout: float | None = None) -> RequestRecord:
     """Send one streaming request and time it. Never raises for server or transport failures:
-    they become an unsuccessful record with the status (or error kind), so they can be counted."""
+    they become an unsuccessful record with the status (or error kind), so they can be counted.
+    `total_timeout` bounds the whole request (httpx's own timeouts only bound each read)."""
     rec = RequestRecord(index=spec.index, intended_input_len=spec.input_len, intended_output_len=spec.output_len,
                         group=spec.group, session=spec.session, turn=spec.turn)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     body = build_body(target, spec, messages)
     st = time.perf_counter()
     try:
-        async with client.stream("POST", endpoint(target), json=body, headers=headers) as resp:
+        async with asyncio.timeout(total_timeout), \
+                client.stream("POST", endpoint(target), json=body, headers=headers) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 rec.error = f"http:{(await resp.aread()).decode(errors='replace')[:200]}"
@@ -143,6 +146,8 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec,
             await _read_stream(resp, target.api, rec, st)
     except httpx.TimeoutException as exc:
         rec.error = f"timeout:{type(exc).__name__}"
+    except TimeoutError:
+        rec.error = f"timeout:no answer within {total_timeout} s"
     except httpx.ConnectError as exc:
         rec.error = f"connect:{exc}"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

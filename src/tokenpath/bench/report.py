@@ -190,28 +190,52 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
+TARGET_HEADERS = ["target", "what it is", "endpoint", "model", "API", "exact lengths via"]
+
+
+def target_rows(results: Sequence[RunResult]) -> list[list[str]]:
+    seen: dict[str, Target] = {}
+    for r in results:
+        seen.setdefault(r.target.name, r.target)
+    return [[t.name, t.note or "-", t.base_url, t.model, t.api, t.exact] for t in seen.values()]
+
+
+def losses(results: Sequence[RunResult], baseline: str) -> list[str]:
+    """Plain sentences for every load point where the baseline's output throughput is below a peer's."""
+    return [f"- {baseline} loses to {row[1]} at {row[0]}: {row[2]} output throughput, {row[4]} TTFT p50, "
+            f"{row[5]} TPOT p50" for row in ratio_rows(results, baseline) if row[-1] == "loses"]
+
+
 def report(results: Sequence[RunResult], baseline: str | None = None, markdown: bool = False) -> str:
     """All tables of a run (latencies in ms), as text or markdown."""
-    out = [("## Client-side (ms; throughput per second)\n\n" if markdown else "")
-           + render(MAIN_HEADERS, main_rows(results), markdown)]
+    out = []
+    if markdown:
+        out.append("## Targets\n\n" + render(TARGET_HEADERS, target_rows(results), True))
+    out.append(("## Client-side (ms; throughput per second)\n\n" if markdown else "")
+               + render(MAIN_HEADERS, main_rows(results), markdown))
     if stages := stage_rows(results):
         out.append(("## Server-side stages (ms, from the target's own timing)\n\n" if markdown else
                     "server-side stages (ms):\n") + render(STAGE_HEADERS, stages, markdown))
     if baseline and (ratios := ratio_rows(results, baseline)):
         head = f"{baseline} / peer: throughput >1 means {baseline} is faster; latency <1 means {baseline} is faster"
         out.append((f"## Ratios\n\n{head}\n\n" if markdown else head + ":\n") + render(RATIO_HEADERS, ratios, markdown))
-    notes = _notes(results)
+        lost = losses(results, baseline)
+        out.append(("## Where " + baseline + " loses\n\n" if markdown else "")
+                   + ("\n".join(lost) if lost else f"- {baseline} does not lose on output throughput at any load point"))
+    notes = _notes(results, markdown)
     if notes:
         out.append(("## Notes\n\n" if markdown else "") + "\n".join(notes))
     return "\n\n".join(out)
 
 
-def _notes(results: Sequence[RunResult]) -> list[str]:
+def _notes(results: Sequence[RunResult], markdown: bool) -> list[str]:
     notes, seen = [], set()
     for r in results:
         t = r.target
         if t.name not in seen:
             seen.add(t.name)
+            if markdown:
+                continue  # the Targets table says it
             what = f" ({t.note})" if t.note else ""
             notes.append(f"- {t.name}: {t.base_url}, model {t.model}, {t.api} API, exact lengths via {t.exact}{what}")
         s = r.summary

