@@ -75,8 +75,11 @@ class DeploymentSpec(BaseModel):
     def _policy(self) -> DeploymentSpec:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        AdmissionConfig(**self.admission)
-        PoolConfig(**self.pool)
+        for cls, values in ((AdmissionConfig, self.admission), (PoolConfig, self.pool)):
+            try:
+                cls(**values)
+            except TypeError as exc:
+                raise ValueError(f"{cls.__name__}: {exc}") from None
         return self
 
 
@@ -173,3 +176,56 @@ async def replicated_deployment(model: str, n: int, engine_args: list[str] | Non
     served = next((r.model for r in dep.replicas if isinstance(r, RemoteReplica)), model)
     dep.name = served
     return dep, closers
+
+
+_ENGINE_FLAG_FIELDS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
+                       "max_num_seqs", "max_model_len", "seed")
+
+
+def engine_flags(engine: Any) -> list[str]:
+    """An `EngineConfig` as `tokenpath engine` flags, so local processes run with the serve flags."""
+    flags: list[str] = []
+    defaults = type(engine)()
+    for name in _ENGINE_FLAG_FIELDS:
+        value = getattr(engine, name, None)
+        if value is not None and value != getattr(defaults, name, None) and name != "seed":
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if not getattr(engine, "enable_prefix_caching", True):
+        flags.append("--no-enable-prefix-caching")
+    return flags
+
+
+async def serve_router(config: Any, replicas: int = 1, routing_file: str | None = None,
+                       policy: str = DEFAULT_POLICY) -> tuple[ModelRouter, list[Closer]]:
+    """What `tokenpath serve` needs, in one call (config: `tokenpath.api.config.ServerConfig`):
+
+    - `routing_file`: deployments from YAML (see the module docstring), plus the in-process
+      embedding model(s) named in `config.models`;
+    - `replicas > 1`: each chat model in `config.models` as that many local engine processes;
+    - otherwise: the in-process deployments of `tokenpath.api.deployments.load_deployments`.
+    Aliases from `config.aliases` apply in every case.
+    """
+    from tokenpath.api.config import is_embedding_model
+    from tokenpath.api.deployments import load_deployments, load_embedding
+
+    if routing_file is None and replicas <= 1:
+        deployments, closers = await load_deployments(config)
+        for d in deployments:
+            d.policy = policy
+        return ModelRouter(deployments, config.aliases), closers
+    embeddings = [await asyncio.to_thread(load_embedding, m) for m in config.models if is_embedding_model(m)]
+    closers = [d.embedder.shutdown for d in embeddings]
+    if routing_file is not None:
+        router, more = await build_router(RoutingConfig.from_yaml(routing_file), extra=embeddings,
+                                          aliases=config.aliases)
+        return router, closers + more
+    deployments: list[Deployment] = list(embeddings)
+    try:
+        for model in (m for m in config.models if not is_embedding_model(m)):
+            dep, more = await replicated_deployment(model, replicas, engine_flags(config.engine), policy)
+            deployments.append(dep)
+            closers += more
+    except BaseException:
+        await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+        raise
+    return ModelRouter(deployments, config.aliases), closers

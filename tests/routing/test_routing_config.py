@@ -1,0 +1,42 @@
+import pytest
+from pydantic import ValidationError
+
+from tokenpath.config import EngineConfig
+from tokenpath.routing.config import RoutingConfig, _max_num_seqs, engine_flags
+
+
+def test_config_validates_replicas_and_policy(tmp_path):
+    path = tmp_path / "routing.yaml"
+    path.write_text(
+        "deployments:\n"
+        "  - name: smollm2-135m-instruct\n"
+        "    aliases: [gpt-4o-mini]\n"
+        "    policy: session_affinity\n"
+        "    replicas:\n"
+        "      - local: 2\n"
+        "        engine_args: ['--max-num-seqs', '4']\n"
+        "      - url: http://127.0.0.1:9\n"
+        "    admission: {max_queue: 8}\n"
+    )
+    cfg = RoutingConfig.from_yaml(path)
+    spec = cfg.deployments[0]
+    assert spec.replicas[0].local == 2 and spec.replicas[1].url and spec.aliases == ["gpt-4o-mini"]
+    bad = [
+        {"name": "m", "replicas": [{"url": "http://x", "local": 1}]},
+        {"name": "m", "replicas": [{}]},
+        {"name": "m", "replicas": []},
+        {"name": "m", "policy": "random", "replicas": [{"local": 1}]},
+        {"name": "m", "replicas": [{"local": 1}], "admission": {"max_queue_len": 3}},
+        {"name": "m", "task": "embedding", "replicas": [{"local": 1}]},
+    ]
+    for d in bad:
+        with pytest.raises(ValidationError):
+            RoutingConfig.model_validate({"deployments": [d]})
+
+
+def test_engine_flags_carry_only_changed_settings():
+    assert engine_flags(EngineConfig()) == []
+    flags = engine_flags(EngineConfig(num_kv_blocks=64, max_num_seqs=4, enable_prefix_caching=False))
+    assert flags == ["--num-kv-blocks", "64", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
+    assert _max_num_seqs(flags) == 4 and _max_num_seqs(["--max-num-seqs=3"]) == 3
+    assert _max_num_seqs([]) == EngineConfig().max_num_seqs
