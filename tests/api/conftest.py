@@ -93,3 +93,19 @@ def read_metric(text: str, name: str, model: str = CHAT_MODEL) -> float:
 @pytest.fixture
 def metric():
     return read_metric
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start extra servers with their own flags; all are stopped (SIGTERM, exit 0) at module end."""
+    started: list[Server] = []
+
+    def make(*args: str) -> Server:
+        srv = start_server(tmp_path_factory.mktemp("serve"), *args)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        code = srv.stop()
+        assert code == 0, srv.output()[-3000:]

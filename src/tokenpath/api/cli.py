@@ -153,6 +153,8 @@ async def _serve(config: ServerConfig, guard: RequestGuard) -> int:
     from tokenpath.routing.models import ModelRouter
 
     deployments, closers = await load_deployments(config)
+    if hasattr(guard, "close"):
+        closers.append(lambda: asyncio.to_thread(guard.close))
     app = create_app(ModelRouter(deployments, config.aliases), guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:

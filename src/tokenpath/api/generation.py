@@ -44,10 +44,11 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep = run.route(body.model, "chat" if chat else "completion")
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
+        priority = run.priority()
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
-        sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts))
+        sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts, priority))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
         gen = Generation(run, body, chat, len(prompts))
@@ -71,14 +72,14 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
 
 
 def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
-                      texts: list[str]) -> GenerateRequest:
+                      texts: list[str], priority: int) -> GenerateRequest:
     assert run.principal is not None
     return GenerateRequest(
         request_id=run.id if parts == 1 else f"{run.id}-{i}",
         prompt_token_ids=ids,
         params=params,
         timeline=run.timeline,
-        priority=run.principal.priority,
+        priority=priority,
         tenant=run.principal.tenant,
         prompt=texts[i] if i < len(texts) else None,
     )

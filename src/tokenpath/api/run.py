@@ -16,7 +16,7 @@ from fastapi import Request
 from tokenpath.api.formatting import Accumulator
 from tokenpath.api.sse import StopSignal
 from tokenpath.api.state import AppState
-from tokenpath.errors import TokenpathError
+from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import AuditRecord, Principal, Reservation
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.timeline import Timeline
@@ -43,6 +43,7 @@ class RequestRun:
         self.error_type: str | None = None
         self.acc: Accumulator | None = None
         self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
+        self.prompt_text: str | None = None  # the gateway keeps it only when text logging is on
         self.token_times: list[float] = []
         self.stop = StopSignal()
         self._finished = False
@@ -61,8 +62,22 @@ class RequestRun:
         self.timeline.stamp("routed", deployment=self.deployment.name)
         return self.deployment
 
+    def priority(self) -> int:
+        """The principal's priority, or a worse-or-equal one it asks for with `x-priority` (lower is
+        more urgent; nobody may ask for better than their key's `max_priority`)."""
+        assert self.principal is not None
+        raw = self.request.headers.get("x-priority")
+        if raw is None:
+            return self.principal.priority
+        try:
+            asked = int(raw)
+        except ValueError:
+            raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
+        return max(asked, self.principal.max_priority)
+
     async def admit(self, texts: list[str], tokens: int) -> None:
         assert self.principal is not None and self.deployment is not None
+        self.prompt_text = "\n".join(texts)
         await self.state.guard.check_policy(self.principal, texts)
         self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
         self.timeline.stamp("admitted")
@@ -145,4 +160,6 @@ class RequestRun:
             total_s=durations.get("total"),
             client=client.host if client else None,
             error_type=self.error_type,
+            prompt_text=self.prompt_text,
+            completion_text="\n".join(c.text for c in self.acc.sorted()) if self.acc else None,
         )

@@ -39,7 +39,6 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 Stop = str | Annotated[list[str], Field(max_length=64)] | None
