@@ -19,7 +19,7 @@ from tokenpath.errors import AuthenticationError, InvalidRequestError, Permissio
 from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import key_prefix, looks_like_key, verify_key
 from tokenpath.gateway.policy import PolicyHook
-from tokenpath.gateway.store import GatewayStore
+from tokenpath.gateway.store import GatewayStore, KeyRecord
 
 log = logging.getLogger("tokenpath.gateway")
 
@@ -64,7 +64,19 @@ class Gateway:
         if not self._keys_exist and not await asyncio.to_thread(self.store.has_keys):
             return Principal()
         self._keys_exist = True
-        secret = credential_from(headers)
+        record = await self._verified_key(credential_from(headers))
+        now = self.clock()
+        if record.revoked_at is not None:
+            raise AuthenticationError(f"API key {record.prefix}... has been revoked.", code="invalid_api_key")
+        if record.expires_at is not None and record.expires_at <= now:
+            raise AuthenticationError(f"API key {record.prefix}... has expired.", code="invalid_api_key")
+        if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
+            self._touched[record.prefix] = now
+            await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+        return await self._principal(record)
+
+    async def _verified_key(self, secret: str | None) -> KeyRecord:
+        """The stored key the credential proves, or a 401 that echoes nothing of the credential."""
         if not secret:
             raise AuthenticationError(_MISSING, code="invalid_api_key")
         if not looks_like_key(secret):
@@ -74,19 +86,15 @@ class Gateway:
         salt, digest = (record.salt, record.digest) if record else (_DUMMY_SALT, _DUMMY_DIGEST)
         if not verify_key(secret, salt, digest) or record is None:
             raise AuthenticationError(_INVALID, code="invalid_api_key")
-        now = self.clock()
-        if record.revoked_at is not None:
-            raise AuthenticationError(f"API key {record.prefix}... has been revoked.", code="invalid_api_key")
-        if record.expires_at is not None and record.expires_at <= now:
-            raise AuthenticationError(f"API key {record.prefix}... has expired.", code="invalid_api_key")
+        return record
+
+    async def _principal(self, record: KeyRecord) -> Principal:
+        """Key settings combined with its tenant's: limits tightened, model lists intersected."""
         tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
         tenant_limits = tenant.limits if tenant else Limits()
         models = record.models
         if tenant is not None and tenant.models is not None:
             models = tenant.models if models is None else models & tenant.models
-        if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
-            self._touched[record.prefix] = now
-            await asyncio.to_thread(self.store.touch_key, record.prefix, now)
         return Principal(
             tenant=record.tenant, key_prefix=record.prefix, allowed_models=models,
             priority=record.priority, max_priority=record.priority,
