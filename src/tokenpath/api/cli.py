@@ -31,10 +31,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     _server_flags(serve)
     serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+    serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
+    serve.add_argument("--routing-policy", default=None,
+                       help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
     _server_flags(engine)
-    engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None)
+    engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
+                        routing_policy=None)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -105,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(config, guard))
+        return asyncio.run(_serve(config, guard, args))
     except ModelLoadError as exc:
         print(f"tokenpath: cannot load model: {exc}", file=sys.stderr)
         return 1
@@ -147,15 +153,29 @@ class _Server(uvicorn.Server):
             log.warning("shutdown timeout: aborting %d in-flight request(s)", n)
 
 
-async def _serve(config: ServerConfig, guard: RequestGuard) -> int:
-    from tokenpath.api.app import create_app
-    from tokenpath.api.deployments import load_deployments
-    from tokenpath.routing.models import ModelRouter
+async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
+    """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
+    if args.replicas <= 1 and args.routing is None and args.routing_policy is None:
+        from tokenpath.api.deployments import load_deployments
+        from tokenpath.routing.models import ModelRouter
 
-    deployments, closers = await load_deployments(config)
+        deployments, closers = await load_deployments(config)
+        return ModelRouter(deployments, config.aliases), closers
+    from tokenpath.routing.config import serve_router
+    from tokenpath.routing.replicas import DEFAULT_POLICY
+
+    return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
+                              policy=args.routing_policy or DEFAULT_POLICY)
+
+
+async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
+    from tokenpath.api.app import create_app
+
+    router, closers = await _load(config, args)
+    deployments = list(router.deployments.values())
     if hasattr(guard, "close"):
         closers.append(lambda: asyncio.to_thread(guard.close))
-    app = create_app(ModelRouter(deployments, config.aliases), guard, config, on_shutdown=closers)
+    app = create_app(router, guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:
         served = ", ".join(f"{d.name} ({d.task})" for d in deployments)
