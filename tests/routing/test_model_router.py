@@ -6,6 +6,7 @@ from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.engine.sampling_params import SamplingParams
 from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
 from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.telemetry.timeline import Timeline
@@ -18,7 +19,8 @@ def req(rid, max_tokens=3):
 def dep(name, task="chat", n=1, seqs=2, **adm):
     reps = [SimulatedReplica(f"{name}-{i}", SimulatedConfig(max_num_seqs=seqs, token_interval_s=0.01))
             for i in range(n)]
-    return Deployment(name, task, reps, admission=AdmissionConfig(**adm))
+    return Deployment(name, task, reps, admission=AdmissionConfig(**adm),
+                      pool_config=PoolConfig(max_engine_waiting=0))
 
 
 def test_aliases_and_tasks():

@@ -21,7 +21,10 @@ from tokenpath.replica.base import Replica, ReplicaState
 
 @dataclass
 class PoolConfig:
-    max_inflight: int | None = None  # per replica; None: the replica's max_num_seqs, else 8
+    # Per replica. None: its batch size (max_num_seqs, else 8) plus `max_engine_waiting`: a short
+    # engine queue means the next request is ready the moment a sequence finishes, and it gives
+    # prefix-aware routing room to keep a group on its replica instead of spilling it cold.
+    max_inflight: int | None = None
     max_engine_waiting: int = 2  # the engine's own queue may hold at most this many of anyone's
     kv_limit: float = 0.98  # no dispatch above this KV usage
     eject_base_s: float = 1.0
@@ -88,7 +91,7 @@ class ReplicaHandle:
     def limit(self, state: ReplicaState) -> int:
         if self.config.max_inflight is not None:
             return self.config.max_inflight
-        return state.max_num_seqs or 8
+        return (state.max_num_seqs or 8) + self.config.max_engine_waiting
 
     def has_room(self, state: ReplicaState) -> bool:
         """`state` is this handle's overlaid state; the engine-queue test uses the replica's own

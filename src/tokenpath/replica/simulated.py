@@ -39,13 +39,14 @@ class SimulatedReplica:
         self.healthy = True
         self.served: list[str] = []  # request ids in the order they started
         self.fail_before_first = 0  # fail this many next requests before their first token
+        self.kv_per_seq = 0.5 / self.config.max_num_seqs  # a full batch uses half the KV cache
         self._slot_freed = asyncio.Event()
         self._aborted: set[str] = set()
 
     def state(self) -> ReplicaState:
         c = self.config
         return ReplicaState(name=self.name, waiting=len(self.waiting), running=len(self.running),
-                            kv_usage=len(self.running) / c.max_num_seqs, healthy=self.healthy,
+                            kv_usage=self.kv_per_seq * len(self.running), healthy=self.healthy,
                             prefix_hashes=set(self.cached), max_num_seqs=c.max_num_seqs,
                             block_size=c.block_size)
 
