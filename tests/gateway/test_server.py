@@ -302,6 +302,7 @@ def test_no_key_beyond_its_prefix_in_logs_audit_rows_error_bodies_or_metrics(ser
     haystack = "\n".join([server.logs.getvalue(), stored, metrics, *server.seen])
     assert len(server.seen) >= 8 and "uvicorn.access" in server.logs.getvalue()
     assert len(server.secrets) >= 8
+    assert "Say hi." not in stored  # prompt and completion text stay out unless the operator turns it on
     for secret in server.secrets:
         assert secret[:11] in stored  # prefixes are meant to be seen
         assert secret[:12] not in haystack and secret[11:] not in haystack and secret[-10:] not in haystack
