@@ -120,6 +120,7 @@ async def test_stream_state_and_body():
         assert "".join(o.outputs[0].text for o in outs) == "w0 w1 w2 "
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
         assert not any(o.finished for o in outs[:-1])
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)  # one chunk, one token (id unknown)
         body = fake.bodies[0]
         assert body["prompt"] == [5, 6, 7] and body["model"] == "m" and body["stream"] is True
         assert body["temperature"] == 0.0 and body["stop"] == ["x"] and "seed" not in body

@@ -79,6 +79,7 @@ class RemoteReplica:
         self.config = config
         self.model = config.model or model or name
         self._discover_model = not (config.model or model)
+        self.tokenizer: object | None = None  # the deployment's tokenizer, set by whoever builds it
         self.max_model_len: int | None = None
         self.base = config.url.rstrip("/")
         headers = dict(config.headers)
@@ -214,7 +215,9 @@ class RemoteReplica:
             reason = choice.get("finish_reason")
             if reason is not None:
                 finished.add(idx)
-            outs.append(CompletionOutput(index=idx, text=choice.get("text") or "", finish_reason=reason))
+            text = choice.get("text") or ""
+            ids = choice.get("token_ids") or self._token_ids(text)
+            outs.append(CompletionOutput(index=idx, text=text, token_ids=list(ids), finish_reason=reason))
         if not outs:
             return None  # the usage-only chunk
         if metrics.first_token_time is None:
@@ -226,6 +229,18 @@ class RemoteReplica:
         return RequestOutput(request_id=request.request_id, outputs=outs,
                              prompt_token_ids=request.prompt_token_ids, num_cached_tokens=_cached_tokens(data),
                              finished=done, metrics=metrics, prompt=request.prompt)
+
+    def _token_ids(self, text: str) -> list[int]:
+        """OpenAI streams carry text, not ids. Servers that send `token_ids` (vLLM's
+        `return_token_ids`) are used as is; otherwise the delta is re-encoded with the gateway's
+        tokenizer so usage counts and token timings work (ids can differ from the engine's at
+        token boundaries; counts are what the layers above use)."""
+        if not text:
+            return []
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids) or [-1]
+        return [-1]  # one chunk is at least one token; the id is unknown
 
     async def abort(self, request_id: str) -> None:
         resp = self._open.pop(request_id, None)

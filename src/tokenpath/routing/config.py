@@ -135,7 +135,10 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         raise
-    closers += [r.close for r in replicas if isinstance(r, RemoteReplica)]
+    for r in replicas:
+        if isinstance(r, RemoteReplica):
+            r.tokenizer = tokenizer
+            closers.append(r.close)
     closers += [p.stop for p in procs]
     max_len = spec.max_model_len or next(
         (r.max_model_len for r in replicas if isinstance(r, RemoteReplica) and r.max_model_len), 2048)
