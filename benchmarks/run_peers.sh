@@ -123,22 +123,30 @@ setup_transformers() {
         "$TF_VENV/bin/pip" install -q torch==2.13.0
         "$TF_VENV/bin/pip" install -q "transformers[serving]==$tf_version" gguf torch==2.13.0
     fi
-    if [ ! -f "$TF_MODEL/config.json" ]; then
+    if [ ! -f "$TF_MODEL/.converted-v2" ]; then
         # `transformers serve` cannot serve the GGUF itself and a GGUF-loaded model refuses
-        # save_pretrained: copy its (dequantized) weights into a fresh LlamaForCausalLM and save that.
-        log "converting $GGUF_NAME to a safetensors folder for transformers serve"
-        "$TF_VENV/bin/python" - "$GGUF_DIR" "$GGUF_NAME" "$TF_MODEL" <<'PYEOF'
+        # save_pretrained: copy its dequantized weights into a fresh LlamaForCausalLM and save that.
+        # The fresh config must not inherit the GGUF `quantization_config`: with it, transformers
+        # reloads the folder as packed GGUF weights with float32 kernels, not as a bf16 model.
+        log "converting $GGUF_NAME to a $DTYPE safetensors folder for transformers serve"
+        rm -rf "$TF_MODEL"
+        "$TF_VENV/bin/python" - "$GGUF_DIR" "$GGUF_NAME" "$TF_MODEL" "$DTYPE" <<'PYEOF'
 import sys
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-src, name, out = sys.argv[1:4]
-gg = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
-config = gg.config
-config.architectures = ["LlamaForCausalLM"]
-model = LlamaForCausalLM(config).to(torch.bfloat16)
-model.load_state_dict(gg.state_dict())
-model.save_pretrained(out)
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+src, name, out, dtype = sys.argv[1:5]
+dtype = getattr(torch, dtype)
+gg = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+cfg = gg.config.to_dict()
+cfg.pop("quantization_config", None)
+cfg["architectures"] = ["LlamaForCausalLM"]
+config = LlamaConfig.from_dict(cfg)
+model = LlamaForCausalLM(config)
+model.load_state_dict({k: v.float() for k, v in gg.state_dict().items()})
+model.to(dtype).save_pretrained(out)
 AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
+assert "quantization_config" not in open(f"{out}/config.json").read()
+open(f"{out}/.converted-v2", "w").write("dequantized copy of the GGUF, no quantization_config\n")
 print("saved", out)
 PYEOF
     fi
