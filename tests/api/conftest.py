@@ -109,3 +109,9 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     for srv in started:
         code = srv.stop()
         assert code == 0, srv.output()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def launch_server():
+    """`start_server(tmp_dir, *flags)` for tests that must prepare the data dir first."""
+    return start_server

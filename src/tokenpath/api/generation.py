@@ -39,8 +39,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
                      "chatcmpl" if chat else "cmpl")
     handed_off = False
     try:
-        body.reject_unsupported()
         await run.authenticate()
+        body.reject_unsupported()
         dep = run.route(body.model, "chat" if chat else "completion")
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
