@@ -1,12 +1,4 @@
-"""`tokenpath bench`: argument parsing and wiring; the work happens in runner/report/plots.
-
-Examples:
-  tokenpath bench --base-url http://127.0.0.1:8000/v1 --concurrency 1,8,32 --num-requests 64 \\
-      --input-len 256 --output-len 128 --json out.json --plot plots/
-  tokenpath bench --target ours=http://127.0.0.1:8000/v1 \\
-      --target llamacpp=http://127.0.0.1:8001/v1,model=smollm2,exact=min_tokens --rate 1,2,4
-  tokenpath bench --merge a.json b.json --baseline tokenpath --markdown table.md
-"""
+"""`tokenpath bench`: argument parsing and wiring; the work happens in runner/report/plots."""
 
 from __future__ import annotations
 
@@ -24,6 +16,17 @@ from tokenpath.bench.runner import Bounds, RunResult, run_all
 from tokenpath.bench.workload import WORKLOAD_KINDS, LengthDist, Workload, WorkloadConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DESCRIPTION = """Load-test OpenAI-compatible servers and compare them side by side: TTFT, TPOT, ITL and E2EL
+(as `vllm bench serve` defines them), throughput, goodput, errors, and the server's own stage
+timing where it reports it (tokenpath does).
+
+Examples:
+  tokenpath bench --base-url http://127.0.0.1:8000/v1 --concurrency 1,8,32 --num-requests 64 \\
+      --input-len 256 --output-len 128 --json out.json --plot plots/
+  tokenpath bench --target ours=http://127.0.0.1:8000/v1 \\
+      --target llamacpp=http://127.0.0.1:8001/v1,model=smollm2,exact=min_tokens --rate 1,2,4
+  tokenpath bench --merge a.json b.json --baseline tokenpath --markdown table.md
+"""
 TARGET_KEYS = ("model", "api", "exact", "key")
 
 
@@ -84,7 +87,7 @@ def load_points(rates: list[float], concurrencies: list[int], burst: bool) -> li
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="load-test OpenAI-compatible servers side by side",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("targets")
     g.add_argument("--target", action="append", default=[], metavar="NAME=URL[,model=M,api=A,exact=E,key=K]",
                    help="repeatable; all targets run the same request list, one after another")
