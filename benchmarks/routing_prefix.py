@@ -52,7 +52,8 @@ def workload(rng: random.Random, groups: int, per_group: int, prefix: int, suffi
 
 
 async def run_policy(policy: str, replicas, procs, prompts: list[list[int]], args) -> dict:
-    dep = Deployment("smollm2-135m-instruct", "chat", list(replicas), policy=policy,
+    options = {"load_threshold": args.load_threshold} if policy in ("prefix_aware", "session_affinity") else {}
+    dep = Deployment("smollm2-135m-instruct", "chat", list(replicas), policy=policy, picker_options=options,
                      admission=AdmissionConfig(max_queue=10_000, fallback_deadline_s=3600,
                                                default_deadline_s={}),
                      pool_config=PoolConfig())
@@ -134,13 +135,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-group", type=int, default=6)
-    p.add_argument("--prefix-tokens", type=int, default=384)
+    p.add_argument("--prefix-tokens", type=int, default=512)
     p.add_argument("--suffix-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--num-kv-blocks", type=int, default=128)
+    p.add_argument("--num-kv-blocks", type=int, default=160)
     p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--load-threshold", type=float, default=1.0)
     p.add_argument("--policies", default="prefix_aware,round_robin,least_loaded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="routing_prefix")

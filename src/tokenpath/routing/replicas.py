@@ -13,7 +13,9 @@ Policies:
 - `prefix_aware` (default): the prompt's chained block hashes — computed with the engine's own
   hash and the replica's block size — matched against what each replica reported as cached and
   what this router recently sent it. Longest match wins unless that replica is more loaded than the
-  least loaded one by `load_threshold`; a cold prompt goes to the least loaded.
+  least loaded one by `load_threshold` (in load-score units: 1.0 = one full batch more, or a KV
+  cache that much fuller); a cold prompt goes to the least loaded. A miss costs a full prefill
+  *and* copies the prefix into a second cache, so the default escape is deliberately not eager.
 - `session_affinity`: rendezvous hashing of the session id (`user` or `x-session-id`), with the
   same load escape. Rendezvous hashing needs no table and moves only the sessions of a replica
   that leaves, so several gateways agree without sharing state.
@@ -152,7 +154,7 @@ class PrefixIndex:
 class PrefixAwarePicker:
     policy = "prefix_aware"
 
-    def __init__(self, load_threshold: float = 0.5, min_match_blocks: int = 1,
+    def __init__(self, load_threshold: float = 1.0, min_match_blocks: int = 1,
                  index: PrefixIndex | None = None) -> None:
         self.load_threshold = load_threshold
         self.min_match_blocks = min_match_blocks
@@ -202,7 +204,7 @@ def _hrw(session: str, replica: str) -> int:
 class SessionAffinityPicker:
     policy = "session_affinity"
 
-    def __init__(self, load_threshold: float = 0.5) -> None:
+    def __init__(self, load_threshold: float = 1.0) -> None:
         self.load_threshold = load_threshold
 
     def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
