@@ -152,3 +152,14 @@ def test_target_and_load_parsing():
     assert load_points([], [1, 8], False) == [LoadPoint(concurrency=1), LoadPoint(concurrency=8)]
     assert load_points([2.0], [], True) == [LoadPoint(rate=2.0), LoadPoint(rate=float("inf"))]
     assert load_points([], [], False) == [LoadPoint(concurrency=1)]
+
+
+def test_outputs_shorter_than_asked_are_flagged(tmp_path, capsys):
+    with StubServer(StubState(short_by=2, usage=False)) as srv:
+        rc = bench("--target", f"early={srv.url},exact=none", "--num-requests", "3", "--warmup", "0",
+                   "--input-len", "3", "--output-len", "5", "--json", str(tmp_path / "e.json"))
+    assert rc == 0
+    s = json.loads((tmp_path / "e.json").read_text())["runs"][0]["summary"]
+    assert s["exact_output_fraction"] == 0.0 and s["mean_output_tokens"] == 3.0
+    out = capsys.readouterr().out
+    assert "only 0% of outputs had the asked length" in out and "counted as content chunks" in out

