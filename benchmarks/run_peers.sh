@@ -21,11 +21,13 @@
 #   SEED           workload seed (0)
 #   RESULTS        output folder (benchmarks/results); TAG names the outputs (peers):
 #                  $RESULTS/$TAG.md, $RESULTS/$TAG.json, $RESULTS/$TAG-plots/*.png
-#   DTYPE          torch dtype for tokenpath and transformers (bfloat16)
+#   DTYPE          torch dtype for tokenpath and transformers (bfloat16 if the CPU has avx512_bf16, else float32)
 #   THREADS        llama.cpp threads (nproc)
 #   BASE_PORT      first loopback port (18400)
 #   TP_VENV        tokenpath's venv (.venv, relative to the repo or absolute);  PY: python for new venvs
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
+#   MERGE_FROM     space-separated per-peer JSON files (`tokenpath bench --json`): start nothing,
+#                  only remake $TAG.md/.json/-plots from them (PEERS still names the peers)
 # Example smoke run: PEERS=transformers NUM_REQUESTS=4 CONCURRENCIES=2 OUTPUT_LEN=16 RESULTS=/tmp/smoke \
 #                    bash benchmarks/run_peers.sh
 set -euo pipefail
@@ -41,7 +43,8 @@ WARMUP=${WARMUP:-2}
 SEED=${SEED:-0}
 RESULTS=${RESULTS:-benchmarks/results}
 TAG=${TAG:-peers}
-DTYPE=${DTYPE:-bfloat16}
+# The PyTorch engines both run the dtype this CPU computes fastest: bf16 needs avx512_bf16 (or AMX).
+DTYPE=${DTYPE:-$(grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && echo bfloat16 || echo float32)}
 THREADS=${THREADS:-$(nproc)}
 BASE_PORT=${BASE_PORT:-18400}
 TP_VENV=${TP_VENV:-.venv}
@@ -116,7 +119,7 @@ run_tokenpath() {
         --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
     wait_ready tokenpath "http://127.0.0.1:$port/health" 600 || return 1
     TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
-    NOTE="tokenpath $version: in-process PyTorch engine, paged KV + continuous batching, $DTYPE weights dequantized from the Q4_1 GGUF; ignore_eos+min_tokens"
+    NOTE="tokenpath $version: in-process PyTorch engine, paged KV + continuous batching, $DTYPE (dequantized from the Q4_1 GGUF); ignore_eos+min_tokens"
 }
 
 # ---- transformers serve ------------------------------------------------------------------------
@@ -131,19 +134,19 @@ setup_transformers() {
         "$TF_VENV/bin/pip" install -q torch==2.13.0
         "$TF_VENV/bin/pip" install -q "transformers[serving]==$tf_version" gguf torch==2.13.0
     fi
-    if [ ! -f "$TF_MODEL/.converted-v2" ]; then
+    if [ ! -f "$TF_MODEL/.converted-v3" ]; then
         # `transformers serve` cannot serve the GGUF itself and a GGUF-loaded model refuses
         # save_pretrained: copy its dequantized weights into a fresh LlamaForCausalLM and save that.
         # The fresh config must not inherit the GGUF `quantization_config`: with it, transformers
-        # reloads the folder as packed GGUF weights with float32 kernels, not as a bf16 model.
-        log "converting $GGUF_NAME to a $DTYPE safetensors folder for transformers serve"
+        # reloads the folder as packed GGUF weights, not as a plain model.
+        log "converting $GGUF_NAME to a float32 safetensors folder for transformers serve"
         rm -rf "$TF_MODEL"
-        "$TF_VENV/bin/python" - "$GGUF_DIR" "$GGUF_NAME" "$TF_MODEL" "$DTYPE" <<'PYEOF'
+        "$TF_VENV/bin/python" - "$GGUF_DIR" "$GGUF_NAME" "$TF_MODEL" <<'PYEOF'
 import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-src, name, out, dtype = sys.argv[1:5]
-dtype = getattr(torch, dtype)
+# Saved in float32, the exact dequantized values; `transformers serve --dtype` casts at load time.
+src, name, out = sys.argv[1:4]
 gg = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
 cfg = gg.config.to_dict()
 cfg.pop("quantization_config", None)
@@ -151,10 +154,10 @@ cfg["architectures"] = ["LlamaForCausalLM"]
 config = LlamaConfig.from_dict(cfg)
 model = LlamaForCausalLM(config)
 model.load_state_dict({k: v.float() for k, v in gg.state_dict().items()})
-model.to(dtype).save_pretrained(out)
+model.save_pretrained(out)
 AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
 assert "quantization_config" not in open(f"{out}/config.json").read()
-open(f"{out}/.converted-v2", "w").write("dequantized copy of the GGUF, no quantization_config\n")
+open(f"{out}/.converted-v3", "w").write("float32 dequantized copy of the GGUF, no quantization_config\n")
 print("saved", out)
 PYEOF
     fi
@@ -169,7 +172,7 @@ run_transformers() {
     wait_ready transformers "http://127.0.0.1:$port/health" 600 || return 1
     # It rejects ignore_eos/min_tokens (422): lengths are forced with generation_config eos_token_id=-1.
     TARGET="transformers=http://127.0.0.1:$port/v1,model=$TF_MODEL,exact=hf"
-    NOTE="transformers serve $version --continuous-batching (paged attention, Python), $DTYPE weights dequantized from the same Q4_1 GGUF, 64 KV blocks; eos_token_id=-1"
+    NOTE="transformers serve $version --continuous-batching (paged attention, Python), $DTYPE (dequantized from the same Q4_1 GGUF), 64 KV blocks; eos_token_id=-1"
 }
 
 # ---- llama-cpp-python --------------------------------------------------------------------------
@@ -196,14 +199,21 @@ run_llamacpp() {
 }
 
 # ---- run ---------------------------------------------------------------------------------------
-for peer in "${PEER_LIST[@]}"; do
-    "setup_$peer"
-done
-[ "${SETUP_ONLY:-0}" = 1 ] && { log "peers installed"; exit 0; }
-
 RAW=()
+if [ -n "${MERGE_FROM:-}" ]; then
+    # Re-make the table and plots from earlier per-peer JSON files (no server is started).
+    read -r -a RAW <<<"$MERGE_FROM"
+    PEER_LIST_RUN=()
+else
+    for peer in "${PEER_LIST[@]}"; do
+        "setup_$peer"
+    done
+    [ "${SETUP_ONLY:-0}" = 1 ] && { log "peers installed"; exit 0; }
+    PEER_LIST_RUN=("${PEER_LIST[@]}")
+fi
+
 port=$BASE_PORT
-for peer in "${PEER_LIST[@]}"; do
+for peer in "${PEER_LIST_RUN[@]}"; do
     TARGET="" NOTE=""
     port=$((port + 1))
     # A peer that does not come up is reported and skipped; the others still run and get merged.
@@ -228,10 +238,16 @@ log "merging into $RESULTS/$TAG.md"
 BASELINE=()
 [[ ",$PEERS," == *",tokenpath,"* ]] && BASELINE=(--baseline tokenpath)
 {
-    echo "# tokenpath vs peers: $INPUT_LEN prompt / $OUTPUT_LEN output tokens, concurrency $CONCURRENCIES"
-    echo
-    echo "Made by \`benchmarks/run_peers.sh\` (PEERS=$PEERS NUM_REQUESTS=$NUM_REQUESTS CONCURRENCIES=$CONCURRENCIES"
-    echo "INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN WARMUP=$WARMUP SEED=$SEED DTYPE=$DTYPE THREADS=$THREADS SLO=$SLO)."
+    if [ -n "${MERGE_FROM:-}" ]; then
+        echo "# tokenpath vs peers"
+        echo
+        echo "Remade by \`benchmarks/run_peers.sh\` from earlier runs (MERGE_FROM); their workload is listed below."
+    else
+        echo "# tokenpath vs peers: $INPUT_LEN prompt / $OUTPUT_LEN output tokens, concurrency $CONCURRENCIES"
+        echo
+        echo "Made by \`benchmarks/run_peers.sh\` (PEERS=$PEERS NUM_REQUESTS=$NUM_REQUESTS CONCURRENCIES=$CONCURRENCIES"
+        echo "INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN WARMUP=$WARMUP SEED=$SEED DTYPE=$DTYPE THREADS=$THREADS SLO=$SLO)."
+    fi
     echo "Each server ran alone on the machine; all served SmolLM2-135M-Instruct from $GGUF_NAME."
     echo "How the comparison is made fair, and why each result is what it is: benchmarks/peers.md."
     echo "Latencies in ms, throughput per second, goodput = requests/s meeting $SLO."
@@ -240,13 +256,48 @@ BASELINE=()
 "$TP_PY" -m tokenpath.cli bench --merge "${RAW[@]}" "${BASELINE[@]}" --markdown "$WORK/merged.md" \
     --json "$RESULTS/$TAG.json" --plot "$RESULTS/$TAG-plots"
 cat "$WORK/merged.md" >>"$RESULTS/$TAG.md"
+
+why_llamacpp() {
+    cat <<'WHY'
+- **llamacpp** reads 4.5-bit Q4_1 weights with hand-written SIMD kernels and has no Python in its
+  token loop; tokenpath reads bf16 or fp32 weights (3.5-7x the bytes per token) through PyTorch and runs its
+  scheduler, sampler and detokenizer in Python every step. That decides single-stream decode, where
+  llama.cpp's lack of batching costs it nothing. What would change it: running the GGUF quantized
+  (int8/int4 weight kernels), a compiled/fused decode step, and less Python per step. At higher
+  concurrency llama-cpp-python serves one request at a time, so batching should win there; a loss
+  there means tokenpath's per-step cost grows with the batch (see the server-side stage table).
+WHY
+}
+why_transformers() {
+    cat <<'WHY'
+- **transformers** runs the same weights in the same framework and dtype, with paged attention and
+  continuous batching, so a loss is tokenpath's own engine or HTTP path: compare the server-side
+  stages above (queue: scheduling/admission; prefill: prompt processing; decode: per-token steps)
+  with the client TTFT/TPOT to see which. What would change it depends on that stage: fewer Python
+  operations per scheduler step, a fused attention kernel for the paged cache, or batching prefill
+  with decode (chunked prefill) when queue time dominates.
+WHY
+}
+if grep -q "^- tokenpath loses to" "$WORK/merged.md"; then
+    {
+        echo
+        echo "## Why tokenpath loses there, and what would change it"
+        echo
+        echo "Structural reasons (benchmarks/peers.md); the numbers above say which one dominated in this run."
+        echo
+        for peer in "${PEER_LIST[@]}"; do
+            if grep -q "^- tokenpath loses to $peer " "$WORK/merged.md"; then "why_$peer"; fi
+        done
+    } >>"$RESULTS/$TAG.md"
+fi
 {
     echo
     echo "## Machine"
     echo
     echo '```'
     lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' || true
-    grep -qw avx512_bf16 /proc/cpuinfo && echo "avx512_bf16: yes" || echo "avx512_bf16: no"
+    echo "avx512/amx flags: $(grep -oE 'avx512[a-z0-9_]*|amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    echo "torch CPU capability: $("$TP_PY" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())' 2>/dev/null)"
     free -g 2>/dev/null | head -2 || true
     echo '```'
 } >>"$RESULTS/$TAG.md"
