@@ -18,16 +18,22 @@ CHAT = "smollm2-135m-instruct"
 
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(server_factory):
-    srv = server_factory("--model", CHAT, "--shutdown-timeout", "4")
+    srv = server_factory("--model", CHAT, "--shutdown-timeout", "4", "--max-model-len", "1024")
+    models = httpx.get(srv.base_url + "/models", timeout=30).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(CHAT, 1024)]  # engine flags reach the engine
     events: list[dict] = []
     short: dict = {}
     got_chunks = threading.Event()
 
     def stream_long() -> None:
-        body = {"model": CHAT, "prompt": "Tell a long story.", "max_tokens": 3000, "ignore_eos": True,
+        body = {"model": CHAT, "prompt": "Tell a long story.", "max_tokens": 1000, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(timeout=120) as client, client.stream("POST", srv.base_url + "/completions",
                                                                 json=body) as resp:
+            if resp.status_code != 200:
+                events.append({"status": resp.status_code, "body": resp.read().decode()})
+                got_chunks.set()
+                return
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]) if line != "data: [DONE]" else {"done": True})
@@ -37,6 +43,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(server_factory):
     long_thread = threading.Thread(target=stream_long)
     long_thread.start()
     assert got_chunks.wait(120)
+    assert "status" not in events[0], events
 
     def short_request() -> None:
         with httpx.Client(timeout=120) as client:
