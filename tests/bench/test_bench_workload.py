@@ -89,3 +89,36 @@ def test_smollm2_tokenizer_calibrates_exact_token_lengths():
     ids = tokens.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert abs(len(ids) - w.spec(0).input_len) <= 1
+
+
+def test_progress_prints_one_summary_line_off_a_terminal():
+    import io
+
+    from tokenpath.bench.records import RequestRecord
+    from tokenpath.bench.runner import Progress
+
+    out = io.StringIO()
+    bar = Progress("t c=1", total=3, duration=None, stream=out)
+    for ok in (True, False, True):
+        bar.update(RequestRecord(index=0, success=ok))
+    assert out.getvalue() == ""  # no carriage-return redraws into a log file
+    bar.close()
+    line = out.getvalue()
+    assert line.count("\n") == 1 and "3/3 ok=2 err=1" in line and "#" * 30 in line
+
+
+def test_progress_redraws_in_place_on_a_terminal():
+    import os
+    import pty
+
+    from tokenpath.bench.records import RequestRecord
+    from tokenpath.bench.runner import Progress
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as tty:
+        bar = Progress("t c=1", total=2, duration=None, stream=tty)
+        bar.update(RequestRecord(index=0, success=True))
+        bar.close()
+    got = os.read(master, 4096).decode()
+    os.close(master)
+    assert got.startswith("\r") and "1/2 ok=1" in got and got.rstrip().endswith("s")

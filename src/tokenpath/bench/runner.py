@@ -101,11 +101,21 @@ class Progress:
             self.ok += 1
         else:
             self.err += 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Redraw (terminal only, at most 10 times a second)."""
         now = time.perf_counter()
         if self.tty and now - self._last > 0.1:
             self._last = now
             self.stream.write("\r" + self._line(now))
             self.stream.flush()
+
+    async def ticker(self) -> None:
+        """Keeps the elapsed time moving while slow requests are still in flight."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.tick()
 
     def _line(self, now: float) -> str:
         elapsed = now - self.t0
@@ -132,7 +142,12 @@ async def run_point(target: Target, workload: Workload, load: LoadPoint, bounds:
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         warm_failed = await _warmup(client, target, workload, load, bounds)
         bar = Progress(f"{target.name} {load.label()}", bounds.num_requests, bounds.duration, enabled=progress)
-        records, duration = await _measure(client, target, workload, load, bounds, bar.update)
+        ticker = asyncio.create_task(bar.ticker()) if bar.tty else None
+        try:
+            records, duration = await _measure(client, target, workload, load, bounds, bar.update)
+        finally:
+            if ticker:
+                ticker.cancel()
         bar.close()
     records.sort(key=lambda r: r.index)
     return RunResult(target, load, records, duration, summarize(records, duration, slo), warm_failed)
