@@ -87,6 +87,11 @@ class RequestRecord:
         d = asdict(self)
         d.pop("text")
         d["tpot"] = self.tpot
+        # Microseconds are far below what a loopback client can resolve; rounding keeps files small.
+        for k in ("start", "ttft", "e2el", "tpot"):
+            if d[k] is not None:
+                d[k] = round(d[k], 6)
+        d["itl"] = [round(g, 6) for g in self.itl]
         return d
 
     @classmethod

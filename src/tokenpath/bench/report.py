@@ -75,7 +75,8 @@ def to_json(results: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, Any
 
 def write_json(path: str | Path, results: Sequence[RunResult], meta: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(to_json(results, meta), indent=1))
+    # Compact: a full peers run holds ~100k ITL values; the tables are the human-readable view.
+    Path(path).write_text(json.dumps(to_json(results, meta), separators=(",", ":")) + "\n")
 
 
 def read_json(path: str | Path) -> tuple[list[RunResult], dict[str, Any]]:
