@@ -42,6 +42,20 @@ def create_app(
     app.state.tokenpath = state
     install_error_handlers(app)
     app.include_router(api_routes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its default 422 responses: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
