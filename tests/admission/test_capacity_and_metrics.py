@@ -98,3 +98,21 @@ async def test_rejections_routing_decisions_and_queue_depth_are_exported():
     assert _sample("tokenpath:routing_decisions_total", deployment="metrics-test", policy="round_robin",
                    outcome="rotation") == 2
     assert _sample("tokenpath:queue_depth", deployment="metrics-test", band="0", tenant="gold") == 0
+
+
+class FlakyReplica(StaticReplica):
+    def __init__(self, state: ReplicaState, failures: int) -> None:
+        super().__init__(state)
+        self.failures = failures
+
+    def state(self) -> ReplicaState:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("dictionary changed size during iteration")
+        return self._state
+
+
+def test_a_transient_state_error_does_not_make_a_replica_unhealthy():
+    assert ReplicaHandle(FlakyReplica(ReplicaState("a"), failures=2), PoolConfig()).state().healthy
+    broken = ReplicaHandle(FlakyReplica(ReplicaState("a"), failures=10), PoolConfig()).state()
+    assert not broken.healthy and "changed size" in (broken.detail or "")

@@ -46,10 +46,16 @@ class ReplicaHandle:
         return self.replica.name
 
     def raw_state(self) -> ReplicaState:
-        try:
-            return self.replica.state()
-        except Exception as exc:  # a replica that cannot even report is unhealthy, not a crash
-            return ReplicaState(name=self.name, healthy=False, detail=f"state() failed: {exc}")
+        error: Exception | None = None
+        # A few tries: an in-process engine's state is read while its step thread mutates it, and
+        # a transient "changed size during iteration" must not eject a healthy replica.
+        for _ in range(3):
+            try:
+                return self.replica.state()
+            except Exception as exc:
+                error = exc
+        # A replica that cannot even report is unhealthy, not a crash.
+        return ReplicaState(name=self.name, healthy=False, detail=f"state() failed: {error}")
 
     def state(self, now: float | None = None) -> ReplicaState:
         """The replica's state with this gateway's view on top (in-flight count, ejection)."""
