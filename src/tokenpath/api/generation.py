@@ -41,6 +41,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
     try:
         await run.authenticate()
         body.reject_unsupported()
+        run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
@@ -81,6 +82,8 @@ def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], param
         timeline=run.timeline,
         priority=priority,
         tenant=run.principal.tenant,
+        # Session affinity: an explicit x-session-id, else OpenAI's `user` field.
+        session_id=run.request.headers.get("x-session-id") or run.user,
         prompt=texts[i] if i < len(texts) else None,
     )
 

@@ -43,6 +43,7 @@ class RequestRun:
         self.error_type: str | None = None
         self.acc: Accumulator | None = None
         self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
+        self.user: str | None = None  # OpenAI's `user` field
         self.prompt_text: str | None = None  # the gateway keeps it only when text logging is on
         self.token_times: list[float] = []
         self.stop = StopSignal()
