@@ -7,11 +7,12 @@ import random
 import pytest
 import pytest_asyncio
 
+from tokenpath.api.config import ServerConfig
+from tokenpath.config import EngineConfig
 from tokenpath.engine.sampling_params import SamplingParams
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.replica.base import GenerateRequest
-from tokenpath.replica.processes import engine_replicas
-from tokenpath.routing.config import RoutingConfig, build_router
+from tokenpath.routing.config import RoutingConfig, build_router, serve_router
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.timeline import Timeline
 
@@ -22,12 +23,17 @@ _ids = iter(range(10**9))
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines():
-    replicas, procs = await engine_replicas(2, engine_args=["--num-kv-blocks", "96", "--max-num-seqs", "2"],
-                                            max_num_seqs=2, poll_interval_s=0.1)
-    yield replicas, procs
-    for r in replicas:
-        await r.close()
-    await asyncio.gather(*(p.stop() for p in procs))
+    """Two engine processes, started the way `tokenpath serve --replicas 2` starts them."""
+    config = ServerConfig(models=["smollm2-135m-instruct"],
+                          engine=EngineConfig(num_kv_blocks=96, max_num_seqs=2))
+    router, closers = await serve_router(config, replicas=2)
+    dep = router.resolve("smollm2-135m-instruct", "chat")
+    assert [p.args[p.args.index("--num-kv-blocks") + 1] for p in dep.processes] == ["96", "96"]
+    assert all(r.state().max_num_seqs == 2 and r.state().healthy for r in dep.replicas)
+    yield dep.replicas, dep.processes
+    for c in closers:
+        await c()
+    assert all(p.proc.poll() is not None for p in dep.processes)
 
 
 def req(max_tokens=4):

@@ -146,6 +146,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
     dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
                      policy=spec.policy, admission=AdmissionConfig(**spec.admission),
                      pool_config=PoolConfig(**spec.pool), picker_options=options)
+    dep.processes = procs
     return dep, closers
 
 

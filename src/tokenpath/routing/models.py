@@ -55,6 +55,7 @@ class Deployment:
     pool_config: PoolConfig = field(default_factory=PoolConfig)
     picker_options: dict[str, float] = field(default_factory=dict)
     fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
+    processes: list[Any] = field(default_factory=list)  # local engine processes it owns (EngineProcess)
     _flow: FlowController | None = field(default=None, init=False, repr=False)
 
     def serves(self, task: str) -> bool:
