@@ -224,3 +224,12 @@ async def test_killed_replica_fails_in_flight_cleanly_and_new_requests_go_elsewh
         assert (await run(dep, r))[-1].finished
         assert r.timeline.attrs["replica"] == "r1"
     assert dep.flow.pool.inflight() == 0
+
+
+async def test_a_busy_replica_is_retried_elsewhere_but_not_ejected():
+    dep, (a, b) = deployment(n=2, seqs=2, policy="round_robin")
+    a.busy_next = 1
+    r = req()
+    assert (await run(dep, r))[-1].finished
+    assert r.timeline.attrs["retry_reason"] == "busy" and r.timeline.attrs["replica"] == "r1"
+    assert dep.flow.pool.handles["r0"].state().healthy

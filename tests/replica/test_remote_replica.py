@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from tokenpath.engine.sampling_params import SamplingParams
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.base import GenerateRequest, ReplicaBusyError
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics
 from tokenpath.telemetry.timeline import Timeline
 
@@ -67,6 +67,8 @@ class FakeServer:
         self.request_ids.append(rid)
         if body.get("max_tokens", 0) > 10_000:
             return PlainTextResponse(json.dumps({"error": {"message": "too long"}}), status_code=400)
+        if body.get("user") == "busy":
+            return PlainTextResponse(json.dumps({"error": {"message": "queue full"}}), status_code=429)
 
         async def stream():
             try:
@@ -151,6 +153,8 @@ async def test_client_errors_and_cut_streams():
             _ = [o async for o in rep.generate(req(max_tokens=20_000))]
         with pytest.raises(ServiceUnavailableError):
             _ = [o async for o in rep.generate(req(max_tokens=5, session="cut"))]
+        with pytest.raises(ReplicaBusyError):
+            _ = [o async for o in rep.generate(req(session="busy"))]
         await rep.close()
 
 

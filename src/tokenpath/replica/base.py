@@ -13,7 +13,13 @@ from typing import Protocol
 
 from tokenpath.engine.outputs import RequestOutput
 from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.errors import ServiceUnavailableError
 from tokenpath.telemetry.timeline import Timeline
+
+
+class ReplicaBusyError(ServiceUnavailableError):
+    """The replica is up but refused the request for load (a remote 429/503 before any token):
+    retry elsewhere, but do not eject it."""
 
 
 @dataclass

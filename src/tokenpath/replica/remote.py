@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest, ReplicaState
+from tokenpath.replica.base import GenerateRequest, ReplicaBusyError, ReplicaState
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
 _WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
@@ -272,6 +272,10 @@ def _http_error(name: str, resp: httpx.Response) -> Exception:
         message = resp.json()["error"]["message"]
     except Exception:
         message = resp.text[:500]
-    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+    code = resp.status_code
+    if code in (429, 503):
+        return ReplicaBusyError(f"replica '{name}' is busy ({code}): {message}")
+    if code in (400, 413, 422):  # the request's own fault, the same on every replica
         return InvalidRequestError(f"replica '{name}' refused the request: {message}")
-    return ServiceUnavailableError(f"replica '{name}' answered {resp.status_code}: {message}")
+    # 401/403/404 mean a misconfigured replica (key, model name), 5xx a broken one: eject it.
+    return ServiceUnavailableError(f"replica '{name}' answered {code}: {message}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import EngineDeadError
-from tokenpath.replica.base import GenerateRequest, ReplicaState
+from tokenpath.replica.base import GenerateRequest, ReplicaBusyError, ReplicaState
 
 
 @dataclass
@@ -39,6 +39,7 @@ class SimulatedReplica:
         self.healthy = True
         self.served: list[str] = []  # request ids in the order they started
         self.fail_before_first = 0  # fail this many next requests before their first token
+        self.busy_next = 0  # refuse this many next requests as busy (like a remote 429)
         self.kv_per_seq = 0.5 / self.config.max_num_seqs  # a full batch uses half the KV cache
         self._slot_freed = asyncio.Event()
         self._aborted: set[str] = set()
@@ -82,6 +83,9 @@ class SimulatedReplica:
         rid = request.request_id
         if not self.healthy:
             raise EngineDeadError(f"replica '{self.name}' is dead")
+        if self.busy_next > 0:
+            self.busy_next -= 1
+            raise ReplicaBusyError(f"replica '{self.name}' is busy")
         metrics = RequestMetrics(arrival_time=time.monotonic())
         try:
             await self._wait_for_slot(rid)

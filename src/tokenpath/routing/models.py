@@ -30,7 +30,7 @@ from tokenpath.errors import (
     ServiceUnavailableError,
     TokenpathError,
 )
-from tokenpath.replica.base import GenerateRequest, Replica
+from tokenpath.replica.base import GenerateRequest, Replica, ReplicaBusyError
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
 
@@ -116,7 +116,8 @@ class Deployment:
             except Exception as exc:
                 if isinstance(exc, TokenpathError) and exc.status_code < 500:
                     raise  # the request's own fault: no retry, no ejection
-                failure = f"{type(exc).__name__}: {exc}"
+                # A busy replica is retried elsewhere but not ejected; anything else ejects it.
+                failure = None if isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
                 if started or attempt == MAX_ATTEMPTS:
                     if isinstance(exc, ServiceUnavailableError):
                         raise
@@ -132,7 +133,7 @@ class Deployment:
                 self.flow.release(admission, ok=finished, failure=failure)
             # Failed before the first token: once more, elsewhere.
             metrics.RETRIES.labels(self.name).inc()
-            request.timeline.attrs.update(retried_after=replica.name, retry_reason=failure)
+            request.timeline.attrs.update(retried_after=replica.name, retry_reason=failure or "busy")
             admission = await self.flow.acquire(request, exclude=frozenset(tried))
 
 
