@@ -1,0 +1,51 @@
+"""After 200 requests with a random mix of finishes, stop strings, aborts at random steps and
+preemptions, every block is free and the prefix-cache index is consistent."""
+
+from __future__ import annotations
+
+import random
+
+from tests.engine.tiny_models import save_tiny
+from tokenpath import LLM, SamplingParams
+
+
+def test_random_mix_frees_everything(tmp_path):
+    llm = LLM(str(save_tiny("llama", tmp_path / "tiny")), dtype="float32", num_kv_blocks=40,
+              max_num_batched_tokens=96, max_num_seqs=12, block_size=8)
+    core = llm.engine
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "the", "a", "river", "stone"]
+    shared = " ".join(rng.choice(words) for _ in range(40))
+    submitted = aborted = 0
+    finish_reasons: dict[str, int] = {}
+    live: list[str] = []
+    while submitted < 200 or core.has_work():
+        for _ in range(rng.randint(0, 4)):
+            if submitted >= 200:
+                break
+            prompt = (shared if rng.random() < 0.5 else "") + " ".join(rng.choice(words)
+                                                                      for _ in range(rng.randint(1, 60)))
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 40),
+                                    n=rng.choice([1, 1, 1, 2]), seed=rng.randint(0, 9),
+                                    stop=[rng.choice(words)] if rng.random() < 0.3 else [])
+            rid = f"r{submitted}"
+            core.add_request(rid, llm.tokenizer.encode(prompt), params)
+            live.append(rid)
+            submitted += 1
+        if live and rng.random() < 0.1:
+            victim = live.pop(rng.randrange(len(live)))
+            if core.abort(victim) is not None:
+                aborted += 1
+        for out in core.step():
+            for c in out.outputs:
+                if c.finish_reason:
+                    finish_reasons[c.finish_reason] = finish_reasons.get(c.finish_reason, 0) + 1
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        assert core.blocks.check_consistency() == []
+    assert aborted > 5
+    assert core.scheduler.num_preemptions > 0
+    assert finish_reasons.get("stop", 0) > 0 and finish_reasons.get("length", 0) > 0
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+    assert not core.requests and not core.scheduler.waiting and not core.scheduler.running
+    assert core.blocks.check_consistency() == []
