@@ -116,3 +116,13 @@ def test_a_transient_state_error_does_not_make_a_replica_unhealthy():
     assert ReplicaHandle(FlakyReplica(ReplicaState("a"), failures=2), PoolConfig()).state().healthy
     broken = ReplicaHandle(FlakyReplica(ReplicaState("a"), failures=10), PoolConfig()).state()
     assert not broken.healthy and "changed size" in (broken.detail or "")
+
+
+def test_series_can_join_another_registry():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    metrics.REJECTIONS.labels("joined", "queue_full").inc()
+    other = CollectorRegistry()
+    other.register(metrics.RoutingMetricsCollector())
+    text = generate_latest(other).decode()
+    assert 'tokenpath:admission_rejections_total{deployment="joined",reason="queue_full"} 1.0' in text

@@ -66,3 +66,11 @@ def publish_queue_depth(deployment: str, depth: dict[tuple[int, str], int], seen
 def render() -> bytes:
     """The exposition text of these series, for `/metrics`."""
     return generate_latest(REGISTRY)
+
+
+class RoutingMetricsCollector:
+    """Registers these series into another registry: `registry.register(RoutingMetricsCollector())`
+    (what the app's per-app `/metrics` registry does to include them)."""
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
+        yield from REGISTRY.collect()
