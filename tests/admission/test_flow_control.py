@@ -74,10 +74,14 @@ async def test_full_queue_rejects_at_once_with_retry_after():
     running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(3)]
     await asyncio.sleep(0.02)
     assert len(dep.flow.queue) == 2
-    t0 = time.perf_counter()
-    with pytest.raises(RateLimitError) as e:
-        await run(dep, req())
-    assert time.perf_counter() - t0 < 0.010  # the bound for a rejection
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with pytest.raises(RateLimitError) as e:
+            await run(dep, req())
+        took.append(time.perf_counter() - t0)
+    # The bound for a rejection; the median, so one preemption of this shared CPU is not a failure.
+    assert sorted(took)[2] < 0.010, took
     assert e.value.code == "queue_full"
     assert int(e.value.headers["Retry-After"]) >= 1 and e.value.retry_after > 0
     await asyncio.gather(*running)

@@ -89,11 +89,14 @@ async def test_saturated_with_full_queue_answers_429_with_retry_after_fast(repli
     await wait_for(lambda: d.flow.pool.inflight() == 1)
     queued = asyncio.create_task(drain(d, req()))
     await wait_for(lambda: len(d.flow.queue) == 1)
-    t0 = time.perf_counter()
-    with pytest.raises(RateLimitError) as e:
-        await drain(d, req())
-    assert time.perf_counter() - t0 < 0.010
-    assert int(e.value.headers["Retry-After"]) >= 1
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with pytest.raises(RateLimitError) as e:
+            await drain(d, req())
+        took.append(time.perf_counter() - t0)
+    assert sorted(took)[2] < 0.010, took  # the median: one preemption of a shared CPU is not a failure
+    assert int(e.value.headers["Retry-After"]) >= 1 and e.value.code == "queue_full"
     await asyncio.gather(running, queued)
 
 
