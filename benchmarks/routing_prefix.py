@@ -52,6 +52,7 @@ def workload(rng: random.Random, groups: int, per_group: int, prefix: int, suffi
 
 
 async def run_policy(policy: str, replicas, procs, prompts: list[list[int]], args) -> dict:
+    """One pass of one policy over `prompts`: the raw records and engine-counter deltas."""
     options = {"load_threshold": args.load_threshold} if policy in ("prefix_aware", "session_affinity") else {}
     dep = Deployment("smollm2-135m-instruct", "chat", list(replicas), policy=policy, picker_options=options,
                      admission=AdmissionConfig(max_queue=10_000, fallback_deadline_s=3600,
@@ -70,10 +71,17 @@ async def run_policy(policy: str, replicas, procs, prompts: list[list[int]], arg
     wall = time.perf_counter() - t0
     after = await engine_counters(procs)
     await dep.flow.close()
+    return {"records": records, "wall": wall,
+            "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+            "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+
+
+def summarize(policy: str, runs: list[dict]) -> dict:
+    records = [r for run in runs for r in run["records"]]
+    wall = sum(run["wall"] for run in runs)
+    queries, hits = sum(run["queries"] for run in runs), sum(run["hits"] for run in runs)
     ok = [r for r in records if r.outcome == "ok"]
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     per_replica: dict[str, int] = {}
     for r in ok:
         per_replica[r.replica or "?"] = per_replica.get(r.replica or "?", 0) + 1
@@ -83,7 +91,8 @@ async def run_policy(policy: str, replicas, procs, prompts: list[list[int]], arg
             "prefix_hit_rate": hits / queries if queries else 0.0,
             "throughput_rps": len(ok) / wall, "output_tok_s": sum(r.tokens for r in ok) / wall,
             "per_replica": per_replica,
-            "reasons": {k: sum(1 for r in ok if r.reason == k) for k in {r.reason for r in ok}}}
+            "reasons": {k: sum(1 for r in ok if r.reason == k) for k in {r.reason for r in ok}},
+            "ttft_p50_by_round_s": [pct([r.ttft for r in run["records"] if r.ttft is not None], 50) for run in runs]}
 
 
 def table(rows: list[dict], args, base: dict) -> str:
@@ -109,16 +118,22 @@ async def main(args: argparse.Namespace) -> int:
         # Warm both engines (first forward passes are slow) with throwaway prompts.
         warm = Deployment("warm", "chat", list(replicas), policy="round_robin")
         await asyncio.gather(*(timed(warm, make_request(rand_tokens(rng, 32), 2)) for _ in range(4)))
-        for policy in args.policies.split(","):
-            prompts = workload(rng, args.groups, args.per_group, args.prefix_tokens, args.suffix_tokens)
-            row = await run_policy(policy, replicas, procs, prompts, args)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        policies = args.policies.split(",")
+        raw: dict[str, list[dict]] = {p: [] for p in policies}
+        # Rounds alternate the policy order (A B C, C B A, ...) so a drift in background load on
+        # this shared machine does not favour whichever policy runs first.
+        for rnd in range(args.rounds):
+            for policy in policies if rnd % 2 == 0 else policies[::-1]:
+                prompts = workload(rng, args.groups, args.per_group, args.prefix_tokens, args.suffix_tokens)
+                raw[policy].append(await run_policy(policy, replicas, procs, prompts, args))
+                print(policy, rnd, json.dumps(summarize(policy, raw[policy][-1:])), flush=True)
+        rows = [summarize(p, raw[p]) for p in policies]
     finally:
         await stop_all(replicas, procs)
     base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
     RESULTS.mkdir(exist_ok=True)
-    setup = (f"{args.groups} groups x {args.per_group} requests, prefix {args.prefix_tokens} tokens + "
+    setup = (f"{args.rounds} rounds (policy order alternating) of {args.groups} groups x {args.per_group} requests "
+             f"per policy, fresh prefixes each round; prefix {args.prefix_tokens} tokens + "
              f"{args.suffix_tokens} unique, max_tokens {args.max_tokens}, {args.concurrency} closed-loop clients; "
              f"2 `tokenpath engine` processes (SmolLM2-135M, CPU, {args.threads} thread each), "
              f"num_kv_blocks {args.num_kv_blocks}, max_num_seqs {args.max_num_seqs}; "
@@ -134,7 +149,8 @@ async def main(args: argparse.Namespace) -> int:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=6)
+    p.add_argument("--per-group", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefix-tokens", type=int, default=512)
     p.add_argument("--suffix-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=2)
