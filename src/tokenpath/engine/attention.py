@@ -60,8 +60,9 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     gqa = q.shape[1] != k.shape[1]
     if nd:
         qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        b, ctx = meta.decode_slots.shape
+        kd = _gather(k_cache, meta.decode_slots).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_slots).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
         out[:nd] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                   enable_gqa=gqa).squeeze(2)
     for p in meta.prefills:
@@ -70,9 +71,19 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if p.slots is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[p.slots], v_cache[p.slots]
+            kp, vp = _gather(k_cache, p.slots), _gather(v_cache, p.slots)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of the pool at `slots`, as [len(slots), kv_heads, head_dim].
+
+    `index_select` on a 2-D view is a plain row copy; advanced indexing (`cache[slots]`) took
+    2-3x longer for the same gather on CPU.
+    """
+    flat = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return flat.view(-1, *cache.shape[1:])

@@ -25,9 +25,12 @@ class Rope(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for this step's positions: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
+
+    @staticmethod
+    def apply(cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         out = []
         for x in xs:
             x1, x2 = x.chunk(2, dim=-1)
@@ -49,7 +52,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, idx: int, x: torch.Tensor, positions: torch.Tensor, rope: Rope, cache: KVCache,
+    def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
@@ -58,7 +61,7 @@ class DecoderLayer(nn.Module):
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = Rope.apply(*rope, q, k)
         a = paged_attention(idx, q, k, v, cache, meta, cfg.head_dim**-0.5)
         x = x + self.o_proj(a.reshape(t, self.q_size))
         h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
@@ -82,8 +85,9 @@ class LlamaModel(nn.Module):
         """Returns float32 logits for the rows in `logit_rows` only: the other rows are prefill
         tokens whose next-token distribution nobody needs."""
         x = self.embed(input_ids)
+        rope = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, positions, self.rope, cache, meta)
+            x = layer(i, x, rope, cache, meta)
         x = F.rms_norm(x[logit_rows], (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
