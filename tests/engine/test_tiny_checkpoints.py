@@ -26,8 +26,9 @@ def test_tiny_greedy_matches_transformers(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
-    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=4)
-    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 150, 210], seed=3)
+    # 10 sequences: two decode groups (8 + 2); 40 blocks and 48-token chunks force preemption.
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=10)
+    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 150, 210, 8, 33, 61, 120], seed=3)
     eos = llm.tokenizer.eos_token_id
     ref = hf_greedy(hf, prompts, 24, eos)
     p = SamplingParams(temperature=0, max_tokens=24)
@@ -35,6 +36,7 @@ def test_tiny_greedy_matches_transformers(tiny_dir):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]  # chunked, preempting
     assert one_by_one == ref
     assert batched == ref
+    assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 

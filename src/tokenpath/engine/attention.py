@@ -25,11 +25,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token queries in rows [start, start + B), sorted by context length so padding to the
+    group's longest context wastes little."""
+
+    start: int
+    slots: torch.Tensor  # [B, Lmax] context slots, padded
+    mask: torch.Tensor  # [B, 1, 1, Lmax] bool
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    num_decode: int  # rows [0, num_decode) are single-token queries
-    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -56,15 +64,14 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    nd = meta.num_decode
     gqa = q.shape[1] != k.shape[1]
-    if nd:
-        qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-        b, ctx = meta.decode_slots.shape
-        kd = _gather(k_cache, meta.decode_slots).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, meta.decode_slots).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        out[:nd] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                                  enable_gqa=gqa).squeeze(2)
+    for g in meta.decode_groups:
+        b, ctx = g.slots.shape
+        rows = slice(g.start, g.start + b)
+        kd = _gather(k_cache, g.slots).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, g.slots).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
+        out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=scale,
+                                                   enable_gqa=gqa).squeeze(2)
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]

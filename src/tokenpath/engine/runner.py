@@ -12,11 +12,14 @@ import numpy as np
 import torch
 
 from tokenpath.config import EngineConfig
-from tokenpath.engine.attention import AttentionMetadata, KVCache, PrefillChunk
+from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.models.llama import LlamaModel
 from tokenpath.engine.sequence import Sequence
 from tokenpath.errors import ModelLoadError
+
+# Decodes per attention call: with contexts sorted, small groups pad little; more calls cost little.
+DECODE_GROUP = 8
 
 
 def pick_device(name: str) -> torch.device:
@@ -78,6 +81,8 @@ class ModelRunner:
         decode: list[Sequence] = []
         prefills: list[PrefillChunk] = []
         row = 0
+        # Decodes first, shortest context first: consecutive rows form the padded decode groups.
+        scheduled = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -96,11 +101,10 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
-            num_decode=len(decode),
+            decode_groups=[self._decode_group(decode[i : i + DECODE_GROUP], i)
+                           for i in range(0, len(decode), DECODE_GROUP)],
             prefills=prefills,
         )
-        if decode:
-            meta.decode_slots, meta.decode_mask = self._decode_context(decode)
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
@@ -119,7 +123,7 @@ class ModelRunner:
         return PrefillChunk(start=row, num_tokens=n, num_computed=done, slots=slots.to(self.device),
                             mask=mask.to(self.device))
 
-    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
         bs = self.block_size
         ctx = np.array([s.num_computed_tokens + 1 for s in seqs])
         max_blocks = int(-(-ctx.max() // bs))
@@ -129,5 +133,5 @@ class ModelRunner:
             tables[i, : len(t)] = t
         slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(seqs), -1)[:, : ctx.max()]
         mask = np.arange(ctx.max())[None, :] < ctx[:, None]
-        return (torch.from_numpy(slots).to(self.device),
-                torch.from_numpy(mask)[:, None, None, :].to(self.device))
+        return DecodeGroup(start=start, slots=torch.from_numpy(np.ascontiguousarray(slots)).to(self.device),
+                           mask=torch.from_numpy(mask)[:, None, None, :].to(self.device))

@@ -21,7 +21,7 @@ from tokenpath.engine.sequence import Sequence, Status
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes first, then chunks
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -84,8 +84,6 @@ class Scheduler:
                 seq.first_scheduled_time = now
                 if seq.timeline is not None:
                     seq.timeline.stamp("scheduled", at=now)
-        # Single-token queries (decodes) first: the runner batches them into one attention call.
-        out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
