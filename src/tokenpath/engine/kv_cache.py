@@ -39,7 +39,14 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def cached_hashes(self) -> set[int]:
-        return set(self.cached)
+        """Read from other threads (routers) while the step loop mutates the dict: retry the copy
+        if it races with an insertion instead of taking a lock on the hot path."""
+        for _ in range(5):
+            try:
+                return set(self.cached)
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
+        return set()
 
     # ------------------------------------------------------------ allocation
     def lookup_prefix(self, seq: Sequence) -> None:

@@ -33,4 +33,6 @@ class InProcessReplica:
             healthy=s.healthy,
             prefix_hashes=self.engine.core.blocks.cached_hashes(),
             max_num_seqs=self.engine.config.max_num_seqs,
+            block_size=s.block_size,
+            num_blocks=s.num_blocks,
         )

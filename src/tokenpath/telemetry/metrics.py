@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenpath.admission.metrics import RoutingMetricsCollector
 from tokenpath.telemetry.timeline import Timeline
 
 PREFIX = "tokenpath:"
@@ -88,6 +89,8 @@ class ServerMetrics:
     def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(deployments))
+        # Queue depth per band and tenant, rejections by reason, routing decisions by policy.
+        self.registry.register(RoutingMetricsCollector())
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
