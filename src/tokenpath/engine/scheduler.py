@@ -112,7 +112,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
-            victim = max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+            victim = max(self.running, key=Sequence.sort_key)  # lowest priority, latest arrival
             self._preempt(victim, out)
             if victim is seq:
                 return False
