@@ -4,57 +4,19 @@ real app on a real loopback server, since a real model cannot be made to die on 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
+from sim_server import SimServer
 
-from tokenpath.api.app import create_app
-from tokenpath.engine.embedding import EmbeddingTokenizer, default_embedding_model_dir
 from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
-from tokenpath.routing.models import Deployment, ModelRouter
-
-
-class _Running:
-    def __init__(self, replica: SimulatedReplica) -> None:
-        self.replica = replica
-        tok = EmbeddingTokenizer(default_embedding_model_dir() / "tokenizer.json")  # any real tokenizer will do
-        dep = Deployment(name="sim", task="completion", replicas=[replica], tokenizer=tok, max_model_len=512)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(ModelRouter([dep])), host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="on"))
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.server.serve())
-
-    def start(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive()
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def kill_replica(self) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.replica.kill)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture
-def sim() -> Iterator[tuple[_Running, str]]:
-    running = _Running(SimulatedReplica("sim-0", SimulatedConfig(token_interval_s=0.05)))
+def sim() -> Iterator[tuple[SimServer, str]]:
+    running = SimServer(SimulatedReplica("sim-0", SimulatedConfig(token_interval_s=0.05)))
     url = running.start()
     yield running, url
     running.stop()

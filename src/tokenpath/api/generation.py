@@ -49,7 +49,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
-        sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts, priority))
+        deadline = None if body.timeout is None else run.timeline.stamps["received"] + body.timeout
+        sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
         gen = Generation(run, body, chat, len(prompts))
@@ -73,7 +74,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
 
 
 def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
-                      texts: list[str], priority: int) -> GenerateRequest:
+                      texts: list[str], priority: int, deadline: float | None) -> GenerateRequest:
     assert run.principal is not None
     return GenerateRequest(
         request_id=run.id if parts == 1 else f"{run.id}-{i}",
@@ -85,6 +86,7 @@ def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], param
         # Session affinity: an explicit x-session-id, else OpenAI's `user` field.
         session_id=run.request.headers.get("x-session-id") or run.user,
         prompt=texts[i] if i < len(texts) else None,
+        deadline=deadline,
     )
 
 

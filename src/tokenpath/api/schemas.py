@@ -59,6 +59,9 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    # Seconds this request may wait for its first token (LiteLLM's `timeout`); past it, a queued
+    # request is removed with a 504. Unset: the default for its priority band.
+    timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None

@@ -15,7 +15,9 @@ the queue, or the replica is told to abort it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +26,7 @@ from tokenpath.admission import metrics
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
 from tokenpath.engine.outputs import RequestOutput
 from tokenpath.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
@@ -106,7 +109,7 @@ class Deployment:
             started = finished = False
             failure: str | None = None
             try:
-                async for out in stream:
+                async for out in self._started_by(stream, request, replica.name):
                     started = True
                     finished = finished or out.finished
                     yield out
@@ -116,6 +119,8 @@ class Deployment:
             except Exception as exc:
                 if isinstance(exc, TokenpathError) and exc.status_code < 500:
                     raise  # the request's own fault: no retry, no ejection
+                if isinstance(exc, DeadlineExceededError):
+                    raise  # out of time, not a replica fault: no retry, no ejection
                 # A busy replica is retried elsewhere but not ejected; anything else ejects it.
                 failure = None if isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
                 if started or attempt == MAX_ATTEMPTS:
@@ -135,6 +140,27 @@ class Deployment:
             metrics.RETRIES.labels(self.name).inc()
             request.timeline.attrs.update(retried_after=replica.name, retry_reason=failure or "busy")
             admission = await self.flow.acquire(request, exclude=frozenset(tried))
+
+    async def _started_by(self, stream: AsyncIterator[RequestOutput], request: GenerateRequest,
+                          replica: str) -> AsyncIterator[RequestOutput]:
+        """The replica's stream, whose first output must come before the request's deadline.
+
+        A request dispatched into an engine's own queue is still waiting, so its deadline still
+        holds there; once tokens flow, it no longer applies (they cannot be taken back)."""
+        if request.deadline is not None:
+            try:
+                first = await asyncio.wait_for(anext(stream), max(0.0, request.deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                metrics.REJECTIONS.labels(self.name, "deadline").inc()
+                waited = time.monotonic() - request.timeline.stamps["received"]
+                raise DeadlineExceededError(
+                    f"request passed its deadline after {waited:.1f}s, before its first token on "
+                    f"replica '{replica}' of model '{self.name}'", code="deadline_exceeded") from None
+            yield first
+        async for out in stream:
+            yield out
 
 
 class ModelRouter:
