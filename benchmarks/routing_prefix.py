@@ -108,7 +108,8 @@ def table(rows: list[dict], args, base: dict) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
-    engine_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", str(args.max_num_seqs)]
+    engine_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", str(args.max_num_seqs),
+                   "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     t0 = time.perf_counter()
     replicas, procs = await start_engines(2, engine_args, threads=args.threads)
     print(f"2 engines up in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -136,7 +137,8 @@ async def main(args: argparse.Namespace) -> int:
              f"per policy, fresh prefixes each round; prefix {args.prefix_tokens} tokens + "
              f"{args.suffix_tokens} unique, max_tokens {args.max_tokens}, {args.concurrency} closed-loop clients; "
              f"2 `tokenpath engine` processes (SmolLM2-135M, CPU, {args.threads} thread each), "
-             f"num_kv_blocks {args.num_kv_blocks}, max_num_seqs {args.max_num_seqs}; "
+             f"num_kv_blocks {args.num_kv_blocks}, max_num_seqs {args.max_num_seqs}, "
+             f"long_prefill_token_threshold {args.long_prefill_token_threshold}; "
              f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     md = (f"# Routing on a shared-prefix workload\n\n{setup}\n\n{table(rows, args, base)}\n\n"
           f"Command: `.venv/bin/python benchmarks/routing_prefix.py {' '.join(sys.argv[1:])}`\n")
@@ -158,6 +160,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=160)
     p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="engine prefill chunk cap per request (0: none)")
     p.add_argument("--load-threshold", type=float, default=1.0)
     p.add_argument("--policies", default="prefix_aware,round_robin,least_loaded")
     p.add_argument("--seed", type=int, default=0)

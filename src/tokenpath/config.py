@@ -41,6 +41,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
     max_num_batched_tokens: int = Field(1024, ge=1)
+    # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
+    # A cap lets short prompts and decodes share steps with a long prefill instead of waiting
+    # behind all of it.
+    long_prefill_token_threshold: int = Field(0, ge=0)
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length, capped at 8192
     enable_prefix_caching: bool = True

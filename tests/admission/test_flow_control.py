@@ -74,14 +74,8 @@ async def test_full_queue_rejects_at_once_with_retry_after():
     running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(3)]
     await asyncio.sleep(0.02)
     assert len(dep.flow.queue) == 2
-    took = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        with pytest.raises(RateLimitError) as e:
-            await run(dep, req())
-        took.append(time.perf_counter() - t0)
-    # The bound for a rejection; the median, so one preemption of this shared CPU is not a failure.
-    assert sorted(took)[2] < 0.010, took
+    with pytest.raises(RateLimitError) as e:
+        await run(dep, req())  # how fast: benchmarks/overload.py
     assert e.value.code == "queue_full"
     assert int(e.value.headers["Retry-After"]) >= 1 and e.value.retry_after > 0
     await asyncio.gather(*running)
@@ -98,6 +92,47 @@ async def test_retry_after_follows_predicted_drain():
     for t in running:
         t.cancel()
     await asyncio.gather(*running, return_exceptions=True)
+
+
+async def test_precheck_refuses_without_a_prompt_and_counts_once():
+    from tokenpath.admission import metrics
+
+    dep, _ = deployment(seqs=1, interval=0.05, max_queue=1)
+    running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(2)]
+    await asyncio.sleep(0.02)
+    counter = metrics.REJECTIONS.labels("m", "queue_full")
+    before = counter._value.get()
+    with pytest.raises(RateLimitError) as e:
+        dep.precheck(priority=0, tenant="t", received=time.monotonic())
+    assert e.value.code == "queue_full" and int(e.value.headers["Retry-After"]) >= 1
+    assert counter._value.get() == before + 1
+    assert len(dep.flow.queue) == 1  # a check, not a queue entry
+    await asyncio.gather(*running)
+    dep.precheck(priority=0, tenant="t", received=time.monotonic())  # room again: passes
+
+
+async def test_precheck_passes_when_a_fallback_has_room():
+    dep, _ = deployment(seqs=1, interval=0.05, max_queue=0)
+    spare, _ = deployment(seqs=1)
+    spare.name = "spare"
+    dep.fallbacks = [spare]
+    running = asyncio.create_task(run(dep, req(max_tokens=20)))
+    await asyncio.sleep(0.02)
+    dep.precheck(priority=0, tenant="t", received=time.monotonic())
+    with pytest.raises(RateLimitError):
+        dep.flow.check(0, "t", time.monotonic() + 60)
+    await running
+
+
+async def test_precheck_uses_the_timeout_for_the_deadline():
+    dep, _ = deployment(seqs=1, interval=0.05, initial_service_s=5.0)
+    first = asyncio.create_task(run(dep, req(max_tokens=10)))
+    await asyncio.sleep(0.01)
+    dep.precheck(priority=0, tenant="t", received=time.monotonic())  # default budget: 120 s
+    with pytest.raises(RateLimitError) as e:
+        dep.precheck(priority=0, tenant="t", received=time.monotonic(), timeout=1.0)
+    assert e.value.code == "deadline_unreachable"
+    await first
 
 
 async def test_unreachable_deadline_is_rejected_up_front():
@@ -237,3 +272,17 @@ async def test_a_busy_replica_is_retried_elsewhere_but_not_ejected():
     assert (await run(dep, r))[-1].finished
     assert r.timeline.attrs["retry_reason"] == "busy" and r.timeline.attrs["replica"] == "r1"
     assert dep.flow.pool.handles["r0"].state().healthy
+
+
+async def test_prefill_backlog_counts_dispatched_prompts_until_their_first_token():
+    dep, (rep,) = deployment(seqs=1, interval=0.05, engine_waiting=2)
+    handle = dep.flow.pool.handles["r0"]
+    first = asyncio.create_task(run(dep, req(tokens=range(40), max_tokens=10)))
+    await asyncio.sleep(0.15)  # running: its first token (after 0.05 s) is out
+    assert handle.pending_prefill == 0
+    second = asyncio.create_task(run(dep, req(tokens=range(100, 130), max_tokens=2)))
+    await asyncio.sleep(0.02)  # waiting in the engine behind the first
+    assert handle.pending_prefill == 30
+    assert dep.flow.pool.states()[0].pending_prefill_tokens == 30  # what the picker sees
+    await asyncio.gather(first, second)
+    assert handle.pending_prefill == 0 and handle.inflight == 0

@@ -54,6 +54,7 @@ def test_unreachable_timeout_is_refused_up_front_with_retry_after(server):
     assert resp.status_code == 429
     assert resp.json()["error"]["code"] == "deadline_unreachable"
     assert int(resp.headers["retry-after"]) >= 1
+    assert "total;dur=" in resp.headers["server-timing"]  # how long the refusal took, server side
     for t in threads:
         t.join()
 

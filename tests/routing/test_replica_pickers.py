@@ -146,3 +146,34 @@ def test_prefix_aware_spreads_cold_prompts_over_idle_replicas():
     idle = [st("a"), st("b")]
     names = [p.pick(req([i * 7919 + j for j in range(40)]), idle).name for i in range(6)]
     assert names.count("a") == names.count("b") == 3
+
+
+def test_prefix_aware_stays_on_a_busy_hit_until_its_backlog_outweighs_a_cold_start():
+    tokens = SYSTEM + [1, 2, 3]  # 131 tokens, 8 cached blocks on "a": 3 uncached there
+    hs = block_hashes(tokens, 16)
+    p = PrefixAwarePicker(load_threshold=10)
+    # "a" is prefilling another 200 tokens: 200 + 2*3 beats a cold start on idle "b" (2*131).
+    busy = [st("a", running=1, hashes=hs[:8]), st("b")]
+    busy[0].pending_prefill_tokens = 200
+    pick = p.pick(req(tokens), busy)
+    assert (pick.name, pick.reason, pick.matched_blocks) == ("a", "prefix_hit", 8)
+    # With 300 tokens of backlog on "a", starting cold on "b" gets the first token sooner.
+    busy[0].pending_prefill_tokens = 300
+    pick = p.pick(req(tokens), busy)
+    assert (pick.name, pick.reason, pick.matched_blocks) == ("b", "backlog_escape", 0)
+
+
+def test_prefix_aware_forgets_what_the_replica_cannot_hold():
+    p = PrefixAwarePicker()
+    small = [st("a"), st("b")]
+    for s in small:
+        s.num_blocks = 8  # each replica's KV pool holds 8 blocks
+    first = p.pick(req(SYSTEM), small)  # 8 blocks remembered on one replica
+    other = list(range(5000, 5000 + 16 * 8))
+    for _ in range(2):  # two more 8-block prompts routed to the same replica push SYSTEM out
+        for s in small:
+            s.pending_prefill_tokens = 0 if s.name == first.name else 10_000
+        p.pick(req(other), small)
+        other = [t + 1000 for t in other]
+    assert p.index.size(first.name) == 8
+    assert p.pick(req(SYSTEM), small).reason == "cold"

@@ -54,6 +54,7 @@ class Admission:
     pick: Pick
     queued_s: float
     dispatched_at: float = field(default_factory=time.monotonic)
+    prefill_tokens: int = 0  # counted in the replica's prefill backlog until the first token
 
 
 class CapacityEstimator:
@@ -101,53 +102,60 @@ class FlowController:
         self._depth_seen: set[tuple[int, str]] = set()
 
     # -- the decision ------------------------------------------------------------------------
+    def default_budget(self, priority: int) -> float:
+        """Seconds from arrival a request of this band may wait when it sets no `timeout`."""
+        return self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
+
     def deadline_for(self, request: GenerateRequest) -> float:
         if request.deadline is None:
-            budget = self.config.default_deadline_s.get(request.priority, self.config.fallback_deadline_s)
-            request.deadline = request.timeline.stamps["received"] + budget
+            request.deadline = request.timeline.stamps["received"] + self.default_budget(request.priority)
         return request.deadline
 
     def predicted_wait(self, band: int) -> float:
         ahead = self.queue.ahead_of(band) + 1
         return self.capacity.predicted_wait(ahead, self.pool.slots())
 
-    def _reject(self, reason: str, exc: Exception) -> Exception:
-        metrics.REJECTIONS.labels(self.deployment, reason).inc()
+    def _reject(self, reason: str, exc: Exception, record: bool = True) -> Exception:
+        if record:
+            metrics.REJECTIONS.labels(self.deployment, reason).inc()
         return exc
 
-    def check(self, request: GenerateRequest, now: float | None = None) -> None:
-        """Raise the 503/429 this request would get right now; return if it would be admitted."""
+    def check(self, priority: int, tenant: str, deadline: float, now: float | None = None,
+              record: bool = True) -> None:
+        """Raise the 503/429 a request would get right now; return if it would be admitted.
+
+        It needs no prompt, so the API layer calls it (`record=False`) before tokenizing or
+        charging rate limits: a request that will be refused is refused before any work."""
         now = time.monotonic() if now is None else now
         if not self.pool.healthy():
             retry = max([h.ejected_until - now for h in self.pool.handles.values()] + [1.0])
             raise self._reject("no_healthy_replica", ServiceUnavailableError(
                 f"no healthy replica for model '{self.deployment}'",
-                code="no_healthy_replica", headers={"Retry-After": str(max(1, int(retry + 0.999)))}))
-        if self.queue.ahead_of(request.priority) == 0 and self.pool.with_room():
+                code="no_healthy_replica", headers={"Retry-After": str(max(1, int(retry + 0.999)))}), record)
+        if self.queue.ahead_of(priority) == 0 and self.pool.with_room():
             return
         drain = self.capacity.predicted_wait(len(self.queue) + 1, self.pool.slots())
         if len(self.queue) >= self.config.max_queue:
             raise self._reject("queue_full", RateLimitError(
                 f"model '{self.deployment}' is saturated: the queue is full ({len(self.queue)} waiting)",
-                retry_after=drain, code="queue_full"))
+                retry_after=drain, code="queue_full"), record)
         cap = self.config.max_queue_per_tenant
-        if cap is not None and self.queue.tenant_depth(request.tenant) >= cap:
+        if cap is not None and self.queue.tenant_depth(tenant) >= cap:
             raise self._reject("tenant_queue_full", RateLimitError(
-                f"too many queued requests for tenant '{request.tenant}' on model '{self.deployment}'",
-                retry_after=drain, code="tenant_queue_full"))
-        wait = self.predicted_wait(request.priority)
-        left = self.deadline_for(request) - now
+                f"too many queued requests for tenant '{tenant}' on model '{self.deployment}'",
+                retry_after=drain, code="tenant_queue_full"), record)
+        wait = self.predicted_wait(priority)
+        left = deadline - now
         if self.config.reject_unreachable_deadline and wait > left:
             raise self._reject("deadline_unreachable", RateLimitError(
                 f"model '{self.deployment}' cannot start this request before its deadline "
                 f"(predicted wait {wait:.1f}s, {max(left, 0):.1f}s left)",
-                retry_after=wait, code="deadline_unreachable"))
+                retry_after=wait, code="deadline_unreachable"), record)
 
     async def acquire(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Admission:
         """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
         now = time.monotonic()
-        self.deadline_for(request)
-        self.check(request, now)
+        self.check(request.priority, request.tenant, self.deadline_for(request), now)
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
             if room:
@@ -195,12 +203,14 @@ class FlowController:
         pick = self.picker.pick(request, room)
         handle = self.pool.handles[pick.name]
         handle.inflight += 1
+        prefill = max(1, len(request.prompt_token_ids) - pick.matched_blocks * pick.state.block_size)
+        handle.pending_prefill += prefill
         metrics.ROUTING_DECISIONS.labels(self.deployment, self.picker.policy, pick.reason).inc()
         metrics.QUEUE_TIME.labels(self.deployment).observe(queued_s)
         request.timeline.stamp("dequeued", queued_s=round(queued_s, 4))
         request.timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
                                reason=pick.reason, matched_blocks=pick.matched_blocks)
-        return Admission(handle, pick, queued_s)
+        return Admission(handle, pick, queued_s, prefill_tokens=prefill)
 
     def _pump(self) -> None:
         """Hand queued tickets to replicas while any has room."""
@@ -237,8 +247,15 @@ class FlowController:
             self._pump()
             metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
 
+    def started(self, admission: Admission) -> None:
+        """The first token came: this request no longer adds to its replica's prefill backlog."""
+        handle = admission.handle
+        handle.pending_prefill = max(0, handle.pending_prefill - admission.prefill_tokens)
+        admission.prefill_tokens = 0
+
     def release(self, admission: Admission, ok: bool, failure: str | None = None) -> None:
         """Give the slot back; learn the service time; eject the replica on failure."""
+        self.started(admission)
         handle = admission.handle
         handle.inflight = max(0, handle.inflight - 1)
         if ok:

@@ -61,12 +61,14 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--long-prefill-token-threshold", type=int,
+                   help="most prompt tokens one request prefills per step (0: no cap)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
 
 
 _ENGINE_FLAGS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
-                 "max_num_seqs", "max_model_len", "enable_prefix_caching")
+                 "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching")
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:

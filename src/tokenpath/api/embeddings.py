@@ -72,7 +72,7 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
         return Response(status_code=run.status)
     except TokenpathError as exc:
         run.fail(exc)
-        return error_response(exc, run.headers())
+        return error_response(exc, run.headers(timing=True))
     except Exception:
         run.status, run.error_type = 500, "internal_error"
         raise

@@ -43,9 +43,11 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         body.reject_unsupported()
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
+        priority = run.priority()
+        assert run.principal is not None
+        dep.precheck(priority, run.principal.tenant, run.timeline.stamps["received"], body.timeout)
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
-        priority = run.priority()
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
@@ -64,7 +66,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         return Response(status_code=run.status)
     except TokenpathError as exc:
         run.fail(exc)
-        return error_response(exc, run.headers())
+        return error_response(exc, run.headers(timing=True))
     except Exception:
         run.status, run.error_type = 500, "internal_error"
         raise

@@ -42,7 +42,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded, config, self.max_model_len)
         del loaded
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.long_prefill_token_threshold)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}

@@ -4,7 +4,13 @@ One rule covers prefill, chunked prefill, prefix hits and decode: every sequence
 `num_tokens - num_computed_tokens` more tokens computed, and each step grants
 `{sequence: n}` under a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`). Running sequences go first (so decodes are never starved by a long prompt,
-which instead advances one chunk per step), then waiting ones by priority and arrival. When the
+which instead advances one chunk per step), then waiting ones by priority and arrival. With
+`long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that arrives
+behind a long one is prefilled in the next step rather than after the whole long prompt.
+
+A waiting prompt whose next uncached block is being prefilled right now by a running sequence
+(two requests with one system prompt, arriving together) waits for those blocks to land in the
+prefix cache instead of computing them a second time; later prompts may go ahead of it meanwhile. When the
 pool runs out of blocks, the lowest-priority, latest-arrived running sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of its priority.
 """
@@ -15,6 +21,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.kv_cache import BlockManager
 from tokenpath.engine.sequence import Sequence, Status
 
@@ -30,10 +37,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by _wait_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -69,7 +78,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
             if n <= 0:
                 continue
             if not self._make_room(seq, n, out):
@@ -77,7 +86,7 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, self._prefilling_hashes())
         now = time.monotonic()
         for seq, _ in out.scheduled:
             if seq.first_scheduled_time is None:
@@ -86,16 +95,19 @@ class Scheduler:
                     seq.timeline.stamp("scheduled", at=now)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prefilling: set[int]) -> None:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if seq.leader is not None and self._leader_prefilling(seq.leader):
                 i += 1  # n > 1: wait for the leader's prompt blocks, then share them
                 continue
+            if prefilling and not seq.block_table and self._next_block_in_flight(seq, prefilling):
+                i += 1  # its prefix is being computed by another sequence: share it once cached
+                continue
             if not seq.block_table:
                 self.blocks.lookup_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
@@ -104,6 +116,33 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+            if self.blocks.enable_prefix_caching:
+                prefilling.update(self._prompt_hashes(seq)[len(seq.block_hashes):])
+
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The chained hashes of the prompt's full blocks, computed once per sequence."""
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens], self.blocks.block_size)
+        return seq.prompt_hashes
+
+    def _prefilling_hashes(self) -> set[int]:
+        """Prompt blocks that running sequences are computing and have not cached yet."""
+        if not self.blocks.enable_prefix_caching:
+            return set()
+        out: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                out.update(self._prompt_hashes(seq)[len(seq.block_hashes):])
+        return out
+
+    def _next_block_in_flight(self, seq: Sequence, prefilling: set[int]) -> bool:
+        """Is the first prompt block of `seq` missing from the cache one that is being computed?
+        (Only blocks a prefix hit can cover: the last prompt token is always computed.)"""
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        for h in self._prompt_hashes(seq)[:usable]:
+            if h not in self.blocks.cached:
+                return h in prefilling
+        return False
 
     @staticmethod
     def _leader_prefilling(leader: Sequence) -> bool:

@@ -42,6 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
+    prompt_hashes: list[int] | None = None  # of the prompt's full blocks (the scheduler fills it in)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -49,6 +49,9 @@ class ReplicaState:
     # Extensions read by routing/admission (defaults keep older constructors valid):
     block_size: int = 16  # the engine's KV block size: prefix-aware routing hashes prompts with it
     num_blocks: int = 0  # KV blocks in the pool (0: unknown)
+    # Set by the gateway's pool, not the replica: uncached prompt tokens it dispatched there that
+    # have not produced a first token yet (what a new request would wait behind).
+    pending_prefill_tokens: int = 0
     detail: str | None = None  # why unhealthy, for logs and /health
 
     @property

@@ -36,6 +36,7 @@ class ReplicaHandle:
         self.replica = replica
         self.config = config
         self.inflight = 0
+        self.pending_prefill = 0  # uncached prompt tokens dispatched here, no first token yet
         self.failures = 0
         self.ejected_until = 0.0
         self.eject_reason: str | None = None
@@ -65,7 +66,7 @@ class ReplicaHandle:
         # Our in-flight requests are in the engine somewhere; if its report has not caught up yet,
         # count the difference as waiting (that is where a just-dispatched request sits).
         waiting = max(s.waiting, self.inflight - s.running)
-        return replace(s, waiting=waiting, healthy=healthy,
+        return replace(s, waiting=waiting, healthy=healthy, pending_prefill_tokens=self.pending_prefill,
                        detail=s.detail if healthy or not self.eject_reason else self.eject_reason)
 
     def is_ejected(self, now: float, state: ReplicaState | None = None) -> bool:

@@ -183,7 +183,7 @@ async def replicated_deployment(model: str, n: int, engine_args: list[str] | Non
 
 
 _ENGINE_FLAG_FIELDS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
-                       "max_num_seqs", "max_model_len", "seed")
+                       "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
 
 
 def engine_flags(engine: Any) -> list[str]:

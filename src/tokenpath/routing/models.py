@@ -84,6 +84,22 @@ class Deployment:
         async for out in deployment._run(request, admission):
             yield out
 
+    def precheck(self, priority: int, tenant: str, received: float, timeout: float | None = None) -> None:
+        """Raise the 429/503 admission would answer right now, on this deployment and on each
+        fallback, before the caller tokenizes or charges rate limits: refusing is then pure
+        bookkeeping. A request that passes is checked again by `generate`, with its prompt."""
+        first_error: TokenpathError | None = None
+        for dep in (self, *self.fallbacks):
+            deadline = received + (timeout if timeout is not None else dep.flow.default_budget(priority))
+            try:
+                dep.flow.check(priority, tenant, deadline, record=False)
+                return
+            except (ServiceUnavailableError, RateLimitError) as exc:
+                first_error = first_error or exc
+        assert first_error is not None
+        metrics.REJECTIONS.labels(self.name, first_error.code or "rejected").inc()
+        raise first_error
+
     async def _admit(self, request: GenerateRequest) -> tuple[Deployment, Admission]:
         """Admission on this deployment, then on each fallback in order, on 503/429 only."""
         first_error: TokenpathError | None = None
@@ -110,6 +126,8 @@ class Deployment:
             failure: str | None = None
             try:
                 async for out in self._started_by(stream, request, replica.name):
+                    if not started:
+                        self.flow.started(admission)
                     started = True
                     finished = finished or out.finished
                     yield out

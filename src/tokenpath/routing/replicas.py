@@ -12,10 +12,16 @@ Policies:
   minimum from slightly stale state, which matters once state comes from polled /metrics.
 - `prefix_aware` (default): the prompt's chained block hashes — computed with the engine's own
   hash and the replica's block size — matched against what each replica reported as cached and
-  what this router recently sent it. Longest match wins unless that replica is more loaded than the
-  least loaded one by `load_threshold` (in load-score units: 1.0 = one full batch more, or a KV
-  cache that much fuller); a cold prompt goes to the least loaded. A miss costs a full prefill
-  *and* copies the prefix into a second cache, so the default escape is deliberately not eager.
+  what this router recently sent it (remembered up to the replica's KV pool size, so what the
+  engine must have evicted is forgotten too). Each replica is scored in prompt tokens still to
+  prefill before this request's first token: its prefill backlog (uncached prompt tokens this
+  gateway dispatched there that have not produced a first token) plus this prompt's uncached part,
+  counted `cache_weight` times because a miss also costs everyone on that replica a full prefill
+  and copies the prefix into a second cache. The cheapest wins: a hit on an idle replica, a
+  cold start elsewhere only when the matched replica's backlog outweighs the prefill it saves. A
+  replica more loaded than the least loaded one by `load_threshold` (load-score units: 1.0 = one
+  full batch more, or a KV cache that much fuller) is escaped; a cold prompt goes to the least
+  loaded.
 - `session_affinity`: rendezvous hashing of the session id (`user` or `x-session-id`), with the
   same load escape. Rendezvous hashing needs no table and moves only the sessions of a replica
   that leaves, so several gateways agree without sharing state.
@@ -119,12 +125,15 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_replica
         self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def add(self, replica: str, hashes: Sequence[int]) -> None:
+    def add(self, replica: str, hashes: Sequence[int], capacity: int = 0) -> None:
+        """Remember `hashes` as most recent; keep at most `capacity` (the replica's KV pool, when
+        known) so blocks the engine's own LRU must have evicted do not count as hits."""
+        limit = min(self.max_blocks, capacity) if capacity > 0 else self.max_blocks
         lru = self._blocks.setdefault(replica, OrderedDict())
         for h in hashes:
             lru[h] = None
             lru.move_to_end(h)
-        while len(lru) > self.max_blocks:
+        while len(lru) > limit:
             lru.popitem(last=False)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
@@ -147,17 +156,18 @@ class PrefixIndex:
             else:
                 break
         if n:  # touch the matched blocks so hot prefixes survive eviction
-            self.add(state.name, hashes[:n])
+            self.add(state.name, hashes[:n], state.num_blocks)
         return n
 
 
 class PrefixAwarePicker:
     policy = "prefix_aware"
 
-    def __init__(self, load_threshold: float = 1.0, min_match_blocks: int = 1,
+    def __init__(self, load_threshold: float = 1.0, min_match_blocks: int = 1, cache_weight: float = 2.0,
                  index: PrefixIndex | None = None) -> None:
         self.load_threshold = load_threshold
         self.min_match_blocks = min_match_blocks
+        self.cache_weight = cache_weight
         self.index = index or PrefixIndex()
         self._turn = 0
 
@@ -171,25 +181,27 @@ class PrefixAwarePicker:
     def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         by_size: dict[int, list[int]] = {}
-        best: tuple[int, float, str] | None = None  # (-matched, load, name): lower is better
-        best_state: ReplicaState | None = None
+        scored: list[tuple[float, int, ReplicaState]] = []  # (cost in tokens, matched blocks, state)
+        n = len(request.prompt_token_ids)
         for s in states:
             hashes = by_size.get(s.block_size)
             if hashes is None:
                 hashes = by_size[s.block_size] = block_hashes(request.prompt_token_ids, s.block_size)
-            key = (-self.index.matched(s, hashes), load_score(s), s.name)
-            if best is None or key < best:
-                best, best_state = key, s
-        assert best is not None and best_state is not None
-        least = self._least_rotating(states)
-        matched = -best[0]
-        if matched < self.min_match_blocks:
-            chosen, reason, matched = least, "cold", 0
-        elif load_score(best_state) - load_score(least) > self.load_threshold:
-            chosen, reason, matched = least, "load_escape", 0
+            matched = self.index.matched(s, hashes)
+            if matched < self.min_match_blocks:
+                matched = 0
+            uncached = max(1, n - matched * s.block_size)
+            scored.append((s.pending_prefill_tokens + self.cache_weight * uncached, matched, s))
+        if not any(m for _, m, _ in scored):
+            low = min(c for c, _, _ in scored)
+            chosen, reason, matched = self._least_rotating([s for c, _, s in scored if c <= low]), "cold", 0
         else:
-            chosen, reason = best_state, "prefix_hit"
-        self.index.add(chosen.name, by_size[chosen.block_size])
+            _, matched, chosen = min(scored, key=lambda x: (x[0], -x[1], load_score(x[2]), x[2].name))
+            reason = "prefix_hit" if matched else "backlog_escape"
+        least = _least(states)
+        if load_score(chosen) - load_score(least) > self.load_threshold:
+            chosen, reason, matched = least, "load_escape", 0
+        self.index.add(chosen.name, by_size[chosen.block_size], chosen.num_blocks)
         return Pick(chosen, reason, matched)
 
     def forget(self, replica: str) -> None:

@@ -1,0 +1,84 @@
+"""The scheduling rule on its own (no model): grants per step under the budget and the chunk cap."""
+
+from __future__ import annotations
+
+from tokenpath.engine.kv_cache import BlockManager
+from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.engine.scheduler import Scheduler
+from tokenpath.engine.sequence import Sequence
+
+
+def _seq(name: str, prompt_len: int, arrival: float, first_token: int | None = None) -> Sequence:
+    """A prompt of distinct tokens, unless two share `first_token` (then they share a prefix)."""
+    start = int(arrival * 10_000) + 1 if first_token is None else first_token
+    return Sequence(name, 0, list(range(start, start + prompt_len)), prompt_len, SamplingParams(max_tokens=4),
+                    arrival_time=arrival)
+
+
+def _advance(out) -> None:  # noqa: ANN001 - what the runner does after a step: the grants are computed
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+
+
+def _grants(threshold: int) -> list[dict[str, int]]:
+    """A 512-token prompt, then a 16-token one a step later; the grants of the next steps."""
+    sched = Scheduler(BlockManager(256, 16), max_num_batched_tokens=1024, max_num_seqs=8,
+                      long_prefill_token_threshold=threshold)
+    sched.add(_seq("long", 512, 0.0))
+    first = sched.schedule()
+    _advance(first)
+    sched.add(_seq("short", 16, 1.0))
+    steps = [{s.request_id: n for s, n in first.scheduled}]
+    for _ in range(3):
+        out = sched.schedule()
+        _advance(out)
+        steps.append({s.request_id: n for s, n in out.scheduled})
+    return steps
+
+
+def test_without_a_cap_a_long_prompt_takes_the_whole_budget_in_one_step():
+    steps = _grants(0)
+    assert steps[0] == {"long": 512}
+    assert steps[1] == {"short": 16}  # the long prompt is done: it wants no more prompt tokens
+
+
+def test_the_cap_lets_a_short_prompt_in_beside_a_long_prefill():
+    steps = _grants(128)
+    assert steps[0] == {"long": 128}
+    assert steps[1] == {"long": 128, "short": 16}  # no waiting for the other 384 tokens
+    assert steps[2] == {"long": 128}  # short now waits for its sample (one token behind)
+    assert steps[3] == {"long": 128}
+
+
+def test_the_cap_does_not_touch_decodes_or_the_budget():
+    sched = Scheduler(BlockManager(256, 16), max_num_batched_tokens=100, max_num_seqs=8,
+                      long_prefill_token_threshold=64)
+    for i in range(3):
+        sched.add(_seq(f"s{i}", 40, float(i)))
+    out = sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 40), ("s1", 40), ("s2", 20)]
+
+
+def test_a_prompt_waits_for_its_prefix_being_prefilled_instead_of_computing_it_twice():
+    blocks = BlockManager(256, 16)
+    sched = Scheduler(blocks, max_num_batched_tokens=1024, max_num_seqs=8, long_prefill_token_threshold=128)
+    sched.add(_seq("first", 512 + 16, 0.0, first_token=1))
+    out = sched.schedule()
+    _advance(out)
+    blocks.commit_computed(out.scheduled[0][0])
+    # Same 512-token system prompt, another question; and an unrelated prompt behind it.
+    twin = Sequence("twin", 0, list(range(1, 513)) + list(range(90_000, 90_016)), 528,
+                    SamplingParams(max_tokens=4), arrival_time=1.0)
+    sched.add(twin)
+    sched.add(_seq("other", 32, 2.0))
+    granted: list[dict[str, int]] = []
+    while twin.num_computed_tokens < twin.num_prompt_tokens:
+        out = sched.schedule()
+        _advance(out)
+        for seq, _ in out.scheduled:
+            blocks.commit_computed(seq)
+        granted.append({s.request_id: n for s, n in out.scheduled})
+    assert granted[0] == {"first": 128, "other": 32}  # the unrelated prompt goes ahead meanwhile
+    assert "twin" not in granted[1] and "twin" not in granted[2]  # first's blocks still in flight
+    assert twin.num_cached_tokens == 512  # served from the cache, not computed again
+    assert blocks.prefix_hits == 512
