@@ -3,11 +3,17 @@ least_loaded, in the same run and against the same engine processes.
 
 Workload: G groups, each with its own long "system prompt" (the shared prefix) and R requests that
 add a short unique question; requests from all groups are interleaved at random and sent by C
-closed-loop clients. Each policy gets *fresh* prefixes (so no policy inherits another's cache),
-and the KV budget per engine holds only about half of all groups' prefixes: a policy that spreads
-a group over both replicas makes each replica hold every prefix, and the cache thrashes.
+closed-loop clients. Each policy gets *fresh* prefixes (so no policy inherits another's cache).
+Each engine's KV pool (288 blocks of 16 tokens) holds about 9 of the 10 groups' 512-token
+prefixes with nothing else running: a policy that keeps each group on one replica needs only
+half of them per replica, one that spreads groups makes every replica hold (and evict) them all.
 
-    .venv/bin/python benchmarks/routing_prefix.py                 # defaults: ~3-5 minutes on 2 cores
+Engine settings: `--long-prefill-token-threshold 128` (a prefix hit does not wait behind a whole
+512-token cold prefill on a 1-thread engine) and `--load-threshold 2.0` for prefix_aware: with
+`max_num_seqs 2` a load-score unit is only two requests, so the default 1.0 escapes to a cold
+replica as soon as the matched one runs a full batch of cheap hits.
+
+    .venv/bin/python benchmarks/routing_prefix.py                 # defaults: ~8 minutes on 2 cores
     .venv/bin/python benchmarks/routing_prefix.py --groups 4 --per-group 3   # a quick smoke run
 
 Writes benchmarks/results/routing_prefix.md (table) and .json (every number).
@@ -150,19 +156,19 @@ async def main(args: argparse.Namespace) -> int:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--groups", type=int, default=10)
+    p.add_argument("--per-group", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--prefix-tokens", type=int, default=512)
     p.add_argument("--suffix-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--num-kv-blocks", type=int, default=160)
+    p.add_argument("--num-kv-blocks", type=int, default=288)
     p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+    p.add_argument("--long-prefill-token-threshold", type=int, default=128,
                    help="engine prefill chunk cap per request (0: none)")
-    p.add_argument("--load-threshold", type=float, default=1.0)
+    p.add_argument("--load-threshold", type=float, default=2.0)
     p.add_argument("--policies", default="prefix_aware,round_robin,least_loaded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="routing_prefix")
