@@ -107,9 +107,11 @@ class FlowController:
         return self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
 
     def deadline_for(self, request: GenerateRequest) -> float:
-        if request.deadline is None:
-            request.deadline = request.timeline.stamps["received"] + self.default_budget(request.priority)
-        return request.deadline
+        """The client's own deadline, else its band's default: how long it may wait in the queue.
+        (Only a client's deadline also holds after dispatch, see `Deployment._started_by`.)"""
+        if request.deadline is not None:
+            return request.deadline
+        return request.timeline.stamps["received"] + self.default_budget(request.priority)
 
     def predicted_wait(self, band: int) -> float:
         ahead = self.queue.ahead_of(band) + 1
@@ -155,7 +157,8 @@ class FlowController:
     async def acquire(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Admission:
         """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
         now = time.monotonic()
-        self.check(request.priority, request.tenant, self.deadline_for(request), now)
+        deadline = self.deadline_for(request)
+        self.check(request.priority, request.tenant, deadline, now)
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
             if room:
@@ -163,7 +166,7 @@ class FlowController:
                 metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
                 return self._dispatch(request, room, 0.0)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
-                        cost=_cost(request), deadline=request.deadline, payload=(request, exclude))
+                        cost=_cost(request), deadline=deadline, payload=(request, exclude))
         ticket.future = asyncio.get_running_loop().create_future()
         self.queue.push(ticket)
         request.timeline.stamp("admitted", deployment=self.deployment, admission="queued",
@@ -173,9 +176,9 @@ class FlowController:
         return await self._wait(ticket, request)
 
     async def _wait(self, ticket: Ticket, request: GenerateRequest) -> Admission:
-        assert ticket.future is not None and request.deadline is not None
+        assert ticket.future is not None and ticket.deadline is not None
         try:
-            timeout = max(0.0, request.deadline - time.monotonic())
+            timeout = max(0.0, ticket.deadline - time.monotonic())
             done, _ = await asyncio.wait({ticket.future}, timeout=timeout)
         except BaseException:  # client gone (task cancelled / generator closed) while queued
             if self.queue.remove(ticket):

@@ -161,10 +161,12 @@ class Deployment:
 
     async def _started_by(self, stream: AsyncIterator[RequestOutput], request: GenerateRequest,
                           replica: str) -> AsyncIterator[RequestOutput]:
-        """The replica's stream, whose first output must come before the request's deadline.
+        """The replica's stream, whose first output must come before the client's deadline.
 
-        A request dispatched into an engine's own queue is still waiting, so its deadline still
-        holds there; once tokens flow, it no longer applies (they cannot be taken back)."""
+        A request dispatched into an engine's own queue is still waiting, so the `timeout` its
+        client set still holds there: past it the client has given up, and the work is waste.
+        A band's default deadline only bounds the gateway's queue: an operator sets it as a queue
+        budget, and aborting a started prefill would waste it. Once tokens flow, neither applies."""
         if request.deadline is not None:
             try:
                 first = await asyncio.wait_for(anext(stream), max(0.0, request.deadline - time.monotonic()))
