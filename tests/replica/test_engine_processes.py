@@ -2,7 +2,9 @@
 killed with SIGKILL mid-stream. Slow: starts two engine processes."""
 
 import asyncio
+import os
 import random
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -12,6 +14,7 @@ from tokenpath.config import EngineConfig
 from tokenpath.engine.sampling_params import SamplingParams
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.replica.base import GenerateRequest
+from tokenpath.replica.processes import ENGINE_NICE
 from tokenpath.routing.config import RoutingConfig, build_router, serve_router
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.timeline import Timeline
@@ -30,6 +33,12 @@ async def engines():
     dep = router.resolve("smollm2-135m-instruct", "chat")
     assert [p.args[p.args.index("--num-kv-blocks") + 1] for p in dep.processes] == ["96", "96"]
     assert all(r.state().max_num_seqs == 2 and r.state().healthy for r in dep.replicas)
+    # Engines yield the CPU to the gateway: every one of their threads runs at a higher nice value.
+    gateway_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for p in dep.processes:
+        threads = Path(f"/proc/{p.proc.pid}/task").iterdir()
+        assert {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in threads} == \
+            {gateway_nice + ENGINE_NICE}
     yield dep.replicas, dep.processes
     for c in closers:
         await c()

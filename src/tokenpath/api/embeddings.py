@@ -9,12 +9,11 @@ from array import array
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpath.api.errors import error_response
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import EmbeddingRequest
-from tokenpath.api.sse import Interrupted, race_stop, watch_disconnect
+from tokenpath.api.sse import race_stop, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.errors import InvalidRequestError, TokenpathError
+from tokenpath.errors import InvalidRequestError
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -67,14 +66,7 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
         usage = {"prompt_tokens": run.prompt_tokens, "total_tokens": run.prompt_tokens}
         return JSONResponse({"object": "list", "data": data, "model": dep.name, "usage": usage},
                             headers=run.headers(timing=True))
-    except Interrupted:
-        run.disconnected()
-        return Response(status_code=run.status)
-    except TokenpathError as exc:
-        run.fail(exc)
-        return error_response(exc, run.headers(timing=True))
-    except Exception:
-        run.status, run.error_type = 500, "internal_error"
-        raise
+    except Exception as exc:
+        return run.respond_to(exc)
     finally:
         await run.finish()

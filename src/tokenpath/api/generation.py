@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api.errors import error_body, error_response
+from tokenpath.api.errors import error_body
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
@@ -61,15 +61,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
             handed_off = True
             return SSEResponse(gen.events(first, stream), run.stop, run.finish, headers=run.headers())
         return await gen.collect(stream)
-    except Interrupted:  # the client left before anything was sent
-        run.disconnected()
-        return Response(status_code=run.status)
-    except TokenpathError as exc:
-        run.fail(exc)
-        return error_response(exc, run.headers(timing=True))
-    except Exception:
-        run.status, run.error_type = 500, "internal_error"
-        raise
+    except Exception as exc:
+        return run.respond_to(exc)
     finally:
         if not handed_off:
             await run.finish()

@@ -12,9 +12,11 @@ import time
 import uuid
 
 from fastapi import Request
+from fastapi.responses import Response
 
+from tokenpath.api.errors import error_response
 from tokenpath.api.formatting import Accumulator
-from tokenpath.api.sse import StopSignal
+from tokenpath.api.sse import Interrupted, StopSignal
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import AuditRecord, Principal, Reservation
@@ -91,6 +93,18 @@ class RequestRun:
     def disconnected(self) -> None:
         self.status = CLIENT_CLOSED
         self.error_type = "client_disconnected"
+
+    def respond_to(self, exc: Exception) -> Response:
+        """The response for whatever ended the request early, recorded for `finish`: a client that
+        left gets nothing, a typed error its OpenAI body, anything else is re-raised as a 500."""
+        if isinstance(exc, Interrupted):  # the client left before anything was sent
+            self.disconnected()
+            return Response(status_code=self.status)
+        if isinstance(exc, TokenpathError):
+            self.fail(exc)
+            return error_response(exc, self.headers(timing=True))
+        self.status, self.error_type = 500, "internal_error"
+        raise exc
 
     def headers(self, *, timing: bool = False) -> dict[str, str]:
         out = dict(self.reservation.headers) if self.reservation else {}
