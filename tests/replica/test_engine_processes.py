@@ -33,6 +33,8 @@ async def engines():
     dep = router.resolve("smollm2-135m-instruct", "chat")
     assert [p.args[p.args.index("--num-kv-blocks") + 1] for p in dep.processes] == ["96", "96"]
     assert all(r.state().max_num_seqs == 2 and r.state().healthy for r in dep.replicas)
+    # Block size and pool size come from the engine's /metrics (cache_config_info), as from vLLM's.
+    assert all((r.state().block_size, r.state().num_blocks) == (16, 96) for r in dep.replicas)
     # Engines yield the CPU to the gateway: every one of their threads runs at a higher nice value.
     gateway_nice = os.getpriority(os.PRIO_PROCESS, 0)
     for p in dep.processes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,13 +37,21 @@ _RUNNING = ("tokenpath:num_requests_running", "vllm:num_requests_running", "sgla
 _KV = ("tokenpath:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
        "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")
 _CACHE_INFO = ("tokenpath:cache_config_info", "vllm:cache_config_info")
+# A server's whole /metrics page is tens of KB (every histogram bucket), and prometheus_client's
+# parser takes ~8 ms over it: on the gateway's event loop, polled several times a second per
+# replica, that stalls every request. Only the lines of the series read here are parsed.
+_WANTED = re.compile("|".join(re.escape(n.removesuffix("_info")) for n in (*_WAITING, *_RUNNING, *_KV, *_CACHE_INFO)))
+
+
+def _wanted_lines(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if _WANTED.search(line)) + "\n"
 
 
 def parse_metrics(text: str, name: str) -> ReplicaState:
     """Prometheus exposition text -> ReplicaState (sums across label sets, e.g. several engines)."""
     values: dict[str, float] = {}
     info: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if family.name in _CACHE_INFO or sample.name in _CACHE_INFO:
                 info.update(sample.labels)

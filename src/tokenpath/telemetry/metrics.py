@@ -56,6 +56,10 @@ class _StateCollector(Collector):
             "num_preemptions": "Cumulative number of preemptions from the engine.",
         }
         g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in gauges.items()}
+        # vLLM's cache_config_info: a remote gateway reads the block size (for prefix hashes) and
+        # the pool size (how much of its routing memory the replica can actually hold) from it.
+        cache_info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache config.",
+                                       labels=["model_name", "block_size", "num_gpu_blocks"])
         c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in counters.items()}
         for dep in self._deployments():
             if dep.task == "embedding":
@@ -63,8 +67,11 @@ class _StateCollector(Collector):
             running = waiting = 0
             usage: list[float] = []
             queries = hits = preemptions = 0
+            config: tuple[int, int] | None = None
             for replica in dep.replicas:
                 st = replica.state()
+                if config is None and st.num_blocks > 0:
+                    config = (st.block_size, st.num_blocks)
                 running += st.running
                 waiting += st.waiting
                 usage.append(st.kv_usage)
@@ -79,7 +86,10 @@ class _StateCollector(Collector):
             c["prefix_cache_queries"].add_metric([dep.name], queries)
             c["prefix_cache_hits"].add_metric([dep.name], hits)
             c["num_preemptions"].add_metric([dep.name], preemptions)
+            if config is not None:
+                cache_info.add_metric([dep.name, str(config[0]), str(config[1])], 1.0)
         yield from g.values()
+        yield cache_info
         yield from c.values()
 
 
