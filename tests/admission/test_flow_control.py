@@ -100,12 +100,15 @@ async def test_precheck_refuses_without_a_prompt_and_counts_once():
     dep, _ = deployment(seqs=1, interval=0.05, max_queue=1)
     running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(2)]
     await asyncio.sleep(0.02)
-    counter = metrics.REJECTIONS.labels("m", "queue_full")
-    before = counter._value.get()
+    def rejections() -> float:
+        return metrics.REGISTRY.get_sample_value("tokenpath:admission_rejections_total",
+                                                 {"deployment": "m", "reason": "queue_full"}) or 0.0
+
+    before = rejections()
     with pytest.raises(RateLimitError) as e:
         dep.precheck(priority=0, tenant="t", received=time.monotonic())
     assert e.value.code == "queue_full" and int(e.value.headers["Retry-After"]) >= 1
-    assert counter._value.get() == before + 1
+    assert rejections() == before + 1
     assert len(dep.flow.queue) == 1  # a check, not a queue entry
     await asyncio.gather(*running)
     dep.precheck(priority=0, tenant="t", received=time.monotonic())  # room again: passes
@@ -124,13 +127,13 @@ async def test_precheck_passes_when_a_fallback_has_room():
     await running
 
 
-async def test_precheck_uses_the_timeout_for_the_deadline():
+async def test_precheck_uses_the_clients_deadline():
     dep, _ = deployment(seqs=1, interval=0.05, initial_service_s=5.0)
     first = asyncio.create_task(run(dep, req(max_tokens=10)))
     await asyncio.sleep(0.01)
     dep.precheck(priority=0, tenant="t", received=time.monotonic())  # default budget: 120 s
     with pytest.raises(RateLimitError) as e:
-        dep.precheck(priority=0, tenant="t", received=time.monotonic(), timeout=1.0)
+        dep.precheck(priority=0, tenant="t", received=time.monotonic(), deadline=time.monotonic() + 1.0)
     assert e.value.code == "deadline_unreachable"
     await first
 

@@ -102,16 +102,15 @@ class FlowController:
         self._depth_seen: set[tuple[int, str]] = set()
 
     # -- the decision ------------------------------------------------------------------------
-    def default_budget(self, priority: int) -> float:
-        """Seconds from arrival a request of this band may wait when it sets no `timeout`."""
-        return self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
+    def queue_deadline(self, priority: int, received: float, deadline: float | None) -> float:
+        """The client's own deadline, else its band's default: until when it may wait in the queue.
+        (Only a client's deadline also holds after dispatch, see `Deployment._started_by`.)"""
+        if deadline is not None:
+            return deadline
+        return received + self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
 
     def deadline_for(self, request: GenerateRequest) -> float:
-        """The client's own deadline, else its band's default: how long it may wait in the queue.
-        (Only a client's deadline also holds after dispatch, see `Deployment._started_by`.)"""
-        if request.deadline is not None:
-            return request.deadline
-        return request.timeline.stamps["received"] + self.default_budget(request.priority)
+        return self.queue_deadline(request.priority, request.timeline.stamps["received"], request.deadline)
 
     def predicted_wait(self, band: int) -> float:
         ahead = self.queue.ahead_of(band) + 1

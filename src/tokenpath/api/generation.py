@@ -44,14 +44,15 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
         priority = run.priority()
+        received = run.timeline.stamps["received"]
+        deadline = None if body.timeout is None else received + body.timeout
         assert run.principal is not None
-        dep.precheck(priority, run.principal.tenant, run.timeline.stamps["received"], body.timeout)
+        dep.precheck(priority, run.principal.tenant, received, deadline)
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
-        deadline = None if body.timeout is None else run.timeline.stamps["received"] + body.timeout
         sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)

@@ -4,15 +4,15 @@ One rule covers prefill, chunked prefill, prefix hits and decode: every sequence
 `num_tokens - num_computed_tokens` more tokens computed, and each step grants
 `{sequence: n}` under a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`). Running sequences go first (so decodes are never starved by a long prompt,
-which instead advances one chunk per step), then waiting ones by priority and arrival. With
-`long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that arrives
-behind a long one is prefilled in the next step rather than after the whole long prompt.
-
-A waiting prompt whose next uncached block is being prefilled right now by a running sequence
-(two requests with one system prompt, arriving together) waits for those blocks to land in the
-prefix cache instead of computing them a second time; later prompts may go ahead of it meanwhile. When the
+which instead advances one chunk per step), then waiting ones by priority and arrival. When the
 pool runs out of blocks, the lowest-priority, latest-arrived running sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of its priority.
+
+With `long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that
+arrives behind a long one is prefilled in the next step rather than after the whole long prompt.
+A waiting prompt whose next uncached block is being prefilled right now by a running sequence
+(two requests with one system prompt, arriving together) waits for those blocks to land in the
+prefix cache instead of computing them a second time; later prompts may go ahead of it meanwhile.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Scheduler:
                 continue  # seq itself was preempted
             out.scheduled.append((seq, n))
             budget -= n
-        if not out.preempted:
+        if not out.preempted and self.waiting:  # (the in-flight blocks only matter to waiting ones)
             self._admit_waiting(out, budget, self._prefilling_hashes())
         now = time.monotonic()
         for seq, _ in out.scheduled:

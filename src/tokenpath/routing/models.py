@@ -84,15 +84,14 @@ class Deployment:
         async for out in deployment._run(request, admission):
             yield out
 
-    def precheck(self, priority: int, tenant: str, received: float, timeout: float | None = None) -> None:
+    def precheck(self, priority: int, tenant: str, received: float, deadline: float | None = None) -> None:
         """Raise the 429/503 admission would answer right now, on this deployment and on each
         fallback, before the caller tokenizes or charges rate limits: refusing is then pure
         bookkeeping. A request that passes is checked again by `generate`, with its prompt."""
         first_error: TokenpathError | None = None
         for dep in (self, *self.fallbacks):
-            deadline = received + (timeout if timeout is not None else dep.flow.default_budget(priority))
             try:
-                dep.flow.check(priority, tenant, deadline, record=False)
+                dep.flow.check(priority, tenant, dep.flow.queue_deadline(priority, received, deadline), record=False)
                 return
             except (ServiceUnavailableError, RateLimitError) as exc:
                 first_error = first_error or exc
