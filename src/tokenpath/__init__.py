@@ -7,8 +7,8 @@ import os
 # matmul ran 5x slower than a passive one. Must be set before torch is imported; users can override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tokenpath.engine.outputs import CompletionOutput, RequestOutput
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.outputs import CompletionOutput, RequestOutput
+from tokenpath.protocol.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

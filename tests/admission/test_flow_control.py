@@ -6,9 +6,9 @@ import time
 import pytest
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest
+from tokenpath.protocol import GenerateRequest
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment
@@ -95,7 +95,7 @@ async def test_retry_after_follows_predicted_drain():
 
 
 async def test_precheck_refuses_without_a_prompt_and_counts_once():
-    from tokenpath.admission import metrics
+    from tokenpath.telemetry import series as metrics
 
     dep, _ = deployment(seqs=1, interval=0.05, max_queue=1)
     running = [asyncio.create_task(run(dep, req(max_tokens=20))) for _ in range(2)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenpath.engine.kv_cache import BlockManager
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 

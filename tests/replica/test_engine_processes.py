@@ -11,9 +11,9 @@ import pytest_asyncio
 
 from tokenpath.api.config import ServerConfig
 from tokenpath.config import EngineConfig
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest
+from tokenpath.protocol import GenerateRequest
 from tokenpath.replica.processes import ENGINE_NICE
 from tokenpath.routing.config import RoutingConfig, build_router, serve_router
 from tokenpath.routing.models import Deployment

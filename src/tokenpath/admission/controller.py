@@ -24,10 +24,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenpath.admission import metrics
+from tokenpath.telemetry import series as metrics
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest
+from tokenpath.protocol import GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.routing.replicas import Pick, ReplicaPicker
 

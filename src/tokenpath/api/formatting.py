@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenpath.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenpath.protocol.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenpath.telemetry.timeline import Timeline
 
 

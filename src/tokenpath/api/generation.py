@@ -22,10 +22,10 @@ from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.engine.outputs import RequestOutput
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.outputs import RequestOutput
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import ContextLengthError, InvalidRequestError, TokenpathError
-from tokenpath.replica.base import GenerateRequest
+from tokenpath.protocol import GenerateRequest
 from tokenpath.routing.models import Deployment
 
 log = logging.getLogger("tokenpath.api")

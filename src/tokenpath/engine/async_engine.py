@@ -13,15 +13,14 @@ import asyncio
 import logging
 import queue
 import threading
-import time
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
-from tokenpath.engine.outputs import EngineState, RequestOutput
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.outputs import EngineState, RequestOutput
 from tokenpath.errors import EngineDeadError, InvalidRequestError
-from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.engine")
 
@@ -59,19 +58,18 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30)
 
     # ------------------------------------------------------------ public API
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, timeline: Timeline | None = None,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield deltas until the request finishes. Closing the iterator aborts the request."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield deltas until the request finishes. Closing the iterator aborts the request.
+        `request.arrival` is taken as this process's clock (set it where the request arrived)."""
+        request_id = request.request_id
         if self.error is not None or self._thread is None:
             raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
-        params = self.core.validate(prompt_token_ids, params)  # raises before anything is queued
+        params = self.core.validate(request.prompt_token_ids, request.params)  # raises before anything is queued
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", request_id, list(prompt_token_ids), params, priority, timeline, prompt,
-                    time.monotonic()))
+        self._send(("add", replace(request, params=params, timeline=None)))
         finished = False
         try:
             while True:
@@ -124,11 +122,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, ids, params, priority, timeline, prompt, arrival = msg
+                request = msg[1]
                 try:
-                    self.core.add_request(rid, ids, params, priority, timeline, prompt, arrival)
+                    self.core.add_request(request)
                 except Exception as exc:  # validated already; anything left is this request's problem only
-                    self._deliver(rid, exc)
+                    self._deliver(request.request_id, exc)
             elif msg[0] == "abort":
                 out = self.core.abort(msg[1])
                 if out is not None:

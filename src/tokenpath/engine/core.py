@@ -16,15 +16,15 @@ from tokenpath.config import EngineConfig
 from tokenpath.engine.kv_cache import BlockManager
 from tokenpath.engine.loader import load_model
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
-from tokenpath.engine.outputs import EngineState, RequestOutput
+from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.outputs import EngineEvents, EngineState, RequestOutput
 from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
-from tokenpath.telemetry.timeline import Timeline
 
 MAX_CONTEXT_DEFAULT = 8192
 
@@ -80,19 +80,20 @@ class EngineCore:
                 param="max_tokens")
         return params
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, timeline: Timeline | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue one request (all its choices). Its `arrival` is this process's clock."""
+        request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already running")
-        params = self.validate(prompt_token_ids, params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        params = self.validate(prompt_token_ids, request.params)
+        arrival = request.arrival
+        events = EngineEvents(queued=time.monotonic())
         choices: list[ChoiceState] = []
         leader: Sequence | None = None
         for i in range(params.n):
             seq = Sequence(request_id=request_id, index=i, token_ids=list(prompt_token_ids),
-                           num_prompt_tokens=len(prompt_token_ids), params=params, priority=priority,
-                           arrival_time=arrival, timeline=timeline,
+                           num_prompt_tokens=len(prompt_token_ids), params=params, priority=request.priority,
+                           arrival_time=arrival, events=events,
                            leader=leader if self.config.enable_prefix_caching else None)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
@@ -100,8 +101,8 @@ class EngineCore:
             choices.append(ChoiceState(seq=seq, detok=self.tokenizer.detokenizer(params.skip_special_tokens)))
             self.scheduler.add(seq)
         self.prompt_tokens += len(prompt_token_ids)
-        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, arrival,
-                                                 timeline, prompt)
+        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events,
+                                                 request.prompt)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -138,13 +139,8 @@ class EngineCore:
             token = result.token_ids[i]
             seq.token_ids.append(token)
             self.generation_tokens += 1
-            seq.last_token_time = now
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                if seq.timeline is not None:
-                    seq.timeline.stamp("first_token", at=now)
-            if seq.timeline is not None and seq.index == 0:
-                seq.timeline.token_times.append(now)
+            if seq.events.first_token is None:
+                seq.events.first_token = now
             reason = self.outputs.process_token(req.choices[seq.index], token, result.logprobs[i])
             if reason is not None:
                 seq.finish_reason = reason
@@ -160,12 +156,13 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.remove(seq)
-        seq.finished_time = now
+        if all(c.seq.is_finished for c in self.requests[seq.request_id].choices):
+            seq.events.finished = now
 
     def _retire(self, req: RequestState) -> None:
         self.requests.pop(req.request_id, None)
-        if req.timeline is not None:
-            req.timeline.stamp("finished")
+        if req.events.finished is None:
+            req.events.finished = time.monotonic()
 
     # ------------------------------------------------------------ state
     def state(self) -> EngineState:

@@ -11,8 +11,7 @@ from collections.abc import Sequence as Seq
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
-from tokenpath.engine.outputs import CompletionOutput, RequestOutput
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol import CompletionOutput, GenerateRequest, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
@@ -36,8 +35,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, token_ids, p, priority=priority[i] if priority else 0,
-                                    prompt=prompt if isinstance(prompt, str) else None)
+            self.engine.add_request(GenerateRequest(rid, token_ids, p, priority=priority[i] if priority else 0,
+                                                    prompt=prompt if isinstance(prompt, str) else None))
             ids.append(rid)
         return self._run(ids)
 
@@ -65,7 +64,7 @@ class LLM:
                 if acc is None:
                     acc = results[delta.request_id] = RequestOutput(
                         delta.request_id, [], delta.prompt_token_ids, delta.num_cached_tokens, False,
-                        delta.metrics, delta.prompt)
+                        delta.events, delta.num_preemptions, delta.prompt)
                 _merge(acc, delta)
         return [results[i] for i in ids]
 
@@ -86,5 +85,6 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
         c.stop_reason = d.stop_reason if d.stop_reason is not None else c.stop_reason
     acc.outputs.sort(key=lambda c: c.index)
     acc.finished = delta.finished
-    acc.metrics = delta.metrics
+    acc.events = delta.events
+    acc.num_preemptions = delta.num_preemptions
     acc.num_cached_tokens = delta.num_cached_tokens

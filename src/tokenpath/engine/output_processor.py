@@ -7,13 +7,12 @@ splits a multi-byte UTF-8 character.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from tokenpath.engine.sampling_params import SamplingParams
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenpath.telemetry.timeline import Timeline
 
 
 @dataclass
@@ -34,8 +33,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[ChoiceState]
-    arrival_time: float
-    timeline: Timeline | None = None
+    events: EngineEvents
     prompt: str | None = None
 
     @property
@@ -111,25 +109,5 @@ class OutputProcessor:
             return None
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
-                             finished=req.finished, metrics=metrics_of(req), prompt=req.prompt)
-
-
-def metrics_of(req: RequestState) -> RequestMetrics:
-    seqs = [c.seq for c in req.choices]
-
-    def first(values):
-        vals = [v for v in values if v is not None]
-        return min(vals) if vals else None
-
-    def last(values):
-        vals = [v for v in values if v is not None]
-        return max(vals) if vals else None
-
-    return RequestMetrics(
-        arrival_time=req.arrival_time,
-        first_scheduled_time=first(s.first_scheduled_time for s in seqs),
-        first_token_time=first(s.first_token_time for s in seqs),
-        last_token_time=last(s.last_token_time for s in seqs),
-        finished_time=last(s.finished_time for s in seqs) if req.finished else None,
-        num_preemptions=sum(s.num_preemptions for s in seqs),
-    )
+                             finished=req.finished, events=replace(req.events),
+                             num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt)

@@ -89,10 +89,8 @@ class Scheduler:
             self._admit_waiting(out, budget, self._prefilling_hashes())
         now = time.monotonic()
         for seq, _ in out.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-                if seq.timeline is not None:
-                    seq.timeline.stamp("scheduled", at=now)
+            if seq.events.scheduled is None:
+                seq.events.scheduled = now
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prefilling: set[int]) -> None:

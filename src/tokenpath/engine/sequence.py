@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenpath.engine.sampling_params import SamplingParams
-from tokenpath.telemetry.timeline import Timeline
+from tokenpath.protocol.outputs import EngineEvents
+from tokenpath.protocol.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
@@ -35,7 +35,9 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    timeline: Timeline | None = None
+    # The request's engine events, one object shared by its n choices (the first one to reach an
+    # event stamps it): the engine's only timing record of a request.
+    events: EngineEvents = field(default_factory=EngineEvents)
     leader: Sequence | None = None  # for n > 1: wait until the leader's prompt is cached, then share it
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
@@ -48,10 +50,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,10 @@
-"""What the engine hands back: per-request outputs with per-choice deltas, and its state."""
+"""What an engine hands back: per-request output deltas with the engine's event times, and its state.
+
+`EngineEvents` is the engine's side of a request's timing: when it was queued in the engine,
+first scheduled, produced its first token and finished, in the clock of the process that ran
+it. The replica boundary translates them into the gateway's clock and stamps them onto the
+request's Timeline, the one per-request timing record (`tokenpath.replica.events`).
+"""
 
 from __future__ import annotations
 
@@ -27,15 +33,18 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    """Monotonic timestamps (seconds) and counts recorded by the engine for one request."""
+class EngineEvents:
+    """Monotonic seconds (the engine process's clock) of one request's engine events."""
 
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
+    queued: float | None = None  # entered the engine's queue
+    scheduled: float | None = None  # first scheduled (any choice)
+    first_token: float | None = None  # first token sampled (any choice)
+    finished: float | None = None  # every choice finished
+
+    def shifted(self, by: float) -> EngineEvents:
+        """The same events in another clock (`by` = that clock minus this one)."""
+        f = lambda t: None if t is None else t + by  # noqa: E731
+        return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished))
 
 
 @dataclass
@@ -45,7 +54,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     finished: bool
-    metrics: RequestMetrics
+    events: EngineEvents = field(default_factory=EngineEvents)
+    num_preemptions: int = 0
     prompt: str | None = None
 
     @property

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from tokenpath.replica.base import Replica, ReplicaState
+from tokenpath.protocol import ReplicaState
+from tokenpath.replica.base import Replica
 
 
 @dataclass

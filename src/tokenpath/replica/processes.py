@@ -1,122 +1,218 @@
-"""Local engine processes: `tokenpath engine --port N` children, each a remote replica on loopback.
+"""tokenpath's own engine processes: started, linked, supervised, restarted, and never orphaned.
 
-Separate processes (rather than several engines in one process) give each replica its own
-interpreter and step loop, so one replica's Python overhead or crash does not stall the others,
-and a killed process is exactly the failure a multi-machine deployment sees.
+Each `EngineProcess` is one `tokenpath engine` child serving its engine over the engine link
+(`link_server.py`) to one `EngineLinkReplica` here. Separate processes give each replica its own
+interpreter and step loop, so one replica's Python overhead or crash does not stall the others.
 
-They run at a lower CPU priority (`ENGINE_NICE`) than the gateway that starts them: engines are
-throughput work that fills every core, the gateway is light and latency-bound (a 429 should not
-wait for an engine's time slice to end), so on shared cores the scheduler runs it first.
+- **Trust.** The listening socket is created here, on loopback, and handed to the child as an
+  inherited file descriptor (no port race, nothing else can bind it first); a fresh secret per
+  launch travels in the child's environment (readable only by this user), never on its command
+  line. A connection without it is refused by the engine.
+- **Never orphaned.** The child asks the kernel for SIGKILL when its parent dies
+  (`PR_SET_PDEATHSIG`, set before it loads anything) and exits when its link closes.
+- **Supervised.** `asyncio`'s child watcher reaps a dead child at once; the link replica is
+  marked down (in-flight streams fail with a clean 503, `/health` turns 503), and the engine is
+  restarted with exponential backoff, logged, counted in `tokenpath:replica_restarts_total`, and
+  re-admitted by the pool once its state says healthy.
+- **Logs.** The child's stdout/stderr go to `<data dir>/logs/engines/<name>.log`, rotated by size.
+- **Priority.** Engines run at nice +`ENGINE_NICE` (set by the child before it starts a thread):
+  the gateway is light and latency-bound, the engines fill every core, so the gateway goes first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
+import logging.handlers
 import os
+import secrets
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from tokenpath.errors import ModelLoadError
-from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
+from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.telemetry import series
+
+log = logging.getLogger("tokenpath.replica")
 
 ENGINE_NICE = 5
+RESTART_BASE_S = 1.0
+RESTART_MAX_S = 30.0
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 3
+SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
+PARENT_ENV = "TOKENPATH_PARENT_PID"
+NICE_ENV = "TOKENPATH_ENGINE_NICE"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
 class EngineProcess:
-    name: str
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-    args: list[str] = field(default_factory=list)
+    def __init__(self, name: str, model: str | None, engine_args: list[str], log_dir: Path,
+                 deployment: str = "", nice: int = ENGINE_NICE, max_num_seqs: int = 0) -> None:
+        self.name = name
+        self.model = model
+        self.engine_args = list(engine_args)
+        self.deployment = deployment or (model or "")
+        self.nice = nice
+        self.replica = EngineLinkReplica(name, secret="", max_num_seqs=max_num_seqs)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.args: list[str] = []
+        self.port = 0
+        self.restarts = 0
+        self._tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._log = _rotating_logger(name, log_dir)
+        self.log_path = log_dir / f"{name}.log"
+        self._pump: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+        self._stopping = False
 
-    def log_tail(self, n: int = 2000) -> str:
+    def log_tail(self) -> str:
+        return "\n".join(self._tail)
+
+    # -- one launch -------------------------------------------------------------------------------
+    async def _launch(self, timeout: float) -> None:
+        """Start the child and link to it; raises ModelLoadError if it exits or stays silent."""
+        secret = secrets.token_urlsafe(32)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        self.args = [sys.executable, "-m", "tokenpath.cli", "engine", "--listen-fd", str(sock.fileno()),
+                     "--exit-with-link"]
+        if self.model:
+            self.args += ["--model", self.model]
+        self.args += self.engine_args
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret, PARENT_ENV: str(os.getpid()),
+               NICE_ENV: str(self.nice)}
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(sock.fileno(),),
+                start_new_session=True)  # no terminal Ctrl-C to the engines: the gateway drains first
+        finally:
+            sock.close()  # the child holds its own copy
+        self._log.info("--- %s started (pid %d): %s", self.name, self.proc.pid, " ".join(self.args))
+        self._pump = asyncio.create_task(self._pump_output(self.proc))
+        self.replica.secret = secret
+        linking = asyncio.create_task(self.replica.connect("127.0.0.1", self.port, timeout=timeout))
+        exited = asyncio.create_task(self.proc.wait())
+        done, _ = await asyncio.wait({linking, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if linking in done and linking.exception() is None:
+            exited.cancel()
+            return
+        linking.cancel()
+        exited.cancel()
+        await asyncio.gather(linking, exited, return_exceptions=True)
+        await self._kill_and_reap()
+        why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None else "did not link in time"
+        if linking.done() and not linking.cancelled() and linking.exception() is not None:
+            why = f"{why} ({linking.exception()})"
+        raise ModelLoadError(f"engine process {self.name} {why}:\n{self.log_tail()}")
+
+    async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._tail.append(text)
+            self._log.info("%s", text)
+
+    async def _kill_and_reap(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> None:
+        await self._launch(timeout)
+        self._watch = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Reap the child the moment it exits; restart it with backoff until stopped."""
+        delay = RESTART_BASE_S
+        while not self._stopping:
+            assert self.proc is not None
+            started = time.monotonic()
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            self.replica.mark_down(f"engine process exited with {code}")
+            log.warning("replica %s: engine process (pid %d) died with exit code %s; restarting in %.0fs",
+                        self.name, self.proc.pid, code, delay)
+            if time.monotonic() - started > 60:
+                delay = RESTART_BASE_S  # it had been up a while: not a crash loop
+            while not self._stopping:
+                await asyncio.sleep(delay)
+                delay = min(RESTART_MAX_S, delay * 2)
+                try:
+                    await self._launch(timeout=600.0)
+                except ModelLoadError as exc:
+                    log.error("replica %s: restart failed, next try in %.0fs: %s", self.name, delay,
+                              str(exc).splitlines()[0])
+                    continue
+                self.restarts += 1
+                self.replica.restarts = self.restarts
+                series.REPLICA_RESTARTS.labels(self.deployment, self.name).inc()
+                log.info("replica %s: engine process restarted (pid %d, restart %d); linked and healthy",
+                         self.name, self.proc.pid, self.restarts)
+                break
 
     def kill(self) -> None:
         """SIGKILL: the crash a router must survive (no drain, no goodbye)."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGKILL)
 
     async def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.replica.close()  # the engine exits when its link closes...
+        if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
+                self.proc.terminate()  # ...or on SIGTERM
             try:
-                await asyncio.to_thread(self.proc.wait, timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                await asyncio.to_thread(self.proc.wait, 5)
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                await self._kill_and_reap()
+        if self._pump is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._pump, 2)
+        for h in list(self._log.handlers):
+            h.close()
+            self._log.removeHandler(h)
 
 
-async def _wait_healthy(ep: EngineProcess, deadline: float) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if ep.proc.poll() is not None:
-                raise ModelLoadError(f"engine process {ep.name} exited with {ep.proc.returncode}:\n{ep.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(ep.url + "/health")).status_code == 200:
-                    return
-            await asyncio.sleep(0.5)
-    raise ModelLoadError(f"engine process {ep.name} not healthy in time:\n{ep.log_tail()}")
+def _rotating_logger(name: str, log_dir: Path) -> logging.Logger:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"tokenpath.engines.{name}.{id(log_dir)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.handlers.RotatingFileHandler(log_dir / f"{name}.log", maxBytes=LOG_MAX_BYTES,
+                                                   backupCount=LOG_BACKUPS, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    return logger
 
 
 async def spawn_engines(n: int, model: str | None = None, engine_args: list[str] | None = None,
-                        host: str = "127.0.0.1", startup_timeout: float = 600.0,
-                        name_prefix: str = "engine", nice: int = ENGINE_NICE) -> list[EngineProcess]:
-    """Start `n` engine processes and wait until each answers /health (they load in parallel)."""
-    procs: list[EngineProcess] = []
-    log_dir = Path(tempfile.mkdtemp(prefix="tokenpath-engines-"))
+                        log_dir: Path | None = None, startup_timeout: float = 600.0, name_prefix: str = "engine",
+                        deployment: str = "", nice: int = ENGINE_NICE,
+                        max_num_seqs: int = 0) -> list[EngineProcess]:
+    """Start `n` supervised engine processes (loading in parallel) and link to each."""
+    if log_dir is None:
+        from tokenpath.config import resolve_data_dir
+
+        log_dir = resolve_data_dir() / "logs" / "engines"
+    procs = [EngineProcess(f"{name_prefix}-{i}", model, list(engine_args or []), log_dir, deployment, nice,
+                           max_num_seqs) for i in range(n)]
     try:
-        for i in range(n):
-            port = free_port(host)
-            args = [sys.executable, "-m", "tokenpath.cli", "engine", "--host", host, "--port", str(port)]
-            if model:
-                args += ["--model", model]
-            args += list(engine_args or [])
-            log_path = log_dir / f"{name_prefix}-{i}.log"
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-            if nice:
-                # Set before the child's interpreter has started any thread, so every thread it
-                # creates inherits it. Best effort: a container may forbid it.
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-            procs.append(EngineProcess(f"{name_prefix}-{i}", f"http://{host}:{port}", proc, log_path, args))
-        deadline = time.monotonic() + startup_timeout
-        await asyncio.gather(*(_wait_healthy(p, deadline) for p in procs))
+        await asyncio.gather(*(p.start(startup_timeout) for p in procs))
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         raise
     return procs
-
-
-async def engine_replicas(n: int, model: str | None = None, engine_args: list[str] | None = None,
-                          served_name: str | None = None, max_num_seqs: int = 0,
-                          poll_interval_s: float = 0.1) -> tuple[list[RemoteReplica], list[EngineProcess]]:
-    """`n` local engine processes wrapped as remote replicas (polled, started)."""
-    procs = await spawn_engines(n, model, engine_args)
-    replicas = [RemoteReplica(p.name, RemoteReplicaConfig(url=p.url, max_num_seqs=max_num_seqs,
-                                                          poll_interval_s=poll_interval_s), model=served_name)
-                for p in procs]
-    await asyncio.gather(*(r.start() for r in replicas))
-    return replicas, procs

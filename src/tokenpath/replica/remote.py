@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenpath.protocol.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
-from tokenpath.replica.base import GenerateRequest, ReplicaBusyError, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.replica.base import ReplicaBusyError
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
 _WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenpath.protocol.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import EngineDeadError
-from tokenpath.replica.base import GenerateRequest, ReplicaBusyError, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.replica.base import ReplicaBusyError
 
 
 @dataclass

@@ -4,5 +4,5 @@ deployments from configuration (`config`: local engine processes or URLs, `serve
 
 The decisions are recorded on each request's Timeline (`routed`, `admitted`, `dequeued`,
 `dispatched` with deployment, replica, policy and reason) and counted in
-`tokenpath.admission.metrics`.
+`tokenpath.telemetry.series`.
 """

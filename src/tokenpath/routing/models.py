@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenpath.admission import metrics
+from tokenpath.telemetry import series as metrics
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
-from tokenpath.engine.outputs import RequestOutput
+from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -33,7 +33,8 @@ from tokenpath.errors import (
     ServiceUnavailableError,
     TokenpathError,
 )
-from tokenpath.replica.base import GenerateRequest, Replica, ReplicaBusyError
+from tokenpath.protocol import GenerateRequest
+from tokenpath.replica.base import Replica, ReplicaBusyError
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
 

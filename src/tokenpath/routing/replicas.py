@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.replica.base import GenerateRequest, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_POLICY = "prefix_aware"

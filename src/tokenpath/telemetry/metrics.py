@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenpath.admission.metrics import RoutingMetricsCollector
+from tokenpath.telemetry.series import RoutingMetricsCollector
 from tokenpath.telemetry.timeline import Timeline
 
 PREFIX = "tokenpath:"

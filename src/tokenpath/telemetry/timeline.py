@@ -1,8 +1,26 @@
-"""The Timeline: one source of truth for where a request's time went.
+"""The Timeline: the one per-request timing record, and where a request's time went.
 
-Created when the HTTP request arrives and carried down to the engine and back. Traces, metrics,
-the audit row and the Server-Timing header are all *derived* from it, so they cannot disagree.
-Times are `time.monotonic()` seconds; `wall_start` anchors them to the wall clock for logs.
+Created when the HTTP request arrives; every layer stamps the events it sees onto it, and the
+replica boundary (`tokenpath.replica.events.stamp_events`) stamps the engine's events, in this
+process's clock, whether the engine runs in-process or in an engine process. Server-Timing, the
+body's `tokenpath.timing`, the audit row, `/metrics` and traces are all *derived* from
+`durations()`, so they cannot disagree. Times are `time.monotonic()` seconds; `wall_start`
+anchors them to the wall clock for logs and traces.
+
+Stages (`STAGES`), the same in-process and with engine processes (`--replicas N`):
+
+| stage          | from -> to              | what it holds                                   |
+|----------------|-------------------------|-------------------------------------------------|
+| `gateway`      | received -> admitted    | auth, routing, tokenizing, rate limits          |
+| `queue`        | admitted -> dispatched  | the gateway's admission (fair) queue            |
+| `engine_queue` | dispatched -> scheduled | the link and the engine's own waiting queue     |
+| `prefill`      | scheduled -> first_token| prompt compute (chunks, prefix-cache hits)      |
+| `decode`       | first_token -> finished | every later token                               |
+| `total`        | received -> finished    | the whole request (the sum of the above)        |
+
+A stage whose two events were not both reached (an error, an embedding request) is left out;
+`total` is always present. Events are kept in order by their stampers, so the stages sum to
+`total` whenever all are present.
 """
 
 from __future__ import annotations
@@ -10,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-STAGES = (
+EVENTS = (
     "received",
     "authenticated",
     "routed",
@@ -22,13 +40,22 @@ STAGES = (
     "finished",
 )
 
+# (stage, from event, to event); `total` is received -> finished.
+STAGE_BOUNDS = (
+    ("gateway", "received", "admitted"),
+    ("queue", "admitted", "dispatched"),
+    ("engine_queue", "dispatched", "scheduled"),
+    ("prefill", "scheduled", "first_token"),
+    ("decode", "first_token", "finished"),
+)
+STAGES = (*(s for s, _, _ in STAGE_BOUNDS), "total")
+
 
 @dataclass
 class Timeline:
     request_id: str
     wall_start: float = field(default_factory=time.time)
     stamps: dict[str, float] = field(default_factory=dict)
-    token_times: list[float] = field(default_factory=list)
     # Free-form facts about decisions (deployment, replica, routing policy and reason, tenant...).
     attrs: dict[str, object] = field(default_factory=dict)
 
@@ -36,7 +63,7 @@ class Timeline:
         self.stamps.setdefault("received", time.monotonic())
 
     def stamp(self, stage: str, at: float | None = None, **attrs: object) -> None:
-        """Record the first time a stage is reached (later calls keep the first stamp)."""
+        """Record the first time an event is reached (later calls keep the first stamp)."""
         self.stamps.setdefault(stage, time.monotonic() if at is None else at)
         self.attrs.update(attrs)
 
@@ -50,15 +77,10 @@ class Timeline:
         return max(0.0, b - a)
 
     def durations(self) -> dict[str, float]:
-        """Seconds spent per stage: queue (received->scheduled), prefill (scheduled->first token),
-        decode (first token->finished), total. Missing stages are left out."""
+        """Seconds per stage (see the module docstring), in `STAGES` order; missing ones left out."""
         out: dict[str, float] = {}
         end = self.stamps.get("finished") or time.monotonic()
-        for name, a, b in (
-            ("queue", "received", "scheduled"),
-            ("prefill", "scheduled", "first_token"),
-            ("decode", "first_token", "finished"),
-        ):
+        for name, a, b in STAGE_BOUNDS:
             d = self.between(a, b)
             if d is not None:
                 out[name] = d

@@ -1,4 +1,6 @@
-"""Prometheus series for the middle of the path: queue depth, rejections, routing decisions.
+"""Process-wide Prometheus series of the middle of the path: queue depth, rejections, routing
+decisions, replica ejections and restarts. Admission, routing and replica supervision import
+these and count into them; telemetry imports nothing above it.
 
 They live in their own registry, `REGISTRY`, because routing state is process-wide (one gateway,
 many deployments) while the API builds one metrics registry per app; `/metrics` appends
@@ -44,6 +46,11 @@ QUEUE_TIME = Histogram(
 REPLICA_EJECTIONS = Counter(
     "tokenpath:replica_ejections",
     "Replicas ejected after a failure.",
+    ["deployment", "replica"], registry=REGISTRY,
+)
+REPLICA_RESTARTS = Counter(
+    "tokenpath:replica_restarts",
+    "Engine restarts after an engine process or in-process step loop died.",
     ["deployment", "replica"], registry=REGISTRY,
 )
 RETRIES = Counter(

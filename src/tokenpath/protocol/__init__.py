@@ -1,0 +1,18 @@
+"""The shared vocabulary of the request path: what crosses every boundary, in-process or not.
+
+Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
+`tokenpath.telemetry.timeline` only). The engine link serializes exactly these types.
+
+- `SamplingParams` (`sampling_params.py`): how to sample, validated once at the edge;
+- `GenerateRequest` (`requests.py`): one prompt's request to a replica;
+- `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
+- `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read.
+"""
+
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, EngineState, RequestOutput, TokenLogprob
+from tokenpath.protocol.replica_state import ReplicaState
+from tokenpath.protocol.requests import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "EngineEvents", "EngineState", "GenerateRequest", "ReplicaState",
+           "RequestOutput", "SamplingParams", "TokenLogprob"]

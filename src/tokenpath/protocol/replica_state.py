@@ -1,0 +1,35 @@
+"""`ReplicaState`: what routers, admission control and `/health` read about one replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ReplicaState:
+    """vLLM-compatible meanings, so the same routers can drive vLLM replicas."""
+
+    name: str
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+    prefix_hashes: set[int] = field(default_factory=set)  # recently cached/routed block hashes
+    max_num_seqs: int = 0
+    # Extensions read by routing/admission (defaults keep older constructors valid):
+    block_size: int = 16  # the engine's KV block size: prefix-aware routing hashes prompts with it
+    num_blocks: int = 0  # KV blocks in the pool (0: unknown)
+    # Set by the gateway's pool, not the replica: uncached prompt tokens it dispatched there that
+    # have not produced a first token yet (what a new request would wait behind).
+    pending_prefill_tokens: int = 0
+    detail: str | None = None  # why unhealthy, for logs and /health
+    # Engine counters (cumulative), for /metrics; 0 where the replica does not report them.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    restarts: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests the replica holds right now (queued in the engine or running)."""
+        return self.waiting + self.running

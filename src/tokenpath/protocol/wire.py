@@ -1,0 +1,95 @@
+"""The engine link's wire format: length-prefixed msgpack frames of plain maps and lists.
+
+msgpack is compact, fast and safe to decode (no pickle: a frame can only ever become dicts,
+lists, strings and numbers). Each frame is a 4-byte big-endian length and one msgpack map with a
+`t` (type) key. The codecs below are the only place the protocol types are flattened, so adding a
+field to `GenerateRequest` or `RequestOutput` means changing exactly one encoder and decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from dataclasses import asdict
+
+import msgpack
+
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.requests import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
+
+MAX_FRAME = 64 * 1024 * 1024  # a prompt of a million token ids is ~5 MB; anything bigger is garbage
+_LEN = struct.Struct(">I")
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def pack(msg: dict) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    """The next frame; raises `asyncio.IncompleteReadError` at EOF, `FrameError` on garbage."""
+    (n,) = _LEN.unpack(await reader.readexactly(4))
+    if n > MAX_FRAME:
+        raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME} byte limit")
+    try:
+        msg = msgpack.unpackb(await reader.readexactly(n), raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise FrameError(f"undecodable frame: {exc}") from None
+    if not isinstance(msg, dict) or "t" not in msg:
+        raise FrameError("a frame must be a map with a 't' key")
+    return msg
+
+
+# -- GenerateRequest ----------------------------------------------------------------------------
+def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
+    """The deadline travels as seconds remaining, so the engine needs no shared clock."""
+    now = time.monotonic() if now is None else now
+    return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
+            "prio": req.priority, "tenant": req.tenant, "session": req.session_id,
+            "deadline_in": None if req.deadline is None else req.deadline - now,
+            "trace": req.traceparent}
+
+
+def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
+    """Rebuilt in the receiver's clock: `arrival` is now, `deadline` now + what was left.
+    The params are re-validated by `SamplingParams` itself (the engine trusts only its own types)."""
+    now = time.monotonic() if now is None else now
+    left = d.get("deadline_in")
+    return GenerateRequest(request_id=str(d["id"]), prompt_token_ids=list(d["ids"]),
+                           params=SamplingParams(**d["params"]), priority=int(d.get("prio", 0)),
+                           tenant=str(d.get("tenant") or "anonymous"), session_id=d.get("session"),
+                           deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
+                           arrival=now)
+
+
+# -- RequestOutput ------------------------------------------------------------------------------
+def _lp(x: TokenLogprob) -> list:
+    return [x.token_id, x.token, x.logprob, [list(t) for t in x.top]]
+
+
+def encode_output(out: RequestOutput) -> dict:
+    """Without the prompt ids and text: the receiver has them (it sent the request)."""
+    ev = out.events
+    return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
+            "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished],
+            "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
+                      c.finish_reason, c.stop_reason] for c in out.outputs]}
+
+
+def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
+    """Event times stay in the sender's clock; the link client shifts them."""
+    outs = [CompletionOutput(index=i, text=text, token_ids=list(ids),
+                             logprobs=None if lps is None else
+                             [TokenLogprob(a, b, c, [tuple(t) for t in top]) for a, b, c, top in lps],
+                             finish_reason=reason, stop_reason=stop)
+            for i, text, ids, lps, reason, stop in d["outs"]]
+    return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
+                         num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
+                         events=EngineEvents(*d["ev"]), num_preemptions=int(d.get("pre", 0)),
+                         prompt=request.prompt)

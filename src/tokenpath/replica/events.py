@@ -1,0 +1,37 @@
+"""The one place where engine events reach the gateway's Timeline.
+
+Every replica yields `RequestOutput` deltas whose `events` are in this process's monotonic clock
+(the in-process engine shares it; the engine-link client translates an engine process's clock
+at receipt; an OpenAI-compatible server has no events, so its client stamps receipt times).
+`stamp_events` puts them on the request's Timeline, clamped to the window the gateway itself saw
+(after `dispatched`, not after now), so clock error or link latency can never make a stage
+negative or push an event out of order: the stages still sum to `total`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenpath.protocol import RequestOutput
+from tokenpath.telemetry.timeline import Timeline
+
+
+def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | None = None) -> None:
+    if timeline is None:
+        return
+    now = time.monotonic() if now is None else now
+    floor = timeline.get("dispatched") or timeline.stamps["received"]
+    ev = out.events
+    for name, at in (("scheduled", ev.scheduled), ("first_token", ev.first_token),
+                     ("finished", ev.finished if out.finished else None)):
+        if at is None and name == "first_token" and any(c.token_ids for c in out.outputs):
+            at = now  # a replica without engine events: the first token arrived now
+        if at is None:
+            continue
+        at = min(max(at, floor), now)
+        timeline.stamp(name, at=at)
+        floor = timeline.stamps[name]
+    if out.num_cached_tokens:
+        timeline.attrs["cached_tokens"] = out.num_cached_tokens
+    if out.num_preemptions:
+        timeline.attrs["preemptions"] = out.num_preemptions

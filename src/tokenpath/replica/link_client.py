@@ -1,0 +1,220 @@
+"""The gateway end of the engine link: a `Replica` backed by one of tokenpath's engine processes.
+
+One connection per engine, multiplexing every request: `add` frames carry a `GenerateRequest`
+(priority, deadline, tenant, request id and trace context included), `out` frames bring back
+`RequestOutput` deltas (token ids, text, logprobs, event times), `abort` cancels, and the
+engine pushes its `state` every 100 ms. The gateway never re-tokenizes: text deltas come from
+the engine's detokenizer, which also applies the stop strings.
+
+Clocks: each process has its own monotonic clock (the same one on Linux today, but the link does
+not rely on it). At connect the client sends a few pings and keeps the offset from the one with
+the shortest round trip, NTP-style: `offset = engine_now - (sent + received) / 2`, accurate to
+half that round trip (tens of microseconds on loopback). Engine event times are shifted by it on
+receipt, and `replica.events.stamp_events` clamps them into what the gateway saw.
+
+Health: unhealthy the moment the link closes, or when no state has arrived for `STALE_AFTER_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenpath import errors
+from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
+from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.protocol.wire import FrameError, decode_output, encode_request, pack, read_frame
+
+log = logging.getLogger("tokenpath.replica")
+
+STALE_AFTER_S = 1.0
+CONNECT_TIMEOUT_S = 10.0
+SYNC_PINGS = 5
+
+
+@dataclass
+class LinkInfo:
+    """What the engine says about itself at connect."""
+
+    model: str = ""
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_seqs: int = 0
+    pid: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LinkRefusedError(ServiceUnavailableError):
+    """The engine refused the link (a wrong secret)."""
+
+
+class EngineLinkReplica:
+    def __init__(self, name: str, secret: str, max_num_seqs: int = 0) -> None:
+        self.name = name
+        self.secret = secret
+        self.info = LinkInfo()
+        self.max_num_seqs = max_num_seqs
+        self.offset = 0.0  # engine clock minus ours
+        self.restarts = 0
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._streams: dict[str, tuple[GenerateRequest, asyncio.Queue]] = {}
+        self._pongs: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._state: dict = {}
+        self._state_at = 0.0
+        self._down_reason: str | None = "not connected yet"
+
+    # -- connection ------------------------------------------------------------------------------
+    async def connect(self, host: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> None:
+        """Link to an engine; `timeout` covers its start-up (it answers once its model is loaded)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+        writer.write(pack({"t": "hello", "secret": self.secret}))
+        try:
+            welcome = await asyncio.wait_for(read_frame(reader), timeout)
+        except BaseException:
+            writer.close()
+            raise
+        if welcome.get("t") != "welcome":
+            writer.close()
+            raise LinkRefusedError(f"engine {self.name} refused the link: {welcome.get('message', welcome)}")
+        i = welcome.get("info") or {}
+        self.info = LinkInfo(model=i.get("model", ""), max_model_len=int(i.get("max_model_len") or 2048),
+                             block_size=int(i.get("block_size") or 16), num_blocks=int(i.get("num_blocks") or 0),
+                             max_num_seqs=int(i.get("max_num_seqs") or 0), pid=int(i.get("pid") or 0), extra=i)
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        self._writer = writer
+        self._reader_task = asyncio.create_task(self._read(reader, writer))
+        await self._sync_clock()
+        self._down_reason = None
+        self._state_at = time.monotonic()
+
+    async def _sync_clock(self) -> None:
+        best: tuple[float, float] | None = None  # (rtt, offset)
+        for _ in range(SYNC_PINGS):
+            pid = next(self._ids)
+            fut = asyncio.get_running_loop().create_future()
+            self._pongs[pid] = fut
+            sent = time.monotonic()
+            self._send({"t": "ping", "id": pid})
+            engine_now = await asyncio.wait_for(fut, CONNECT_TIMEOUT_S)
+            got = time.monotonic()
+            rtt, offset = got - sent, engine_now - (sent + got) / 2
+            if best is None or rtt < best[0]:
+                best = (rtt, offset)
+        assert best is not None
+        self.offset = best[1]
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reason = "link closed"
+        try:
+            while True:
+                msg = await read_frame(reader)
+                kind = msg["t"]
+                if kind == "out":
+                    entry = self._streams.get(msg["id"])
+                    if entry is not None:
+                        out = decode_output(msg, entry[0])
+                        out.events = out.events.shifted(-self.offset)
+                        entry[1].put_nowait(out)
+                elif kind == "err":
+                    entry = self._streams.get(msg["id"])
+                    if entry is not None:
+                        entry[1].put_nowait(_error_from(msg, self.name))
+                elif kind == "state":
+                    self._state, self._state_at = msg, time.monotonic()
+                elif kind == "pong":
+                    fut = self._pongs.pop(msg.get("id"), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(float(msg["now"]))
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError, OSError) as exc:
+            reason = f"link closed ({type(exc).__name__})"
+        finally:
+            if self._writer is writer:  # (not a reader of an older link, replaced by a reconnect)
+                self.mark_down(reason)
+
+    def mark_down(self, reason: str) -> None:
+        """The engine is gone (link closed or process died): fail every stream in flight now."""
+        if self._down_reason is None:
+            log.warning("replica %s: engine link down: %s", self.name, reason)
+        self._down_reason = reason
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        dead = EngineDeadError(f"engine process of replica '{self.name}' went away: {reason}")
+        for _, q in self._streams.values():
+            q.put_nowait(dead)
+
+    def _send(self, msg: dict) -> None:
+        if self._writer is None:
+            raise EngineDeadError(f"replica '{self.name}' is down: {self._down_reason}")
+        self._writer.write(pack(msg))
+
+    async def close(self) -> None:
+        self.mark_down("closed by the gateway")
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+
+    # -- the Replica interface --------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        rid = request.request_id
+        if rid in self._streams:
+            raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._send({"t": "add", "req": encode_request(request)})
+        self._streams[rid] = (request, queue)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                with contextlib.suppress(TokenpathError):
+                    self._send({"t": "abort", "id": rid})
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(TokenpathError):
+            self._send({"t": "abort", "id": request_id})
+
+    def state(self) -> ReplicaState:
+        s = self._state
+        age = time.monotonic() - self._state_at
+        detail = self._down_reason
+        if detail is None and age > STALE_AFTER_S:
+            detail = f"no state from the engine for {age:.1f}s"
+        if detail is None and not s.get("healthy", True):
+            detail = "the engine reports its step loop dead"
+        return ReplicaState(
+            name=self.name, waiting=int(s.get("waiting", 0)), running=int(s.get("running", 0)),
+            kv_usage=float(s.get("kv", 0.0)), healthy=detail is None,
+            max_num_seqs=self.max_num_seqs or self.info.max_num_seqs,
+            block_size=int(s.get("block_size") or self.info.block_size),
+            num_blocks=int(s.get("num_blocks") or self.info.num_blocks), detail=detail,
+            prefix_cache_queries=int(s.get("pq", 0)), prefix_cache_hits=int(s.get("ph", 0)),
+            num_preemptions=int(s.get("pre", 0)), restarts=self.restarts)
+
+
+def _error_from(msg: dict, name: str) -> TokenpathError:
+    """An engine's typed error, as the same type here (400s stay 400s: the request's own fault)."""
+    cls = getattr(errors, str(msg.get("cls")), None)
+    status = int(msg.get("status", 503))
+    message = str(msg.get("message", "engine error"))
+    if isinstance(cls, type) and issubclass(cls, TokenpathError) and cls.__init__ is TokenpathError.__init__:
+        return cls(message, param=msg.get("param"), code=msg.get("code"))
+    if status < 500:
+        return errors.InvalidRequestError(message, param=msg.get("param"), code=msg.get("code"))
+    return ServiceUnavailableError(f"replica '{name}' failed the request: {message}", code="replica_failed")

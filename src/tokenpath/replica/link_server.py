@@ -1,0 +1,155 @@
+"""The engine end of the engine link: one `AsyncEngine` served to its gateway over a socket.
+
+No HTTP, no second gateway, no admission queue: a `GenerateRequest` goes straight into the
+engine (which schedules and preempts by its priority) and each `RequestOutput` delta goes
+straight back as a frame, with the engine's event times (`protocol.wire`).
+
+Trust: the first frame must be `hello` carrying the per-launch secret (compared in constant
+time); anything else is answered `denied` and the connection closed, and the attempt is logged.
+The socket is bound to loopback by its launcher. With `exit_on_close`, the process ends when its
+gateway's link closes, so an engine never outlives the gateway that started it.
+
+Frames from the gateway: `hello`, `ping` (clock sync), `add`, `abort`. To it: `welcome`, `pong`,
+`out`, `err` (one request's failure, as a typed error), `state` (pushed every `STATE_INTERVAL_S`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import time
+
+from tokenpath.engine.async_engine import AsyncEngine
+from tokenpath.errors import TokenpathError
+from tokenpath.protocol.wire import FrameError, decode_request, encode_output, pack, read_frame
+
+log = logging.getLogger("tokenpath.engine.link")
+
+STATE_INTERVAL_S = 0.1
+HELLO_TIMEOUT_S = 5.0
+
+
+class LinkServer:
+    def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False) -> None:
+        if not secret:
+            raise ValueError("the engine link needs a secret")
+        self.engine = engine
+        self.secret = secret.encode()
+        self.exit_on_close = exit_on_close
+        self.done = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        self._server = await asyncio.start_server(self._handle, sock=sock)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    def _info(self) -> dict:
+        e = self.engine
+        s = e.state()
+        return {"model": e.model_name, "max_model_len": e.max_model_len, "block_size": s.block_size,
+                "num_blocks": s.num_blocks, "max_num_seqs": e.config.max_num_seqs, "pid": os.getpid()}
+
+    def _state(self) -> dict:
+        s = self.engine.state()
+        return {"t": "state", "waiting": s.waiting, "running": s.running, "kv": s.kv_usage,
+                "healthy": s.healthy, "pq": s.prefix_cache_queries, "ph": s.prefix_cache_hits,
+                "pre": s.num_preemptions, "steps": s.steps, "num_blocks": s.num_blocks,
+                "block_size": s.block_size}
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            hello = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, FrameError, OSError):
+            hello = {}
+        secret = hello.get("secret") if hello.get("t") == "hello" else None
+        if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self.secret):
+            log.warning("engine link: refused a connection from %s without the launch secret", peer)
+            with contextlib.suppress(Exception):
+                writer.write(pack({"t": "denied", "message": "the engine link requires its launch secret"}))
+                await writer.drain()
+            writer.close()
+            return
+        log.info("engine link: gateway connected from %s", peer)
+        writer.write(pack({"t": "welcome", "now": time.monotonic(), "info": self._info()}))
+        tasks: dict[str, asyncio.Task] = {}
+        pusher = asyncio.create_task(self._push_state(writer))
+        try:
+            while True:
+                msg = await read_frame(reader)
+                kind = msg["t"]
+                if kind == "ping":
+                    writer.write(pack({"t": "pong", "id": msg.get("id"), "now": time.monotonic()}))
+                elif kind == "add":
+                    self._add(msg["req"], writer, tasks)
+                elif kind == "abort":
+                    task = tasks.pop(str(msg.get("id")), None)
+                    if task is not None:
+                        task.cancel()  # closing the engine stream aborts the request there
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
+            log.info("engine link: gateway link closed (%s)", type(exc).__name__)
+        finally:
+            pusher.cancel()
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(pusher, *tasks.values(), return_exceptions=True)
+            writer.close()
+            if self.exit_on_close:
+                self.done.set()
+
+    def _add(self, d: dict, writer: asyncio.StreamWriter, tasks: dict[str, asyncio.Task]) -> None:
+        try:
+            request = decode_request(d)
+        except TokenpathError as exc:
+            writer.write(pack(_error(str(d.get("id")), exc)))
+            return
+        except Exception as exc:  # a malformed frame from a trusted peer: this request's problem only
+            writer.write(pack({"t": "err", "id": str(d.get("id")), "status": 400,
+                               "message": f"malformed request: {exc}", "type": "invalid_request_error"}))
+            return
+        log.info("request %s queued: %d prompt tokens, priority %d, tenant %s, trace %s", request.request_id,
+                 len(request.prompt_token_ids), request.priority, request.tenant, request.traceparent or "-")
+        task = asyncio.create_task(self._run(request, writer))
+        tasks[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: tasks.pop(rid, None))
+
+    async def _run(self, request, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001 - GenerateRequest
+        rid = request.request_id
+        try:
+            async for out in self.engine.generate(request):
+                writer.write(pack(encode_output(out)))
+                if out.finished:
+                    log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
+                             ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
+                             out.num_cached_tokens, out.num_preemptions)
+            await writer.drain()
+        except asyncio.CancelledError:
+            log.info("request %s aborted by the gateway", rid)
+            raise
+        except TokenpathError as exc:
+            writer.write(pack(_error(rid, exc)))
+        except Exception as exc:
+            log.exception("request %s failed", rid)
+            writer.write(pack({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
+                               "message": f"{type(exc).__name__}: {exc}"}))
+
+    async def _push_state(self, writer: asyncio.StreamWriter) -> None:
+        while True:
+            writer.write(pack(self._state()))
+            with contextlib.suppress(Exception):
+                await writer.drain()
+            await asyncio.sleep(STATE_INTERVAL_S)
+
+
+def _error(rid: str, exc: TokenpathError) -> dict:
+    return {"t": "err", "id": rid, "status": exc.status_code, "type": exc.error_type, "message": exc.message,
+            "param": exc.param, "code": exc.code, "cls": type(exc).__name__}
