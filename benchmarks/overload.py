@@ -48,8 +48,8 @@ from routing_common import (  # noqa: E402
 
 from tokenpath.admission.controller import AdmissionConfig  # noqa: E402
 from tokenpath.replica.pool import PoolConfig  # noqa: E402
-from tokenpath.routing.config import load_tokenizer  # noqa: E402
 from tokenpath.routing.models import Deployment, ModelRouter  # noqa: E402
+from tokenpath.server.routing_config import load_tokenizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.processes import EngineProcess, engine_replicas
 from tokenpath.replica.remote import RemoteReplica
 from tokenpath.routing.models import Deployment

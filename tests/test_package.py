@@ -4,7 +4,7 @@ import pytest
 
 from tokenpath import SamplingParams
 from tokenpath.errors import SamplingParamsError
-from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.timeline import STAGES, Timeline
 
 
 @pytest.mark.parametrize(
@@ -40,10 +40,15 @@ def test_valid_sampling_params():
 def test_timeline_durations():
     t = Timeline("r1")
     t0 = t.stamps["received"]
+    t.stamp("admitted", at=t0 + 0.1)
+    t.stamp("dispatched", at=t0 + 0.3)
     t.stamp("scheduled", at=t0 + 0.5)
     t.stamp("first_token", at=t0 + 0.75)
     t.stamp("finished", at=t0 + 1.0)
     t.stamp("finished", at=t0 + 9.0)  # first stamp wins
     d = t.durations()
-    assert d == pytest.approx({"queue": 0.5, "prefill": 0.25, "decode": 0.25, "total": 1.0})
-    assert t.server_timing().startswith("queue;dur=500.0")
+    assert list(d) == list(STAGES)
+    assert d == pytest.approx({"gateway": 0.1, "queue": 0.2, "engine_queue": 0.2, "prefill": 0.25,
+                               "decode": 0.25, "total": 1.0})
+    assert sum(v for k, v in d.items() if k != "total") == pytest.approx(d["total"])
+    assert t.server_timing().startswith("gateway;dur=100.0, queue;dur=200.0")

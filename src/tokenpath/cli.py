@@ -1,6 +1,6 @@
 """`tokenpath` command line: one entry point, each area registers its own subcommands.
 
-`serve`/`engine` live in `tokenpath.api.cli`, `keys`/`audit`/`usage` in `tokenpath.gateway.cli`,
+`serve`/`engine` live in `tokenpath.server.cli`, `keys`/`audit`/`usage` in `tokenpath.gateway.cli`,
 `bench` in `tokenpath.bench.cli`. Each module exposes `register(subparsers)`; a subcommand's
 handler is stored as `func` and returns the process exit code.
 """
@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "tokenpath.api.cli",
+    "tokenpath.server.cli",
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
 )

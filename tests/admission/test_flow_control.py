@@ -6,9 +6,9 @@ import time
 import pytest
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenpath.api.cli import build_config, is_loopback
 from tokenpath.cli import build_parser
+from tokenpath.server.cli import build_config, is_loopback
 
 
 def parse(*argv: str):

@@ -26,6 +26,8 @@ def exporter() -> InMemorySpanExporter:
 def test_spans_follow_the_timeline(exporter):
     t = Timeline("chatcmpl-1")
     t0 = t.stamps["received"]
+    t.stamp("admitted", at=t0 + 0.02)
+    t.stamp("dispatched", at=t0 + 0.05)
     t.stamp("scheduled", at=t0 + 0.1)
     t.stamp("first_token", at=t0 + 0.3)
     t.stamp("finished", at=t0 + 1.0)
@@ -36,7 +38,8 @@ def test_spans_follow_the_timeline(exporter):
     assert root.attributes["gen_ai.usage.output_tokens"] == 7
     assert root.attributes["gen_ai.response.finish_reasons"] == ("stop",)
     assert (root.end_time - root.start_time) / 1e9 == pytest.approx(1.0, abs=1e-3)
-    for name, dur in (("queue", 0.1), ("prefill", 0.2), ("decode", 0.7)):
+    for name, dur in (("gateway", 0.02), ("queue", 0.03), ("engine_queue", 0.05), ("prefill", 0.2),
+                      ("decode", 0.7)):
         span = spans[name]
         assert span.parent.span_id == root.context.span_id
         assert (span.end_time - span.start_time) / 1e9 == pytest.approx(dur, abs=1e-3)

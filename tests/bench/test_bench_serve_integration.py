@@ -31,7 +31,7 @@ STATS_FIELDS = {"count", "mean", "median", "p90", "p99", "std"}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    pytest.importorskip("tokenpath.api.cli", reason="`tokenpath serve` is not in this checkout")
+    pytest.importorskip("tokenpath.server.cli", reason="`tokenpath serve` is not in this checkout")
     port = free_port()
     data = tmp_path_factory.mktemp("serve-data")
     log = (data / "serve.log").open("w")

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from tests.engine.tiny_models import save_tiny
-from tokenpath import SamplingParams
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import ContextLengthError
+from tokenpath.protocol import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ async def test_stream_abort_and_close_free_blocks(tiny):
     # 1. explicit abort: the stream ends with finish_reason "abort"
     reasons = []
     async def consume():
-        async for out in engine.generate(prompt, long, "r1"):
+        async for out in engine.generate(GenerateRequest("r1", prompt, long)):
             reasons.extend(c.finish_reason for c in out.outputs if c.finish_reason)
     task = asyncio.create_task(consume())
     while engine.state().running == 0:
@@ -37,7 +37,7 @@ async def test_stream_abort_and_close_free_blocks(tiny):
     assert reasons == ["abort"]
 
     # 2. closing the iterator (what a disconnect does) aborts too
-    gen = engine.generate(prompt, long, "r2")
+    gen = engine.generate(GenerateRequest("r2", prompt, long))
     n = 0
     async for _ in gen:
         n += 1
@@ -53,13 +53,14 @@ async def test_stream_abort_and_close_free_blocks(tiny):
 
     # 3. a prompt that can never fit fails at submission, before anything is queued
     with pytest.raises(ContextLengthError, match="1024"):
-        async for _ in engine.generate(prompt * 200, SamplingParams(max_tokens=10), "r3"):
+        async for _ in engine.generate(GenerateRequest("r3", prompt * 200, SamplingParams(max_tokens=10))):
             pass
 
     # 4. concurrent requests all complete with their own text
     async def one(i: int) -> str:
         text = ""
-        async for out in engine.generate(prompt + [i + 100], SamplingParams(temperature=0, max_tokens=8), f"c{i}"):
+        req = GenerateRequest(f"c{i}", prompt + [i + 100], SamplingParams(temperature=0, max_tokens=8))
+        async for out in engine.generate(req):
             text += out.outputs[0].text
         return text
     texts = await asyncio.gather(*(one(i) for i in range(6)))

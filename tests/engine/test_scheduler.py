@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tokenpath.engine.kv_cache import BlockManager
-from tokenpath.protocol.sampling_params import SamplingParams
+from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
+from tokenpath.protocol.sampling_params import SamplingParams
 
 
 def _seq(name: str, prompt_len: int, arrival: float, first_token: int | None = None) -> Sequence:

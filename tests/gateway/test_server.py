@@ -78,9 +78,9 @@ def _run_server(server_holder: dict, sock: socket.socket, data_dir: Path, clock:
     import uvicorn
 
     from tokenpath.api.app import create_app
-    from tokenpath.api.config import ServerConfig
-    from tokenpath.api.deployments import load_deployments
     from tokenpath.routing.models import ModelRouter
+    from tokenpath.server.config import ServerConfig
+    from tokenpath.server.deployments import load_deployments
 
     async def serve() -> None:
         config = ServerConfig(models=[DEFAULT_CHAT_MODEL], data_dir=str(data_dir))

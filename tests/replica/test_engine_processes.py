@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from tokenpath.api.config import ServerConfig
 from tokenpath.config import EngineConfig
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.processes import ENGINE_NICE
-from tokenpath.routing.config import RoutingConfig, build_router, serve_router
 from tokenpath.routing.models import Deployment
+from tokenpath.server.config import ServerConfig
+from tokenpath.server.routing_config import RoutingConfig, build_router, serve_router
 from tokenpath.telemetry.timeline import Timeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -10,9 +10,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.base import ReplicaBusyError
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics
 from tokenpath.telemetry.timeline import Timeline

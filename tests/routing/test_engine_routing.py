@@ -10,9 +10,9 @@ import pytest_asyncio
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.config import EngineConfig
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import DeadlineExceededError, InvalidRequestError, RateLimitError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.telemetry.timeline import Timeline

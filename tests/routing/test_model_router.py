@@ -3,9 +3,9 @@ import asyncio
 import pytest
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment, ModelRouter

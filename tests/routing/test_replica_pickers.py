@@ -3,8 +3,8 @@ import random
 import pytest
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.routing.replicas import (
     LeastLoadedPicker,
     PrefixAwarePicker,

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from tokenpath.config import EngineConfig
-from tokenpath.routing.config import RoutingConfig, _max_num_seqs, engine_flags
+from tokenpath.server.routing_config import RoutingConfig, _max_num_seqs, engine_flags
 
 
 def test_config_validates_replicas_and_policy(tmp_path):

@@ -24,12 +24,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenpath.telemetry import series as metrics
+from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
-from tokenpath.routing.replicas import Pick, ReplicaPicker
+from tokenpath.telemetry import series as metrics
 
 
 @dataclass

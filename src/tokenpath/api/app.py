@@ -11,10 +11,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from tokenpath.api.config import ServerConfig
 from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
+from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
@@ -24,10 +24,10 @@ from tokenpath.telemetry.metrics import ServerMetrics
 def create_app(
     router: ModelRouter,
     guard: RequestGuard | None = None,
-    config: ServerConfig | None = None,
+    config: ApiSettings | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> FastAPI:
-    config = config or ServerConfig()
+    config = config or ApiSettings()
     state = AppState(router=router, guard=guard or OpenGuard(), config=config,
                      metrics=ServerMetrics(lambda: router.deployments.values()),
                      on_shutdown=list(on_shutdown))

@@ -57,7 +57,7 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
         ids, texts = await _tokenize(engine, body, state.config.caps.max_embedding_inputs)
         run.prompt_tokens = sum(len(s) for s in ids)
         await run.admit(texts, run.prompt_tokens)
-        run.timeline.stamp("scheduled")
+        run.timeline.stamp("dispatched")  # (embeddings have no admission queue yet: queue is 0)
         async with watch_disconnect(request, run.stop):
             vectors = await race_stop(engine.embed(ids), run.stop)
         run.timeline.stamp("finished")

@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api.errors import error_body
-from tokenpath.api.run import RequestRun
+from tokenpath.api.run import RequestRun, traceparent_of
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.protocol.outputs import RequestOutput
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.errors import ContextLengthError, InvalidRequestError, TokenpathError
 from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.outputs import RequestOutput
+from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.routing.models import Deployment
 
 log = logging.getLogger("tokenpath.api")
@@ -83,6 +83,7 @@ def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], param
         session_id=run.request.headers.get("x-session-id") or run.user,
         prompt=texts[i] if i < len(texts) else None,
         deadline=deadline,
+        traceparent=traceparent_of(run.request),
     )
 
 

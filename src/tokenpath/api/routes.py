@@ -59,15 +59,22 @@ async def get_model(model_id: str, request: Request, state: AppState = Depends(g
 
 @router.get("/health")
 async def health(state: AppState = Depends(get_state)) -> JSONResponse:
-    """503 when any served model has no healthy engine (a dead step loop, a broken encoder)."""
-    models = {}
+    """503 when any engine is down (a dead process or step loop, a broken encoder), naming it and
+    why; 200 again once every engine is back. Read from each replica's own state (the engine link
+    pushes it every 100 ms), so it is current within a second."""
+    models: dict[str, bool] = {}
+    replicas: dict[str, dict[str, dict]] = {}
     for dep in state.deployments():
         if dep.task == "embedding":
             models[dep.name] = bool(getattr(dep.embedder, "healthy", False))
-        else:
-            models[dep.name] = bool(dep.healthy_replicas())
+            continue
+        own = dep.replica_states()
+        replicas[dep.name] = {s.name: {"healthy": s.healthy, **({"detail": s.detail} if s.detail else {})}
+                              for s in own}
+        models[dep.name] = bool(own) and all(s.healthy for s in own)
     ok = all(models.values())
-    return JSONResponse({"status": "ok" if ok else "unhealthy", "models": models}, status_code=200 if ok else 503)
+    return JSONResponse({"status": "ok" if ok else "unhealthy", "models": models, "replicas": replicas},
+                        status_code=200 if ok else 503)
 
 
 @router.get("/metrics")

@@ -8,6 +8,7 @@ error, a client disconnect, a shutdown abort or an unexpected exception.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -27,6 +28,24 @@ from tokenpath.telemetry.tracing import record_trace
 log = logging.getLogger("tokenpath.api")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the audit log
+# A client's x-request-id is kept end to end when it looks like an id (what nginx, Envoy and
+# OpenAI's SDKs send); anything else is replaced by a minted one rather than logged as is.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def request_id_of(request: Request, prefix: str) -> str:
+    """The client's well-formed `x-request-id`, else a fresh `<prefix>-<uuid>`."""
+    given = request.headers.get("x-request-id")
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        return given
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def traceparent_of(request: Request) -> str | None:
+    """A well-formed W3C `traceparent` to pass down to the engine, else None."""
+    value = request.headers.get("traceparent")
+    return value if value is not None and _TRACEPARENT.fullmatch(value) else None
 
 
 class RequestRun:
@@ -34,7 +53,7 @@ class RequestRun:
         self.state = state
         self.request = request
         self.endpoint = endpoint
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.id = request_id_of(request, id_prefix)
         self.timeline = Timeline(self.id)
         self.created = int(time.time())
         self.principal: Principal | None = None
@@ -169,7 +188,9 @@ class RequestRun:
             prompt_tokens=prompt,
             cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
             completion_tokens=completion,
+            gateway_s=durations.get("gateway"),
             queue_s=durations.get("queue"),
+            engine_queue_s=durations.get("engine_queue"),
             prefill_s=durations.get("prefill"),
             decode_s=durations.get("decode"),
             total_s=durations.get("total"),

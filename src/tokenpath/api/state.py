@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from tokenpath.api.config import ServerConfig
+from tokenpath.api.settings import ApiSettings
 from tokenpath.api.sse import StopSignal
 from tokenpath.gateway.base import RequestGuard
 from tokenpath.routing.models import ModelRouter
@@ -23,7 +23,7 @@ log = logging.getLogger("tokenpath.api")
 class AppState:
     router: ModelRouter
     guard: RequestGuard
-    config: ServerConfig
+    config: ApiSettings
     metrics: ServerMetrics
     inflight: dict[str, StopSignal] = field(default_factory=dict)
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)

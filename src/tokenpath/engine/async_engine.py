@@ -13,14 +13,14 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
+from tokenpath.errors import EngineDeadError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import EngineState, RequestOutput
-from tokenpath.errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger("tokenpath.engine")
 

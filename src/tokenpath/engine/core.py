@@ -13,18 +13,18 @@ from dataclasses import replace
 import torch
 
 from tokenpath.config import EngineConfig
-from tokenpath.engine.kv_cache import BlockManager
+from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.loader import load_model
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
-from tokenpath.protocol import GenerateRequest
-from tokenpath.protocol.outputs import EngineEvents, EngineState, RequestOutput
 from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
+from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol.outputs import EngineEvents, EngineState, RequestOutput
+from tokenpath.protocol.sampling_params import SamplingParams
 
 MAX_CONTEXT_DEFAULT = 8192
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
-from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.sampling_params import SamplingParams
 
 
 @dataclass

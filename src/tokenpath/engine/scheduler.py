@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.engine.kv_cache import BlockManager
+from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.sequence import Sequence, Status
 
 

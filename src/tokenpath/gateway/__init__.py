@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenpath.gateway.base import AuditRecord, Limits, OpenGuard, Principal, RequestGuard, Reservation
-from tokenpath.gateway.guard import Clock, Gateway
+from tokenpath.gateway.gateway import Clock, Gateway
 from tokenpath.gateway.policy import DenyListPolicy, PolicyHook, load_policy
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 

@@ -73,6 +73,7 @@ class AuditRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Seconds per Timeline stage (`tokenpath.telemetry.timeline.STAGES`), None where not reached.
     queue_s: float | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
@@ -81,6 +82,8 @@ class AuditRecord:
     error_type: str | None = None
     prompt_text: str | None = None  # only when the operator turns text logging on
     completion_text: str | None = None
+    gateway_s: float | None = None
+    engine_queue_s: float | None = None
 
 
 class RequestGuard(Protocol):

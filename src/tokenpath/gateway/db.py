@@ -55,6 +55,10 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX audit_log_tenant_time ON audit_log (tenant, time)",
         "CREATE INDEX audit_log_request ON audit_log (request_id)",
     ],
+    [  # 2: every Timeline stage in the audit row (gateway and engine queue next to queue/prefill/decode)
+        "ALTER TABLE audit_log ADD COLUMN gateway_s {float}",
+        "ALTER TABLE audit_log ADD COLUMN engine_queue_s {float}",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

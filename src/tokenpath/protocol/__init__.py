@@ -9,7 +9,13 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read.
 """
 
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, EngineState, RequestOutput, TokenLogprob
+from tokenpath.protocol.outputs import (
+           CompletionOutput,
+           EngineEvents,
+           EngineState,
+           RequestOutput,
+           TokenLogprob,
+)
 from tokenpath.protocol.replica_state import ReplicaState
 from tokenpath.protocol.requests import GenerateRequest
 from tokenpath.protocol.sampling_params import SamplingParams

@@ -158,6 +158,7 @@ class EngineLinkReplica:
         self._writer.write(pack(msg))
 
     async def close(self) -> None:
+        self._down_reason = self._down_reason or "closed by the gateway"  # (expected: not a warning)
         self.mark_down("closed by the gateway")
         if self._reader_task is not None:
             self._reader_task.cancel()

@@ -13,11 +13,14 @@ the backoff has passed and its state says healthy again, it takes traffic.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
 from tokenpath.protocol import ReplicaState
 from tokenpath.replica.base import Replica
+
+log = logging.getLogger("tokenpath.replica")
 
 
 @dataclass
@@ -78,6 +81,7 @@ class ReplicaHandle:
         # Backoff over: probe. The state must say healthy before traffic returns.
         s = state or self.raw_state()
         if s.healthy:
+            log.info("replica %s: healthy again after ejection (%s); taking traffic", self.name, self.eject_reason)
             self.ejected_until = 0.0
             self.eject_reason = None
             return False
@@ -92,6 +96,8 @@ class ReplicaHandle:
         self.failures += 1
         self.eject_reason = reason
         self.ejected_until = now + self._backoff()
+        log.warning("replica %s: ejected for %.0fs after failure %d: %s", self.name, self._backoff(),
+                    self.failures, reason)
 
     def succeeded(self) -> None:
         self.failures = 0

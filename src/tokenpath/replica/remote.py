@@ -1,5 +1,5 @@
-"""A replica behind an OpenAI-compatible HTTP endpoint: another `tokenpath engine`, vLLM, SGLang or
-llama.cpp.
+"""A replica behind an OpenAI-compatible HTTP endpoint: vLLM, SGLang, llama.cpp, another gateway
+or another `tokenpath serve` (tokenpath's own engine processes use the engine link instead).
 
 Generation is one streaming `POST /v1/completions` with the prompt as token ids (so the gateway's
 tokenization, and hence its prefix hashes, are the ones the engine sees). Closing the stream
@@ -20,14 +20,14 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenpath.protocol.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
@@ -184,7 +184,7 @@ class RemoteReplica:
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        metrics = RequestMetrics(arrival_time=time.monotonic())
+        events = EngineEvents(queued=time.monotonic())  # receipt times: an OpenAI server sends none
         headers = {"X-Request-Id": request.request_id}
         finished: set[int] = set()
         try:
@@ -198,7 +198,7 @@ class RemoteReplica:
                 async for data in _sse_data(resp):
                     if last is not None and data.get("usage"):
                         last.num_cached_tokens = _cached_tokens(data)
-                    out = self._to_output(request, data, metrics, finished)
+                    out = self._to_output(request, data, events, finished)
                     if out is None:
                         continue
                     if out.finished:
@@ -216,7 +216,7 @@ class RemoteReplica:
         if len(finished) < request.params.n:
             raise ServiceUnavailableError(f"replica '{self.name}' ended the stream before finishing")
 
-    def _to_output(self, request: GenerateRequest, data: dict, metrics: RequestMetrics,
+    def _to_output(self, request: GenerateRequest, data: dict, events: EngineEvents,
                    finished: set[int]) -> RequestOutput | None:
         now = time.monotonic()
         outs = []
@@ -230,15 +230,14 @@ class RemoteReplica:
             outs.append(CompletionOutput(index=idx, text=text, token_ids=list(ids), finish_reason=reason))
         if not outs:
             return None  # the usage-only chunk
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
+        if events.first_token is None:
+            events.first_token = now
         done = len(finished) >= request.params.n
         if done:
-            metrics.finished_time = now
+            events.finished = now
         return RequestOutput(request_id=request.request_id, outputs=outs,
                              prompt_token_ids=request.prompt_token_ids, num_cached_tokens=_cached_tokens(data),
-                             finished=done, metrics=metrics, prompt=request.prompt)
+                             finished=done, events=replace(events), prompt=request.prompt)
 
     def _token_ids(self, text: str) -> list[int]:
         """OpenAI streams carry text, not ids. Servers that send `token_ids` (vLLM's

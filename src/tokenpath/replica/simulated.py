@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenpath.errors import EngineDeadError
 from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
 
 
@@ -87,7 +87,7 @@ class SimulatedReplica:
         if self.busy_next > 0:
             self.busy_next -= 1
             raise ReplicaBusyError(f"replica '{self.name}' is busy")
-        metrics = RequestMetrics(arrival_time=time.monotonic())
+        events = EngineEvents(queued=time.monotonic())
         try:
             await self._wait_for_slot(rid)
         except asyncio.CancelledError:
@@ -96,7 +96,7 @@ class SimulatedReplica:
                 return
             raise
         try:
-            metrics.first_scheduled_time = time.monotonic()
+            events.scheduled = time.monotonic()
             self.served.append(rid)
             if self.fail_before_first > 0:
                 self.fail_before_first -= 1
@@ -120,17 +120,16 @@ class SimulatedReplica:
                 if rid in self._aborted:
                     return
                 now = time.monotonic()
-                metrics.first_token_time = metrics.first_token_time or now
-                metrics.last_token_time = now
+                events.first_token = events.first_token or now
                 last = i == n - 1
                 if last:
-                    metrics.finished_time = now
+                    events.finished = now
                 yield RequestOutput(
                     request_id=rid,
                     outputs=[CompletionOutput(index=0, text=f"t{i} ", token_ids=[i],
                                               finish_reason="length" if last else None)],
                     prompt_token_ids=request.prompt_token_ids, num_cached_tokens=hit * self.config.block_size,
-                    finished=last, metrics=metrics)
+                    finished=last, events=replace(events))
         finally:
             self.running.discard(rid)
             self._aborted.discard(rid)

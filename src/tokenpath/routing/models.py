@@ -22,9 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenpath.telemetry import series as metrics
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
-from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -33,10 +31,13 @@ from tokenpath.errors import (
     ServiceUnavailableError,
     TokenpathError,
 )
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.replica.base import Replica, ReplicaBusyError
+from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
+from tokenpath.telemetry import series as metrics
 
 Task = Literal["chat", "completion", "embedding"]
 # A chat deployment also serves /v1/completions (same engine, no chat template).
@@ -73,6 +74,10 @@ class Deployment:
             pool = ReplicaPool(list(self.replicas), self.pool_config)
             self._flow = FlowController(self.name, pool, picker, self.admission)
         return self._flow
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each replica's own report (not the pool's ejection view): what `/health` shows."""
+        return [h.raw_state() for h in self.flow.pool.handles.values()]
 
     def healthy_replicas(self) -> list[Replica]:
         healthy = {s.name for s in self.flow.pool.healthy()}
@@ -126,6 +131,7 @@ class Deployment:
             failure: str | None = None
             try:
                 async for out in self._started_by(stream, request, replica.name):
+                    stamp_events(request.timeline, out)  # the one place engine events reach the Timeline
                     if not started:
                         self.flow.started(admission)
                     started = True

@@ -33,35 +33,14 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
+from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.protocol import GenerateRequest, ReplicaState
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_POLICY = "prefix_aware"
 _DEFAULT_BATCH = 8  # normaliser when a replica does not report max_num_seqs
-
-
-@dataclass(frozen=True)
-class Pick:
-    state: ReplicaState
-    reason: str  # short, low-cardinality: "prefix_hit", "cold", "load_escape", "p2c", ...
-    matched_blocks: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.state.name
-
-
-class ReplicaPicker(Protocol):
-    policy: str
-
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick: ...
-
-    def forget(self, replica: str) -> None:
-        """A replica left (ejected or removed): drop what the picker remembers about it."""
 
 
 def load_score(state: ReplicaState) -> float:

@@ -1,5 +1,5 @@
 """`tokenpath serve` (the OpenAI-compatible server, gateway in front) and `tokenpath engine`
-(a bare replica: one chat model, no gateway, meant to sit behind another tokenpath's router).
+(one chat model on the engine link, launched by a gateway: `tokenpath.server.engine_process`).
 
 Shutdown (SIGTERM or Ctrl-C): stop accepting, let in-flight requests finish for up to
 `--shutdown-timeout` seconds, then abort the rest (finish_reason `abort`), stop the engines and
@@ -18,10 +18,10 @@ from types import FrameType
 
 import uvicorn
 
-from tokenpath.api.config import ServerConfig
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
+from tokenpath.server.config import ServerConfig
 
 log = logging.getLogger("tokenpath.api")
 
@@ -37,10 +37,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
     serve.set_defaults(func=run_serve, gateway=True)
-    engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
+    engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
-    engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
-                        routing_policy=None)
+    engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
+    engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
+    engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
+                        routing=None, routing_policy=None)
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from tokenpath.server.engine_process import run_engine
+
+    return run_engine(args)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -158,13 +166,13 @@ class _Server(uvicorn.Server):
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
     if args.replicas <= 1 and args.routing is None and args.routing_policy is None:
-        from tokenpath.api.deployments import load_deployments
         from tokenpath.routing.models import ModelRouter
+        from tokenpath.server.deployments import load_deployments
 
         deployments, closers = await load_deployments(config)
         return ModelRouter(deployments, config.aliases), closers
-    from tokenpath.routing.config import serve_router
     from tokenpath.routing.replicas import DEFAULT_POLICY
+    from tokenpath.server.routing_config import serve_router
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
                               policy=args.routing_policy or DEFAULT_POLICY)

@@ -1,48 +1,29 @@
-"""Server settings: where to listen, which models to serve, and the caps that keep a client
-mistake from becoming an outage. Loadable from a YAML file (`--config`); flags override it."""
+"""`tokenpath serve` settings, one config for the whole server: where to listen, which models to
+serve, the engine's knobs, and (from `ApiSettings`) the caps that keep a client mistake from
+becoming an outage. Loadable from a YAML file (`--config`); flags override it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig, parse_bytes
-
-
-class Caps(BaseModel):
-    """Upper bounds on request fields; beyond them a request is a 400, not a resource problem."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_n: int = Field(8, ge=1, le=16)
-    max_tokens: int = Field(4096, ge=1)
-    max_stop: int = Field(16, ge=0, le=16)
-    max_messages: int = Field(256, ge=1)
-    max_prompts: int = Field(32, ge=1)  # prompts in one /v1/completions request
-    max_embedding_inputs: int = Field(2048, ge=1)  # inputs in one /v1/embeddings request (OpenAI's limit)
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
+from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
+from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig
 
 
-class ServerConfig(BaseModel):
+class ServerConfig(ApiSettings):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     models: list[str] = Field(default_factory=lambda: [DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL])
     aliases: dict[str, str] = Field(default_factory=dict)
-    max_body_size: str | int = "4MiB"
-    shutdown_timeout: float = Field(30.0, ge=0)
-    caps: Caps = Field(default_factory=Caps)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     data_dir: str | None = None
     database_url: str | None = None
     insecure: bool = False
-
-    @property
-    def max_body_bytes(self) -> int:
-        return parse_bytes(self.max_body_size)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServerConfig:

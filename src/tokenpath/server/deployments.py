@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tokenpath.api.config import ServerConfig, is_embedding_model
 from tokenpath.config import DEFAULT_EMBEDDING_MODEL
 from tokenpath.routing.models import Deployment
+from tokenpath.server.config import ServerConfig, is_embedding_model
 
 Closer = Callable[[], Awaitable[None]]
 
@@ -33,9 +33,10 @@ async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer
     engine_cfg = config.engine.model_copy(update={"model": name})
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     await engine.start()
-    dep = Deployment(name=engine.model_name, task="chat", replicas=[InProcessReplica(engine)],
+    replica = InProcessReplica(engine, deployment=engine.model_name)
+    dep = Deployment(name=engine.model_name, task="chat", replicas=[replica],
                      tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
-    return dep, engine.shutdown
+    return dep, replica.close
 
 
 async def load_deployments(config: ServerConfig) -> tuple[list[Deployment], list[Closer]]:

@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.replica.base import Replica
+from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.pool import PoolConfig
-from tokenpath.replica.processes import EngineProcess, engine_replicas
+from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES
@@ -42,8 +43,8 @@ Closer = Callable[[], Awaitable[None]]
 class ReplicaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = None  # a running OpenAI-compatible server
-    local: int = Field(0, ge=0)  # or: this many `tokenpath engine` processes started here
+    url: str | None = None  # a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, a tokenpath serve)
+    local: int = Field(0, ge=0)  # or: this many `tokenpath engine` processes started here, on the engine link
     model: str | None = None  # the name the server knows the model by (default: discovered)
     api_key: str | None = None
     max_num_seqs: int = Field(0, ge=0)
@@ -113,7 +114,9 @@ def load_tokenizer(model: str) -> Any:
     return Tokenizer(resolve_model_path(model))
 
 
-async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple[Deployment, list[Closer]]:
+async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
+                           log_dir: Path | None = None) -> tuple[Deployment, list[Closer]]:
+    """Start a deployment's replicas: local engine processes (linked and supervised) and URLs."""
     replicas: list[Replica] = []
     closers: list[Closer] = []
     procs: list[EngineProcess] = []
@@ -121,10 +124,11 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
     try:
         for i, r in enumerate(spec.replicas):
             if r.local:
-                reps, ps = await engine_replicas(r.local, model, r.engine_args, served_name=r.model,
-                                                 max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args))
+                ps = await spawn_engines(r.local, model, r.engine_args, log_dir=log_dir,
+                                         name_prefix="engine" if i == 0 else f"engine{i}", deployment=spec.name,
+                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args))
                 procs += ps
-                replicas += reps
+                replicas += [p.replica for p in ps]
             else:
                 rep = RemoteReplica(f"{spec.name}-url{i}", RemoteReplicaConfig(
                     url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs))
@@ -141,7 +145,8 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
             closers.append(r.close)
     closers += [p.stop for p in procs]
     max_len = spec.max_model_len or next(
-        (r.max_model_len for r in replicas if isinstance(r, RemoteReplica) and r.max_model_len), 2048)
+        (r.max_model_len for r in replicas if isinstance(r, RemoteReplica) and r.max_model_len),
+        next((r.info.max_model_len for r in replicas if isinstance(r, EngineLinkReplica)), 2048))
     options = {"load_threshold": spec.load_threshold} if spec.load_threshold is not None else {}
     dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
                      policy=spec.policy, admission=AdmissionConfig(**spec.admission),
@@ -151,14 +156,15 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None) -> tuple
 
 
 async def build_router(config: RoutingConfig, extra: list[Deployment] | None = None,
-                       aliases: dict[str, str] | None = None) -> tuple[ModelRouter, list[Closer]]:
+                       aliases: dict[str, str] | None = None,
+                       log_dir: Path | None = None) -> tuple[ModelRouter, list[Closer]]:
     """Start every configured deployment's replicas and wire aliases and fallbacks. `extra` are
     deployments built elsewhere (e.g. the in-process embedding model)."""
     deployments = list(extra or [])
     closers: list[Closer] = []
     try:
         for spec in config.deployments:
-            dep, c = await build_deployment(spec)
+            dep, c = await build_deployment(spec, log_dir=log_dir)
             deployments.append(dep)
             closers += c
     except BaseException:
@@ -172,13 +178,16 @@ async def build_router(config: RoutingConfig, extra: list[Deployment] | None = N
 
 
 async def replicated_deployment(model: str, n: int, engine_args: list[str] | None = None,
-                                policy: str = DEFAULT_POLICY) -> tuple[Deployment, list[Closer]]:
+                                policy: str = DEFAULT_POLICY,
+                                log_dir: Path | None = None) -> tuple[Deployment, list[Closer]]:
     """`tokenpath serve --replicas N`: N local engine processes of one chat model."""
     spec = DeploymentSpec(name=model, model=model, policy=policy,
                           replicas=[ReplicaSpec(local=n, engine_args=list(engine_args or []))])
-    dep, closers = await build_deployment(spec)
-    served = next((r.model for r in dep.replicas if isinstance(r, RemoteReplica)), model)
+    dep, closers = await build_deployment(spec, log_dir=log_dir)
+    served = next((r.info.model for r in dep.replicas if isinstance(r, EngineLinkReplica) and r.info.model), model)
     dep.name = served
+    for p in dep.processes:
+        p.deployment = served
     return dep, closers
 
 
@@ -201,16 +210,19 @@ def engine_flags(engine: Any) -> list[str]:
 
 async def serve_router(config: Any, replicas: int = 1, routing_file: str | None = None,
                        policy: str = DEFAULT_POLICY) -> tuple[ModelRouter, list[Closer]]:
-    """What `tokenpath serve` needs, in one call (config: `tokenpath.api.config.ServerConfig`):
+    """What `tokenpath serve` needs, in one call (config: `tokenpath.server.config.ServerConfig`):
 
     - `routing_file`: deployments from YAML (see the module docstring), plus the in-process
       embedding model(s) named in `config.models`;
     - `replicas > 1`: each chat model in `config.models` as that many local engine processes;
-    - otherwise: the in-process deployments of `tokenpath.api.deployments.load_deployments`.
+    - otherwise: the in-process deployments of `tokenpath.server.deployments.load_deployments`.
     Aliases from `config.aliases` apply in every case.
     """
-    from tokenpath.api.config import is_embedding_model
-    from tokenpath.api.deployments import load_deployments, load_embedding
+    from tokenpath.config import resolve_data_dir
+    from tokenpath.server.config import is_embedding_model
+    from tokenpath.server.deployments import load_deployments, load_embedding
+
+    log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
 
     if routing_file is None and replicas <= 1:
         deployments, closers = await load_deployments(config)
@@ -221,12 +233,13 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     closers = [d.embedder.shutdown for d in embeddings]
     if routing_file is not None:
         router, more = await build_router(RoutingConfig.from_yaml(routing_file), extra=embeddings,
-                                          aliases=config.aliases)
+                                          aliases=config.aliases, log_dir=log_dir)
         return router, closers + more
     deployments: list[Deployment] = list(embeddings)
     try:
         for model in (m for m in config.models if not is_embedding_model(m)):
-            dep, more = await replicated_deployment(model, replicas, engine_flags(config.engine), policy)
+            dep, more = await replicated_deployment(model, replicas, engine_flags(config.engine), policy,
+                                                    log_dir=log_dir)
             deployments.append(dep)
             closers += more
     except BaseException:

@@ -1,9 +1,10 @@
 """Prometheus metrics with vLLM's meanings under a `tokenpath:` prefix and a `model_name` label.
 
 Gauges and engine counters (running, waiting, KV usage, prefix-cache queries/hits, preemptions)
-are read from the replicas' state at scrape time, so they can never drift from the engine.
-Per-request histograms and token counters are observed once per finished request from its
-Timeline, the same source as the Server-Timing header and the audit row.
+are read from the replicas' state at scrape time (in-process, or pushed over the engine link), so
+they can never drift from the engine. Per-request histograms and token counters are observed once
+per finished request from its Timeline, the same source as the Server-Timing header and the audit
+row: one histogram per Timeline stage.
 """
 
 from __future__ import annotations
@@ -25,17 +26,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-def engine_state_of(replica: Any) -> Any | None:
-    """The EngineState behind a replica when it has an in-process engine (counters live there)."""
-    engine = getattr(replica, "engine", None)
-    if engine is not None and hasattr(engine, "state"):
-        try:
-            return engine.state()
-        except Exception:
-            return None
-    return None
 
 
 class _StateCollector(Collector):
@@ -75,11 +65,9 @@ class _StateCollector(Collector):
                 running += st.running
                 waiting += st.waiting
                 usage.append(st.kv_usage)
-                es = engine_state_of(replica)
-                if es is not None:
-                    queries += es.prefix_cache_queries
-                    hits += es.prefix_cache_hits
-                    preemptions += es.num_preemptions
+                queries += st.prefix_cache_queries
+                hits += st.prefix_cache_hits
+                preemptions += st.num_preemptions
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
             g["kv_cache_usage_perc"].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
@@ -113,9 +101,15 @@ class ServerMetrics:
                              m, buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.gateway = Histogram(PREFIX + "request_gateway_time_seconds",
+                                 "Histogram of time from arrival to admission (auth, routing, tokenizing, "
+                                 "rate limits), in seconds.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds",
-                               "Histogram of time spent waiting before the first schedule, in seconds.",
+                               "Histogram of time spent in the gateway's admission queue, in seconds.",
                                m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_queue = Histogram(PREFIX + "request_engine_queue_time_seconds",
+                                      "Histogram of time from dispatch to the engine's first schedule, in seconds.",
+                                      m, buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram(PREFIX + "request_prefill_time_seconds",
                                  "Histogram of time spent in the prefill phase, in seconds.",
                                  m, buckets=_LATENCY_BUCKETS, registry=r)
@@ -135,7 +129,8 @@ class ServerMetrics:
             self.ttft.labels(model).observe(ttft)
         d = timeline.durations()
         self.e2e.labels(model).observe(d["total"])
-        for name, hist in (("queue", self.queue), ("prefill", self.prefill), ("decode", self.decode)):
+        for name, hist in (("gateway", self.gateway), ("queue", self.queue), ("engine_queue", self.engine_queue),
+                           ("prefill", self.prefill), ("decode", self.decode)):
             if name in d:
                 hist.labels(model).observe(d[name])
         for a, b in zip(token_times, token_times[1:], strict=False):

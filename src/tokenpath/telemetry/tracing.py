@@ -11,7 +11,7 @@ import time
 
 from opentelemetry import trace
 
-from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.timeline import STAGE_BOUNDS, Timeline
 
 _tracer = trace.get_tracer("tokenpath")
 
@@ -41,8 +41,7 @@ def record_trace(timeline: Timeline, *, endpoint: str, model: str | None, status
         attrs["gen_ai.response.finish_reasons"] = [finish_reason]
     root = _tracer.start_span(f"{op} {model or ''}".strip(), start_time=start, attributes=attrs)
     ctx = trace.set_span_in_context(root)
-    for name, a, b in (("queue", "received", "scheduled"), ("prefill", "scheduled", "first_token"),
-                       ("decode", "first_token", "finished")):
+    for name, a, b in STAGE_BOUNDS:
         sa, sb = _ns(timeline, a), _ns(timeline, b)
         if sa is not None and sb is not None:
             _tracer.start_span(name, context=ctx, start_time=sa).end(end_time=max(sa, sb))

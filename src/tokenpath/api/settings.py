@@ -1,0 +1,34 @@
+"""What the HTTP layer itself needs to know: body and header limits, and the caps on request
+fields. `tokenpath.server.config.ServerConfig` extends it with where to listen and what to serve."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenpath.config import parse_bytes
+
+
+class Caps(BaseModel):
+    """Upper bounds on request fields; beyond them a request is a 400, not a resource problem."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_n: int = Field(8, ge=1, le=16)
+    max_tokens: int = Field(4096, ge=1)
+    max_stop: int = Field(16, ge=0, le=16)
+    max_messages: int = Field(256, ge=1)
+    max_prompts: int = Field(32, ge=1)  # prompts in one /v1/completions request
+    max_embedding_inputs: int = Field(2048, ge=1)  # inputs in one /v1/embeddings request (OpenAI's limit)
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+
+
+class ApiSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_size: str | int = "4MiB"
+    shutdown_timeout: float = Field(30.0, ge=0)
+    caps: Caps = Field(default_factory=Caps)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_bytes(self.max_body_size)

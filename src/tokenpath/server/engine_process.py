@@ -1,0 +1,100 @@
+"""`tokenpath engine`: one chat model served over the engine link, nothing else.
+
+No HTTP API, no gateway, no admission queue: the gateway that launched it sends `GenerateRequest`s
+and reads `RequestOutput` deltas (`tokenpath.replica.link_server`). It is meant to be started by
+`tokenpath serve --replicas N` (or a routing file's `local: N`), which passes:
+
+- `--listen-fd N`: a loopback socket the gateway already bound (no port race);
+- `TOKENPATH_ENGINE_SECRET` in the environment: the per-launch secret every connection must show;
+- `TOKENPATH_PARENT_PID`: the process asks the kernel for SIGKILL when that parent dies, and
+  exits at once if the parent is already gone (the race between fork and prctl);
+- `--exit-with-link`: exit when the gateway's link closes.
+
+Run by hand it binds `--host` (loopback by default; any other address needs `--insecure`) and
+`--port`, and still requires `TOKENPATH_ENGINE_SECRET`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+
+from tokenpath.config import DEFAULT_CHAT_MODEL
+
+log = logging.getLogger("tokenpath.engine")
+
+PR_SET_PDEATHSIG = 1
+SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
+PARENT_ENV = "TOKENPATH_PARENT_PID"
+NICE_ENV = "TOKENPATH_ENGINE_NICE"
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the parent that launched it dies (Linux); never outlive it."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    die_with_parent()
+    nice = int(os.environ.get(NICE_ENV, "0") or 0)
+    if nice:  # before torch starts a thread: every thread inherits it
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        print(f"tokenpath engine: set {SECRET_ENV} (the gateway that links to it must send the same secret)",
+              file=sys.stderr)
+        return 2
+    from tokenpath.server.cli import build_config, is_loopback
+
+    if args.listen_fd is None and not is_loopback(args.host or "127.0.0.1") and not args.insecure:
+        print(f"tokenpath engine: refusing to bind {args.host}: engines bind loopback (or pass --insecure)",
+              file=sys.stderr)
+        return 2
+    if not args.models:
+        args.models = [DEFAULT_CHAT_MODEL]
+    config = build_config(args)
+    try:
+        return asyncio.run(_serve(config, args, secret))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa: ANN001 - ServerConfig
+    from tokenpath.engine.async_engine import AsyncEngine
+    from tokenpath.replica.link_server import LinkServer
+
+    if args.listen_fd is not None:
+        sock = socket.socket(fileno=args.listen_fd)
+    else:
+        sock = socket.create_server((config.host, config.port))
+    engine_cfg = config.engine.model_copy(update={"model": config.models[0]})
+    engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
+    await engine.start()
+    server = LinkServer(engine, secret, exit_on_close=args.exit_with_link)
+    await server.start(sock)
+    host, port = sock.getsockname()[:2]
+    print(f"tokenpath engine: serving {engine.model_name} on the engine link at {host}:{port} (pid {os.getpid()})",
+          flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.done.set)
+    await server.done.wait()
+    await server.close()
+    await engine.shutdown()
+    return 0
