@@ -1,0 +1,122 @@
+"""One request, one record, in-process and across the engine link.
+
+The same greedy requests against `tokenpath serve` (engine in-process) and `tokenpath serve
+--replicas 2` (two engine processes on the engine link): the same Timeline stages in Server-Timing,
+the body and the audit row; every stage >= 0 and summing to `total`; token-identical text; the
+gateway's per-stage histograms counting every request; prefix-cache hits reported back; a client's
+x-request-id kept in the response, the audit row and the engine process's log. Slow: loads the
+model three times (gateway tokenizer aside).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import CHAT_MODEL, Server
+from tokenpath.gateway.store import GatewayStore, resolve_store_location
+from tokenpath.telemetry.timeline import STAGES
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ("--model", CHAT_MODEL, "--num-kv-blocks", "256")
+PROMPTS = ["Name three colors.", "What is 2 + 2?", "Say hello in French."]
+LONG = "Here is a long shared context about the history of tea. " * 12
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory):
+    return server_factory(*FLAGS), server_factory(*FLAGS, "--replicas", "2")
+
+
+def chat(srv: Server, content: str, **headers: str) -> httpx.Response:
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
+            "temperature": 0}
+    r = httpx.post(srv.base_url + "/chat/completions", json=body, headers=headers, timeout=180)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def server_timing(r: httpx.Response) -> dict[str, float]:
+    return {k: float(v) / 1000 for k, v in re.findall(r"(\w+);dur=([0-9.]+)", r.headers["server-timing"])}
+
+
+def audit_row(srv: Server, request_id: str):
+    store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
+    try:
+        deadline = time.monotonic() + 30
+        while not (rows := store.query_audit(request_id=request_id)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (row,) = rows
+        return row
+    finally:
+        store.close()
+
+
+def hist_count(srv: Server, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    m = re.search(rf'^tokenpath:{name}_count\{{model_name="{CHAT_MODEL}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_same_stages_same_tokens_in_process_and_over_the_link(servers):
+    texts = {}
+    for srv in servers:
+        for i, prompt in enumerate(PROMPTS):
+            rid = f"same-{srv.port}-{i}"
+            r = chat(srv, prompt, **{"x-request-id": rid})
+            assert r.headers["x-request-id"] == rid
+            header = server_timing(r)
+            body = r.json()["tokenpath"]["timing"]
+            row = audit_row(srv, rid)
+            audited = {"gateway": row.gateway_s, "queue": row.queue_s, "engine_queue": row.engine_queue_s,
+                       "prefill": row.prefill_s, "decode": row.decode_s, "total": row.total_s}
+            assert list(header) == list(body) == list(STAGES), (header, body)
+            assert all(v is not None and v >= 0 for v in audited.values()), audited
+            assert all(v >= 0 for v in body.values())
+            assert sum(v for k, v in body.items() if k != "total") == pytest.approx(body["total"], abs=0.005)
+            assert body == pytest.approx(audited, abs=1e-6)
+            assert header == pytest.approx(body, abs=0.0006)  # (the header is rounded to 0.1 ms)
+            texts.setdefault(prompt, []).append(r.json()["choices"][0]["message"]["content"])
+    assert all(a == b for a, b in texts.values()), texts
+
+
+def test_histograms_count_every_request_over_the_link(servers):
+    _, replicas = servers
+    names = ("time_to_first_token_seconds", "request_gateway_time_seconds", "request_queue_time_seconds",
+             "request_engine_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
+    before = {n: hist_count(replicas, n) for n in names}
+    for i in range(4):
+        chat(replicas, f"Count to {i + 2}.")
+    assert {n: hist_count(replicas, n) - before[n] for n in names} == dict.fromkeys(names, 4.0)
+
+
+def test_prefix_cache_hits_come_back_over_the_link(servers):
+    _, replicas = servers
+    text = httpx.get(replicas.url + "/metrics").text
+    hits = lambda t: float(re.search(r'^tokenpath:prefix_cache_hits_total\{.*\} (\S+)$', t, re.M).group(1))  # noqa: E731
+    first = chat(replicas, LONG + "Question one?")
+    second = chat(replicas, LONG + "Question two?")
+    assert first.json()["usage"]["prompt_tokens"] > 100
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    assert hits(httpx.get(replicas.url + "/metrics").text) - hits(text) >= 96
+
+
+def test_client_request_id_reaches_the_engine_process(servers):
+    _, replicas = servers
+    rid = "client-trace-7f3a9c"
+    r = chat(replicas, "Hi!", **{"x-request-id": rid})
+    assert r.headers["x-request-id"] == rid and r.json()["id"] == rid
+    assert audit_row(replicas, rid).status == 200
+    log_dir = replicas.log.parent / "data" / "logs" / "engines"
+    deadline = time.monotonic() + 10  # (the engine's log line may trail its last output by a moment)
+    while f"request {rid} finished" not in (logs := "".join(p.read_text() for p in log_dir.glob("*.log"))):
+        assert time.monotonic() < deadline, logs[-2000:]
+        time.sleep(0.1)
+    assert f"request {rid} queued" in logs
+    # A malformed one is not echoed: a fresh id is minted instead.
+    bad = chat(replicas, "Hi!", **{"x-request-id": "bad id with spaces"})
+    assert bad.headers["x-request-id"].startswith("chatcmpl-")
