@@ -15,8 +15,8 @@ import time
 
 import httpx
 import pytest
-
 from tests.api.conftest import CHAT_MODEL, Server
+
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.telemetry.timeline import STAGES
 

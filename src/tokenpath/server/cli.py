@@ -104,6 +104,8 @@ def is_loopback(host: str) -> bool:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Replica state polls (remote replicas, several a second) are not news: httpx logs each at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = build_config(args)
     except (ValueError, OSError) as exc:
