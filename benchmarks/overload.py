@@ -25,6 +25,7 @@ import gc
 import json
 import platform
 import random
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -205,7 +206,7 @@ async def main(args: argparse.Namespace) -> int:
                 engine_rss0 = [rss_mib(p.proc.pid) for p in procs]
                 row = await level(send, rng, k * cap, args)
                 row["engine_rss_mib"] = list(zip(engine_rss0, [rss_mib(p.proc.pid) for p in procs], strict=True))
-                row["engines_alive"] = all(p.proc.poll() is None for p in procs)
+                row["engines_alive"] = all(p.proc.returncode is None for p in procs)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 await asyncio.sleep(args.cooldown_s)
@@ -248,7 +249,7 @@ async def run_client_process(url: str, model: str, rates: list[float], procs, ar
         a, b = near(row["t_start"]), near(row["t_end"])
         row["gateway_rss_mib"] = [a[1], b[1]]
         row["engine_rss_mib"] = list(zip(a[2], b[2], strict=True))
-        row["engines_alive"] = all(p.proc.poll() is None for p in procs)
+        row["engines_alive"] = all(p.proc.returncode is None for p in procs)
     return rows
 
 
@@ -290,9 +291,9 @@ async def start_gateway(router: ModelRouter) -> tuple[uvicorn.Server, str]:
     port itself, as `tokenpath serve` does (handing it a pre-bound socket costs ~40 ms per response
     here: the accepted connections then lack TCP_NODELAY)."""
     from tokenpath.api.app import create_app
-    from tokenpath.replica.processes import free_port
-
-    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on", access_log=False))
     server.task = asyncio.create_task(server.serve())  # type: ignore[attr-defined]

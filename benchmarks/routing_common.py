@@ -1,8 +1,8 @@
 """Shared pieces of the routing and overload benchmarks: engine processes, request records,
-percentiles, engine counters from /metrics, process memory.
+percentiles, engine counters, process memory.
 
-The benchmarks drive `Deployment.generate` (admission -> queue -> pick -> remote replica) in this
-process against real `tokenpath engine` processes on loopback, so what they time is the middle of
+The benchmarks drive `Deployment.generate` (admission -> queue -> pick -> replica) in this process
+against real `tokenpath engine` processes on the engine link, so what they time is the middle of
 the path plus the engines, without the HTTP front of the gateway.
 """
 
@@ -15,13 +15,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.sampling_params import SamplingParams
-from tokenpath.replica.processes import EngineProcess, engine_replicas
-from tokenpath.replica.remote import RemoteReplica
+from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.timeline import Timeline
 
@@ -89,29 +86,20 @@ async def timed(dep: Deployment, r: GenerateRequest) -> Record:
 
 
 async def start_engines(n: int, engine_args: list[str], threads: int = 1
-                        ) -> tuple[list[RemoteReplica], list[EngineProcess]]:
+                        ) -> tuple[list[EngineLinkReplica], list[EngineProcess]]:
     """`n` engine processes; each gets `threads` torch threads so replicas do not fight over cores."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     max_seqs = int(engine_args[engine_args.index("--max-num-seqs") + 1]) if "--max-num-seqs" in engine_args else 0
-    return await engine_replicas(n, engine_args=engine_args, max_num_seqs=max_seqs, poll_interval_s=0.1)
+    procs = await spawn_engines(n, engine_args=engine_args, max_num_seqs=max_seqs)
+    return [p.replica for p in procs], procs
 
 
 async def engine_counters(procs: list[EngineProcess]) -> dict[str, float]:
-    """Prefix-cache queries/hits summed over the engines (from their /metrics)."""
-    out = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
-    async with httpx.AsyncClient(timeout=5) as client:
-        for p in procs:
-            try:
-                text = (await client.get(p.url + "/metrics")).text
-            except httpx.HTTPError:
-                continue
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    for key in out:
-                        if s.name in (f"tokenpath:{key}_total", f"tokenpath:{key}"):
-                            out[key] += s.value
-    return out
+    """Prefix-cache queries/hits summed over the engines (from the state they push over the link)."""
+    states = [p.replica.state() for p in procs]
+    return {"prefix_cache_queries": float(sum(s.prefix_cache_queries for s in states)),
+            "prefix_cache_hits": float(sum(s.prefix_cache_hits for s in states))}
 
 
 def rss_mib(pid: int | None = None) -> float:
@@ -126,7 +114,5 @@ def rss_mib(pid: int | None = None) -> float:
     return float("nan")
 
 
-async def stop_all(replicas: list[RemoteReplica], procs: list[EngineProcess]) -> None:
-    for r in replicas:
-        await r.close()
+async def stop_all(replicas: list[EngineLinkReplica], procs: list[EngineProcess]) -> None:
     await asyncio.gather(*(p.stop() for p in procs))

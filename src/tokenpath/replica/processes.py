@@ -100,17 +100,19 @@ class EngineProcess:
         self.replica.secret = secret
         linking = asyncio.create_task(self.replica.connect("127.0.0.1", self.port, timeout=timeout))
         exited = asyncio.create_task(self.proc.wait())
-        done, _ = await asyncio.wait({linking, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if linking in done and linking.exception() is None:
-            exited.cancel()
+        try:
+            await asyncio.wait({linking, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (also when this launch is cancelled: no task is left behind unawaited)
+            for t in (linking, exited):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(linking, exited, return_exceptions=True)
+        if not linking.cancelled() and linking.exception() is None:
             return
-        linking.cancel()
-        exited.cancel()
-        await asyncio.gather(linking, exited, return_exceptions=True)
         await self._kill_and_reap()
-        why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None else "did not link in time"
-        if linking.done() and not linking.cancelled() and linking.exception() is not None:
-            why = f"{why} ({linking.exception()})"
+        why = f"exited with {self.proc.returncode}" if exited.done() and not exited.cancelled() else "did not link in time"
+        if not linking.cancelled() and linking.exception() is not None:
+            why = f"{why} ({linking.exception()!r})"
         raise ModelLoadError(f"engine process {self.name} {why}:\n{self.log_tail()}")
 
     async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:

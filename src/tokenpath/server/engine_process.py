@@ -48,12 +48,24 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def lower_priority(nice: int) -> None:
+    """Raise this process's nice value by `nice`, on every thread it has so far (Linux nice values
+    are per thread; the ones started later, torch's included, inherit it). Before the model loads."""
+    if not nice:
+        return
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, base + nice)
+
+
 def run_engine(args: argparse.Namespace) -> int:
     die_with_parent()
-    nice = int(os.environ.get(NICE_ENV, "0") or 0)
-    if nice:  # before torch starts a thread: every thread inherits it
-        with contextlib.suppress(OSError):
-            os.nice(nice)
+    lower_priority(int(os.environ.get(NICE_ENV, "0") or 0))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     secret = os.environ.get(SECRET_ENV, "")
     if not secret:
