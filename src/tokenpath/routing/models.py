@@ -30,6 +30,7 @@ from tokenpath.errors import (
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
+    RequestFailedError,
     ServiceUnavailableError,
     TokenpathError,
 )
@@ -138,6 +139,8 @@ class Deployment:
                     raise  # the request's own fault: no retry, no ejection
                 if isinstance(exc, DeadlineExceededError):
                     raise  # out of time, not a replica fault: no retry, no ejection
+                if isinstance(exc, RequestFailedError):
+                    raise  # it broke an engine step: retrying it would break the next replica too
                 # A busy replica is retried elsewhere but not ejected; anything else ejects it.
                 failure = None if isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
                 if started or attempt == MAX_ATTEMPTS:
