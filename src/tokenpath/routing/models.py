@@ -92,7 +92,8 @@ class Deployment:
         first_error: TokenpathError | None = None
         for dep in (self, *self.fallbacks):
             try:
-                dep.flow.check(priority, tenant, dep.flow.queue_deadline(priority, received, deadline), record=False)
+                dep.flow.check(priority, tenant, dep.flow.queue_deadline(priority, received, deadline), record=False,
+                               first_token_by=deadline)
                 return
             except (ServiceUnavailableError, RateLimitError) as exc:
                 first_error = first_error or exc
