@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
-from tokenpath.errors import EngineDeadError, InvalidRequestError
+from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import EngineState, RequestOutput
 
@@ -77,6 +77,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:  # the engine already ended it and freed its blocks
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return

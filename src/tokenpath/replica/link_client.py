@@ -214,8 +214,11 @@ def _error_from(msg: dict, name: str) -> TokenpathError:
     cls = getattr(errors, str(msg.get("cls")), None)
     status = int(msg.get("status", 503))
     message = str(msg.get("message", "engine error"))
-    if isinstance(cls, type) and issubclass(cls, TokenpathError) and cls.__init__ is TokenpathError.__init__:
-        return cls(message, param=msg.get("param"), code=msg.get("code"))
+    if isinstance(cls, type) and issubclass(cls, TokenpathError):
+        try:  # (RequestFailedError stays one: a request that broke an engine is not retried elsewhere)
+            return cls(message, param=msg.get("param"), code=msg.get("code"))
+        except TypeError:  # an error type with more required fields: fall back by status
+            pass
     if status < 500:
         return errors.InvalidRequestError(message, param=msg.get("param"), code=msg.get("code"))
     return ServiceUnavailableError(f"replica '{name}' failed the request: {message}", code="replica_failed")
