@@ -12,9 +12,9 @@ import asyncio
 import pytest
 
 from tests.engine.tiny_models import save_tiny
-from tokenpath import SamplingParams
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError
+from tokenpath.protocol import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ class Poison:
 
 async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
     ids: list[int] = []
-    async for out in engine.generate(prompt, params, rid):
+    async for out in engine.generate(GenerateRequest(rid, prompt, params)):
         for c in out.outputs:
             ids.extend(c.token_ids)
     return ids
