@@ -22,8 +22,11 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | Non
     now = time.monotonic() if now is None else now
     floor = timeline.get("dispatched") or timeline.stamps["received"]
     ev = out.events
+    # One engine request per prompt: a batched completions request (ids `<id>-<i>`) is finished
+    # when its last prompt is, which the gateway stamps itself.
+    whole = out.request_id == timeline.request_id
     for name, at in (("scheduled", ev.scheduled), ("first_token", ev.first_token),
-                     ("finished", ev.finished if out.finished else None)):
+                     ("finished", ev.finished if out.finished and whole else None)):
         if at is None and name == "first_token" and any(c.token_ids for c in out.outputs):
             at = now  # a replica without engine events: the first token arrived now
         if at is None:
