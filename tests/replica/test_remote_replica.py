@@ -54,12 +54,17 @@ class FakeServer:
         self.request_ids: list[str] = []
         self.disconnected: list[str] = []
         self.metrics = "tokenpath:num_requests_running 1\ntokenpath:num_requests_waiting 0\n"
+        self.health = 200
         self.app = FastAPI()
         self.app.get("/metrics")(self._metrics)
+        self.app.get("/health")(self._health)
         self.app.post("/v1/completions")(self._completions)
 
     async def _metrics(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics)
+
+    async def _health(self) -> PlainTextResponse:
+        return PlainTextResponse("", status_code=self.health)
 
     async def _completions(self, request: Request):
         body = await request.json()
@@ -173,3 +178,19 @@ async def test_dead_server_turns_unhealthy_and_refuses():
     with pytest.raises(ServiceUnavailableError):
         _ = [o async for o in rep.generate(req())]
     await rep.close()
+
+
+async def test_a_server_whose_health_fails_is_unhealthy_though_metrics_answer():
+    """vLLM keeps serving /metrics after its engine died; its /health says 503 (issue 10, defect 2)."""
+    fake = FakeServer()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-h", RemoteReplicaConfig(url=url, poll_interval_s=0.05))
+        await rep.start()
+        assert rep.state().healthy
+        fake.health = 503
+        await rep.poll()
+        assert not rep.state().healthy and "503" in (rep.state().detail or "")
+        fake.health = 200
+        await rep.poll()
+        assert rep.state().healthy
+        await rep.close()

@@ -130,6 +130,14 @@ class RemoteReplica:
 
     async def poll(self) -> ReplicaState:
         try:
+            # The server's own liveness first: vLLM, SGLang and llama.cpp answer /health 503 (or
+            # not at all) when their engine died, while /metrics may still be served.
+            health = await self._client.get("/health", timeout=self.config.connect_timeout_s)
+            if health.status_code not in (200, 404):  # (404: a server without a health endpoint)
+                self._poll_failures = self.config.unhealthy_after
+                self._state.healthy = False
+                self._state.detail = f"/health answered {health.status_code}"
+                return self._state
             if self._has_metrics:
                 r = await self._client.get("/metrics", timeout=self.config.connect_timeout_s)
                 if r.status_code == 404:
@@ -138,8 +146,6 @@ class RemoteReplica:
                     r.raise_for_status()
                     self._set(parse_metrics(r.text, self.name))
                     return self._state
-            r = await self._client.get("/health", timeout=self.config.connect_timeout_s)
-            r.raise_for_status()
             self._set(ReplicaState(name=self.name, running=len(self._open)))
         except Exception as exc:  # any failure to reach it counts against its health
             self._poll_failures += 1
