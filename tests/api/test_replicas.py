@@ -10,7 +10,9 @@ model three times (gateway tokenizer aside).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import httpx
@@ -120,3 +122,40 @@ def test_client_request_id_reaches_the_engine_process(servers):
     # A malformed one is not echoed: a fresh id is minted instead.
     bad = chat(replicas, "Hi!", **{"x-request-id": "bad id with spaces"})
     assert bad.headers["x-request-id"].startswith("chatcmpl-")
+
+
+def test_engine_sigkill_mid_stream_then_health_and_traffic_come_back(servers):
+    """The gateway's view of an engine death: the stream in flight ends with a clean error event
+    (no hang), /health turns 503 naming the engine within a second, then 200 once it is restarted,
+    and requests are served meanwhile by the other engine and after by both."""
+    _, replicas = servers
+    log_dir = replicas.log.parent / "data" / "logs" / "engines"
+    pids = {p.stem: int(re.findall(r"started \(pid (\d+)\)", p.read_text())[-1]) for p in log_dir.glob("*.log")}
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=replicas.base_url, timeout=60) as client, \
+            client.stream("POST", "/chat/completions", json=body, headers={"x-request-id": "doomed-stream"}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        victim = next(name for name, _ in sorted(pids.items())
+                      if "doomed-stream" in (log_dir / f"{name}.log").read_text())
+        killed = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        rest = list(lines)  # must end, not hang
+    assert time.monotonic() - killed < 10
+    assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
+    while (h := httpx.get(replicas.url + "/health")).status_code == 200:
+        assert time.monotonic() - killed < 1.5, "health must turn within a second"
+        time.sleep(0.05)
+    assert h.status_code == 503 and h.json()["replicas"][CHAT_MODEL][victim]["healthy"] is False
+    assert chat(replicas, "Still there?").status_code == 200  # the other engine serves meanwhile
+    while httpx.get(replicas.url + "/health").status_code != 200:
+        assert time.monotonic() - killed < 120, replicas.output()[-2000:]
+        time.sleep(0.5)
+    restarted = time.monotonic() - killed
+    assert "died with exit code -9" in replicas.output() and "restarted" in replicas.output()
+    metrics = httpx.get(replicas.url + "/metrics").text
+    assert re.search(rf'tokenpath:replica_restarts_total\{{.*replica="{victim}".*\}} 1\.0', metrics)
+    for i in range(3):
+        chat(replicas, f"Back {i}?")
+    print(f"engine restart to healthy: {restarted:.1f}s")
