@@ -39,6 +39,7 @@ from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
+from tokenpath.telemetry.timeline import Timeline
 
 Task = Literal["chat", "completion", "embedding"]
 # A chat deployment also serves /v1/completions (same engine, no chat template).
@@ -86,6 +87,8 @@ class Deployment:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request. Closing the iterator aborts the request wherever it is."""
+        if request.timeline is None:  # (a caller without an HTTP request: its record starts here)
+            request.timeline = Timeline(request.request_id)
         request.timeline.stamp("routed", deployment=self.name, policy=self.policy)
         deployment, admission = await self._admit(request)
         async for out in deployment._run(request, admission):
