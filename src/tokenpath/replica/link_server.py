@@ -33,6 +33,32 @@ STATE_INTERVAL_S = 0.1
 HELLO_TIMEOUT_S = 5.0
 
 
+class Outbox:
+    """Frames written in one event-loop turn go out in one `send`: a step's deltas for 32 requests
+    cost one syscall here and one read on the gateway, not 32 of each."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._buf = bytearray()
+        self._scheduled = False
+
+    def send(self, msg: dict) -> None:
+        self._buf += pack(msg)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._buf and not self.writer.is_closing():
+            self.writer.write(bytes(self._buf))
+        self._buf.clear()
+
+    async def drain(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.writer.drain()
+
+
 class LinkServer:
     def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False) -> None:
         if not secret:
@@ -81,16 +107,17 @@ class LinkServer:
             return
         log.info("engine link: gateway connected from %s", peer)
         writer.write(pack({"t": "welcome", "now": time.monotonic(), "info": self._info()}))
+        outbox = Outbox(writer)
         tasks: dict[str, asyncio.Task] = {}
-        pusher = asyncio.create_task(self._push_state(writer))
+        pusher = asyncio.create_task(self._push_state(outbox))
         try:
             while True:
                 msg = await read_frame(reader)
                 kind = msg["t"]
                 if kind == "ping":
-                    writer.write(pack({"t": "pong", "id": msg.get("id"), "now": time.monotonic()}))
+                    outbox.send({"t": "pong", "id": msg.get("id"), "now": time.monotonic()})
                 elif kind == "add":
-                    self._add(msg["req"], writer, tasks)
+                    self._add(msg["req"], outbox, tasks)
                 elif kind == "abort":
                     task = tasks.pop(str(msg.get("id")), None)
                     if task is not None:
@@ -106,47 +133,46 @@ class LinkServer:
             if self.exit_on_close:
                 self.done.set()
 
-    def _add(self, d: dict, writer: asyncio.StreamWriter, tasks: dict[str, asyncio.Task]) -> None:
+    def _add(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
         try:
             request = decode_request(d)
         except TokenpathError as exc:
-            writer.write(pack(_error(str(d.get("id")), exc)))
+            outbox.send(_error(str(d.get("id")), exc))
             return
         except Exception as exc:  # a malformed frame from a trusted peer: this request's problem only
-            writer.write(pack({"t": "err", "id": str(d.get("id")), "status": 400,
-                               "message": f"malformed request: {exc}", "type": "invalid_request_error"}))
+            outbox.send({"t": "err", "id": str(d.get("id")), "status": 400,
+                         "message": f"malformed request: {exc}", "type": "invalid_request_error"})
             return
         log.info("request %s queued: %d prompt tokens, priority %d, tenant %s, trace %s", request.request_id,
                  len(request.prompt_token_ids), request.priority, request.tenant, request.traceparent or "-")
-        task = asyncio.create_task(self._run(request, writer))
+        task = asyncio.create_task(self._run(request, outbox))
         tasks[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: tasks.pop(rid, None))
 
-    async def _run(self, request, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001 - GenerateRequest
+    async def _run(self, request, outbox: Outbox) -> None:  # noqa: ANN001 - GenerateRequest
         rid = request.request_id
         try:
             async for out in self.engine.generate(request):
-                writer.write(pack(encode_output(out)))
+                outbox.send(encode_output(out))
                 if out.finished:
                     log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
                              ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
                              out.num_cached_tokens, out.num_preemptions)
-            await writer.drain()
+            await outbox.drain()
         except asyncio.CancelledError:
             log.info("request %s aborted by the gateway", rid)
             raise
         except TokenpathError as exc:
-            writer.write(pack(_error(rid, exc)))
+            outbox.send(_error(rid, exc))
         except Exception as exc:
             log.exception("request %s failed", rid)
-            writer.write(pack({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
-                               "message": f"{type(exc).__name__}: {exc}"}))
+            outbox.send({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
+                         "message": f"{type(exc).__name__}: {exc}"})
 
-    async def _push_state(self, writer: asyncio.StreamWriter) -> None:
+    async def _push_state(self, outbox: Outbox) -> None:
         while True:
-            writer.write(pack(self._state()))
-            with contextlib.suppress(Exception):
-                await writer.drain()
+            outbox.send(self._state())
+            await outbox.drain()
             await asyncio.sleep(STATE_INTERVAL_S)
 
 
