@@ -22,9 +22,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tokenpath serve
 
+# scripts/services.sh starts a private PostgreSQL cluster (installing it with apt on a fresh
+# root machine), exports TOKENPATH_TEST_POSTGRES_URL and stops it after; `-ra` lists every skip
+# with its reason in the summary.
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q -ra
+	bash scripts/services.sh $(BIN)/python -m pytest -q -ra
 
 bench: $(STAMP)
 	bash benchmarks/run_peers.sh

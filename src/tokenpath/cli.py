@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
 
 COMMAND_MODULES = (
     "tokenpath.api.cli",
@@ -18,8 +19,18 @@ COMMAND_MODULES = (
 )
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), so `--version`, the startup banner and
+    bug reports all name the same thing."""
+    try:
+        return metadata.version("tokenpath")
+    except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tokenpath {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

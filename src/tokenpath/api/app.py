@@ -44,7 +44,7 @@ def create_app(
     app.include_router(api_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
-                       max_header_bytes=config.caps.max_header_bytes)
+                       max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout)
     return app
 
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -36,11 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
+    serve.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                       default=[k for k in [os.environ.get("TOKENPATH_API_KEY")] if k],
+                       help="a static key clients must send (repeatable; also $TOKENPATH_API_KEY), as vLLM's: "
+                            "an admin key of tenant 'default' with no limits; stored keys keep working too")
+    serve.add_argument("--metrics-public", action="store_true", default=None,
+                       help="serve /metrics without a key even when auth is on (it names tenants)")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
     _server_flags(engine)
     engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
-                        routing_policy=None)
+                        routing_policy=None, api_keys=[], metrics_public=None)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -53,6 +60,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-size", help="largest accepted request body, e.g. 4MiB")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback --host without API keys")
+    p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
+                   help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device")
@@ -76,7 +85,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url")}
+                                            "data_dir", "database_url", "metrics_public")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -104,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.gateway:
         from tokenpath.gateway import open_gateway
 
-        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url)
+        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys)
     else:
         guard = OpenGuard()
     if not is_loopback(config.host) and not guard.auth_enabled and not config.insecure:
@@ -132,6 +141,8 @@ class _Server(uvicorn.Server):
         self.banner = banner
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.in_flight_at_signal = 0
+        self.aborted = 0
 
     async def startup(self, sockets=None) -> None:  # noqa: ANN001
         self._loop = asyncio.get_running_loop()
@@ -147,10 +158,12 @@ class _Server(uvicorn.Server):
         self.should_exit = True
         if self._loop is not None and not self._draining:
             self._draining = True
+            self.in_flight_at_signal = len(self.state.inflight)
             self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout, self._abort_all)
 
     def _abort_all(self) -> None:
         n = self.state.abort_all("shutdown")
+        self.aborted += n
         if n:
             log.warning("shutdown timeout: aborting %d in-flight request(s)", n)
 
@@ -174,19 +187,62 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     from tokenpath.api.app import create_app
 
     router, closers = await _load(config, args)
+    _add_served_names(router, args.served_model_names)
     deployments = list(router.deployments.values())
     if hasattr(guard, "close"):
         closers.append(lambda: asyncio.to_thread(guard.close))
     app = create_app(router, guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:
-        served = ", ".join(f"{d.name} ({d.task})" for d in deployments)
-        print(f"tokenpath: serving {served}", flush=True)
-        print(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)",
-              flush=True)
+        print(startup_banner(config, router, guard, args, deployments, port), flush=True)
+
+    from tokenpath.api.limits import header_timeout_protocol
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False)
+                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False,
+                               http=header_timeout_protocol(config.header_timeout))
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
     await server.serve()
+    drained = max(0, server.in_flight_at_signal - server.aborted)
+    print(f"tokenpath: stopped: drained {drained} in-flight request(s), aborted {server.aborted}", flush=True)
     return 0
+
+
+def _add_served_names(router, names: list[str]) -> None:  # noqa: ANN001
+    """`--served-model-name`: more names for the first chat model (vLLM's flag), as router aliases."""
+    if not names:
+        return
+    chat = next((d.name for d in router.deployments.values() if d.task != "embedding"), None)
+    if chat is None:
+        raise SystemExit("tokenpath: --served-model-name needs a chat model to name")
+    for name in names:
+        if name != chat and name not in router.deployments:
+            router.aliases[name] = chat
+
+
+def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argparse.Namespace,  # noqa: ANN001
+                   deployments: list, port: int) -> str:
+    """What an operator needs at a glance: version, models and the ids clients send, endpoints,
+    where the data lives and whether keys are required. The last line is what tests wait for."""
+    from tokenpath.cli import version
+
+    lines = [f"tokenpath {version()}"]
+    for d in deployments:
+        names = [a for a, target in router.aliases.items() if target == d.name]
+        also = f"; also as {', '.join(names)}" if names else ""
+        lines.append(f"  model: {d.name} ({d.task}, {len(d.replicas) or 1} replica(s){also})")
+    lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/embeddings /reset_prefix_cache; "
+                 "GET /v1/models /health /metrics")
+    data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"
+    store = " (keys and audit in PostgreSQL)" if config.database_url or os.environ.get("TOKENPATH_DATABASE_URL") else ""
+    lines.append(f"  data dir: {data}{store}")
+    if guard.auth_enabled:
+        how = [f"{len(args.api_keys)} --api-key key(s)"] if args.api_keys else []
+        how.append("stored keys (`tokenpath keys list`)")
+        lines.append(f"  auth: on ({' + '.join(how)}); /metrics "
+                     + ("is public" if config.metrics_public else "needs an admin key"))
+    else:
+        lines.append("  auth: off (no keys exist; loopback only) - `tokenpath keys create` or --api-key turns it on")
+    lines.append("  stop: Ctrl-C or SIGTERM (in-flight requests get --shutdown-timeout seconds)")
+    lines.append(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)")
+    return "\n".join(lines)

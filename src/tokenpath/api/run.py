@@ -78,11 +78,22 @@ class RequestRun:
             raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
         return max(asked, self.principal.max_priority)
 
+    async def reserve(self, estimate: int) -> None:
+        """Charge the rate limits on a fast estimate (prompt bytes / 4), before the prompt is
+        tokenized: a key over its limits costs the server no tokenizing. `admit` makes it exact."""
+        assert self.principal is not None and self.deployment is not None
+        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, estimate)
+
     async def admit(self, texts: list[str], tokens: int) -> None:
+        """The policy hook on the prompt text, then the reservation re-sized to the exact count
+        (re-decided when it grows, so token limits stay exact)."""
         assert self.principal is not None and self.deployment is not None
         self.prompt_text = "\n".join(texts)
         await self.state.guard.check_policy(self.principal, texts)
-        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
+        if self.reservation is None:
+            self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
+        else:
+            await self.state.guard.adjust(self.reservation, tokens)
         self.timeline.stamp("admitted")
 
     # -- endings ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ def open_gateway(
     clock: Clock | None = None,
     policy: str | PolicyHook | None = None,
     log_text: bool | None = None,
+    static_keys: list[str] | None = None,
 ) -> Gateway:
     """The guard `tokenpath serve` puts in front of its routes.
 
@@ -31,6 +32,8 @@ def open_gateway(
     `log_text`: store prompt and completion text in audit rows (off by default).
     Unset options come from the environment, so an operator can turn them on for `serve`:
     TOKENPATH_POLICY (same forms as `policy`) and TOKENPATH_AUDIT_TEXT=1.
+    `static_keys`: `serve --api-key` keys (vLLM's static keys): they turn auth on, act as admin keys
+    of tenant 'default' with no limits, and stored keys keep working beside them.
     """
     import os
     import time
@@ -40,4 +43,5 @@ def open_gateway(
     if log_text is None:
         log_text = os.environ.get("TOKENPATH_AUDIT_TEXT", "").lower() in ("1", "true", "yes", "on")
     store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
-    return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text)
+    return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text,
+                   static_keys=static_keys or ())

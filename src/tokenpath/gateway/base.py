@@ -45,6 +45,7 @@ class Principal:
     max_priority: int = 0  # the best (lowest) priority an x-priority header may ask for
     key_limits: Limits | None = None  # effective limits of the key (already tightened by the tenant's)
     tenant_limits: Limits | None = None  # limits on the sum over all of the tenant's keys
+    admin: bool = False  # may call operator endpoints (/metrics, /reset_prefix_cache) when auth is on
 
 
 @dataclass
@@ -88,6 +89,8 @@ class RequestGuard(Protocol):
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal: ...
 
+    async def adjust(self, reservation: Reservation, tokens: int) -> None: ...
+
     def check_model(self, principal: Principal, model: str) -> None: ...
 
     def visible_models(self, principal: Principal, models: list[str]) -> list[str]: ...
@@ -120,6 +123,9 @@ class OpenGuard:
 
     async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation:
         return Reservation(principal=principal, model=model, tokens=tokens)
+
+    async def adjust(self, reservation: Reservation, tokens: int) -> None:
+        reservation.tokens = tokens
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         return None
