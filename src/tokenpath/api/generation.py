@@ -44,14 +44,15 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         body.reject_unsupported()
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
-        estimate = check_caps(state, dep, body)
+        floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
         priority = run.priority()
         received = run.timeline.stamps["received"]
         deadline = None if body.timeout is None else received + body.timeout
         assert run.principal is not None
         dep.precheck(priority, run.principal.tenant, received, deadline)
-        await run.reserve(estimate)
+        await run.reserve(floor.tokens)
+        floor.check_context(dep.max_model_len)
         prompts, texts = await prompt_ids(state, dep, body)
         params = sampling_params(state, dep, body, prompts, bias)
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))

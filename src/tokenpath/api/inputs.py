@@ -10,6 +10,7 @@ token cap).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -65,7 +66,25 @@ def max_token_bytes(tok) -> int:  # noqa: ANN001
     return cached
 
 
-def check_caps(state: AppState, dep: Deployment, body: Body) -> int:
+@dataclass(frozen=True)
+class Floor:
+    """What a body costs at least, known before tokenizing."""
+
+    tokens: int  # prompt floors + n x max_tokens per prompt: what the rate limits are charged first
+    longest_prompt: int  # floor of the longest prompt
+    completion: int  # max_tokens asked (1 when unset)
+    where: str  # "messages" or "prompt"
+
+    def check_context(self, max_model_len: int) -> None:
+        """A prompt already too long by its floor (megabytes of text) is refused untokenized."""
+        if self.longest_prompt + self.completion > max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, the {self.where} "
+                f"alone is at least {self.longest_prompt} tokens long, and {self.completion} more are asked for "
+                f"the completion. Please reduce the length of the {self.where} or completion.", param=self.where)
+
+
+def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
     """The request's own caps, checked before anything is tokenized, and the tokens it costs at
     least, for the rate limits to be charged with before tokenizing (`RequestRun.admit` makes the
     charge exact afterwards). It is a floor, not a guess: prompt bytes / the longest token's bytes,
@@ -101,12 +120,7 @@ def check_caps(state: AppState, dep: Deployment, body: Body) -> int:
     budget = body.n * len(floors) * (max_tokens or 1)
     if budget > caps.max_request_tokens:
         raise _over_request_cap(budget, caps.max_request_tokens, body.n, len(floors), max_tokens or 1)
-    if max(floors) + (max_tokens or 1) > dep.max_model_len:
-        raise ContextLengthError(
-            f"This model's maximum context length is {dep.max_model_len} tokens. However, the {where} alone is at "
-            f"least {max(floors)} tokens long, and {max_tokens or 1} more are asked for the completion. Please "
-            f"reduce the length of the {where} or completion.", param=where)
-    return sum(floors) + budget
+    return Floor(sum(floors) + budget, max(floors), max_tokens or 1, where)
 
 
 def _over_request_cap(tokens: int, cap: int, n: int, prompts: int, max_tokens: int) -> InvalidRequestError:
