@@ -72,5 +72,5 @@ def resolve_data_dir(explicit: str | None = None) -> Path:
     else:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         path = Path(base) / "tokenpath"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)  # keys and the audit log live here: owner only
     return path

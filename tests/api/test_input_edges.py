@@ -27,7 +27,7 @@ LONE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("\ud800"), invalid Uni
             {"type": "text", "text": LONE}]}]}, "messages.0.content.0.text"),
         ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "stop": [LONE]}, "stop.0"),
         ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "user": LONE}, "user"),
-        ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "metadata": {LONE: "x"}}, f"metadata.{LONE}"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "metadata": {LONE: "x"}}, "metadata.a\\ud800b"),
         ("/v1/completions", {"model": CHAT, "prompt": LONE}, "prompt"),
         ("/v1/completions", {"model": CHAT, "prompt": ["ok", LONE]}, "prompt.1"),
         ("/v1/completions", {"model": CHAT, "prompt": "x", "stop": LONE}, "stop"),

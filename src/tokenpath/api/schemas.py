@@ -40,7 +40,8 @@ def _find_surrogate(value: Any, path: str) -> tuple[str, str] | None:
                 return where, v[exc.start]
         elif isinstance(v, dict):
             for k, item in v.items():
-                sub = f"{where}.{k}" if where else str(k)
+                key = str(k).encode("utf-8", "backslashreplace").decode()  # the path itself must be sendable
+                sub = f"{where}.{key}" if where else key
                 stack.append((k, sub))
                 stack.append((item, sub))
         elif isinstance(v, list):
