@@ -31,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _server_flags(serve)
     serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
+    serve.add_argument("--redis-url", help="keep rate windows, token reservations and daily quotas in this Redis, "
+                       "shared by every gateway pointed at it (redis://host:port/db)")
+    serve.add_argument("--limits-fail-open", action="store_true", default=None,
+                       help="with --redis-url: admit requests without limits while Redis is unreachable "
+                       "(default: refuse them with 503)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router (default 1: in-process)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
@@ -40,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
     _server_flags(engine)
     engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
-                        routing_policy=None)
+                        routing_policy=None, redis_url=None, limits_fail_open=None)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -76,7 +81,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url")}
+                                            "data_dir", "database_url", "redis_url", "limits_fail_open")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -104,7 +109,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.gateway:
         from tokenpath.gateway import open_gateway
 
-        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url)
+        try:
+            guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url,
+                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open)
+        except (ValueError, RuntimeError) as exc:  # a malformed --redis-url, or no redis package
+            print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
+            return 2
     else:
         guard = OpenGuard()
     if not is_loopback(config.host) and not guard.auth_enabled and not config.insecure:
@@ -175,8 +185,8 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
 
     router, closers = await _load(config, args)
     deployments = list(router.deployments.values())
-    if hasattr(guard, "close"):
-        closers.append(lambda: asyncio.to_thread(guard.close))
+    if hasattr(guard, "aclose"):
+        closers.append(guard.aclose)
     app = create_app(router, guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:

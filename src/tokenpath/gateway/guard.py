@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
 from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import key_prefix, looks_like_key, verify_key
+from tokenpath.gateway.limits_backend import LimitsBackend, StoreLimits
 from tokenpath.gateway.policy import PolicyHook
 from tokenpath.gateway.store import GatewayStore, KeyRecord
 
@@ -43,11 +44,13 @@ def credential_from(headers: Mapping[str, str]) -> str | None:
 
 
 class Gateway:
-    """Keys and limits from a `GatewayStore`; with no key in the store, every request is anonymous."""
+    """Keys and audit in a `GatewayStore`; with no key in the store, every request is anonymous.
+    Limits are charged to `limits` (default: the same store; `RedisLimits` for shared Redis)."""
 
     def __init__(self, store: GatewayStore, *, clock: Clock = time.time, policy: PolicyHook | None = None,
-                 log_text: bool = False) -> None:
+                 log_text: bool = False, limits: LimitsBackend | None = None) -> None:
         self.store = store
+        self.limits: LimitsBackend = limits or StoreLimits(store)
         self.clock = clock
         self.policy = policy
         self.log_text = log_text
@@ -124,10 +127,8 @@ class Gateway:
         """Charge prompt + max_tokens before any work is queued; refuse with 429 over a limit."""
         if principal.key_prefix is None:  # anonymous (auth off): no limits to hold
             return Reservation(principal=principal, model=model, tokens=tokens)
-        admitted = await asyncio.to_thread(
-            self.store.reserve, principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
-            principal.tenant_limits or Limits(), tokens, self.clock(),
-        )
+        admitted = await self.limits.reserve(principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
+                                             principal.tenant_limits or Limits(), tokens, self.clock())
         verdict = admitted.verdict
         if verdict.reason == "too_large":
             raise InvalidRequestError(verdict.message, param="max_tokens", code="rate_limit_exceeded")
@@ -144,8 +145,8 @@ class Gateway:
         reservation.reconciled = True
         p = reservation.principal
         assert p.key_prefix is not None
-        await asyncio.to_thread(self.store.reconcile, reservation.admission_id, p.key_prefix, p.tenant,
-                                reservation.day, reservation.tokens, max(0, int(used_tokens)))
+        await self.limits.reconcile(reservation.admission_id, p.key_prefix, p.tenant, reservation.day,
+                                    reservation.tokens, max(0, int(used_tokens)))
 
     async def audit(self, record: AuditRecord) -> None:
         """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
@@ -159,3 +160,10 @@ class Gateway:
 
     def close(self) -> None:
         self.store.close()
+
+    async def aclose(self) -> None:
+        """Close the limits backend (its connections live on the event loop), then the store."""
+        try:
+            await self.limits.aclose()
+        finally:
+            await asyncio.to_thread(self.store.close)
