@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "tokenpath.api.cli",
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
+    "tokenpath.replica.ray_status",
 )
 
 

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(default: refuse them with 503)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+    serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
+                       "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
@@ -45,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
     _server_flags(engine)
     engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
-                        routing_policy=None, redis_url=None, limits_fail_open=None)
+                        routing_policy=None, redis_url=None, limits_fail_open=None, ray=None)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -167,7 +169,7 @@ class _Server(uvicorn.Server):
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
-    if args.replicas <= 1 and args.routing is None and args.routing_policy is None:
+    if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None:
         from tokenpath.api.deployments import load_deployments
         from tokenpath.routing.models import ModelRouter
 
@@ -177,7 +179,7 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     from tokenpath.routing.replicas import DEFAULT_POLICY
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
-                              policy=args.routing_policy or DEFAULT_POLICY)
+                              policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray)
 
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
