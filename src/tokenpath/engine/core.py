@@ -7,6 +7,7 @@ that can never fit fails at submission, never hangs) and leave through `step` ou
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -27,6 +28,8 @@ from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.telemetry.timeline import Timeline
 
 MAX_CONTEXT_DEFAULT = 8192
+
+log = logging.getLogger("tokenpath.engine")
 
 
 class EngineCore:
@@ -50,6 +53,7 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
+        self.failed_steps = 0
 
     # ------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -121,12 +125,35 @@ class EngineCore:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One batch forward and one token per sampling sequence.
+
+        A step that raises (a kernel fault, a bug, an out-of-memory) fails only the requests that
+        were in it: each ends with finish_reason "error" and an `error` message, their blocks are
+        freed, and the engine keeps serving. One bad request must never take the model down."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        logits, sampling = self.runner.execute(sched.scheduled)
+        try:
+            return self._run_step(sched.scheduled)
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
+            return self._fail_step(sched.scheduled, exc)
+
+    def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
+        message = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
+        outs = []
+        for rid in dict.fromkeys(seq.request_id for seq, _ in scheduled):
+            out = self.abort(rid, reason="error")
+            if out is not None:
+                out.error = message
+                outs.append(out)
+        self.failed_steps += 1
+        return outs
+
+    def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        logits, sampling = self.runner.execute(scheduled)
         self.steps += 1
-        for seq, n in sched.scheduled:
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.blocks.commit_computed(seq)
         result = self.sampler(logits, sampling) if sampling else None
