@@ -18,7 +18,9 @@ time (`ray.remote(EngineActor)`), so importing tokenpath never needs the optiona
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,17 +64,25 @@ class ActorState:
 class EngineActor:
     """Wrapped by `ray.remote` at run time; its methods run on the actor's event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, nice: int = 0) -> None:
         from tokenpath.engine.async_engine import AsyncEngine
 
         self.engine = AsyncEngine(config)
         self.config = config
+        self.nice = nice
         self.incarnation = uuid.uuid4().hex
         self.served = 0
         self.started_at = time.time()
 
     async def _started(self) -> None:
         if self.engine._thread is None:  # the step thread needs this actor's running loop
+            if self.nice:
+                # Niceness is per thread on Linux and inherited by the threads a thread creates: set
+                # here, it covers this loop, the step thread and its OpenMP pool, as for an engine
+                # process (see tokenpath.replica.processes). Best effort: a container may forbid it.
+                with contextlib.suppress(OSError):
+                    tid = threading.get_native_id()
+                    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
             await self.engine.start()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[ActorDelta]:

@@ -49,6 +49,9 @@ class RayReplicaConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom resources, e.g. {"node:10.0.0.7": 0.01}
     max_restarts: int = -1  # -1: Ray restarts a dead actor as often as it dies
+    # Lower CPU priority for the engine, as local engine processes get: a gateway on the same node
+    # is light and latency-bound and should get a core first. No effect on a node of its own.
+    nice: int = 5
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (model defaults to the deployment's)
     poll_interval_s: float = 0.25
     state_timeout_s: float = 2.0  # a state call slower than this counts as a failed poll
@@ -240,7 +243,7 @@ async def start_ray_replicas(config: RayReplicaConfig, model: str,
             name=name, namespace=config.namespace, get_if_exists=True, max_restarts=config.max_restarts,
             max_task_retries=0, num_cpus=config.num_cpus, num_gpus=config.num_gpus,
             resources=dict(config.resources) or None, max_concurrency=1000,
-        ).remote(engine)
+        ).remote(engine, config.nice)
         if name not in existing:
             created.append(handle)
         replicas.append(RayReplica(name, handle, config))
