@@ -59,6 +59,8 @@ class ActorState:
     incarnation: str  # new on every (re)start of the actor
     served: int  # requests this incarnation has been given
     started_at: float  # wall clock of this incarnation's start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (this incarnation)
+    prefix_cache_hits: int = 0
 
 
 class EngineActor:
@@ -113,5 +115,6 @@ class EngineActor:
             running=s.running, kv_usage=s.kv_usage, num_blocks=s.num_blocks, block_size=s.block_size,
             max_num_seqs=self.config.max_num_seqs, healthy=s.healthy, node_id=ctx.get_node_id(),
             node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), incarnation=self.incarnation,
-            served=self.served, started_at=self.started_at,
+            served=self.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
