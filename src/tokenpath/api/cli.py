@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import ipaddress
 import logging
 import signal
@@ -107,6 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
         config = build_config(args)
     except (ValueError, OSError) as exc:
         print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "ray", None) and importlib.util.find_spec("ray") is None:
+        print("tokenpath: --ray needs Ray: pip install 'tokenpath[ray]'", file=sys.stderr)
         return 2
     if args.gateway:
         from tokenpath.gateway import open_gateway
