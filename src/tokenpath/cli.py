@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "tokenpath.api.cli",
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
+    "tokenpath.replica.ray_status",
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -32,8 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     _server_flags(serve)
     serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
+    serve.add_argument("--redis-url", help="keep rate windows, token reservations and daily quotas in this Redis, "
+                       "shared by every gateway pointed at it (redis://host:port/db)")
+    serve.add_argument("--limits-fail-open", action="store_true", default=None,
+                       help="with --redis-url: admit requests without limits while Redis is unreachable "
+                       "(default: refuse them with 503)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+    serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
+                       "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
@@ -47,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="serve one model as a bare replica (no gateway, no auth)")
     _server_flags(engine)
     engine.set_defaults(func=run_serve, gateway=False, data_dir=None, database_url=None, replicas=1, routing=None,
-                        routing_policy=None, api_keys=[], metrics_public=None)
+                        routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
+                        limits_fail_open=None, ray=None)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -85,7 +94,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public")}
+                                            "data_dir", "database_url", "metrics_public", "redis_url",
+                                            "limits_fail_open")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -110,10 +120,18 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "ray", None) and importlib.util.find_spec("ray") is None:
+        print("tokenpath: --ray needs Ray: pip install 'tokenpath[ray]'", file=sys.stderr)
+        return 2
     if args.gateway:
         from tokenpath.gateway import open_gateway
 
-        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys)
+        try:
+            guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys,
+                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open)
+        except (ValueError, RuntimeError) as exc:  # a malformed --redis-url, or no redis package
+            print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
+            return 2
     else:
         guard = OpenGuard()
     if not is_loopback(config.host) and not guard.auth_enabled and not config.insecure:
@@ -170,7 +188,7 @@ class _Server(uvicorn.Server):
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
-    if args.replicas <= 1 and args.routing is None and args.routing_policy is None:
+    if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None:
         from tokenpath.api.deployments import load_deployments
         from tokenpath.routing.models import ModelRouter
 
@@ -180,7 +198,7 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     from tokenpath.routing.replicas import DEFAULT_POLICY
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
-                              policy=args.routing_policy or DEFAULT_POLICY)
+                              policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray)
 
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
@@ -189,8 +207,8 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     router, closers = await _load(config, args)
     _add_served_names(router, args.served_model_names)
     deployments = list(router.deployments.values())
-    if hasattr(guard, "close"):
-        closers.append(lambda: asyncio.to_thread(guard.close))
+    if hasattr(guard, "aclose"):
+        closers.append(guard.aclose)
     app = create_app(router, guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:

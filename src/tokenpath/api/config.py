@@ -41,6 +41,8 @@ class ServerConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     data_dir: str | None = None
     database_url: str | None = None
+    redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
+    limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
     insecure: bool = False
     metrics_public: bool = False  # /metrics without a key even when auth is on (it names tenants)
     # Slow clients (slowloris): a connection must finish its request headers, and then its body,

@@ -56,7 +56,7 @@ class Reservation:
     model: str
     tokens: int
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
-    admission_id: int | None = None  # the store's row for this admission; None: nothing to reconcile
+    admission_id: int | str | None = None  # the limits backend's id for it; None: nothing to reconcile
     day: int | None = None  # the UTC day the tokens were charged to (reconciled there, even after midnight)
     reconciled: bool = False  # reconcile is idempotent: a second call returns nothing twice
 

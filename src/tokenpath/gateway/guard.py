@@ -20,6 +20,7 @@ from tokenpath.errors import AuthenticationError, InvalidRequestError, Permissio
 from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import hash_key, key_prefix, looks_like_key, verify_key
 from tokenpath.gateway.limiter import Verdict
+from tokenpath.gateway.limits_backend import LimitsBackend, StoreLimits
 from tokenpath.gateway.policy import PolicyHook
 from tokenpath.gateway.store import GatewayStore, KeyRecord
 
@@ -79,11 +80,14 @@ def _raise_refusal(verdict: Verdict) -> None:
 
 
 class Gateway:
-    """Keys and limits from a `GatewayStore`; with no key in the store, every request is anonymous."""
+    """Keys and audit in a `GatewayStore`; with no key in the store, every request is anonymous.
+    Limits are charged to `limits` (default: the same store; `RedisLimits` for shared Redis)."""
 
     def __init__(self, store: GatewayStore, *, clock: Clock = time.time, policy: PolicyHook | None = None,
-                 log_text: bool = False, static_keys: Sequence[str] = ()) -> None:
+                 log_text: bool = False, static_keys: Sequence[str] = (),
+                 limits: LimitsBackend | None = None) -> None:
         self.store = store
+        self.limits: LimitsBackend = limits or StoreLimits(store)
         # `serve --api-key` keys, vLLM style: kept only as salted digests, like stored keys.
         self._static = [(salt := secrets.token_hex(16), hash_key(k, salt)) for k in static_keys if k]
         self.clock = clock
@@ -180,10 +184,8 @@ class Gateway:
         """Charge prompt + max_tokens before any work is queued; refuse with 429 over a limit."""
         if principal.key_limits is None:  # anonymous (auth off) or a static key: no limits to hold
             return Reservation(principal=principal, model=model, tokens=tokens)
-        admitted = await asyncio.to_thread(
-            self.store.reserve, principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
-            principal.tenant_limits or Limits(), tokens, self.clock(),
-        )
+        admitted = await self.limits.reserve(principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
+                                             principal.tenant_limits or Limits(), tokens, self.clock())
         _raise_refusal(admitted.verdict)
         verdict = admitted.verdict
         return Reservation(principal=principal, model=model, tokens=tokens, headers=verdict.headers,
@@ -198,9 +200,9 @@ class Gateway:
             return
         p = reservation.principal
         assert p.key_prefix is not None
-        verdict = await asyncio.to_thread(
-            self.store.adjust, reservation.admission_id, p.key_prefix, p.tenant, p.key_limits or Limits(),
-            p.tenant_limits or Limits(), reservation.day, reservation.tokens, tokens, self.clock())
+        verdict = await self.limits.adjust(reservation.admission_id, p.key_prefix, p.tenant, p.key_limits or Limits(),
+                                           p.tenant_limits or Limits(), reservation.day, reservation.tokens, tokens,
+                                           self.clock())
         reservation.headers = verdict.headers or reservation.headers  # the response reports the latest state
         if not verdict.allowed:
             reservation.reconciled = True  # the admission is gone: nothing to give back at the end
@@ -214,8 +216,8 @@ class Gateway:
         reservation.reconciled = True
         p = reservation.principal
         assert p.key_prefix is not None
-        await asyncio.to_thread(self.store.reconcile, reservation.admission_id, p.key_prefix, p.tenant,
-                                reservation.day, reservation.tokens, max(0, int(used_tokens)))
+        await self.limits.reconcile(reservation.admission_id, p.key_prefix, p.tenant, reservation.day,
+                                    reservation.tokens, max(0, int(used_tokens)))
 
     async def audit(self, record: AuditRecord) -> None:
         """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
@@ -229,3 +231,10 @@ class Gateway:
 
     def close(self) -> None:
         self.store.close()
+
+    async def aclose(self) -> None:
+        """Close the limits backend (its connections live on the event loop), then the store."""
+        try:
+            await self.limits.aclose()
+        finally:
+            await asyncio.to_thread(self.store.close)

@@ -55,7 +55,7 @@ class Admitted:
     """The store's answer to a reservation: the verdict, and the rows to reconcile when admitted."""
 
     verdict: limiter.Verdict
-    admission_id: int | None = None
+    admission_id: int | str | None = None  # a SQL row id, or a Redis admission id
     day: int | None = None
 
 
