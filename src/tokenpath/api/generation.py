@@ -50,6 +50,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep.precheck(priority, run.principal.tenant, received, deadline)
         prompts, texts = await _prompts(state, dep, body)
         params = _sampling_params(state, dep, body, prompts)
+        run.sampling = params
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop

@@ -8,6 +8,7 @@ that can never fit fails at submission, never hangs) and leave through `step` ou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -50,6 +51,9 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
+        # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
+        # of step time, batch size and prefill chunks, without the engine knowing about metrics.
+        self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
 
     # ------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -121,6 +125,7 @@ class EngineCore:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -156,6 +161,8 @@ class EngineCore:
                 outs.append(out)
             if req.finished:
                 self._retire(req)
+        for observe in self.step_observers:
+            observe(sched.scheduled, started, time.monotonic())
         return outs
 
     def _finish(self, seq: Sequence, now: float) -> None:

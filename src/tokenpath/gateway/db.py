@@ -55,6 +55,9 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX audit_log_tenant_time ON audit_log (tenant, time)",
         "CREATE INDEX audit_log_request ON audit_log (request_id)",
     ],
+    [  # 2: per-stage timing and routing facts of each request, as JSON (`tokenpath trace`)
+        "ALTER TABLE audit_log ADD COLUMN timing TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
