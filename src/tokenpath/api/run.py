@@ -115,6 +115,7 @@ class RequestRun:
             return Response(status_code=self.status)
         if isinstance(exc, TokenpathError):
             self.fail(exc)
+            self.timeline.stamp("finished")  # so Server-Timing, the log line and the audit row agree
             return error_response(exc, self.headers(timing=True))
         self.status, self.error_type = 500, "internal_error"
         raise exc

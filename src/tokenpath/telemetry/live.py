@@ -56,11 +56,15 @@ class LiveRequests:
         inflight = []
         for rid, live in list(self.inflight.items()):
             t = live.timeline
+            so_far = stage_ms(t)
+            stage = current_stage(t)
+            if stage in STAGES:  # the stage it is in now, up to this moment
+                so_far[stage] = round(max(0.0, so_far["total"] - sum(v for k, v in so_far.items() if k != "total")), 1)
             inflight.append({
-                "request_id": rid, "endpoint": live.endpoint, "stage": current_stage(t),
+                "request_id": rid, "endpoint": live.endpoint, "stage": stage,
                 "model": t.attrs.get("deployment"), "tenant": t.attrs.get("tenant"),
                 "replica": t.attrs.get("replica"), "age_ms": round((now - t.stamps["received"]) * 1000, 1),
-                "tokens": len(t.token_times), "stages_ms": stage_ms(t),
+                "tokens": len(t.token_times), "stages_ms": so_far,
             })
         recent = [r for r in self.recent if r["time"] >= now_wall - window_s]
         per_stage: dict[str, dict[str, float | int]] = {}
