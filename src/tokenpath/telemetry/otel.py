@@ -132,13 +132,13 @@ def caller_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
     return ctx if ctx.is_valid else None
 
 
-def begin_trace(timeline: Timeline, headers: Mapping[str, str]) -> None:
+def begin_trace(timeline: Timeline, headers: Mapping[str, str], provider: TracerProvider | None = None) -> None:
     """Choose the request's trace id and its root and dispatch span ids, and the `traceparent`
     a remote replica is sent (`timeline.attrs["traceparent"]`). A valid incoming `traceparent`
     makes the request part of the caller's trace. With tracing off, the caller's own header is
     passed on unchanged, so a traced client still joins up with a traced vLLM behind us."""
     caller = caller_context(headers)
-    provider = tracing_provider()
+    provider = provider or tracing_provider()
     if provider is None or not isinstance(provider.id_generator, PresetIdGenerator):
         if caller is not None:
             timeline.attrs["trace_id"] = f"{caller.trace_id:032x}"

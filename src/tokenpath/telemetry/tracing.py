@@ -23,6 +23,7 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokenpath.telemetry.otel import caller_context, preset_ids, tracing_provider
@@ -108,11 +109,13 @@ def _child(tracer: trace.Tracer, name: str, parent: trace.Span, start: int, end:
     return span
 
 
-def record_trace(rec: FinishedRequest) -> None:
-    """Export the request's spans (no-op when tracing is off or the trace was not sampled)."""
-    if tracing_provider() is None:
+def record_trace(rec: FinishedRequest, provider: TracerProvider | None = None) -> None:
+    """Export the request's spans (no-op when tracing is off or the trace was not sampled).
+    `provider` defaults to the process's (tests and embedders may pass their own)."""
+    provider = provider or tracing_provider()
+    if provider is None:
         return
-    tracer = trace.get_tracer("tokenpath")
+    tracer = provider.get_tracer("tokenpath")
     t, a = rec.timeline, rec.timeline.attrs
     start = _stamp_ns(t, "received") or time.time_ns()
     end = max(start, _stamp_ns(t, "finished") or time.time_ns())
