@@ -98,6 +98,18 @@ class DeadlineExceededError(TokenpathError):
     error_type = "timeout"
 
 
+class RequestFailedError(TokenpathError):
+    """The engine failed while computing this request (its step raised). The engine survived and
+    keeps serving; the request is not retried on another replica, since it may be what broke it."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, **kw) -> None:
+        kw.setdefault("code", "engine_failed")
+        super().__init__(message, **kw)
+
+
 class EngineDeadError(ServiceUnavailableError):
     """The engine's step loop died; every in-flight request fails with this."""
 

@@ -289,3 +289,20 @@ async def test_prefill_backlog_counts_dispatched_prompts_until_their_first_token
     assert dep.flow.pool.states()[0].pending_prefill_tokens == 30  # what the picker sees
     await asyncio.gather(first, second)
     assert handle.pending_prefill == 0 and handle.inflight == 0
+
+
+async def test_a_timeout_shorter_than_the_recent_first_token_time_is_refused_up_front():
+    """Issue 10, defect 10: with room on a replica but first tokens taking ~0.3 s after dispatch,
+    a request whose `timeout` is 0.1 s gets 429 at once, not a 504 after waiting it out. Before
+    the fix the check counted only the gateway queue's wait, so this request was admitted."""
+    dep, _ = deployment(seqs=4, interval=0.3)
+    for _ in range(3):  # learn the dispatch -> first token time
+        await run(dep, req(max_tokens=1))
+    assert dep.flow.capacity.first_token_s >= 0.25
+    with pytest.raises(RateLimitError) as e:
+        dep.precheck(priority=0, tenant="t", received=time.monotonic(), deadline=time.monotonic() + 0.1)
+    assert e.value.code == "deadline_unreachable"
+    with pytest.raises(RateLimitError) as e:
+        await run(dep, req(deadline_s=0.1))
+    assert e.value.code == "deadline_unreachable" and "first token" in e.value.message
+    assert len(await run(dep, req(max_tokens=1, deadline_s=5.0))) >= 1  # a timeout that fits is served

@@ -58,6 +58,7 @@ class Admission:
     queued_s: float
     dispatched_at: float = field(default_factory=time.monotonic)
     prefill_tokens: int = 0  # counted in the replica's prefill backlog until the first token
+    first_token_seen: bool = False
 
 
 class CapacityEstimator:
@@ -68,6 +69,23 @@ class CapacityEstimator:
         self.alpha = alpha
         self.window_s = window_s
         self._done: deque[float] = deque()
+        # Dispatch -> first token (the replica's own queue plus prefill): an EWMA of the mean and
+        # of the absolute deviation. A dispatched request still waits this long for its first
+        # token, which is what a client's `timeout` bounds; unknown until something has started.
+        self.first_token_s: float | None = None
+        self.first_token_dev = 0.0
+
+    def observe_first_token(self, seconds: float) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = seconds
+            return
+        self.first_token_dev = (1 - self.alpha) * self.first_token_dev + self.alpha * abs(seconds - self.first_token_s)
+        self.first_token_s = (1 - self.alpha) * self.first_token_s + self.alpha * seconds
+
+    def first_token_estimate(self) -> float:
+        """A pessimistic dispatch-to-first-token time (mean + 2 deviations): admitting a request
+        that then times out costs a prefill and gives its client a 504 after the full wait."""
+        return 0.0 if self.first_token_s is None else self.first_token_s + 2 * self.first_token_dev
 
     def observe(self, service_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -125,11 +143,14 @@ class FlowController:
         return exc
 
     def check(self, priority: int, tenant: str, deadline: float, now: float | None = None,
-              record: bool = True) -> None:
+              record: bool = True, first_token_by: float | None = None) -> None:
         """Raise the 503/429 a request would get right now; return if it would be admitted.
 
         It needs no prompt, so the API layer calls it (`record=False`) before tokenizing or
-        charging rate limits: a request that will be refused is refused before any work."""
+        charging rate limits: a request that will be refused is refused before any work.
+        `first_token_by` is the client's own deadline (its `timeout`), which holds until the first
+        token: the predicted queue wait plus the replicas' recent dispatch-to-first-token time
+        must fit in it, else 429 now rather than 504 after the whole timeout."""
         now = time.monotonic() if now is None else now
         if not self.pool.healthy():
             retry = max([h.ejected_until - now for h in self.pool.handles.values()] + [1.0])
@@ -137,6 +158,7 @@ class FlowController:
                 f"no healthy replica for model '{self.deployment}'",
                 code="no_healthy_replica", headers={"Retry-After": str(max(1, int(retry + 0.999)))}), record)
         if self.queue.ahead_of(priority) == 0 and self.pool.with_room():
+            self._check_first_token(0.0, first_token_by, now, record)
             return
         drain = self.capacity.predicted_wait(len(self.queue) + 1, self.pool.slots())
         if len(self.queue) >= self.config.max_queue:
@@ -155,12 +177,25 @@ class FlowController:
                 f"model '{self.deployment}' cannot start this request before its deadline "
                 f"(predicted wait {wait:.1f}s, {max(left, 0):.1f}s left)",
                 retry_after=wait, code="deadline_unreachable"), record)
+        self._check_first_token(wait, first_token_by, now, record)
+
+    def _check_first_token(self, queue_wait: float, first_token_by: float | None, now: float,
+                           record: bool) -> None:
+        if first_token_by is None or not self.config.reject_unreachable_deadline:
+            return
+        expected = queue_wait + self.capacity.first_token_estimate()
+        left = first_token_by - now
+        if expected > left:
+            raise self._reject("deadline_unreachable", RateLimitError(
+                f"model '{self.deployment}' cannot produce a first token before this request's timeout "
+                f"(predicted {expected:.1f}s, {max(left, 0):.1f}s left)",
+                retry_after=expected, code="deadline_unreachable"), record)
 
     async def acquire(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Admission:
         """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
         now = time.monotonic()
         deadline = self.deadline_for(request)
-        self.check(request.priority, request.tenant, deadline, now)
+        self.check(request.priority, request.tenant, deadline, now, first_token_by=request.deadline)
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
             if room:
@@ -254,13 +289,20 @@ class FlowController:
 
     def started(self, admission: Admission) -> None:
         """The first token came: this request no longer adds to its replica's prefill backlog."""
+        self._clear_backlog(admission)
+        if not admission.first_token_seen:
+            admission.first_token_seen = True
+            self.capacity.observe_first_token(time.monotonic() - admission.dispatched_at)
+
+    @staticmethod
+    def _clear_backlog(admission: Admission) -> None:
         handle = admission.handle
         handle.pending_prefill = max(0, handle.pending_prefill - admission.prefill_tokens)
         admission.prefill_tokens = 0
 
     def release(self, admission: Admission, ok: bool, failure: str | None = None) -> None:
         """Give the slot back; learn the service time; eject the replica on failure."""
-        self.started(admission)
+        self._clear_backlog(admission)
         handle = admission.handle
         handle.inflight = max(0, handle.inflight - 1)
         if ok:

@@ -20,7 +20,7 @@ from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
 from tokenpath.engine.outputs import EngineState, RequestOutput
 from tokenpath.engine.sampling_params import SamplingParams
-from tokenpath.errors import EngineDeadError, InvalidRequestError
+from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.engine")
@@ -79,6 +79,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:  # the engine already ended it and freed its blocks
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return

@@ -7,6 +7,7 @@ that can never fit fails at submission, never hangs) and leave through `step` ou
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,6 +29,8 @@ from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.telemetry.timeline import Timeline
 
 MAX_CONTEXT_DEFAULT = 8192
+
+log = logging.getLogger("tokenpath.engine")
 
 
 class EngineCore:
@@ -51,6 +54,7 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
+        self.failed_steps = 0
         # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
         # of step time, batch size and prefill chunks, without the engine knowing about metrics.
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
@@ -125,13 +129,39 @@ class EngineCore:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One batch forward and one token per sampling sequence.
+
+        A step that raises (a kernel fault, a bug, an out-of-memory) fails only the requests that
+        were in it: each ends with finish_reason "error" and an `error` message, their blocks are
+        freed, and the engine keeps serving. One bad request must never take the model down."""
         started = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        logits, sampling = self.runner.execute(sched.scheduled)
+        try:
+            outs = self._run_step(sched.scheduled)
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
+            return self._fail_step(sched.scheduled, exc)
+        for observe in self.step_observers:
+            observe(sched.scheduled, started, time.monotonic())
+        return outs
+
+    def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
+        message = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
+        outs = []
+        for rid in dict.fromkeys(seq.request_id for seq, _ in scheduled):
+            out = self.abort(rid, reason="error")
+            if out is not None:
+                out.error = message
+                outs.append(out)
+        self.failed_steps += 1
+        return outs
+
+    def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        logits, sampling = self.runner.execute(scheduled)
         self.steps += 1
-        for seq, n in sched.scheduled:
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.blocks.commit_computed(seq)
         result = self.sampler(logits, sampling) if sampling else None
@@ -161,8 +191,6 @@ class EngineCore:
                 outs.append(out)
             if req.finished:
                 self._retire(req)
-        for observe in self.step_observers:
-            observe(sched.scheduled, started, time.monotonic())
         return outs
 
     def _finish(self, seq: Sequence, now: float) -> None:

@@ -47,6 +47,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt: str | None = None
+    # Set when the engine failed this request (a step raised): the request ends here, on this
+    # replica, and must not be retried elsewhere, since it may be what broke the step.
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenpath.engine.sampling_params import SAMPLING_EPS
 from tokenpath.engine.sequence import Sequence
 
 
@@ -78,11 +79,20 @@ class Sampler:
         if not random_rows:
             return tokens
         idx = torch.tensor(random_rows)
-        sub = logits[idx]
-        temps = torch.tensor([seqs[i].params.temperature for i in random_rows], dtype=sub.dtype).unsqueeze(1)
+        # float32 whatever the model's dtype, and a floor under the temperature: a value that passed
+        # validation must still never turn a row into inf/NaN (1e-320 in bf16 or fp16 is 0).
+        sub = logits[idx].float()
+        temps = torch.tensor([max(seqs[i].params.temperature, SAMPLING_EPS) for i in random_rows],
+                             dtype=torch.float32).unsqueeze(1)
         probs = torch.softmax(sub / temps, dim=-1)
         probs = _filter(probs, [seqs[i].params for i in random_rows])
+        # The class of bug, not one case: any row that is still not a distribution (non-finite
+        # logits from the model or a penalty, everything filtered out) falls back to greedy for
+        # that row alone instead of failing the whole batch in multinomial.
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
         for j, i in enumerate(random_rows):
+            if not ok[j]:
+                continue  # keeps the argmax token
             gen = seqs[i].generator or self.generator
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
         return tokens
@@ -103,10 +113,12 @@ def _filter(probs: torch.Tensor, params: list) -> torch.Tensor:
     if not need_sort:
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params]).unsqueeze(1)
+    vocab = probs.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
     cum = sorted_p.cumsum(dim=-1)
     drop = (ranks >= top_k) | ((cum - sorted_p) >= top_p)  # keep the token that crosses top_p
+    drop[:, 0] = False  # the most likely token always survives (a top_p that underflows to 0)
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)

@@ -14,6 +14,13 @@ from tokenpath.errors import SamplingParamsError
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+# What the sampler can compute, not only what the API allows. A temperature below SAMPLING_EPS is
+# greedy (as in vLLM): dividing logits by 1e-320 gives inf, and inf - inf gives NaN probabilities.
+SAMPLING_EPS = 1e-5
+# A penalty divides or multiplies logits; below this it overflows float32 to inf.
+MIN_REPETITION_PENALTY = 0.01
+# top_k becomes a tensor element (int64): anything larger than the vocabulary is "disabled".
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass
@@ -46,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> SamplingParamsError:
@@ -70,15 +77,16 @@ class SamplingParams:
             raise bad("temperature", f"must be between 0 and 2, got {self.temperature}")
         if not 0.0 < finite("top_p", self.top_p) <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if integer("top_k", self.top_k) < -1:
-            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k}")
+        if not -1 <= integer("top_k", self.top_k) <= MAX_TOP_K:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k}")
         if not 0.0 <= finite("min_p", self.min_p) <= 1.0:
             raise bad("min_p", f"must be between 0 and 1, got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= finite(name, getattr(self, name)) <= 2.0:
                 raise bad(name, f"must be between -2 and 2, got {getattr(self, name)}")
-        if not 0.0 < finite("repetition_penalty", self.repetition_penalty) <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= finite("repetition_penalty", self.repetition_penalty) <= 2.0:
+            raise bad("repetition_penalty",
+                      f"must be between {MIN_REPETITION_PENALTY} and 2, got {self.repetition_penalty}")
         if self.seed is not None:
             integer("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:

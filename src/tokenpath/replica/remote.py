@@ -26,7 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenpath.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
+from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from tokenpath.replica.base import GenerateRequest, ReplicaBusyError, ReplicaState
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
@@ -274,16 +274,23 @@ async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:
         data = json.loads(payload)
         if "error" in data and not data.get("choices"):
             err = data["error"]
-            raise ServiceUnavailableError(f"replica error: {err.get('message', err) if isinstance(err, dict) else err}")
+            message = err.get("message", err) if isinstance(err, dict) else err
+            if isinstance(err, dict) and err.get("code") == "engine_failed":
+                raise RequestFailedError(f"replica error: {message}")
+            raise ServiceUnavailableError(f"replica error: {message}")
         yield data
 
 
 def _http_error(name: str, resp: httpx.Response) -> Exception:
+    error_code = None
     try:
         message = resp.json()["error"]["message"]
+        error_code = resp.json()["error"].get("code")
     except Exception:
         message = resp.text[:500]
     code = resp.status_code
+    if error_code == "engine_failed":  # the engine survived this request; another one would not
+        return RequestFailedError(f"replica '{name}' failed the request: {message}")
     if code in (429, 503):
         return ReplicaBusyError(f"replica '{name}' is busy ({code}): {message}")
     if code in (400, 413, 422):  # the request's own fault, the same on every replica

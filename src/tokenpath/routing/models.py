@@ -30,6 +30,7 @@ from tokenpath.errors import (
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
+    RequestFailedError,
     ServiceUnavailableError,
     TokenpathError,
 )
@@ -91,7 +92,8 @@ class Deployment:
         first_error: TokenpathError | None = None
         for dep in (self, *self.fallbacks):
             try:
-                dep.flow.check(priority, tenant, dep.flow.queue_deadline(priority, received, deadline), record=False)
+                dep.flow.check(priority, tenant, dep.flow.queue_deadline(priority, received, deadline), record=False,
+                               first_token_by=deadline)
                 return
             except (ServiceUnavailableError, RateLimitError) as exc:
                 first_error = first_error or exc
@@ -138,6 +140,8 @@ class Deployment:
                     raise  # the request's own fault: no retry, no ejection
                 if isinstance(exc, DeadlineExceededError):
                     raise  # out of time, not a replica fault: no retry, no ejection
+                if isinstance(exc, RequestFailedError):
+                    raise  # it broke an engine step: retrying it would break the next replica too
                 # A busy replica is retried elsewhere but not ejected; anything else ejects it.
                 failure = None if isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
                 if started or attempt == MAX_ATTEMPTS:
