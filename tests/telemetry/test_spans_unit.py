@@ -86,3 +86,15 @@ def test_tracing_off_builds_nothing_but_forwards_the_callers_traceparent():
     begin_trace(t, {"traceparent": caller})  # no SDK provider installed in this process
     assert t.attrs["traceparent"] == caller and t.attrs["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
     record_trace(FinishedRequest(t, "/v1/completions", 200))  # a no-op, and no error
+
+
+def test_embeddings_get_their_own_root_and_encoder_span(traced):
+    provider, exporter = traced
+    t = Timeline("embd-1")
+    begin_trace(t, {}, provider)
+    for i, stage in enumerate(("authenticated", "routed", "tokenized", "admitted", "scheduled", "finished")):
+        t.stamp(stage, at=t.stamps["received"] + 0.01 * (i + 1))
+    record_trace(FinishedRequest(t, "/v1/embeddings", 200, requested_model="e", model="e", prompt_tokens=9), provider)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["embeddings e"].attributes["gen_ai.operation.name"] == "embeddings"
+    assert spans["engine.embed"].parent.span_id == spans["embeddings e"].context.span_id

@@ -141,6 +141,8 @@ def record_trace(rec: FinishedRequest, provider: TracerProvider | None = None) -
                                              ("tokenpath.priority", rec.priority)) if v is not None})
     if dispatched is not None:
         _dispatch(tracer, rec, root, dispatched, end)
+    elif (scheduled := _stamp_ns(t, "scheduled")) is not None:  # embeddings: the encoder's batch
+        _child(tracer, "engine.embed", root, scheduled, end, attributes={"gen_ai.usage.input_tokens": rec.prompt_tokens})
     root.end(end_time=end)
 
 
