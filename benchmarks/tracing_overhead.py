@@ -124,9 +124,9 @@ def span_cost(receiver: Receiver, n: int = 2000) -> dict:
                                    "first_token", "finished")):
             t.stamp(stage, at=t0 + 0.01 * (k + 1))
         t.attrs.update(replica="r0", policy="prefix_aware", reason="cold", prefill_chunks=[(t0 + 0.07, 128)])
-        t.token_times.extend(t0 + 0.08 + 0.01 * k for k in range(32))
         return FinishedRequest(t, "/v1/chat/completions", 200, requested_model="m", model="m", prompt_tokens=128,
-                               completion_tokens=32, finish_reasons=["length"], tenant="acme", key_prefix="tp-x")
+                               completion_tokens=32, finish_reasons=["length"], tenant="acme", key_prefix="tp-x",
+                               token_times=[t0 + 0.08 + 0.01 * k for k in range(32)])
 
     recs = [one(i) for i in range(n)]
     before = receiver.spans

@@ -32,15 +32,16 @@ def _timeline(headers: dict[str, str], provider: TracerProvider) -> Timeline:
         t.stamp(stage, at=t0 + 0.1 * (i + 1))
     t.attrs.update(replica="r0", policy="prefix_aware", reason="cold")
     t.attrs["prefill_chunks"] = [(t0 + 0.65, 10), (t0 + 0.7, 5)]
-    t.token_times.extend([t0 + 0.7, t0 + 0.75, t0 + 0.85])
     return t
 
 
 def test_spans_follow_the_timeline_and_the_ids_chosen_on_arrival(traced):
     provider, exporter = traced
     t = _timeline({}, provider)
+    t0 = t.stamps["received"]
     rec = FinishedRequest(t, "/v1/chat/completions", 200, requested_model="m", model="m", prompt_tokens=15,
-                          completion_tokens=3, finish_reasons=["stop"], tenant="acme", key_prefix="tp-abc")
+                          completion_tokens=3, finish_reasons=["stop"], tenant="acme", key_prefix="tp-abc",
+                          token_times=[t0 + 0.7, t0 + 0.75, t0 + 0.85])
     record_trace(rec, provider)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     root, dispatch = spans["chat m"], spans["dispatch r0"]

@@ -157,7 +157,7 @@ class RequestRun:
             await guard.audit(self._audit_record(finish_reason, prompt, completion, durations, record))
         except Exception:
             log.exception("audit failed for %s", self.id)
-        publish(record, self.state.metrics, self.state.live, self.token_times)
+        publish(record, self.state.metrics, self.state.live)
 
     def _finished_record(self, finish_reason: str | None, prompt: int, completion: int) -> FinishedRequest:
         """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
@@ -177,6 +177,7 @@ class RequestRun:
             top_p=sp.top_p if sp else None, seed=sp.seed if sp else None,
             server_address=url.hostname, server_port=url.port,
             incoming_headers={k: v for k in ("traceparent", "tracestate") if (v := self.request.headers.get(k))},
+            token_times=list(self.token_times),
             prompt_text=self.prompt_text if text else None,
             completion_text="\n".join(c.text for c in self.acc.sorted()) if text and self.acc else None,
         )

@@ -64,7 +64,7 @@ class LiveRequests:
                 "request_id": rid, "endpoint": live.endpoint, "stage": stage,
                 "model": t.attrs.get("deployment"), "tenant": t.attrs.get("tenant"),
                 "replica": t.attrs.get("replica"), "age_ms": round((now - t.stamps["received"]) * 1000, 1),
-                "tokens": len(t.token_times), "stages_ms": so_far,
+                "tokens": len(getattr(t, "token_times", ())), "stages_ms": so_far,
             })
         recent = [r for r in self.recent if r["time"] >= now_wall - window_s]
         per_stage: dict[str, dict[str, float | int]] = {}

@@ -8,6 +8,7 @@ Timeline, the same source as the Server-Timing header and the audit row.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -162,13 +163,16 @@ class ServerMetrics:
         step_time, seqs, tokens = (h.labels(model) for h in (self.step_time, self.step_seqs, self.step_tokens))
 
         def observe(scheduled: list[tuple[Any, int]], started: float, ended: float) -> None:
-            step_time.observe(ended - started)
-            seqs.observe(len(scheduled))
-            tokens.observe(sum(n for _, n in scheduled))
+            try:  # never raises into the step loop
+                step_time.observe(ended - started)
+                seqs.observe(len(scheduled))
+                tokens.observe(sum(n for _, n in scheduled))
+            except Exception:
+                logging.getLogger("tokenpath.telemetry").exception("engine step metrics failed")
 
         return observe
 
-    def observe_finished(self, rec: FinishedRequest, token_times: list[float]) -> None:
+    def observe_finished(self, rec: FinishedRequest) -> None:
         """Every finished request, whatever its ending: status, rejection, tenant tokens, stages."""
         model = rec.model or rec.requested_model or ""
         self.requests.labels(model, rec.endpoint, str(rec.status), rec.error_code or rec.error_type or "").inc()
@@ -192,7 +196,7 @@ class ServerMetrics:
             self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
                                  completion_tokens=rec.completion_tokens,
                                  finish_reason=rec.finish_reasons[0] if rec.finish_reasons else None,
-                                 token_times=token_times)
+                                 token_times=rec.token_times)
 
     def observe_request(self, model: str, timeline: Timeline, *, prompt_tokens: int, completion_tokens: int,
                         finish_reason: str | None, token_times: list[float]) -> None:

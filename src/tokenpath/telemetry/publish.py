@@ -17,9 +17,9 @@ from tokenpath.telemetry.tracing import record_trace
 log = logging.getLogger("tokenpath.telemetry")
 
 
-def publish(rec: FinishedRequest, metrics: ServerMetrics, live: LiveRequests, token_times: list[float]) -> None:
+def publish(rec: FinishedRequest, metrics: ServerMetrics, live: LiveRequests) -> None:
     steps = (("trace", lambda: record_trace(rec)), ("log", lambda: log_request(rec)),
-             ("metrics", lambda: metrics.observe_finished(rec, token_times)), ("live", lambda: live.finished(rec)))
+             ("metrics", lambda: metrics.observe_finished(rec)), ("live", lambda: live.finished(rec)))
     for what, step in steps:
         try:
             step()

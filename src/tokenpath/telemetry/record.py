@@ -52,6 +52,9 @@ class FinishedRequest:
     server_address: str | None = None
     server_port: int | None = None
     incoming_headers: dict[str, str] = field(default_factory=dict)  # traceparent/tracestate only
+    # When each output token of the first choice reached the API (monotonic): ITL as clients see it,
+    # the same whether the engine is in this process or behind a link.
+    token_times: list[float] = field(default_factory=list)
     prompt_text: str | None = None
     completion_text: str | None = None
 

@@ -17,6 +17,7 @@ One request is one trace:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from tokenpath.telemetry.otel import caller_context, preset_ids, tracing_provide
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.timeline import Timeline
 
+log = logging.getLogger("tokenpath.telemetry")
 PROVIDER_NAME = "tokenpath"
 # (span name, start stamp, end stamp) of the gateway's own children of the root.
 _GATEWAY_SPANS = (("gateway.auth", "received", "authenticated"), ("gateway.route", "authenticated", "routed"),
@@ -173,7 +175,7 @@ def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, star
 
 def _decode_attributes(rec: FinishedRequest) -> dict[str, Any]:
     out: dict[str, Any] = {"gen_ai.usage.output_tokens": rec.completion_tokens}
-    times = rec.timeline.token_times
+    times = rec.token_times
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     if gaps:
         out.update({"tokenpath.itl.mean_ms": round(1000 * sum(gaps) / len(gaps), 3),
@@ -185,14 +187,18 @@ def _decode_attributes(rec: FinishedRequest) -> dict[str, Any]:
 
 def annotate_step(scheduled: Sequence[tuple[Any, int]], started: float, ended: float) -> None:
     """An engine step observer: prefill chunks and preemptions onto each request's Timeline
-    (the engine thread writes; the request's own spans read them once it has finished)."""
-    for seq, n in scheduled:
-        tl = seq.timeline
-        if tl is None or seq.index != 0:
-            continue
-        # A prefill chunk: no first token before this step (a finished sequence's counters are
-        # already reset, so they cannot tell).
-        if seq.first_token_time is None or seq.first_token_time >= started:
-            tl.attrs.setdefault("prefill_chunks", []).append((round(ended, 6), n))
-        if seq.num_preemptions:
-            tl.attrs["preemptions"] = seq.num_preemptions
+    (the engine thread writes; the request's own spans read them once it has finished). Never
+    raises: telemetry must not be what stops a step loop."""
+    try:
+        for seq, n in scheduled:
+            tl = seq.timeline
+            if tl is None or seq.index != 0:
+                continue
+            # A prefill chunk: no first token before this step (a finished sequence's counters are
+            # already reset, so they cannot tell).
+            if seq.first_token_time is None or seq.first_token_time >= started:
+                tl.attrs.setdefault("prefill_chunks", []).append((round(ended, 6), n))
+            if seq.num_preemptions:
+                tl.attrs["preemptions"] = seq.num_preemptions
+    except Exception:
+        log.exception("annotating an engine step failed")
