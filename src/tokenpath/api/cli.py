@@ -24,6 +24,8 @@ from tokenpath.api.config import ServerConfig
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
+from tokenpath.telemetry.otel import setup_tracing, tracing_provider
+from tokenpath.telemetry.request_log import configure_logging, log_event
 
 log = logging.getLogger("tokenpath.api")
 
@@ -71,6 +73,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host without API keys")
     p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
                    help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
+    t = p.add_argument_group("telemetry")
+    t.add_argument("--otlp-endpoint", metavar="URL",
+                   help="export traces over OTLP/HTTP to this base URL (else the OTEL_* variables; off by default)")
+    t.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="request and event logs on stdout: one JSON object per line (default) or text")
+    t.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["debug", "info", "warning", "error"], help="lowest level logged (default info)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device")
@@ -114,7 +123,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format, args.log_level)
     try:
         config = build_config(args)
     except (ValueError, OSError) as exc:
@@ -139,6 +148,14 @@ def run_serve(args: argparse.Namespace) -> int:
               "use it. Create a key (`tokenpath keys create`), bind 127.0.0.1, or pass --insecure.",
               file=sys.stderr)
         return 2
+    if args.otlp_endpoint and args.gateway:  # engine processes started by this one export there too
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+    try:
+        tracer_provider = setup_tracing(args.otlp_endpoint, service_name="tokenpath" if args.gateway
+                                        else "tokenpath-engine")
+    except ValueError as exc:
+        print(f"tokenpath: invalid tracing configuration: {exc}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_serve(config, guard, args))
     except ModelLoadError as exc:
@@ -146,6 +163,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during start-up
         return 130
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flush the spans still batched
 
 
 class _Server(uvicorn.Server):
@@ -213,12 +233,16 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
 
     def banner(port: int) -> None:
         print(startup_banner(config, router, guard, args, deployments, port), flush=True)
+        log_event(log, "startup", "serving", models=[d.name for d in deployments], host=config.host, port=port,
+                  replicas=sum(len(d.replicas) for d in deployments if d.task != "embedding"),
+                  tracing=tracing_provider() is not None)
 
     from tokenpath.api.limits import header_timeout_protocol
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
                                timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False,
-                               http=header_timeout_protocol(config.header_timeout))
+                               http=header_timeout_protocol(config.header_timeout),
+                               log_config=None)  # keep our handler and format
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
     await server.serve()
     drained = max(0, server.in_flight_at_signal - server.aborted)

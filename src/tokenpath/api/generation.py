@@ -55,6 +55,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         floor.check_context(dep.max_model_len)
         prompts, texts = await prompt_ids(state, dep, body)
         params = sampling_params(state, dep, body, prompts, bias)
+        run.sampling = params
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop

@@ -82,6 +82,8 @@ class AuditRecord:
     error_type: str | None = None
     prompt_text: str | None = None  # only when the operator turns text logging on
     completion_text: str | None = None
+    # JSON from telemetry: every stage's ms, replica, routing policy/reason, trace id (`tokenpath trace`).
+    timing: str | None = None
 
 
 class RequestGuard(Protocol):

@@ -59,6 +59,9 @@ MIGRATIONS: list[list[str]] = [
     [  # 2: admin keys may call the operator endpoints (/metrics, /reset_prefix_cache) when auth is on
         "ALTER TABLE api_keys ADD COLUMN admin INTEGER NOT NULL DEFAULT 0",
     ],
+    [  # 3: per-stage timing and routing facts of each request, as JSON (`tokenpath trace`)
+        "ALTER TABLE audit_log ADD COLUMN timing TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

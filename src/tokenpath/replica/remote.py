@@ -186,6 +186,8 @@ class RemoteReplica:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         metrics = RequestMetrics(arrival_time=time.monotonic())
         headers = {"X-Request-Id": request.request_id}
+        if request.timeline.attrs.get("traceparent"):  # the replica (vLLM, tokenpath) continues our trace
+            headers["traceparent"] = str(request.timeline.attrs["traceparent"])
         finished: set[int] = set()
         try:
             async with self._client.stream("POST", "/v1/completions", json=self._body(request),
