@@ -72,7 +72,7 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
         ids, texts = await _tokenize(engine, raw)
         run.prompt_tokens = sum(len(s) for s in ids)
         await run.admit(texts, run.prompt_tokens)
-        run.timeline.stamp("dispatched")  # (embeddings have no admission queue yet: queue is 0)
+        run.timeline.stamp("scheduled")  # (no admission queue for embeddings yet: the encoder time is prefill)
         async with watch_disconnect(request, run.stop):
             vectors = await race_stop(engine.embed(ids), run.stop)
         run.timeline.stamp("finished")
