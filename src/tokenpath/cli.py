@@ -1,7 +1,7 @@
 """`tokenpath` command line: one entry point, each area registers its own subcommands.
 
 `serve`/`engine` live in `tokenpath.server.cli`, `keys`/`audit`/`usage` in `tokenpath.gateway.cli`,
-`bench` in `tokenpath.bench.cli`. Each module exposes `register(subparsers)`; a subcommand's
+`bench` in `tokenpath.bench.cli`, `trace` in `tokenpath.trace_cli`. Each module exposes `register(subparsers)`; a subcommand's
 handler is stored as `func` and returns the process exit code.
 """
 
@@ -11,15 +11,20 @@ import argparse
 import importlib
 import sys
 
+from tokenpath.config import version
+
 COMMAND_MODULES = (
     "tokenpath.server.cli",
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
+    "tokenpath.replica.ray_status",
+    "tokenpath.trace_cli",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tokenpath {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -72,5 +72,16 @@ def resolve_data_dir(explicit: str | None = None) -> Path:
     else:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         path = Path(base) / "tokenpath"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)  # keys and the audit log live here: owner only
     return path
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), so `--version`, the startup banner and
+    bug reports all name the same thing."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tokenpath")
+    except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"

@@ -28,6 +28,8 @@ class StubState:
     delay: float = 0.002  # seconds between content chunks
     short_by: int = 0  # emit this many fewer tokens than max_tokens (an EOS-like early stop)
     usage: bool = True  # honour stream_options.include_usage (some servers ignore it)
+    seen: set[str] = field(default_factory=set)  # a toy prefix cache: prompts seen whole are "cached"
+    resets: int = 0  # POST /reset_prefix_cache calls
 
 
 def _prompt_words(body: dict[str, Any]) -> int:
@@ -63,8 +65,12 @@ def make_app(state: StubState) -> FastAPI:
             for i in range(tokens):
                 await asyncio.sleep(state.delay)
                 yield chunk(f" w{i}")
+            key = json.dumps(body.get("messages") or body.get("prompt"))
+            cached = _prompt_words(body) if key in state.seen else 0
+            state.seen.add(key)
             usage = {"prompt_tokens": _prompt_words(body), "completion_tokens": tokens,
-                     "total_tokens": _prompt_words(body) + tokens}
+                     "total_tokens": _prompt_words(body) + tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
             final: dict[str, Any] = {"id": f"r{n}", "choices": [], "usage": usage}
             if state.timing:
                 final["tokenpath"] = {"timing": {"queue": 0.001, "prefill": 0.002, "decode": 0.003, "total": 0.006}}
@@ -82,6 +88,12 @@ def make_app(state: StubState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, False)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        state.seen.clear()
+        state.resets += 1
+        return JSONResponse({"status": "ok"})
 
     return app
 

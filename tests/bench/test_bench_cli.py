@@ -53,7 +53,7 @@ def test_two_targets_two_loads_all_outputs(tmp_path, capsys):
     # same request list for both targets; each target got its own model name and length forcing
     ours_prompts = sorted(b["messages"][-1]["content"] for b in ours_bodies)  # c=2: arrival order may vary
     assert ours_prompts == sorted(b["messages"][-1]["content"] for b in peer_bodies)
-    assert len(set(ours_prompts)) == 6  # one warm-up + five measured, the same for both load points
+    assert len(set(ours_prompts)) == 12  # per load point: one warm-up + five measured, its own prompts
     assert all(b["model"] == "other" and "generation_config" in b and "ignore_eos" not in b for b in peer_bodies)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {
         "ttft_cdf.png", "itl_cdf.png", "throughput_vs_load.png", "stages.png"}

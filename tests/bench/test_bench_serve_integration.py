@@ -93,3 +93,32 @@ def test_bench_against_real_tokenpath_serve(served, tmp_path):
         assert 0 < r["ttft"] <= r["e2el"] and len(r["itl"]) >= 1
         assert set(r["server_timing"]) >= {"queue", "prefill", "decode", "total"}
     assert "TTFT" in res.stdout and "server-side stages" in res.stdout
+
+
+def _bench_json(served, tmp_path, name, *extra) -> tuple[dict, str]:
+    out = tmp_path / f"{name}.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "tokenpath.cli", "bench", "--base-url", served, "--num-requests", "4",
+         "--concurrency", "2", "--input-len", "96", "--output-len", "2", "--warmup", "0", "--json", str(out),
+         "--no-progress", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text()), res.stderr
+
+
+def test_repeated_default_runs_are_cold_and_say_their_hit_rate(served, tmp_path):
+    """Issue 14: run i was built from (seed 0, i), so a second default run hit the prefix cache (10% ->
+    91%) and measured it instead of prefill. Now each run draws its own prompts, reports its hit rate,
+    warns when a reused seed makes a 'random' workload mostly cache hits, and --reset-cache undoes it."""
+    first, _ = _bench_json(served, tmp_path, "a")
+    second, _ = _bench_json(served, tmp_path, "b")
+    assert first["meta"]["seed"] != second["meta"]["seed"]
+    for doc in (first, second):
+        s = doc["runs"][0]["summary"]
+        assert s["prefix_cache_hit_rate"] is not None and s["prefix_cache_hit_rate"] < 0.5, s
+        assert doc["runs"][0]["warnings"] == []
+    again, err = _bench_json(served, tmp_path, "c", "--seed", str(first["meta"]["seed"]))
+    assert again["runs"][0]["summary"]["prefix_cache_hit_rate"] > 0.5
+    assert again["runs"][0]["warnings"] and "warning" in err
+    cold, _ = _bench_json(served, tmp_path, "d", "--seed", str(first["meta"]["seed"]), "--reset-cache")
+    assert cold["runs"][0]["summary"]["prefix_cache_hit_rate"] < 0.5

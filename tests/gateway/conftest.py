@@ -1,5 +1,5 @@
 """Fixtures: one real store per test, on SQLite (a file in tmp_path) and, when
-TOKENPATH_TEST_POSTGRES_URL is set (`.ci/run` sets it), on a real PostgreSQL server, in a schema
+TOKENPATH_TEST_POSTGRES_URL is set (`make test` sets it), on a real PostgreSQL server, in a schema
 of its own that is dropped afterwards."""
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
         yield str(tmp_path / "gateway.sqlite3")
         return
     if not POSTGRES_URL:
-        pytest.skip("TOKENPATH_TEST_POSTGRES_URL is not set (.ci/postgres.sh sets it)")
+        pytest.skip("TOKENPATH_TEST_POSTGRES_URL is not set: `make test` starts PostgreSQL when it is installed "
+                    "(scripts/postgres.sh printed why it did not)")
     import psycopg
 
     schema = f"tp_test_{uuid.uuid4().hex[:12]}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnava
 from tokenpath.protocol import GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
+
+log = logging.getLogger("tokenpath.admission")
 
 
 @dataclass
@@ -303,10 +306,17 @@ class FlowController:
         handle = admission.handle
         handle.inflight = max(0, handle.inflight - 1)
         if ok:
+            if handle.failures:
+                log.info("replica %s recovered", handle.name, extra={"event": "replica_recovered",
+                                                                      "deployment": self.deployment,
+                                                                      "replica": handle.name})
             handle.succeeded()
             self.capacity.observe(time.monotonic() - admission.dispatched_at)
         elif failure is not None:
             handle.eject(failure)
+            log.warning("replica %s ejected: %s", handle.name, failure, extra={
+                "event": "replica_ejected", "deployment": self.deployment, "replica": handle.name,
+                "reason": failure, "ejected_for_s": round(max(0.0, handle.ejected_until - time.monotonic()), 3)})
             self.picker.forget(handle.name)
             metrics.REPLICA_EJECTIONS.labels(self.deployment, handle.name).inc()
         if len(self.queue):

@@ -6,11 +6,13 @@ around any set of deployments and starts instantly.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from tokenpath.api.dashboard import router as dashboard_routes
 from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
@@ -37,15 +39,23 @@ def create_app(
         yield
         await state.close()
 
+    # FastAPI's own HTTP spans (newer releases emit them whenever a tracer provider exists) would
+    # be a second SERVER span per request: tokenpath builds its own, from the Timeline.
+    native = {"telemetry": {"tracing": False, "operation_spans": False}} if _has_native_telemetry() else {}
     app = FastAPI(title="tokenpath", version="0.1.0", lifespan=lifespan,
-                  summary="OpenAI-compatible LLM serving that says where every millisecond went.")
+                  summary="OpenAI-compatible LLM serving that says where every millisecond went.", **native)
     app.state.tokenpath = state
     install_error_handlers(app)
     app.include_router(api_routes)
+    app.include_router(dashboard_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
-                       max_header_bytes=config.caps.max_header_bytes)
+                       max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout)
     return app
+
+
+def _has_native_telemetry() -> bool:
+    return "telemetry" in inspect.signature(FastAPI.__init__).parameters
 
 
 def _openapi(app: FastAPI) -> dict:

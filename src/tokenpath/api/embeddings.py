@@ -26,20 +26,33 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(packed.tobytes()).decode()
 
 
-async def _tokenize(engine, body: EmbeddingRequest, max_inputs: int) -> tuple[list[list[int]], list[str]]:  # noqa: ANN001
+def _inputs(body: EmbeddingRequest, max_inputs: int) -> list:
+    """The inputs as a list of strings / token-id lists, checked for count and emptiness."""
     raw = body.input
     if isinstance(raw, str):
         raw = [raw]
     if not raw:
-        raise InvalidRequestError("input must not be empty", param="input")
+        raise InvalidRequestError("input must not be empty; send a string, a list of strings or token ids",
+                                  param="input")
     if all(isinstance(t, int) for t in raw):
         raw = [raw]
     if len(raw) > max_inputs:
-        raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}", param="input")
-    texts = [t for t in raw if isinstance(t, str)]
+        raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}; send them in "
+                                  "several requests", param="input")
     for i, t in enumerate(raw):
         if isinstance(t, str) and not t:
-            raise InvalidRequestError(f"input[{i}] is an empty string", param="input")
+            raise InvalidRequestError(f"input.{i} is an empty string; embed non-empty text",
+                                      param=f"input.{i}")
+    return raw
+
+
+def _estimate(raw: list) -> int:
+    """Tokens for the rate limits before tokenizing: bytes / 4 for text, token ids exactly."""
+    return sum(len(t.encode()) // 4 + 1 if isinstance(t, str) else len(t) for t in raw)
+
+
+async def _tokenize(engine, raw: list) -> tuple[list[list[int]], list[str]]:  # noqa: ANN001
+    texts = [t for t in raw if isinstance(t, str)]
     encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
     ids = [next(encoded) if isinstance(t, str) else list(t) for t in raw]
     for i, seq in enumerate(ids):
@@ -54,10 +67,12 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
         dep = run.route(body.model, "embedding")
         engine = dep.embedder
         body.reject_unsupported(engine.dimensions)
-        ids, texts = await _tokenize(engine, body, state.config.caps.max_embedding_inputs)
+        raw = _inputs(body, state.config.caps.max_embedding_inputs)
+        await run.reserve(_estimate(raw))  # the limits are charged before anything is tokenized
+        ids, texts = await _tokenize(engine, raw)
         run.prompt_tokens = sum(len(s) for s in ids)
         await run.admit(texts, run.prompt_tokens)
-        run.timeline.stamp("dispatched")  # (embeddings have no admission queue yet: queue is 0)
+        run.timeline.stamp("scheduled")  # (no admission queue for embeddings yet: the encoder time is prefill)
         async with watch_disconnect(request, run.stop):
             vectors = await race_stop(engine.embed(ids), run.stop)
         run.timeline.stamp("finished")

@@ -31,25 +31,60 @@ def error_response(exc: TokenpathError, extra_headers: dict[str, str] | None = N
     return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
-def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """The first pydantic error as a readable 400: 'messages.0.role: Input should be ...'."""
+# The fields a body must have, per route: named when the body is empty.
+_REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/completions": ("model", "prompt"),
+             "/v1/embeddings": ("model", "input")}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _clean_loc(loc: tuple) -> list[str]:
+    """The parameter path of a pydantic error: without the 'body' root and without union-branch tags
+    ('str', 'list[ContentPart]', 'function-after[...]'), which name types, not parameters."""
+    out = []
+    for p in loc:
+        p = str(p)
+        if p == "body" and not out:
+            continue
+        if p in _TYPE_TAGS or "[" in p:
+            continue
+        out.append(p)
+    return out
+
+
+def validation_error(exc: RequestValidationError, request: Request | None = None) -> InvalidRequestError:
+    """The first pydantic error as a 400 that names the parameter and what to send instead."""
     errors = exc.errors()
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    loc = _clean_loc(first.get("loc", ()))
+    path = request.url.path if request is not None else ""
+    if kind == "tokenpath_param":  # our own validators carry the parameter
+        return InvalidRequestError(str(first.get("msg")), param=(first.get("ctx") or {}).get("param"))
+    if kind == "json_invalid":
         return InvalidRequestError(f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
-    if first.get("type") in {"model_attributes_type", "dict_type"} and not loc:
-        return InvalidRequestError("the body must be a JSON object", code="invalid_json")
+    if not loc and kind == "missing":
+        needed = _REQUIRED.get(path, ("model",))
+        return InvalidRequestError("the request body is empty; send a JSON object with "
+                                   + " and ".join(f"'{n}'" for n in needed), param=needed[0], code="invalid_json")
+    if not loc and kind in {"model_attributes_type", "dict_type"}:
+        ctype = request.headers.get("content-type", "") if request is not None else "application/json"
+        if "json" not in ctype.lower():
+            return InvalidRequestError(f"the body must be JSON sent with 'Content-Type: application/json' "
+                                       f"(got {ctype or 'no Content-Type'!r})", param="Content-Type",
+                                       code="invalid_content_type")
+        return InvalidRequestError("the body must be a JSON object, such as {\"model\": ..., ...}",
+                                   code="invalid_json")
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
-    if first.get("type") == "extra_forbidden":
-        msg = f"unrecognized request argument supplied: {param}"
-    elif param:
-        msg = f"{param}: {msg}"
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return InvalidRequestError(msg + more, param=param)
+    if kind == "extra_forbidden":
+        return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
+    if kind == "missing":
+        return InvalidRequestError(f"Missing required parameter: '{param}'", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    others = [e for e in errors[1:] if ".".join(_clean_loc(e.get("loc", ()))) != param]
+    more = f" (and {len(others)} more problems)" if others else ""
+    return InvalidRequestError(f"{param}: {msg}{more}" if param else msg + more, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -59,7 +94,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc, request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -18,15 +18,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api.errors import error_body
-from tokenpath.api.run import RequestRun, traceparent_of
+from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
+from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.errors import ContextLengthError, InvalidRequestError, TokenpathError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
-from tokenpath.protocol.sampling_params import SamplingParams
-from tokenpath.routing.models import Deployment
 
 log = logging.getLogger("tokenpath.api")
 
@@ -34,6 +32,9 @@ Body = ChatCompletionRequest | CompletionRequest
 
 
 async def handle(state: AppState, request: Request, body: Body) -> Response:
+    """Cheapest refusals first: the body's size and time (middleware) and shape (schema), then the
+    key, the request's own caps, admission, the rate limits on an estimate, and only then the
+    tokenizer; the reservation is made exact once the prompt is tokenized."""
     chat = isinstance(body, ChatCompletionRequest)
     run = RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
                      "chatcmpl" if chat else "cmpl")
@@ -43,17 +44,22 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         body.reject_unsupported()
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
+        floor = check_caps(state, dep, body)
+        bias = body.token_bias(dep.tokenizer.vocab_size)
         priority = run.priority()
         received = run.timeline.stamps["received"]
         deadline = None if body.timeout is None else received + body.timeout
         assert run.principal is not None
         dep.precheck(priority, run.principal.tenant, received, deadline)
-        prompts, texts = await _prompts(state, dep, body)
-        params = _sampling_params(state, dep, body, prompts)
+        await run.reserve(floor.tokens)
+        floor.check_context(dep.max_model_len)
+        prompts, texts = await prompt_ids(state, dep, body)
+        params = sampling_params(state, dep, body, prompts, bias)
+        run.sampling = params
         await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
-        sources = [dep.generate(_generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
+        sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
         gen = Generation(run, body, chat, len(prompts))
@@ -67,111 +73,6 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
     finally:
         if not handed_off:
             await run.finish()
-
-
-def _generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
-                      texts: list[str], priority: int, deadline: float | None) -> GenerateRequest:
-    assert run.principal is not None
-    return GenerateRequest(
-        request_id=run.id if parts == 1 else f"{run.id}-{i}",
-        prompt_token_ids=ids,
-        params=params,
-        timeline=run.timeline,
-        priority=priority,
-        tenant=run.principal.tenant,
-        # Session affinity: an explicit x-session-id, else OpenAI's `user` field.
-        session_id=run.request.headers.get("x-session-id") or run.user,
-        prompt=texts[i] if i < len(texts) else None,
-        deadline=deadline,
-        traceparent=traceparent_of(run.request),
-    )
-
-
-# -- prompts -----------------------------------------------------------------------------------
-async def _prompts(state: AppState, dep: Deployment, body: Body) -> tuple[list[list[int]], list[str]]:
-    """Token ids per prompt (tokenized off the event loop) and the texts the policy hook sees."""
-    caps, tok = state.config.caps, dep.tokenizer
-    if isinstance(body, ChatCompletionRequest):
-        if len(body.messages) > caps.max_messages:
-            raise InvalidRequestError(f"messages has {len(body.messages)} entries, over the limit of "
-                                      f"{caps.max_messages}", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        ids = await asyncio.to_thread(tok.apply_chat_template, messages)
-        return [list(ids)], [m["content"] for m in messages]
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    if len(prompt) > caps.max_prompts:
-        raise InvalidRequestError(f"prompt has {len(prompt)} prompts, over the limit of {caps.max_prompts}",
-                                  param="prompt")
-    out: list[list[int]] = []
-    texts: list[str] = []
-    for p in prompt:
-        if isinstance(p, str):
-            ids = await asyncio.to_thread(tok.encode, p)
-            texts.append(p)
-        else:
-            ids = list(p)
-            bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
-                                          f"[0, {tok.vocab_size})", param="prompt")
-            texts.append(await asyncio.to_thread(tok.decode, ids))
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        out.append(list(ids))
-    return out, texts
-
-
-def _sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[list[int]]) -> SamplingParams:
-    caps = state.config.caps
-    where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    max_tokens = body.requested_max_tokens
-    if max_tokens is not None and max_tokens > caps.max_tokens:
-        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this server's limit of {caps.max_tokens}",
-                                  param="max_tokens")
-    if body.n > caps.max_n:
-        raise InvalidRequestError(f"n is {body.n}, over this server's limit of {caps.max_n}", param="n")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > caps.max_stop:
-        raise InvalidRequestError(f"stop has {len(stop)} entries, over the limit of {caps.max_stop}", param="stop")
-    longest = max(len(p) for p in prompts)
-    limit = dep.max_model_len
-    if max_tokens is None:
-        max_tokens = min(limit - longest, caps.max_tokens)
-    if longest + max(max_tokens, 1) > limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {where} or completion.",
-            param=where,
-        )
-    def pick(value, default):  # noqa: ANN001, ANN202 - None means "the default"
-        return default if value is None else value
-
-    return SamplingParams(
-        n=body.n,
-        temperature=pick(body.temperature, 1.0),
-        top_p=pick(body.top_p, 1.0),
-        top_k=pick(body.top_k, -1),
-        min_p=pick(body.min_p, 0.0),
-        seed=body.seed,
-        presence_penalty=pick(body.presence_penalty, 0.0),
-        frequency_penalty=pick(body.frequency_penalty, 0.0),
-        repetition_penalty=pick(body.repetition_penalty, 1.0),
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        stop=stop,
-        stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs_count,
-        skip_special_tokens=body.skip_special_tokens,
-    )
 
 
 async def _merge(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,12 +1,20 @@
-"""ASGI middleware that bounds what a client can make the server hold: header bytes and body
-bytes. The body is read (up to the limit) before the app runs, so an oversized body is a 413
-without ever being parsed, whether or not it announced a Content-Length."""
+"""What a client can make the server hold: header bytes, body bytes, and the time it takes to send them.
+
+`BodyLimitMiddleware` reads the body (up to the limit, within `body_timeout`) before the app runs,
+so an oversized body is a 413 without ever being parsed, whether or not it announced a
+Content-Length, and a body that trickles in is a 408. It runs before authentication, so these
+cheapest refusals cost nothing else. Request *headers* are read by uvicorn before any ASGI code
+runs; `header_timeout_protocol` closes a connection whose headers are not complete in time
+(uvicorn has no such setting: its keep-alive timeout only covers the idle gap between requests).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tokenpath.api.errors import error_body
 
@@ -20,10 +28,11 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int, body_timeout: float = 10.0) -> None:
         self.app = app
         self.max_body = max_body_bytes
         self.max_headers = max_header_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,22 +48,75 @@ class BodyLimitMiddleware:
             await _send_error(send, 413, f"request body is {int(declared)} bytes, over the limit of "
                               f"{self.max_body} bytes", "body_too_large")
             return
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                body = await self._read_body(receive, send)
+        except TimeoutError:
+            await _send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s; "
+                              "send the whole body at once", "request_timeout")
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None when the client left or it was over the limit (answered 413)."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
                 await _send_error(send, 413, f"request body is over the limit of {self.max_body} bytes",
                                   "body_too_large")
-                return
+                return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+                return b"".join(chunks)
+
+
+def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a deadline for each request's headers: armed when the
+    connection opens and after each response, disarmed when the headers are complete. A client
+    that sends nothing, or its headers a byte at a time, is disconnected after `timeout` seconds."""
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -1,4 +1,5 @@
-"""The HTTP surface: OpenAI-compatible /v1 routes, /health and /metrics."""
+"""The HTTP surface: OpenAI-compatible /v1 routes, /health, and the operator endpoints /metrics and
+/reset_prefix_cache (an admin key when auth is on, as vLLM puts its dev endpoints behind its key)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tokenpath.api import generation
 from tokenpath.api.embeddings import handle_embeddings
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
-from tokenpath.errors import NotFoundError
+from tokenpath.errors import NotFoundError, PermissionDeniedError
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -77,6 +78,36 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
                         status_code=200 if ok else 503)
 
 
+async def require_admin(state: AppState, request: Request, endpoint: str) -> None:
+    """With auth on, operator endpoints need an admin key: `serve --api-key` keys, or stored keys made
+    with `tokenpath keys create --admin`. With auth off (loopback only) they are open."""
+    if not state.guard.auth_enabled:
+        return
+    principal = await state.guard.authenticate(request.headers)
+    if not principal.admin:
+        raise PermissionDeniedError(
+            f"{endpoint} needs an admin key: a `serve --api-key` key or one made with `tokenpath keys create "
+            "--admin`" + (" (or start serve with --metrics-public)" if endpoint == "/metrics" else ""),
+            param="Authorization", code="admin_key_required")
+
+
 @router.get("/metrics")
-async def metrics(state: AppState = Depends(get_state)) -> Response:
+async def metrics(request: Request, state: AppState = Depends(get_state)) -> Response:
+    if not state.config.metrics_public:  # it names tenants and models: not for every key holder
+        await require_admin(state, request, "/metrics")
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    """Forget the prefix cache of every replica of every chat model (vLLM's endpoint, which aiperf's
+    `--reset-kv-cache` and `tokenpath bench --reset-cache` call), so a benchmark run starts cold."""
+    await require_admin(state, request, "/reset_prefix_cache")
+    reset: list[str] = []
+    for dep in state.deployments():
+        for replica in dep.replicas:
+            fn = getattr(replica, "reset_prefix_cache", None)
+            if fn is not None:
+                await fn()
+                reset.append(replica.name)
+    return JSONResponse({"status": "ok", "replicas": reset})

@@ -7,6 +7,7 @@ error, a client disconnect, a shutdown abort or an unexpected exception.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -21,9 +22,12 @@ from tokenpath.api.sse import Interrupted, StopSignal
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import AuditRecord, Principal, Reservation
+from tokenpath.protocol import SamplingParams
 from tokenpath.routing.models import Deployment
+from tokenpath.telemetry.otel import begin_trace
+from tokenpath.telemetry.publish import publish
+from tokenpath.telemetry.record import FinishedRequest, audit_text_enabled
 from tokenpath.telemetry.timeline import Timeline
-from tokenpath.telemetry.tracing import record_trace
 
 log = logging.getLogger("tokenpath.api")
 
@@ -31,7 +35,6 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the au
 # A client's x-request-id is kept end to end when it looks like an id (what nginx, Envoy and
 # OpenAI's SDKs send); anything else is replaced by a minted one rather than logged as is.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def request_id_of(request: Request, prefix: str) -> str:
@@ -40,12 +43,6 @@ def request_id_of(request: Request, prefix: str) -> str:
     if given is not None and _REQUEST_ID.fullmatch(given):
         return given
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def traceparent_of(request: Request) -> str | None:
-    """A well-formed W3C `traceparent` to pass down to the engine, else None."""
-    value = request.headers.get("traceparent")
-    return value if value is not None and _TRACEPARENT.fullmatch(value) else None
 
 
 class RequestRun:
@@ -69,6 +66,10 @@ class RequestRun:
         self.token_times: list[float] = []
         self.stop = StopSignal()
         self._finished = False
+        self.error_code: str | None = None
+        self.sampling: SamplingParams | None = None  # set once the body is validated (trace attributes)
+        begin_trace(self.timeline, request.headers)
+        state.live.started(self.timeline, endpoint)
 
     # -- the guard, in its fixed order ------------------------------------------------------------
     async def authenticate(self) -> Principal:
@@ -90,28 +91,44 @@ class RequestRun:
         assert self.principal is not None
         raw = self.request.headers.get("x-priority")
         if raw is None:
-            return self.principal.priority
-        try:
-            asked = int(raw)
-        except ValueError:
-            raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
-        return max(asked, self.principal.max_priority)
+            value = self.principal.priority
+        else:
+            try:
+                asked = int(raw)
+            except ValueError:
+                raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
+            value = max(asked, self.principal.max_priority)
+        self.timeline.attrs["priority"] = value
+        return value
+
+    async def reserve(self, estimate: int) -> None:
+        """Charge the rate limits on a fast estimate (prompt bytes / 4), before the prompt is
+        tokenized: a key over its limits costs the server no tokenizing. `admit` makes it exact."""
+        assert self.principal is not None and self.deployment is not None
+        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, estimate)
 
     async def admit(self, texts: list[str], tokens: int) -> None:
+        """The policy hook on the prompt text, then the reservation re-sized to the exact count
+        (re-decided when it grows, so token limits stay exact)."""
         assert self.principal is not None and self.deployment is not None
+        self.timeline.stamp("tokenized")
         self.prompt_text = "\n".join(texts)
         await self.state.guard.check_policy(self.principal, texts)
-        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
+        if self.reservation is None:
+            self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
+        else:
+            await self.state.guard.adjust(self.reservation, tokens)
         self.timeline.stamp("admitted")
 
     # -- endings ----------------------------------------------------------------------------------
     def fail(self, exc: TokenpathError) -> None:
         self.status = exc.status_code
         self.error_type = exc.error_type
+        self.error_code = exc.code
 
     def disconnected(self) -> None:
         self.status = CLIENT_CLOSED
-        self.error_type = "client_disconnected"
+        self.error_type = self.error_code = "client_disconnected"
 
     def respond_to(self, exc: Exception) -> Response:
         """The response for whatever ended the request early, recorded for `finish`: a client that
@@ -121,6 +138,7 @@ class RequestRun:
             return Response(status_code=self.status)
         if isinstance(exc, TokenpathError):
             self.fail(exc)
+            self.timeline.stamp("finished")  # so Server-Timing, the log line and the audit row agree
             return error_response(exc, self.headers(timing=True))
         self.status, self.error_type = 500, "internal_error"
         raise exc
@@ -157,23 +175,38 @@ class RequestRun:
             except Exception:
                 log.exception("reconcile failed for %s", self.id)
         durations = self.timeline.durations()
+        record = self._finished_record(finish_reason, prompt, completion)
         try:
-            await guard.audit(self._audit_record(finish_reason, prompt, completion, durations))
+            await guard.audit(self._audit_record(finish_reason, prompt, completion, durations, record))
         except Exception:
             log.exception("audit failed for %s", self.id)
-        if self.acc is not None and self.deployment is not None and self.status in (200, CLIENT_CLOSED):
-            self.state.metrics.observe_request(
-                self.deployment.name, self.timeline, prompt_tokens=prompt, completion_tokens=completion,
-                finish_reason=finish_reason, token_times=self.token_times,
-            )
-        try:
-            record_trace(self.timeline, endpoint=self.endpoint, model=self.model, status=self.status,
-                         prompt_tokens=prompt, completion_tokens=completion, finish_reason=finish_reason)
-        except Exception:
-            log.exception("tracing failed for %s", self.id)
+        publish(record, self.state.metrics, self.state.live)
+
+    def _finished_record(self, finish_reason: str | None, prompt: int, completion: int) -> FinishedRequest:
+        """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
+        p, sp, url = self.principal, self.sampling, self.request.url
+        client_id = self.request.headers.get("x-request-id")
+        text = audit_text_enabled()
+        return FinishedRequest(
+            timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
+            model=self.deployment.name if self.deployment else None, error_type=self.error_type,
+            error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
+            client_request_id=client_id[:128] if client_id else None,
+            priority=self.timeline.attrs.get("priority"),  # type: ignore[arg-type]
+            prompt_tokens=prompt, completion_tokens=completion,
+            cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
+            finish_reasons=[finish_reason] if finish_reason else [],
+            max_tokens=sp.max_tokens if sp else None, temperature=sp.temperature if sp else None,
+            top_p=sp.top_p if sp else None, seed=sp.seed if sp else None,
+            server_address=url.hostname, server_port=url.port,
+            incoming_headers={k: v for k in ("traceparent", "tracestate") if (v := self.request.headers.get(k))},
+            token_times=list(self.token_times),
+            prompt_text=self.prompt_text if text else None,
+            completion_text="\n".join(c.text for c in self.acc.sorted()) if text and self.acc else None,
+        )
 
     def _audit_record(self, finish_reason: str | None, prompt: int, completion: int,
-                      durations: dict[str, float]) -> AuditRecord:
+                      durations: dict[str, float], record: FinishedRequest) -> AuditRecord:
         p = self.principal
         client = self.request.client
         return AuditRecord(
@@ -188,9 +221,7 @@ class RequestRun:
             prompt_tokens=prompt,
             cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
             completion_tokens=completion,
-            gateway_s=durations.get("gateway"),
             queue_s=durations.get("queue"),
-            engine_queue_s=durations.get("engine_queue"),
             prefill_s=durations.get("prefill"),
             decode_s=durations.get("decode"),
             total_s=durations.get("total"),
@@ -198,4 +229,5 @@ class RequestRun:
             error_type=self.error_type,
             prompt_text=self.prompt_text,
             completion_text="\n".join(c.text for c in self.acc.sorted()) if self.acc else None,
+            timing=json.dumps(record.timing_summary()),
         )

@@ -1,40 +1,123 @@
 """Pydantic request schemas of the OpenAI-compatible API.
 
 Unknown fields are rejected (as OpenAI does) and known fields that would change the output but
-are not implemented (tools, structured output, logit_bias, echo, suffix...) are 400s with a clear
-message: silently ignoring them would return something the client did not ask for.
+are not implemented (tools, structured output, echo, suffix...) are 400s with a clear message:
+silently ignoring them would return something the client did not ask for. Every error names the
+parameter (`param`) and says what to send instead.
+
+Every string of a body, keys included, is checked once for lone UTF-16 surrogates (JSON allows
+`"\ud800"`, Unicode text does not; tokenizers fail on them), so one check covers every field.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenpath.errors import InvalidRequestError
+
+MAX_LOGIT_BIAS = 300  # entries in one logit_bias map
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+def param_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error that reaches the client as a 400 naming `param` (see api.errors)."""
+    return PydanticCustomError("tokenpath_param", message, {"param": param})
+
+
+def _find_surrogate(value: Any, path: str) -> tuple[str, str] | None:
+    """(path, character) of the first string, or key, that is not encodable Unicode."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return where, v[exc.start]
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = str(k).encode("utf-8", "backslashreplace").decode()  # the path itself must be sendable
+                sub = f"{where}.{key}" if where else key
+                stack.append((k, sub))
+                stack.append((item, sub))
+        elif isinstance(v, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(v))
+    return None
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class _Body(_Strict):
+    """A whole request body: its strings are checked once, before field validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _find_surrogate(data, "")
+        if found is not None:
+            where, char = found
+            raise param_error(where, f"{where} contains a lone UTF-16 surrogate ({ascii(char)}), which is not "
+                              "valid Unicode; send the text as valid UTF-8")
+        return data
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text is supported; other types are named in the 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+_PART_KINDS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
+               "audio_url": "audio", "video_url": "video"}
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text or "" for p in self.content)
+
+    def check(self, i: int) -> None:
+        """OpenAI's rules for one message: text-only content, null content only for an assistant
+        message that carries tool calls (which this server cannot take part in)."""
+        where = f"messages.{i}"
+        if self.tool_calls or self.function_call:
+            raise InvalidRequestError(f"{where}.tool_calls: tool calls are not supported by this server; "
+                                      "send the assistant's reply as text content", param=f"{where}.tool_calls",
+                                      code="unsupported_parameter")
+        if self.content is None:
+            raise InvalidRequestError(
+                f"{where}.content must be a string or a list of text parts; null is only allowed for an "
+                "assistant message with tool_calls", param=f"{where}.content")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            at = f"{where}.content.{j}"
+            if part.type == "text":
+                if not isinstance(part.text, str):
+                    raise InvalidRequestError(f"{at}.text must be a string", param=f"{at}.text")
+                continue
+            kind = _PART_KINDS.get(part.type)
+            if kind is not None:
+                raise InvalidRequestError(f"{at}: {kind} inputs are not supported by this model; send text parts "
+                                          "only", param=at, code="unsupported_content")
+            raise InvalidRequestError(f"{at}.type {part.type!r} is not a known content part type; use 'text'",
+                                      param=f"{at}.type")
 
 
 class StreamOptions(_Strict):
@@ -44,7 +127,7 @@ class StreamOptions(_Strict):
 Stop = str | Annotated[list[str], Field(max_length=64)] | None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extras)."""
 
     model: str
@@ -74,7 +157,7 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Known but unsupported: anything but the neutral value is a 400 (see `_reject_unsupported`).
+    # Token id (as a string, as OpenAI sends it) -> bias added to its logit, -100..100.
     logit_bias: dict[str, float] | None = None
 
     @property
@@ -84,16 +167,41 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise param_error("stream_options", "stream_options is only allowed when stream is true; set "
+                              "\"stream\": true or remove stream_options")
         return self
+
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer ids, checked against the model's vocabulary; None when empty."""
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries, over the limit of "
+                                      f"{MAX_LOGIT_BIAS}; bias fewer tokens", param="logit_bias")
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                                          param="logit_bias") from None
+            if not 0 <= token < vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {token} is outside this model's vocabulary "
+                                          f"[0, {vocab_size}); use ids its tokenizer produces", param="logit_bias")
+            if not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias value for token {token} must be between -100 and 100, "
+                                          f"got {bias}", param="logit_bias")
+            out[token] = float(bias)
+        return out
 
 
 def _unsupported(name: str, why: str = "is not supported by this server") -> InvalidRequestError:
-    return InvalidRequestError(f"{name} {why}", param=name, code="unsupported_parameter")
+    return InvalidRequestError(f"{name} {why}; remove it from the request", param=name,
+                               code="unsupported_parameter")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -109,6 +217,10 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
 
     def reject_unsupported(self) -> None:
+        if not self.messages:
+            raise InvalidRequestError("messages must contain at least one message", param="messages")
+        for i, m in enumerate(self.messages):
+            m.check(i)
         if self.tools or self.functions:
             raise _unsupported("tools", "(function calling) is not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
@@ -118,8 +230,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _unsupported("response_format", f"type {self.response_format.get('type')!r} (structured "
                                "output) is not supported by this server; only 'text'")
-        if self.logit_bias:
-            raise _unsupported("logit_bias")
         if self.modalities not in (None, ["text"]) or self.audio:
             raise _unsupported("modalities", "other than ['text'] are not supported by this server")
         if self.prediction:
@@ -127,7 +237,11 @@ class ChatCompletionRequest(_SamplingFields):
         if self.reasoning_effort is not None:
             raise _unsupported("reasoning_effort")
         if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            raise InvalidRequestError("top_logprobs requires logprobs to be true; set \"logprobs\": true",
+                                      param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                      f"{self.top_logprobs}", param="top_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -155,8 +269,6 @@ class CompletionRequest(_SamplingFields):
             raise _unsupported("suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "other than n is not supported by this server")
-        if self.logit_bias:
-            raise _unsupported("logit_bias")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -171,7 +283,7 @@ class CompletionRequest(_SamplingFields):
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_Body):
     model: str
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"

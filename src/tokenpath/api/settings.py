@@ -20,6 +20,9 @@ class Caps(BaseModel):
     max_prompts: int = Field(32, ge=1)  # prompts in one /v1/completions request
     max_embedding_inputs: int = Field(2048, ge=1)  # inputs in one /v1/embeddings request (OpenAI's limit)
     max_header_bytes: int = Field(16 * 1024, ge=1024)
+    # Tokens one request may cost at most: its prompt tokens plus n x max_tokens for every prompt.
+    # Without it, 32 prompts x n=8 x 4096 tokens is a million tokens in one call.
+    max_request_tokens: int = Field(65536, ge=1)
 
 
 class ApiSettings(BaseModel):
@@ -28,6 +31,11 @@ class ApiSettings(BaseModel):
     max_body_size: str | int = "4MiB"
     shutdown_timeout: float = Field(30.0, ge=0)
     caps: Caps = Field(default_factory=Caps)
+    metrics_public: bool = False  # /metrics without a key even when auth is on (it names tenants)
+    # Slow clients (slowloris): a connection must finish its request headers, and then its body,
+    # within these many seconds, or it is closed (headers) or answered 408 (body).
+    header_timeout: float = Field(10.0, gt=0)
+    body_timeout: float = Field(10.0, gt=0)
 
     @property
     def max_body_bytes(self) -> int:

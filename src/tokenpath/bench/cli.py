@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import random
 import sys
 from typing import Any
 from urllib.parse import urlparse
@@ -13,7 +14,7 @@ from urllib.parse import urlparse
 from tokenpath.bench.metrics import parse_slo
 from tokenpath.bench.records import EXACT_MODES, LoadPoint, Target
 from tokenpath.bench.runner import Bounds, RunResult, run_all
-from tokenpath.bench.workload import WORKLOAD_KINDS, LengthDist, Workload, WorkloadConfig
+from tokenpath.bench.workload import INPUT_LEN_MODES, WORKLOAD_KINDS, LengthDist, Workload, WorkloadConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DESCRIPTION = """Load-test OpenAI-compatible servers and compare them side by side: TTFT, TPOT, ITL and E2EL
@@ -107,7 +108,14 @@ def register(subparsers: Any) -> None:
     w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of each common prefix")
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
     w.add_argument("--sessions", type=int, default=8, help="multi-turn: sessions open side by side")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=None,
+                   help="prompt seed (default: a fresh one each invocation, printed and saved in --json; "
+                        "give it to send the same prompts again)")
+    w.add_argument("--input-len-mode", choices=INPUT_LEN_MODES, default="template",
+                   help="what --input-len counts: template (default: the whole prompt, chat template included, "
+                        "as usage.prompt_tokens) or user (the user text only, as aiperf's ISL)")
+    w.add_argument("--reset-cache", action="store_true",
+                   help="POST /reset_prefix_cache on each target before each load point (vLLM and tokenpath)")
     w.add_argument("--tokenizer", default="auto", help="auto | approx | smollm2 | PATH.gguf | HF tokenizer dir")
     a = p.add_argument_group("arrivals and bounds")
     a.add_argument("--rate", default="", help="Poisson req/s, comma list for a sweep (inf: burst)")
@@ -159,17 +167,23 @@ def _run(args: argparse.Namespace) -> int:
     bounds = Bounds(num_requests=num, duration=args.duration, warmup=args.warmup,
                     request_timeout=args.request_timeout)
     slo = parse_slo(args.slo)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"prompt seed: {seed}" + ("" if args.seed is not None else f" (fresh; --seed {seed} sends these prompts "
+                                                                       "again)"), file=sys.stderr)
     config = WorkloadConfig(kind=args.workload, input_len=LengthDist.parse(args.input_len),
-                            output_len=LengthDist.parse(args.output_len), seed=args.seed,
+                            output_len=LengthDist.parse(args.output_len), seed=seed,
                             prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
-                            turns=args.turns, sessions=args.sessions)
+                            turns=args.turns, sessions=args.sessions, input_len_mode=args.input_len_mode)
     tokens = load_tokens(args.tokenizer)
     print(f"tokenizer for prompt lengths: {tokens.name}", file=sys.stderr)
     results = asyncio.run(run_all(targets, loads, lambda t: Workload(config, tokens, t.api), bounds, slo,
-                                  progress=not args.no_progress))
+                                  progress=not args.no_progress, reset_cache=args.reset_cache))
+    for r in results:
+        for w in r.warnings:
+            print(f"tokenpath bench: warning: {r.target.name} {r.load.label()}: {w}", file=sys.stderr)
     from tokenpath.bench.report import machine_meta
 
-    meta = machine_meta(sys.argv, workload=config.to_json(), tokenizer=tokens.name,
+    meta = machine_meta(sys.argv, seed=seed, workload=config.to_json(), tokenizer=tokens.name,
                         bounds={"num_requests": num, "duration": args.duration, "warmup": args.warmup,
                                 "request_timeout": args.request_timeout}, slo=slo,
                         targets=[t.public() for t in targets])

@@ -184,6 +184,9 @@ async def _read_stream(resp: httpx.Response, api: str, rec: RequestRecord, st: f
                 rec.output_tokens_source = "usage"
             if usage.get("prompt_tokens") is not None:
                 rec.prompt_tokens = int(usage["prompt_tokens"])
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                rec.cached_tokens = int(cached)
         timing = (data.get("tokenpath") or {}).get("timing")
         if isinstance(timing, dict):
             rec.server_timing = {k: float(v) for k, v in timing.items() if isinstance(v, int | float)}

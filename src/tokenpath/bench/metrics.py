@@ -6,6 +6,8 @@
 - Throughput: over the run's wall duration (first send -> last completion), successful requests only.
 - Goodput: successful requests per second that meet every given SLO; a request with a single output
   token has no TPOT and meets any TPOT SLO (vllm counts its TPOT as 0).
+- Prefix-cache hit rate: cached prompt tokens / prompt tokens, over the successful requests whose
+  server reported `usage.prompt_tokens_details.cached_tokens` (None when none did).
 Reported latencies are milliseconds; the records keep seconds.
 """
 
@@ -142,6 +144,8 @@ class Summary:
     goodput: float | None = None  # requests / s meeting the SLO
     errors: dict[str, Any] = field(default_factory=dict)
     server_ms: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    cached_prompt_tokens: int | None = None
+    prefix_cache_hit_rate: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,6 +186,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: dict[str
         errors=error_counts(records),
         server_ms=server_stage_stats(ok),
     )
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    if reported:
+        s.cached_prompt_tokens = sum(r.cached_tokens or 0 for r in reported)
+        s.prefix_cache_hit_rate = s.cached_prompt_tokens / sum(r.prompt_tokens or 0 for r in reported)
     if slo:
         s.good_requests = sum(meets_slo(r, slo) for r in ok)
         s.goodput = _rate(s.good_requests, dur)

@@ -68,6 +68,7 @@ class RequestRecord:
     output_tokens: int = 0
     output_tokens_source: Literal["usage", "chunks"] = "chunks"
     prompt_tokens: int | None = None  # as the server reported in usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
     intended_input_len: int = 0
     intended_output_len: int = 0
     server_timing: dict[str, float] | None = None  # seconds: queue, prefill, decode, total

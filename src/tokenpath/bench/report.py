@@ -65,6 +65,7 @@ def to_json(results: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, Any
                 "load": r.load.to_json(),
                 "duration_s": r.duration_s,
                 "warmup_failed": r.warmup_failed,
+                "warnings": r.warnings,
                 "summary": r.summary.to_json(),
                 "records": [rec.to_json() for rec in r.records],
             }
@@ -94,6 +95,7 @@ def read_json(path: str | Path) -> tuple[list[RunResult], dict[str, Any]]:
             duration_s=r["duration_s"],
             summary=Summary.from_json(r["summary"]),
             warmup_failed=r.get("warmup_failed", 0),
+            warnings=list(r.get("warnings", [])),
         ))
     return runs, doc["meta"]
 
@@ -107,7 +109,8 @@ def _ms(s: Stats, which: str) -> str:
 
 
 MAIN_HEADERS = ["target", "load", "ok", "err(429)", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90",
-                "TTFT p99", "TPOT mean", "TPOT p99", "ITL p50", "ITL p99", "E2EL p50", "E2EL p99", "goodput"]
+                "TTFT p99", "TPOT mean", "TPOT p99", "ITL p50", "ITL p99", "E2EL p50", "E2EL p99", "goodput",
+                "cache hits"]
 
 
 def main_rows(results: Sequence[RunResult]) -> list[list[str]]:
@@ -120,6 +123,7 @@ def main_rows(results: Sequence[RunResult]) -> list[list[str]]:
             _ms(s.ttft_ms, "p90"), _ms(s.ttft_ms, "p99"), _ms(s.tpot_ms, "mean"), _ms(s.tpot_ms, "p99"),
             _ms(s.itl_ms, "median"), _ms(s.itl_ms, "p99"), _ms(s.e2el_ms, "median"), _ms(s.e2el_ms, "p99"),
             "-" if s.goodput is None else f"{s.goodput:.2f} ({s.good_requests}/{s.completed})",
+            "-" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.0%}",
         ])
     return rows
 
@@ -247,4 +251,5 @@ def _notes(results: Sequence[RunResult], markdown: bool) -> list[str]:
                          f"length (mean {s.mean_output_tokens:.1f} tokens{how}): throughput is not like for like")
         if s.errors.get("total"):
             notes.append(f"- {t.name} {r.load.label()}: errors {s.errors['by_status']}")
+        notes += [f"- WARNING {t.name} {r.load.label()}: {w}" for w in r.warnings]
     return notes

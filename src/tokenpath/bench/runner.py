@@ -23,9 +23,10 @@ import httpx
 from tokenpath.bench.client import build_messages, send
 from tokenpath.bench.metrics import Summary, summarize
 from tokenpath.bench.records import LoadPoint, RequestRecord, RequestSpec, Target
-from tokenpath.bench.workload import Workload
+from tokenpath.bench.workload import SHARES_PREFIXES, Workload
 
 HARD_MAX_REQUESTS = 1_000_000
+SUSPICIOUS_HIT_RATE = 0.5  # above this on a workload without shared prefixes, the run measured a cache
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class RunResult:
     duration_s: float
     summary: Summary
     warmup_failed: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 def poisson_gaps(rate: float, seed: int) -> Iterator[float]:
@@ -150,7 +152,28 @@ async def run_point(target: Target, workload: Workload, load: LoadPoint, bounds:
                 ticker.cancel()
         bar.close()
     records.sort(key=lambda r: r.index)
-    return RunResult(target, load, records, duration, summarize(records, duration, slo), warm_failed)
+    result = RunResult(target, load, records, duration, summarize(records, duration, slo), warm_failed)
+    hits = result.summary.prefix_cache_hit_rate
+    if hits is not None and hits > SUSPICIOUS_HIT_RATE and workload.config.kind not in SHARES_PREFIXES:
+        result.warnings.append(
+            f"{hits:.0%} of prompt tokens were prefix-cache hits on a '{workload.config.kind}' workload, whose "
+            "prompts share no prefixes: the server has seen these prompts before (same --seed?), so TTFT "
+            "measures its cache, not its prefill. Use a new seed or --reset-cache.")
+    return result
+
+
+async def reset_prefix_cache(target: Target) -> None:
+    """POST /reset_prefix_cache on the target's server (vLLM's endpoint; tokenpath serves it too)."""
+    root = target.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            resp = await client.post(f"{root}/reset_prefix_cache", headers=headers)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"target {target.name}: cannot reset its prefix cache: {exc}") from exc
+    if resp.status_code >= 400:
+        raise ValueError(f"target {target.name}: POST {root}/reset_prefix_cache answered {resp.status_code} "
+                         f"({resp.text[:200]}); drop --reset-cache for servers without it")
 
 
 async def _warmup(client: httpx.AsyncClient, target: Target, workload: Workload, load: LoadPoint,
@@ -244,11 +267,15 @@ async def _open_loop(load: LoadPoint, seed: int, issuer: _Issuer, one: Callable[
 
 
 async def run_all(targets: list[Target], loads: list[LoadPoint], workload_for: Callable[[Target], Workload],
-                  bounds: Bounds, slo: dict[str, float], progress: bool = True) -> list[RunResult]:
-    """Each target in turn runs every load point on the same request list (same seed)."""
+                  bounds: Bounds, slo: dict[str, float], progress: bool = True,
+                  reset_cache: bool = False) -> list[RunResult]:
+    """Each target in turn runs every load point; every target gets the same request list (same
+    seed), and each load point its own prompts. `reset_cache`: reset the server's prefix cache first."""
     results = []
     for target in targets:
         wl = workload_for(target)
-        for load in loads:
-            results.append(await run_point(target, wl, load, bounds, slo, progress))
+        for k, load in enumerate(loads):
+            if reset_cache:
+                await reset_prefix_cache(target)
+            results.append(await run_point(target, wl.for_point(k), load, bounds, slo, progress))
     return results

@@ -1,7 +1,14 @@
 """Seeded, locally generated workloads: the same request list for every target of a run.
 
-Request `i` is a pure function of (seed, i), so a run can draw as many requests as a duration
-needs, and two targets (or two runs on different days) get the same prompts.
+Request `i` of load point `k` is a pure function of (seed, k, i), so a run can draw as many
+requests as a duration needs and every target gets the same prompts. The seed is drawn afresh for
+each invocation unless `--seed` is given: the same prompts sent twice to one server measure its
+prefix cache, not its prefill (a second run went from 10% to 91% cache hits). For the same reason
+each load point of a sweep gets its own prompts.
+
+Prompt lengths (`input_len_mode`): `template` (the default) counts the whole prompt the server
+tokenizes, chat template included, so `usage.prompt_tokens` matches --input-len; `user` counts the
+user text only, as aiperf's ISL does, so the server sees a few template tokens more.
 
 - random: each request a fresh prompt of `input_len` tokens (template included, when known).
 - shared-prefix: K groups, each with a long common system prompt of `prefix_len` tokens; every
@@ -22,6 +29,9 @@ from tokenpath.bench.tokens import TokenCounter
 
 WorkloadKind = Literal["random", "shared-prefix", "multi-turn"]
 WORKLOAD_KINDS: tuple[str, ...] = ("random", "shared-prefix", "multi-turn")
+SHARES_PREFIXES = ("shared-prefix", "multi-turn")  # workloads whose cache hits are the point
+InputLenMode = Literal["template", "user"]
+INPUT_LEN_MODES: tuple[str, ...] = ("template", "user")
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class WorkloadConfig:
     prefix_len: int = 1024
     turns: int = 4
     sessions: int = 8
+    input_len_mode: InputLenMode = "template"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,23 +91,35 @@ class WorkloadConfig:
 class Workload:
     """Generates `RequestSpec`s on demand; deterministic in (seed, index)."""
 
-    def __init__(self, config: WorkloadConfig, tokens: TokenCounter, api: str = "chat") -> None:
+    def __init__(self, config: WorkloadConfig, tokens: TokenCounter, api: str = "chat", stream: int = 0) -> None:
         self.config = config
         self.tokens = tokens
         self.api = api
+        self.stream = stream  # the load point: each gets its own prompts (shared prefixes stay shared)
         self._prefixes: dict[int, str] = {}
+
+    def for_point(self, k: int) -> Workload:
+        """The same workload with load point `k`'s own prompts."""
+        return Workload(self.config, self.tokens, self.api, stream=k)
 
     def _rng(self, *key: object) -> random.Random:
         # Hash the key: Mersenne Twister seeded with near-identical strings gives correlated first draws.
-        digest = hashlib.sha256(":".join(str(k) for k in (self.config.seed, *key)).encode()).digest()
+        salt = (self.config.seed,) if self.stream == 0 else (self.config.seed, f"point{self.stream}")
+        digest = hashlib.sha256(":".join(str(k) for k in (*salt, *key)).encode()).digest()
         return random.Random(int.from_bytes(digest[:16], "big"))
 
-    def _overhead(self, with_system: bool) -> int:
+    def _template(self, with_system: bool) -> int:
         return self.tokens.chat_overhead(with_system) if self.api == "chat" else 0
 
+    def _overhead(self, with_system: bool) -> int:
+        """Template tokens taken out of --input-len (none when lengths count the user text only)."""
+        return self._template(with_system) if self.config.input_len_mode == "template" else 0
+
     def prefix(self, group: int) -> str:
-        if group not in self._prefixes:
-            self._prefixes[group] = self.tokens.text_of_len(self._rng("prefix", group), self.config.prefix_len)
+        if group not in self._prefixes:  # shared across load points: sharing is what this workload tests
+            rng = random.Random(int.from_bytes(hashlib.sha256(f"{self.config.seed}:prefix:{group}".encode())
+                                               .digest()[:16], "big"))
+            self._prefixes[group] = self.tokens.text_of_len(rng, self.config.prefix_len)
         return self._prefixes[group]
 
     def spec(self, index: int) -> RequestSpec:
@@ -106,16 +129,16 @@ class Workload:
         in_len, out_len = c.input_len.sample(rng), c.output_len.sample(rng)
         if c.kind == "shared-prefix":
             group = rng.randrange(max(1, c.prefix_groups))
-            total = c.prefix_len + in_len + self._overhead(True)
+            total = c.prefix_len + in_len + self._template(True)
             return RequestSpec(index, total, out_len, self.tokens.text_of_len(rng, in_len),
                                system_text=self.prefix(group), group=group)
+        user_len = max(1, in_len - self._overhead(False))
+        total = user_len + self._template(False)  # what the server should count
         if c.kind == "multi-turn":
             session, turn = self.session_of(index)
-            user_len = max(1, in_len - self._overhead(False))
-            return RequestSpec(index, in_len, out_len, self.tokens.text_of_len(rng, user_len),
+            return RequestSpec(index, total, out_len, self.tokens.text_of_len(rng, user_len),
                                session=session, turn=turn)
-        user_len = max(1, in_len - self._overhead(False))
-        return RequestSpec(index, in_len, out_len, self.tokens.text_of_len(rng, user_len))
+        return RequestSpec(index, total, out_len, self.tokens.text_of_len(rng, user_len))
 
     def warmup_spec(self, k: int) -> RequestSpec:
         """Warm-up request `k`: single-turn and without the shared prefixes, so it warms the server
@@ -123,7 +146,7 @@ class Workload:
         rng = self._rng("warmup", k)
         in_len, out_len = self.config.input_len.sample(rng), self.config.output_len.sample(rng)
         user_len = max(1, in_len - self._overhead(False))
-        return RequestSpec(-1 - k, in_len, out_len, self.tokens.text_of_len(rng, user_len))
+        return RequestSpec(-1 - k, user_len + self._template(False), out_len, self.tokens.text_of_len(rng, user_len))
 
     def session_of(self, index: int) -> tuple[int, int]:
         """(session, turn) of request `index`: `sessions` slots run side by side, interleaved, so a

@@ -111,7 +111,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
         except BaseException as exc:  # the engine is dead: fail every request, loudly
-            log.exception("engine step loop died")
+            log.exception("engine step loop died", extra={"event": "engine_died", "model": self.model_name})
             self.error = exc
             dead = EngineDeadError(f"the engine for '{self.model_name}' failed: {type(exc).__name__}: {exc}")
             for rid in list(self._streams):

@@ -48,6 +48,14 @@ class BlockManager:
                 continue
         return set()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's /reset_prefix_cache), so a benchmark run starts cold.
+        Blocks in use stay allocated; they are just no longer findable. One `dict.clear()`, atomic
+        under the GIL, so it may be called from outside the step thread. Returns blocks forgotten."""
+        n = len(self.cached)
+        self.cached.clear()
+        return n
+
     # ------------------------------------------------------------ allocation
     def lookup_prefix(self, seq: Sequence) -> None:
         """Give a waiting sequence the cached blocks of its longest cached prefix.
@@ -93,7 +101,7 @@ class BlockManager:
             old = self.block_hash[block]
             if old is not None:  # evict: it is no longer findable
                 if self.cached.get(old) == block:
-                    del self.cached[old]
+                    self.cached.pop(old, None)  # pop: `reset_prefix_cache` may have emptied it meanwhile
                 self.block_hash[block] = None
             self.ref_counts[block] = 1
             seq.block_table.append(block)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -54,6 +55,9 @@ class EngineCore:
         self.generation_tokens = 0
         self.steps = 0
         self.failed_steps = 0
+        # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
+        # of step time, batch size and prefill chunks, without the engine knowing about metrics.
+        self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
 
     # ------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -131,14 +135,18 @@ class EngineCore:
         A step that raises (a kernel fault, a bug, an out-of-memory) fails only the requests that
         were in it: each ends with finish_reason "error" and an `error` message, their blocks are
         freed, and the engine keeps serving. One bad request must never take the model down."""
+        started = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         try:
-            return self._run_step(sched.scheduled)
+            outs = self._run_step(sched.scheduled)
         except Exception as exc:
             log.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
             return self._fail_step(sched.scheduled, exc)
+        for observe in self.step_observers:
+            observe(sched.scheduled, started, time.monotonic())
+        return outs
 
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
         message = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"

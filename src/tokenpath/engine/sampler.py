@@ -66,6 +66,8 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
                 row -= p.frequency_penalty * counts.to(row.dtype)
                 row -= p.presence_penalty * (counts > 0).to(row.dtype)
+            if p.logit_bias:
+                _add_logit_bias(row, p.logit_bias)
             if seq.num_output_tokens < p.min_tokens:
                 banned = [t for t in [*p.stop_token_ids, *([] if p.ignore_eos else [self.eos_token_id])]
                           if 0 <= t < vocab]
@@ -101,7 +103,15 @@ class Sampler:
 def _needs_processing(seq: Sequence) -> bool:
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or seq.num_output_tokens < p.min_tokens)
+            or seq.num_output_tokens < p.min_tokens or bool(p.logit_bias))
+
+
+def _add_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI's logit_bias: added to the logits before sampling (greedy included); ids beyond this
+    row (a padded vocabulary) are ignored rather than trusted."""
+    ids = [t for t in bias if 0 <= t < row.shape[-1]]
+    if ids:
+        row[ids] += torch.tensor([bias[t] for t in ids], dtype=row.dtype)
 
 
 def _filter(probs: torch.Tensor, params: list) -> torch.Tensor:

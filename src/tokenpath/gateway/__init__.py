@@ -22,6 +22,9 @@ def open_gateway(
     clock: Clock | None = None,
     policy: str | PolicyHook | None = None,
     log_text: bool | None = None,
+    static_keys: list[str] | None = None,
+    redis_url: str | None = None,
+    limits_fail_open: bool = False,
 ) -> Gateway:
     """The guard `tokenpath serve` puts in front of its routes.
 
@@ -29,8 +32,13 @@ def open_gateway(
     SQLite file in `data_dir`. With no key in it, auth is off (every request is anonymous) but
     audit rows are still written. `policy`: a PolicyHook, `deny-list:PATH` or `module:attribute`.
     `log_text`: store prompt and completion text in audit rows (off by default).
+    `redis_url` (else TOKENPATH_REDIS_URL): rate windows, reservations and daily quotas in Redis,
+    shared by every gateway pointed at it; keys and audit stay in the store. Redis unreachable:
+    503 (fail closed), or admit without limits with `limits_fail_open`.
     Unset options come from the environment, so an operator can turn them on for `serve`:
     TOKENPATH_POLICY (same forms as `policy`) and TOKENPATH_AUDIT_TEXT=1.
+    `static_keys`: `serve --api-key` keys (vLLM's static keys): they turn auth on, act as admin keys
+    of tenant 'default' with no limits, and stored keys keep working beside them.
     """
     import os
     import time
@@ -39,5 +47,12 @@ def open_gateway(
         policy = os.environ.get("TOKENPATH_POLICY") or None
     if log_text is None:
         log_text = os.environ.get("TOKENPATH_AUDIT_TEXT", "").lower() in ("1", "true", "yes", "on")
+    redis_url = redis_url or os.environ.get("TOKENPATH_REDIS_URL") or None
+    limits = None
+    if redis_url:
+        from tokenpath.gateway.redis_limits import RedisLimits
+
+        limits = RedisLimits(redis_url, fail_open=limits_fail_open)
     store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
-    return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text)
+    return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text,
+                   static_keys=static_keys or (), limits=limits)

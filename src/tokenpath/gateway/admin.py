@@ -19,16 +19,18 @@ def create_key(
     expires_at: float | None = None,
     name: str | None = None,
     now: float | None = None,
+    admin: bool = False,
 ) -> tuple[str, KeyRecord]:
     """Create a key (and its tenant, with no limits, when new). Returns the secret, to be shown
-    once, and the stored record; the secret itself is not kept anywhere."""
+    once, and the stored record; the secret itself is not kept anywhere. An `admin` key may also
+    call the operator endpoints (/metrics, /reset_prefix_cache)."""
     now = time.time() if now is None else now
     store.put_tenant(tenant, None, None, now, update=False)
     for _ in range(5):  # a prefix collision (48 random bits) is astronomically rare; retry anyway
         new = generate_key()
         if store.find_key(new.prefix) is None:
             record = store.add_key(new, tenant, name=name, models=models, limits=limits or Limits(),
-                                   priority=priority, expires_at=expires_at, now=now)
+                                   priority=priority, expires_at=expires_at, now=now, admin=admin)
             return new.secret, record
     raise RuntimeError("could not generate a key with an unused prefix")
 

@@ -45,6 +45,7 @@ class Principal:
     max_priority: int = 0  # the best (lowest) priority an x-priority header may ask for
     key_limits: Limits | None = None  # effective limits of the key (already tightened by the tenant's)
     tenant_limits: Limits | None = None  # limits on the sum over all of the tenant's keys
+    admin: bool = False  # may call operator endpoints (/metrics, /reset_prefix_cache) when auth is on
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Reservation:
     model: str
     tokens: int
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
-    admission_id: int | None = None  # the store's row for this admission; None: nothing to reconcile
+    admission_id: int | str | None = None  # the limits backend's id for it; None: nothing to reconcile
     day: int | None = None  # the UTC day the tokens were charged to (reconciled there, even after midnight)
     reconciled: bool = False  # reconcile is idempotent: a second call returns nothing twice
 
@@ -73,7 +74,6 @@ class AuditRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    # Seconds per Timeline stage (`tokenpath.telemetry.timeline.STAGES`), None where not reached.
     queue_s: float | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
@@ -82,14 +82,16 @@ class AuditRecord:
     error_type: str | None = None
     prompt_text: str | None = None  # only when the operator turns text logging on
     completion_text: str | None = None
-    gateway_s: float | None = None
-    engine_queue_s: float | None = None
+    # JSON from telemetry: every stage's ms, replica, routing policy/reason, trace id (`tokenpath trace`).
+    timing: str | None = None
 
 
 class RequestGuard(Protocol):
     auth_enabled: bool  # False: no keys exist; serve then refuses a non-loopback host without --insecure
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal: ...
+
+    async def adjust(self, reservation: Reservation, tokens: int) -> None: ...
 
     def check_model(self, principal: Principal, model: str) -> None: ...
 
@@ -123,6 +125,9 @@ class OpenGuard:
 
     async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation:
         return Reservation(principal=principal, model=model, tokens=tokens)
+
+    async def adjust(self, reservation: Reservation, tokens: int) -> None:
+        reservation.tokens = tokens
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         return None

@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--expires", type=lambda t: parse_time(t, future=True),
                         help="ISO 8601 time (UTC if no offset), or a duration from now such as 30d")
     create.add_argument("--name", help="a label for the key")
+    create.add_argument("--admin", action="store_true",
+                        help="may also call /metrics and /reset_prefix_cache (operator endpoints)")
     create.set_defaults(func=cmd_keys_create)
 
     listing = keys_sub.add_parser("list", help="list keys (prefixes only, never the key)")
@@ -149,7 +151,8 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     store = _open(args)
     try:
         secret, record = create_key(store, args.tenant, models=args.models, limits=_limits(args),
-                                    priority=args.priority, expires_at=args.expires, name=args.name)
+                                    priority=args.priority, expires_at=args.expires, name=args.name,
+                                    admin=args.admin)
     finally:
         store.close()
     print(secret)
@@ -168,7 +171,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
         for r in records:
             print(json.dumps(_key_view(r)))
         return 0
-    header = ("PREFIX", "TENANT", "MODELS", "RPM", "TPM", "DAILY", "PRIO", "CREATED", "LAST USED", "STATUS")
+    header = ("PREFIX", "TENANT", "MODELS", "RPM", "TPM", "DAILY", "PRIO", "ADMIN", "CREATED", "LAST USED",
+              "STATUS")
     rows = [header] + [_key_row(r) for r in records]
     _print_table(rows)
     return 0
@@ -251,7 +255,7 @@ def _key_view(r: KeyRecord) -> dict[str, object]:
         "prefix": r.prefix, "tenant": r.tenant, "name": r.name,
         "models": None if r.models is None else sorted(r.models),
         "rpm": r.limits.rpm, "tpm": r.limits.tpm, "daily_tokens": r.limits.daily_tokens,
-        "priority": r.priority, "created": _iso(r.created_at), "last_used": _iso(r.last_used_at),
+        "priority": r.priority, "admin": r.admin, "created": _iso(r.created_at), "last_used": _iso(r.last_used_at),
         "expires": _iso(r.expires_at), "revoked": _iso(r.revoked_at),
     }
 
@@ -259,7 +263,7 @@ def _key_view(r: KeyRecord) -> dict[str, object]:
 def _key_row(r: KeyRecord) -> Sequence[object]:
     status = "revoked" if r.revoked_at else "expired" if r.expires_at and r.expires_at <= time.time() else "active"
     return (r.prefix, r.tenant, _models_text(r.models), r.limits.rpm, r.limits.tpm, r.limits.daily_tokens,
-            r.priority, _iso(r.created_at), _iso(r.last_used_at), status)
+            r.priority, "yes" if r.admin else "no", _iso(r.created_at), _iso(r.last_used_at), status)
 
 
 def _models_text(models: frozenset[str] | None) -> str:

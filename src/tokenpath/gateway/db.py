@@ -15,6 +15,7 @@ lock on PostgreSQL), so two processes starting together do not both apply them.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -55,9 +56,11 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX audit_log_tenant_time ON audit_log (tenant, time)",
         "CREATE INDEX audit_log_request ON audit_log (request_id)",
     ],
-    [  # 2: every Timeline stage in the audit row (gateway and engine queue next to queue/prefill/decode)
-        "ALTER TABLE audit_log ADD COLUMN gateway_s {float}",
-        "ALTER TABLE audit_log ADD COLUMN engine_queue_s {float}",
+    [  # 2: admin keys may call the operator endpoints (/metrics, /reset_prefix_cache) when auth is on
+        "ALTER TABLE api_keys ADD COLUMN admin INTEGER NOT NULL DEFAULT 0",
+    ],
+    [  # 3: per-stage timing and routing facts of each request, as JSON (`tokenpath trace`)
+        "ALTER TABLE audit_log ADD COLUMN timing TEXT",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -92,7 +95,7 @@ class SqliteDatabase:
     words = {"pk": "INTEGER PRIMARY KEY AUTOINCREMENT", "float": "REAL", "int": "INTEGER"}
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _private_file(path)
         self.path = path
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=60)
@@ -119,6 +122,19 @@ class SqliteDatabase:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def _private_file(path: Path) -> None:
+    """The store holds key digests, tenants and the audit log: readable by its owner only. A directory
+    made here is 0700; the file is created (or tightened) to 0600 before SQLite opens it, and SQLite
+    gives its -wal and -shm files the database file's permissions."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 class _PgTx:

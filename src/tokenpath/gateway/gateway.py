@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
 from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
-from tokenpath.gateway.keys import key_prefix, looks_like_key, verify_key
+from tokenpath.gateway.keys import hash_key, key_prefix, looks_like_key, verify_key
+from tokenpath.gateway.limiter import Verdict
+from tokenpath.gateway.limits_backend import LimitsBackend, StoreLimits
 from tokenpath.gateway.policy import PolicyHook
 from tokenpath.gateway.store import GatewayStore, KeyRecord
 
@@ -31,23 +34,62 @@ _INVALID = "Invalid API key. " + _HOW
 _DUMMY_SALT, _DUMMY_DIGEST = "00" * 16, "0" * 64  # no key hashes to this digest
 
 
+def _header_values(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every value of a header, duplicates included: Starlette's `Headers` keeps them (`getlist`), a
+    plain dict (tests, internal callers) has at most one per spelling of the name."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is not None:
+        return list(getlist(name))
+    return [v for k, v in headers.items() if k.lower() == name]
+
+
 def credential_from(headers: Mapping[str, str]) -> str | None:
-    """The key from `Authorization: Bearer <key>`, else from `api-key`; header names case-insensitive."""
-    lowered = {k.lower(): v for k, v in headers.items()}
-    auth = lowered.get("authorization", "").strip()
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        return value.strip() if scheme.lower() == "bearer" else ""
-    api_key = lowered.get("api-key")
-    return None if api_key is None else api_key.strip()
+    """The key from `Authorization: Bearer <key>`, else from `api-key`; header names case-insensitive.
+
+    Ambiguous credentials are a 400, never resolved by order: with two `Authorization` headers (or
+    two different keys in `Authorization` and `api-key`) a proxy and this server could each pick a
+    different one, so whichever "wins" would be a silent choice of identity.
+    """
+    auths = [v.strip() for v in _header_values(headers, "authorization")]
+    api_keys = [v.strip() for v in _header_values(headers, "api-key")]
+    if len(auths) > 1 or len(api_keys) > 1:
+        name = "Authorization" if len(auths) > 1 else "api-key"
+        raise InvalidRequestError(
+            f"The request has {max(len(auths), len(api_keys))} '{name}' headers; send exactly one.",
+            param=name, code="ambiguous_credentials")
+    bearer: str | None = None
+    if auths and auths[0]:
+        scheme, _, value = auths[0].partition(" ")
+        bearer = value.strip() if scheme.lower() == "bearer" else ""
+    api_key = api_keys[0] if api_keys else None
+    if bearer is not None and api_key is not None and bearer != api_key:
+        raise InvalidRequestError("The request carries different keys in 'Authorization' and 'api-key'; "
+                                  "send one of them.", param="Authorization", code="ambiguous_credentials")
+    return bearer if bearer is not None else api_key
+
+
+STATIC_TENANT = "default"  # the tenant of `serve --api-key` keys
+
+
+def _raise_refusal(verdict: Verdict) -> None:
+    if verdict.reason == "too_large":
+        raise InvalidRequestError(verdict.message, param="max_tokens", code="rate_limit_exceeded")
+    if not verdict.allowed:
+        raise RateLimitError(verdict.message, retry_after=verdict.retry_after, code="rate_limit_exceeded",
+                             headers=verdict.headers)
 
 
 class Gateway:
-    """Keys and limits from a `GatewayStore`; with no key in the store, every request is anonymous."""
+    """Keys and audit in a `GatewayStore`; with no key in the store, every request is anonymous.
+    Limits are charged to `limits` (default: the same store; `RedisLimits` for shared Redis)."""
 
     def __init__(self, store: GatewayStore, *, clock: Clock = time.time, policy: PolicyHook | None = None,
-                 log_text: bool = False) -> None:
+                 log_text: bool = False, static_keys: Sequence[str] = (),
+                 limits: LimitsBackend | None = None) -> None:
         self.store = store
+        self.limits: LimitsBackend = limits or StoreLimits(store)
+        # `serve --api-key` keys, vLLM style: kept only as salted digests, like stored keys.
+        self._static = [(salt := secrets.token_hex(16), hash_key(k, salt)) for k in static_keys if k]
         self.clock = clock
         self.policy = policy
         self.log_text = log_text
@@ -56,15 +98,22 @@ class Gateway:
 
     @property
     def auth_enabled(self) -> bool:
+        if self._static:
+            return True
         if not self._keys_exist:
             self._keys_exist = self.store.has_keys()
         return self._keys_exist
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
-        if not self._keys_exist and not await asyncio.to_thread(self.store.has_keys):
-            return Principal()
-        self._keys_exist = True
-        record = await self._verified_key(credential_from(headers))
+        secret = credential_from(headers)  # ambiguous credentials are a 400 even with auth off
+        if not self._static and not self._keys_exist:
+            if not await asyncio.to_thread(self.store.has_keys):
+                return Principal()
+            self._keys_exist = True
+        static = self._static_principal(secret)
+        if static is not None:
+            return static
+        record = await self._verified_key(secret)
         now = self.clock()
         if record.revoked_at is not None:
             raise AuthenticationError(f"API key {record.prefix}... has been revoked.", code="invalid_api_key")
@@ -74,6 +123,16 @@ class Gateway:
             self._touched[record.prefix] = now
             await asyncio.to_thread(self.store.touch_key, record.prefix, now)
         return await self._principal(record)
+
+    def _static_principal(self, secret: str | None) -> Principal | None:
+        """A `--api-key` key: the operator's own, so admin and without limits, in tenant 'default'.
+        Every static digest is compared (no early exit), so timing does not tell which matched."""
+        if not secret or not self._static:
+            return None
+        matches = [verify_key(secret, salt, digest) for salt, digest in self._static]
+        if not any(matches):
+            return None
+        return Principal(tenant=STATIC_TENANT, key_prefix=f"static-{matches.index(True) + 1}", admin=True)
 
     async def _verified_key(self, secret: str | None) -> KeyRecord:
         """The stored key the credential proves, or a 401 that echoes nothing of the credential."""
@@ -99,6 +158,7 @@ class Gateway:
             tenant=record.tenant, key_prefix=record.prefix, allowed_models=models,
             priority=record.priority, max_priority=record.priority,
             key_limits=record.limits.tightened_by(tenant_limits), tenant_limits=tenant_limits,
+            admin=record.admin,
         )
 
     def check_model(self, principal: Principal, model: str) -> None:
@@ -122,20 +182,32 @@ class Gateway:
 
     async def reserve(self, principal: Principal, model: str, tokens: int) -> Reservation:
         """Charge prompt + max_tokens before any work is queued; refuse with 429 over a limit."""
-        if principal.key_prefix is None:  # anonymous (auth off): no limits to hold
+        if principal.key_limits is None:  # anonymous (auth off) or a static key: no limits to hold
             return Reservation(principal=principal, model=model, tokens=tokens)
-        admitted = await asyncio.to_thread(
-            self.store.reserve, principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
-            principal.tenant_limits or Limits(), tokens, self.clock(),
-        )
+        admitted = await self.limits.reserve(principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
+                                             principal.tenant_limits or Limits(), tokens, self.clock())
+        _raise_refusal(admitted.verdict)
         verdict = admitted.verdict
-        if verdict.reason == "too_large":
-            raise InvalidRequestError(verdict.message, param="max_tokens", code="rate_limit_exceeded")
-        if not verdict.allowed:
-            raise RateLimitError(verdict.message, retry_after=verdict.retry_after, code="rate_limit_exceeded",
-                                 headers=verdict.headers)
         return Reservation(principal=principal, model=model, tokens=tokens, headers=verdict.headers,
                            admission_id=admitted.admission_id, day=admitted.day)
+
+    async def adjust(self, reservation: Reservation, tokens: int) -> None:
+        """Replace a reservation made on an estimate (before tokenizing) by the exact count. Growth is
+        decided again under the store's lock, as if the exact count had been asked for at first, so
+        limits stay exact; a refused growth removes the admission and raises like `reserve`."""
+        if reservation.admission_id is None or reservation.day is None or tokens == reservation.tokens:
+            reservation.tokens = tokens
+            return
+        p = reservation.principal
+        assert p.key_prefix is not None
+        verdict = await self.limits.adjust(reservation.admission_id, p.key_prefix, p.tenant, p.key_limits or Limits(),
+                                           p.tenant_limits or Limits(), reservation.day, reservation.tokens, tokens,
+                                           self.clock())
+        reservation.headers = verdict.headers or reservation.headers  # the response reports the latest state
+        if not verdict.allowed:
+            reservation.reconciled = True  # the admission is gone: nothing to give back at the end
+            _raise_refusal(verdict)
+        reservation.tokens = tokens
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         """Return the unused part of a reservation (idempotent: the second call does nothing)."""
@@ -144,8 +216,8 @@ class Gateway:
         reservation.reconciled = True
         p = reservation.principal
         assert p.key_prefix is not None
-        await asyncio.to_thread(self.store.reconcile, reservation.admission_id, p.key_prefix, p.tenant,
-                                reservation.day, reservation.tokens, max(0, int(used_tokens)))
+        await self.limits.reconcile(reservation.admission_id, p.key_prefix, p.tenant, reservation.day,
+                                    reservation.tokens, max(0, int(used_tokens)))
 
     async def audit(self, record: AuditRecord) -> None:
         """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
@@ -159,3 +231,10 @@ class Gateway:
 
     def close(self) -> None:
         self.store.close()
+
+    async def aclose(self) -> None:
+        """Close the limits backend (its connections live on the event loop), then the store."""
+        try:
+            await self.limits.aclose()
+        finally:
+            await asyncio.to_thread(self.store.close)

@@ -47,6 +47,7 @@ class KeyRecord:
     created_at: float
     last_used_at: float | None
     revoked_at: float | None
+    admin: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Admitted:
     """The store's answer to a reservation: the verdict, and the rows to reconcile when admitted."""
 
     verdict: limiter.Verdict
-    admission_id: int | None = None
+    admission_id: int | str | None = None  # a SQL row id, or a Redis admission id
     day: int | None = None
 
 
@@ -73,7 +74,7 @@ class UsageRow:
 
 
 _KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tokens, priority, "
-                "expires_at, created_at, last_used_at, revoked_at")
+                "expires_at, created_at, last_used_at, revoked_at, admin")
 AUDIT_COLUMNS = tuple(f.name for f in fields(AuditRecord))
 
 
@@ -87,7 +88,7 @@ def _models_in(text: str | None) -> frozenset[str] | None:
 
 def _key_from_row(r: tuple) -> KeyRecord:
     return KeyRecord(r[0], r[1], r[2], r[3], r[4], _models_in(r[5]), Limits(r[6], r[7], r[8]), r[9],
-                     r[10], r[11], r[12], r[13])
+                     r[10], r[11], r[12], r[13], bool(r[14]))
 
 
 def resolve_store_location(data_dir: Path, database_url: str | None = None) -> str:
@@ -134,11 +135,12 @@ class GatewayStore:
 
     # ---- keys ------------------------------------------------------------------------------
     def add_key(self, new: NewKey, tenant: str, *, name: str | None, models: frozenset[str] | None,
-                limits: Limits, priority: int, expires_at: float | None, now: float) -> KeyRecord:
+                limits: Limits, priority: int, expires_at: float | None, now: float,
+                admin: bool = False) -> KeyRecord:
         with self.db.transaction() as tx:
-            tx.q(f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES ({', '.join('?' * 14)})",
+            tx.q(f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES ({', '.join('?' * 15)})",
                  (new.prefix, tenant, new.salt, new.digest, name, _models_out(models), limits.rpm,
-                  limits.tpm, limits.daily_tokens, priority, expires_at, now, None, None))
+                  limits.tpm, limits.daily_tokens, priority, expires_at, now, None, None, int(admin)))
         record = self.find_key(new.prefix)
         assert record is not None
         return record
@@ -204,6 +206,32 @@ class GatewayStore:
             # Key row before tenant row, as `reserve` takes them: no lock-order deadlock on PostgreSQL.
             for scope in (f"key:{key_prefix}", f"tenant:{tenant}") if delta else ():
                 tx.q("UPDATE daily_usage SET tokens = tokens + ? WHERE scope = ? AND day = ?", (delta, scope, day))
+
+    def adjust(self, admission_id: int, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+               day: int, reserved: int, tokens: int, now: float) -> limiter.Verdict:
+        """Re-size an admission reserved on an estimate. Shrinking always succeeds; growing is decided
+        as if this admission were not in the window and `tokens` were asked for now (one transaction,
+        the tenant lock as in `reserve`). A refusal deletes the admission and its day counts."""
+        with self.db.transaction(lock_tenant=tenant) as tx:
+            verdict = limiter.Verdict(allowed=True)
+            if tokens > reserved:
+                usages = [self._usage(tx, "key", key_prefix, key_limits, now, day),
+                          self._usage(tx, "tenant", tenant, tenant_limits, now, day)]
+                for u in usages:  # take this admission back out, then decide afresh
+                    u.requests, u.tokens, u.day_tokens = u.requests - 1, u.tokens - reserved, u.day_tokens - reserved
+                verdict = limiter.decide(usages, tokens, now)
+                if not verdict.allowed and verdict.reason in ("requests", "tokens") and verdict.scope is not None:
+                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
+            if verdict.allowed:
+                tx.q("UPDATE admissions SET tokens = ? WHERE id = ?", (tokens, admission_id))
+                requests, delta = 0, tokens - reserved
+            else:
+                tx.q("DELETE FROM admissions WHERE id = ?", (admission_id,))
+                requests, delta = -1, -reserved
+            for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
+                tx.q("UPDATE daily_usage SET requests = requests + ?, tokens = tokens + ? WHERE scope = ? AND day = ?",
+                     (requests, delta, scope, day))
+        return verdict
 
     def prune(self, now: float) -> None:
         with self.db.transaction() as tx:

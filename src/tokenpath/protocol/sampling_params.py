@@ -41,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), OpenAI's
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,3 +108,6 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"must be non-negative token ids, got {t}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for token, bias in (self.logit_bias or {}).items():  # ids against the vocabulary: at the API edge
+            if integer("logit_bias", token) < 0 or not -100.0 <= finite("logit_bias", bias) <= 100.0:
+                raise bad("logit_bias", f"needs token ids >= 0 and values in [-100, 100], got {token}: {bias}")

@@ -38,6 +38,9 @@ class InProcessReplica:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    async def reset_prefix_cache(self) -> int:
+        return self.engine.core.blocks.reset_prefix_cache()
+
     def state(self) -> ReplicaState:
         s = self.engine.state()
         if not s.healthy:

@@ -183,7 +183,8 @@ class RemoteReplica:
                     "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0), "ignore_eos": (p.ignore_eos, False),
                     "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
                     "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
-                    "repetition_penalty": (p.repetition_penalty, 1.0)}
+                    "repetition_penalty": (p.repetition_penalty, 1.0),
+                    "logit_bias": (getattr(p, "logit_bias", None), None)}
         body.update({k: v for k, (v, default) in optional.items() if v != default})
         if request.session_id:
             body["user"] = request.session_id
@@ -192,6 +193,8 @@ class RemoteReplica:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         events = EngineEvents(queued=time.monotonic())  # receipt times: an OpenAI server sends none
         headers = {"X-Request-Id": request.request_id}
+        if request.timeline.attrs.get("traceparent"):  # the replica (vLLM, tokenpath) continues our trace
+            headers["traceparent"] = str(request.timeline.attrs["traceparent"])
         finished: set[int] = set()
         try:
             async with self._client.stream("POST", "/v1/completions", json=self._body(request),
@@ -261,6 +264,13 @@ class RemoteReplica:
         resp = self._open.pop(request_id, None)
         if resp is not None:
             await resp.aclose()
+
+    async def reset_prefix_cache(self) -> int:
+        """vLLM's (and `tokenpath engine`'s) POST /reset_prefix_cache on the server behind this replica."""
+        r = await self._client.post("/reset_prefix_cache", timeout=self.config.connect_timeout_s)
+        if r.status_code >= 400:
+            raise ServiceUnavailableError(f"replica '{self.name}' could not reset its prefix cache ({r.status_code})")
+        return 0
 
 
 def _cached_tokens(data: dict) -> int:

@@ -235,8 +235,11 @@ class ModelRouter:
         if dep is None:
             raise NotFoundError(f"The model '{model}' does not exist", param="model", code="model_not_found")
         if not dep.serves(task):
+            use = {"embedding": "/v1/embeddings", "chat": "/v1/chat/completions", "completion": "/v1/completions"}
+            article = "an" if dep.task[0] in "aeiou" else "a"
             raise InvalidRequestError(
-                f"The model '{model}' is a {dep.task} model and cannot serve {task} requests", param="model"
+                f"The model '{model}' is {article} {dep.task} model and cannot serve {task} requests; send it to "
+                f"{use[dep.task]}, or pick a {task} model from /v1/models", param="model"
             )
         return dep
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import ipaddress
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -22,6 +24,8 @@ from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig
+from tokenpath.telemetry.otel import setup_tracing, tracing_provider
+from tokenpath.telemetry.request_log import configure_logging, log_event
 
 log = logging.getLogger("tokenpath.api")
 
@@ -31,18 +35,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     _server_flags(serve)
     serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
+    serve.add_argument("--redis-url", help="keep rate windows, token reservations and daily quotas in this Redis, "
+                       "shared by every gateway pointed at it (redis://host:port/db)")
+    serve.add_argument("--limits-fail-open", action="store_true", default=None,
+                       help="with --redis-url: admit requests without limits while Redis is unreachable "
+                       "(default: refuse them with 503)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+    serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
+                       "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
+    serve.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                       default=[k for k in [os.environ.get("TOKENPATH_API_KEY")] if k],
+                       help="a static key clients must send (repeatable; also $TOKENPATH_API_KEY), as vLLM's: "
+                            "an admin key of tenant 'default' with no limits; stored keys keep working too")
+    serve.add_argument("--metrics-public", action="store_true", default=None,
+                       help="serve /metrics without a key even when auth is on (it names tenants)")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
     engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
-                        routing=None, routing_policy=None)
+                        routing=None, routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
+                        limits_fail_open=None, ray=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -61,6 +79,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-size", help="largest accepted request body, e.g. 4MiB")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback --host without API keys")
+    p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
+                   help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
+    t = p.add_argument_group("telemetry")
+    t.add_argument("--otlp-endpoint", metavar="URL",
+                   help="export traces over OTLP/HTTP to this base URL (else the OTEL_* variables; off by default)")
+    t.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="request and event logs on stdout: one JSON object per line (default) or text")
+    t.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["debug", "info", "warning", "error"], help="lowest level logged (default info)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device")
@@ -84,7 +111,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url")}
+                                            "data_dir", "database_url", "metrics_public", "redis_url",
+                                            "limits_fail_open")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -103,7 +131,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format, args.log_level)
     # Replica state polls (remote replicas, several a second) are not news: httpx logs each at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
@@ -111,16 +139,32 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "ray", None) and importlib.util.find_spec("ray") is None:
+        print("tokenpath: --ray needs Ray: pip install 'tokenpath[ray]'", file=sys.stderr)
+        return 2
     if args.gateway:
         from tokenpath.gateway import open_gateway
 
-        guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url)
+        try:
+            guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys,
+                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open)
+        except (ValueError, RuntimeError) as exc:  # a malformed --redis-url, or no redis package
+            print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
+            return 2
     else:
         guard = OpenGuard()
     if not is_loopback(config.host) and not guard.auth_enabled and not config.insecure:
         print(f"tokenpath: refusing to bind {config.host}: no API keys exist, so anyone who can reach it could "
               "use it. Create a key (`tokenpath keys create`), bind 127.0.0.1, or pass --insecure.",
               file=sys.stderr)
+        return 2
+    if args.otlp_endpoint and args.gateway:  # engine processes started by this one export there too
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+    try:
+        tracer_provider = setup_tracing(args.otlp_endpoint, service_name="tokenpath" if args.gateway
+                                        else "tokenpath-engine")
+    except ValueError as exc:
+        print(f"tokenpath: invalid tracing configuration: {exc}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_serve(config, guard, args))
@@ -129,6 +173,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during start-up
         return 130
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flush the spans still batched
 
 
 class _Server(uvicorn.Server):
@@ -142,6 +189,8 @@ class _Server(uvicorn.Server):
         self.banner = banner
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.in_flight_at_signal = 0
+        self.aborted = 0
 
     async def startup(self, sockets=None) -> None:  # noqa: ANN001
         self._loop = asyncio.get_running_loop()
@@ -157,17 +206,19 @@ class _Server(uvicorn.Server):
         self.should_exit = True
         if self._loop is not None and not self._draining:
             self._draining = True
+            self.in_flight_at_signal = len(self.state.inflight)
             self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout, self._abort_all)
 
     def _abort_all(self) -> None:
         n = self.state.abort_all("shutdown")
+        self.aborted += n
         if n:
             log.warning("shutdown timeout: aborting %d in-flight request(s)", n)
 
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
-    if args.replicas <= 1 and args.routing is None and args.routing_policy is None:
+    if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None:
         from tokenpath.routing.models import ModelRouter
         from tokenpath.server.deployments import load_deployments
 
@@ -177,26 +228,73 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     from tokenpath.server.routing_config import serve_router
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
-                              policy=args.routing_policy or DEFAULT_POLICY)
+                              policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray)
 
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
     from tokenpath.api.app import create_app
 
     router, closers = await _load(config, args)
+    _add_served_names(router, args.served_model_names)
     deployments = list(router.deployments.values())
-    if hasattr(guard, "close"):
-        closers.append(lambda: asyncio.to_thread(guard.close))
+    if hasattr(guard, "aclose"):
+        closers.append(guard.aclose)
     app = create_app(router, guard, config, on_shutdown=closers)
 
     def banner(port: int) -> None:
-        served = ", ".join(f"{d.name} ({d.task})" for d in deployments)
-        print(f"tokenpath: serving {served}", flush=True)
-        print(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)",
-              flush=True)
+        print(startup_banner(config, router, guard, args, deployments, port), flush=True)
+        log_event(log, "startup", "serving", models=[d.name for d in deployments], host=config.host, port=port,
+                  replicas=sum(len(d.replicas) for d in deployments if d.task != "embedding"),
+                  tracing=tracing_provider() is not None)
+
+    from tokenpath.api.limits import header_timeout_protocol
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False)
+                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False,
+                               http=header_timeout_protocol(config.header_timeout),
+                               log_config=None)  # keep our handler and format
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
     await server.serve()
+    drained = max(0, server.in_flight_at_signal - server.aborted)
+    print(f"tokenpath: stopped: drained {drained} in-flight request(s), aborted {server.aborted}", flush=True)
     return 0
+
+
+def _add_served_names(router, names: list[str]) -> None:  # noqa: ANN001
+    """`--served-model-name`: more names for the first chat model (vLLM's flag), as router aliases."""
+    if not names:
+        return
+    chat = next((d.name for d in router.deployments.values() if d.task != "embedding"), None)
+    if chat is None:
+        raise SystemExit("tokenpath: --served-model-name needs a chat model to name")
+    for name in names:
+        if name != chat and name not in router.deployments:
+            router.aliases[name] = chat
+
+
+def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argparse.Namespace,  # noqa: ANN001
+                   deployments: list, port: int) -> str:
+    """What an operator needs at a glance: version, models and the ids clients send, endpoints,
+    where the data lives and whether keys are required. The last line is what tests wait for."""
+    from tokenpath.config import version
+
+    lines = [f"tokenpath {version()}"]
+    for d in deployments:
+        names = [a for a, target in router.aliases.items() if target == d.name]
+        also = f"; also as {', '.join(names)}" if names else ""
+        lines.append(f"  model: {d.name} ({d.task}, {len(d.replicas) or 1} replica(s){also})")
+    lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/embeddings /reset_prefix_cache; "
+                 "GET /v1/models /health /metrics")
+    data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"
+    store = " (keys and audit in PostgreSQL)" if config.database_url or os.environ.get("TOKENPATH_DATABASE_URL") else ""
+    lines.append(f"  data dir: {data}{store}")
+    if guard.auth_enabled:
+        how = [f"{len(args.api_keys)} --api-key key(s)"] if args.api_keys else []
+        how.append("stored keys (`tokenpath keys list`)")
+        lines.append(f"  auth: on ({' + '.join(how)}); /metrics "
+                     + ("is public" if config.metrics_public else "needs an admin key"))
+    else:
+        lines.append("  auth: off (no keys exist; loopback only) - `tokenpath keys create` or --api-key turns it on")
+    lines.append("  stop: Ctrl-C or SIGTERM (in-flight requests get --shutdown-timeout seconds)")
+    lines.append(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)")
+    return "\n".join(lines)

@@ -23,6 +23,8 @@ class ServerConfig(ApiSettings):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     data_dir: str | None = None
     database_url: str | None = None
+    redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
+    limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
     insecure: bool = False
 
     @classmethod

@@ -45,6 +45,7 @@ class ReplicaSpec(BaseModel):
 
     url: str | None = None  # a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, a tokenpath serve)
     local: int = Field(0, ge=0)  # or: this many `tokenpath engine` processes started here, on the engine link
+    ray: dict[str, Any] | None = None  # or: engine actors on Ray (RayReplicaConfig fields: num_replicas...)
     model: str | None = None  # the name the server knows the model by (default: discovered)
     api_key: str | None = None
     max_num_seqs: int = Field(0, ge=0)
@@ -52,8 +53,8 @@ class ReplicaSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> ReplicaSpec:
-        if (self.url is None) == (self.local == 0):
-            raise ValueError("a replica entry needs exactly one of `url` or `local: N`")
+        if (self.url is not None) + (self.local > 0) + (self.ray is not None) != 1:
+            raise ValueError("a replica entry needs exactly one of `url`, `local: N` or `ray: {...}`")
         return self
 
 
@@ -123,7 +124,13 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
     model = spec.model or spec.name
     try:
         for i, r in enumerate(spec.replicas):
-            if r.local:
+            if r.ray is not None:
+                from tokenpath.replica.ray_replica import ray_replicas
+
+                reps, close = await ray_replicas(r.ray, model, spec.name)
+                replicas += reps
+                closers.append(close)
+            elif r.local:
                 ps = await spawn_engines(r.local, model, r.engine_args, log_dir=log_dir,
                                          name_prefix="engine" if i == 0 else f"engine{i}", deployment=spec.name,
                                          max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args))
@@ -145,7 +152,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
             closers.append(r.close)
     closers += [p.stop for p in procs]
     max_len = spec.max_model_len or next(
-        (r.max_model_len for r in replicas if isinstance(r, RemoteReplica) and r.max_model_len),
+        (m for r in replicas if (m := getattr(r, "max_model_len", None))),
         next((r.info.max_model_len for r in replicas if isinstance(r, EngineLinkReplica)), 2048))
     options = {"load_threshold": spec.load_threshold} if spec.load_threshold is not None else {}
     dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
@@ -191,6 +198,21 @@ async def replicated_deployment(model: str, n: int, engine_args: list[str] | Non
     return dep, closers
 
 
+async def ray_deployment(model: str, n: int, engine: Any, address: str,
+                         policy: str = DEFAULT_POLICY) -> tuple[Deployment, list[Closer]]:
+    """`tokenpath serve --ray ADDRESS --replicas N`: N engine actors of one chat model on Ray, with
+    the serve command's engine settings. Ray's health reports decide when a restarted actor is
+    back, so the pool's own ejection backoff is kept short."""
+    prefix = Path(model).name if Path(model).exists() else model
+    ray = {"num_replicas": n, "address": address, "name_prefix": prefix,
+           "engine": engine.model_dump(exclude_defaults=True, exclude={"model"})}
+    spec = DeploymentSpec(name=model, model=model, policy=policy, pool={"eject_max_s": 5.0},
+                          replicas=[ReplicaSpec(ray=ray)])
+    dep, closers = await build_deployment(spec)
+    dep.name = getattr(getattr(dep.replicas[0], "info", None), "model", None) or model
+    return dep, closers
+
+
 _ENGINE_FLAG_FIELDS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
                        "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
 
@@ -209,11 +231,12 @@ def engine_flags(engine: Any) -> list[str]:
 
 
 async def serve_router(config: Any, replicas: int = 1, routing_file: str | None = None,
-                       policy: str = DEFAULT_POLICY) -> tuple[ModelRouter, list[Closer]]:
+                       policy: str = DEFAULT_POLICY, ray_address: str | None = None) -> tuple[ModelRouter, list[Closer]]:
     """What `tokenpath serve` needs, in one call (config: `tokenpath.server.config.ServerConfig`):
 
     - `routing_file`: deployments from YAML (see the module docstring), plus the in-process
       embedding model(s) named in `config.models`;
+    - `ray_address`: each chat model in `config.models` as `replicas` engine actors on Ray;
     - `replicas > 1`: each chat model in `config.models` as that many local engine processes;
     - otherwise: the in-process deployments of `tokenpath.server.deployments.load_deployments`.
     Aliases from `config.aliases` apply in every case.
@@ -224,7 +247,7 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
 
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
 
-    if routing_file is None and replicas <= 1:
+    if routing_file is None and replicas <= 1 and ray_address is None:
         deployments, closers = await load_deployments(config)
         for d in deployments:
             d.policy = policy
@@ -238,8 +261,11 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     deployments: list[Deployment] = list(embeddings)
     try:
         for model in (m for m in config.models if not is_embedding_model(m)):
-            dep, more = await replicated_deployment(model, replicas, engine_flags(config.engine), policy,
-                                                    log_dir=log_dir)
+            if ray_address is not None:
+                dep, more = await ray_deployment(model, replicas, config.engine, ray_address, policy)
+            else:
+                dep, more = await replicated_deployment(model, replicas, engine_flags(config.engine), policy,
+                                                        log_dir=log_dir)
             deployments.append(dep)
             closers += more
     except BaseException:

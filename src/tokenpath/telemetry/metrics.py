@@ -9,6 +9,7 @@ row: one histogram per Timeline stage.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,14 +17,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.series import RoutingMetricsCollector
+from tokenpath.telemetry.stages import STAGES
 from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.tracing import annotate_step
 
 PREFIX = "tokenpath:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 10.0)
+_BATCH_SEQS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -116,6 +124,73 @@ class ServerMetrics:
         self.decode = Histogram(PREFIX + "request_decode_time_seconds",
                                 "Histogram of time spent in the decode phase, in seconds.",
                                 m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request: decode time over "
+                              "output tokens after the first.", m, buckets=_ITL_BUCKETS, registry=r)
+        self.stage = Histogram(PREFIX + "request_stage_seconds",
+                               "Time per request stage (gateway, queue, engine_queue, prefill, decode), from "
+                               "the request's Timeline: the same numbers as Server-Timing.",
+                               m + ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by HTTP status and error code "
+                                "(499: the client disconnected).", m + ["endpoint", "status", "code"], registry=r)
+        self.rejections = Counter(PREFIX + "request_rejections",
+                                  "Requests refused by the gateway, by reason (auth, acl, rate_limit, "
+                                  "admission, deadline).", m + ["reason"], registry=r)
+        self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Tokens per tenant, by kind (prompt, cached, "
+                                     "generation).", m + ["tenant", "kind"], registry=r)
+        self.step_time = Histogram(PREFIX + "engine_step_seconds", "Wall time of one engine step (schedule, "
+                                   "forward, sample).", m, buckets=_STEP_BUCKETS, registry=r)
+        self.step_seqs = Histogram(PREFIX + "iteration_seqs", "Sequences scheduled per engine step (batch size).",
+                                   m, buckets=_BATCH_SEQS_BUCKETS, registry=r)
+        self.step_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens scheduled per engine step.",
+                                     m, buckets=_BATCH_TOKENS_BUCKETS, registry=r)
+        for dep in deployments():
+            for replica in getattr(dep, "replicas", ()):
+                core = getattr(getattr(replica, "engine", None), "core", None)
+                if core is not None and hasattr(core, "step_observers"):
+                    core.step_observers.append(self._step_observer(dep.name))
+                    if annotate_step not in core.step_observers:
+                        core.step_observers.append(annotate_step)
+
+    def _step_observer(self, model: str) -> Callable[[list[tuple[Any, int]], float, float], None]:
+        """Engine step time and batch size, observed from the engine's own thread."""
+        step_time, seqs, tokens = (h.labels(model) for h in (self.step_time, self.step_seqs, self.step_tokens))
+
+        def observe(scheduled: list[tuple[Any, int]], started: float, ended: float) -> None:
+            try:  # never raises into the step loop
+                step_time.observe(ended - started)
+                seqs.observe(len(scheduled))
+                tokens.observe(sum(n for _, n in scheduled))
+            except Exception:
+                logging.getLogger("tokenpath.telemetry").exception("engine step metrics failed")
+
+        return observe
+
+    def observe_finished(self, rec: FinishedRequest) -> None:
+        """Every finished request, whatever its ending: status, rejection, tenant tokens, stages."""
+        model = rec.model or rec.requested_model or ""
+        self.requests.labels(model, rec.endpoint, str(rec.status), rec.error_code or rec.error_type or "").inc()
+        reason = rec.rejection_reason
+        if reason is not None:
+            self.rejections.labels(model, reason).inc()
+        for kind, n in (("prompt", rec.prompt_tokens), ("cached", rec.cached_tokens),
+                        ("generation", rec.completion_tokens)):
+            if n:
+                self.tenant_tokens.labels(model, rec.tenant, kind).inc(n)
+        if rec.status not in (200, 499) or rec.model is None:
+            return
+        stages = rec.stages()
+        for stage in STAGES:
+            if stage in stages:
+                self.stage.labels(model, stage).observe(stages[stage])
+        decode = stages.get("decode")
+        if decode is not None and rec.completion_tokens > 1:
+            self.tpot.labels(model).observe(decode / (rec.completion_tokens - 1))
+        if rec.endpoint != "/v1/embeddings":
+            self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
+                                 completion_tokens=rec.completion_tokens,
+                                 finish_reason=rec.finish_reasons[0] if rec.finish_reasons else None,
+                                 token_times=rec.token_times)
 
     def observe_request(self, model: str, timeline: Timeline, *, prompt_tokens: int, completion_tokens: int,
                         finish_reason: str | None, token_times: list[float]) -> None:

@@ -18,9 +18,9 @@ Stages (`STAGES`), the same in-process and with engine processes (`--replicas N`
 | `decode`       | first_token -> finished | every later token                               |
 | `total`        | received -> finished    | the whole request (the sum of the above)        |
 
-A stage whose two events were not both reached (an error, an embedding request) is left out;
-`total` is always present. Events are kept in order by their stampers, so the stages sum to
-`total` whenever all are present.
+A stage runs from the previous event reached to its own end event, and `finished` closes the
+stage the request was in (a 400 ends in `gateway`; an embedding request's encoder batch, from
+`scheduled` on, is its `prefill`): the stages always sum to `total`.
 """
 
 from __future__ import annotations
@@ -77,15 +77,27 @@ class Timeline:
         return max(0.0, b - a)
 
     def durations(self) -> dict[str, float]:
-        """Seconds per stage (see the module docstring), in `STAGES` order; missing ones left out."""
+        """Seconds per stage (see the module docstring) plus `total`, in `STAGES` order.
+
+        Each stage runs from the previous event that was reached to its own end event, and
+        `finished` closes the stage the request was in (a 400 ends in `gateway`); a stage never
+        reached is left out. So a missing event folds its time into the next stage, and the stages
+        always sum to `total`."""
+        stamps = self.stamps
+        prev = stamps["received"]
         out: dict[str, float] = {}
-        end = self.stamps.get("finished") or time.monotonic()
-        for name, a, b in STAGE_BOUNDS:
-            d = self.between(a, b)
-            if d is not None:
-                out[name] = d
-        out["total"] = max(0.0, end - self.stamps["received"])
-        return out
+        current = STAGE_BOUNDS[0][0]
+        for i, (name, _, end) in enumerate(STAGE_BOUNDS[:-1]):
+            at = stamps.get(end)
+            if at is not None and at >= prev:
+                out[name] = at - prev
+                prev = at
+                current = STAGE_BOUNDS[i + 1][0]
+        finished = stamps.get("finished")
+        if finished is not None and finished >= prev:
+            out[current] = out.get(current, 0.0) + finished - prev
+        out["total"] = max(0.0, (finished or time.monotonic()) - stamps["received"])
+        return {k: out[k] for k in STAGES if k in out}
 
     def server_timing(self) -> str:
         """The `Server-Timing` header value (milliseconds)."""

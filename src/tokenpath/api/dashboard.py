@@ -1,0 +1,57 @@
+"""`GET /dashboard`: a live page of where requests are spending their time (no build step).
+
+The page (`static/dashboard.html`, plain HTML + JS) polls `GET /dashboard/data` twice a second:
+requests in flight and the stage each is in, waterfalls of recent requests, per-stage p50/p99
+over the last minutes, queue depth per priority band, KV usage and tok/s per replica.
+
+When API keys exist, both need an admin key (the same rule as /metrics: a `serve --api-key` key or
+one made with `tokenpath keys create --admin`), as `Authorization: Bearer` or, for a browser, the
+`tokenpath_admin` cookie the page's own key form sets. Without keys the server is loopback-only,
+and so is this.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from tokenpath.api.state import AppState, get_state
+from tokenpath.errors import AuthenticationError, PermissionDeniedError
+
+router = APIRouter()
+COOKIE = "tokenpath_admin"
+
+
+def _page(name: str) -> str:
+    return resources.files("tokenpath.api").joinpath("static", name).read_text(encoding="utf-8")
+
+
+async def _require_admin(state: AppState, request: Request) -> None:
+    """Raise 401/403 unless auth is off or the caller holds an admin key (see `routes.require_admin`)."""
+    if not state.guard.auth_enabled:
+        return
+    headers = dict(request.headers)
+    cookie = request.cookies.get(COOKIE)
+    if "authorization" not in headers and cookie:
+        headers["authorization"] = f"Bearer {cookie}"
+    principal = await state.guard.authenticate(headers)
+    if not principal.admin:
+        raise PermissionDeniedError("the dashboard needs an admin key: a `serve --api-key` key or one made with "
+                                    "`tokenpath keys create --admin`", code="admin_key_required")
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard(request: Request, state: AppState = Depends(get_state)) -> Response:
+    try:
+        await _require_admin(state, request)
+    except (AuthenticationError, PermissionDeniedError) as exc:
+        return HTMLResponse(_page("dashboard_login.html"), status_code=exc.status_code)
+    return HTMLResponse(_page("dashboard.html"), headers={"cache-control": "no-store"})
+
+
+@router.get("/dashboard/data", include_in_schema=False)
+async def dashboard_data(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    await _require_admin(state, request)
+    return JSONResponse(state.live.snapshot(state.deployments()), headers={"cache-control": "no-store"})

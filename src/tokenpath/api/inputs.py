@@ -1,0 +1,203 @@
+"""A chat or completions body -> what the engine is asked: token ids, `SamplingParams`, one
+`GenerateRequest` per prompt. Validated once, here; the engine trusts what it is given.
+
+Split in the order the handler needs it: `check_caps` is pure arithmetic on the body (run before
+the rate limits are charged, so a refusal costs nothing), `prompt_ids` tokenizes (off the event
+loop), `sampling_params` checks what needs the token counts (context length, the per-request
+token cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from tokenpath.api.run import RequestRun
+from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
+from tokenpath.api.state import AppState
+from tokenpath.errors import ContextLengthError, InvalidRequestError
+from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.routing.models import Deployment
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
+                      texts: list[str], priority: int, deadline: float | None) -> GenerateRequest:
+    assert run.principal is not None
+    return GenerateRequest(
+        request_id=run.id if parts == 1 else f"{run.id}-{i}",
+        prompt_token_ids=ids,
+        params=params,
+        timeline=run.timeline,
+        priority=priority,
+        tenant=run.principal.tenant,
+        # Session affinity: an explicit x-session-id, else OpenAI's `user` field.
+        session_id=run.request.headers.get("x-session-id") or run.user,
+        prompt=texts[i] if i < len(texts) else None,
+        deadline=deadline,
+        # The trace context the engine continues (the gateway's dispatch span, when tracing is on).
+        traceparent=str(run.timeline.attrs["traceparent"]) if run.timeline.attrs.get("traceparent") else None,
+    )
+
+
+# -- caps and prompts --------------------------------------------------------------------------
+def _raw_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty; send a string, a list of strings or token ids",
+                                  param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    return prompt  # type: ignore[return-value]
+
+
+def max_token_bytes(tok) -> int:  # noqa: ANN001
+    """The most UTF-8 bytes one token of this tokenizer covers (its longest vocabulary entry), so
+    `bytes // max_token_bytes` is a floor on a text's token count. 64 when it cannot be read."""
+    cached = getattr(tok, "_tokenpath_max_token_bytes", None)
+    if cached is None:
+        try:
+            cached = max(len(t.encode()) for t in tok.backend.get_vocab()) or 64
+        except Exception:  # a tokenizer without a readable vocabulary: a safe, loose floor
+            cached = 64
+        tok._tokenpath_max_token_bytes = cached
+    return cached
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What a body costs at least, known before tokenizing."""
+
+    tokens: int  # prompt floors + n x max_tokens per prompt: what the rate limits are charged first
+    longest_prompt: int  # floor of the longest prompt
+    completion: int  # max_tokens asked (1 when unset)
+    where: str  # "messages" or "prompt"
+
+    def check_context(self, max_model_len: int) -> None:
+        """A prompt already too long by its floor (megabytes of text) is refused untokenized."""
+        if self.longest_prompt + self.completion > max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, the {self.where} "
+                f"alone is at least {self.longest_prompt} tokens long, and {self.completion} more are asked for "
+                f"the completion. Please reduce the length of the {self.where} or completion.", param=self.where)
+
+
+def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
+    """The request's own caps, checked before anything is tokenized, and the tokens it costs at
+    least, for the rate limits to be charged with before tokenizing (`RequestRun.admit` makes the
+    charge exact afterwards). It is a floor, not a guess: prompt bytes / the longest token's bytes,
+    token-id prompts counted exactly, + n x max_tokens per prompt. A floor never refuses a request
+    that its exact count would admit, so token limits stay exact; and a prompt whose floor is
+    already past the context length (megabytes of text) is refused without being tokenized."""
+    caps = state.config.caps
+    max_tokens = body.requested_max_tokens
+    if max_tokens is not None and max_tokens > caps.max_tokens:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this server's limit of {caps.max_tokens}; "
+                                  "ask for fewer tokens", param="max_tokens")
+    if body.n > caps.max_n:
+        raise InvalidRequestError(f"n is {body.n}, over this server's limit of {caps.max_n}; ask for fewer "
+                                  "choices", param="n")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > caps.max_stop:
+        raise InvalidRequestError(f"stop has {len(stop)} entries, over the limit of {caps.max_stop}",
+                                  param="stop")
+    per_token = max_token_bytes(dep.tokenizer)
+    if isinstance(body, ChatCompletionRequest):
+        where = "messages"
+        if len(body.messages) > caps.max_messages:
+            raise InvalidRequestError(f"messages has {len(body.messages)} entries, over the limit of "
+                                      f"{caps.max_messages}", param="messages")
+        floors = [sum(len(m.text().encode()) for m in body.messages) // per_token]
+    else:
+        where = "prompt"
+        prompts = _raw_prompts(body)
+        if len(prompts) > caps.max_prompts:
+            raise InvalidRequestError(f"prompt has {len(prompts)} prompts, over the limit of {caps.max_prompts}",
+                                      param="prompt")
+        floors = [len(p.encode()) // per_token if isinstance(p, str) else len(p) for p in prompts]
+    budget = body.n * len(floors) * (max_tokens or 1)
+    if budget > caps.max_request_tokens:
+        raise _over_request_cap(budget, caps.max_request_tokens, body.n, len(floors), max_tokens or 1)
+    return Floor(sum(floors) + budget, max(floors), max_tokens or 1, where)
+
+
+def _over_request_cap(tokens: int, cap: int, n: int, prompts: int, max_tokens: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"this request may cost {tokens} tokens (prompt tokens + n={n} x max_tokens={max_tokens} for each of "
+        f"{prompts} prompt(s)), over this server's limit of {cap} tokens per request; lower max_tokens, n or "
+        "the number of prompts", param="max_tokens", code="request_too_large")
+
+
+async def prompt_ids(state: AppState, dep: Deployment, body: Body) -> tuple[list[list[int]], list[str]]:
+    """Token ids per prompt (tokenized off the event loop) and the texts the policy hook sees."""
+    tok = dep.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+        return [list(ids)], [m["content"] for m in messages]
+    out: list[list[int]] = []
+    texts: list[str] = []
+    for p in _raw_prompts(body):
+        if isinstance(p, str):
+            ids = await asyncio.to_thread(tok.encode, p)
+            texts.append(p)
+        else:
+            ids = list(p)
+            bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                          f"[0, {tok.vocab_size})", param="prompt")
+            texts.append(await asyncio.to_thread(tok.decode, ids))
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        out.append(list(ids))
+    return out, texts
+
+
+def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[list[int]],
+                     logit_bias: dict[int, float] | None = None) -> SamplingParams:
+    caps = state.config.caps
+    where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    max_tokens = body.requested_max_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    longest = max(len(p) for p in prompts)
+    limit = dep.max_model_len
+    if max_tokens is None:
+        max_tokens = min(limit - longest, caps.max_tokens)
+    if longest + max(max_tokens, 1) > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=where,
+        )
+    total = sum(len(p) for p in prompts) + body.n * max_tokens * len(prompts)
+    if total > caps.max_request_tokens:
+        raise _over_request_cap(total, caps.max_request_tokens, body.n, len(prompts), max_tokens)
+
+    def pick(value, default):  # noqa: ANN001, ANN202 - None means "the default"
+        return default if value is None else value
+
+    return SamplingParams(
+        n=body.n,
+        temperature=pick(body.temperature, 1.0),
+        top_p=pick(body.top_p, 1.0),
+        top_k=pick(body.top_k, -1),
+        min_p=pick(body.min_p, 0.0),
+        seed=body.seed,
+        presence_penalty=pick(body.presence_penalty, 0.0),
+        frequency_penalty=pick(body.frequency_penalty, 0.0),
+        repetition_penalty=pick(body.repetition_penalty, 1.0),
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs_count,
+        skip_special_tokens=body.skip_special_tokens,
+        logit_bias=logit_bias,
+    )

@@ -1,0 +1,64 @@
+"""Where rate windows, token reservations and daily quotas live: the one seam the guard charges.
+
+Two backends answer the same two calls, so the guard, its errors and its headers do not depend
+on where the counters are:
+- `StoreLimits` (the default): the gateway's SQL store, one transaction per reservation
+  (exact across the gateways that share one PostgreSQL database or one SQLite file);
+- `tokenpath.gateway.redis_limits.RedisLimits` (`serve --redis-url`): atomic Lua scripts in
+  Redis, for several gateways that should not put every request through one SQL row lock.
+
+Keys, tenants and the audit log stay in the SQL store either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from tokenpath.gateway.base import Limits
+from tokenpath.gateway.limiter import Verdict
+from tokenpath.gateway.store import Admitted, GatewayStore
+
+
+class LimitsBackend(Protocol):
+    async def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                      tokens: int, now: float) -> Admitted:
+        """Decide and, when allowed, charge `tokens` to the key and its tenant, atomically."""
+        ...
+
+    async def adjust(self, admission_id: int | str, key_prefix: str, tenant: str, key_limits: Limits,
+                     tenant_limits: Limits, day: int, reserved: int, tokens: int, now: float) -> Verdict:
+        """Re-size an admission reserved on an estimate to the exact count, atomically: growth is
+        decided as if `tokens` had been asked for at first; a refusal removes the admission."""
+        ...
+
+    async def reconcile(self, admission_id: int | str, key_prefix: str, tenant: str, day: int,
+                        reserved: int, used: int) -> None:
+        """Replace a reservation by the real use (in its window and in the day it was charged to)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class StoreLimits:
+    """The SQL store's limits, off the event loop (its calls are synchronous and short)."""
+
+    def __init__(self, store: GatewayStore) -> None:
+        self.store = store
+
+    async def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                      tokens: int, now: float) -> Admitted:
+        return await asyncio.to_thread(self.store.reserve, key_prefix, tenant, key_limits, tenant_limits,
+                                       tokens, now)
+
+    async def adjust(self, admission_id: int | str, key_prefix: str, tenant: str, key_limits: Limits,
+                     tenant_limits: Limits, day: int, reserved: int, tokens: int, now: float) -> Verdict:
+        return await asyncio.to_thread(self.store.adjust, int(admission_id), key_prefix, tenant, key_limits,
+                                       tenant_limits, day, reserved, tokens, now)
+
+    async def reconcile(self, admission_id: int | str, key_prefix: str, tenant: str, day: int,
+                        reserved: int, used: int) -> None:
+        await asyncio.to_thread(self.store.reconcile, int(admission_id), key_prefix, tenant, day, reserved, used)
+
+    async def aclose(self) -> None:
+        return None  # the store is the guard's, closed with it

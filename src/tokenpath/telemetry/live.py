@@ -1,0 +1,95 @@
+"""The dashboard's data: requests in flight (and the stage each is in), recent ones, and
+per-stage percentiles, queue depth per priority band, KV usage and tokens per replica.
+
+One `LiveRequests` per app (it lives on the app's state, never in a module global). The API
+layer tells it when a request starts and ends; everything else is read from the Timelines and
+from the deployments' replicas at the moment the dashboard asks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenpath.telemetry.record import FinishedRequest
+from tokenpath.telemetry.request_log import request_fields
+from tokenpath.telemetry.stages import STAGES, current_stage, stage_ms
+from tokenpath.telemetry.timeline import Timeline
+
+
+@dataclass
+class _Live:
+    timeline: Timeline
+    endpoint: str
+
+
+def _quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class LiveRequests:
+    def __init__(self, keep: int = 500) -> None:
+        self.inflight: dict[str, _Live] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.tokens_by_replica: Counter[str] = Counter()
+
+    def started(self, timeline: Timeline, endpoint: str) -> None:
+        self.inflight[timeline.request_id] = _Live(timeline, endpoint)
+
+    def finished(self, rec: FinishedRequest) -> None:
+        self.inflight.pop(rec.request_id, None)
+        row = request_fields(rec)
+        row.pop("prompt_text", None)
+        row.pop("completion_text", None)
+        row["time"] = rec.timeline.wall_start
+        row["stages_ms"] = stage_ms(rec.timeline)  # the six stages, for the waterfall
+        self.recent.append(row)
+        if rec.replica:
+            self.tokens_by_replica[rec.replica] += rec.completion_tokens
+
+    def snapshot(self, deployments: Iterable[Any], window_s: float = 300.0, show: int = 30) -> dict[str, Any]:
+        now_wall, now = time.time(), time.monotonic()
+        inflight = []
+        for rid, live in list(self.inflight.items()):
+            t = live.timeline
+            so_far = stage_ms(t)
+            stage = current_stage(t)
+            if stage in STAGES:  # the stage it is in now, up to this moment
+                so_far[stage] = round(max(0.0, so_far["total"] - sum(v for k, v in so_far.items() if k != "total")), 1)
+            inflight.append({
+                "request_id": rid, "endpoint": live.endpoint, "stage": stage,
+                "model": t.attrs.get("deployment"), "tenant": t.attrs.get("tenant"),
+                "replica": t.attrs.get("replica"), "age_ms": round((now - t.stamps["received"]) * 1000, 1),
+                "tokens": len(getattr(t, "token_times", ())), "stages_ms": so_far,
+            })
+        recent = [r for r in self.recent if r["time"] >= now_wall - window_s]
+        per_stage: dict[str, dict[str, float | int]] = {}
+        for stage in (*STAGES, "total"):
+            values = [r["stages_ms"][stage] for r in recent if stage in r["stages_ms"] and r["status"] == 200]
+            if values:
+                per_stage[stage] = {"p50": _quantile(values, 0.5), "p99": _quantile(values, 0.99), "n": len(values)}
+        return {"time": now_wall, "window_s": window_s, "inflight": inflight, "recent": list(recent)[-show:][::-1],
+                "stages": per_stage, "deployments": [_deployment(d, self.tokens_by_replica) for d in deployments]}
+
+
+def _deployment(dep: Any, finished_tokens: Counter[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": dep.name, "task": dep.task, "queue_by_band": {}, "replicas": []}
+    if dep.task == "embedding" or not dep.replicas:
+        return out
+    flow = dep.flow
+    bands: Counter[str] = Counter()
+    for (band, _tenant), n in flow.queue.depth().items():
+        bands[str(band)] += n
+    out["queue_by_band"] = dict(bands)
+    for handle in flow.pool.handles.values():
+        s = handle.state()
+        engine = getattr(handle.replica, "engine", None)
+        tokens = engine.state().generation_tokens if engine is not None else finished_tokens[handle.name]
+        out["replicas"].append({"name": handle.name, "healthy": s.healthy, "running": s.running,
+                                "waiting": s.waiting, "kv_usage": round(s.kv_usage, 4),
+                                "inflight": handle.inflight, "generation_tokens": tokens})
+    return out

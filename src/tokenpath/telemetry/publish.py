@@ -1,0 +1,27 @@
+"""Where a finished request goes: its spans, its log line, its metrics and the dashboard.
+
+Called once per request from `RequestRun.finish()`. Each consumer is isolated: a failing
+exporter or a full disk never changes the client's answer or stops the others.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenpath.telemetry.live import LiveRequests
+from tokenpath.telemetry.metrics import ServerMetrics
+from tokenpath.telemetry.record import FinishedRequest
+from tokenpath.telemetry.request_log import log_request
+from tokenpath.telemetry.tracing import record_trace
+
+log = logging.getLogger("tokenpath.telemetry")
+
+
+def publish(rec: FinishedRequest, metrics: ServerMetrics, live: LiveRequests) -> None:
+    steps = (("trace", lambda: record_trace(rec)), ("log", lambda: log_request(rec)),
+             ("metrics", lambda: metrics.observe_finished(rec)), ("live", lambda: live.finished(rec)))
+    for what, step in steps:
+        try:
+            step()
+        except Exception:
+            log.exception("%s failed for %s", what, rec.request_id)

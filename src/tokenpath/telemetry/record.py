@@ -1,0 +1,104 @@
+"""What telemetry is told about a request once it has ended: one typed record.
+
+The API layer builds a `FinishedRequest` in `RequestRun.finish()` (the one place every request
+ends, whatever way it ends); spans, the request log line, the metrics and the dashboard's
+recent list are all derived from it and from its Timeline. It holds no secret: the key's short
+prefix only, and prompt/completion text only when `TOKENPATH_AUDIT_TEXT=1` put it there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from tokenpath.telemetry.stages import stage_durations, stage_ms
+from tokenpath.telemetry.timeline import Timeline
+
+# (status, error code) -> the rejection reason counted on /metrics; status alone when the code is free.
+_REJECTION_BY_CODE = {
+    "rate_limit_exceeded": "rate_limit", "quota_exceeded": "rate_limit",
+    "queue_full": "admission", "tenant_queue_full": "admission", "no_healthy_replica": "admission",
+    "deadline_unreachable": "deadline", "deadline_exceeded": "deadline",
+}
+_REJECTION_BY_STATUS = {401: "auth", 403: "acl", 504: "deadline"}
+
+
+def audit_text_enabled() -> bool:
+    """Prompt/completion text leaves the process only when the operator asked for it."""
+    return os.environ.get("TOKENPATH_AUDIT_TEXT") == "1"
+
+
+@dataclass
+class FinishedRequest:
+    timeline: Timeline
+    endpoint: str  # "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+    status: int
+    requested_model: str | None = None
+    model: str | None = None  # the deployment that served it
+    error_type: str | None = None
+    error_code: str | None = None
+    tenant: str = "anonymous"
+    key_prefix: str | None = None
+    client_request_id: str | None = None  # the client's x-request-id, when it sent one
+    priority: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    server_address: str | None = None
+    server_port: int | None = None
+    incoming_headers: dict[str, str] = field(default_factory=dict)  # traceparent/tracestate only
+    # When each output token of the first choice reached the API (monotonic): ITL as clients see it,
+    # the same whether the engine is in this process or behind a link.
+    token_times: list[float] = field(default_factory=list)
+    prompt_text: str | None = None
+    completion_text: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.timeline.request_id
+
+    @property
+    def operation(self) -> str:
+        """GenAI semconv's operation name."""
+        if self.endpoint.endswith("embeddings"):
+            return "embeddings"
+        return "chat" if "chat" in self.endpoint else "text_completion"
+
+    @property
+    def replica(self) -> str | None:
+        r = self.timeline.attrs.get("replica")
+        return None if r is None else str(r)
+
+    @property
+    def rejection_reason(self) -> str | None:
+        """Why the gateway refused it (auth, acl, rate_limit, admission, deadline), if it did."""
+        if self.status < 400 or self.status == 499:
+            return None
+        by_code = _REJECTION_BY_CODE.get(self.error_code or "")
+        if by_code is not None and self.status in (400, 429, 503, 504):
+            return by_code
+        return _REJECTION_BY_STATUS.get(self.status)
+
+    def stages(self) -> dict[str, float]:
+        return stage_durations(self.timeline)
+
+    def stage_ms(self) -> dict[str, float]:
+        return stage_ms(self.timeline)
+
+    def timing_summary(self) -> dict[str, object]:
+        """What the audit row's `timing` column keeps for `tokenpath trace`: stage ms and the
+        decisions that explain them."""
+        a = self.timeline.attrs
+        out: dict[str, object] = {"stages_ms": self.stage_ms()}
+        for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
+                    "retried_after", "preemptions"):
+            if a.get(key) is not None:
+                out[key] = a[key]
+        if self.priority is not None:
+            out["priority"] = self.priority
+        return out

@@ -1,0 +1,80 @@
+"""One request's stages as a terminal waterfall (what `tokenpath trace` prints).
+
+Pure formatting over the audit row's fields and its `timing` JSON: each stage is a bar that
+starts where the previous one ended, to scale with the total, with its ms and share.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenpath.telemetry.stages import STAGES, dominant_stage
+
+WIDTH = 48
+
+
+def timing_of(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's stage ms and routing facts; rows written before the `timing` column get the
+    old queue/prefill/decode/total seconds instead."""
+    if row.get("timing"):
+        return json.loads(row["timing"])
+    stages = {k: round(row[f"{k}_s"] * 1000, 1) for k in ("queue", "prefill", "decode", "total")
+              if row.get(f"{k}_s") is not None}
+    return {"stages_ms": stages}
+
+
+def summary(row: dict[str, Any]) -> dict[str, Any]:
+    """What `--json` prints for one request: the stages with shares, and why it went where it went."""
+    timing = timing_of(row)
+    stages: dict[str, float] = timing.get("stages_ms", {})
+    total = stages.get("total") or sum(v for k, v in stages.items() if k != "total")
+    dominant = dominant_stage(stages)
+    return {
+        "request_id": row["request_id"], "time": row["time"], "model": row.get("model"), "status": row["status"],
+        "endpoint": row.get("endpoint"), "tenant": row.get("tenant"), "finish_reason": row.get("finish_reason"),
+        "error_type": row.get("error_type"), "prompt_tokens": row.get("prompt_tokens"),
+        "cached_tokens": row.get("cached_tokens"), "completion_tokens": row.get("completion_tokens"),
+        "replica": timing.get("replica"), "routing_policy": timing.get("policy"),
+        "routing_reason": timing.get("reason"), "admission": timing.get("admission"),
+        "trace_id": timing.get("trace_id"), "total_ms": total,
+        "stages": [{"stage": k, "ms": v, "percent": round(100 * v / total, 1) if total else 0.0}
+                   for k, v in stages.items() if k != "total"],
+        "dominant_stage": dominant,
+    }
+
+
+def render(s: dict[str, Any]) -> str:
+    total = s["total_ms"] or 0.0
+    head = (f"{s['request_id']}  {s['model'] or '-'}  status {s['status']}"
+            f"{'  ' + s['finish_reason'] if s.get('finish_reason') else ''}"
+            f"{'  error ' + s['error_type'] if s.get('error_type') else ''}")
+    facts = [f"replica {s['replica'] or '-'}",
+             f"tokens {s['prompt_tokens'] or 0} prompt ({s['cached_tokens'] or 0} cached) + "
+             f"{s['completion_tokens'] or 0} completion"]
+    if s.get("routing_policy") or s.get("routing_reason"):
+        facts.append(f"routing {s.get('routing_policy') or '-'}: {s.get('routing_reason') or '-'}")
+    if s.get("trace_id"):
+        facts.append(f"trace {s['trace_id']}")
+    lines = [head, "  " + "  |  ".join(facts), f"  {'stage':<13}{'ms':>10}{'%':>7}  0{'':{WIDTH - 6}}{total:.0f} ms"]
+    offset = 0.0
+    order = {k: i for i, k in enumerate(STAGES)}
+    for st in sorted(s["stages"], key=lambda x: order.get(x["stage"], len(order))):
+        start = int(round(WIDTH * offset / total)) if total else 0
+        width = int(round(WIDTH * (offset + st["ms"]) / total)) - start if total else 0
+        bar = " " * start + ("█" * width if width else "▏")
+        lines.append(f"  {st['stage']:<13}{st['ms']:>10.1f}{st['percent']:>6.1f}%  {bar}")
+        offset += st["ms"]
+    lines.append(f"  {'total':<13}{total:>10.1f}{100.0 if total else 0.0:>6.1f}%")
+    if s["dominant_stage"]:
+        share = next(x["percent"] for x in s["stages"] if x["stage"] == s["dominant_stage"])
+        lines.append(f"  dominant stage: {s['dominant_stage']} ({share:.1f}% of the total)")
+    return "\n".join(lines)
+
+
+def render_slowest(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'total ms':>10}  {'dominant':<13}{'status':>6}  {'model':<24}request id"]
+    for s in rows:
+        lines.append(f"{s['total_ms']:>10.1f}  {s['dominant_stage'] or '-':<13}{s['status']:>6}  "
+                     f"{(s['model'] or '-')[:23]:<24}{s['request_id']}")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""`GET /dashboard` in a real browser: Debian's chromium (`/usr/bin/chromium`, installed by
+`.ci/run`; Playwright never downloads one) driven by Playwright for Python.
+
+While a long request streams, the page shows it in flight in `decode`; after it finishes, its
+waterfall appears among the recent requests. The page and its data need the admin key (an admin
+key, `tokenpath keys create --admin`) because this server has keys. A screenshot is kept under
+`test-artifacts/` (gitignored).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.telemetry.conftest import Served, chat
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/run does)")
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_dashboard_needs_the_admin_key(served: Served, http: httpx.Client):
+    assert http.get("/dashboard").status_code == 401
+    assert http.get("/dashboard/data").status_code == 401
+    assert http.get("/dashboard/data", headers=served.headers("acme")).status_code == 403
+    assert http.get("/dashboard/data", headers=served.headers("admin")).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served, browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.add_cookies([{"name": "tokenpath_admin", "value": served.keys["admin"], "url": served.url + "/dashboard"}])
+    page = context.new_page()
+    page.goto(served.url + "/dashboard")
+    page.wait_for_selector("#status:has-text('live')", timeout=15_000)
+
+    started = threading.Event()
+    request_id: list[str] = []
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            with httpx.Client(base_url=served.url, timeout=300) as client, client.stream(
+                    "POST", "/v1/chat/completions", headers=served.headers(),
+                    json=chat(120, stream=True, ignore_eos=True)) as resp:
+                request_id.append(resp.headers["x-request-id"])
+                started.set()
+                for _ in resp.iter_lines():
+                    pass
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+            started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    try:
+        assert started.wait(120) and not errors, errors
+        rid = request_id[0]
+        row = page.wait_for_selector(f"tr.inflight-row[data-request-id='{rid}'][data-stage='decode']", timeout=60_000)
+        assert "decode" in row.inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-decode.png"), full_page=True)
+        worker.join(300)
+        assert not worker.is_alive() and not errors, errors
+        page.wait_for_selector(f"tr.recent-row[data-request-id='{rid}'] .seg[data-stage='decode']", timeout=15_000)
+        assert page.query_selector(f"tr.inflight-row[data-request-id='{rid}']") is None
+        assert page.query_selector("#stages tr[data-stage='decode']") is not None
+        assert page.query_selector("#replicas tr[data-replica]") is not None
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    finally:
+        worker.join(300)
+        context.close()
+
+
+def test_chromium_is_debians(browser):
+    assert shutil.which("chromium") == CHROMIUM or Path(CHROMIUM).exists()
+    assert browser.version
