@@ -25,8 +25,10 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | Non
     # One engine request per prompt: a batched completions request (ids `<id>-<i>`) is finished
     # when its last prompt is, which the gateway stamps itself.
     whole = out.request_id == timeline.request_id
+    # `finished` is when the gateway holds the last delta (receipt), not the engine's own finish:
+    # the request is done for the client only then, and a remote engine's spans end before it.
     for name, at in (("scheduled", ev.scheduled), ("first_token", ev.first_token),
-                     ("finished", ev.finished if out.finished and whole else None)):
+                     ("finished", now if out.finished and whole else None)):
         if at is None and name == "first_token" and any(c.token_ids for c in out.outputs):
             at = now  # a replica without engine events: the first token arrived now
         if at is None:

@@ -26,6 +26,7 @@ import time
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.wire import FrameError, decode_request, encode_output, pack, read_frame
+from tokenpath.telemetry.engine_spans import record_engine_trace
 
 log = logging.getLogger("tokenpath.engine.link")
 
@@ -60,13 +61,15 @@ class Outbox:
 
 
 class LinkServer:
-    def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False) -> None:
+    def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False,
+                 tracer_provider: object | None = None) -> None:
         if not secret:
             raise ValueError("the engine link needs a secret")
         self.engine = engine
         self.secret = secret.encode()
         self.exit_on_close = exit_on_close
         self.done = asyncio.Event()
+        self.tracer_provider = tracer_provider  # the engine's spans, when tracing is on
         self._server: asyncio.Server | None = None
 
     async def start(self, sock: socket.socket) -> None:
@@ -151,13 +154,21 @@ class LinkServer:
 
     async def _run(self, request, outbox: Outbox) -> None:  # noqa: ANN001 - GenerateRequest
         rid = request.request_id
+        completion = 0
         try:
             async for out in self.engine.generate(request):
                 outbox.send(encode_output(out))
+                completion += sum(len(c.token_ids) for c in out.outputs)
                 if out.finished:
                     log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
                              ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
                              out.num_cached_tokens, out.num_preemptions)
+                    ev = out.events
+                    record_engine_trace(self.tracer_provider, traceparent=request.traceparent,  # type: ignore[arg-type]
+                                        request_id=rid, model=self.engine.model_name, queued=ev.queued,
+                                        scheduled=ev.scheduled, first_token=ev.first_token, finished=ev.finished,
+                                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion,
+                                        cached_tokens=out.num_cached_tokens, preemptions=out.num_preemptions)
             await outbox.drain()
         except asyncio.CancelledError:
             log.info("request %s aborted by the gateway", rid)

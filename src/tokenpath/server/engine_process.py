@@ -96,9 +96,16 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
     else:
         sock = socket.create_server((config.host, config.port))
     engine_cfg = config.engine.model_copy(update={"model": config.models[0]})
+    from tokenpath.telemetry.otel import setup_tracing
+
+    try:  # the gateway's --otlp-endpoint reaches it as OTEL_EXPORTER_OTLP_ENDPOINT
+        provider = setup_tracing(None, service_name="tokenpath-engine")
+    except ValueError as exc:
+        log.warning("tracing off in the engine process: %s", exc)
+        provider = None
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     await engine.start()
-    server = LinkServer(engine, secret, exit_on_close=args.exit_with_link)
+    server = LinkServer(engine, secret, exit_on_close=args.exit_with_link, tracer_provider=provider)
     await server.start(sock)
     host, port = sock.getsockname()[:2]
     print(f"tokenpath engine: serving {engine.model_name} on the engine link at {host}:{port} (pid {os.getpid()})",
@@ -109,4 +116,6 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
     await server.done.wait()
     await server.close()
     await engine.shutdown()
+    if provider is not None:
+        provider.shutdown()  # flush the last spans
     return 0
