@@ -7,7 +7,7 @@ splits a multi-byte UTF-8 character.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -109,5 +109,5 @@ class OutputProcessor:
             return None
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
-                             finished=req.finished, events=replace(req.events),
+                             finished=req.finished, events=req.events.snapshot(),
                              num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt)

@@ -40,11 +40,18 @@ class EngineEvents:
     scheduled: float | None = None  # first scheduled (any choice)
     first_token: float | None = None  # first token sampled (any choice)
     finished: float | None = None  # every choice finished
+    # (end of step, tokens) of each prefill chunk of choice 0, for the trace's prefill span events.
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)
 
     def shifted(self, by: float) -> EngineEvents:
         """The same events in another clock (`by` = that clock minus this one)."""
         f = lambda t: None if t is None else t + by  # noqa: E731
-        return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished))
+        return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished),
+                            [(t + by, n) for t, n in self.prefill_chunks])
+
+    def snapshot(self) -> EngineEvents:
+        """A copy the engine thread will not change afterwards."""
+        return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks))
 
 
 @dataclass

@@ -77,7 +77,8 @@ def encode_output(out: RequestOutput) -> dict:
     """Without the prompt ids and text: the receiver has them (it sent the request)."""
     ev = out.events
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
-            "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished],
+            "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
+                                               [list(c) for c in ev.prefill_chunks]],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs]}
 
@@ -91,5 +92,11 @@ def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
             for i, text, ids, lps, reason, stop in d["outs"]]
     return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
                          num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
-                         events=EngineEvents(*d["ev"]), num_preemptions=int(d.get("pre", 0)),
+                         events=_events(d["ev"]), num_preemptions=int(d.get("pre", 0)),
                          prompt=request.prompt)
+
+
+def _events(ev: list) -> EngineEvents:
+    queued, scheduled, first_token, finished, *rest = ev
+    chunks = [(float(t), int(n)) for t, n in rest[0]] if rest else []
+    return EngineEvents(queued, scheduled, first_token, finished, chunks)

@@ -38,5 +38,8 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | Non
         floor = timeline.stamps[name]
     if out.num_cached_tokens:
         timeline.attrs["cached_tokens"] = out.num_cached_tokens
+    if ev.prefill_chunks:
+        timeline.attrs["prefill_chunks"] = [(min(max(t, timeline.stamps.get("scheduled", t)), now), n)
+                                            for t, n in ev.prefill_chunks]
     if out.num_preemptions:
         timeline.attrs["preemptions"] = out.num_preemptions

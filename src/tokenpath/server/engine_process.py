@@ -104,6 +104,10 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
         log.warning("tracing off in the engine process: %s", exc)
         provider = None
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
+    if provider is not None:  # prefill chunks for the trace's prefill span, as in-process
+        from tokenpath.telemetry.tracing import annotate_step
+
+        engine.core.step_observers.append(annotate_step)
     await engine.start()
     server = LinkServer(engine, secret, exit_on_close=args.exit_with_link, tracer_provider=provider)
     await server.start(sock)

@@ -186,22 +186,19 @@ def _decode_attributes(rec: FinishedRequest) -> dict[str, Any]:
 
 
 def annotate_step(scheduled: Sequence[tuple[Any, int]], started: float, ended: float) -> None:
-    """An engine step observer: prefill chunks and preemptions onto each request's Timeline
-    (the engine thread writes; the request's own spans read them once it has finished). Never
-    raises: telemetry must not be what stops a step loop."""
+    """An engine step observer: prefill chunks onto each request's engine events (the engine
+    thread writes; the replica boundary copies them onto the Timeline, the request's spans read
+    them once it has finished). Never raises: telemetry must not be what stops a step loop."""
     try:
         for seq, n in scheduled:
-            # The engine no longer holds the gateway's Timeline (its events travel back in
-            # RequestOutput.events); a sequence that carries one (an embedder's) is annotated.
-            tl = getattr(seq, "timeline", None)
-            if tl is None or seq.index != 0:
+            # Onto the request's engine events (which travel back to the gateway with its outputs,
+            # in-process or across a process boundary), not onto a Timeline: the engine has none.
+            events = getattr(seq, "events", None)
+            if events is None or seq.index != 0:
                 continue
-            # A prefill chunk: no first token before this step (a finished sequence's counters are
-            # already reset, so they cannot tell).
-            first = seq.events.first_token
+            # A prefill chunk: no first token before this step.
+            first = events.first_token
             if first is None or first >= started:
-                tl.attrs.setdefault("prefill_chunks", []).append((round(ended, 6), n))
-            if seq.num_preemptions:
-                tl.attrs["preemptions"] = seq.num_preemptions
+                events.prefill_chunks.append((round(ended, 6), n))
     except Exception:
         log.exception("annotating an engine step failed")
