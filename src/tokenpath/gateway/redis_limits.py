@@ -2,7 +2,8 @@
 
 Several gateways in front of the same replicas then enforce one key's limits exactly: each
 reservation is one atomic Lua script (read the windows, decide, charge; see `redis_scripts`),
-and each request's end reconciles it (gives back what was reserved but not used). The decision,
+re-sized by another once the prompt is tokenized (the API reserves on an estimate first), and
+each request's end reconciles it (gives back what was reserved but not used). The decision,
 messages and `x-ratelimit-*` headers are those of the SQL store (`limiter.decide` over the
 snapshot the script returns), so clients cannot tell which backend holds the counters.
 
