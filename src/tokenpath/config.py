@@ -37,6 +37,10 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    # auto: GGUF weights run on the native CPU kernels in their own blocks (torch float32 when the
+    # kernels are not built or the CPU lacks AVX2); none: torch float path; q8_0: every matrix Q8_0
+    # on the native kernels, safetensors checkpoints included (quantized at load).
+    quantization: Literal["auto", "none", "q8_0"] = "auto"
     block_size: int = Field(16, ge=1, le=256)
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
