@@ -75,7 +75,7 @@ def native_library() -> NativeLibrary | None:
     lib.tp_cpu_features.restype = _I
     lib.tp_quantize.argtypes = [_I, _P, _I, _I, _P]
     lib.tp_dequantize_row.argtypes = [_I, _P, _I, _P]
-    lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I]
+    lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
     lib.tp_model_create.restype = _P
     lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P]
     lib.tp_model_free.argtypes = [_P]
@@ -111,12 +111,14 @@ def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndar
     return out
 
 
-def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, isa: int, threads: int) -> np.ndarray:
-    """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly."""
+def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, isa: int, threads: int,
+         exact: bool = False) -> np.ndarray:
+    """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly, or
+    (exact) kept in float32 against weights dequantized in registers."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape[0], w.shape[0]
     if x.shape[1] != k or w.shape[1] != row_bytes(wtype, k):
         raise ValueError(f"shape mismatch: x {x.shape}, w {w.shape} for K={k}")
     y = np.empty((m, n), dtype=np.float32)
-    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads)
+    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, int(exact))
     return y

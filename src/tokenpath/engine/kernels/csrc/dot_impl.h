@@ -76,7 +76,43 @@ static inline void tile(const uint8_t* w, const QAct& a, int m0, float* out) {
     for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]) + corr[r];
 }
 
-template <int WT>
+// The exact variant: float activations against weights dequantized in registers (no int8 rounding
+// of the activations). Each block becomes 4 x 8 floats once (w = d*q + m, with m = -8d for Q4_0 and
+// 0 for Q8_0), then every activation row of the tile costs 4 FMAs per block.
+template <int WT, int MR>
+static inline void tile_f32(const uint8_t* w, const QAct& a, int m0, float* out) {
+    constexpr size_t BB = WT == W_Q4_0 ? 18 : WT == W_Q4_1 ? 20 : 34;
+    const int nb = a.nb;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b, w += BB) {
+        const float dw = h2f(w);
+        __m256i q;  // the block's 32 integer weights as bytes (nibbles 0..15 for Q4: sign-safe)
+        if constexpr (WT == W_Q8_0) q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+        else q = unpack_q4(w + (WT == W_Q4_1 ? 4 : 2));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m256 vd = _mm256_set1_ps(dw);
+        const __m256 vm = _mm256_set1_ps(WT == W_Q4_1 ? h2f(w + 2) : WT == W_Q4_0 ? -8.f * dw : 0.f);
+        const __m256 wf[4] = {
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd, vm)};
+        for (int r = 0; r < MR; ++r) {
+            const float* x = a.f + (size_t(m0 + r) * nb + b) * QK;
+            for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(wf[j], _mm256_loadu_ps(x + 8 * j), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int WT, bool EXACT, int MR>
+static inline void tile_any(const uint8_t* w, const QAct& a, int m0, float* out) {
+    if constexpr (EXACT) tile_f32<WT, MR>(w, a, m0, out);
+    else tile<WT, MR>(w, a, m0, out);
+}
+
+template <int WT, bool EXACT>
 static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                    const float* bias, bool accumulate) {
     const size_t row_bytes = size_t(nb) * block_bytes(WT);
@@ -93,23 +129,30 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
         const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
         int m0 = 0;
         for (; m0 + 4 <= M; m0 += 4)
-            for (int n = c0; n < c1; ++n) tile<WT, 4>(w + n * row_bytes, a, m0, out), store(n, m0, 4);
+            for (int n = c0; n < c1; ++n) tile_any<WT, EXACT, 4>(w + n * row_bytes, a, m0, out), store(n, m0, 4);
         const int rest = M - m0;
         for (int n = c0; n < c1 && rest; ++n) {
-            if (rest == 3) tile<WT, 3>(w + n * row_bytes, a, m0, out);
-            else if (rest == 2) tile<WT, 2>(w + n * row_bytes, a, m0, out);
-            else tile<WT, 1>(w + n * row_bytes, a, m0, out);
+            if (rest == 3) tile_any<WT, EXACT, 3>(w + n * row_bytes, a, m0, out);
+            else if (rest == 2) tile_any<WT, EXACT, 2>(w + n * row_bytes, a, m0, out);
+            else tile_any<WT, EXACT, 1>(w + n * row_bytes, a, m0, out);
             store(n, m0, rest);
         }
     }
 }
 
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
-               const float* bias, bool accumulate) {
+               const float* bias, bool accumulate, bool exact) {
+    if (exact) {
+        switch (wtype) {
+            case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+            case W_Q4_1: return gemm_t<W_Q4_1, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+            default: return gemm_t<W_Q8_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        }
+    }
     switch (wtype) {
-        case W_Q4_0: return gemm_t<W_Q4_0>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-        case W_Q4_1: return gemm_t<W_Q4_1>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-        default: return gemm_t<W_Q8_0>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        case W_Q4_0: return gemm_t<W_Q4_0, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        case W_Q4_1: return gemm_t<W_Q4_1, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        default: return gemm_t<W_Q8_0, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     }
 }
 
@@ -152,6 +195,12 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         s4 = _mm_hadd_epi32(s4, s4);
         a.d[off] = d;
         a.s[off] = d * float(_mm_cvtsi128_si32(s4));
+        if (a.f) {  // the exact path's copy: padded floats and their block sum
+            float* f = a.f + off * QK;
+            __m256 t = _mm256_setzero_ps();
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(f + 8 * j, v[j]), t = _mm256_add_ps(t, v[j]);
+            a.fs[off] = hsum(t);
+        }
     }
 }
 

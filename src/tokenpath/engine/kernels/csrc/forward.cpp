@@ -36,28 +36,35 @@ struct Model {
     std::vector<Layer> layers;
     const uint8_t *embed, *head;
     int embed_t, head_t;
+    int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
     const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
     std::vector<int8_t> aq;
-    std::vector<float> ad, as;
+    std::vector<float> ad, as, af, afs;
 };
 
 QAct make_act(Model& m, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
     const size_t need = size_t(rows) * nb;
     if (m.ad.size() < need) m.ad.resize(need), m.as.resize(need), m.aq.resize(need * QK);
-    return QAct{m.aq.data(), m.ad.data(), m.as.data(), nb};
+    QAct a{m.aq.data(), m.ad.data(), m.as.data(), nb};
+    if (m.exact) {
+        if (m.afs.size() < need) m.afs.resize(need), m.af.resize(need * QK);
+        a.f = m.af.data(), a.fs = m.afs.data();
+    }
+    return a;
 }
 
 // y[T, N] (+)= W x over the team: chunks of 16 output rows are shared out statically.
-void gemm_team(const Model& m, int wt, const uint8_t* w, int N, const QAct& a, int T, float* y, int ldy,
-               const float* bias, bool acc) {
+void gemm_team(const Model& m, int kind, int wt, const uint8_t* w, int N, const QAct& a, int T, float* y,
+               int ldy, const float* bias, bool acc) {
+    const bool exact = (m.exact >> kind) & 1;
     const int chunks = (N + 15) / 16;
 #pragma omp for schedule(static)
     for (int c = 0; c < chunks; ++c) {
         const int n1 = (c + 1) * 16 < N ? (c + 1) * 16 : N;
-        m.gemm(wt, w, a.nb, a, T, y, ldy, c * 16, n1, bias, acc);
+        m.gemm(wt, w, a.nb, a, T, y, ldy, c * 16, n1, bias, acc, exact);
     }
 }
 
@@ -110,7 +117,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     auto* m = new Model();
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
-    m->embed_t = dims[9], m->head_t = dims[10];
+    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11];
     m->eps = eps;
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
@@ -178,7 +185,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             ah.nb = (H + QK - 1) / QK;
 #pragma omp for schedule(static)
             for (int t = 0; t < T; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
-            gemm_team(m, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            gemm_team(m, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
             // RoPE on q and k, then write k and v into their cache slots.
 #pragma omp for schedule(static)
             for (int t = 0; t < T; ++t) {
@@ -223,10 +230,10 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             aq.nb = (nq + QK - 1) / QK;
 #pragma omp for schedule(static)
             for (int t = 0; t < T; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
-            gemm_team(m, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // residual add in the epilogue
+            gemm_team(m, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // residual add in the epilogue
 #pragma omp for schedule(static)
             for (int t = 0; t < T; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
-            gemm_team(m, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            gemm_team(m, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
             QAct ai = a;
             ai.nb = (I + QK - 1) / QK;
 #pragma omp for schedule(static)
@@ -235,22 +242,23 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                 for (int i = 0; i < I; ++i) tmp[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
                 m.quant(tmp, I, ai, t);
             }
-            gemm_team(m, L.down_t, L.down, H, ai, T, x, H, nullptr, true);
+            gemm_team(m, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);
         }
         QAct ah = a;
         ah.nb = (H + QK - 1) / QK;
 #pragma omp for schedule(static)
         for (int r = 0; r < S; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
-        gemm_team(m, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        gemm_team(m, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
-void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads) {
+void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
+             int exact) {
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
-    std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb);
-    QAct a{q.data(), d.data(), s.data(), nb};
+    std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
+    QAct a{q.data(), d.data(), s.data(), nb, exact ? f.data() : nullptr, exact ? fs.data() : nullptr};
     const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
 #pragma omp parallel num_threads(nthreads)
@@ -260,7 +268,7 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
         const int chunks = (N + 15) / 16;
 #pragma omp for schedule(static)
         for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 16, (c + 1) * 16 < N ? (c + 1) * 16 : N,
-                                              nullptr, false);
+                                              nullptr, false, exact != 0);
     }
 }
 

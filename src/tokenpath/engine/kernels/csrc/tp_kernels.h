@@ -24,20 +24,23 @@ struct QAct {
     float* d;   // [M][nb] block scale
     float* s;   // [M][nb] d * sum(q): the term that Q4_1's minimum and Q4_0's -8 offset multiply
     int nb;
+    float* f = nullptr;   // optional [M][nb * 32] the float activations, zero-padded (exact path)
+    float* fs = nullptr;  // optional [M][nb] their block sums
 };
 
 // y[m * ldy + n] = sum_k W[n, k] * x[m, k] (+ bias[n]) (+ y if accumulate), for n in [n0, n1).
+// With exact = true the float activations (a.f) multiply weights dequantized in registers instead.
 using GemmRowsFn = void (*)(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy,
-                            int n0, int n1, const float* bias, bool accumulate);
+                            int n0, int n1, const float* bias, bool accumulate, bool exact);
 // Quantizes row x[0..K) into row r of a.
 using QuantRowFn = void (*)(const float* x, int K, QAct& a, int r);
 
 namespace avx2 {
-void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool);
+void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx2
 namespace avx512 {
-void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool);
+void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx512
 
