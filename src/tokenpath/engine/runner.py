@@ -70,7 +70,7 @@ class ModelRunner:
             raise ModelLoadError(f"kv_cache_memory={config.kv_cache_memory} holds fewer than 2 blocks "
                                  f"({per_block} bytes each)")
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device)
+                             self.dtype, self.device, zeroed=lib is None)
         if lib is not None:
             self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len)
         if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):

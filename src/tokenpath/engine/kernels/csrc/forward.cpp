@@ -1,16 +1,21 @@
 // The fused native forward pass of a llama-family decoder, one call per engine step.
 //
 // Why one call: after the matmuls are fast, a 30-layer model run op by op from Python costs
-// ~20 torch ops per layer (milliseconds per step). Here a step is one OpenMP parallel region:
-// work-sharing loops with a barrier between them, RMSNorm fused into activation quantization,
+// ~20 torch ops per layer (milliseconds per step). Here a step is one OpenMP parallel region
+// whose threads walk the same list of phases, claiming work items from an atomic counter (see
+// team_for: no OpenMP barriers), with RMSNorm fused into activation quantization,
 // residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
 // paged attention reading K/V in place from the engine's block pool (no gather copy).
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <omp.h>
 
+#include <sched.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "tp_kernels.h"
@@ -20,6 +25,35 @@ using namespace tp;
 extern "C" void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst);
 
 namespace {
+
+// One work-sharing phase of a step. Items are claimed dynamically and a thread waits only until
+// every item is done, not until every thread arrives: on a shared machine a descheduled thread
+// held OpenMP's barriers for a whole time slice each (decode fell from ~90 to under 1 tok/s with
+// another process busy); here it delays the others by at most the one item it holds.
+struct alignas(64) Phase {
+    std::atomic<int> next{0};
+    alignas(64) std::atomic<int> done{0};
+};
+
+template <class F>
+inline void team_for(Phase* phases, int& idx, int n, int grain, F&& fn) {
+    Phase& p = phases[idx++];
+    const int chunks = (n + grain - 1) / grain;
+    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n);
+        p.done.fetch_add(1, std::memory_order_acq_rel);
+    }
+    for (int spins = 0; p.done.load(std::memory_order_acquire) < chunks; ++spins) {
+        if (spins < 4000) _mm_pause();
+        else sched_yield();  // the item's owner may be waiting for this core
+    }
+}
+
+inline int grain_for(int n, int nthreads, int multiple) {
+    int g = n / (nthreads * 4);
+    g = (g + multiple - 1) / multiple * multiple;
+    return g < multiple ? multiple : g;
+}
 
 struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
@@ -42,6 +76,8 @@ struct Model {
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
     std::vector<int8_t> aq;
     std::vector<float> ad, as, af, afs;
+    std::unique_ptr<Phase[]> phases;
+    size_t n_phases = 0;
 };
 
 QAct make_act(Model& m, int rows, int K) {
@@ -56,16 +92,12 @@ QAct make_act(Model& m, int rows, int K) {
     return a;
 }
 
-// y[T, N] (+)= W x over the team: chunks of 16 output rows are shared out statically.
-void gemm_team(const Model& m, int kind, int wt, const uint8_t* w, int N, const QAct& a, int T, float* y,
-               int ldy, const float* bias, bool acc) {
+// y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
+void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, int wt, const uint8_t* w, int N,
+               const QAct& a, int T, float* y, int ldy, const float* bias, bool acc) {
     const bool exact = (m.exact >> kind) & 1;
-    const int chunks = (N + 15) / 16;
-#pragma omp for schedule(static)
-    for (int c = 0; c < chunks; ++c) {
-        const int n1 = (c + 1) * 16 < N ? (c + 1) * 16 : N;
-        m.gemm(wt, w, a.nb, a, T, y, ldy, c * 16, n1, bias, acc, exact);
-    }
+    team_for(ph, pi, N, grain_for(N, nthreads, 16),
+             [&](int n0, int n1) { m.gemm(wt, w, a.nb, a, T, y, ldy, n0, n1, bias, acc, exact); });
 }
 
 // RMSNorm(x) * weight, quantized straight into activation row r.
@@ -172,83 +204,88 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
     const float scale = 1.f / std::sqrt(float(D));
 
+    const size_t need_phases = 3 + size_t(m.n_layers) * 10;
+    if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
+    for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
+    Phase* ph = m.phases.get();
+    const int rg = grain_for(T, nthreads, 1);  // rows per item for the per-row phases
+
 #pragma omp parallel num_threads(nthreads)
     {
+        int pi = 0;  // this thread's phase index: every thread walks the same sequence
         float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
         float* tmp = scratch + size_t(rep) * max_ctx;
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; ++t) tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * ((H + QK - 1) / QK) *
-                                                                       block_bytes(m.embed_t), H, x + size_t(t) * H);
+        const size_t eb = size_t((H + QK - 1) / QK) * block_bytes(m.embed_t);
+        team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            for (int t = t0; t < t1; ++t) tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+        });
+        QAct ah = a, aq = a, ai = a;
+        ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
         for (int l = 0; l < m.n_layers; ++l) {
             const Layer& L = m.layers[l];
-            QAct ah = a;
-            ah.nb = (H + QK - 1) / QK;
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
-            gemm_team(m, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
+            });
+            gemm_team(m, ph, pi, nthreads, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
             // RoPE on q and k, then write k and v into their cache slots.
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; ++t) {
-                float* row = qkv + size_t(t) * W;
-                const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
-                for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
-                const size_t slot = size_t(slot_mapping[t]);
-                std::memcpy(L.k_cache + slot * nkv, row + nq, sizeof(float) * nkv);
-                std::memcpy(L.v_cache + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
-            }
-            // Attention: one (row, kv head) per work item; its `rep` query heads share each K/V read.
-#pragma omp for schedule(dynamic, 1) collapse(2)
-            for (int t = 0; t < T; ++t) {
-                for (int g = 0; g < m.n_kv; ++g) {
-                    const int ctx = pos[t] + 1;
-                    const int32_t* table = tables + row_table[t];
-                    const float* q = qkv + size_t(t) * W + size_t(g) * rep * D;
-                    float* out = attn + size_t(t) * nq + size_t(g) * rep * D;
-                    for (int j = 0; j < ctx; ++j) {
-                        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-                        const float* k = L.k_cache + slot * nkv + g * D;
-                        for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
-                    }
-                    for (int r = 0; r < rep; ++r) {
-                        float* sc = scratch + r * max_ctx;
-                        float mx = sc[0];
-                        for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
-                        float sum = 0.f;
-                        for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-                        const float inv = 1.f / sum;
-                        for (int j = 0; j < ctx; ++j) sc[j] *= inv;
-                        std::memset(out + r * D, 0, sizeof(float) * D);
-                    }
-                    for (int j = 0; j < ctx; ++j) {
-                        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-                        const float* v = L.v_cache + slot * nkv + g * D;
-                        for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
-                    }
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) {
+                    float* row = qkv + size_t(t) * W;
+                    const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
+                    for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
+                    const size_t slot = size_t(slot_mapping[t]);
+                    std::memcpy(L.k_cache + slot * nkv, row + nq, sizeof(float) * nkv);
+                    std::memcpy(L.v_cache + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
                 }
-            }
-            QAct aq = a;
-            aq.nb = (nq + QK - 1) / QK;
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
-            gemm_team(m, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // residual add in the epilogue
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
-            gemm_team(m, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
-            QAct ai = a;
-            ai.nb = (I + QK - 1) / QK;
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; ++t) {
-                const float* g = gu + size_t(t) * 2 * I;
-                for (int i = 0; i < I; ++i) tmp[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-                m.quant(tmp, I, ai, t);
-            }
-            gemm_team(m, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);
+            });
+            // Attention: one (row, kv head) per item; its `rep` query heads share each K/V read,
+            // straight from the block pool through the row's block table.
+            team_for(ph, pi, T * m.n_kv, 1, [&](int i0, int) {
+                const int t = i0 / m.n_kv, g = i0 % m.n_kv;
+                const int ctx = pos[t] + 1;
+                const int32_t* table = tables + row_table[t];
+                const float* q = qkv + size_t(t) * W + size_t(g) * rep * D;
+                float* out = attn + size_t(t) * nq + size_t(g) * rep * D;
+                for (int j = 0; j < ctx; ++j) {
+                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+                    const float* k = L.k_cache + slot * nkv + g * D;
+                    for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
+                }
+                for (int r = 0; r < rep; ++r) {
+                    float* sc = scratch + r * max_ctx;
+                    float mx = sc[0];
+                    for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
+                    float sum = 0.f;
+                    for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+                    const float inv = 1.f / sum;
+                    for (int j = 0; j < ctx; ++j) sc[j] *= inv;
+                    std::memset(out + r * D, 0, sizeof(float) * D);
+                }
+                for (int j = 0; j < ctx; ++j) {
+                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+                    const float* v = L.v_cache + slot * nkv + g * D;
+                    for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
+                }
+            });
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
+            });
+            gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
+            });
+            gemm_team(m, ph, pi, nthreads, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
+                for (int t = t0; t < t1; ++t) {
+                    const float* g = gu + size_t(t) * 2 * I;
+                    for (int i = 0; i < I; ++i) tmp[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+                    m.quant(tmp, I, ai, t);
+                }
+            });
+            gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
         }
-        QAct ah = a;
-        ah.nb = (H + QK - 1) / QK;
-#pragma omp for schedule(static)
-        for (int r = 0; r < S; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
-        gemm_team(m, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        team_for(ph, pi, S, 1, [&](int r, int) { norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp); });
+        gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
 
