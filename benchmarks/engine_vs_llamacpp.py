@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,10 +37,10 @@ def gguf_path() -> Path:
 
 
 def build_llamacpp() -> Path:
-    """llama-bench and llama-server from the sdist's vendored llama.cpp; cached."""
+    """llama-bench (and llama-server, for run_peers.sh) from the sdist's vendored llama.cpp; cached."""
     src = CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
     bench = src / "build" / "bin" / "llama-bench"
-    if bench.exists() and (src / "build" / "bin" / "llama-server").exists():
+    if bench.exists():
         return bench.parent
     CACHE.mkdir(parents=True, exist_ok=True)
     tarball = CACHE / "llama_cpp_python-0.3.36.tar.gz"
@@ -59,13 +58,22 @@ def build_llamacpp() -> Path:
     return bench.parent
 
 
+def run_measured(cmd: list[str], env: dict) -> tuple[str, int]:
+    """stdout and peak RSS (KiB) of this one child (os.wait4 reports its own rusage)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return out, usage.ru_maxrss
+
+
 def run_llamacpp(bin_dir: Path, threads: int, reps: int) -> dict:
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf_path()), "-t", str(threads), "-p", "256,512", "-n", "128",
            "-r", str(reps), "-o", "json"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    res = {"rss_mib": max(rss, before) / 1024}
+    out, rss_kib = run_measured(cmd, os.environ)
+    res = {"rss_mib": rss_kib / 1024}
     for row in json.loads(out):
         key = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
         res[key] = row["avg_ts"]
@@ -98,15 +106,14 @@ def tokenpath_child(threads: int, quantization: str, reps: int) -> None:
         tg.append(128 / (time.perf_counter() - t))
         assert len(out[0].outputs[0].token_ids) == 129
     res["tg128"] = statistics.mean(tg)
-    res["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(res))
 
 
 def run_tokenpath(threads: int, quantization: str, reps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, __file__, "--tokenpath-child", quantization, "--threads", str(threads),
-                          "--reps", str(reps)], check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    out, rss_kib = run_measured([sys.executable, __file__, "--tokenpath-child", quantization, "--threads",
+                                 str(threads), "--reps", str(reps)], env)
+    return {**json.loads(out.strip().splitlines()[-1]), "rss_mib": rss_kib / 1024}
 
 
 def main() -> None:
@@ -134,10 +141,11 @@ def main() -> None:
             runs[name].append(fn())
             print(f"round {r + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-    write_table(Path(args.out), med, runs, args, loads)
+    best = {k: {m: (min if m == "rss_mib" else max)(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    write_table(Path(args.out), med, best, runs, args, loads)
 
 
-def write_table(path: Path, med: dict, runs: dict, args: argparse.Namespace, loads: list[float]) -> None:
+def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Namespace, loads: list[float]) -> None:
     flags = Path("/proc/cpuinfo").read_text()
     cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
     isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2"
@@ -155,11 +163,16 @@ def write_table(path: Path, med: dict, runs: dict, args: argparse.Namespace, loa
         f"(1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores), "
         "so absolute figures are low and noisy; the ratios compare runs made minutes apart.",
         "",
-        "| figure | " + " | ".join(med) + " | tokenpath / llama.cpp |",
-        "|---|" + "---|" * (len(med) + 1),
+        "Best round = the fastest (for RSS: smallest) of the rounds: the least disturbed by the other jobs.",
+        "",
+        "| figure | " + " | ".join(f"{k} median" for k in med) + " | median ratio | "
+        + " | ".join(f"{k} best" for k in med) + " | best ratio |",
+        "|---|" + "---|" * (2 * len(med) + 2),
     ]
+    lb, tb = best["llama.cpp"], best["tokenpath (native)"]
     for m, unit in (("tg128", "tok/s"), ("pp256", "tok/s"), ("pp512", "tok/s"), ("rss_mib", "MiB")):
-        lines.append(f"| {m} ({unit}) | " + " | ".join(f"{med[k][m]:.1f}" for k in med) + f" | {tp[m] / lc[m]:.2f}x |")
+        lines.append(f"| {m} ({unit}) | " + " | ".join(f"{med[k][m]:.1f}" for k in med) + f" | {tp[m] / lc[m]:.2f}x | "
+                     + " | ".join(f"{best[k][m]:.1f}" for k in best) + f" | {tb[m] / lb[m]:.2f}x |")
     lines += ["", "Per round (tok/s): " + "; ".join(
         f"{k}: " + ", ".join(f"tg {x['tg128']:.0f} / pp256 {x['pp256']:.0f}" for x in v) for k, v in runs.items()), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
