@@ -7,6 +7,7 @@ variables and CLI flags validate the same way.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,12 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    # auto: GGUF weights run on the native CPU kernels in their own blocks (torch float32 when the
+    # kernels are not built or the CPU lacks AVX2); none: torch float path; q8_0: every matrix Q8_0
+    # on the native kernels, safetensors checkpoints included (quantized at load). The default
+    # comes from TOKENPATH_QUANTIZATION when set, so CI can run the whole suite on one path.
+    quantization: Literal["auto", "none", "q8_0"] = Field(
+        default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True)
     block_size: int = Field(16, ge=1, le=256)
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set

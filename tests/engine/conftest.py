@@ -26,7 +26,15 @@ def make_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]
 
 @pytest.fixture(scope="session")
 def smol_llm() -> LLM:
+    """The default engine: the native kernels on the GGUF's blocks when built, else torch float32."""
     return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory="256MiB", max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def smol_llm_fp32() -> LLM:
+    """The torch float32 path on the dequantized weights: what transformers computes, exactly."""
+    return LLM("smollm2-135m-instruct", dtype="float32", quantization="none", kv_cache_memory="256MiB",
+               max_num_seqs=16)
 
 
 @pytest.fixture(scope="session")

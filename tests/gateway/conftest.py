@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from redis_fixtures import drop_namespace, require_redis
 
 from tokenpath.gateway.store import GatewayStore
 
@@ -60,3 +61,23 @@ def store(store_location: str) -> Iterator[GatewayStore]:
     s = GatewayStore(store_location)
     yield s
     s.close()
+
+
+@pytest.fixture
+async def make_limits() -> AsyncIterator[Callable[..., object]]:
+    """RedisLimits on the test Redis server (skips without one), in a namespace of this test's own
+    (dropped afterwards); each call is another gateway's backend, with its own connection pool."""
+    url = require_redis()
+    from tokenpath.gateway.redis_limits import RedisLimits
+
+    namespace = f"tptest-{uuid.uuid4().hex[:10]}"
+    made: list[RedisLimits] = []
+
+    def make(**kw: object) -> RedisLimits:
+        made.append(RedisLimits(url, namespace=namespace, **kw))
+        return made[-1]
+
+    yield make
+    for limits in made:
+        await limits.aclose()
+    await drop_namespace(url, namespace)

@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from redis_fixtures import PrivateRedis, drop_namespace, free_port, require_redis
+from redis_fixtures import PrivateRedis, free_port, require_redis
 
 from tokenpath.errors import InvalidRequestError, RateLimitError, ServiceUnavailableError
 from tokenpath.gateway import Gateway, GatewayStore, Limits
@@ -30,25 +28,6 @@ def store(tmp_path: Path):
     s = GatewayStore(tmp_path / "gateway.sqlite3")
     yield s
     s.close()
-
-
-@pytest.fixture
-async def make_limits() -> AsyncIterator:
-    """RedisLimits on the test server, in a namespace of this test's own (dropped afterwards)."""
-    url = require_redis()
-    from tokenpath.gateway.redis_limits import RedisLimits
-
-    namespace = f"tptest-{uuid.uuid4().hex[:10]}"
-    made: list[RedisLimits] = []
-
-    def make(**kw: object) -> RedisLimits:
-        made.append(RedisLimits(url, namespace=namespace, **kw))
-        return made[-1]
-
-    yield make
-    for limits in made:
-        await limits.aclose()
-    await drop_namespace(url, namespace)
 
 
 async def _try(gw: Gateway, principal, tokens: int):
@@ -160,7 +139,8 @@ async def test_same_decisions_headers_and_retry_after_as_the_sql_store(tmp_path,
         rng = random.Random(13)
         held: list[list] = [[], []]
         outcomes = 0
-        for _ in range(120):
+        adjusted: dict[str, int] = {}
+        for _ in range(160):
             action, who, n = rng.random(), rng.randrange(2), rng.randint(1, 450)
             if action < 0.2:
                 clock.advance(rng.uniform(0, 25))
@@ -184,10 +164,32 @@ async def test_same_decisions_headers_and_retry_after_as_the_sql_store(tmp_path,
                     got.append(("400", exc.message.replace(mask, "KEY")))
             assert got[0] == got[1]
             outcomes += got[0][0] == "429"
+            if got[0][0] == "ok" and rng.random() < 0.7:  # tokenized: the estimate becomes exact
+                exact = max(1, round(n * rng.uniform(0.3, 2.0)))
+                after = [await _adjust(gws[side], held[side][-1], exact, principals[side][who].key_prefix)
+                         for side in (0, 1)]
+                assert after[0] == after[1]
+                kind = ("grow " if exact > n else "shrink ") + after[0][0]
+                adjusted[kind] = adjusted.get(kind, 0) + 1
+                if after[0][0] != "ok":  # refused: the admission is gone on both sides
+                    held[0].pop(), held[1].pop()
         assert outcomes >= 5, "the walk should hit the limits"
+        assert {"grow ok", "grow 429", "shrink ok"} <= set(adjusted), adjusted
     finally:
         sql_store.close()
         redis_store.close()
+
+
+async def _adjust(gw: Gateway, reservation, tokens: int, key_prefix: str | None):
+    """An adjust's outcome in comparable form (the key's prefix differs between the two stores)."""
+    mask = key_prefix or "\0"
+    try:
+        await gw.adjust(reservation, tokens)
+        return ("ok", reservation.headers, reservation.tokens)
+    except RateLimitError as exc:
+        return ("429", exc.headers, round(exc.retry_after, 3), exc.message.replace(mask, "KEY"), reservation.reconciled)
+    except InvalidRequestError as exc:
+        return ("400", exc.message.replace(mask, "KEY"), reservation.reconciled)
 
 
 async def test_unreachable_redis_fails_closed_with_503_and_a_log_line(store, clock, caplog):

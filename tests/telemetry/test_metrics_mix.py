@@ -28,7 +28,7 @@ def _label(labels: tuple, name: str) -> str:
 
 
 def test_status_and_rejection_counters_equal_the_mix(served: Served, http: httpx.Client):
-    before = http.get("/metrics").text
+    before = http.get("/metrics", headers=served.headers("admin")).text
     assert http.post("/v1/chat/completions", json=chat(2), headers=served.headers()).status_code == 200
     assert http.post("/v1/chat/completions", json=chat(2), headers=served.headers("limited_mix")).status_code == 200
     assert http.post("/v1/chat/completions", json=chat(2), headers=served.headers("limited_mix")).status_code == 429
@@ -42,7 +42,7 @@ def test_status_and_rejection_counters_equal_the_mix(served: Served, http: httpx
     expected_status = {"200": 2, "429": 1, "400": 1, "401": 1, "403": 1, "499": 1}
     deadline = time.monotonic() + 30
     while True:  # the disconnect is noticed by the server asynchronously
-        after = http.get("/metrics").text
+        after = http.get("/metrics", headers=served.headers("admin")).text
         got = _delta(_samples(before, "requests_total"), _samples(after, "requests_total"))
         by_status: dict[str, float] = {}
         for labels, n in got.items():

@@ -45,10 +45,14 @@ class KVCache:
     token's slot index addresses it directly."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> None:
+        """zeroed=False leaves the pool unwritten, so its pages become resident only as slots are
+        used: for readers that never touch a slot before writing it (the native kernels). The SDPA
+        path pads gathers with unwritten slots, and a NaN there would survive its mask."""
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        alloc = torch.zeros if zeroed else torch.empty
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

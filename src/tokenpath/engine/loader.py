@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,9 +55,10 @@ def resolve_model_path(name_or_path: str) -> Path:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # our names, float32 on CPU
+    weights: Mapping[str, torch.Tensor]  # our names, float32 on CPU (GGUF: dequantized on access)
     tokenizer_source: Path  # GGUF file or HF directory
     path: Path
+    gguf: GGUFTensors | None = None  # the GGUF's own blocks, for the native kernels
 
 
 def load_model(name_or_path: str) -> LoadedModel:
@@ -89,7 +90,6 @@ def _gguf_field(reader, key: str, path: Path, default=None):
 
 def _load_gguf(path: Path) -> LoadedModel:
     import gguf
-    from gguf.quants import dequantize
 
     try:
         reader = gguf.GGUFReader(path)
@@ -119,34 +119,101 @@ def _load_gguf(path: Path) -> LoadedModel:
         attention_bias="blk.0.attn_q.bias" in tensors,
     )
 
-    def get(name: str) -> np.ndarray:
-        t = tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{path}: tensor '{name}' is missing")
-        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    gguf_tensors = GGUFTensors(path, tensors, config)
+    return LoadedModel(config=config, weights=GGUFWeights(gguf_tensors), tokenizer_source=path, path=path,
+                       gguf=gguf_tensors)
 
-    weights: dict[str, torch.Tensor] = {"embed.weight": torch.from_numpy(get("token_embd.weight").copy())}
-    weights["norm.weight"] = torch.from_numpy(get("output_norm.weight").copy())
-    if not config.tie_word_embeddings:
-        weights["lm_head.weight"] = torch.from_numpy(get("output.weight").copy())
-    for i in range(config.num_layers):
-        b = f"blk.{i}."
-        q, k = get(b + "attn_q.weight"), get(b + "attn_k.weight")
-        if arch == "llama":  # qwen2's converter does not permute
-            q, k = _reverse_rope_permute(q, n_heads), _reverse_rope_permute(k, n_kv)
-        layer = {
-            "q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": get(b + "attn_v.weight"),
-            "o_proj.weight": get(b + "attn_output.weight"),
-            "input_norm.weight": get(b + "attn_norm.weight"), "post_norm.weight": get(b + "ffn_norm.weight"),
-            "gate_proj.weight": get(b + "ffn_gate.weight"), "up_proj.weight": get(b + "ffn_up.weight"),
-            "down_proj.weight": get(b + "ffn_down.weight"),
-        }
-        if config.attention_bias:
-            for p in "qkv":
-                layer[f"{p}_proj.bias"] = get(b + f"attn_{p}.bias")
-        for k_, v in layer.items():
-            weights[f"layers.{i}.{k_}"] = torch.from_numpy(np.array(v, dtype=np.float32))
-    return LoadedModel(config=config, weights=weights, tokenizer_source=path, path=path)
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One GGUF tensor as stored: `data` is [rows, bytes per row] of blocks for quantized types,
+    [rows, cols] of values for float types; `ggml_type` is gguf's GGMLQuantizationType number."""
+
+    ggml_type: int
+    data: np.ndarray
+    rows: int
+    cols: int
+
+
+class GGUFTensors:
+    """The GGUF's tensors under our names, rows already in the Hugging Face (rotate-half) order.
+    The native kernels read the quantized blocks as they are; the torch path dequantizes."""
+
+    def __init__(self, path: Path, tensors: dict, config: ModelConfig) -> None:
+        self.path, self.config = path, config
+        self._tensors = tensors
+        self.names: dict[str, str] = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+        if not config.tie_word_embeddings:
+            self.names["lm_head.weight"] = "output.weight"
+        for i in range(config.num_layers):
+            for ours, theirs in _GGUF_LAYER_NAMES.items():
+                self.names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+            if config.attention_bias:
+                for p in "qkv":
+                    self.names[f"layers.{i}.{p}_proj.bias"] = f"blk.{i}.attn_{p}.bias"
+        missing = [t for t in self.names.values() if t not in tensors]
+        if missing:
+            raise ModelLoadError(f"{path}: tensor '{missing[0]}' is missing")
+
+    def raw(self, name: str) -> RawTensor:
+        t = self._tensors.get(self.names[name])
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor '{self.names[name]}' is missing")
+        data = np.asarray(t.data)
+        cols = int(t.shape[0])  # gguf lists dims fastest first
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        data = data.reshape(rows, -1)
+        heads = self._rope_heads(name)
+        if heads:  # whole rows move, so quantized blocks (laid out along a row) move intact
+            data = _reverse_rope_permute(data, heads)
+        return RawTensor(ggml_type=int(t.tensor_type), data=data, rows=rows, cols=cols)
+
+    def dequantized(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors.get(self.names[name])
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor '{self.names[name]}' is missing")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        heads = self._rope_heads(name)
+        return _reverse_rope_permute(w, heads) if heads else w
+
+    def _rope_heads(self, name: str) -> int:
+        """llama's converter permutes Q/K rows (qwen2's does not): the head count to undo it with."""
+        if self.config.architecture != "llama":
+            return 0
+        if name.endswith("q_proj.weight"):
+            return self.config.num_heads
+        if name.endswith("k_proj.weight"):
+            return self.config.num_kv_heads
+        return 0
+
+
+_GGUF_LAYER_NAMES = {
+    "q_proj.weight": "attn_q.weight", "k_proj.weight": "attn_k.weight", "v_proj.weight": "attn_v.weight",
+    "o_proj.weight": "attn_output.weight", "input_norm.weight": "attn_norm.weight",
+    "post_norm.weight": "ffn_norm.weight", "gate_proj.weight": "ffn_gate.weight",
+    "up_proj.weight": "ffn_up.weight", "down_proj.weight": "ffn_down.weight",
+}
+
+
+class GGUFWeights(Mapping):
+    """float32 weights dequantized on first access: the native path never asks for them, so a
+    quantized model never holds a float32 copy (540 MB for SmolLM2-135M)."""
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self._t = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._t.names:
+            raise KeyError(name)
+        return torch.from_numpy(np.array(self._t.dequantized(name), dtype=np.float32))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t.names)
+
+    def __len__(self) -> int:
+        return len(self._t.names)
 
 
 # ---------------------------------------------------------------- Hugging Face directory

@@ -13,6 +13,7 @@ import torch
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from tokenpath.engine.kernels.model import NativeLlama, select_native
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.models.llama import LlamaModel
 from tokenpath.engine.sequence import Sequence
@@ -49,15 +50,19 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        # The native kernels compute in float32 on quantized weights, their KV cache is float32.
+        lib = select_native(loaded, config.quantization, self.device)
+        self.dtype = torch.float32 if lib is not None else pick_dtype(config.dtype, self.device)
         cfg = loaded.config
         self.model_config = cfg
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        model = LlamaModel(cfg, max_positions=max_model_len)
-        model.load_weights(loaded.weights)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rope.to(torch.float32)  # keep cos/sin tables exact
+        self.native: NativeLlama | None = None
+        if lib is None:
+            model = LlamaModel(cfg, max_positions=max_model_len)
+            model.load_weights(loaded.weights)
+            self.model = model.to(device=self.device, dtype=self.dtype).eval()
+            self.model.rope.to(torch.float32)  # keep cos/sin tables exact
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
@@ -65,13 +70,17 @@ class ModelRunner:
             raise ModelLoadError(f"kv_cache_memory={config.kv_cache_memory} holds fewer than 2 blocks "
                                  f"({per_block} bytes each)")
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device)
+                             self.dtype, self.device, zeroed=lib is None)
+        if lib is not None:
+            self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len)
         if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENPATH_NUM_THREADS"]))
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step. Returns logits [S, vocab] for the sequences whose scheduled tokens reach
         the end of what they know (they sample); the rest were mid-prompt chunks."""
+        if self.native is not None:
+            return self._execute_native(scheduled)
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -110,6 +119,35 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
         logits = self.model(input_ids, positions, self.cache, meta, rows)
         return logits.cpu(), sampling
+
+    def _execute_native(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """The same step on the native kernels: rows in any order, each row's context read in
+        place through its sequence's block table (no padding, no gather, no masks)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks, table_chunks, row_tables = [], [], []
+        logit_rows: list[int] = []
+        sampling: list[Sequence] = []
+        row = offset = 0
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            pos_chunks.append(np.arange(start, start + n, dtype=np.int32))
+            table = np.asarray(seq.block_table, dtype=np.int32)
+            table_chunks.append(table)
+            row_tables.append(np.full(n, offset, dtype=np.int32))
+            offset += len(table)
+            row += n
+            if start + n == seq.num_tokens:
+                logit_rows.append(row - 1)
+                sampling.append(seq)
+        pos = np.concatenate(pos_chunks)
+        tables = np.concatenate(table_chunks)
+        rt = np.concatenate(row_tables)
+        slots = tables[rt + pos // bs].astype(np.int64) * bs + pos % bs
+        logits = self.native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
+                                     np.asarray(logit_rows, dtype=np.int32))
+        return logits, sampling
 
     def _prefill_chunk(self, seq: Sequence, row: int, n: int, table: np.ndarray) -> PrefillChunk:
         done = seq.num_computed_tokens

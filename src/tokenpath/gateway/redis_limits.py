@@ -2,7 +2,8 @@
 
 Several gateways in front of the same replicas then enforce one key's limits exactly: each
 reservation is one atomic Lua script (read the windows, decide, charge; see `redis_scripts`),
-and each request's end reconciles it (gives back what was reserved but not used). The decision,
+re-sized by another once the prompt is tokenized (the API reserves on an estimate first), and
+each request's end reconciles it (gives back what was reserved but not used). The decision,
 messages and `x-ratelimit-*` headers are those of the SQL store (`limiter.decide` over the
 snapshot the script returns), so clients cannot tell which backend holds the counters.
 
@@ -22,12 +23,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.gateway import limiter
 from tokenpath.gateway.base import Limits
-from tokenpath.gateway.redis_scripts import RECONCILE, RESERVE
+from tokenpath.gateway.redis_scripts import ADJUST, RECONCILE, RESERVE
 from tokenpath.gateway.store import Admitted
 
 log = logging.getLogger("tokenpath.gateway")
@@ -101,47 +103,58 @@ class RedisLimits:
                                               retry=retry)
         self._reserve = self.client.register_script(RESERVE)
         self._reconcile = self.client.register_script(RECONCILE)
+        self._adjust = self.client.register_script(ADJUST)
         self._outage = _Outage(self.where, fail_open, time.monotonic)
 
     def _keys(self, tenant: str, scope: str, day: int) -> list[str]:
         base = f"{self.namespace}:{{{tenant}}}:{scope}"
         return [f"{base}:win", f"{base}:tok", f"{base}:sum", f"{base}:day:{day}"]
 
+    def _scopes(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                day: int) -> tuple[list[_Scope], list[str], list[str | int]]:
+        """The two scopes, their keys, and their limits as script arguments (-1: none)."""
+        scopes = [_Scope("key", key_prefix, key_limits), _Scope("tenant", tenant, tenant_limits)]
+        keys = [k for s in scopes for k in self._keys(tenant, s.redis_name, day)]
+        limits = [-1 if v is None else int(v) for s in scopes for v in (s.limits.rpm, s.limits.tpm,
+                                                                        s.limits.daily_tokens)]
+        return scopes, keys, limits
+
     async def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
                       tokens: int, now: float) -> Admitted:
         day = limiter.day_of(now)
-        scopes = [("key", key_prefix, key_limits, f"key:{key_prefix}"), ("tenant", tenant, tenant_limits, "tenant")]
-        keys = [k for *_, scope in scopes for k in self._keys(tenant, scope, day)]
+        scopes, keys, limits = self._scopes(key_prefix, tenant, key_limits, tenant_limits, day)
         admission_id = uuid.uuid4().hex
         args: list[str | int] = [repr(float(now)), repr(limiter.WINDOW_S), int(tokens), admission_id,
-                                 DAY_TTL_S, len(scopes)]
-        for *_, lim, _scope in scopes:
-            args += [-1 if v is None else int(v) for v in (lim.rpm, lim.tpm, lim.daily_tokens)]
+                                 DAY_TTL_S, len(scopes), *limits]
         try:
             reply = await self._reserve(keys=keys, args=args)
         except self._errors as exc:
             return self._unavailable(exc)
         self._outage.recovered()
-        decision, retry_after = _text(reply[0]), float(reply[2])
-        usages = []
-        for i, (kind, name, lim, _scope) in enumerate(scopes):
-            requests, used, oldest, day_tokens = (_text(v) for v in reply[3 + 4 * i: 7 + 4 * i])
-            usages.append(limiter.ScopeUsage(kind, name, lim, int(requests), int(used),
-                                             float(oldest) if oldest else None, int(day_tokens)))
-        if decision == "replay":  # a resent call that had charged already: the usage includes it
+        if _text(reply[0]) == "replay":  # a resent call that had charged already: the usage includes it
+            usages = _usages(reply, scopes)
             return Admitted(limiter.Verdict(allowed=True, headers=limiter.rate_limit_headers(usages, now)),
                             admission_id, day)
-        verdict = limiter.decide(usages, tokens, now)  # the script's rule, for its message and headers
-        allowed = decision == "ok"
-        if verdict.allowed != allowed or (not allowed and verdict.reason != decision):
-            log.error("rate limits: the Redis script decided %r but the limiter %r on the same usage",
-                      decision, verdict.reason or "ok")
-            verdict.allowed = allowed
-        if not allowed:
-            if decision in ("requests", "tokens"):
-                verdict.retry_after = retry_after
-            return Admitted(verdict)
-        return Admitted(verdict, admission_id, day)
+        verdict = _verdict(reply, scopes, tokens, now)
+        return Admitted(verdict, admission_id, day) if verdict.allowed else Admitted(verdict)
+
+    async def adjust(self, admission_id: int | str, key_prefix: str, tenant: str, key_limits: Limits,
+                     tenant_limits: Limits, day: int, reserved: int, tokens: int, now: float) -> limiter.Verdict:
+        """As `GatewayStore.adjust`, in one script: a shrink always succeeds (and reports no new
+        headers); a growth is decided on the usage without this admission, for `tokens` asked now
+        (no second request counted); a refused growth removes the admission and its day tokens."""
+        scopes, keys, limits = self._scopes(key_prefix, tenant, key_limits, tenant_limits, day)
+        keys.append(f"{self.namespace}:{{{tenant}}}:adjusted:{admission_id}")
+        args: list[str | int] = [repr(float(now)), repr(limiter.WINDOW_S), int(tokens), str(admission_id),
+                                 int(reserved), len(scopes), *limits]
+        try:
+            reply = await self._adjust(keys=keys, args=args)
+        except self._errors as exc:
+            return self._unavailable(exc).verdict  # fail open: the estimate stays charged
+        self._outage.recovered()
+        if tokens <= reserved:
+            return limiter.Verdict(allowed=True)
+        return _verdict(reply, scopes, tokens, now)
 
     async def reconcile(self, admission_id: int | str, key_prefix: str, tenant: str, day: int,
                         reserved: int, used: int) -> None:
@@ -167,6 +180,44 @@ class RedisLimits:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """One scope a request is charged to: the key or its tenant."""
+
+    kind: str
+    name: str
+    limits: Limits
+
+    @property
+    def redis_name(self) -> str:  # the tenant is in every key's hash tag already
+        return f"key:{self.name}" if self.kind == "key" else "tenant"
+
+
+def _usages(reply: list, scopes: list[_Scope]) -> list[limiter.ScopeUsage]:
+    """The per-scope usage a script replied (after its decision, status and retry_after)."""
+    usages = []
+    for i, s in enumerate(scopes):
+        requests, used, oldest, day_tokens = (_text(v) for v in reply[3 + 4 * i: 7 + 4 * i])
+        usages.append(limiter.ScopeUsage(s.kind, s.name, s.limits, int(requests), int(used),
+                                         float(oldest) if oldest else None, int(day_tokens)))
+    return usages
+
+
+def _verdict(reply: list, scopes: list[_Scope], tokens: int, now: float) -> limiter.Verdict:
+    """The verdict of a script's decision: `limiter.decide` over the usage it replied, for the
+    message and headers the SQL store gives, with the script's own retry_after."""
+    decision, retry_after = _text(reply[0]), float(reply[2])
+    verdict = limiter.decide(_usages(reply, scopes), tokens, now)
+    allowed = decision == "ok"
+    if verdict.allowed != allowed or (not allowed and verdict.reason != decision):
+        log.error("rate limits: the Redis script decided %r but the limiter %r on the same usage",
+                  decision, verdict.reason or "ok")
+        verdict.allowed = allowed
+    if not allowed and decision in ("requests", "tokens"):
+        verdict.retry_after = retry_after
+    return verdict
 
 
 def _text(value: bytes | str) -> str:

@@ -1,4 +1,4 @@
-"""The two Lua scripts behind `RedisLimits`: Redis runs each one atomically (no other command of any
+"""The Lua scripts behind `RedisLimits`: Redis runs each one atomically (no other command of any
 client runs in between), which is what makes one key's limits exact across every gateway that
 shares the Redis server: read the windows, decide, charge, all in one step.
 
@@ -14,19 +14,21 @@ a Redis Cluster they land on one slot, as a multi-key script requires:
 - `day`  the tokens charged to one UTC day of the gateway's clock (expires after two days).
 Numbers travel as strings: Redis truncates Lua numbers in replies to integers.
 
-Both scripts are idempotent per admission id (a reservation already charged is not charged again;
-a reconcile leaves a ten-minute marker), so the client may resend one after a dropped connection.
+Every script is idempotent per admission id (a reservation already charged is not charged again;
+an adjust or a reconcile leaves a ten-minute marker, the adjust's holding its reply), so the client
+may resend one after a dropped connection.
 """
 
 from __future__ import annotations
 
-RESERVE = r"""
+# Shared by RESERVE and ADJUST: arguments, pruning, the usage snapshot, retry_after and the reply.
+_WINDOWS = r"""
 -- KEYS[4i-3..4i]: scope i's win, tok, sum, day.
--- ARGV: now, window_s, tokens, admission id, day_ttl_s, n scopes, then rpm, tpm, daily per scope (-1: none).
+-- ARGV: now, window_s, tokens, admission id, (script's own), n scopes, then rpm, tpm, daily per scope (-1: none).
 -- Reply: decision ('ok', 'replay', 'too_large', 'requests', 'tokens', 'daily_tokens'), scope, retry_after,
 --        then per scope the usage before this request: requests, tokens, oldest admission time, day tokens.
 local now, window, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local id, day_ttl, n = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local id, n = ARGV[4], tonumber(ARGV[6])
 local cutoff = string.format('%.6f', now - window)
 local CHUNK = 500  -- unpack() has a stack limit: leave the window in batches
 
@@ -78,18 +80,32 @@ local function reply(decision, scope, retry)
   return out
 end
 
+local function refusal()  -- limiter.decide's rule over `usage`: nil when `tokens` fits every scope
+  for i = 1, n do
+    local tpm, daily = limit(i, 2), limit(i, 3)
+    if (tpm >= 0 and tokens > tpm) or (daily >= 0 and tokens > daily) then return 'too_large', i, 0, 0 end
+  end
+  for i = 1, n do
+    local u, rpm, tpm, daily = usage[i], limit(i, 1), limit(i, 2), limit(i, 3)
+    if rpm >= 0 and u[1] + 1 > rpm then return 'requests', i, u[1] + 1 - rpm, 0 end
+    if tpm >= 0 and u[2] + tokens > tpm then return 'tokens', i, 0, u[2] + tokens - tpm end
+    if daily >= 0 and u[4] + tokens > daily then return 'daily_tokens', i, 0, 0 end
+  end
+  return nil
+end
+"""
+
+RESERVE = _WINDOWS + r"""
+-- ARGV[5]: day_ttl_s.
+local day_ttl = tonumber(ARGV[5])
 if redis.call('HEXISTS', key(1, 2), id) == 1 then  -- a retried call whose first attempt charged it
   return reply('replay', 0, 0)
 end
-for i = 1, n do
-  local tpm, daily = limit(i, 2), limit(i, 3)
-  if (tpm >= 0 and tokens > tpm) or (daily >= 0 and tokens > daily) then return reply('too_large', i, 0) end
-end
-for i = 1, n do
-  local u, rpm, tpm, daily = usage[i], limit(i, 1), limit(i, 2), limit(i, 3)
-  if rpm >= 0 and u[1] + 1 > rpm then return reply('requests', i, retry_after(i, u[1] + 1 - rpm, 0)) end
-  if tpm >= 0 and u[2] + tokens > tpm then return reply('tokens', i, retry_after(i, 0, u[2] + tokens - tpm)) end
-  if daily >= 0 and u[4] + tokens > daily then return reply('daily_tokens', i, 0) end
+local decision, scope, more_requests, more_tokens = refusal()
+if decision then
+  local retry = 0
+  if decision == 'requests' or decision == 'tokens' then retry = retry_after(scope, more_requests, more_tokens) end
+  return reply(decision, scope, retry)
 end
 
 local ttl_ms = math.ceil(window * 2000)  -- idle scopes vanish two windows after their last admission
@@ -102,6 +118,52 @@ for i = 1, n do
   redis.call('EXPIRE', key(i, 4), day_ttl)
 end
 return reply('ok', 0, 0)
+"""
+
+ADJUST = _WINDOWS + r"""
+-- Re-size admission `id` (reserved on an estimate) to `tokens`. ARGV[5]: the tokens it reserved;
+-- KEYS[4n+1]: its "adjusted" marker, which keeps the first reply so that a resend returns it unchanged.
+-- Reply as RESERVE's ('ok' or a refusal); when growing, the usage is without this admission.
+local reserved, marker = tonumber(ARGV[5]), KEYS[4 * n + 1]
+local done = redis.call('GET', marker)
+if done then return cjson.decode(done) end
+
+local held = {}  -- what the admission holds in each scope's window (nil: it has left the window)
+for i = 1, n do held[i] = tonumber(redis.call('HGET', key(i, 2), id)) end
+
+local function resize(to, day_delta)  -- `to`: the admission's new tokens, nil to take it out
+  for i = 1, n do
+    if held[i] then
+      if to then redis.call('HSET', key(i, 2), id, to) else
+        redis.call('ZREM', key(i, 1), id)
+        redis.call('HDEL', key(i, 2), id)
+      end
+      redis.call('INCRBY', key(i, 3), (to or 0) - held[i])
+    end
+    if day_delta ~= 0 and redis.call('EXISTS', key(i, 4)) == 1 then redis.call('INCRBY', key(i, 4), day_delta) end
+  end
+end
+
+local function finish(out)
+  redis.call('SET', marker, cjson.encode(out), 'EX', 600)
+  return out
+end
+
+if tokens > reserved then  -- growing: decided as if this admission were not in the window
+  for i = 1, n do
+    if held[i] then usage[i][1], usage[i][2] = usage[i][1] - 1, usage[i][2] - held[i] end
+    usage[i][4] = usage[i][4] - reserved
+  end
+  local decision, scope, more_requests, more_tokens = refusal()
+  if decision then  -- refused: the admission leaves the window and gives its day back
+    resize(nil, -reserved)
+    local retry = 0
+    if decision == 'requests' or decision == 'tokens' then retry = retry_after(scope, more_requests, more_tokens) end
+    return finish(reply(decision, scope, retry))
+  end
+end
+resize(tokens, tokens - reserved)  -- shrinking always fits
+return finish(reply('ok', 0, 0))
 """
 
 RECONCILE = r"""

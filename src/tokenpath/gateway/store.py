@@ -220,14 +220,15 @@ class GatewayStore:
                 for u in usages:  # take this admission back out, then decide afresh
                     u.requests, u.tokens, u.day_tokens = u.requests - 1, u.tokens - reserved, u.day_tokens - reserved
                 verdict = limiter.decide(usages, tokens, now)
-                if not verdict.allowed and verdict.reason in ("requests", "tokens") and verdict.scope is not None:
-                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
             if verdict.allowed:
                 tx.q("UPDATE admissions SET tokens = ? WHERE id = ?", (tokens, admission_id))
                 requests, delta = 0, tokens - reserved
             else:
                 tx.q("DELETE FROM admissions WHERE id = ?", (admission_id,))
                 requests, delta = -1, -reserved
+                # After the delete: the refused admission frees nothing when it would have left the window.
+                if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
+                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
             for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
                 tx.q("UPDATE daily_usage SET requests = requests + ?, tokens = tokens + ? WHERE scope = ? AND day = ?",
                      (requests, delta, scope, day))

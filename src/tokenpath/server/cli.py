@@ -91,6 +91,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device")
+    g.add_argument("--quantization", choices=["auto", "none", "q8_0"], help="auto: native kernels on GGUF blocks")
     g.add_argument("--block-size", type=int)
     g.add_argument("--kv-cache-memory")
     g.add_argument("--num-kv-blocks", type=int)
@@ -102,7 +103,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
 
 
-_ENGINE_FLAGS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
+_ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
                  "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching")
 
 

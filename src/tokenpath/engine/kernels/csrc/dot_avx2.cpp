@@ -1,0 +1,5 @@
+// AVX2 + FMA kernels: the baseline every machine running the native path has.
+#pragma GCC target("avx2,fma,f16c")
+#define TP_VNNI 0
+#define TP_NS tp::avx2
+#include "dot_impl.h"

@@ -1,0 +1,207 @@
+// The block dot-product kernels, included by dot_avx2.cpp (TP_VNNI 0) and dot_avx512.cpp
+// (TP_VNNI 1, AVX-512 VL + VNNI: one vpdpbusd replaces maddubs + madd). 256-bit vectors in both:
+// one 32-weight block per register; on Zen 4 512-bit ops are double-pumped anyway.
+//
+// Per block b of weight row n and activation row m:
+//   Q4_1: d_w*d_a*dot(u4, q8) + m_w * (d_a*sum q8)       u4 in 0..15
+//   Q4_0: d_w*d_a*dot(u4, q8) - 8 * d_w * (d_a*sum q8)   (weight = u4 - 8)
+//   Q8_0: d_w*d_a*dot(q8w, q8a), with the sign trick: dot(|w|, sign(a, w)) keeps maddubs' unsigned
+//         operand non-negative without overflowing int16 (|w| <= 127).
+// A tile of MR activation rows shares each unpacked weight block (GEMM reuse; MR=1 is decode).
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "tp_kernels.h"
+
+namespace TP_NS {
+using namespace tp;
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Signed int32 lanes of sum(u[i] * s[i]) over groups of 4 bytes: u unsigned, s signed.
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#if TP_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float h2f(const uint8_t* p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+// 16 packed bytes -> 32 unsigned nibbles in element order (low nibbles are elements 0..15).
+static inline __m256i unpack_q4(const uint8_t* qs) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+template <int WT, int MR>
+static inline void tile(const uint8_t* w, const QAct& a, int m0, float* out) {
+    constexpr size_t BB = WT == W_Q4_0 ? 18 : WT == W_Q4_1 ? 20 : 34;
+    const int nb = a.nb;
+    __m256 acc[MR];
+    float corr[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    for (int b = 0; b < nb; ++b, w += BB) {
+        const float dw = h2f(w);
+        __m256i wu;
+        __m256i wsgn = _mm256_setzero_si256();
+        if constexpr (WT == W_Q8_0) {
+            wsgn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+            wu = _mm256_sign_epi8(wsgn, wsgn);  // |w|
+        } else {
+            wu = unpack_q4(w + (WT == W_Q4_1 ? 4 : 2));
+        }
+        const float mw = WT == W_Q4_1 ? h2f(w + 2) : WT == W_Q4_0 ? -8.f * dw : 0.f;
+        for (int r = 0; r < MR; ++r) {
+            const size_t row = size_t(m0 + r) * nb;
+            __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (row + b) * QK));
+            if constexpr (WT == W_Q8_0) q = _mm256_sign_epi8(q, wsgn);
+            __m256 p = _mm256_cvtepi32_ps(dot_us(wu, q));
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * a.d[row + b]), acc[r]);
+            if constexpr (WT != W_Q8_0) corr[r] += mw * a.s[row + b];
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]) + corr[r];
+}
+
+// The exact variant: float activations against weights dequantized in registers (no int8 rounding
+// of the activations). Each block becomes 4 x 8 floats once (w = d*q + m, with m = -8d for Q4_0 and
+// 0 for Q8_0), then every activation row of the tile costs 4 FMAs per block.
+template <int WT, int MR>
+static inline void tile_f32(const uint8_t* w, const QAct& a, int m0, float* out) {
+    constexpr size_t BB = WT == W_Q4_0 ? 18 : WT == W_Q4_1 ? 20 : 34;
+    const int nb = a.nb;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b, w += BB) {
+        const float dw = h2f(w);
+        __m256i q;  // the block's 32 integer weights as bytes (nibbles 0..15 for Q4: sign-safe)
+        if constexpr (WT == W_Q8_0) q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+        else q = unpack_q4(w + (WT == W_Q4_1 ? 4 : 2));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m256 vd = _mm256_set1_ps(dw);
+        const __m256 vm = _mm256_set1_ps(WT == W_Q4_1 ? h2f(w + 2) : WT == W_Q4_0 ? -8.f * dw : 0.f);
+        const __m256 wf[4] = {
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd, vm),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd, vm)};
+        for (int r = 0; r < MR; ++r) {
+            const float* x = a.f + (size_t(m0 + r) * nb + b) * QK;
+            for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(wf[j], _mm256_loadu_ps(x + 8 * j), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int WT, bool EXACT, int MR>
+static inline void tile_any(const uint8_t* w, const QAct& a, int m0, float* out) {
+    if constexpr (EXACT) tile_f32<WT, MR>(w, a, m0, out);
+    else tile<WT, MR>(w, a, m0, out);
+}
+
+template <int WT, bool EXACT>
+static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+                   const float* bias, bool accumulate) {
+    const size_t row_bytes = size_t(nb) * block_bytes(WT);
+    float out[4];
+    auto store = [&](int n, int m0, int mr) {
+        const float bn = bias ? bias[n] : 0.f;
+        for (int r = 0; r < mr; ++r) {
+            float* dst = y + size_t(m0 + r) * ldy + n;
+            *dst = (accumulate ? *dst : 0.f) + out[r] + bn;
+        }
+    };
+    // Chunks of 16 weight rows stay in L1/L2 while every 4-row activation tile passes over them.
+    for (int c0 = n0; c0 < n1; c0 += 16) {
+        const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
+        int m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4)
+            for (int n = c0; n < c1; ++n) tile_any<WT, EXACT, 4>(w + n * row_bytes, a, m0, out), store(n, m0, 4);
+        const int rest = M - m0;
+        for (int n = c0; n < c1 && rest; ++n) {
+            if (rest == 3) tile_any<WT, EXACT, 3>(w + n * row_bytes, a, m0, out);
+            else if (rest == 2) tile_any<WT, EXACT, 2>(w + n * row_bytes, a, m0, out);
+            else tile_any<WT, EXACT, 1>(w + n * row_bytes, a, m0, out);
+            store(n, m0, rest);
+        }
+    }
+}
+
+void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+               const float* bias, bool accumulate, bool exact) {
+    if (exact) {
+        switch (wtype) {
+            case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+            case W_Q4_1: return gemm_t<W_Q4_1, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+            default: return gemm_t<W_Q8_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        }
+    }
+    switch (wtype) {
+        case W_Q4_0: return gemm_t<W_Q4_0, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        case W_Q4_1: return gemm_t<W_Q4_1, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+        default: return gemm_t<W_Q8_0, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    }
+}
+
+// Round-to-nearest symmetric int8 per 32-block: d = max|x| / 127 (llama.cpp's quantize_row_q8_1).
+void quantize_row(const float* x, int K, QAct& a, int r) {
+    const int nb = a.nb;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < nb; ++b) {
+        alignas(32) float buf[QK];
+        const int k0 = b * QK, n = K - k0 < QK ? K - k0 : QK;
+        const float* src = x + k0;
+        if (n < QK) {  // the tail block of a K that is not a multiple of 32
+            for (int i = 0; i < QK; ++i) buf[i] = i < n ? src[i] : 0.f;
+            src = buf;
+        }
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(src + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.f;
+        const __m256 id = _mm256_set1_ps(d > 0.f ? 127.f / amax : 0.f);
+        __m256i i32[4];
+        for (int j = 0; j < 4; ++j)
+            i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        // Pack 4 x 8 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it).
+        __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        const size_t off = size_t(r) * nb + b;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + off * QK), p8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        a.d[off] = d;
+        a.s[off] = d * float(_mm_cvtsi128_si32(s4));
+        if (a.f) {  // the exact path's copy: padded floats and their block sum
+            float* f = a.f + off * QK;
+            __m256 t = _mm256_setzero_ps();
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(f + 8 * j, v[j]), t = _mm256_add_ps(t, v[j]);
+            a.fs[off] = hsum(t);
+        }
+    }
+}
+
+}  // namespace TP_NS

@@ -1,0 +1,312 @@
+// The fused native forward pass of a llama-family decoder, one call per engine step.
+//
+// Why one call: after the matmuls are fast, a 30-layer model run op by op from Python costs
+// ~20 torch ops per layer (milliseconds per step). Here a step is one OpenMP parallel region
+// whose threads walk the same list of phases, claiming work items from an atomic counter (see
+// team_for: no OpenMP barriers), with RMSNorm fused into activation quantization,
+// residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
+// paged attention reading K/V in place from the engine's block pool (no gather copy).
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include <omp.h>
+
+#include <sched.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "tp_kernels.h"
+
+using namespace tp;
+
+extern "C" void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst);
+
+namespace {
+
+// One work-sharing phase of a step. Items are claimed dynamically and a thread waits only until
+// every item is done, not until every thread arrives: on a shared machine a descheduled thread
+// held OpenMP's barriers for a whole time slice each (decode fell from ~90 to under 1 tok/s with
+// another process busy); here it delays the others by at most the one item it holds.
+struct alignas(64) Phase {
+    std::atomic<int> next{0};
+    alignas(64) std::atomic<int> done{0};
+};
+
+template <class F>
+inline void team_for(Phase* phases, int& idx, int n, int grain, F&& fn) {
+    Phase& p = phases[idx++];
+    const int chunks = (n + grain - 1) / grain;
+    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n);
+        p.done.fetch_add(1, std::memory_order_acq_rel);
+    }
+    for (int spins = 0; p.done.load(std::memory_order_acquire) < chunks; ++spins) {
+        if (spins < 4000) _mm_pause();
+        else sched_yield();  // the item's owner may be waiting for this core
+    }
+}
+
+inline int grain_for(int n, int nthreads, int multiple) {
+    int g = n / (nthreads * 4);
+    g = (g + multiple - 1) / multiple * multiple;
+    return g < multiple ? multiple : g;
+}
+
+struct Layer {
+    const float *attn_norm, *ffn_norm, *qkv_bias;
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int qkv_t, o_t, gate_up_t, down_t;
+    float *k_cache, *v_cache;  // [slots, n_kv, head_dim]
+};
+
+struct Model {
+    int n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, block_size;
+    float eps;
+    GemmRowsFn gemm;
+    QuantRowFn quant;
+    std::vector<Layer> layers;
+    const uint8_t *embed, *head;
+    int embed_t, head_t;
+    int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
+    const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
+    // Step buffers, grown on demand and reused: no allocation or page faults per step.
+    std::vector<float> x, qkv, attn, gu, logits_in, scores;
+    std::vector<int8_t> aq;
+    std::vector<float> ad, as, af, afs;
+    std::unique_ptr<Phase[]> phases;
+    size_t n_phases = 0;
+};
+
+QAct make_act(Model& m, int rows, int K) {
+    const int nb = (K + QK - 1) / QK;
+    const size_t need = size_t(rows) * nb;
+    if (m.ad.size() < need) m.ad.resize(need), m.as.resize(need), m.aq.resize(need * QK);
+    QAct a{m.aq.data(), m.ad.data(), m.as.data(), nb};
+    if (m.exact) {
+        if (m.afs.size() < need) m.afs.resize(need), m.af.resize(need * QK);
+        a.f = m.af.data(), a.fs = m.afs.data();
+    }
+    return a;
+}
+
+// y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
+void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, int wt, const uint8_t* w, int N,
+               const QAct& a, int T, float* y, int ldy, const float* bias, bool acc) {
+    const bool exact = (m.exact >> kind) & 1;
+    team_for(ph, pi, N, grain_for(N, nthreads, 16),
+             [&](int n0, int n1) { m.gemm(wt, w, a.nb, a, T, y, ldy, n0, n1, bias, acc, exact); });
+}
+
+// RMSNorm(x) * weight, quantized straight into activation row r.
+void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
+    const int H = m.hidden;
+    double ss = 0;
+    for (int i = 0; i < H; ++i) ss += double(x[i]) * x[i];
+    const float inv = 1.f / std::sqrt(float(ss / H) + m.eps);
+    for (int i = 0; i < H; ++i) tmp[i] = x[i] * inv * w[i];
+    m.quant(tmp, H, a, r);
+}
+
+inline float dot(const float* a, const float* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; ++i) r += a[i] * b[i];
+    return r;
+}
+
+inline void axpy(float* y, float a, const float* x, int n) {
+    int i = 0;
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// Rotate-half RoPE (Hugging Face layout) on one head vector.
+inline void rope(float* v, const float* c, const float* s, int D) {
+    const int h = D / 2;
+    for (int i = 0; i < h; ++i) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * c[i] - b * s[i];
+        v[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
+                      const int32_t* layer_types) {
+    auto* m = new Model();
+    m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
+    m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
+    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11];
+    m->eps = eps;
+    m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
+    m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
+    m->embed = reinterpret_cast<const uint8_t*>(glob[0]);
+    m->head = reinterpret_cast<const uint8_t*>(glob[1]);
+    m->out_norm = reinterpret_cast<const float*>(glob[2]);
+    m->rope_cos = reinterpret_cast<const float*>(glob[3]);
+    m->rope_sin = reinterpret_cast<const float*>(glob[4]);
+    for (int l = 0; l < m->n_layers; ++l) {
+        const uint64_t* p = layer_ptrs + 9 * l;
+        const int32_t* t = layer_types + 4 * l;
+        Layer L;
+        L.attn_norm = reinterpret_cast<const float*>(p[0]);
+        L.ffn_norm = reinterpret_cast<const float*>(p[1]);
+        L.qkv_bias = reinterpret_cast<const float*>(p[2]);
+        L.qkv = reinterpret_cast<const uint8_t*>(p[3]);
+        L.o = reinterpret_cast<const uint8_t*>(p[4]);
+        L.gate_up = reinterpret_cast<const uint8_t*>(p[5]);
+        L.down = reinterpret_cast<const uint8_t*>(p[6]);
+        L.k_cache = reinterpret_cast<float*>(p[7]);
+        L.v_cache = reinterpret_cast<float*>(p[8]);
+        L.qkv_t = t[0], L.o_t = t[1], L.gate_up_t = t[2], L.down_t = t[3];
+        m->layers.push_back(L);
+    }
+    return m;
+}
+
+void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
+
+// One engine step over T token rows (prefill chunks and decodes mixed).
+//   ids, pos:       [T] token id and position of each row
+//   slot_mapping:   [T] KV slot each row's new K/V is written to
+//   row_table:      [T] offset into `tables` of the row's sequence block table; its context is
+//                   positions 0..pos (causal within a prefill chunk, everything cached before)
+//   logit_rows:     [S] rows whose next-token logits are wanted -> logits [S, vocab]
+void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+                      const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
+                      float* logits, int nthreads) {
+    Model& m = *static_cast<Model*>(handle);
+    const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
+    const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
+    const int kmax = I > H ? I : H;
+    if (m.x.size() < size_t(T) * H) m.x.resize(size_t(T) * H);
+    if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
+    if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
+    if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
+    int max_ctx = 1;
+    for (int t = 0; t < T; ++t) max_ctx = pos[t] + 1 > max_ctx ? pos[t] + 1 : max_ctx;
+    const size_t per_thread = size_t(rep) * max_ctx + kmax;  // scores + a norm/activation row
+    if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
+    QAct a = make_act(m, T, kmax);
+    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
+    const float scale = 1.f / std::sqrt(float(D));
+
+    const size_t need_phases = 3 + size_t(m.n_layers) * 10;
+    if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
+    for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
+    Phase* ph = m.phases.get();
+    const int rg = grain_for(T, nthreads, 1);  // rows per item for the per-row phases
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        int pi = 0;  // this thread's phase index: every thread walks the same sequence
+        float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
+        float* tmp = scratch + size_t(rep) * max_ctx;
+        const size_t eb = size_t((H + QK - 1) / QK) * block_bytes(m.embed_t);
+        team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            for (int t = t0; t < t1; ++t) tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+        });
+        QAct ah = a, aq = a, ai = a;
+        ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
+        for (int l = 0; l < m.n_layers; ++l) {
+            const Layer& L = m.layers[l];
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
+            });
+            gemm_team(m, ph, pi, nthreads, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            // RoPE on q and k, then write k and v into their cache slots.
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) {
+                    float* row = qkv + size_t(t) * W;
+                    const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
+                    for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
+                    const size_t slot = size_t(slot_mapping[t]);
+                    std::memcpy(L.k_cache + slot * nkv, row + nq, sizeof(float) * nkv);
+                    std::memcpy(L.v_cache + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
+                }
+            });
+            // Attention: one (row, kv head) per item; its `rep` query heads share each K/V read,
+            // straight from the block pool through the row's block table.
+            team_for(ph, pi, T * m.n_kv, 1, [&](int i0, int) {
+                const int t = i0 / m.n_kv, g = i0 % m.n_kv;
+                const int ctx = pos[t] + 1;
+                const int32_t* table = tables + row_table[t];
+                const float* q = qkv + size_t(t) * W + size_t(g) * rep * D;
+                float* out = attn + size_t(t) * nq + size_t(g) * rep * D;
+                for (int j = 0; j < ctx; ++j) {
+                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+                    const float* k = L.k_cache + slot * nkv + g * D;
+                    for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
+                }
+                for (int r = 0; r < rep; ++r) {
+                    float* sc = scratch + r * max_ctx;
+                    float mx = sc[0];
+                    for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
+                    float sum = 0.f;
+                    for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+                    const float inv = 1.f / sum;
+                    for (int j = 0; j < ctx; ++j) sc[j] *= inv;
+                    std::memset(out + r * D, 0, sizeof(float) * D);
+                }
+                for (int j = 0; j < ctx; ++j) {
+                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+                    const float* v = L.v_cache + slot * nkv + g * D;
+                    for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
+                }
+            });
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
+            });
+            gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
+            });
+            gemm_team(m, ph, pi, nthreads, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            team_for(ph, pi, T, rg, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
+                for (int t = t0; t < t1; ++t) {
+                    const float* g = gu + size_t(t) * 2 * I;
+                    for (int i = 0; i < I; ++i) tmp[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+                    m.quant(tmp, I, ai, t);
+                }
+            });
+            gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+        }
+        team_for(ph, pi, S, 1, [&](int r, int) { norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp); });
+        gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+    }
+}
+
+// Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
+void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
+             int exact) {
+    const int nb = (K + QK - 1) / QK;
+    std::vector<int8_t> q(size_t(M) * nb * QK);
+    std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
+    QAct a{q.data(), d.data(), s.data(), nb, exact ? f.data() : nullptr, exact ? fs.data() : nullptr};
+    const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
+    const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; ++m) quant(x + size_t(m) * K, K, a, m);
+        const int chunks = (N + 15) / 16;
+#pragma omp for schedule(static)
+        for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 16, (c + 1) * 16 < N ? (c + 1) * 16 : N,
+                                              nullptr, false, exact != 0);
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,137 @@
+// Scalar block (de)quantizers and CPU feature detection: load-time work, not in the hot loop.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "tp_kernels.h"
+
+namespace tp {
+
+float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(float(man), -24);
+    } else if (exp == 31) {
+        f = man ? NAN : INFINITY;
+    } else {
+        f = std::ldexp(float(man | 0x400), int(exp) - 25);
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t fp32_to_fp16(float f) {  // round to nearest even; values here are small scales
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7FFFFFFF;
+    if (x >= 0x47800000) return uint16_t(sign | 0x7C00);  // overflow -> inf
+    if (x < 0x38800000) {                                // subnormal half
+        const float a = std::fabs(f) * 16777216.f;       // 2^24
+        return uint16_t(sign | uint32_t(std::nearbyint(a)));
+    }
+    const uint32_t mant = x & 0x1FFF, base = ((x - 0x38000000) >> 13);
+    uint32_t h = base + (mant > 0x1000 || (mant == 0x1000 && (base & 1)));
+    return uint16_t(sign | h);
+}
+
+}  // namespace tp
+
+using namespace tp;
+
+extern "C" {
+
+// Bit 0: AVX2+FMA+F16C (the native path's minimum); bit 1: AVX-512 F/BW/VL/VNNI.
+int tp_cpu_features() {
+    __builtin_cpu_init();
+    int f = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+    if ((f & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        f |= 2;
+    return f;
+}
+
+// Quantizes N rows of K floats into GGUF blocks (rows padded with zeros to a multiple of 32):
+// the q8_0 option for safetensors checkpoints, and random weights for the kernel tests.
+void tp_quantize(int wtype, const float* src, int N, int K, uint8_t* dst) {
+    const int nb = (K + QK - 1) / QK;
+    const size_t bb = block_bytes(wtype);
+    for (int n = 0; n < N; ++n) {
+        for (int b = 0; b < nb; ++b) {
+            float v[QK];
+            for (int i = 0; i < QK; ++i) {
+                const int k = b * QK + i;
+                v[i] = k < K ? src[size_t(n) * K + k] : 0.f;
+            }
+            uint8_t* blk = dst + (size_t(n) * nb + b) * bb;
+            if (wtype == W_Q8_0) {
+                float amax = 0.f;
+                for (float x : v) amax = std::fmax(amax, std::fabs(x));
+                const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+                const uint16_t dh = fp32_to_fp16(d);
+                std::memcpy(blk, &dh, 2);
+                for (int i = 0; i < QK; ++i) blk[2 + i] = uint8_t(int8_t(std::lround(v[i] * id)));
+            } else if (wtype == W_Q4_1) {
+                float lo = v[0], hi = v[0];
+                for (float x : v) lo = std::fmin(lo, x), hi = std::fmax(hi, x);
+                const float d = (hi - lo) / 15.f, id = d ? 1.f / d : 0.f;
+                const uint16_t dh = fp32_to_fp16(d), mh = fp32_to_fp16(lo);
+                std::memcpy(blk, &dh, 2);
+                std::memcpy(blk + 2, &mh, 2);
+                for (int i = 0; i < QK / 2; ++i) {
+                    const int a = std::min(15, int((v[i] - lo) * id + 0.5f));
+                    const int c = std::min(15, int((v[i + 16] - lo) * id + 0.5f));
+                    blk[4 + i] = uint8_t(a | (c << 4));
+                }
+            } else {  // Q4_0: d = max / -8 keeps the largest magnitude exact (ggml's choice)
+                float amax = 0.f, mx = 0.f;
+                for (float x : v)
+                    if (std::fabs(x) > amax) amax = std::fabs(x), mx = x;
+                const float d = mx / -8.f, id = d ? 1.f / d : 0.f;
+                const uint16_t dh = fp32_to_fp16(d);
+                std::memcpy(blk, &dh, 2);
+                for (int i = 0; i < QK / 2; ++i) {
+                    const int a = std::min(15, int(v[i] * id + 8.5f));
+                    const int c = std::min(15, int(v[i + 16] * id + 8.5f));
+                    blk[2 + i] = uint8_t(a | (c << 4));
+                }
+            }
+        }
+    }
+}
+
+// One row of blocks -> K floats (embedding lookups and the tests' reference).
+void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst) {
+    const size_t bb = block_bytes(wtype);
+    for (int k0 = 0, b = 0; k0 < K; k0 += QK, ++b) {
+        const uint8_t* blk = src + b * bb;
+        uint16_t dh;
+        std::memcpy(&dh, blk, 2);
+        const float d = fp16_to_fp32(dh);
+        float v[QK];
+        if (wtype == W_Q8_0) {
+            for (int i = 0; i < QK; ++i) v[i] = d * float(int8_t(blk[2 + i]));
+        } else {
+            float m = -8.f * d;
+            const uint8_t* qs = blk + 2;
+            if (wtype == W_Q4_1) {
+                uint16_t mh;
+                std::memcpy(&mh, blk + 2, 2);
+                m = fp16_to_fp32(mh);
+                qs = blk + 4;
+            }
+            for (int i = 0; i < QK / 2; ++i) {
+                v[i] = d * float(qs[i] & 0xF) + m;
+                v[i + 16] = d * float(qs[i] >> 4) + m;
+            }
+        }
+        for (int i = 0; i < QK && k0 + i < K; ++i) dst[k0 + i] = v[i];
+    }
+}
+
+}  // extern "C"

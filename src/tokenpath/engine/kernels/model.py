@@ -1,0 +1,148 @@
+"""The native decoder: a llama-family model whose weights stay in GGUF blocks, run as one native
+call per engine step (`tp_model_forward` in csrc/forward.cpp).
+
+What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
+which keeps their blocks intact), the output and down projections, the norms; the embedding
+(also the LM head when tied) and the RoPE tables. Tensor types the kernels lack (F16, K-quants)
+and safetensors checkpoints under `--quantization q8_0` are quantized to Q8_0 at load.
+The KV cache stays the engine's own block pool: the kernels read and write it in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from tokenpath.engine.attention import KVCache
+from tokenpath.engine.kernels import BLOCK_BYTES, Q8_0, NativeLibrary, native_library, quantize
+from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.models.llama import Rope
+
+log = logging.getLogger("tokenpath.engine.kernels")
+
+
+def select_native(loaded: LoadedModel, quantization: str, device: torch.device) -> NativeLibrary | None:
+    """The kernels to run this model with, or None for the torch path (saying why in one line).
+
+    auto: GGUF checkpoints run natively on their own blocks; safetensors ones stay on torch
+    (their float weights are what the user asked for). q8_0: any checkpoint, every matrix Q8_0.
+    """
+    if quantization == "none":
+        return None
+    if device.type != "cpu":
+        if quantization != "auto":
+            log.warning("--quantization %s: the native kernels are CPU-only; using torch on %s",
+                        quantization, device)
+        return None
+    if quantization == "auto" and loaded.gguf is None:
+        log.info("safetensors checkpoint: torch float path (--quantization q8_0 runs it on the native kernels)")
+        return None
+    return native_library()
+
+
+def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | None) -> tuple[int, np.ndarray]:
+    """(ggml type, [rows, bytes]) of one matrix: the GGUF's own blocks when the kernels read that
+    type (and `want` allows it), else quantized here to Q8_0."""
+    if loaded.gguf is not None:
+        raw = loaded.gguf.raw(name)
+        if raw.ggml_type in BLOCK_BYTES and want in (None, raw.ggml_type):
+            return raw.ggml_type, raw.data
+        dense = loaded.gguf.dequantized(name)
+    else:
+        dense = loaded.weights[name].numpy()
+    return Q8_0, quantize(lib, Q8_0, dense)
+
+
+def _stacked(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int | None) -> tuple[int, np.ndarray]:
+    """Rows of several matrices with the same input size stacked into one (fused QKV, gate/up)."""
+    parts = [_as_blocks(lib, loaded, n, want) for n in names]
+    if len({t for t, _ in parts}) > 1:  # mixed types (e.g. a Q6_K attn_v): one format for the fused matrix
+        parts = [_as_blocks(lib, loaded, n, Q8_0) for n in names]
+    return parts[0][0], np.ascontiguousarray(np.concatenate([b for _, b in parts]))
+
+
+def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
+    if loaded.gguf is not None:
+        return np.ascontiguousarray(loaded.gguf.dequantized(name), dtype=np.float32).reshape(-1)
+    return np.ascontiguousarray(loaded.weights[name].numpy(), dtype=np.float32).reshape(-1)
+
+
+def exact_mask() -> int:
+    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1 = all, or a bit mask over
+    qkv, o, gate_up, down, head). Default none: int8 activations, as llama.cpp does, measured
+    1.3-2x faster; exact mode matches the float32 path's greedy outputs more often (8/8 vs 5/8
+    on the quality test's prompts) at that cost."""
+    value = os.environ.get("TOKENPATH_KERNELS_EXACT", "0").strip().lower()
+    return 0b11111 if value in ("1", "all", "true") else int(value or "0", 0) & 0b11111
+
+
+class NativeLlama:
+    def __init__(self, lib: NativeLibrary, loaded: LoadedModel, quantization: str, cache: KVCache,
+                 block_size: int, max_positions: int) -> None:
+        cfg = loaded.config
+        self.lib, self.vocab = lib, cfg.vocab_size
+        want = Q8_0 if quantization == "q8_0" else None
+        keep: list[np.ndarray | torch.Tensor] = []  # everything the C++ side points into
+
+        def ptr(a: np.ndarray | torch.Tensor | None) -> int:
+            if a is None:
+                return 0
+            keep.append(a)
+            return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+
+        layer_ptrs, layer_types = [], []
+        for i in range(cfg.num_layers):
+            def w(n: str, i: int = i) -> str:
+                return f"layers.{i}.{n}"
+
+            qkv_t, qkv = _stacked(lib, loaded, [w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")], want)
+            o_t, o = _stacked(lib, loaded, [w("o_proj.weight")], want)
+            gu_t, gu = _stacked(lib, loaded, [w("gate_proj.weight"), w("up_proj.weight")], want)
+            d_t, down = _stacked(lib, loaded, [w("down_proj.weight")], want)
+            bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
+                    if cfg.attention_bias else None)
+            layer_ptrs += [ptr(_dense(loaded, w("input_norm.weight"))), ptr(_dense(loaded, w("post_norm.weight"))),
+                           ptr(bias), ptr(qkv), ptr(o), ptr(gu), ptr(down), ptr(cache.k[i]), ptr(cache.v[i])]
+            layer_types += [qkv_t, o_t, gu_t, d_t]
+        embed_t, embed = _stacked(lib, loaded, ["embed.weight"], want)
+        head_t, head = (embed_t, embed) if cfg.tie_word_embeddings else _stacked(lib, loaded, ["lm_head.weight"], want)
+        rope = Rope(cfg.head_dim, cfg.rope_theta, max_positions)
+        glob = [ptr(embed), ptr(head), ptr(_dense(loaded, "norm.weight")), ptr(rope.cos.contiguous()),
+                ptr(rope.sin.contiguous())]
+        dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
+                         exact_mask()], dtype=np.int32)
+        arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
+                  np.array(layer_types, dtype=np.int32)]
+        self.isa = lib.isa()
+        self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
+                                               *(a.ctypes.data for a in arrays))
+        self._keep = keep
+        self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
+        log.info("native kernels: %s, %s weights (%.0f MiB), %s activations",
+                 "AVX-512 VNNI" if self.isa == 2 else "AVX2",
+                 "/".join(sorted({("Q4_0", "Q4_1", "Q8_0")[[2, 3, 8].index(t)] for t in layer_types})),
+                 self.weight_bytes / 2**20, "float" if dims[11] else "int8")
+
+    def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
+                tables: np.ndarray, logit_rows: np.ndarray) -> torch.Tensor:
+        """One step over T rows -> float32 logits [len(logit_rows), vocab]. int32 inputs except
+        slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`."""
+        logits = torch.empty((len(logit_rows), self.vocab), dtype=torch.float32)
+        self.lib.lib.tp_model_forward(self._handle, len(ids), ids.ctypes.data, pos.ctypes.data,
+                                      slot_mapping.ctypes.data, row_table.ctypes.data, tables.ctypes.data,
+                                      len(logit_rows), logit_rows.ctypes.data, logits.data_ptr(),
+                                      torch.get_num_threads())
+        return logits
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle:
+            self.lib.lib.tp_model_free(handle)
+            self._handle = None
+
+
+__all__ = ["NativeLlama", "select_native", "native_library"]

@@ -1,0 +1,113 @@
+"""The native quantized GEMV/GEMM kernels against a float64 reference, on every ISA this CPU has.
+
+Two references per case: the exact one (the activations quantized to int8 per 32-block the way
+the kernels do it, then everything in float64) bounds the kernels' own arithmetic; the plain one
+(float64 x @ dequantized W) bounds what the int8 activations cost. Weight dequantization comes
+from the `gguf` package, so the block layouts are checked against an independent reader.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenpath.engine import kernels as K
+from tokenpath.engine.loader import load_model
+
+lib = K.native_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+
+ISAS = [] if lib is None else lib.available_isas()
+TYPES = [K.Q4_0, K.Q4_1, K.Q8_0]
+SHAPES = [(1, 37, 64), (3, 65, 100), (17, 130, 576), (64, 33, 1536), (1, 16, 33)]  # (M, N, K)
+
+
+def ref_weights(wtype: int, q: np.ndarray, k: int) -> np.ndarray:
+    w = gguf_dequantize(q, GGMLQuantizationType(wtype))
+    return w.reshape(q.shape[0], -1)[:, :k].astype(np.float64)
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: per 32-block d = max|x| / 127, q = round(x * 127 / max|x|)."""
+    m, k = x.shape
+    nb = -(-k // 32)
+    xp = np.zeros((m, nb * 32), dtype=np.float32)
+    xp[:, :k] = x
+    blocks = xp.reshape(m, nb, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (q.astype(np.float64) * d).reshape(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: K.TYPE_NAMES[t])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gemm_matches_float64(isa, wtype, shape):
+    m, n, k = shape
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    q = K.quantize(lib, wtype, w)
+    wd = ref_weights(wtype, q, k)
+    y = K.gemm(lib, wtype, q, x, k, isa, threads=2)
+    exact = quantized_activations(x) @ wd.T
+    plain = x.astype(np.float64) @ wd.T
+    scale = np.abs(plain).max()
+    assert np.abs(y - exact).max() <= 1e-5 * scale  # float32 accumulation only
+    assert np.abs(y - plain).max() <= 0.03 * scale  # int8 activations: ~0.5% typical
+    y_exact = K.gemm(lib, wtype, q, x, k, isa, threads=2, exact=True)  # float activations
+    assert np.abs(y_exact - plain).max() <= 1e-5 * scale
+    # The weights' own rounding: within a block's step (Q4: range / 15 or max / 8, Q8: max / 127).
+    step = {K.Q4_0: 1 / 8, K.Q4_1: 1 / 15, K.Q8_0: 1 / 127}[wtype]
+    assert np.abs(wd - w).max() <= step * np.abs(w).max() * 1.01 + 1e-3
+
+
+def test_rows_are_batch_invariant():
+    """A row's result does not depend on which other rows share the call (greedy decoding relies on it)."""
+    rng = np.random.default_rng(1)
+    w = K.quantize(lib, K.Q4_1, rng.standard_normal((70, 96)).astype(np.float32))
+    x = rng.standard_normal((9, 96)).astype(np.float32)
+    for isa in ISAS:
+        whole = K.gemm(lib, K.Q4_1, w, x, 96, isa, threads=2)
+        alone = np.concatenate([K.gemm(lib, K.Q4_1, w, x[i : i + 1], 96, isa, threads=1) for i in range(9)])
+        assert np.array_equal(whole, alone)
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    return load_model("smollm2-135m-instruct").gguf
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["layers.0.down_proj.weight", "layers.5.q_proj.weight", "embed.weight"])
+def test_real_weights(smol_gguf, isa, name):
+    raw = smol_gguf.raw(name)
+    rows = np.ascontiguousarray(raw.data[:300])
+    wd = smol_gguf.dequantized(name)[:300].astype(np.float64)
+    x = np.random.default_rng(2).standard_normal((3, raw.cols)).astype(np.float32)
+    y = K.gemm(lib, raw.ggml_type, rows, x, raw.cols, isa, threads=2)
+    exact = quantized_activations(x) @ wd.T
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+def test_isa_forced_by_environment(monkeypatch):
+    monkeypatch.setenv("TOKENPATH_KERNELS_ISA", "avx2")
+    assert lib.isa() == K.ISA_AVX2
+    monkeypatch.setenv("TOKENPATH_KERNELS_ISA", "auto")
+    assert lib.isa() == (K.ISA_AVX512 if lib.features & 2 else K.ISA_AVX2)
+
+
+def test_switched_off_by_environment(monkeypatch, caplog):
+    monkeypatch.setenv("TOKENPATH_NO_KERNELS", "1")
+    K.native_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="tokenpath.engine.kernels"):
+            assert K.native_library() is None
+        assert "TOKENPATH_NO_KERNELS" in caplog.text
+    finally:
+        monkeypatch.delenv("TOKENPATH_NO_KERNELS")
+        K.native_library.cache_clear()

@@ -1,0 +1,50 @@
+"""The engine's behaviour on the native kernels (tiny safetensors checkpoints quantized to Q8_0 at
+load): greedy outputs are the same whatever the batching, chunking, prefix hits and preemption
+(every row is computed independently, so the native path is batch-invariant), and the churn test
+(aborts, stop strings, preemption, block accounting) passes unchanged on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine import test_churn
+from tests.engine.conftest import make_prompts
+from tests.engine.tiny_models import save_tiny
+from tokenpath import LLM, SamplingParams
+from tokenpath.engine.kernels import native_library
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="native kernels not built or CPU lacks AVX2")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_dir(request, tmp_path_factory):
+    return save_tiny(request.param, tmp_path_factory.mktemp(request.param), tie=request.param == "qwen2")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "auto"])
+def test_greedy_is_batch_invariant(tiny_dir, isa, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_KERNELS_ISA", isa)
+    llm = LLM(str(tiny_dir), quantization="q8_0", num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=10)
+    assert llm.engine.runner.native is not None
+    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 150, 210, 8, 33, 61, 120], seed=3)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    one_by_one = [llm.generate([x], p)[0].outputs[0].token_ids for x in prompts]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]  # chunked, preempting
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.generate([prompts[5]], p)
+    again = llm.generate([prompts[5]], p)[0]  # its 210-token prompt now mostly from the prefix cache
+    assert again.num_cached_tokens > 0
+    assert batched == one_by_one
+    assert again.outputs[0].token_ids == one_by_one[5]
+    assert all(len(t) == 24 for t in one_by_one)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_churn_on_native(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_QUANTIZATION", "q8_0")
+    test_churn.test_random_mix_frees_everything(tmp_path)
+
+
+def test_none_keeps_the_torch_path(tmp_path):
+    llm = LLM(str(save_tiny("llama", tmp_path / "t")), quantization="none", num_kv_blocks=8)
+    assert llm.engine.runner.native is None
