@@ -213,7 +213,7 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
     return dep, closers
 
 
-_ENGINE_FLAG_FIELDS = ("dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
+_ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
                        "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
 
 
