@@ -25,6 +25,9 @@ serve: $(STAMP)
 # scripts/services.sh starts a private PostgreSQL cluster (installing it with apt on a fresh
 # root machine), exports TOKENPATH_TEST_POSTGRES_URL and stops it after; `-ra` lists every skip
 # with its reason in the summary.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	bash scripts/services.sh $(BIN)/python -m pytest -q -ra
