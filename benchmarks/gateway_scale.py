@@ -32,7 +32,10 @@ from tokenpath.api.app import create_app
 from tokenpath.config import DEFAULT_CHAT_MODEL
 from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the simulated replica is a test double
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica  # noqa: E402
+
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.server.routing_config import load_tokenizer
 

@@ -1,7 +1,7 @@
 """`tokenpath` command line: one entry point, each area registers its own subcommands.
 
 `serve`/`engine` live in `tokenpath.server.cli`, `keys`/`audit`/`usage` in `tokenpath.gateway.cli`,
-`bench` in `tokenpath.bench.cli`, `trace` in `tokenpath.trace_cli`. Each module exposes `register(subparsers)`; a subcommand's
+`bench` in `tokenpath.bench.cli`, `trace` in `tokenpath.server.trace_cli`. Each module exposes `register(subparsers)`; a subcommand's
 handler is stored as `func` and returns the process exit code.
 """
 
@@ -18,7 +18,7 @@ COMMAND_MODULES = (
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
     "tokenpath.replica.ray_status",
-    "tokenpath.trace_cli",
+    "tokenpath.server.trace_cli",
 )
 
 

@@ -2,13 +2,13 @@ import asyncio
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig, CapacityEstimator
 from tokenpath.errors import RateLimitError
 from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig, ReplicaHandle
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry import series as metrics
 from tokenpath.telemetry.timeline import Timeline

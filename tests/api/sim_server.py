@@ -11,11 +11,11 @@ import threading
 import time
 
 import uvicorn
+from tests.simulated_replica import SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.api.app import create_app
 from tokenpath.engine.embedding import EmbeddingTokenizer, default_embedding_model_dir
-from tokenpath.replica.simulated import SimulatedReplica
 from tokenpath.routing.models import Deployment, ModelRouter
 
 

@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 from sim_server import SimServer
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 
 LONG = {"model": "sim", "prompt": "hello", "max_tokens": 100}  # 2 s each on this replica
 

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from sim_server import SimServer
-
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 
 @pytest.fixture

@@ -25,12 +25,12 @@ import openai
 import pytest
 import uvicorn
 from redis_fixtures import PrivateRedis, require_redis
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.api.app import create_app
 from tokenpath.config import DEFAULT_CHAT_MODEL
 from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment, ModelRouter
 
 pytestmark = pytest.mark.slow  # two gateway processes: ~20-40 s on a shared 2-core box

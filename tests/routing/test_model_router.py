@@ -1,13 +1,13 @@
 import asyncio
 
 import pytest
+from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
-from tokenpath.replica.simulated import SimulatedConfig, SimulatedReplica
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.telemetry.timeline import Timeline
 

@@ -3,7 +3,7 @@
 Routers and admission control read `state()`; the gateway consumes `generate()`; a disconnect
 becomes `abort()`. Implementations: the in-process engine (`local.py`), tokenpath's own engine
 processes over the engine link (`link_client.py`), a remote OpenAI-compatible endpoint such as
-vLLM, SGLang or llama.cpp (`remote.py`), and a timer-driven replica for tests (`simulated.py`).
+vLLM, SGLang or llama.cpp (`remote.py`); the simulated replica for tests is `tests/simulated_replica.py`.
 
 Every implementation yields `RequestOutput` deltas whose `events` are already in this process's
 monotonic clock; `tokenpath.replica.events.stamp_events` puts them on the request's Timeline.
