@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,15 +67,22 @@ def start_server(tmp: Path, *args: str, wait: float = 240) -> Server:
     raise RuntimeError(f"server did not start in {wait}s:\n{log.read_text()}")
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The default `tokenpath serve`: SmolLM2 chat + MiniLM embeddings, no flags but the port."""
-    srv = start_server(tmp_path_factory.mktemp("serve"))
+@contextmanager
+def running_server(tmp: Path, *args: str, wait: float = 240) -> Iterator[Server]:
+    """A server for the length of a with-block; its clean exit (SIGTERM -> 0) is asserted after."""
+    srv = start_server(tmp, *args, wait=wait)
     try:
         yield srv
     finally:
         code = srv.stop()
     assert code == 0, srv.output()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default `tokenpath serve`: SmolLM2 chat + MiniLM embeddings, no flags but the port."""
+    with running_server(tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
 
 
 @pytest.fixture

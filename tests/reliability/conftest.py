@@ -9,15 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server, running_server
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The default in-process `tokenpath serve` (chat + embeddings)."""
-    srv = start_server(tmp_path_factory.mktemp("reliability"))
-    try:
+    with running_server(tmp_path_factory.mktemp("reliability")) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.output()[-3000:]

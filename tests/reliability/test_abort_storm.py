@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server, running_server
 from tests.reliability.nasty_bodies import CHAT_MODEL
 
 WORDS = ["river", "stone", "light", "garden", "music", "paper", "window", "silver", "morning"]
@@ -26,13 +26,9 @@ WORDS = ["river", "stone", "light", "garden", "music", "paper", "window", "silve
 
 @pytest.fixture(scope="module")
 def small_kv_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("storm"), "--replicas", "2", "--num-kv-blocks", "24",
-                       "--block-size", "16", wait=600)
-    try:
+    with running_server(tmp_path_factory.mktemp("storm"), "--replicas", "2", "--num-kv-blocks", "24",
+                        "--block-size", "16", wait=600) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.output()[-3000:]
 
 
 def gauge(text: str, name: str) -> float:

@@ -13,17 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server, running_server
+from tests.api.test_fuzz import CONFIG
 from tests.reliability.nasty_bodies import CHAT_MODEL, EMBED_MODEL
 
-CONFIG = """\
-caps:
-  max_tokens: 3
-  max_n: 2
-  max_prompts: 2
-  max_embedding_inputs: 4
-  max_messages: 8
-"""
 MODEL_FOR = {"/v1/chat/completions": CHAT_MODEL, "/v1/completions": CHAT_MODEL, "/v1/embeddings": EMBED_MODEL}
 
 
@@ -31,12 +24,8 @@ MODEL_FOR = {"/v1/chat/completions": CHAT_MODEL, "/v1/completions": CHAT_MODEL, 
 def small_caps_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("schemathesis")
     (tmp / "server.yaml").write_text(CONFIG)
-    srv = start_server(tmp, "--config", str(tmp / "server.yaml"))
-    try:
+    with running_server(tmp, "--config", str(tmp / "server.yaml")) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.output()[-3000:]
 
 
 def with_real_model(case):

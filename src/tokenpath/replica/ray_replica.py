@@ -27,6 +27,7 @@ from typing import Any
 from tokenpath.config import EngineConfig
 from tokenpath.errors import EngineDeadError, TokenpathError
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.replica.polled import PolledState
 from tokenpath.replica.ray_actor import ActorDelta, ActorState, EngineActor
 
 log = logging.getLogger("tokenpath.replica")
@@ -73,7 +74,7 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> Any:
     return ray
 
 
-class RayReplica:
+class RayReplica(PolledState):
     def __init__(self, name: str, handle: Any, config: RayReplicaConfig) -> None:
         self.name = name
         self.handle = handle
@@ -105,16 +106,6 @@ class RayReplica:
                     raise EngineDeadError(f"Ray replica '{self.name}' not up in time: {exc}") from exc
                 await asyncio.sleep(0.5)
         self._ensure_poller()
-
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            with contextlib.suppress(RuntimeError):
-                self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
-
-    async def _poll_loop(self) -> None:
-        while True:
-            await self.poll()
-            await asyncio.sleep(self.config.poll_interval_s)
 
     async def poll(self) -> ReplicaState:
         try:
@@ -158,19 +149,12 @@ class RayReplica:
                 with contextlib.suppress(Exception):
                     ray.cancel(gen)
 
-    def state(self) -> ReplicaState:
-        self._ensure_poller()
-        return self._state
-
     @property
     def max_model_len(self) -> int | None:
         return self.info.max_model_len if self.info else None
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(BaseException):
-                await self._poller
+        await self._stop_polling()
 
     # -- the engine link -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

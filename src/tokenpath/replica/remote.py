@@ -29,6 +29,7 @@ from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUna
 from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
+from tokenpath.replica.polled import PolledState
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
 _WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
@@ -83,7 +84,7 @@ class RemoteReplicaConfig:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class RemoteReplica:
+class RemoteReplica(PolledState):
     def __init__(self, name: str, config: RemoteReplicaConfig, model: str | None = None) -> None:
         self.name = name
         self.config = config
@@ -118,16 +119,6 @@ class RemoteReplica:
         await self.poll()
         self._ensure_poller()
 
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            with contextlib.suppress(RuntimeError):  # no running loop: start() will do it
-                self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
-
-    async def _poll_loop(self) -> None:
-        while True:
-            await self.poll()
-            await asyncio.sleep(self.config.poll_interval_s)
-
     async def poll(self) -> ReplicaState:
         try:
             # The server's own liveness first: vLLM, SGLang and llama.cpp answer /health 503 (or
@@ -161,15 +152,8 @@ class RemoteReplica:
             state.block_size = self.config.block_size
         self._state = state
 
-    def state(self) -> ReplicaState:
-        self._ensure_poller()
-        return self._state
-
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(BaseException):
-                await self._poller
+        await self._stop_polling()
         await self._client.aclose()
 
     # -- generation ------------------------------------------------------------------------------

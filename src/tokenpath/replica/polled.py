@@ -1,0 +1,44 @@
+"""A replica whose state comes from polling (a remote server, a Ray actor), not from memory.
+
+Routers and admission call `state()` synchronously on every decision, so the poll runs in a
+background task and `state()` returns its latest result. The task starts lazily, on the first
+`state()` or `start()` inside a running loop, so replicas can be built before the loop exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from tokenpath.protocol import ReplicaState
+
+
+class PolledState:
+    """Mixin: subclasses set `self._state`, `self._poller = None` and `self.config.poll_interval_s`,
+    and implement `poll()`, which stores and returns the replica's fresh state."""
+
+    _state: ReplicaState
+    _poller: asyncio.Task | None
+
+    async def poll(self) -> ReplicaState:
+        raise NotImplementedError
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            with contextlib.suppress(RuntimeError):  # no running loop yet: start() will do it
+                self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.config.poll_interval_s)  # type: ignore[attr-defined]
+
+    def state(self) -> ReplicaState:
+        self._ensure_poller()
+        return self._state
+
+    async def _stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(BaseException):
+                await self._poller
