@@ -54,7 +54,9 @@ class Tally:
     def record(self, status: int, started: float, t0: float, detail: str = "") -> None:
         self.statuses[status] += 1
         if status >= 500:
-            if self.kill_at is not None and self.kill_at <= started <= self.kill_at + KILL_WINDOW_S:
+            # In the kill window: in flight when the engine died, or started while it restarted.
+            ended = time.monotonic()
+            if self.kill_at is not None and ended >= self.kill_at and started <= self.kill_at + KILL_WINDOW_S:
                 self.kill_window_5xx += 1
             else:
                 self.other_5xx.append(f"{status} at {started - t0:.0f}s: {detail[:200]}")

@@ -7,6 +7,7 @@ import random
 
 from tests.engine.tiny_models import save_tiny
 from tokenpath import LLM, SamplingParams
+from tokenpath.protocol import GenerateRequest
 
 
 def test_random_mix_frees_everything(tmp_path):
@@ -29,7 +30,7 @@ def test_random_mix_frees_everything(tmp_path):
                                     n=rng.choice([1, 1, 1, 2]), seed=rng.randint(0, 9),
                                     stop=[rng.choice(words)] if rng.random() < 0.3 else [])
             rid = f"r{submitted}"
-            core.add_request(rid, llm.tokenizer.encode(prompt), params)
+            core.add_request(GenerateRequest(rid, llm.tokenizer.encode(prompt), params))
             live.append(rid)
             submitted += 1
         if live and rng.random() < 0.1:

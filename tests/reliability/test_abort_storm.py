@@ -97,7 +97,7 @@ def test_abort_storm_across_two_replicas_leaves_no_blocks_in_use(small_kv_replic
         time.sleep(0.2)
     assert state == {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}, \
         (state, outcomes)
-    assert gauge(text, "num_preemptions") > 0, "the KV pool was meant to force preemption"
+    assert gauge(text, "num_preemptions_total") > 0, "the KV pool was meant to force preemption"
     ok = httpx.post(url + "/v1/chat/completions", timeout=60,
                     json={"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
