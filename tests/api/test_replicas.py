@@ -162,3 +162,16 @@ def test_engine_sigkill_mid_stream_then_health_and_traffic_come_back(servers):
     for i in range(3):
         chat(replicas, f"Back {i}?")
     print(f"engine restart to healthy: {restarted:.1f}s")
+
+
+def test_reset_prefix_cache_reaches_every_engine_process(servers):
+    """POST /reset_prefix_cache crosses the engine link to each engine process: the next request
+    with a cached prefix comes back cold."""
+    _, replicas = servers
+    chat(replicas, LONG + "Question three?")
+    warm = chat(replicas, LONG + "Question four?")
+    assert warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    r = httpx.post(replicas.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 2, r.text
+    cold = chat(replicas, LONG + "Question five?")
+    assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -134,6 +134,10 @@ class EngineLinkReplica:
                     fut = self._pongs.pop(msg.get("id"), None)
                     if fut is not None and not fut.done():
                         fut.set_result(float(msg["now"]))
+                elif kind == "reset_done":
+                    fut = self._pongs.pop(msg.get("id"), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(float(msg.get("freed") or 0))
         except (asyncio.IncompleteReadError, ConnectionError, FrameError, OSError) as exc:
             reason = f"link closed ({type(exc).__name__})"
         finally:
@@ -190,6 +194,17 @@ class EngineLinkReplica:
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(TokenpathError):
             self._send({"t": "abort", "id": request_id})
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's prefix cache (POST /reset_prefix_cache reaches every replica)."""
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pongs[rid] = fut
+        self._send({"t": "reset", "id": rid})
+        try:
+            return int(await asyncio.wait_for(fut, CONNECT_TIMEOUT_S))
+        finally:
+            self._pongs.pop(rid, None)
 
     def state(self) -> ReplicaState:
         s = self._state

@@ -121,6 +121,9 @@ class LinkServer:
                     outbox.send({"t": "pong", "id": msg.get("id"), "now": time.monotonic()})
                 elif kind == "add":
                     self._add(msg["req"], outbox, tasks)
+                elif kind == "reset":  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
+                    freed = self.engine.core.blocks.reset_prefix_cache()
+                    outbox.send({"t": "reset_done", "id": msg.get("id"), "freed": freed})
                 elif kind == "abort":
                     task = tasks.pop(str(msg.get("id")), None)
                     if task is not None:
