@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -71,4 +73,26 @@ async def test_concurrent_requests_are_batched(engine, reference):
     for i, (vec,) in enumerate(results):
         assert torch.allclose(torch.tensor(vec), reference[i], atol=1e-4)
     assert engine.num_batches - before < len(TEXTS)
+    await engine.shutdown()
+
+
+async def test_forward_passes_stay_on_one_thread(engine, monkeypatch):
+    """Every forward pass runs on the engine's own thread, even while the default executor is busy
+    with other blocking work (database writes, tokenizing). Spread over the default pool's threads,
+    each pass's freed tensors went into that thread's glibc arena: the gateway's RSS grew ~100 MiB
+    in a soak's first embedding requests, one arena per pool thread."""
+    threads: set[str] = set()
+    real = engine.embed_ids
+
+    def recording(batch):
+        threads.add(threading.current_thread().name)
+        return real(batch)
+
+    monkeypatch.setattr(engine, "embed_ids", recording)
+    ids = engine.tokenizer.encode_batch(TEXTS)
+    for x in ids * 3:
+        busy = [asyncio.create_task(asyncio.to_thread(time.sleep, 0.02)) for _ in range(3)]
+        await engine.embed([x])
+        await asyncio.gather(*busy)
+    assert len(threads) == 1, threads
     await engine.shutdown()
