@@ -72,11 +72,14 @@ async def test_a_connection_without_the_secret_is_refused(engine):
 @in_module_loop
 async def test_priority_crosses_the_link(engine):
     replica = engine.replica
-    running = asyncio.create_task(drain(replica, req("busy", max_tokens=40)))
+    # Long enough to still be running when `high` arrives, however fast the engine's kernels are.
+    running = asyncio.create_task(drain(replica, req("busy", max_tokens=400)))
     while replica.state().running == 0:
         await asyncio.sleep(0.02)
     low = asyncio.create_task(drain(replica, req("low", priority=5)))
-    await asyncio.sleep(0.3)  # low is waiting in the engine now (max_num_seqs 1)
+    async with asyncio.timeout(30):
+        while replica.state().waiting == 0:  # low is waiting in the engine now (max_num_seqs 1)
+            await asyncio.sleep(0.02)
     high = asyncio.create_task(drain(replica, req("high", priority=0)))
     outs = await asyncio.gather(running, low, high)
     busy_out, low_out, high_out = (o[-1] for o in outs)

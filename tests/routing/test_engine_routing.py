@@ -102,12 +102,14 @@ async def test_saturated_with_full_queue_answers_429_with_retry_after_fast(repli
 
 async def test_deadline_expires_while_queued(replicas):
     d = dep("m", replicas[:1], initial_service_s=0.05)
-    running = asyncio.create_task(drain(d, req(max_tokens=24)))
+    # Long enough to hold the only slot past the deadline, however fast the engine's kernels are.
+    running = asyncio.create_task(drain(d, req(max_tokens=400)))
     await wait_for(lambda: d.flow.pool.inflight() == 1)
     with pytest.raises(DeadlineExceededError):
         await drain(d, req(deadline_s=0.3))
     assert len(d.flow.queue) == 0
-    await running
+    running.cancel()  # closing the stream aborts it in the engine
+    await asyncio.gather(running, return_exceptions=True)
 
 
 async def test_queued_client_disconnect_leaves_queue_and_never_reaches_engine(replicas):
