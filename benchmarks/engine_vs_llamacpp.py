@@ -3,7 +3,7 @@
 Measures llama-bench's three figures for both engines: tg128 (decode 128 tokens, one stream),
 pp256 and pp512 (prefill a prompt of that many tokens in one batch), plus each process's peak
 RSS. llama.cpp is built from the source vendored in the llama-cpp-python 0.3.36 sdist (as
-/work/shared/PEERS.md describes) and cached under .cache/peers/ (gitignored): ~10+ minutes the
+../shared/PEERS.md describes) and cached under .cache/peers/ (gitignored): ~10+ minutes the
 first time. The two engines alternate round by round so a busy machine slows both alike; the
 table reports medians and the tokenpath / llama.cpp ratio.
 

@@ -9,7 +9,7 @@
 # skew it). The per-peer results are then merged into one table and plots.
 #
 # Peers are installed into their own venvs under benchmarks/.venv-* (gitignored) exactly as
-# /work/shared/PEERS.md found works here. llama-cpp-python builds llama.cpp from source: ~5.5 min
+# ../shared/PEERS.md found works here. llama-cpp-python builds llama.cpp from source: ~5.5 min
 # of both cores the first time.
 #
 # Parameters (environment):
@@ -28,7 +28,7 @@
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
 #   MERGE_FROM     space-separated per-peer JSON files (`tokenpath bench --json`): start nothing,
 #                  only remake $TAG.md/.json/-plots from them (PEERS still names the peers)
-# Example smoke run: PEERS=transformers NUM_REQUESTS=4 CONCURRENCIES=2 OUTPUT_LEN=16 RESULTS=/tmp/smoke \
+# Example smoke run: PEERS=transformers NUM_REQUESTS=4 CONCURRENCIES=2 OUTPUT_LEN=16 RESULTS="$(mktemp -d)" \
 #                    bash benchmarks/run_peers.sh
 set -euo pipefail
 
