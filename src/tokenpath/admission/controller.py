@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
 
@@ -337,6 +337,8 @@ class FlowController:
                 "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
 
 
-def _cost(request: GenerateRequest) -> float:
+def _cost(request: GenerateRequest | EmbeddingRequest) -> float:
     """Work estimate for fair queueing: prompt tokens plus the most it may generate."""
+    if isinstance(request, EmbeddingRequest):
+        return float(request.num_tokens)
     return float(len(request.prompt_token_ids) + (request.params.max_tokens or 256))
