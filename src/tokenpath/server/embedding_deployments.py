@@ -49,3 +49,29 @@ async def embedding_process_deployment(name: str, model: str, n: int, log_dir: P
                      admission=AdmissionConfig(**(admission or {})), pool_config=PoolConfig(**(pool or {})))
     dep.processes = procs
     return dep, [p.stop for p in procs]
+
+
+async def embedding_deployments(models: list[str], replicas: int, skip: set[str],
+                                log_dir: Path | None = None) -> tuple[list[Deployment], list[Closer]]:
+    """The embedding models among `models` (but those named in `skip`, which a routing file
+    configures itself): in-process, or `replicas` engine processes each when `replicas > 1`."""
+    from tokenpath.server.config import is_embedding_model
+    from tokenpath.server.deployments import embedding_served_name, load_embedding
+
+    deployments: list[Deployment] = []
+    closers: list[Closer] = []
+    try:
+        for m in models:
+            if not is_embedding_model(m) or embedding_served_name(m) in skip:
+                continue
+            if replicas > 1:
+                dep, more = await embedding_process_deployment(embedding_served_name(m), m, replicas, log_dir)
+            else:
+                dep = await asyncio.to_thread(load_embedding, m)
+                more = [r.close for r in dep.replicas]  # type: ignore[attr-defined]
+            deployments.append(dep)
+            closers += more
+    except BaseException:
+        await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+        raise
+    return deployments, closers

@@ -36,7 +36,7 @@ from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES
-from tokenpath.server.embedding_deployments import embedding_process_deployment
+from tokenpath.server.embedding_deployments import embedding_deployments, embedding_process_deployment
 
 Closer = Callable[[], Awaitable[None]]
 
@@ -254,7 +254,7 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     """
     from tokenpath.config import resolve_data_dir
     from tokenpath.server.config import is_embedding_model
-    from tokenpath.server.deployments import embedding_served_name, load_deployments, load_embedding
+    from tokenpath.server.deployments import load_deployments
 
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
 
@@ -265,23 +265,7 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
         return ModelRouter(deployments, config.aliases), closers
     routing = RoutingConfig.from_yaml(routing_file) if routing_file is not None else None
     configured = {s.name for s in routing.deployments} if routing is not None else set()
-    embeddings: list[Deployment] = []
-    closers: list[Closer] = []
-    try:
-        for m in config.models:
-            if not is_embedding_model(m) or embedding_served_name(m) in configured:
-                continue
-            if embedding_replicas > 1:
-                dep, more = await embedding_process_deployment(embedding_served_name(m), m, embedding_replicas,
-                                                               log_dir)
-            else:
-                dep = await asyncio.to_thread(load_embedding, m)
-                more = [r.close for r in dep.replicas]  # type: ignore[attr-defined]
-            embeddings.append(dep)
-            closers += more
-    except BaseException:
-        await asyncio.gather(*(c() for c in closers), return_exceptions=True)
-        raise
+    embeddings, closers = await embedding_deployments(config.models, embedding_replicas, configured, log_dir)
     if routing is not None:
         router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir)
         return router, closers + more
