@@ -3,7 +3,7 @@
     python benchmarks/ray_replica.py [--rounds 2] [--concurrency 8] [--num-requests 32]
 
 Both servers are `tokenpath serve` with one engine of the same model outside the gateway
-process: `--routing` with `local: 1` (a `tokenpath engine` process over loopback HTTP) against
+process: `--routing` with `local: 1` (a `tokenpath engine` process on the binary engine link) against
 `--ray ADDRESS --replicas 1` (an engine actor on a private Ray head on loopback). Each round runs
 both, in alternating order, under the same `tokenpath bench` load; the table reports each
 round and the median. Engines get the same torch thread count (TOKENPATH_NUM_THREADS), since Ray
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", default="2", help="torch threads per engine (TOKENPATH_NUM_THREADS)")
     ap.add_argument("--out", default=str(RESULTS / "ray_replica"))
+    ap.add_argument("--note", default="", help="a line under the table (e.g. what else ran on the box)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
@@ -131,6 +132,8 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
                          f"{r['output_throughput']:.1f} | {r['failed']} |")
     lines += ["", f"Medians: ITL p50 {li:.1f} ms (local) vs {ri:.1f} ms (Ray): **{ri - li:+.1f} ms**; "
               f"throughput {lt:.1f} vs {rt:.1f} tok/s: **{rt / lt:.2f}x**; TTFT p50 {lf:.0f} vs {rf:.0f} ms."]
+    if args.note:
+        lines += ["", args.note]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -86,7 +86,11 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
     head_log, serve_log = tmp / "head.log", tmp / "serve.log"
     with head_log.open("wb") as out:
         head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
-                                 "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+                                 "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                                 # the dashboard serves Ray's state API (`tokenpath status` reads restarts there)
+                                 "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                                 f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+                                 f"--metrics-export-port={_free_port()}",
                                  f"--temp-dir={ray_tmp}", "--disable-usage-stats"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     serve: subprocess.Popen | None = None

@@ -1,10 +1,15 @@
 """The engine as a Ray actor: one `AsyncEngine` per actor, speaking the engine link in typed objects.
 
-The gateway (`tokenpath.replica.ray_replica.RayReplica`) calls three methods: `generate` (a
-streaming method: a `GenerateRequest` in, `ActorDelta`s out), `abort` and `state`. Ray carries
+The gateway (`tokenpath.replica.ray_replica.RayReplica`) calls `generate` (a streaming method: a
+`GenerateRequest` in, `ActorDelta`s out), `abort`, `state` and `reset_prefix_cache`. Ray carries
 them; Ray restarts the actor when its process dies (`max_restarts`), which gives it a new
 `incarnation` (that is how the gateway counts restarts and knows the engine behind a name is a
 fresh one with an empty cache).
+
+Several gateways may route to the same actors (they find them by name). Each one's state polls
+renew its lease here (`state(gateway=...)`), and a gateway that shuts down `release`s it: the
+last one out stops the actor, while a gateway that crashed stops renewing and counts no more after
+`LEASE_S`. The lease is for that decision only; it never refuses a request.
 
 Clocks: the engine records its events (`RequestOutput.events`: queued, scheduled, first token,
 finished) with this process's monotonic clock, which means nothing on another node. Each delta
@@ -28,6 +33,8 @@ from dataclasses import dataclass, replace
 
 from tokenpath.config import EngineConfig
 from tokenpath.protocol import GenerateRequest, RequestOutput
+
+LEASE_S = 30.0  # a gateway that has not polled for this long no longer keeps the actor alive
 
 
 @dataclass
@@ -59,6 +66,7 @@ class ActorState:
     started_at: float  # wall clock of this incarnation's start
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (this incarnation)
     prefix_cache_hits: int = 0
+    gateways: int = 0  # gateways whose lease is live (they route to this actor)
 
 
 class EngineActor:
@@ -73,6 +81,7 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex
         self.served = 0
         self.started_at = time.time()
+        self.gateways: dict[str, float] = {}  # gateway id -> monotonic time of its last state poll
 
     async def _started(self) -> None:
         if self.engine._thread is None:  # the step thread needs this actor's running loop
@@ -96,7 +105,20 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    async def state(self) -> ActorState:
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's prefix cache (POST /reset_prefix_cache), as over the engine link."""
+        return self.engine.core.blocks.reset_prefix_cache()
+
+    async def release(self, gateway: str) -> int:
+        """A gateway leaves; returns how many others still hold a live lease."""
+        self.gateways.pop(gateway, None)
+        now = time.monotonic()
+        return sum(1 for seen in self.gateways.values() if now - seen < LEASE_S)
+
+    async def state(self, gateway: str | None = None) -> ActorState:
+        """The engine's state; a gateway's poll (`gateway` set) also renews its lease."""
+        if gateway is not None:
+            self.gateways[gateway] = time.monotonic()
         await self._started()
         import ray
 
@@ -109,4 +131,5 @@ class EngineActor:
             node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), incarnation=self.incarnation,
             served=self.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            gateways=sum(1 for seen in self.gateways.values() if time.monotonic() - seen < LEASE_S),
         )

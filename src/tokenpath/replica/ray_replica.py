@@ -12,6 +12,12 @@ it (prefix-aware, least-loaded, session) and the same pool ejects and retries:
   on another replica if no token was sent yet, otherwise ends it with a clean error. A stream
   never waits on a dead actor: Ray fails it, and the health poll cancels streams of an actor it
   has seen die.
+
+Several gateways share one set of actors: the first one creates them, the next ones find them
+by name in the namespace and route to them (with `--redis-url`, they share limits too). The
+actors are detached, so they outlive the gateway that created them; each gateway holds a lease
+on them through its state polls, and the last gateway to shut down stops them (see
+`tokenpath.replica.ray_actor`). A gateway that crashed leaves them running for the next one.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -75,10 +82,11 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> Any:
 
 
 class RayReplica(PolledState):
-    def __init__(self, name: str, handle: Any, config: RayReplicaConfig) -> None:
+    def __init__(self, name: str, handle: Any, config: RayReplicaConfig, gateway: str | None = None) -> None:
         self.name = name
         self.handle = handle
         self.config = config
+        self.gateway = gateway or uuid.uuid4().hex  # this gateway's lease on the actor
         self.restarts = 0  # restarts this gateway has seen (Ray's own count: `tokenpath status`)
         self.info: ActorState | None = None
         self._state = ReplicaState(name=name, healthy=False, detail="not polled yet")
@@ -97,11 +105,15 @@ class RayReplica(PolledState):
         deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
         while True:
             try:
-                self._set(await asyncio.wait_for(self.handle.state.remote(), max(1.0, deadline - time.monotonic())))
+                self._set(await asyncio.wait_for(self.handle.state.remote(self.gateway),
+                                                 max(1.0, deadline - time.monotonic())))
                 break
             except self._task_error as exc:  # the engine failed to load: say why, do not wait
                 raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {exc}") from exc
             except (TimeoutError, *self._actor_errors) as exc:
+                if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
+                    cause = str(exc).strip().splitlines()[-1][:500]
+                    raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {cause}") from exc
                 if time.monotonic() >= deadline:
                     raise EngineDeadError(f"Ray replica '{self.name}' not up in time: {exc}") from exc
                 await asyncio.sleep(0.5)
@@ -109,7 +121,7 @@ class RayReplica(PolledState):
 
     async def poll(self) -> ReplicaState:
         try:
-            state = await asyncio.wait_for(self.handle.state.remote(), self.config.state_timeout_s)
+            state = await asyncio.wait_for(self.handle.state.remote(self.gateway), self.config.state_timeout_s)
         except TimeoutError:  # busy, restarting, or its node is gone: out of routing after a few
             self._slow_polls += 1
             if self._slow_polls >= self.config.unhealthy_after:
@@ -156,6 +168,22 @@ class RayReplica(PolledState):
     async def close(self) -> None:
         await self._stop_polling()
 
+    async def release(self) -> int | None:
+        """Give up this gateway's lease: how many other gateways still route to the actor (None:
+        it did not answer, so nobody can say)."""
+        try:
+            return int(await asyncio.wait_for(self.handle.release.remote(self.gateway), self.config.state_timeout_s))
+        except Exception:  # noqa: BLE001 - dead, restarting or gone: the caller decides without it
+            return None
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget the actor's prefix cache (POST /reset_prefix_cache reaches every replica)."""
+        try:
+            return int(await asyncio.wait_for(self.handle.reset_prefix_cache.remote(), self.config.state_timeout_s))
+        except (TimeoutError, *self._actor_errors) as exc:
+            raise EngineDeadError(f"Ray replica '{self.name}' did not reset its prefix cache: "
+                                  f"{type(exc).__name__}") from exc
+
     # -- the engine link -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._state.healthy:
@@ -200,27 +228,31 @@ class RayReplica(PolledState):
 
 async def start_ray_replicas(config: RayReplicaConfig, model: str,
                              engine: EngineConfig | None = None) -> tuple[list[RayReplica], list[Any]]:
-    """Create (or find, by name) the deployment's engine actors and wait until each one answers.
-    Returns the replicas and the handles of the actors this call created (the caller kills those
-    on shutdown; actors that already existed belong to whoever created them)."""
+    """Create the deployment's engine actors, or find them by name when another gateway already
+    did, and wait until each one answers. Returns the replicas and the handles of the actors this
+    call created (stopped again if the start fails)."""
     ray = connect(config.address, config.namespace)
     engine = engine or EngineConfig(**{"model": model, **config.engine})
     actor_cls = ray.remote(EngineActor)
     prefix = config.name_prefix or model.replace("/", "_")
     existing = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["namespace"] == config.namespace}
+    gateway = uuid.uuid4().hex
     replicas: list[RayReplica] = []
     created: list[Any] = []
     for i in range(config.num_replicas):
         name = f"{prefix}-{i}"
+        if name in existing:  # another gateway's: same actor, same engine (its options are the creator's)
+            log.info("Ray replica %s exists in namespace %r: routing to it", name, config.namespace)
+        # get_if_exists: two gateways starting at once still end up with one actor per name.
         handle = actor_cls.options(
-            name=name, namespace=config.namespace, get_if_exists=True, max_restarts=config.max_restarts,
-            max_task_retries=0, num_cpus=config.num_cpus, num_gpus=config.num_gpus,
-            resources=dict(config.resources) or None, max_concurrency=1000,
+            name=name, namespace=config.namespace, get_if_exists=True, lifetime="detached",
+            max_restarts=config.max_restarts, max_task_retries=0, num_cpus=config.num_cpus,
+            num_gpus=config.num_gpus, resources=dict(config.resources) or None, max_concurrency=1000,
         ).remote(engine, config.nice)
         if name not in existing:
             created.append(handle)
-        replicas.append(RayReplica(name, handle, config))
+        replicas.append(RayReplica(name, handle, config, gateway))
     try:
         await asyncio.gather(*(r.start() for r in replicas))
     except BaseException:
@@ -230,12 +262,18 @@ async def start_ray_replicas(config: RayReplicaConfig, model: str,
 
 
 async def stop_ray_replicas(replicas: list[RayReplica], created: list[Any]) -> None:
+    """Leave the actors; stop those no other gateway routes to any more (and those this gateway
+    created but never saw answer)."""
     ray = _ray()
     for r in replicas:
         await r.close()
-    for handle in created:
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
+    others = await asyncio.gather(*(r.release() for r in replicas))
+    for r, n in zip(replicas, others, strict=True):
+        if n == 0 or (n is None and any(h is r.handle for h in created)):
+            with contextlib.suppress(Exception):
+                ray.kill(r.handle, no_restart=True)
+        elif n:
+            log.info("Ray replica %s stays up: %d other gateway(s) route to it", r.name, n)
 
 
 async def ray_replicas(spec: dict[str, Any], model: str, deployment: str,
