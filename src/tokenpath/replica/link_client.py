@@ -32,7 +32,10 @@ from tokenpath.protocol.wire import FrameError, FrameReader, decode_output, enco
 
 log = logging.getLogger("tokenpath.replica")
 
-STALE_AFTER_S = 1.0
+# A closed socket marks a dead engine at once; this catches a hung one. Not tighter: on a loaded
+# machine a 100 ms state push can arrive over a second late (seen at load average 15+ on 2 cores),
+# and a stale mark turns every request away with 503 meanwhile.
+STALE_AFTER_S = 3.0
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
 
