@@ -189,8 +189,10 @@ async def main(args: argparse.Namespace) -> None:
            "|---|---|---|---|---|---|"]
     for c in (1, 32):
         pairs = list(zip(results[f"c{c}"]["in_process"], results[f"c{c}"]["link"], strict=True))
-        itl = ", ".join(f"{b['itl_p50_ms'] / a['itl_p50_ms']:.3f}" for a, b in pairs)
-        tps = ", ".join(f"{b['tok_s'] / a['tok_s']:.3f}" for a, b in pairs)
+        itl_r = [b["itl_p50_ms"] / a["itl_p50_ms"] for a, b in pairs]
+        tps_r = [b["tok_s"] / a["tok_s"] for a, b in pairs]
+        itl = ", ".join(f"{x:.3f}" for x in itl_r) + f" (median **{sorted(itl_r)[len(pairs) // 2]:.3f}**)"
+        tps = ", ".join(f"{x:.3f}" for x in tps_r) + f" (median **{sorted(tps_r)[len(pairs) // 2]:.3f}**)"
         cpu_a = sorted(a["gateway_cpu_ms_per_tok"] for a, _ in pairs)[len(pairs) // 2]
         gw_b = sorted(b["gateway_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
         eng_b = sorted(b["engine_proc_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
