@@ -61,8 +61,21 @@ async def one(dep: Deployment, tokens: list[int], max_tokens: int, tag: str, i: 
     return {"gaps": gaps, "tokens": n, "delivery": delivery}
 
 
-async def level(dep: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a whole process so far (Linux /proc), all its threads."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def level(dep: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str,
+                engine_pid: int | None = None) -> dict:
+    """One round. CPU per output token of this (gateway) process and of the engine process: what
+    the link costs in work, which on a loaded machine is steadier than what it costs in time."""
     sem = asyncio.Semaphore(concurrency)
+    gw0, eng0 = cpu_s(os.getpid()), cpu_s(engine_pid) if engine_pid else 0.0
 
     async def run(i: int, p: list[int]) -> dict:
         async with sem:
@@ -71,10 +84,13 @@ async def level(dep: Deployment, prompts: list[list[int]], max_tokens: int, conc
     t0 = time.perf_counter()
     rows = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - t0
+    gw, eng = cpu_s(os.getpid()) - gw0, (cpu_s(engine_pid) - eng0) if engine_pid else 0.0
     gaps = [g for r in rows for g in r["gaps"]]
     delivery = [d for r in rows for d in r["delivery"]]
-    return {"itl_p50_ms": pct(gaps, 50) * 1000, "tok_s": sum(r["tokens"] for r in rows) / wall, "wall_s": wall,
-            "delivery_p50_ms": pct(delivery, 50) * 1000}
+    tokens = sum(r["tokens"] for r in rows)
+    return {"itl_p50_ms": pct(gaps, 50) * 1000, "tok_s": tokens / wall, "wall_s": wall,
+            "delivery_p50_ms": pct(delivery, 50) * 1000, "gateway_cpu_ms_per_tok": 1000 * gw / tokens,
+            "engine_proc_cpu_ms_per_tok": 1000 * eng / tokens, "loadavg_1m": os.getloadavg()[0]}
 
 
 async def gateway_overhead(dep: Deployment, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -136,7 +152,8 @@ async def main(args: argparse.Namespace) -> None:
             rounds: dict[str, list[dict]] = {"in_process": [], "link": []}
             for _ in range(args.rounds):
                 for name in ("in_process", "link"):
-                    rounds[name].append(await level(deps[name], prompts, args.max_tokens, c, f"{name}-c{c}"))
+                    rounds[name].append(await level(deps[name], prompts, args.max_tokens, c, f"{name}-c{c}",
+                                                    engine_pid=proc.proc.pid if name == "link" else None))
             results[f"c{c}"] = rounds
         results["gateway_c32"] = await gateway_overhead(deps["link"], args.requests_c32, 32, args.max_tokens)
     finally:
@@ -144,10 +161,15 @@ async def main(args: argparse.Namespace) -> None:
         await local_engine.shutdown()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
+    loads = [r["loadavg_1m"] for c in (1, 32) for rs in results[f"c{c}"].values() for r in rs]
     md = [f"# Engine link vs in-process engine ({platform.machine()}, {os.cpu_count()} CPUs, shared)", "",
           f"SmolLM2-135M, CPU, 1 torch thread per engine, {args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} output tokens, max_num_seqs {args.max_num_seqs}; {args.rounds} alternating "
-          "rounds per level (median of rounds shown).", "",
+          "rounds per level (in-process, link, in-process, link...; median of rounds shown).", "",
+          f"**The machine was loaded**: {os.cpu_count()} cores shared with other agents' builds, tests and "
+          f"benchmarks, 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the rounds"
+          f"{' (' + args.load_note + ')' if args.load_note else ''}. Time figures move with that load; "
+          "the CPU columns (work per output token) much less.", "",
           "| concurrency | ITL p50 in-process (ms) | ITL p50 link (ms) | link - in-process (ms) "
           "| tok/s in-process | tok/s link | link / in-process | delivery p50 in-process (ms) | delivery p50 link (ms) |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -160,6 +182,22 @@ async def main(args: argparse.Namespace) -> None:
         da, db = med("in_process", "delivery_p50_ms"), med("link", "delivery_p50_ms")
         md.append(f"| {c} | {a:.2f} | {b:.2f} | {b - a:+.2f} | {ta:.1f} | {tb:.1f} | {tb / ta:.3f} "
                   f"| {da:.2f} | {db:.2f} |")
+    md += ["", "Paired per round (each link round right after its in-process round), and CPU per output token "
+           "(in-process: the one process; link: gateway + engine process):", "",
+           "| concurrency | ITL p50 link / in-process per round | tok/s link / in-process per round "
+           "| CPU ms/token in-process | CPU ms/token link (gateway + engine) | link / in-process CPU |",
+           "|---|---|---|---|---|---|"]
+    for c in (1, 32):
+        pairs = list(zip(results[f"c{c}"]["in_process"], results[f"c{c}"]["link"], strict=True))
+        itl_r = [b["itl_p50_ms"] / a["itl_p50_ms"] for a, b in pairs]
+        tps_r = [b["tok_s"] / a["tok_s"] for a, b in pairs]
+        itl = ", ".join(f"{x:.3f}" for x in itl_r) + f" (median **{sorted(itl_r)[len(pairs) // 2]:.3f}**)"
+        tps = ", ".join(f"{x:.3f}" for x in tps_r) + f" (median **{sorted(tps_r)[len(pairs) // 2]:.3f}**)"
+        cpu_a = sorted(a["gateway_cpu_ms_per_tok"] for a, _ in pairs)[len(pairs) // 2]
+        gw_b = sorted(b["gateway_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
+        eng_b = sorted(b["engine_proc_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
+        md.append(f"| {c} | {itl} | {tps} | {cpu_a:.2f} | {gw_b + eng_b:.2f} ({gw_b:.2f} + {eng_b:.2f}) "
+                  f"| {(gw_b + eng_b) / cpu_a:.3f} |")
     g = results["gateway_c32"]
     md += ["", "Delivery: from the engine's event (first token, finish) to the consumer holding the delta, "
            "both in the gateway's clock (the link's clock offset applied): what crossing the process "
@@ -182,4 +220,5 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="engine_link")
+    p.add_argument("--load-note", default="", help="what else ran on the machine (printed with the table)")
     asyncio.run(main(p.parse_args()))

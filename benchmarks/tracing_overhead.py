@@ -1,6 +1,6 @@
 """Benchmark: what tracing costs. `tokenpath serve` with tracing off vs on (exporting every
 request's spans over OTLP/HTTP to a receiver on loopback that decodes them), same requests,
-c=32, alternating rounds (off, on, off, on, ...) in one run so drift hits both alike.
+c=32, rounds in ABBA order (off-on, on-off, ...) in one run so drift hits both alike.
 
     .venv/bin/python benchmarks/tracing_overhead.py                 # defaults: ~6-8 minutes on 2 cores
     .venv/bin/python benchmarks/tracing_overhead.py --rounds 1 --num-requests 32   # smoke run
@@ -147,6 +147,7 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--load-note", default="", help="what else ran on the machine (printed under the table)")
     p.add_argument("--micro-only", action="store_true", help="only the span-cost measurement (seconds)")
     args = p.parse_args()
     receiver = Receiver()
@@ -157,7 +158,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tp-tracing-bench-"))
     runs: list[dict] = []
     for r in range(args.rounds):
-        for mode in ("off", "on"):
+        # ABBA: off-on, then on-off. With a fixed order, a machine whose load falls (or rises) over
+        # the run favours whichever mode always goes second (a first run here: on/off 1.41 median).
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             extra = ["--otlp-endpoint", receiver.url] if mode == "on" else []
             proc, port = serve(extra, tmp / f"serve-{mode}-{r}.log")
             try:
@@ -174,18 +177,32 @@ def main() -> int:
         rs = [x for x in runs if x["mode"] == mode]
         summary[mode] = {k: statistics.mean(x[k] for x in rs) for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms")}
     ratio = summary["on"]["output_tok_s"] / summary["off"]["output_tok_s"]
+    # Each round's on/off pair ran back to back, so the machine's drift (other work on a shared box)
+    # hits both alike: the median of the per-round ratios is the figure least moved by it.
+    pairs = [sorted(runs[i:i + 2], key=lambda x: x["mode"]) for i in range(0, len(runs), 2)]  # [off, on]
+    paired = [on["output_tok_s"] / off["output_tok_s"] for off, on in pairs]
+    paired_ttft = [on["ttft_p50_ms"] / off["ttft_p50_ms"] for off, on in pairs]
+    median_ratio = statistics.median(paired)
     RESULTS.mkdir(exist_ok=True)
     meta = {"args": vars(args), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "runs": runs,
-            "summary": summary, "throughput_ratio_on_off": ratio, "span_cost": micro}
+            "summary": summary, "throughput_ratio_on_off": ratio,
+            "paired_throughput_ratios": paired, "median_paired_throughput_ratio": median_ratio,
+            "paired_ttft_p50_ratios": paired_ttft, "load": args.load_note, "span_cost": micro}
     (RESULTS / "tracing_overhead.json").write_text(json.dumps(meta, indent=2))
     lines = [f"# Tracing on vs off (c={args.concurrency})", "",
-             f"{args.rounds} alternating rounds, {args.num_requests} requests each, input {args.input_len} / "
+             f"{args.rounds} rounds (off-on, on-off, ...), {args.num_requests} requests each, input {args.input_len} / "
              f"output {args.output_len} tokens, `tokenpath bench`, SmolLM2-135M, {meta['machine']}.", "",
              "| round | tracing | output tok/s | TTFT p50 ms | TTFT p99 ms | spans received |",
              "|---|---|---|---|---|---|"]
     for x in runs:
         lines.append(f"| {x['round']} | {x['mode']} | {x['output_tok_s']:.1f} | {x['ttft_p50_ms']:.0f} | "
                      f"{x['ttft_p99_ms']:.0f} | {x['spans_received']} |")
+    lines += ["", f"Output throughput on / off per round (each pair back to back): "
+                  f"{', '.join(f'{x:.3f}' for x in paired)}; median **{median_ratio:.3f}** "
+                  f"({100 * (1 - median_ratio):+.1f}% cost). TTFT p50 on / off per round: "
+                  f"{', '.join(f'{x:.2f}' for x in paired_ttft)}."]
+    if args.load_note:
+        lines += ["", f"Machine load during the run: {args.load_note}"]
     lines += ["", f"Mean output throughput, on / off: **{ratio:.3f}** ({100 * (1 - ratio):+.1f}% cost; "
                   f"TTFT p50 {summary['off']['ttft_p50_ms']:.0f} ms off vs {summary['on']['ttft_p50_ms']:.0f} ms on)."]
     per_req_ms = 1000 * args.output_len / summary["off"]["output_tok_s"] * (os.cpu_count() or 1)

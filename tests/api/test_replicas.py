@@ -99,6 +99,36 @@ def test_histograms_count_every_request_over_the_link(servers):
     assert {n: hist_count(replicas, n) - before[n] for n in names} == dict.fromkeys(names, 4.0)
 
 
+def step_counts(srv: Server) -> dict[tuple[str, str], float]:
+    """{(series, replica): count} of the engine step histograms on the gateway's /metrics."""
+    text = httpx.get(srv.url + "/metrics").text
+    pattern = (rf'^tokenpath:(engine_step_seconds|iteration_seqs|iteration_tokens_total)_count'
+               rf'\{{model_name="{CHAT_MODEL}",replica="([^"]+)"\}} (\S+)$')
+    return {(name, replica): float(n) for name, replica, n in re.findall(pattern, text, re.M)}
+
+
+def test_engine_step_histograms_per_replica_in_process_and_over_the_link(servers):
+    """Step time, batch sequences and batch tokens reach the gateway's /metrics from each engine
+    process (over the link's state frames), labelled by replica, under the in-process names."""
+    names = {"engine_step_seconds", "iteration_seqs", "iteration_tokens_total"}
+    for srv, n_replicas in zip(servers, (1, 2), strict=True):
+        before = step_counts(srv)
+        for i in range(4):  # short distinct raw prompts: cold, so they rotate over idle replicas
+            r = httpx.post(srv.base_url + "/completions", timeout=180, json={
+                "model": CHAT_MODEL, "prompt": f"Number {i}:", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        time.sleep(0.3)  # (an engine process pushes its counts every 100 ms)
+        after = step_counts(srv)
+        replicas = {rep for _, rep in after}
+        assert len(replicas) == n_replicas, after
+        assert {name for name, _ in after} == names
+        for name in names:  # every replica stepped, and every step counted in each series
+            assert all(after[name, rep] > before.get((name, rep), 0) for rep in replicas), (name, after)
+        steps = sum(after["engine_step_seconds", rep] - before.get(("engine_step_seconds", rep), 0)
+                    for rep in replicas)
+        assert steps >= 4 * 4, after  # (>= one step per token per request)
+
+
 def test_prefix_cache_hits_come_back_over_the_link(servers):
     _, replicas = servers
     text = httpx.get(replicas.url + "/metrics").text

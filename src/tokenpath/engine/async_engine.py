@@ -3,8 +3,10 @@
 The step loop runs in one background thread (torch releases the GIL inside its kernels), so an
 HTTP server on the event loop stays responsive while the model computes. Requests and aborts
 cross into the thread through a queue and are applied between steps: an abort takes effect
-before the next step, and its blocks are free by then. Outputs cross back with
-`call_soon_threadsafe` into one asyncio queue per request.
+before the next step, and its blocks are free by then. A step's outputs cross back in one
+`call_soon_threadsafe` (one wake-up of the loop per step, not one per request) and are handed to
+each request's sink: its asyncio queue (`generate`), or a callback (`submit`, for the engine link,
+which serves every request of a step from one place instead of one task per request).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from tokenpath.config import EngineConfig
@@ -21,8 +23,11 @@ from tokenpath.engine.core import EngineCore
 from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import EngineState, RequestOutput
+from tokenpath.telemetry.engine_steps import StepStats
 
 log = logging.getLogger("tokenpath.engine")
+
+Sink = Callable[[RequestOutput | BaseException], None]
 
 
 class AsyncEngine:
@@ -32,9 +37,13 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.model_name = self.core.model_name
         self.max_model_len = self.core.max_model_len
+        # Step time and batch size, counted here whichever process runs the engine; the gateway
+        # reads them directly in-process and from the link's state frames otherwise.
+        self.step_stats = StepStats()
+        self.core.step_observers.append(self.step_stats.observe)
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, Sink] = {}  # request id -> where its outputs go, on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -62,15 +71,8 @@ class AsyncEngine:
         """Yield deltas until the request finishes. Closing the iterator aborts the request.
         `request.arrival` is taken as this process's clock (set it where the request arrived)."""
         request_id = request.request_id
-        if self.error is not None or self._thread is None:
-            raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id '{request_id}' is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        # Validated at the edge; a request this engine could never run fails in `add_request`,
-        # and that error reaches this stream like any other.
-        self._send(("add", replace(request, timeline=None)))
+        self.submit(request, stream.put_nowait)
         finished = False
         try:
             while True:
@@ -87,6 +89,25 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id))
+
+    def submit(self, request: GenerateRequest, sink: Sink) -> None:
+        """Queue a request whose outputs (and a final exception, if the engine dies) are passed to
+        `sink` on the event loop, in order. Raises at once for what can never run. A finished
+        output (`finished`, or one with `error` set) is the last; `detach` ends it earlier."""
+        request_id = request.request_id
+        if self.error is not None or self._thread is None:
+            raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        self._streams[request_id] = sink
+        # Validated at the edge; a request this engine could never run fails in `add_request`,
+        # and that error reaches the sink like any other.
+        self._send(("add", replace(request, timeline=None)))
+
+    def detach(self, request_id: str) -> None:
+        """Stop delivering to a submitted request's sink and abort it in the engine."""
+        if self._streams.pop(request_id, None) is not None:
+            self._send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -106,8 +127,9 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if self.core.has_work():
-                    for out in self.core.step():
-                        self._deliver(out.request_id, out)
+                    outs = self.core.step()
+                    if outs and self._loop is not None:
+                        self._loop.call_soon_threadsafe(self._deliver_step, outs)
                 else:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
@@ -136,6 +158,21 @@ class AsyncEngine:
                     self._deliver(msg[1], out)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        """One item from the step thread (an add that failed, an abort's final output, death)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver_step, [(request_id, item)])
+
+    def _deliver_step(self, items: list) -> None:
+        """On the loop: each output (or `(request id, item)`) to its request's sink. A sink that
+        raises loses its request, never the others' outputs."""
+        for item in items:
+            rid, item = item if isinstance(item, tuple) else (item.request_id, item)
+            sink = self._streams.get(rid)
+            if sink is None:
+                continue
+            if isinstance(item, BaseException) or item.finished or item.error is not None:
+                del self._streams[rid]  # its last item: nothing more will come for it
+            try:
+                sink(item)
+            except Exception:
+                log.exception("delivering an output of request %s failed", rid)

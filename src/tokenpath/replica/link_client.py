@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
-from tokenpath.protocol.wire import FrameError, decode_output, encode_request, pack, read_frame
+from tokenpath.protocol.wire import FrameError, FrameReader, decode_output, encode_request, pack, read_frame
 
 log = logging.getLogger("tokenpath.replica")
 
-STALE_AFTER_S = 1.0
+# A closed socket marks a dead engine at once; this catches a hung one. Not tighter: on a loaded
+# machine a 100 ms state push can arrive over a second late (seen at load average 15+ on 2 cores),
+# and a stale mark turns every request away with 503 meanwhile.
+STALE_AFTER_S = 3.0
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
 
@@ -114,37 +117,42 @@ class EngineLinkReplica:
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reason = "link closed"
+        frames = FrameReader(reader)
         try:
             while True:
-                msg = await read_frame(reader)
-                kind = msg["t"]
-                if kind == "out":
-                    entry = self._streams.get(msg["id"])
-                    if entry is not None:
-                        out = decode_output(msg, entry[0])
-                        out.events = out.events.shifted(-self.offset)
-                        entry[1].put_nowait(out)
-                elif kind == "err":
-                    entry = self._streams.get(msg["id"])
-                    if entry is not None:
-                        entry[1].put_nowait(_error_from(msg, self.name))
-                elif kind == "state":
-                    self._state, self._state_at = msg, time.monotonic()
-                elif kind == "pong":
-                    fut = self._pongs.pop(msg.get("id"), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(float(msg["now"]))
-                elif kind == "reset_done":
-                    fut = self._pongs.pop(msg.get("id"), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(float(msg.get("freed") or 0))
-                else:
-                    self._on_frame(kind, msg)
+                for msg in await frames.read_frames():
+                    self._dispatch(msg)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError, OSError) as exc:
             reason = f"link closed ({type(exc).__name__})"
         finally:
             if self._writer is writer:  # (not a reader of an older link, replaced by a reconnect)
                 self.mark_down(reason)
+
+    def _dispatch(self, msg: dict) -> None:
+        """One frame from the engine, to the request stream or future waiting for it."""
+        kind = msg["t"]
+        if kind == "out":
+            entry = self._streams.get(msg["id"])
+            if entry is not None:
+                out = decode_output(msg, entry[0])
+                out.events = out.events.shifted(-self.offset)
+                entry[1].put_nowait(out)
+        elif kind == "err":
+            entry = self._streams.get(msg["id"])
+            if entry is not None:
+                entry[1].put_nowait(_error_from(msg, self.name))
+        elif kind == "state":
+            self._state, self._state_at = msg, time.monotonic()
+        elif kind == "pong":
+            fut = self._pongs.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(float(msg["now"]))
+        elif kind == "reset_done":
+            fut = self._pongs.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(float(msg.get("freed") or 0))
+        else:
+            self._on_frame(kind, msg)
 
     def _on_frame(self, kind: str, msg: dict) -> None:
         """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
@@ -210,6 +218,10 @@ class EngineLinkReplica:
             return int(await asyncio.wait_for(fut, CONNECT_TIMEOUT_S))
         finally:
             self._pongs.pop(rid, None)
+
+    def step_stats(self) -> dict[str, list] | None:
+        """The engine's cumulative step histograms, as of its last state frame (`sh`)."""
+        return self._state.get("sh")
 
     def state(self) -> ReplicaState:
         s = self._state

@@ -2,7 +2,9 @@
 
 No HTTP, no second gateway, no admission queue: a `GenerateRequest` goes straight into the
 engine (which schedules and preempts by its priority) and each `RequestOutput` delta goes
-straight back as a frame, with the engine's event times (`protocol.wire`).
+straight back as a frame, with the engine's event times (`protocol.wire`). No task per request:
+the engine hands a whole step's outputs to the loop at once (`AsyncEngine.submit`), each is
+encoded by its request's `_LinkRequest` callback, and the step's frames leave in one write.
 
 Trust: the first frame must be `hello` carrying the per-launch secret (compared in constant
 time); anything else is answered `denied` and the connection closed, and the attempt is logged.
@@ -24,7 +26,8 @@ import socket
 import time
 
 from tokenpath.engine.async_engine import AsyncEngine
-from tokenpath.errors import TokenpathError
+from tokenpath.errors import RequestFailedError, TokenpathError
+from tokenpath.protocol import GenerateRequest, RequestOutput
 from tokenpath.protocol.wire import FrameError, decode_request, encode_output, pack, read_frame
 from tokenpath.telemetry.engine_spans import record_engine_trace
 
@@ -92,7 +95,7 @@ class LinkServer:
         return {"t": "state", "waiting": s.waiting, "running": s.running, "kv": s.kv_usage,
                 "healthy": s.healthy, "pq": s.prefix_cache_queries, "ph": s.prefix_cache_hits,
                 "pre": s.num_preemptions, "steps": s.steps, "num_blocks": s.num_blocks,
-                "block_size": s.block_size}
+                "block_size": s.block_size, "sh": self.engine.step_stats.snapshot()}
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -111,7 +114,8 @@ class LinkServer:
         log.info("engine link: gateway connected from %s", peer)
         writer.write(pack({"t": "welcome", "now": time.monotonic(), "info": self._info()}))
         outbox = Outbox(writer)
-        tasks: dict[str, asyncio.Task] = {}
+        live: dict[str, _LinkRequest] = {}
+        tasks: dict[str, asyncio.Task] = {}  # requests of the frame kinds a subclass adds
         pusher = asyncio.create_task(self._push_state(outbox))
         try:
             while True:
@@ -120,23 +124,30 @@ class LinkServer:
                 if kind == "ping":
                     outbox.send({"t": "pong", "id": msg.get("id"), "now": time.monotonic()})
                 elif kind == "add":
-                    self._add(msg["req"], outbox, tasks)
+                    self._add(msg["req"], outbox, live)
                 elif kind == "reset":  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
                     freed = self.engine.core.blocks.reset_prefix_cache()
                     outbox.send({"t": "reset_done", "id": msg.get("id"), "freed": freed})
                 elif kind == "abort":
+                    gone = live.pop(str(msg.get("id")), None)
+                    if gone is not None:
+                        log.info("request %s aborted by the gateway", gone.request.request_id)
+                        self.engine.detach(gone.request.request_id)
                     task = tasks.pop(str(msg.get("id")), None)
                     if task is not None:
-                        task.cancel()  # closing the engine stream aborts the request there
+                        task.cancel()  # a subclass's request (an embedding batch member)
                 else:
                     self._on_frame(kind, msg, outbox, tasks)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
             log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
             pusher.cancel()
-            for task in tasks.values():
+            for rid in list(live):  # the gateway is gone: nobody will read these
+                self.engine.detach(rid)
+            live.clear()
+            for task in list(tasks.values()):
                 task.cancel()
-            await asyncio.gather(pusher, *tasks.values(), return_exceptions=True)
+            await asyncio.gather(pusher, return_exceptions=True)
             writer.close()
             if self.exit_on_close:
                 self.done.set()
@@ -144,7 +155,7 @@ class LinkServer:
     def _on_frame(self, kind: str, msg: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
         """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
 
-    def _add(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
+    def _add(self, d: dict, outbox: Outbox, live: dict[str, _LinkRequest]) -> None:
         try:
             request = decode_request(d)
         except TokenpathError as exc:
@@ -156,43 +167,59 @@ class LinkServer:
             return
         log.info("request %s queued: %d prompt tokens, priority %d, tenant %s, trace %s", request.request_id,
                  len(request.prompt_token_ids), request.priority, request.tenant, request.traceparent or "-")
-        task = asyncio.create_task(self._run(request, outbox))
-        tasks[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: tasks.pop(rid, None))
-
-    async def _run(self, request, outbox: Outbox) -> None:  # noqa: ANN001 - GenerateRequest
-        rid = request.request_id
-        completion = 0
+        entry = _LinkRequest(self, request, outbox, live)
         try:
-            async for out in self.engine.generate(request):
-                outbox.send(encode_output(out))
-                completion += sum(len(c.token_ids) for c in out.outputs)
-                if out.finished:
-                    log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
-                             ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
-                             out.num_cached_tokens, out.num_preemptions)
-                    ev = out.events
-                    record_engine_trace(self.tracer_provider, traceparent=request.traceparent,  # type: ignore[arg-type]
-                                        request_id=rid, model=self.engine.model_name, queued=ev.queued,
-                                        scheduled=ev.scheduled, first_token=ev.first_token, finished=ev.finished,
-                                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion,
-                                        cached_tokens=out.num_cached_tokens, preemptions=out.num_preemptions)
-            await outbox.drain()
-        except asyncio.CancelledError:
-            log.info("request %s aborted by the gateway", rid)
-            raise
+            self.engine.submit(request, entry)
         except TokenpathError as exc:
-            outbox.send(_error(rid, exc))
-        except Exception as exc:
-            log.exception("request %s failed", rid)
-            outbox.send({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
-                         "message": f"{type(exc).__name__}: {exc}"})
+            outbox.send(_error(request.request_id, exc))
+            return
+        live[request.request_id] = entry
 
     async def _push_state(self, outbox: Outbox) -> None:
         while True:
             outbox.send(self._state())
             await outbox.drain()
             await asyncio.sleep(STATE_INTERVAL_S)
+
+
+class _LinkRequest:
+    """One request in flight on a link: the engine's sink for it (called on the loop with each
+    output, or the exception that ended it), which frames it for the gateway."""
+
+    def __init__(self, server: LinkServer, request: GenerateRequest, outbox: Outbox,
+                 live: dict[str, _LinkRequest]) -> None:
+        self.server, self.request, self.outbox, self.live = server, request, outbox, live
+        self.completion = 0
+
+    def __call__(self, out: RequestOutput | BaseException) -> None:
+        rid = self.request.request_id
+        if isinstance(out, BaseException) or out.error is not None:
+            self.live.pop(rid, None)
+            exc = out if isinstance(out, BaseException) else RequestFailedError(out.error or "")
+            if isinstance(exc, TokenpathError):
+                self.outbox.send(_error(rid, exc))
+            else:
+                log.error("request %s failed: %r", rid, exc)
+                self.outbox.send({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
+                                  "message": f"{type(exc).__name__}: {exc}"})
+            return
+        self.outbox.send(encode_output(out))
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+        if out.finished:
+            self.live.pop(rid, None)
+            self.finished(out)
+
+    def finished(self, out: RequestOutput) -> None:
+        rid, server = self.request.request_id, self.server
+        log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
+                 ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
+                 out.num_cached_tokens, out.num_preemptions)
+        ev = out.events
+        record_engine_trace(server.tracer_provider, traceparent=self.request.traceparent,  # type: ignore[arg-type]
+                            request_id=rid, model=server.engine.model_name, queued=ev.queued,
+                            scheduled=ev.scheduled, first_token=ev.first_token, finished=ev.finished,
+                            prompt_tokens=len(self.request.prompt_token_ids), completion_tokens=self.completion,
+                            cached_tokens=out.num_cached_tokens, preemptions=out.num_preemptions)
 
 
 def _error(rid: str, exc: TokenpathError) -> dict:

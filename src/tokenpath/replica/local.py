@@ -41,6 +41,10 @@ class InProcessReplica:
     async def reset_prefix_cache(self) -> int:
         return self.engine.core.blocks.reset_prefix_cache()
 
+    def step_stats(self) -> dict[str, list]:
+        """The engine's cumulative step histograms (`telemetry.engine_steps`)."""
+        return self.engine.step_stats.snapshot()
+
     def state(self) -> ReplicaState:
         s = self.engine.state()
         if not s.healthy:

@@ -17,6 +17,10 @@ interpreter and step loop, so one replica's Python overhead or crash does not st
 - **Logs.** The child's stdout/stderr go to `<data dir>/logs/engines/<name>.log`, rotated by size.
 - **Priority.** Engines run at nice +`ENGINE_NICE` (set by the child before it starts a thread):
   the gateway is light and latency-bound, the engines fill every core, so the gateway goes first.
+- **Cores.** `n` engines split the machine's cores (`TOKENPATH_NUM_THREADS` = cores // n, at least 1)
+  unless the operator set `TOKENPATH_NUM_THREADS` or `OMP_NUM_THREADS`: two engines each running as
+  many kernel threads as there are cores oversubscribe them, and a descheduled OpenMP thread holds
+  up its whole parallel region.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ LOG_BACKUPS = 3
 SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
 PARENT_ENV = "TOKENPATH_PARENT_PID"
 NICE_ENV = "TOKENPATH_ENGINE_NICE"
+THREADS_ENV = "TOKENPATH_NUM_THREADS"
 
 
 class EngineProcess:
@@ -59,6 +64,7 @@ class EngineProcess:
         self.engine_args = list(engine_args)
         self.deployment = deployment or (model or "")
         self.nice = nice
+        self.num_threads = 0  # kernel threads for this engine; 0: its own default
         self.replica = link(name, secret="", max_num_seqs=max_num_seqs)  # (EmbeddingLinkReplica for encoders)
         self.proc: asyncio.subprocess.Process | None = None
         self.args: list[str] = []
@@ -89,6 +95,8 @@ class EngineProcess:
         self.args += self.engine_args
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret, PARENT_ENV: str(os.getpid()),
                NICE_ENV: str(self.nice)}
+        if self.num_threads and not (os.environ.get(THREADS_ENV) or os.environ.get("OMP_NUM_THREADS")):
+            env[THREADS_ENV] = str(self.num_threads)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -214,6 +222,8 @@ async def spawn_engines(n: int, model: str | None = None, engine_args: list[str]
         log_dir = resolve_data_dir() / "logs" / "engines"
     procs = [EngineProcess(f"{name_prefix}-{i}", model, list(engine_args or []), log_dir, deployment, nice,
                            max_num_seqs, link) for i in range(n)]
+    for p in procs:  # the cores split between them (see "Cores" above)
+        p.num_threads = max(1, (os.cpu_count() or 1) // n)
     try:
         await asyncio.gather(*(p.start(startup_timeout) for p in procs))
     except BaseException:

@@ -10,14 +10,15 @@ row: one histogram per Timeline stage. Embedding requests count in the same seri
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenpath.telemetry.engine_steps import SERIES as STEP_SERIES
+from tokenpath.telemetry.engine_steps import prometheus_buckets
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.series import RoutingMetricsCollector
 from tokenpath.telemetry.stages import STAGES
@@ -29,10 +30,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 10.0)
-_BATCH_SEQS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -88,6 +85,32 @@ class _StateCollector(Collector):
         yield from c.values()
 
 
+class EngineStepCollector(Collector):
+    """Engine step time and batch size per replica, read at scrape time from each replica's
+    `step_stats()` (its own engine's counts in-process, the engine's last state frame over the
+    link), so the series have the same names and labels whichever process the engine runs in."""
+
+    def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
+        self._deployments = deployments
+
+    def collect(self) -> Iterator[Any]:
+        fams = {key: HistogramMetricFamily(PREFIX + name, doc, labels=["model_name", "replica"])
+                for key, (name, doc, _) in STEP_SERIES.items()}
+        for dep in self._deployments():
+            for replica in getattr(dep, "replicas", ()):
+                read = getattr(replica, "step_stats", None)
+                snap = read() if callable(read) else None
+                for key, fam in fams.items():
+                    if not snap or key not in snap:
+                        continue
+                    try:
+                        buckets, total = prometheus_buckets(key, snap[key])
+                    except (ValueError, TypeError):
+                        continue
+                    fam.add_metric([dep.name, str(replica.name)], buckets, total)
+        yield from fams.values()
+
+
 class ServerMetrics:
     """One registry per app (tests start several apps in one process)."""
 
@@ -137,33 +160,12 @@ class ServerMetrics:
                                   "admission, deadline).", m + ["reason"], registry=r)
         self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Tokens per tenant, by kind (prompt, cached, "
                                      "generation).", m + ["tenant", "kind"], registry=r)
-        self.step_time = Histogram(PREFIX + "engine_step_seconds", "Wall time of one engine step (schedule, "
-                                   "forward, sample).", m, buckets=_STEP_BUCKETS, registry=r)
-        self.step_seqs = Histogram(PREFIX + "iteration_seqs", "Sequences scheduled per engine step (batch size).",
-                                   m, buckets=_BATCH_SEQS_BUCKETS, registry=r)
-        self.step_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens scheduled per engine step.",
-                                     m, buckets=_BATCH_TOKENS_BUCKETS, registry=r)
-        for dep in deployments():
+        self.registry.register(EngineStepCollector(deployments))
+        for dep in deployments():  # the trace's prefill chunks, from the in-process engine's own thread
             for replica in getattr(dep, "replicas", ()):
                 core = getattr(getattr(replica, "engine", None), "core", None)
-                if core is not None and hasattr(core, "step_observers"):
-                    core.step_observers.append(self._step_observer(dep.name))
-                    if annotate_step not in core.step_observers:
-                        core.step_observers.append(annotate_step)
-
-    def _step_observer(self, model: str) -> Callable[[list[tuple[Any, int]], float, float], None]:
-        """Engine step time and batch size, observed from the engine's own thread."""
-        step_time, seqs, tokens = (h.labels(model) for h in (self.step_time, self.step_seqs, self.step_tokens))
-
-        def observe(scheduled: list[tuple[Any, int]], started: float, ended: float) -> None:
-            try:  # never raises into the step loop
-                step_time.observe(ended - started)
-                seqs.observe(len(scheduled))
-                tokens.observe(sum(n for _, n in scheduled))
-            except Exception:
-                logging.getLogger("tokenpath.telemetry").exception("engine step metrics failed")
-
-        return observe
+                if core is not None and hasattr(core, "step_observers") and annotate_step not in core.step_observers:
+                    core.step_observers.append(annotate_step)
 
     def observe_finished(self, rec: FinishedRequest) -> None:
         """Every finished request, whatever its ending: status, rejection, tenant tokens, stages."""
