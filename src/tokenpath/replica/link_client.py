@@ -12,7 +12,11 @@ the shortest round trip, NTP-style: `offset = engine_now - (sent + received) / 2
 half that round trip (tens of microseconds on loopback). Engine event times are shifted by it on
 receipt, and `replica.events.stamp_events` clamps them into what the gateway saw.
 
-Health: unhealthy the moment the link closes, or when no state has arrived for `STALE_AFTER_S`.
+Health: unhealthy the moment the link closes (a dead or killed engine: at once), or when no state
+has arrived for `STALE_AFTER_S` (an engine that is alive but wedged). That second check is slow on
+purpose: on a busy machine a push, or the gateway's own reading of it, can lag by over a second,
+and a 1 s limit then turned every replica "unhealthy" together and answered 503 no_healthy_replica
+(seen in the soak, benchmarks/results/soak_before.md).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tokenpath.protocol.wire import FrameError, decode_output, encode_request, p
 
 log = logging.getLogger("tokenpath.replica")
 
-STALE_AFTER_S = 1.0
+STALE_AFTER_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
 
