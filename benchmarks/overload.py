@@ -80,6 +80,7 @@ def http_sender(client: httpx.AsyncClient, model: str, args: argparse.Namespace)
                     rec.outcome, rec.reject_s = str(resp.status_code), time.perf_counter() - t0
                     if resp.status_code == 504:  # where it timed out: in the gateway queue, or after dispatch
                         rec.extra["where"] = "queue" if "in the queue" in resp.text else "after dispatch"
+                        rec.extra["timing_504"] = resp.headers.get("server-timing", "")
                     rec.extra["retry_after"] = resp.headers.get("retry-after")
                     timing = dict(p.split(";dur=") for p in resp.headers.get("server-timing", "").split(", ")
                                   if ";dur=" in p)
@@ -149,7 +150,9 @@ async def level(send: Send, rng: random.Random, rate: float, args: argparse.Name
     for r in records:
         if "where" in r.extra:
             where_504[r.extra["where"]] = where_504.get(r.extra["where"], 0) + 1
-    return {"offered_rps": rate, "arrivals": len(records), "outcomes": outcomes, "where_504": where_504, "wall_s": wall,
+    timing_504 = [r.extra["timing_504"] for r in records if "timing_504" in r.extra][:10]
+    return {"offered_rps": rate, "arrivals": len(records), "outcomes": outcomes, "where_504": where_504,
+            "timing_504": timing_504, "wall_s": wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "ttft_max_s": max(ttft, default=float("nan")),
             "goodput_rps": sum(1 for x in ttft if x <= args.slo) / args.level_s,
             "reject_p50_ms": pct(rejects, 50) * 1000, "reject_p99_ms": pct(rejects, 99) * 1000,
