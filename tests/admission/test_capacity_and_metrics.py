@@ -4,7 +4,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
-from tokenpath.admission.controller import AdmissionConfig, CapacityEstimator
+from tokenpath.admission.capacity import CapacityEstimator
+from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import RateLimitError
 from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenpath.engine.embedding import EmbeddingEngine, default_embedding_model_dir
-from tokenpath.errors import ContextLengthError, InvalidRequestError
+from tokenpath.protocol import EmbeddingRequest
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -51,18 +51,20 @@ def test_vectors_are_unit_length_and_distinguish_inputs(engine):
     assert (a @ b).item() < 0.9
 
 
-def test_too_long_input_is_a_400_with_the_numbers(engine):
-    with pytest.raises(ContextLengthError) as err:
+def test_a_batch_past_the_position_table_is_an_internal_error(engine):
+    """Inputs are validated at the edge (a 400 naming the numbers, tests/api/test_http.py); the
+    engine only guards its own invariant, once, instead of indexing past its position table."""
+    with pytest.raises(ValueError, match="302 tokens"):
         engine.embed_texts(["word " * 300])
-    assert "302" in err.value.message and "256" in err.value.message
-    assert err.value.status_code == 400
 
 
-def test_bad_token_ids_are_rejected(engine):
-    with pytest.raises(InvalidRequestError):
-        engine.check_ids([101, 10**9, 102])
-    with pytest.raises(InvalidRequestError):
-        engine.check_ids([])
+async def test_run_reports_the_engine_events(engine):
+    ids = engine.tokenizer.encode_batch(TEXTS[:2])
+    out = await engine.run(EmbeddingRequest("r", ids))
+    ev = out.events
+    assert out.request_id == "r" and len(out.vectors) == 2 and out.num_prompt_tokens == sum(map(len, ids))
+    assert ev.queued <= ev.scheduled <= ev.first_token == ev.finished
+    assert out.vectors == engine.embed_texts(TEXTS[:2])
 
 
 async def test_concurrent_requests_are_batched(engine, reference):

@@ -27,7 +27,7 @@ def test_config_validates_replicas_and_policy(tmp_path):
         {"name": "m", "replicas": []},
         {"name": "m", "policy": "random", "replicas": [{"local": 1}]},
         {"name": "m", "replicas": [{"local": 1}], "admission": {"max_queue_len": 3}},
-        {"name": "m", "task": "embedding", "replicas": [{"local": 1}]},
+        {"name": "m", "task": "embedding", "replicas": [{"url": "http://x"}]},  # encoders: local only
     ]
     for d in bad:
         with pytest.raises(ValidationError):

@@ -99,3 +99,22 @@ def test_embeddings_get_their_own_root_and_encoder_span(traced):
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert spans["embeddings e"].attributes["gen_ai.operation.name"] == "embeddings"
     assert spans["engine.embed"].parent.span_id == spans["embeddings e"].context.span_id
+
+
+def test_dispatched_embeddings_get_queue_and_encoder_spans_under_dispatch(traced):
+    """Embeddings go through admission and a replica like chat: `engine.queue` (waiting for an
+    encoder batch) and `engine.embed` (its forward pass) under the CLIENT dispatch span, no decode."""
+    provider, exporter = traced
+    t = Timeline("embd-2")
+    begin_trace(t, {}, provider)
+    for i, stage in enumerate(("authenticated", "routed", "admitted", "dispatched", "scheduled", "first_token",
+                               "finished")):
+        t.stamp(stage, at=t.stamps["received"] + 0.01 * (i + 1))
+    t.attrs["replica"] = "embed-0"
+    record_trace(FinishedRequest(t, "/v1/embeddings", 200, requested_model="e", model="e", prompt_tokens=9), provider)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    dispatch = spans["dispatch embed-0"]
+    assert spans["engine.embed"].parent.span_id == dispatch.context.span_id
+    assert spans["engine.queue"].parent.span_id == dispatch.context.span_id
+    assert spans["engine.embed"].attributes["gen_ai.usage.input_tokens"] == 9
+    assert "engine.decode" not in spans and "engine.prefill" not in spans

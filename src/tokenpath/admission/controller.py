@@ -3,7 +3,7 @@
 The decision uses a capacity estimate built from replica state: dispatch slots (per healthy
 replica, how many requests it takes at once), the requests already in flight and queued, and the
 recent service time (dispatch to finish, an EWMA). Predicted wait for a new request is
-`requests ahead / drain rate`, with drain rate = slots / service time. From that:
+`requests ahead / drain rate`, with drain rate = slots / service time (`capacity.py`). From that:
 
 - no healthy replica: 503 at once (with Retry-After until the next probe);
 - room on a replica and nobody of equal or better priority waiting: dispatch immediately;
@@ -22,13 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
+from tokenpath.admission.capacity import CapacityEstimator
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
 
@@ -59,64 +59,6 @@ class Admission:
     dispatched_at: float = field(default_factory=time.monotonic)
     prefill_tokens: int = 0  # counted in the replica's prefill backlog until the first token
     first_token_seen: bool = False
-
-
-class CapacityEstimator:
-    """Service time EWMA and recent throughput (completions per second over a window)."""
-
-    def __init__(self, initial_service_s: float, alpha: float, window_s: float = 30.0) -> None:
-        self.service_s = initial_service_s
-        self.alpha = alpha
-        self.window_s = window_s
-        self._done: deque[float] = deque()
-        # Dispatch -> first token (the replica's own queue plus prefill): an EWMA of the mean and
-        # of the absolute deviation. A dispatched request still waits this long for its first
-        # token, which is what a client's `timeout` bounds; unknown until something has started.
-        self.first_token_s: float | None = None
-        self.first_token_dev = 0.0
-        self.service_dev = 0.0  # EWMA of |service time - mean|, for the cautious wait below
-
-    def observe_first_token(self, seconds: float) -> None:
-        if self.first_token_s is None:
-            self.first_token_s = seconds
-            return
-        self.first_token_dev = (1 - self.alpha) * self.first_token_dev + self.alpha * abs(seconds - self.first_token_s)
-        self.first_token_s = (1 - self.alpha) * self.first_token_s + self.alpha * seconds
-
-    def first_token_estimate(self) -> float:
-        """A pessimistic dispatch-to-first-token time (mean + 2 deviations): admitting a request
-        that then times out costs a prefill and gives its client a 504 after the full wait."""
-        return 0.0 if self.first_token_s is None else self.first_token_s + 2 * self.first_token_dev
-
-    def observe(self, service_s: float, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        service_s = max(service_s, 1e-3)
-        self.service_dev = (1 - self.alpha) * self.service_dev + self.alpha * abs(service_s - self.service_s)
-        self.service_s = (1 - self.alpha) * self.service_s + self.alpha * service_s
-        self._done.append(now)
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._done and self._done[0] < now - self.window_s:
-            self._done.popleft()
-
-    def throughput(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        self._trim(now)
-        return len(self._done) / self.window_s
-
-    def drain_rate(self, slots: int) -> float:
-        """Requests per second the deployment finishes when saturated."""
-        return max(slots, 1) / max(self.service_s, 1e-3)
-
-    def predicted_wait(self, ahead: int, slots: int) -> float:
-        return ahead / self.drain_rate(slots)
-
-    def cautious_wait(self, ahead: int, slots: int) -> float:
-        """The queue wait with service time at mean + 2 deviations: what a client's `timeout` is
-        checked against. Under load the service time swings (batch size, a busy CPU), and a request
-        admitted on the mean alone ends in a 504 after the client's whole timeout."""
-        return ahead * (self.service_s + 2 * self.service_dev) / max(slots, 1)
 
 
 class FlowController:
@@ -347,6 +289,8 @@ class FlowController:
                 "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
 
 
-def _cost(request: GenerateRequest) -> float:
+def _cost(request: GenerateRequest | EmbeddingRequest) -> float:
     """Work estimate for fair queueing: prompt tokens plus the most it may generate."""
+    if isinstance(request, EmbeddingRequest):
+        return float(request.num_tokens)
     return float(len(request.prompt_token_ids) + (request.params.max_tokens or 256))

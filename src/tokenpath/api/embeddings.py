@@ -1,19 +1,24 @@
-"""POST /v1/embeddings: guard -> router -> the batched BERT embedding engine."""
+"""POST /v1/embeddings: guard -> router -> admission -> an embedding replica, like chat.
+
+The body becomes one `EmbeddingRequest` (tokenized and validated in `api.inputs`), which the
+deployment admits, queues or refuses (429 + Retry-After under overload, 503 with no healthy
+replica) and dispatches to a replica: the in-process encoder, or an engine process over the
+engine link (`serve --embedding-replicas N`). Its Timeline gets the same stages as a generation.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from array import array
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenpath.api.inputs import embedding_estimate, embedding_ids, embedding_inputs, embedding_request
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import EmbeddingRequest
 from tokenpath.api.sse import race_stop, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.errors import InvalidRequestError
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -26,58 +31,27 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(packed.tobytes()).decode()
 
 
-def _inputs(body: EmbeddingRequest, max_inputs: int) -> list:
-    """The inputs as a list of strings / token-id lists, checked for count and emptiness."""
-    raw = body.input
-    if isinstance(raw, str):
-        raw = [raw]
-    if not raw:
-        raise InvalidRequestError("input must not be empty; send a string, a list of strings or token ids",
-                                  param="input")
-    if all(isinstance(t, int) for t in raw):
-        raw = [raw]
-    if len(raw) > max_inputs:
-        raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}; send them in "
-                                  "several requests", param="input")
-    for i, t in enumerate(raw):
-        if isinstance(t, str) and not t:
-            raise InvalidRequestError(f"input.{i} is an empty string; embed non-empty text",
-                                      param=f"input.{i}")
-    return raw
-
-
-def _estimate(raw: list) -> int:
-    """Tokens for the rate limits before tokenizing: bytes / 4 for text, token ids exactly."""
-    return sum(len(t.encode()) // 4 + 1 if isinstance(t, str) else len(t) for t in raw)
-
-
-async def _tokenize(engine, raw: list) -> tuple[list[list[int]], list[str]]:  # noqa: ANN001
-    texts = [t for t in raw if isinstance(t, str)]
-    encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
-    ids = [next(encoded) if isinstance(t, str) else list(t) for t in raw]
-    for i, seq in enumerate(ids):
-        engine.check_ids(seq, i)
-    return ids, texts
-
-
 async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRequest) -> Response:
+    """Cheapest refusals first, as for chat: key, caps, admission, rate limits, then the tokenizer."""
     run = RequestRun(state, request, "/v1/embeddings", "embd")
     try:
         await run.authenticate()
+        run.user = body.user
         dep = run.route(body.model, "embedding")
-        engine = dep.embedder
-        body.reject_unsupported(engine.dimensions)
-        raw = _inputs(body, state.config.caps.max_embedding_inputs)
-        await run.reserve(_estimate(raw))  # the limits are charged before anything is tokenized
-        ids, texts = await _tokenize(engine, raw)
+        body.reject_unsupported(dep.dimensions)
+        raw = embedding_inputs(body, state.config.caps.max_embedding_inputs)
+        priority = run.priority()
+        assert run.principal is not None
+        dep.precheck(priority, run.principal.tenant, run.timeline.stamps["received"])
+        await run.reserve(embedding_estimate(raw))  # the limits are charged before anything is tokenized
+        ids, texts = await embedding_ids(dep, raw)
         run.prompt_tokens = sum(len(s) for s in ids)
         await run.admit(texts, run.prompt_tokens)
-        run.timeline.stamp("scheduled")  # (no admission queue for embeddings yet: the encoder time is prefill)
         async with watch_disconnect(request, run.stop):
-            vectors = await race_stop(engine.embed(ids), run.stop)
+            out = await race_stop(dep.embed(embedding_request(run, ids, priority)), run.stop)
         run.timeline.stamp("finished")
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-                for i, v in enumerate(vectors)]
+                for i, v in enumerate(out.vectors)]
         usage = {"prompt_tokens": run.prompt_tokens, "total_tokens": run.prompt_tokens}
         return JSONResponse({"object": "list", "data": data, "model": dep.name, "usage": usage},
                             headers=run.headers(timing=True))

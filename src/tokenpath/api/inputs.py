@@ -1,5 +1,6 @@
-"""A chat or completions body -> what the engine is asked: token ids, `SamplingParams`, one
-`GenerateRequest` per prompt. Validated once, here; the engine trusts what it is given.
+"""A body -> what the engine is asked. Chat and completions: token ids, `SamplingParams`, one
+`GenerateRequest` per prompt; embeddings: one `EmbeddingRequest` of token-id inputs. Validated
+once, here; the engines trust what they are given.
 
 Split in the order the handler needs it: `check_caps` is pure arithmetic on the body (run before
 the rate limits are charged, so a refusal costs nothing), `prompt_ids` tokenizes (off the event
@@ -13,9 +14,10 @@ import asyncio
 from dataclasses import dataclass
 
 from tokenpath.api.run import RequestRun
-from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
+from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState
 from tokenpath.errors import ContextLengthError, InvalidRequestError
+from tokenpath.protocol import EmbeddingRequest as EmbeddingJob
 from tokenpath.protocol import GenerateRequest, SamplingParams
 from tokenpath.routing.models import Deployment
 
@@ -201,3 +203,59 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=logit_bias,
     )
+
+
+# -- embeddings --------------------------------------------------------------------------------
+EmbeddingInputs = list[str | list[int]]
+
+
+def embedding_inputs(body: EmbeddingRequest, max_inputs: int) -> EmbeddingInputs:
+    """The inputs as a list of strings / token-id lists, checked for count and emptiness."""
+    raw = body.input
+    if isinstance(raw, str):
+        raw = [raw]
+    if not raw:
+        raise InvalidRequestError("input must not be empty; send a string, a list of strings or token ids",
+                                  param="input")
+    if all(isinstance(t, int) for t in raw):
+        raw = [raw]  # type: ignore[list-item]
+    if len(raw) > max_inputs:
+        raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}; send them in "
+                                  "several requests", param="input")
+    for i, t in enumerate(raw):
+        if isinstance(t, str) and not t:
+            raise InvalidRequestError(f"input.{i} is an empty string; embed non-empty text", param=f"input.{i}")
+    return raw  # type: ignore[return-value]
+
+
+def embedding_estimate(raw: EmbeddingInputs) -> int:
+    """Tokens for the rate limits before tokenizing: bytes / 4 for text, token ids exactly."""
+    return sum(len(t.encode()) // 4 + 1 if isinstance(t, str) else len(t) for t in raw)
+
+
+async def embedding_ids(dep: Deployment, raw: EmbeddingInputs) -> tuple[list[list[int]], list[str]]:
+    """Token ids per input (texts tokenized off the event loop, in one batch), each checked against
+    the model: not empty, within its `max_model_len` positions, inside its vocabulary."""
+    tok = dep.tokenizer
+    texts = [t for t in raw if isinstance(t, str)]
+    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts) if texts else [])
+    ids = [next(encoded) if isinstance(t, str) else list(t) for t in raw]
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise InvalidRequestError(f"input[{i}] is empty", param="input")
+        if len(seq) > dep.max_model_len:
+            raise ContextLengthError(f"input[{i}] has {len(seq)} tokens, more than this model's maximum of "
+                                     f"{dep.max_model_len} tokens; shorten it", param="input")
+        bad = next((t for t in seq if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"input[{i}] has token id {bad}, outside the vocabulary "
+                                      f"[0, {tok.vocab_size})", param="input")
+    return ids, texts
+
+
+def embedding_request(run: RequestRun, ids: list[list[int]], priority: int) -> EmbeddingJob:
+    assert run.principal is not None
+    traceparent = run.timeline.attrs.get("traceparent")
+    return EmbeddingJob(request_id=run.id, inputs=ids, timeline=run.timeline, priority=priority,
+                        tenant=run.principal.tenant, session_id=run.request.headers.get("x-session-id") or run.user,
+                        traceparent=str(traceparent) if traceparent else None)

@@ -60,21 +60,26 @@ async def get_model(model_id: str, request: Request, state: AppState = Depends(g
 
 @router.get("/health")
 async def health(state: AppState = Depends(get_state)) -> JSONResponse:
-    """503 when any engine is down (a dead process or step loop, a broken encoder), naming it and
-    why; 200 again once every engine is back. Read from each replica's own state (the engine link
-    pushes it every 100 ms), so it is current within a second."""
+    """What a load balancer or a k8s probe asks: can this server answer every model it serves?
+
+    200 while each model has at least one healthy replica: `status` is `ok` when all are healthy,
+    `degraded` when some are down (the others serve; the router already steers around them).
+    503 (`unhealthy`) only when some model has no healthy replica left, naming it. Each replica's
+    state and, when down, why (a dead process or step loop, a failed encoder) is in the body.
+    Read from each replica's own report (the engine link pushes it every 100 ms), so it is
+    current within a second of an engine dying or coming back."""
     models: dict[str, bool] = {}
     replicas: dict[str, dict[str, dict]] = {}
+    degraded = False
     for dep in state.deployments():
-        if dep.task == "embedding":
-            models[dep.name] = bool(getattr(dep.embedder, "healthy", False))
-            continue
         own = dep.replica_states()
-        replicas[dep.name] = {s.name: {"healthy": s.healthy, **({"detail": s.detail} if s.detail else {})}
-                              for s in own}
-        models[dep.name] = bool(own) and all(s.healthy for s in own)
+        replicas[dep.name] = {s.name: {"healthy": s.healthy, "state": "healthy" if s.healthy else "down",
+                                       **({"detail": s.detail} if s.detail else {})} for s in own}
+        models[dep.name] = any(s.healthy for s in own)
+        degraded = degraded or not all(s.healthy for s in own)
     ok = all(models.values())
-    return JSONResponse({"status": "ok" if ok else "unhealthy", "models": models, "replicas": replicas},
+    status = "unhealthy" if not ok else "degraded" if degraded else "ok"
+    return JSONResponse({"status": status, "models": models, "replicas": replicas},
                         status_code=200 if ok else 503)
 
 
@@ -105,6 +110,8 @@ async def reset_prefix_cache(request: Request, state: AppState = Depends(get_sta
     await require_admin(state, request, "/reset_prefix_cache")
     reset: list[str] = []
     for dep in state.deployments():
+        if dep.task == "embedding":  # an encoder keeps no prefix cache
+            continue
         for replica in dep.replicas:
             fn = getattr(replica, "reset_prefix_cache", None)
             if fn is not None:

@@ -66,10 +66,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
-        params = self.core.validate(request.prompt_token_ids, request.params)  # raises before anything is queued
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", replace(request, params=params, timeline=None)))
+        # Validated at the edge; a request this engine could never run fails in `add_request`,
+        # and that error reaches this stream like any other.
+        self._send(("add", replace(request, timeline=None)))
         finished = False
         try:
             while True:
@@ -127,7 +128,7 @@ class AsyncEngine:
                 request = msg[1]
                 try:
                     self.core.add_request(request)
-                except Exception as exc:  # validated already; anything left is this request's problem only
+                except Exception as exc:  # (cannot fit this engine, or a duplicate id): this request's problem only
                     self._deliver(request.request_id, exc)
             elif msg[0] == "abort":
                 out = self.core.abort(msg[1])

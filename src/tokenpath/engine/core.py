@@ -1,8 +1,8 @@
 """The engine core: the step loop that ties scheduler, KV cache, runner, sampler and outputs.
 
 Synchronous and single-threaded on purpose: `LLM` drives it directly, `AsyncEngine` drives it
-from one background thread. Requests enter through `add_request` (validated there, so a prompt
-that can never fit fails at submission, never hangs) and leave through `step` outputs or `abort`.
+from one background thread. Requests enter through `add_request` (validated already, at the API
+edge; a request that could never fit this engine still fails at submission, never hangs) and leave through `step` outputs or `abort`.
 """
 
 from __future__ import annotations
@@ -60,40 +60,28 @@ class EngineCore:
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
 
     # ------------------------------------------------------------ requests
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Reject what can never run; fill in max_tokens. Pure: safe to call from another thread."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        limit = self.max_model_len
-        if params.max_tokens is None:
-            if n >= limit:
-                raise ContextLengthError(f"This model's maximum context length is {limit} tokens; "
-                                         f"the prompt has {n} tokens, leaving no room to generate.")
-            params = replace(params, max_tokens=limit - n)
-        elif n + params.max_tokens > limit:
+    def _runnable_params(self, request: GenerateRequest) -> SamplingParams:
+        """The engine's one check on a request: an invariant, not input validation (the API layer
+        validated prompt, vocabulary, context length and caps once, in `api/inputs.py`). A request
+        that could never finish here, past the context length or bigger than the whole KV cache,
+        would wait forever, so it fails at once instead. An unset `max_tokens` (offline `LLM` use)
+        means up to the context length."""
+        n = len(request.prompt_token_ids)
+        params, limit = request.params, self.max_model_len
+        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+        need = self.blocks.blocks_needed(n + max(max_tokens, 0))
+        if n == 0 or max_tokens < 1 or n + max_tokens > limit or need > self.blocks.num_blocks:
             raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
-                f"Please reduce the prompt or max_tokens.", param="max_tokens")
-        need = self.blocks.blocks_needed(n + params.max_tokens)
-        if need > self.blocks.num_blocks:
-            raise ContextLengthError(
-                f"the request needs {need} KV blocks ({n} prompt + {params.max_tokens} completion tokens) "
-                f"but the KV cache only has {self.blocks.num_blocks}; it could never be scheduled",
-                param="max_tokens")
-        return params
+                f"this engine cannot run {n} prompt + {max_tokens} completion tokens: its context length is "
+                f"{limit} tokens and its KV cache {self.blocks.num_blocks} blocks ({need} needed)", param="max_tokens")
+        return params if params.max_tokens is not None else replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: GenerateRequest) -> None:
         """Queue one request (all its choices). Its `arrival` is this process's clock."""
         request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already running")
-        params = self.validate(prompt_token_ids, request.params)
+        params = self._runnable_params(request)
         arrival = request.arrival
         events = EngineEvents(queued=time.monotonic())
         choices: list[ChoiceState] = []

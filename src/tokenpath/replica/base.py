@@ -7,6 +7,11 @@ vLLM, SGLang or llama.cpp (`remote.py`); the simulated replica for tests is `tes
 
 Every implementation yields `RequestOutput` deltas whose `events` are already in this process's
 monotonic clock; `tokenpath.replica.events.stamp_events` puts them on the request's Timeline.
+
+An embedding model's replicas implement the same interface with the pooling pair of types:
+`generate(EmbeddingRequest)` yields one `EmbeddingOutput` (vectors + event times). So the same
+`Deployment`, admission, pool, pickers and Timeline stamping serve both; implementations:
+`local_embedding.py` (in-process) and `embedding_link.py` (engine processes over the link).
 """
 
 from __future__ import annotations

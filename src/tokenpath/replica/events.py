@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from tokenpath.protocol import RequestOutput
+from tokenpath.protocol import EmbeddingOutput, RequestOutput
 from tokenpath.telemetry.timeline import Timeline
 
 
-def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | None = None) -> None:
+def stamp_events(timeline: Timeline | None, out: RequestOutput | EmbeddingOutput, now: float | None = None) -> None:
     if timeline is None:
         return
     now = time.monotonic() if now is None else now
@@ -29,13 +29,16 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput, now: float | Non
     # the request is done for the client only then, and a remote engine's spans end before it.
     for name, at in (("scheduled", ev.scheduled), ("first_token", ev.first_token),
                      ("finished", now if out.finished and whole else None)):
-        if at is None and name == "first_token" and any(c.token_ids for c in out.outputs):
+        if at is None and name == "first_token" and isinstance(out, RequestOutput) \
+                and any(c.token_ids for c in out.outputs):
             at = now  # a replica without engine events: the first token arrived now
         if at is None:
             continue
         at = min(max(at, floor), now)
         timeline.stamp(name, at=at)
         floor = timeline.stamps[name]
+    if isinstance(out, EmbeddingOutput):
+        return
     if out.num_cached_tokens:
         timeline.attrs["cached_tokens"] = out.num_cached_tokens
     if ev.prefill_chunks:

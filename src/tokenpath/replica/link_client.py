@@ -142,11 +142,16 @@ class EngineLinkReplica:
                     fut = self._pongs.pop(msg.get("id"), None)
                     if fut is not None and not fut.done():
                         fut.set_result(float(msg.get("freed") or 0))
+                else:
+                    self._on_frame(kind, msg)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError, OSError) as exc:
             reason = f"link closed ({type(exc).__name__})"
         finally:
             if self._writer is writer:  # (not a reader of an older link, replaced by a reconnect)
                 self.mark_down(reason)
+
+    def _on_frame(self, kind: str, msg: dict) -> None:
+        """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
 
     def mark_down(self, reason: str) -> None:
         """The engine is gone (link closed or process died): fail every stream in flight now."""

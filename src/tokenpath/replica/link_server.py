@@ -128,6 +128,8 @@ class LinkServer:
                     task = tasks.pop(str(msg.get("id")), None)
                     if task is not None:
                         task.cancel()  # closing the engine stream aborts the request there
+                else:
+                    self._on_frame(kind, msg, outbox, tasks)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
             log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
@@ -138,6 +140,9 @@ class LinkServer:
             writer.close()
             if self.exit_on_close:
                 self.done.set()
+
+    def _on_frame(self, kind: str, msg: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
+        """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
 
     def _add(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
         try:

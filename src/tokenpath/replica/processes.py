@@ -56,14 +56,14 @@ NICE_ENV = "TOKENPATH_ENGINE_NICE"
 class EngineProcess:
     def __init__(self, name: str, model: str | None, engine_args: list[str], log_dir: Path,
                  deployment: str = "", nice: int = ENGINE_NICE, max_num_seqs: int = 0,
-                 command: list[str] | None = None) -> None:
+                 link: type[EngineLinkReplica] = EngineLinkReplica, command: list[str] | None = None) -> None:
         self.name = name
         self.command = list(command) if command else default_engine_command()
         self.model = model
         self.engine_args = list(engine_args)
         self.deployment = deployment or (model or "")
         self.nice = nice
-        self.replica = EngineLinkReplica(name, secret="", max_num_seqs=max_num_seqs)
+        self.replica = link(name, secret="", max_num_seqs=max_num_seqs)  # (EmbeddingLinkReplica for encoders)
         self.proc: asyncio.subprocess.Process | None = None
         self.args: list[str] = []
         self.port = 0
@@ -213,7 +213,8 @@ def _rotating_logger(name: str, log_dir: Path) -> logging.Logger:
 async def spawn_engines(n: int, model: str | None = None, engine_args: list[str] | None = None,
                         log_dir: Path | None = None, startup_timeout: float = 600.0, name_prefix: str = "engine",
                         deployment: str = "", nice: int = ENGINE_NICE,
-                        max_num_seqs: int = 0, command: list[str] | None = None) -> list[EngineProcess]:
+                        max_num_seqs: int = 0, link: type[EngineLinkReplica] = EngineLinkReplica,
+                        command: list[str] | None = None) -> list[EngineProcess]:
     """Start `n` supervised engine processes (loading in parallel) and link to each. `command`
     replaces `default_engine_command()`; the engine's flags are appended to it."""
     if log_dir is None:
@@ -221,7 +222,7 @@ async def spawn_engines(n: int, model: str | None = None, engine_args: list[str]
 
         log_dir = resolve_data_dir() / "logs" / "engines"
     procs = [EngineProcess(f"{name_prefix}-{i}", model, list(engine_args or []), log_dir, deployment, nice,
-                           max_num_seqs, command) for i in range(n)]
+                           max_num_seqs, link, command) for i in range(n)]
     try:
         await asyncio.gather(*(p.start(startup_timeout) for p in procs))
     except BaseException:

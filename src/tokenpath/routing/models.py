@@ -5,7 +5,8 @@ replicas. Aliases map extra names onto a deployment (`gpt-4o-mini -> smollm2-135
 fallbacks name other deployments to try, in order, when one is down (503) or saturated (429).
 The task check in `resolve` is what keeps an embedding request away from a chat engine.
 
-`Deployment.generate` is the middle of the path: admission (admit / queue / reject with
+`Deployment.generate` is the middle of the path (`Deployment.embed` takes it too, for an
+`EmbeddingRequest` on an embedding model's replicas): admission (admit / queue / reject with
 Retry-After) -> fair queue -> replica pick (policy + reason on the Timeline) -> replica stream.
 A request that fails before its first token is retried once on another replica (the failed one
 is ejected); after the first token a failure ends the stream with a 503, because tokens already
@@ -32,7 +33,7 @@ from tokenpath.errors import (
     ServiceUnavailableError,
     TokenpathError,
 )
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.replica.base import Replica, ReplicaBusyError
 from tokenpath.replica.events import stamp_events
@@ -55,7 +56,7 @@ class Deployment:
     replicas: list[Replica] = field(default_factory=list)
     tokenizer: Any = None  # tokenpath.engine.tokenizer.Tokenizer (chat/completion) or the embedder's
     max_model_len: int = 2048
-    embedder: Any = None  # tokenpath.engine.embedding.EmbeddingEngine for task == "embedding"
+    dimensions: int = 0  # an embedding model's vector size (what `dimensions` in a request must equal)
     owned_by: str = "tokenpath"
     policy: str = DEFAULT_POLICY
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -93,6 +94,15 @@ class Deployment:
         deployment, admission = await self._admit(request)
         async for out in deployment._run(request, admission):
             yield out
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        """An embedding request down the same path as a generation (admission, queue, picker,
+        retry, Timeline): one output. Cancelling it aborts the request wherever it is."""
+        async with contextlib.aclosing(self.generate(request)) as outputs:  # type: ignore[arg-type]
+            async for out in outputs:
+                if out.finished:
+                    return out  # type: ignore[return-value]
+        raise ServiceUnavailableError(f"model '{self.name}' returned no vectors", code="replica_failed")
 
     def precheck(self, priority: int, tenant: str, received: float, deadline: float | None = None) -> None:
         """Raise the 429/503 admission would answer right now, on this deployment and on each

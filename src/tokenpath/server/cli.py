@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(default: refuse them with 503)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+    serve.add_argument("--embedding-replicas", type=int, default=1,
+                       help="run each embedding model as N local engine processes behind the router "
+                       "(default 1: in-process)")
     serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
                        "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
@@ -60,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
-                        limits_fail_open=None, ray=None)
+                        limits_fail_open=None, ray=None, embedding_replicas=1)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -222,7 +225,8 @@ class _Server(uvicorn.Server):
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
-    if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None:
+    if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None \
+            and args.embedding_replicas <= 1:
         from tokenpath.routing.models import ModelRouter
         from tokenpath.server.deployments import load_deployments
 
@@ -232,7 +236,8 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     from tokenpath.server.routing_config import serve_router
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
-                              policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray)
+                              policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray,
+                              embedding_replicas=args.embedding_replicas)
 
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
@@ -248,7 +253,7 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     def banner(port: int) -> None:
         print(startup_banner(config, router, guard, args, deployments, port), flush=True)
         log_event(log, "startup", "serving", models=[d.name for d in deployments], host=config.host, port=port,
-                  replicas=sum(len(d.replicas) for d in deployments if d.task != "embedding"),
+                  replicas=sum(len(d.replicas) for d in deployments),
                   tracing=tracing_provider() is not None)
 
     from tokenpath.api.limits import header_timeout_protocol

@@ -1,4 +1,4 @@
-"""`tokenpath engine`: one chat model served over the engine link, nothing else.
+"""`tokenpath engine`: one model (chat, or an embedding model) served over the engine link, nothing else.
 
 No HTTP API, no gateway, no admission queue: the gateway that launched it sends `GenerateRequest`s
 and reads `RequestOutput` deltas (`tokenpath.replica.link_server`). It is meant to be started by
@@ -87,14 +87,46 @@ def run_engine(args: argparse.Namespace) -> int:
         return 130
 
 
+def _socket(config, args: argparse.Namespace) -> socket.socket:  # noqa: ANN001 - ServerConfig
+    if args.listen_fd is not None:
+        return socket.socket(fileno=args.listen_fd)
+    return socket.create_server((config.host, config.port))
+
+
+async def _run_link(server, model_name: str, sock: socket.socket) -> None:  # noqa: ANN001 - a LinkServer
+    """Serve until the gateway's link closes (with --exit-with-link) or SIGTERM/SIGINT."""
+    await server.start(sock)
+    host, port = sock.getsockname()[:2]
+    print(f"tokenpath engine: serving {model_name} on the engine link at {host}:{port} (pid {os.getpid()})",
+          flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.done.set)
+    await server.done.wait()
+    await server.close()
+
+
+async def _serve_embedding(config, args: argparse.Namespace, secret: str) -> int:  # noqa: ANN001
+    """An embedding model (all-MiniLM-L6-v2 or a sentence-transformers BERT directory) on the link."""
+    from tokenpath.replica.embedding_link import EmbeddingLinkServer
+    from tokenpath.server.deployments import load_embedding_engine
+
+    sock = _socket(config, args)
+    name, engine = await asyncio.to_thread(load_embedding_engine, config.models[0])
+    server = EmbeddingLinkServer(engine, secret, name, exit_on_close=args.exit_with_link)
+    await _run_link(server, name, sock)
+    await engine.shutdown()
+    return 0
+
+
 async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa: ANN001 - ServerConfig
     from tokenpath.engine.async_engine import AsyncEngine
     from tokenpath.replica.link_server import LinkServer
+    from tokenpath.server.config import is_embedding_model
 
-    if args.listen_fd is not None:
-        sock = socket.socket(fileno=args.listen_fd)
-    else:
-        sock = socket.create_server((config.host, config.port))
+    if is_embedding_model(config.models[0]):
+        return await _serve_embedding(config, args, secret)
+    sock = _socket(config, args)
     engine_cfg = config.engine.model_copy(update={"model": config.models[0]})
     from tokenpath.telemetry.otel import setup_tracing
 
@@ -110,15 +142,7 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
         engine.core.step_observers.append(annotate_step)
     await engine.start()
     server = LinkServer(engine, secret, exit_on_close=args.exit_with_link, tracer_provider=provider)
-    await server.start(sock)
-    host, port = sock.getsockname()[:2]
-    print(f"tokenpath engine: serving {engine.model_name} on the engine link at {host}:{port} (pid {os.getpid()})",
-          flush=True)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.done.set)
-    await server.done.wait()
-    await server.close()
+    await _run_link(server, engine.model_name, sock)
     await engine.shutdown()
     if provider is not None:
         provider.shutdown()  # flush the last spans

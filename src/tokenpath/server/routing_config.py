@@ -37,6 +37,7 @@ from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES
+from tokenpath.server.embedding_deployments import embedding_deployments, embedding_process_deployment
 
 Closer = Callable[[], Awaitable[None]]
 
@@ -66,7 +67,7 @@ class DeploymentSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    task: Literal["chat", "completion"] = "chat"
+    task: Literal["chat", "completion", "embedding"] = "chat"
     model: str | None = None  # what local engines load and the tokenizer comes from (default: name)
     aliases: list[str] = Field(default_factory=list)
     fallbacks: list[str] = Field(default_factory=list)
@@ -81,6 +82,9 @@ class DeploymentSpec(BaseModel):
     def _policy(self) -> DeploymentSpec:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.task == "embedding" and any(not r.local for r in self.replicas):
+            raise ValueError("an embedding deployment's replicas are `local: N` engine processes "
+                             "(remote and Ray replicas serve chat models only)")
         for cls, values in ((AdmissionConfig, self.admission), (PoolConfig, self.pool)):
             try:
                 cls(**values)
@@ -122,6 +126,10 @@ def load_tokenizer(model: str) -> Any:
 async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                            log_dir: Path | None = None) -> tuple[Deployment, list[Closer]]:
     """Start a deployment's replicas: local engine processes (linked and supervised) and URLs."""
+    if spec.task == "embedding":
+        return await embedding_process_deployment(spec.name, spec.model or spec.name,
+                                                  sum(r.local for r in spec.replicas), log_dir, spec.policy,
+                                                  spec.admission, spec.pool)
     replicas: list[Replica] = []
     closers: list[Closer] = []
     procs: list[EngineProcess] = []
@@ -236,32 +244,35 @@ def engine_flags(engine: Any) -> list[str]:
 
 
 async def serve_router(config: Any, replicas: int = 1, routing_file: str | None = None,
-                       policy: str = DEFAULT_POLICY, ray_address: str | None = None) -> tuple[ModelRouter, list[Closer]]:
+                       policy: str = DEFAULT_POLICY, ray_address: str | None = None,
+                       embedding_replicas: int = 1) -> tuple[ModelRouter, list[Closer]]:
     """What `tokenpath serve` needs, in one call (config: `tokenpath.server.config.ServerConfig`):
 
     - `routing_file`: deployments from YAML (see the module docstring), plus the in-process
       embedding model(s) named in `config.models`;
     - `ray_address`: each chat model in `config.models` as `replicas` engine actors on Ray;
     - `replicas > 1`: each chat model in `config.models` as that many local engine processes;
+    - `embedding_replicas > 1`: each embedding model in `config.models` as that many local engine
+      processes (else in-process, unless the routing file names it);
     - otherwise: the in-process deployments of `tokenpath.server.deployments.load_deployments`.
     Aliases from `config.aliases` apply in every case.
     """
     from tokenpath.config import resolve_data_dir
     from tokenpath.server.config import is_embedding_model
-    from tokenpath.server.deployments import load_deployments, load_embedding
+    from tokenpath.server.deployments import load_deployments
 
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
 
-    if routing_file is None and replicas <= 1 and ray_address is None:
+    if routing_file is None and replicas <= 1 and ray_address is None and embedding_replicas <= 1:
         deployments, closers = await load_deployments(config)
         for d in deployments:
-            d.policy = policy
+            d.policy = policy if d.task != "embedding" else d.policy
         return ModelRouter(deployments, config.aliases), closers
-    embeddings = [await asyncio.to_thread(load_embedding, m) for m in config.models if is_embedding_model(m)]
-    closers = [d.embedder.shutdown for d in embeddings]
-    if routing_file is not None:
-        router, more = await build_router(RoutingConfig.from_yaml(routing_file), extra=embeddings,
-                                          aliases=config.aliases, log_dir=log_dir)
+    routing = RoutingConfig.from_yaml(routing_file) if routing_file is not None else None
+    configured = {s.name for s in routing.deployments} if routing is not None else set()
+    embeddings, closers = await embedding_deployments(config.models, embedding_replicas, configured, log_dir)
+    if routing is not None:
+        router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir)
         return router, closers + more
     deployments: list[Deployment] = list(embeddings)
     try:

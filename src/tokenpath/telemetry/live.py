@@ -78,7 +78,7 @@ class LiveRequests:
 
 def _deployment(dep: Any, finished_tokens: Counter[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"name": dep.name, "task": dep.task, "queue_by_band": {}, "replicas": []}
-    if dep.task == "embedding" or not dep.replicas:
+    if not dep.replicas:
         return out
     flow = dep.flow
     bands: Counter[str] = Counter()
@@ -88,7 +88,8 @@ def _deployment(dep: Any, finished_tokens: Counter[str]) -> dict[str, Any]:
     for handle in flow.pool.handles.values():
         s = handle.state()
         engine = getattr(handle.replica, "engine", None)
-        tokens = engine.state().generation_tokens if engine is not None else finished_tokens[handle.name]
+        in_process = engine is not None and hasattr(engine, "core")  # (an in-process chat engine)
+        tokens = engine.state().generation_tokens if in_process else finished_tokens[handle.name]
         out["replicas"].append({"name": handle.name, "healthy": s.healthy, "running": s.running,
                                 "waiting": s.waiting, "kv_usage": round(s.kv_usage, 4),
                                 "inflight": handle.inflight, "generation_tokens": tokens})

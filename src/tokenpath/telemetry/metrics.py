@@ -4,7 +4,8 @@ Gauges and engine counters (running, waiting, KV usage, prefix-cache queries/hit
 are read from the replicas' state at scrape time (in-process, or pushed over the engine link), so
 they can never drift from the engine. Per-request histograms and token counters are observed once
 per finished request from its Timeline, the same source as the Server-Timing header and the audit
-row: one histogram per Timeline stage.
+row: one histogram per Timeline stage. Embedding requests count in the same series (their
+`prefill` is the encoder pass, their time to first token the time to their vectors).
 """
 
 from __future__ import annotations
@@ -59,9 +60,7 @@ class _StateCollector(Collector):
         cache_info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache config.",
                                        labels=["model_name", "block_size", "num_gpu_blocks"])
         c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in counters.items()}
-        for dep in self._deployments():
-            if dep.task == "embedding":
-                continue
+        for dep in self._deployments():  # (embedding models too: their replicas report running requests)
             running = waiting = 0
             usage: list[float] = []
             queries = hits = preemptions = 0
@@ -186,11 +185,12 @@ class ServerMetrics:
         decode = stages.get("decode")
         if decode is not None and rec.completion_tokens > 1:
             self.tpot.labels(model).observe(decode / (rec.completion_tokens - 1))
-        if rec.endpoint != "/v1/embeddings":
-            self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
-                                 completion_tokens=rec.completion_tokens,
-                                 finish_reason=rec.finish_reasons[0] if rec.finish_reasons else None,
-                                 token_times=rec.token_times)
+        finish_reason = rec.finish_reasons[0] if rec.finish_reasons else None
+        if rec.endpoint == "/v1/embeddings" and rec.status == 200:
+            finish_reason = "stop"  # (vLLM's for a pooling request: every vector was returned)
+        self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
+                             completion_tokens=rec.completion_tokens, finish_reason=finish_reason,
+                             token_times=rec.token_times)
 
     def observe_request(self, model: str, timeline: Timeline, *, prompt_tokens: int, completion_tokens: int,
                         finish_reason: str | None, token_times: list[float]) -> None:

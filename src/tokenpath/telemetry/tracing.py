@@ -157,9 +157,14 @@ def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, star
     with preset_ids(None, _hex(a.get("trace_dispatch"))):
         dispatch = tracer.start_span(f"dispatch {replica}", context=trace.set_span_in_context(root),
                                      kind=SpanKind.CLIENT, start_time=start, attributes=attrs)
+    embedding = rec.operation == "embeddings"
     for name, a_stage, b_stage in _ENGINE_SPANS:
         sa, sb = _stamp_ns(t, a_stage), _stamp_ns(t, b_stage)
-        if sa is None or sb is None:
+        if sa is None or sb is None or (embedding and name == "engine.decode"):
+            continue
+        if embedding and name == "engine.prefill":  # an encoder's batch: one forward pass, no decode
+            _child(tracer, "engine.embed", dispatch, sa, max(sa, sb), attributes={
+                "gen_ai.usage.input_tokens": rec.prompt_tokens})
             continue
         span = tracer.start_span(name, context=trace.set_span_in_context(dispatch), start_time=sa)
         if name == "engine.prefill":
