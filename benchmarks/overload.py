@@ -70,12 +70,17 @@ def http_sender(client: httpx.AsyncClient, model: str, args: argparse.Namespace)
         rec = Record(prompt=len(tokens))
         body = {"model": model, "prompt": tokens, "max_tokens": args.max_tokens, "temperature": 0.0,
                 "stream": True, "ignore_eos": True}
+        if args.timeout:  # the client's own deadline: admission must 429 up front what misses it
+            body["timeout"] = args.timeout
         t0 = time.perf_counter()
         try:
             async with client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     rec.outcome, rec.reject_s = str(resp.status_code), time.perf_counter() - t0
+                    if resp.status_code == 504:  # where it timed out: in the gateway queue, or after dispatch
+                        rec.extra["where"] = "queue" if "in the queue" in resp.text else "after dispatch"
+                        rec.extra["timing_504"] = resp.headers.get("server-timing", "")
                     rec.extra["retry_after"] = resp.headers.get("retry-after")
                     timing = dict(p.split(";dur=") for p in resp.headers.get("server-timing", "").split(", ")
                                   if ";dur=" in p)
@@ -141,7 +146,13 @@ async def level(send: Send, rng: random.Random, rate: float, args: argparse.Name
     for r in records:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     errors = sorted({r.extra["error"] for r in records if "error" in r.extra})[:5]
-    return {"offered_rps": rate, "arrivals": len(records), "outcomes": outcomes, "wall_s": wall,
+    where_504: dict[str, int] = {}
+    for r in records:
+        if "where" in r.extra:
+            where_504[r.extra["where"]] = where_504.get(r.extra["where"], 0) + 1
+    timing_504 = [r.extra["timing_504"] for r in records if "timing_504" in r.extra][:10]
+    return {"offered_rps": rate, "arrivals": len(records), "outcomes": outcomes, "where_504": where_504,
+            "timing_504": timing_504, "wall_s": wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "ttft_max_s": max(ttft, default=float("nan")),
             "goodput_rps": sum(1 for x in ttft if x <= args.slo) / args.level_s,
             "reject_p50_ms": pct(rejects, 50) * 1000, "reject_p99_ms": pct(rejects, 99) * 1000,
@@ -154,17 +165,19 @@ async def level(send: Send, rng: random.Random, rate: float, args: argparse.Name
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     base = rows[0]["goodput_rps"] or float("nan")
-    lines = [f"| load | offered (req/s) | arrivals | ok / 429 / 504 / other | admitted TTFT p50 (s) | "
+    lines = [f"| load | offered (req/s) | arrivals | ok / 429 / 504 / other | 504 share of admitted | "
+             f"admitted TTFT p50 (s) | "
              f"admitted TTFT p99 (s) (SLO {args.slo:g}) | goodput (req/s) | goodput vs 1x | "
              "rejection p50 / p99 / max (ms), client | rejection p99 / max (ms), server | gateway RSS (MiB) | "
              "engine RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o = r["outcomes"]
         other = sum(v for k, v in o.items() if k not in ("ok", "429", "504"))
+        admitted = sum(v for k, v in o.items() if k != "429")  # everything not refused up front
         lines.append(
             f"| {r['load']}x | {r['offered_rps']:.2f} | {r['arrivals']} | {o.get('ok', 0)} / {o.get('429', 0)} / "
-            f"{o.get('504', 0)} / {other} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['goodput_rps']:.2f} | "
+            f"{o.get('504', 0)} / {other} | {o.get('504', 0) / max(admitted, 1):.1%} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['goodput_rps']:.2f} | "
             f"{r['goodput_rps'] / base:.0%} | {r['reject_p50_ms']:.2f} / {r['reject_p99_ms']:.2f} / "
             f"{r['reject_max_ms']:.2f} | {r['reject_server_p99_ms']:.2f} / {r['reject_server_max_ms']:.2f} | "
             f"{r['gateway_rss_mib'][0]:.0f} -> {r['gateway_rss_mib'][1]:.0f} | "
@@ -180,7 +193,7 @@ async def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     # No engine-side queue (max_engine_waiting=0): every waiting request waits in the gateway, where
     # its deadline and the admission decision can act on it.
-    model = replicas[0].model
+    model = replicas[0].info.model
     dep = Deployment(model, "chat", list(replicas), policy="least_loaded",
                      admission=AdmissionConfig(max_queue=args.max_queue, initial_service_s=1.0),
                      pool_config=PoolConfig(max_engine_waiting=0))
@@ -225,7 +238,7 @@ async def main(args: argparse.Namespace) -> int:
 async def run_client_process(url: str, model: str, rates: list[float], procs, args: argparse.Namespace) -> list[dict]:
     """The load generator in its own process, so its event loop does not share the gateway's."""
     cmd = [sys.executable, __file__, "--client", url, "--model", model, "--rates", ",".join(f"{r:.4f}" for r in rates)]
-    for flag in ("level_s", "cooldown_s", "slo", "prompt_tokens", "max_tokens", "seed"):
+    for flag in ("level_s", "cooldown_s", "slo", "prompt_tokens", "max_tokens", "seed", "timeout"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     child = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
     samples: list[tuple[float, float, list[float]]] = []
@@ -271,7 +284,7 @@ def write(rows: list[dict], cap: float, args: argparse.Namespace) -> None:
     setup = (f"{args.replicas} `tokenpath engine` processes (SmolLM2-135M, CPU, {args.threads} thread each, "
              f"num_kv_blocks {args.num_kv_blocks}, max_num_seqs {args.max_num_seqs}); requests: "
              f"{args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens, TTFT SLO "
-             f"{args.slo:g}s, queue deadline {args.queue_budget:.2f}s (SLO - TTFT p99 at capacity); measured "
+             f"{args.slo:g}s, client `timeout` {args.timeout:g}s, queue deadline {args.queue_budget:.2f}s (SLO - TTFT p99 at capacity); measured "
              f"capacity {cap:.2f} req/s over {args.capacity_s:g}s; Poisson arrivals for {args.level_s:g}s per "
              f"level; gateway queue cap {args.max_queue}; path: {path}; "
              f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -317,6 +330,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cooldown-s", type=float, default=2.0)
     p.add_argument("--levels", default="1,2,5,10")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help="HTTP mode: each request's `timeout` body field in seconds, the client's own deadline "
+                        "(0: none; issue 10 measures --slo 10 --timeout 10)")
     p.add_argument("--http", action="store_true",
                    help="send the levels over HTTP from a separate client process through the gateway app")
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as the HTTP load generator

@@ -111,7 +111,17 @@ class RequestFailedError(TokenpathError):
 
 
 class EngineDeadError(ServiceUnavailableError):
-    """The engine's step loop died; every in-flight request fails with this."""
+    """The engine's step loop or process died; every in-flight request fails with this.
+
+    It carries Retry-After: the engine is restarted at once (in-process loop, or the supervised
+    process after a 1 s backoff) and a sibling replica may take the retry now, so the client is
+    told to come back shortly rather than left to guess (OpenAI's SDKs honour the header)."""
+
+    RETRY_AFTER_S = 5
+
+    def __init__(self, message: str, **kw) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(self.RETRY_AFTER_S))
 
 
 class ModelLoadError(Exception):

@@ -25,6 +25,20 @@ def test_capacity_estimator_learns_service_time_and_predicts_wait():
     assert c.throughput(now=200.0) == 0.0  # the window forgets
 
 
+def test_cautious_wait_grows_with_the_swing_of_service_times():
+    """A client's timeout is checked against mean + 2 deviations of the service time: with steady
+    service times it is the plain prediction, with swinging ones it is longer."""
+    steady = CapacityEstimator(initial_service_s=2.0, alpha=0.5)
+    for t in range(6):
+        steady.observe(2.0, now=float(t))
+    assert steady.cautious_wait(ahead=4, slots=2) == pytest.approx(steady.predicted_wait(ahead=4, slots=2))
+    swinging = CapacityEstimator(initial_service_s=2.0, alpha=0.5)
+    for t, s in enumerate([1.0, 3.0, 1.0, 3.0, 1.0, 3.0]):
+        swinging.observe(s, now=float(t))
+    assert swinging.service_dev > 0.5
+    assert swinging.cautious_wait(ahead=4, slots=2) > swinging.predicted_wait(ahead=4, slots=2) * 1.5
+
+
 class StaticReplica:
     def __init__(self, state: ReplicaState) -> None:
         self.name = state.name

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 
 import pytest
@@ -194,3 +195,27 @@ async def test_a_server_whose_health_fails_is_unhealthy_though_metrics_answer():
         await rep.poll()
         assert rep.state().healthy
         await rep.close()
+
+
+async def test_death_and_recovery_are_logged_once_each(caplog):
+    """The gateway's log names a remote replica going unhealthy and coming back (issue 10,
+    defect 12: before, a replica's death was never logged), once each, not once per poll.
+    (httpx's own per-request lines are turned down to WARNING by `tokenpath serve`.)"""
+    fake = FakeServer()
+    caplog.set_level(logging.INFO)
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-log", RemoteReplicaConfig(url=url, poll_interval_s=0.05))
+        await rep.start()
+        assert rep.state().healthy
+        fake.health = 503
+        while rep.state().healthy:
+            await asyncio.sleep(0.02)
+        fake.health = 200
+        while not rep.state().healthy:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # a few more polls
+        await rep.close()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("tokenpath")]
+    assert (logging.WARNING, "replica remote-log: unhealthy: /health answered 503") in lines, lines
+    assert (logging.INFO, "replica remote-log: healthy again") in lines, lines
+    assert len(lines) == 2, lines  # one line per change, none per poll

@@ -25,6 +25,7 @@ class CapacityEstimator:
         # token, which is what a client's `timeout` bounds; unknown until something has started.
         self.first_token_s: float | None = None
         self.first_token_dev = 0.0
+        self.service_dev = 0.0  # EWMA of |service time - mean|, for the cautious wait below
 
     def observe_first_token(self, seconds: float) -> None:
         if self.first_token_s is None:
@@ -40,7 +41,9 @@ class CapacityEstimator:
 
     def observe(self, service_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.service_s = (1 - self.alpha) * self.service_s + self.alpha * max(service_s, 1e-3)
+        service_s = max(service_s, 1e-3)
+        self.service_dev = (1 - self.alpha) * self.service_dev + self.alpha * abs(service_s - self.service_s)
+        self.service_s = (1 - self.alpha) * self.service_s + self.alpha * service_s
         self._done.append(now)
         self._trim(now)
 
@@ -59,3 +62,9 @@ class CapacityEstimator:
 
     def predicted_wait(self, ahead: int, slots: int) -> float:
         return ahead / self.drain_rate(slots)
+
+    def cautious_wait(self, ahead: int, slots: int) -> float:
+        """The queue wait with service time at mean + 2 deviations: what a client's `timeout` is
+        checked against. Under load the service time swings (batch size, a busy CPU), and a request
+        admitted on the mean alone ends in a 504 after the client's whole timeout."""
+        return ahead * (self.service_s + 2 * self.service_dev) / max(slots, 1)

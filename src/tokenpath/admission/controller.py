@@ -128,7 +128,8 @@ class FlowController:
                 f"model '{self.deployment}' cannot start this request before its deadline "
                 f"(predicted wait {wait:.1f}s, {max(left, 0):.1f}s left)",
                 retry_after=wait, code="deadline_unreachable"), record)
-        self._check_first_token(wait, first_token_by, now, record)
+        cautious = self.capacity.cautious_wait(self.queue.ahead_of(priority) + 1, self.pool.slots())
+        self._check_first_token(cautious, first_token_by, now, record)
 
     def _check_first_token(self, queue_wait: float, first_token_by: float | None, now: float,
                            record: bool) -> None:

@@ -12,7 +12,11 @@ the shortest round trip, NTP-style: `offset = engine_now - (sent + received) / 2
 half that round trip (tens of microseconds on loopback). Engine event times are shifted by it on
 receipt, and `replica.events.stamp_events` clamps them into what the gateway saw.
 
-Health: unhealthy the moment the link closes, or when no state has arrived for `STALE_AFTER_S`.
+Health: unhealthy the moment the link closes (a dead or killed engine: at once), or when no state
+has arrived for `STALE_AFTER_S` (an engine that is alive but wedged). That second check is slow on
+purpose: on a busy machine a push, or the gateway's own reading of it, can lag by over a second,
+and a 1 s limit then turned every replica "unhealthy" together and answered 503 no_healthy_replica
+(seen in the soak, benchmarks/results/soak_before.md).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from tokenpath.protocol.wire import FrameError, FrameReader, decode_output, enco
 log = logging.getLogger("tokenpath.replica")
 
 # A closed socket marks a dead engine at once; this catches a hung one. Not tighter: on a loaded
-# machine a 100 ms state push can arrive over a second late (seen at load average 15+ on 2 cores),
-# and a stale mark turns every request away with 503 meanwhile.
-STALE_AFTER_S = 3.0
+# machine a 100 ms state push can arrive seconds late (seen at load average 15+ on 2 cores, where
+# a 1 s limit marked both live engines stale together), and a stale mark turns requests away with 503.
+STALE_AFTER_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from tokenpath.protocol import ReplicaState
+
+log = logging.getLogger("tokenpath.replica")
 
 
 class PolledState:
@@ -29,8 +32,19 @@ class PolledState:
                 self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
     async def _poll_loop(self) -> None:
+        """Poll forever; a change of health is logged (the poll requests themselves are not news),
+        so an operator sees a replica die and come back in the gateway's log."""
+        was_healthy = self._state.healthy
         while True:
-            await self.poll()
+            state = await self.poll()
+            if state.healthy != was_healthy:
+                name = getattr(self, "name", "?")
+                if was_healthy:
+                    log.warning("replica %s: unhealthy: %s", name, state.detail or "no detail",
+                                extra={"event": "replica_unhealthy", "replica": name})
+                else:
+                    log.info("replica %s: healthy again", name, extra={"event": "replica_healthy", "replica": name})
+                was_healthy = state.healthy
             await asyncio.sleep(self.config.poll_interval_s)  # type: ignore[attr-defined]
 
     def state(self) -> ReplicaState:

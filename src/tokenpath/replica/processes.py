@@ -15,6 +15,9 @@ interpreter and step loop, so one replica's Python overhead or crash does not st
   restarted with exponential backoff, logged, counted in `tokenpath:replica_restarts_total`, and
   re-admitted by the pool once its state says healthy.
 - **Logs.** The child's stdout/stderr go to `<data dir>/logs/engines/<name>.log`, rotated by size.
+- **Command.** By default `<this Python> -m tokenpath.cli engine`; a deployment may give its own
+  (`engine_command` in a routing file), e.g. to run the engine under `numactl`, `taskset` or a
+  profiler. The flags above are appended to it either way.
 - **Priority.** Engines run at nice +`ENGINE_NICE` (set by the child before it starts a thread):
   the gateway is light and latency-bound, the engines fill every core, so the gateway goes first.
 - **Cores.** `n` engines split the machine's cores (`TOKENPATH_NUM_THREADS` = cores // n, at least 1)
@@ -58,8 +61,9 @@ THREADS_ENV = "TOKENPATH_NUM_THREADS"
 class EngineProcess:
     def __init__(self, name: str, model: str | None, engine_args: list[str], log_dir: Path,
                  deployment: str = "", nice: int = ENGINE_NICE, max_num_seqs: int = 0,
-                 link: type[EngineLinkReplica] = EngineLinkReplica) -> None:
+                 link: type[EngineLinkReplica] = EngineLinkReplica, command: list[str] | None = None) -> None:
         self.name = name
+        self.command = list(command) if command else default_engine_command()
         self.model = model
         self.engine_args = list(engine_args)
         self.deployment = deployment or (model or "")
@@ -88,8 +92,7 @@ class EngineProcess:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
         self.port = sock.getsockname()[1]
-        self.args = [sys.executable, "-m", "tokenpath.cli", "engine", "--listen-fd", str(sock.fileno()),
-                     "--exit-with-link"]
+        self.args = [*self.command, "--listen-fd", str(sock.fileno()), "--exit-with-link"]
         if self.model:
             self.args += ["--model", self.model]
         self.args += self.engine_args
@@ -198,6 +201,11 @@ class EngineProcess:
             self._log.removeHandler(h)
 
 
+def default_engine_command() -> list[str]:
+    """`tokenpath engine` on the Python running the gateway (same install, same environment)."""
+    return [sys.executable, "-m", "tokenpath.cli", "engine"]
+
+
 def _rotating_logger(name: str, log_dir: Path) -> logging.Logger:
     log_dir.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"tokenpath.engines.{name}.{id(log_dir)}")
@@ -213,15 +221,16 @@ def _rotating_logger(name: str, log_dir: Path) -> logging.Logger:
 async def spawn_engines(n: int, model: str | None = None, engine_args: list[str] | None = None,
                         log_dir: Path | None = None, startup_timeout: float = 600.0, name_prefix: str = "engine",
                         deployment: str = "", nice: int = ENGINE_NICE,
-                        max_num_seqs: int = 0,
-                        link: type[EngineLinkReplica] = EngineLinkReplica) -> list[EngineProcess]:
-    """Start `n` supervised engine processes (loading in parallel) and link to each."""
+                        max_num_seqs: int = 0, link: type[EngineLinkReplica] = EngineLinkReplica,
+                        command: list[str] | None = None) -> list[EngineProcess]:
+    """Start `n` supervised engine processes (loading in parallel) and link to each. `command`
+    replaces `default_engine_command()`; the engine's flags are appended to it."""
     if log_dir is None:
         from tokenpath.config import resolve_data_dir
 
         log_dir = resolve_data_dir() / "logs" / "engines"
     procs = [EngineProcess(f"{name_prefix}-{i}", model, list(engine_args or []), log_dir, deployment, nice,
-                           max_num_seqs, link) for i in range(n)]
+                           max_num_seqs, link, command) for i in range(n)]
     for p in procs:  # the cores split between them (see "Cores" above)
         p.num_threads = max(1, (os.cpu_count() or 1) // n)
     try:

@@ -135,6 +135,9 @@ def is_loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from tokenpath.server.memory import limit_arenas
+
+    limit_arenas()  # before any worker thread exists (see tokenpath.server.memory)
     configure_logging(args.log_format, args.log_level)
     # Replica state polls (remote replicas, several a second) are not news: httpx logs each at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -260,7 +263,13 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
                                http=header_timeout_protocol(config.header_timeout),
                                log_config=None)  # keep our handler and format
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
-    await server.serve()
+    from tokenpath.server.memory import trim_periodically
+
+    trimmer = asyncio.create_task(trim_periodically())
+    try:
+        await server.serve()
+    finally:
+        trimmer.cancel()
     drained = max(0, server.in_flight_at_signal - server.aborted)
     print(f"tokenpath: stopped: drained {drained} in-flight request(s), aborted {server.aborted}", flush=True)
     return 0

@@ -9,6 +9,7 @@ deployments:
     replicas:
       - local: 2                  # two `tokenpath engine` processes on this machine
         engine_args: ["--num-kv-blocks", "512"]
+        # engine_command: [numactl, --cpunodebind=0, python, -m, tokenpath.cli, engine]  (optional)
       - url: http://10.0.0.7:8000 # another tokenpath engine, or vLLM / SGLang / llama.cpp
         max_num_seqs: 64
     fallbacks: [backup-model]
@@ -51,6 +52,9 @@ class ReplicaSpec(BaseModel):
     api_key: str | None = None
     max_num_seqs: int = Field(0, ge=0)
     engine_args: list[str] = Field(default_factory=list)  # extra flags for local processes
+    # What starts each local process, instead of `python -m tokenpath.cli engine` (a wrapper such as
+    # numactl/taskset, another install); the link flags and engine_args are appended to it.
+    engine_command: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_kind(self) -> ReplicaSpec:
@@ -141,7 +145,8 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
             elif r.local:
                 ps = await spawn_engines(r.local, model, r.engine_args, log_dir=log_dir,
                                          name_prefix="engine" if i == 0 else f"engine{i}", deployment=spec.name,
-                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args))
+                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args),
+                                         command=r.engine_command or None)
                 procs += ps
                 replicas += [p.replica for p in ps]
             else:
