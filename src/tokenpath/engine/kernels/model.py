@@ -76,8 +76,9 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # Its input, SiLU(gate) * up, carries the largest outliers of the layer, so one int8 scale per 32
 # values rounds it worst. Measured on the quality test's 8 prompts (greedy, first 16 tokens equal
 # to the float32 path): all-int8 5/8; float for qkv 4/8, o 3/8, gate/up 2/8, down 6/8, head 4/8;
-# all float 8/8. Decode cost against all-int8, side by side: down 1.01x, all float 0.61x (the down
-# matrices are ~17% of the weight bytes, and decode is bound by reading them, not by the FMAs).
+# all float 8/8. Its cost, side by side on a quiet machine: tg128 0.80x, pp256 0.90x of all-int8
+# (166 -> 133 and 488 -> 441 tok/s); the float GEMV is compute-bound. Against llama-bench that left
+# tg128 at 0.98x (pp256 1.19x) in one run: set TOKENPATH_KERNELS_EXACT=0 for all-int8 speed.
 DEFAULT_EXACT = EXACT_DOWN
 
 
