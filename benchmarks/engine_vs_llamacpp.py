@@ -8,6 +8,11 @@ first time. The two engines alternate round by round so a busy machine slows bot
 table reports medians and the tokenpath / llama.cpp ratio.
 
     python benchmarks/engine_vs_llamacpp.py [--rounds 3] [--threads 2] [--out benchmarks/results/engine_vs_llamacpp.md]
+    python benchmarks/engine_vs_llamacpp.py --build-only   # build/cache llama-bench + llama-server, print their folder
+
+Prerequisites for the build: g++ and cmake (`apt-get install cmake`, or `pip install cmake`), pip for
+the sdist download. The build uses -j(cores): about 10 minutes on 2 quiet cores, 30+ on a busy box.
+run_peers.sh calls --build-only for its llama-server peer.
 
 tokenpath runs in a child process per round (`--tokenpath-child`), so its peak RSS is its own.
 """
@@ -40,21 +45,21 @@ def build_llamacpp() -> Path:
     """llama-bench (and llama-server, for run_peers.sh) from the sdist's vendored llama.cpp; cached."""
     src = CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
     bench = src / "build" / "bin" / "llama-bench"
-    if bench.exists():
+    if bench.exists() and (bench.parent / "llama-server").exists():
         return bench.parent
     CACHE.mkdir(parents=True, exist_ok=True)
     tarball = CACHE / "llama_cpp_python-0.3.36.tar.gz"
     if not tarball.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
-                        "-d", str(CACHE)], check=True)
+                        "-d", str(CACHE)], check=True, stdout=sys.stderr)
     if not src.exists():
         with tarfile.open(tarball) as tf:
             tf.extractall(CACHE, filter="data")
     subprocess.run(["cmake", "-B", "build", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-                   cwd=src, check=True)
+                   cwd=src, check=True, stdout=sys.stderr)
     subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-bench", f"-j{os.cpu_count()}"],
-                   cwd=src, check=True)
+                   cwd=src, check=True, stdout=sys.stderr)
     return bench.parent
 
 
@@ -123,10 +128,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-baseline", action="store_true", help="also run tokenpath --quantization none")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_vs_llamacpp.md"))
+    ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp, print its bin folder")
     ap.add_argument("--tokenpath-child", metavar="QUANTIZATION", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokenpath_child:
         return tokenpath_child(args.threads, args.tokenpath_child, args.reps)
+    if args.build_only:
+        print(build_llamacpp())
+        return None
 
     bin_dir = build_llamacpp()
     engines = {"llama.cpp": lambda: run_llamacpp(bin_dir, args.threads, args.reps),

@@ -2,15 +2,19 @@
 # Side-by-side benchmark: tokenpath against the serving systems a user would pick instead on this
 # machine, all on loopback and on the same SmolLM2-135M-Instruct GGUF file:
 #   transformers  `transformers serve --continuous-batching` (paged attention, Python/PyTorch)
-#   llamacpp      llama-cpp-python's OpenAI server (llama.cpp engine, Q4_1 kernels)
+#   llamacpp      llama.cpp's own `llama-server --parallel 32 --cont-batching` (what llama.cpp users
+#                 deploy; Q4_1 kernels, continuous batching across slots)
 #   tokenpath     `tokenpath serve`
 # Each server is started alone, benchmarked with `tokenpath bench` on the same seeded request list,
 # and stopped before the next starts (two cores: a peer idling beside the one under test would
 # skew it). The per-peer results are then merged into one table and plots.
 #
 # Peers are installed into their own venvs under benchmarks/.venv-* (gitignored) exactly as
-# ../shared/PEERS.md found works here. llama-cpp-python builds llama.cpp from source: ~5.5 min
-# of both cores the first time.
+# ../shared/PEERS.md found works here. llama-server is built from the source vendored in the
+# llama-cpp-python 0.3.36 sdist by benchmarks/engine_vs_llamacpp.py --build-only and cached under
+# .cache/peers/ (gitignored): needs g++ and cmake (apt-get install cmake, or pip install cmake),
+# ~10 min of both cores the first time. Each server's peak RSS (VmHWM, summed over its process
+# group) is read just before it is stopped and listed under the table.
 #
 # Parameters (environment):
 #   PEERS          comma list, run in this order (default: tokenpath,transformers,llamacpp)
@@ -22,7 +26,7 @@
 #   RESULTS        output folder (benchmarks/results); TAG names the outputs (peers):
 #                  $RESULTS/$TAG.md, $RESULTS/$TAG.json, $RESULTS/$TAG-plots/*.png
 #   DTYPE          torch dtype for tokenpath and transformers (bfloat16 if the CPU has avx512_bf16, else float32)
-#   THREADS        llama.cpp threads (nproc)
+#   THREADS        llama.cpp threads (nproc);  LLAMA_PARALLEL llama-server slots (32)
 #   BASE_PORT      first loopback port (18400)
 #   TP_VENV        tokenpath's venv (.venv, relative to the repo or absolute);  PY: python for new venvs
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
@@ -73,6 +77,16 @@ mkdir -p "$RESULTS"
 SERVER_PID=""
 
 log() { printf '\n== %s  %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+declare -A PEAK_RSS_MIB=()
+peak_rss_mib() {  # peak_rss_mib PGID: sum of VmHWM over the group's live processes (an upper bound)
+    local kib=0 pid hwm
+    for pid in $(pgrep -g "$1" 2>/dev/null); do
+        hwm=$(awk '/^VmHWM:/ {print $2}' "/proc/$pid/status" 2>/dev/null || true)
+        kib=$((kib + ${hwm:-0}))
+    done
+    echo $((kib / 1024))
+}
 
 stop_server() {
     [ -n "$SERVER_PID" ] || return 0
@@ -175,27 +189,25 @@ run_transformers() {
     NOTE="transformers serve $version --continuous-batching (paged attention, Python), $DTYPE (dequantized from the same Q4_1 GGUF), 64 KV blocks; eos_token_id=-1"
 }
 
-# ---- llama-cpp-python --------------------------------------------------------------------------
-LC_VENV="benchmarks/.venv-llamacpp"
+# ---- llama.cpp's llama-server ------------------------------------------------------------------
+LLAMA_PARALLEL=${LLAMA_PARALLEL:-32}
+LC_BIN=""
 setup_llamacpp() {
-    if ! "$LC_VENV/bin/python" -c 'import llama_cpp.server' 2>/dev/null; then
-        log "installing llama-cpp-python[server] into $LC_VENV (builds llama.cpp: ~5.5 min on 2 cores)"
-        new_venv "$LC_VENV"
-        "$LC_VENV/bin/pip" install -q "llama-cpp-python[server]${LLAMA_CPP_VERSION:+==$LLAMA_CPP_VERSION}"
-    fi
+    log "llama-server: building from the llama-cpp-python 0.3.36 sdist if not cached (~10 min on 2 cores)"
+    LC_BIN=$("$TP_PY" benchmarks/engine_vs_llamacpp.py --build-only | tail -1)
+    [ -x "$LC_BIN/llama-server" ] || { echo "llama-server not built (see above)" >&2; return 1; }
 }
 run_llamacpp() {
-    local port=$1 version
-    version=$("$LC_VENV/bin/python" -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')
-    # --n_threads defaults to cpu_count//2 here; --interrupt_requests True (default) cuts off the
-    # stream in progress whenever another request queues, so 7 of 8 concurrent streams get nothing.
-    start_server llamacpp "$LC_VENV/bin/python" -m llama_cpp.server --model "$GGUF" \
-        --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
-        --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx 2048 --n_batch 512 \
-        --interrupt_requests False
-    wait_ready llamacpp "http://127.0.0.1:$port/v1/models" 600 || return 1
-    TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=min_tokens"
-    NOTE="llama-cpp-python $version (llama.cpp C/C++), Q4_1 GGUF run quantized, $THREADS threads, one request at a time (no continuous batching), --interrupt_requests False; min_tokens"
+    local port=$1
+    [ -n "$LC_BIN" ] || setup_llamacpp
+    # 512 tokens of context per slot (256 in + 128 out fits); --no-webui: API only.
+    start_server llamacpp "$LC_BIN/llama-server" -m "$GGUF" --alias "$MODEL_NAME" --host 127.0.0.1 \
+        --port "$port" -t "$THREADS" --parallel "$LLAMA_PARALLEL" -c $((LLAMA_PARALLEL * 512)) \
+        --cont-batching --no-webui
+    wait_ready llamacpp "http://127.0.0.1:$port/health" 600 || return 1
+    # llama-server honours ignore_eos (min_tokens only sometimes): exact=vllm sends both.
+    TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
+    NOTE="llama.cpp llama-server (llama-cpp-python 0.3.36's vendored source), Q4_1 GGUF run quantized, -t $THREADS, --parallel $LLAMA_PARALLEL --cont-batching; ignore_eos"
 }
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -230,6 +242,7 @@ for peer in "${PEER_LIST_RUN[@]}"; do
         --slo "$SLO" --request-timeout 900 --json "$WORK/$peer.json" ||
         echo "WARNING: $peer: some load point had no successful request (see the table)" >&2
     [ -f "$WORK/$peer.json" ] && RAW+=("$WORK/$peer.json")
+    PEAK_RSS_MIB[$peer]=$(peak_rss_mib "$SERVER_PID")
     stop_server
 done
 [ ${#RAW[@]} -gt 0 ] || { echo "no peer produced results; server logs: $WORK" >&2; exit 1; }
@@ -256,16 +269,22 @@ BASELINE=()
 "$TP_PY" -m tokenpath.cli bench --merge "${RAW[@]}" "${BASELINE[@]}" --markdown "$WORK/merged.md" \
     --json "$RESULTS/$TAG.json" --plot "$RESULTS/$TAG-plots"
 cat "$WORK/merged.md" >>"$RESULTS/$TAG.md"
+if [ ${#PEAK_RSS_MIB[@]} -gt 0 ]; then
+    {
+        echo
+        echo "Peak RSS per server (VmHWM summed over its process group, read at the end of its run):"
+        for peer in "${!PEAK_RSS_MIB[@]}"; do echo "- $peer: ${PEAK_RSS_MIB[$peer]} MiB"; done
+    } >>"$RESULTS/$TAG.md"
+fi
 
 why_llamacpp() {
     cat <<'WHY'
-- **llamacpp** reads 4.5-bit Q4_1 weights with hand-written SIMD kernels and has no Python in its
-  token loop; tokenpath reads bf16 or fp32 weights (3.5-7x the bytes per token) through PyTorch and runs its
-  scheduler, sampler and detokenizer in Python every step. That decides single-stream decode, where
-  llama.cpp's lack of batching costs it nothing. What would change it: running the GGUF quantized
-  (int8/int4 weight kernels), a compiled/fused decode step, and less Python per step. At higher
-  concurrency llama-cpp-python serves one request at a time, so batching should win there; a loss
-  there means tokenpath's per-step cost grows with the batch (see the server-side stage table).
+- **llamacpp** (llama-server) has no Python in its token loop, and both engines read the same Q4_1
+  blocks (tokenpath through its native kernels by default). At c=1 that leaves tokenpath's per-step
+  Python (scheduler, sampler, detokenizer, SSE) as the difference. At c=8/32 both batch decode;
+  llama-server prefills each new batch of prompts in one go while every stream waits, which is
+  what chunked prefill avoids: a loss there means tokenpath's step cost grows with the batch
+  (see the server-side stage table).
 WHY
 }
 why_transformers() {

@@ -70,13 +70,25 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
     return np.ascontiguousarray(loaded.weights[name].numpy(), dtype=np.float32).reshape(-1)
 
 
+# Bits of TOKENPATH_KERNELS_EXACT, in the order forward.cpp numbers the matmuls.
+EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
+# The default: float activations for the down projection only, int8 (llama.cpp's scheme) elsewhere.
+# Its input, SiLU(gate) * up, carries the largest outliers of the layer, so one int8 scale per 32
+# values rounds it worst. Measured on the quality test's 8 prompts (greedy, first 16 tokens equal
+# to the float32 path): all-int8 5/8; float for qkv 4/8, o 3/8, gate/up 2/8, down 6/8, head 4/8;
+# all float 8/8. Its cost, side by side on a quiet machine: tg128 0.80x, pp256 0.90x of all-int8
+# (166 -> 133 and 488 -> 441 tok/s); the float GEMV is compute-bound. Against llama-bench that left
+# tg128 at 0.98x (pp256 1.19x) in one run: set TOKENPATH_KERNELS_EXACT=0 for all-int8 speed.
+DEFAULT_EXACT = EXACT_DOWN
+
+
 def exact_mask() -> int:
-    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1 = all, or a bit mask over
-    qkv, o, gate_up, down, head). Default none: int8 activations, as llama.cpp does, measured
-    1.3-2x faster; exact mode matches the float32 path's greedy outputs more often (8/8 vs 5/8
-    on the quality test's prompts) at that cost."""
-    value = os.environ.get("TOKENPATH_KERNELS_EXACT", "0").strip().lower()
-    return 0b11111 if value in ("1", "all", "true") else int(value or "0", 0) & 0b11111
+    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1/all = all, 0 = none, or a
+    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (down only)."""
+    value = os.environ.get("TOKENPATH_KERNELS_EXACT", "").strip().lower()
+    if not value:
+        return DEFAULT_EXACT
+    return 0b11111 if value in ("1", "all", "true") else int(value, 0) & 0b11111
 
 
 class NativeLlama:
@@ -122,10 +134,11 @@ class NativeLlama:
                                                *(a.ctypes.data for a in arrays))
         self._keep = keep
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
-        log.info("native kernels: %s, %s weights (%.0f MiB), %s activations",
+        names = ("qkv", "o", "gate_up", "down", "head")
+        log.info("native kernels: %s, %s weights (%.0f MiB), float activations for [%s], int8 for the rest",
                  "AVX-512 VNNI" if self.isa == 2 else "AVX2",
                  "/".join(sorted({("Q4_0", "Q4_1", "Q8_0")[[2, 3, 8].index(t)] for t in layer_types})),
-                 self.weight_bytes / 2**20, "float" if dims[11] else "int8")
+                 self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray) -> torch.Tensor:
