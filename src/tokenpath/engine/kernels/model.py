@@ -72,19 +72,19 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
 
 # Bits of TOKENPATH_KERNELS_EXACT, in the order forward.cpp numbers the matmuls.
 EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
-# The default: float activations for the down projection only, int8 (llama.cpp's scheme) elsewhere.
-# Its input, SiLU(gate) * up, carries the largest outliers of the layer, so one int8 scale per 32
-# values rounds it worst. Measured on the quality test's 8 prompts (greedy, first 16 tokens equal
-# to the float32 path): all-int8 5/8; float for qkv 4/8, o 3/8, gate/up 2/8, down 6/8, head 4/8;
-# all float 8/8. Its cost, side by side on a quiet machine: tg128 0.80x, pp256 0.90x of all-int8
-# (166 -> 133 and 488 -> 441 tok/s); the float GEMV is compute-bound. Against llama-bench that left
-# tg128 at 0.98x (pp256 1.19x) in one run: set TOKENPATH_KERNELS_EXACT=0 for all-int8 speed.
-DEFAULT_EXACT = EXACT_DOWN
+# The default is int8 activations everywhere (llama.cpp's scheme). Float activations for single
+# matmuls were measured on the quality test's 8 prompts (greedy, first 16 tokens equal to the
+# float32 path): all-int8 5/8; float for qkv 4/8, o 3/8, gate/up 2/8, down 6/8, head 4/8; all float
+# 8/8. Down-only reaches 6/8 but its perplexity on the committed text is worse (+0.96% against
+# float32, all-int8 +0.38%), so its extra agreement is one near-tie prompt, not better quality, and
+# it costs decode and prefill speed (side by side against llama-bench on a quiet machine: tg128
+# 1.14x / pp256 1.35x, against 1.42x / 1.55x all-int8). TOKENPATH_KERNELS_EXACT=0x8 selects it.
+DEFAULT_EXACT = 0
 
 
 def exact_mask() -> int:
     """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1/all = all, 0 = none, or a
-    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (down only)."""
+    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (none: all int8)."""
     value = os.environ.get("TOKENPATH_KERNELS_EXACT", "").strip().lower()
     if not value:
         return DEFAULT_EXACT
