@@ -162,14 +162,13 @@ async def main(args: argparse.Namespace) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
     loads = [r["loadavg_1m"] for c in (1, 32) for rs in results[f"c{c}"].values() for r in rs]
-    md = [f"# Engine link vs in-process engine ({platform.machine()}, {os.cpu_count()} CPUs, shared)", "",
+    md = [f"# Engine link vs in-process engine ({platform.machine()}, {os.cpu_count()} CPUs)", "",
           f"SmolLM2-135M, CPU, 1 torch thread per engine, {args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} output tokens, max_num_seqs {args.max_num_seqs}; {args.rounds} alternating "
           "rounds per level (in-process, link, in-process, link...; median of rounds shown).", "",
-          f"**The machine was loaded**: {os.cpu_count()} cores shared with other agents' builds, tests and "
-          f"benchmarks, 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the rounds"
-          f"{' (' + args.load_note + ')' if args.load_note else ''}. Time figures move with that load; "
-          "the CPU columns (work per output token) much less.", "",
+          f"**Machine load**: 1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
+          f"during the rounds{' (' + args.load_note + ')' if args.load_note else ''}. Time figures move with "
+          "load; the CPU columns (work per output token) much less.", "",
           "| concurrency | ITL p50 in-process (ms) | ITL p50 link (ms) | link - in-process (ms) "
           "| tok/s in-process | tok/s link | link / in-process | delivery p50 in-process (ms) | delivery p50 link (ms) |",
           "|---|---|---|---|---|---|---|---|---|"]
