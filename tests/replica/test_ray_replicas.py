@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
+from tests.process_logs import wait_for_log
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,16 +62,6 @@ class RayGateway:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=120)
 
 
-def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(pattern, path.read_text(errors="replace"))
-        if m:
-            return m
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}:\n{path.read_text()[-3000:]}")
-        time.sleep(0.25)
-    raise RuntimeError(f"{proc.args[:3]} not ready in {timeout}s:\n{path.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +86,14 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     serve: subprocess.Popen | None = None
     try:
-        _wait_for(head_log, r"Ray runtime started", head, 120)
+        wait_for_log(head_log, r"Ray runtime started", head, 120)
         address = f"127.0.0.1:{port}"
         with serve_log.open("wb") as out:
             serve = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--ray", address,
                                       "--replicas", "2", "--model", str(model), "--num-kv-blocks", "256",
                                       "--max-num-seqs", "8", "--routing-policy", "least_loaded"],
                                      stdout=out, stderr=subprocess.STDOUT, env=env)
-        m = _wait_for(serve_log, r"listening on (http://127\.0\.0\.1:\d+/v1)", serve, 240)
+        m = wait_for_log(serve_log, r"listening on (http://127\.0\.0\.1:\d+/v1)", serve, 240)
         yield RayGateway(address, env, m.group(1), serve_log)
     finally:
         if serve is not None:

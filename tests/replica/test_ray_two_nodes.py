@@ -19,7 +19,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -35,6 +34,7 @@ import httpx
 import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
+from tests.process_logs import wait_for_log
 
 from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
@@ -49,16 +49,6 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(pattern, path.read_text(errors="replace"))
-        if m:
-            return m
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}:\n{path.read_text()[-3000:]}")
-        time.sleep(0.25)
-    raise RuntimeError(f"{proc.args[:4]} not ready in {timeout}s:\n{path.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> int:
@@ -98,7 +88,7 @@ class Setup:
                                     stderr=subprocess.STDOUT, env=self.env)
         gw = Gateway(proc, "", log)
         self.gateways.append(gw)  # stopped at the end even if it never comes up
-        gw.base_url = _wait_for(log, r"listening on (http://127\.0\.0\.1:\d+/v1)", proc, 300).group(1)
+        gw.base_url = wait_for_log(log, r"listening on (http://127\.0\.0\.1:\d+/v1)", proc, 300).group(1)
         return gw
 
     def status(self, *flags: str) -> subprocess.CompletedProcess:
@@ -142,7 +132,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     s: Setup | None = None
     codes: list[int] = []
     try:
-        address = _wait_for(log, r"RAY_ADDRESS (127\.0\.0\.1:\d+)", cluster, 180).group(1)
+        address = wait_for_log(log, r"RAY_ADDRESS (127\.0\.0\.1:\d+)", cluster, 180).group(1)
         routes = tmp / "routes.yaml"
         routes.write_text(
             f"deployments:\n  - name: tiny\n    model: '{model}'\n    policy: round_robin\n"

@@ -44,16 +44,20 @@ def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params
 
 
 # -- caps and prompts --------------------------------------------------------------------------
+def _as_batch(value: str | list, param: str) -> list:
+    """OpenAI's one-or-many field (`prompt`, `input`) as a list of strings or token-id lists."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise InvalidRequestError(f"{param} must not be empty; send a string, a list of strings or token ids",
+                                  param=param)
+    if all(isinstance(t, int) for t in value):
+        value = [value]
+    return value
+
+
 def _raw_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty; send a string, a list of strings or token ids",
-                                  param="prompt")
-    if all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    return prompt  # type: ignore[return-value]
+    return _as_batch(body.prompt, "prompt")
 
 
 def max_token_bytes(tok) -> int:  # noqa: ANN001
@@ -211,14 +215,7 @@ EmbeddingInputs = list[str | list[int]]
 
 def embedding_inputs(body: EmbeddingRequest, max_inputs: int) -> EmbeddingInputs:
     """The inputs as a list of strings / token-id lists, checked for count and emptiness."""
-    raw = body.input
-    if isinstance(raw, str):
-        raw = [raw]
-    if not raw:
-        raise InvalidRequestError("input must not be empty; send a string, a list of strings or token ids",
-                                  param="input")
-    if all(isinstance(t, int) for t in raw):
-        raw = [raw]  # type: ignore[list-item]
+    raw = _as_batch(body.input, "input")
     if len(raw) > max_inputs:
         raise InvalidRequestError(f"input has {len(raw)} items, over the limit of {max_inputs}; send them in "
                                   "several requests", param="input")
