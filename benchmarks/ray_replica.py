@@ -119,7 +119,8 @@ def main() -> None:
 
 def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     RESULTS.mkdir(exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    recorded = {**vars(args), "out": Path(args.out).name}  # no machine paths in committed results
+    Path(args.out + ".json").write_text(json.dumps({"args": recorded, "runs": runs}, indent=1))
     med = {k: (statistics.median(r["itl_ms"]["median"] for r in v), statistics.median(r["output_throughput"] for r in v),
                statistics.median(r["ttft_ms"]["median"] for r in v)) for k, v in runs.items()}
     (li, lt, lf), (ri, rt, rf) = med["local_process"], med["ray_actor"]
