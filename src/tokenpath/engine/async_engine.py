@@ -92,8 +92,9 @@ class AsyncEngine:
 
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         """Queue a request whose outputs (and a final exception, if the engine dies) are passed to
-        `sink` on the event loop, in order. Raises at once for what can never run. A finished
-        output (`finished`, or one with `error` set) is the last; `detach` ends it earlier."""
+        `sink` on the event loop, in order. Raises at once only if the engine is dead or the id is in
+        use; a request this engine could never run fails through the sink. A finished output
+        (`finished`, or one with `error` set) is the last; `detach` ends it earlier."""
         request_id = request.request_id
         if self.error is not None or self._thread is None:
             raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
