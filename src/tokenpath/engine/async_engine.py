@@ -113,6 +113,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's /reset_prefix_cache); blocks forgotten. Safe from the
+        loop while the step thread runs (see `BlockManager.reset_prefix_cache`)."""
+        return self.core.blocks.reset_prefix_cache()
+
     def state(self) -> EngineState:
         state = self.core.state()
         state.healthy = self.healthy

@@ -126,7 +126,7 @@ class LinkServer:
                 elif kind == "add":
                     self._add(msg["req"], outbox, live)
                 elif kind == "reset":  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
-                    freed = self.engine.core.blocks.reset_prefix_cache()
+                    freed = self.engine.reset_prefix_cache()
                     outbox.send({"t": "reset_done", "id": msg.get("id"), "freed": freed})
                 elif kind == "abort":
                     gone = live.pop(str(msg.get("id")), None)

@@ -39,7 +39,7 @@ class InProcessReplica:
         await self.engine.abort(request_id)
 
     async def reset_prefix_cache(self) -> int:
-        return self.engine.core.blocks.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     def step_stats(self) -> dict[str, list]:
         """The engine's cumulative step histograms (`telemetry.engine_steps`)."""

@@ -107,11 +107,14 @@ class EngineActor:
 
     async def reset_prefix_cache(self) -> int:
         """Forget the engine's prefix cache (POST /reset_prefix_cache), as over the engine link."""
-        return self.engine.core.blocks.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     async def release(self, gateway: str) -> int:
         """A gateway leaves; returns how many others still hold a live lease."""
         self.gateways.pop(gateway, None)
+        return self._live_gateways()
+
+    def _live_gateways(self) -> int:
         now = time.monotonic()
         return sum(1 for seen in self.gateways.values() if now - seen < LEASE_S)
 
@@ -131,5 +134,5 @@ class EngineActor:
             node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), incarnation=self.incarnation,
             served=self.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
-            gateways=sum(1 for seen in self.gateways.values() if time.monotonic() - seen < LEASE_S),
+            gateways=self._live_gateways(),
         )
