@@ -7,7 +7,8 @@
   same deployment finds them by name and routes to them too; with `--redis-url` both gateways
   share one key's limits; the actors outlive the first gateway and stop with the last one;
 - `tokenpath status --ray` lists both actors with their node (Ray's public state API);
-- `POST /reset_prefix_cache` reaches the actors.
+- `POST /reset_prefix_cache` reaches the actors;
+- with `--otlp-endpoint`, an actor's engine spans join the gateway's trace (over the engine link).
 
 The engine is a tiny random-weight Llama with SmolLM2's tokenizer: the test spends its time on
 the path, not on a model.
@@ -35,6 +36,7 @@ import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
 from tests.process_logs import wait_for_log
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
@@ -79,6 +81,7 @@ class Setup:
     admin: str  # an admin key (auth is on: the gateways share one key store)
     data_dir: Path
     redis_url: str | None
+    receiver: OtlpReceiver
     gateways: list[Gateway] = field(default_factory=list)
 
     def start_gateway(self, name: str) -> Gateway:
@@ -129,6 +132,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         cluster = subprocess.Popen([sys.executable, "-m", "tests.replica.ray_cluster", "--node", node, "--node", node,
                                     "--temp-dir", ray_tmp], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     data_dir = tmp / "data"
+    receiver = OtlpReceiver().start()
     s: Setup | None = None
     codes: list[int] = []
     try:
@@ -139,10 +143,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "    pool: {eject_max_s: 5.0}\n"
             f"    replicas:\n      - ray: {{num_replicas: 2, address: '{address}', num_cpus: 0.5,\n"
             "               resources: {engine_slot: 1}, engine: {num_kv_blocks: 256, max_num_seqs: 8}}\n")
-        args = ["--model", str(model), "--routing", str(routes), "--data-dir", str(data_dir)]
+        args = ["--model", str(model), "--routing", str(routes), "--data-dir", str(data_dir),
+                "--otlp-endpoint", receiver.url]
         if redis is not None:
             args += ["--redis-url", redis.start()]
-        s = Setup(tmp, address, env, args, "", data_dir, redis.url if redis else None)
+        s = Setup(tmp, address, env, args, "", data_dir, redis.url if redis else None, receiver)
         s.admin = s.key("ops", admin=True)
         s.start_gateway("gw1")
         yield s
@@ -150,6 +155,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         if s is not None:
             codes = [_stop(g.proc) for g in s.gateways if g.proc.poll() is None]
         _stop(cluster)
+        receiver.stop()
         if redis is not None:
             redis.stop()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -177,6 +183,29 @@ async def test_one_engine_actor_on_each_node_and_both_serve(setup: Setup) -> Non
     await client.close()
     served = {name: r["served"] for name, r in setup.rows().items()}
     assert all(n and n > 0 for n in served.values()), served
+
+
+async def test_an_actors_engine_spans_join_the_gateways_trace(setup: Setup) -> None:
+    client = setup.gateways[0].client(setup.admin)
+    stream = await client.chat.completions.create(model="tiny", max_tokens=8, stream=True,
+                                                  extra_body={"ignore_eos": True},
+                                                  messages=[{"role": "user", "content": "traced over Ray"}])
+    async for _ in stream:
+        pass
+    await client.close()
+    rid = stream.response.headers["x-request-id"]
+    roots = setup.receiver.wait_for(lambda s: s["service"] == "tokenpath" and s["kind"] == "SPAN_KIND_SERVER"
+                                    and s["attributes"].get("gen_ai.response.id") == rid, timeout=30)
+    assert len(roots) == 1, roots
+    trace_id = roots[0]["trace_id"]
+    engine = setup.receiver.wait_for(lambda s: s["trace_id"] == trace_id and s["service"] == "tokenpath-engine"
+                                     and s["name"] == "engine.decode", timeout=30)
+    assert engine, {s["service"] for s in setup.receiver.spans}
+    spans = setup.receiver.trace(trace_id)
+    dispatch = next(s for s in spans if s["name"].startswith("dispatch ") and s["service"] == "tokenpath")
+    engine_root = next(s for s in spans if s["service"] == "tokenpath-engine" and s["kind"] == "SPAN_KIND_SERVER")
+    assert engine_root["parent_id"] == dispatch["span_id"]
+    assert dispatch["attributes"]["tokenpath.replica"] in ("tiny-0", "tiny-1")
 
 
 async def test_reset_prefix_cache_reaches_the_actors(setup: Setup) -> None:

@@ -73,6 +73,7 @@ class LinkServer:
         self.exit_on_close = exit_on_close
         self.done = asyncio.Event()
         self.tracer_provider = tracer_provider  # the engine's spans, when tracing is on
+        self.served = 0  # requests taken on, over every connection (`tokenpath status --ray` shows it)
         self._server: asyncio.Server | None = None
 
     async def start(self, sock: socket.socket) -> None:
@@ -174,6 +175,7 @@ class LinkServer:
             outbox.send(_error(request.request_id, exc))
             return
         live[request.request_id] = entry
+        self.served += 1
 
     async def _push_state(self, outbox: Outbox) -> None:
         while True:

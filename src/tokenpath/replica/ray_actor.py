@@ -1,48 +1,59 @@
-"""The engine as a Ray actor: one `AsyncEngine` per actor, speaking the engine link in typed objects.
+"""The engine as a Ray actor: one `AsyncEngine` per actor, served over the engine link.
 
-The gateway (`tokenpath.replica.ray_replica.RayReplica`) calls `generate` (a streaming method: a
-`GenerateRequest` in, `ActorDelta`s out), `abort`, `state` and `reset_prefix_cache`. Ray carries
-them; Ray restarts the actor when its process dies (`max_restarts`), which gives it a new
-`incarnation` (that is how the gateway counts restarts and knows the engine behind a name is a
-fresh one with an empty cache).
+Ray places the actor, restarts it when its process dies (`max_restarts`, which gives it a new
+`incarnation`) and lets gateways find it by name. Requests do not travel as Ray calls: the actor
+serves the same engine link as a local engine process (`link_server.LinkServer`: `GenerateRequest`
+frames in, `RequestOutput` deltas with event times out, abort and state on the same socket), on
+its node's IP and a port of the kernel's choosing. A Ray streaming call per request cost about
+8 ms of ITL and 11% of throughput at c=8 on 2 cores (one Ray object per token, through the raylet;
+benchmarks/results/ray_replica.md, git history); the link costs what it costs a local engine.
 
-Several gateways may route to the same actors (they find them by name). Each one's state polls
-renew its lease here (`state(gateway=...)`), and a gateway that shuts down `release`s it: the
+The gateway asks `link()` for the address and the secret. The secret is new with each
+incarnation and only ever crosses Ray (whose cluster token guards it), never a command line or a
+log; the link refuses a connection without it, as for local engines.
+
+Ray methods left: `link`, `state` (which also renews a gateway's lease), `release` and nothing per
+request. Several gateways may route to the same actors (they find them by name); each one's state
+polls renew its lease here (`state(gateway=...)`), and a gateway that shuts down `release`s it: the
 last one out stops the actor, while a gateway that crashed stops renewing and counts no more after
 `LEASE_S`. The lease is for that decision only; it never refuses a request.
 
-Clocks: the engine records its events (`RequestOutput.events`: queued, scheduled, first token,
-finished) with this process's monotonic clock, which means nothing on another node. Each delta
-carries the actor's clock reading at the moment it was sent, and the gateway shifts the times by
-(its own clock on receipt - that reading): no clock synchronisation needed, and an event can only
-appear later than it was, by the one-way transfer time of that delta.
+Clocks: as over any engine link, the gateway measures the offset to this process's monotonic
+clock at connect (NTP-style pings, `link_client`), so engine event times on another node land on
+the gateway's clock without any clock synchronisation between the machines.
 
-This module imports neither Ray nor anything above the replica layer: Ray wraps the class at run
-time (`ray.remote(EngineActor)`), so importing tokenpath never needs the optional `ray` extra.
+This module imports neither Ray nor anything above the replica layer at import time: Ray wraps the
+class at run time (`ray.remote(EngineActor)`), so importing tokenpath never needs the `ray` extra.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import logging
 import os
+import secrets
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 from tokenpath.config import EngineConfig
-from tokenpath.protocol import GenerateRequest, RequestOutput
+
+log = logging.getLogger("tokenpath.engine.link")
 
 LEASE_S = 30.0  # a gateway that has not polled for this long no longer keeps the actor alive
 
 
 @dataclass
-class ActorDelta:
-    """One step's output for one request (its events in the actor's clock)."""
+class LinkAddress:
+    """Where this incarnation's engine link listens, and the secret it asks for."""
 
-    output: RequestOutput
-    sent_at: float  # the actor's time.monotonic() when this delta left it
+    host: str
+    port: int
+    secret: str
+    incarnation: str
 
 
 @dataclass
@@ -62,7 +73,7 @@ class ActorState:
     node_ip: str
     pid: int
     incarnation: str  # new on every (re)start of the actor
-    served: int  # requests this incarnation has been given
+    served: int  # requests this incarnation has taken on (over its engine link)
     started_at: float  # wall clock of this incarnation's start
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (this incarnation)
     prefix_cache_hits: int = 0
@@ -79,35 +90,44 @@ class EngineActor:
         self.config = config
         self.nice = nice
         self.incarnation = uuid.uuid4().hex
-        self.served = 0
         self.started_at = time.time()
         self.gateways: dict[str, float] = {}  # gateway id -> monotonic time of its last state poll
+        self.secret = secrets.token_urlsafe(32)
+        self._link: LinkAddress | None = None
+        self._server: Any = None  # the LinkServer, once started
+        self._starting = asyncio.Lock()  # `state` and `link` may both arrive first
 
     async def _started(self) -> None:
-        if self.engine._thread is None:  # the step thread needs this actor's running loop
-            if self.nice:
-                # Niceness is per thread on Linux and inherited by the threads a thread creates: set
-                # here, it covers this loop, the step thread and its OpenMP pool, as for an engine
-                # process (see tokenpath.replica.processes). Best effort: a container may forbid it.
-                with contextlib.suppress(OSError):
-                    tid = threading.get_native_id()
-                    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
-            await self.engine.start()
+        async with self._starting:
+            if self._server is None:
+                await self._start()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[ActorDelta]:
-        """Stream deltas. Ray's cancellation of this stream (the gateway closing it) raises
-        CancelledError here, and closing the engine's stream aborts the request there."""
+    async def _start(self) -> None:
+        """Start the engine (its step thread needs this actor's running loop) and its link."""
+        import ray
+
+        from tokenpath.replica.link_server import LinkServer
+
+        _set_niceness(self.nice)
+        provider = _tracing()
+        if provider is not None:  # prefill chunks for the trace's prefill span, as in an engine process
+            from tokenpath.telemetry.tracing import annotate_step
+
+            self.engine.core.step_observers.append(annotate_step)
+        await self.engine.start()
+        host = ray.util.get_node_ip_address()
+        sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
+        server = LinkServer(self.engine, self.secret, tracer_provider=provider)
+        await server.start(sock)
+        self._link = LinkAddress(host, sock.getsockname()[1], self.secret, self.incarnation)
+        self._server = server
+        log.info("engine actor %s: engine link on %s:%d", self.incarnation[:8], host, self._link.port)
+
+    async def link(self) -> LinkAddress:
+        """Where this incarnation's engine link listens (starting the engine on first call)."""
         await self._started()
-        self.served += 1
-        async for out in self.engine.generate(replace(request, arrival=time.monotonic())):
-            yield ActorDelta(out, time.monotonic())
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def reset_prefix_cache(self) -> int:
-        """Forget the engine's prefix cache (POST /reset_prefix_cache), as over the engine link."""
-        return self.engine.reset_prefix_cache()
+        assert self._link is not None
+        return self._link
 
     async def release(self, gateway: str) -> int:
         """A gateway leaves; returns how many others still hold a live lease."""
@@ -132,7 +152,39 @@ class EngineActor:
             running=s.running, kv_usage=s.kv_usage, num_blocks=s.num_blocks, block_size=s.block_size,
             max_num_seqs=self.config.max_num_seqs, healthy=s.healthy, node_id=ctx.get_node_id(),
             node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), incarnation=self.incarnation,
-            served=self.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            gateways=self._live_gateways(),
+            served=self._server.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, gateways=self._live_gateways(),
         )
+
+
+def _tracing() -> Any:
+    """The actor's TracerProvider when the gateway asked for traces (it passes its OTEL_* settings
+    in the actor's runtime environment), else None."""
+    from tokenpath.telemetry.otel import setup_tracing
+
+    try:
+        return setup_tracing(None, service_name="tokenpath-engine")
+    except ValueError as exc:
+        log.warning("tracing off in the engine actor: %s", exc)
+        return None
+
+
+def _set_niceness(nice: int) -> None:
+    """Run the engine at nice `nice`, as a local engine process runs (`tokenpath.replica.processes`).
+
+    Ray starts its workers at nice 15 (the raylet's `RAY_worker_niceness`), so an engine actor left
+    as it is gets a tenth of a core's share next to a nice-0 process; measured on 2 busy cores it
+    added ~10 ms ITL at c=8 against a local engine process at nice 5. Niceness is per thread on
+    Linux and inherited by the threads a thread creates: set on this (the loop's) thread before the
+    engine starts, it covers the step thread and its kernel threads. Lowering a nice value needs
+    CAP_SYS_NICE; without it the engine stays where Ray put it, and the log says how to change that.
+    """
+    tid = threading.get_native_id()
+    current = os.getpriority(os.PRIO_PROCESS, tid)
+    if current == nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        log.warning("engine actor: runs at Ray's worker nice %d, not %d (no permission to change it); start "
+                    "Ray with RAY_worker_niceness=%d for the CPU share of a local engine", current, nice, nice)

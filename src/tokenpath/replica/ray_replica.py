@@ -3,15 +3,18 @@ deployment entry `replicas: [{ray: {num_replicas: N, num_cpus: C, resources: {..
 
 Each engine is a named Ray actor (`EngineActor`, in a namespace, `{deployment}-{i}`), placed by
 Ray wherever its resources fit; tokenpath never places or restarts processes itself. The gateway
-side of each actor is a `RayReplica`, a `Replica` like the others, so the same pickers route over
-it (prefix-aware, least-loaded, session) and the same pool ejects and retries:
+side of each actor is a `RayReplica`: an engine-link replica like a local engine process's (the
+actor serves the same link, see `ray_actor`), so requests carry token ids and event times with no
+Ray call per request or token, the same pickers route over it (prefix-aware, least-loaded,
+session), and the same pool ejects and retries. Ray is the control plane only:
 
-- Ray restarts a dead actor (`max_restarts`, unlimited by default). While it is down, its state
-  says unhealthy and the pool routes around it; when it answers again, it takes traffic again.
-- A request on an actor that dies fails with `EngineDeadError` (a 503): the router retries it
-  on another replica if no token was sent yet, otherwise ends it with a clean error. A stream
-  never waits on a dead actor: Ray fails it, and the health poll cancels streams of an actor it
-  has seen die.
+- Ray restarts a dead actor (`max_restarts`, unlimited by default). Its link closes when its
+  process dies, so it is routed around at once; a poll of the actor every `poll_interval_s` links
+  to the new incarnation as soon as it answers, and it takes traffic again.
+- A request on an actor that dies fails with `EngineDeadError` (a 503) the moment its link
+  closes: the router retries it on another replica if no token was sent yet, otherwise ends it
+  with a clean error. A hung actor or a lost node (no close) is routed around after the link's
+  `STALE_AFTER_S` without a state push.
 
 Several gateways share one set of actors: the first one creates them, the next ones find them
 by name in the namespace and route to them (with `--redis-url`, they share limits too). The
@@ -25,17 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenpath.config import EngineConfig
-from tokenpath.errors import EngineDeadError, TokenpathError
-from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
-from tokenpath.replica.polled import PolledState
-from tokenpath.replica.ray_actor import ActorDelta, ActorState, EngineActor
+from tokenpath.errors import EngineDeadError
+from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.replica.ray_actor import ActorState, EngineActor, LinkAddress
 
 log = logging.getLogger("tokenpath.replica")
 
@@ -55,13 +58,13 @@ class RayReplicaConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom resources, e.g. {"node:10.0.0.7": 0.01}
     max_restarts: int = -1  # -1: Ray restarts a dead actor as often as it dies
-    # Lower CPU priority for the engine, as local engine processes get: a gateway on the same node
-    # is light and latency-bound and should get a core first. No effect on a node of its own.
+    # The engine's nice value, as local engine processes get (not Ray's worker default of 15): a
+    # gateway on the same node is light and latency-bound and should get a core first, but Ray's
+    # own daemons should not. No effect on a node of its own.
     nice: int = 5
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (model defaults to the deployment's)
-    poll_interval_s: float = 0.25
-    state_timeout_s: float = 2.0  # a state call slower than this counts as a failed poll
-    unhealthy_after: int = 2  # consecutive slow polls before the replica is routed around
+    poll_interval_s: float = 0.5  # lease renewal and relinking after a restart (load comes over the link)
+    state_timeout_s: float = 2.0  # how long one Ray call (state, link, release) may take
     startup_timeout_s: float = 600.0
 
 
@@ -81,92 +84,95 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> Any:
     return ray
 
 
-class RayReplica(PolledState):
+class RayReplica(EngineLinkReplica):
+    """One engine actor: requests over its engine link (inherited: generate, abort, state pushes,
+    reset_prefix_cache), its life over Ray (finding it, its lease, noticing a restart)."""
+
     def __init__(self, name: str, handle: Any, config: RayReplicaConfig, gateway: str | None = None) -> None:
-        self.name = name
+        super().__init__(name, secret="")  # the secret comes from the actor (`link()`)
         self.handle = handle
         self.config = config
         self.gateway = gateway or uuid.uuid4().hex  # this gateway's lease on the actor
-        self.restarts = 0  # restarts this gateway has seen (Ray's own count: `tokenpath status`)
-        self.info: ActorState | None = None
-        self._state = ReplicaState(name=name, healthy=False, detail="not polled yet")
-        self._incarnation: str | None = None
-        self._slow_polls = 0
-        self._streams: dict[str, tuple[Any, str | None]] = {}  # request id -> (Ray stream, incarnation)
+        self.actor: ActorState | None = None  # the actor's last answer to a state poll
+        self._incarnation: str | None = None  # the engine our link was made to
         self._poller: asyncio.Task | None = None
         ray = _ray()
         self._actor_errors = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                               ray.exceptions.TaskCancelledError)
         self._task_error = ray.exceptions.RayTaskError
 
-    # -- state -------------------------------------------------------------------------------------
     async def start(self, timeout_s: float | None = None) -> None:
-        """Wait for the actor to be up (its engine loaded), then keep polling its state."""
+        """Wait for the actor to be up (its engine loaded), link to it, then keep polling it."""
         deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
         while True:
             try:
-                self._set(await asyncio.wait_for(self.handle.state.remote(self.gateway),
-                                                 max(1.0, deadline - time.monotonic())))
+                address = await asyncio.wait_for(self.handle.link.remote(), max(1.0, deadline - time.monotonic()))
                 break
             except self._task_error as exc:  # the engine failed to load: say why, do not wait
-                raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {exc}") from exc
+                raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {_cause(exc)}") from exc
             except (TimeoutError, *self._actor_errors) as exc:
                 if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
-                    cause = str(exc).strip().splitlines()[-1][:500]
-                    raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {cause}") from exc
+                    raise EngineDeadError(f"Ray replica '{self.name}' failed to start: {_cause(exc)}") from exc
                 if time.monotonic() >= deadline:
                     raise EngineDeadError(f"Ray replica '{self.name}' not up in time: {exc}") from exc
                 await asyncio.sleep(0.5)
-        self._ensure_poller()
+        await self._link_to(address)
+        await self.poll()  # its lease, and its node for the log
+        self._poller = asyncio.create_task(self._poll_loop())
 
-    async def poll(self) -> ReplicaState:
-        try:
-            state = await asyncio.wait_for(self.handle.state.remote(self.gateway), self.config.state_timeout_s)
-        except TimeoutError:  # busy, restarting, or its node is gone: out of routing after a few
-            self._slow_polls += 1
-            if self._slow_polls >= self.config.unhealthy_after:
-                self._down(f"state not answered within {self.config.state_timeout_s:.1f}s")
-        except Exception as exc:  # the actor died (Ray is restarting it) or cannot run tasks
-            self._down(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            self._cancel_streams()
-        else:
-            self._set(state)
-        return self._state
-
-    def _set(self, s: ActorState) -> None:
-        if self._incarnation is not None and s.incarnation != self._incarnation:
+    async def _link_to(self, address: LinkAddress) -> None:
+        self.secret = address.secret
+        await self.connect(address.host, address.port)
+        if self._incarnation is not None and address.incarnation != self._incarnation:
             self.restarts += 1
-            self._cancel_streams(s.incarnation)  # their engine is gone; the new one never heard of them
-            log.warning("Ray replica %s restarted (pid %d on node %s); routing to it again", self.name, s.pid,
-                        s.node_ip)
-        elif not self._state.healthy and self._incarnation is not None and s.healthy:
-            log.warning("Ray replica %s answers again; routing to it again", self.name)
-        self._incarnation = s.incarnation
-        self._slow_polls = 0
-        self.info = s
-        self._state = ReplicaState(name=self.name, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage,
-                                   healthy=s.healthy, max_num_seqs=s.max_num_seqs, block_size=s.block_size,
-                                   num_blocks=s.num_blocks, detail=None if s.healthy else "engine unhealthy")
+            log.warning("Ray replica %s restarted (engine link %s:%d); routing to it again", self.name,
+                        address.host, address.port, extra={"event": "replica_restarted", "replica": self.name})
+        elif self._incarnation is not None:
+            log.warning("Ray replica %s answers again; routing to it again", self.name,
+                        extra={"event": "replica_healthy", "replica": self.name})
+        self._incarnation = address.incarnation
 
-    def _down(self, detail: str) -> None:
-        if self._state.healthy:
-            log.warning("Ray replica %s is down (%s); routing around it", self.name, detail)
-        self._state = replace(self._state, healthy=False, detail=detail)
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            await self.poll()
 
-    def _cancel_streams(self, keep: str | None = None) -> None:
-        """End the streams of a dead incarnation (all but those dispatched to `keep`)."""
-        ray = _ray()
-        for gen, incarnation in list(self._streams.values()):
-            if keep is None or incarnation != keep:
-                with contextlib.suppress(Exception):
-                    ray.cancel(gen)
+    async def poll(self) -> None:
+        """Renew the lease; when the link is down (the actor died and Ray restarted it, or it was
+        unreachable), link again as soon as the actor answers."""
+        try:
+            s: ActorState = await asyncio.wait_for(self.handle.state.remote(self.gateway),
+                                                   self.config.state_timeout_s)
+        except TimeoutError:  # busy or restarting; the link's own health (state pushes) decides routing
+            return
+        except Exception as exc:  # the actor died (Ray is restarting it) or cannot run tasks
+            self.mark_down(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            return
+        self.actor = s
+        if s.incarnation != self._incarnation and self._writer is not None:
+            self.mark_down("the actor was restarted")  # (its link would have closed; never keep a stale one)
+        if self._writer is None:
+            try:
+                await self._link_to(await asyncio.wait_for(self.handle.link.remote(), self.config.state_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - not yet: the next poll tries again
+                log.info("Ray replica %s: not linked yet: %s", self.name, exc)
+
+    def mark_down(self, reason: str) -> None:
+        if self._down_reason is None:
+            log.warning("Ray replica %s is down (%s); routing around it", self.name, reason,
+                        extra={"event": "replica_down", "replica": self.name})
+        super().mark_down(reason)
 
     @property
     def max_model_len(self) -> int | None:
-        return self.info.max_model_len if self.info else None
+        return self.info.max_model_len if self.info.model else None
 
     async def close(self) -> None:
-        await self._stop_polling()
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(BaseException):
+                await self._poller
+        await super().close()
 
     async def release(self) -> int | None:
         """Give up this gateway's lease: how many other gateways still route to the actor (None:
@@ -176,54 +182,18 @@ class RayReplica(PolledState):
         except Exception:  # noqa: BLE001 - dead, restarting or gone: the caller decides without it
             return None
 
-    async def reset_prefix_cache(self) -> int:
-        """Forget the actor's prefix cache (POST /reset_prefix_cache reaches every replica)."""
-        try:
-            return int(await asyncio.wait_for(self.handle.reset_prefix_cache.remote(), self.config.state_timeout_s))
-        except (TimeoutError, *self._actor_errors) as exc:
-            raise EngineDeadError(f"Ray replica '{self.name}' did not reset its prefix cache: "
-                                  f"{type(exc).__name__}") from exc
 
-    # -- the engine link -------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if not self._state.healthy:
-            raise EngineDeadError(f"Ray replica '{self.name}' is down: {self._state.detail}")
-        # The Timeline stays here (the replica boundary stamps the engine's events on it); a
-        # deadline is this process's clock, so it stays here too.
-        shipped = replace(request, timeline=None, deadline=None)
-        ray = _ray()
-        gen = self.handle.generate.options(num_returns="streaming").remote(shipped)
-        self._streams[request.request_id] = (gen, self._incarnation)
-        finished = False
-        try:
-            async for ref in gen:
-                delta: ActorDelta = await ref
-                shift = time.monotonic() - delta.sent_at  # actor clock -> this process's clock
-                delta.output.events = delta.output.events.shifted(shift)
-                finished = delta.output.finished
-                yield delta.output
-        except self._task_error as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, TokenpathError):
-                raise cause from None  # the engine's own verdict on the request (e.g. a 400)
-            raise EngineDeadError(f"Ray replica '{self.name}' failed: {cause or exc}") from exc
-        except self._actor_errors as exc:
-            self._down(f"{type(exc).__name__} during a request")
-            raise EngineDeadError(f"Ray replica '{self.name}' died during the request "
-                                  f"({type(exc).__name__}); Ray is restarting it") from exc
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                with contextlib.suppress(Exception):
-                    ray.cancel(gen)  # raises CancelledError in the actor's stream, which aborts it
+def _tracing_env() -> dict[str, Any] | None:
+    """The gateway's OTEL_* settings (its `--otlp-endpoint` among them) for the actors, so their
+    engine spans join the gateway's traces, as a local engine process's do. None: nothing to pass
+    (and no runtime environment for Ray to set up)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    return {"env_vars": env} if env else None
 
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                _ray().cancel(stream[0])
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.handle.abort.remote(request_id), self.config.state_timeout_s)
+
+def _cause(exc: BaseException) -> str:
+    """The last line of a Ray error (its cause), not the whole remote traceback."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:500]
 
 
 async def start_ray_replicas(config: RayReplicaConfig, model: str,
@@ -249,6 +219,7 @@ async def start_ray_replicas(config: RayReplicaConfig, model: str,
             name=name, namespace=config.namespace, get_if_exists=True, lifetime="detached",
             max_restarts=config.max_restarts, max_task_retries=0, num_cpus=config.num_cpus,
             num_gpus=config.num_gpus, resources=dict(config.resources) or None, max_concurrency=1000,
+            runtime_env=_tracing_env(),
         ).remote(engine, config.nice)
         if name not in existing:
             created.append(handle)
