@@ -21,7 +21,7 @@ from types import FrameType
 import uvicorn
 
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
-from tokenpath.errors import ModelLoadError
+from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
@@ -177,6 +177,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(config, guard, args))
     except ModelLoadError as exc:
         print(f"tokenpath: cannot load model: {exc}", file=sys.stderr)
+        return 1
+    except EngineDeadError as exc:  # a replica (an engine process, a Ray actor) that never came up
+        print(f"tokenpath: cannot start: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during start-up
         return 130
