@@ -26,7 +26,7 @@ def _mean_ci(xs: list[float]) -> str:
     m = statistics.mean(xs)
     if len(xs) < 2:
         return f"{m:.3f}"
-    return f"{m:.3f} +- {_T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / len(xs) ** 0.5:.3f}"
+    return f"{m:.3f} +- {_T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / len(xs) ** 0.5:.3f} (95% CI)"
 
 
 def report(meta: dict) -> str:
@@ -64,7 +64,7 @@ def report(meta: dict) -> str:
     first = [r for p, r in zip(pairs, tput, strict=True) if p["order"] == "off-on"]
     second = [r for p, r in zip(pairs, tput, strict=True) if p["order"] == "on-off"]
     lines += ["", f"- Output throughput on / off per pair: {_fmt(tput)}; **median {statistics.median(tput):.3f}, "
-                  f"mean {_mean_ci(tput)}** (95% CI) (cost {100 * (1 - statistics.median(tput)):+.1f}% / "
+                  f"mean {_mean_ci(tput)}** (cost {100 * (1 - statistics.median(tput)):+.1f}% / "
                   f"{100 * (1 - statistics.mean(tput)):+.1f}%). Off-on pairs mean {statistics.mean(first):.3f}, "
                   f"on-off pairs mean {statistics.mean(second) if second else float('nan'):.3f} (their gap is the "
                   f"order effect the ABBA order cancels)."
@@ -78,7 +78,7 @@ def report(meta: dict) -> str:
               "each mode):", "", "| process | off | on | on - off | on / off |", "|---|---|---|---|---|"]
     for k, label in PROCS:
         off, on = cpu["off"][k], cpu["on"][k]
-        if off == on == 0:
+        if k == "engine_procs" and off == on == 0:  # in-process engine: none
             continue
         lines.append(f"| {label} | {off:.3f} | {on:.3f} | {on - off:+.3f} | "
                      f"{on / off if off else float('nan'):.3f} |")
