@@ -1,62 +1,122 @@
-"""Benchmark: what tracing costs. `tokenpath serve` with tracing off vs on (exporting every
-request's spans over OTLP/HTTP to a receiver on loopback that decodes them), same requests,
-c=32, rounds in ABBA order (off-on, on-off, ...) in one run so drift hits both alike.
+"""Benchmark: what tracing costs. Two `tokenpath serve` processes, one with tracing off and one
+exporting every request's spans over OTLP/HTTP to a receiver process on loopback that decodes
+them, both started once and kept up; the same `tokenpath bench` load (c=32) is sent to each in
+turn: a discarded warm-up round, then pairs in ABBA order (off-on, on-off, ...).
 
-    .venv/bin/python benchmarks/tracing_overhead.py                 # defaults: ~6-8 minutes on 2 cores
-    .venv/bin/python benchmarks/tracing_overhead.py --rounds 1 --num-requests 32   # smoke run
+Each pair runs back to back, so the machine's drift hits both alike; the alternating order means
+"second in the pair" favours each mode equally often. Beside throughput and TTFT, the script
+reads each process's CPU time (/proc) around every run and divides it by the output tokens: CPU
+per token does not move with other load on the box the way throughput does, so it shows what
+tracing costs the server even where the throughput ratios cannot resolve a few percent.
 
-Writes benchmarks/results/tracing_overhead.md and .json.
+    .venv/bin/python benchmarks/tracing_overhead.py                   # defaults: ~10-11 minutes on a quiet 2-core box
+    .venv/bin/python benchmarks/tracing_overhead.py --pairs 1 --num-requests 32 --out "$(mktemp -d)"  # smoke, ~3 min
+
+Writes benchmarks/results/tracing_overhead.md and .json (or into --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 RESULTS = Path(__file__).resolve().parent / "results"
 BIN = Path(sys.executable).parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def run_receiver() -> int:
+    """The receiver process: an OTLP/HTTP trace endpoint that decodes each export and counts the
+    spans; GET returns the count. A process of its own, so its CPU is measured apart from the
+    server's (in production the collector runs elsewhere)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    count = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(self.rfile.read(int(self.headers.get("content-length", 0))))
+            count[0] += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+            self._reply(b"")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._reply(str(count[0]).encode())
+
+        def _reply(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(f"receiver http://127.0.0.1:{server.server_address[1]}", flush=True)
+    server.serve_forever()
+    return 0
 
 
 class Receiver:
-    """An OTLP/HTTP trace endpoint that decodes each export and counts the spans."""
-
     def __init__(self) -> None:
-        self.spans = 0
-        outer = self
+        self.proc = subprocess.Popen([sys.executable, __file__, "--receiver"], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        self.url = line.split()[-1]
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(self.rfile.read(int(self.headers.get("content-length", 0))))
-                outer.spans += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+    def spans(self) -> int:
+        import urllib.request
 
-            def log_message(self, *args: object) -> None:
-                pass
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+        with opener.open(self.url + "/count", timeout=10) as r:
+            return int(r.read())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def proc_tree(pid: int) -> list[int]:
+    """The process and its descendants (engine processes, if the serve args start any)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far, all its threads (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def tree_cpu_s(pid: int) -> dict[str, float]:
+    pids = proc_tree(pid)
+    return {"server": cpu_s(pid), "engine_procs": sum(cpu_s(p) for p in pids[1:])}
 
 
 def serve(extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    env = {**os.environ, "TOKENPATH_DATA_DIR": str(log.parent / "data")}
+    # No OTEL_* from the caller's shell: only --otlp-endpoint may turn tracing on.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["TOKENPATH_DATA_DIR"] = str(log.parent / f"data-{log.stem}")
     with log.open("wb") as out:
         proc = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--model", "smollm2-135m-instruct",
                                  "--log-level", "warning", *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -71,38 +131,70 @@ def serve(extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
     raise RuntimeError("server did not start")
 
 
-def find(obj: object, key: str) -> object:
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        for v in obj.values():
-            found = find(v, key)
-            if found is not None:
-                return found
-    if isinstance(obj, list):
-        for v in obj:
-            found = find(v, key)
-            if found is not None:
-                return found
-    return None
+def bench(port: int, args: argparse.Namespace, out: Path, seed: int, warmup: int = 0) -> tuple[dict, float]:
+    """One `tokenpath bench` run; its summary and the client process's own CPU seconds. The prefix
+    cache is reset first and each pair has prompts of its own: a server kept up for the whole
+    benchmark must not answer a later run from its cache (the run would time the cache, not prefill)."""
+    cmd = [str(BIN / "tokenpath"), "bench", "--base-url", f"http://127.0.0.1:{port}/v1",
+           "--model", "smollm2-135m-instruct", "--concurrency", str(args.concurrency),
+           "--num-requests", str(args.num_requests), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--warmup", str(warmup), "--seed", str(seed), "--reset-cache", "--no-progress",
+           "--json", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"bench failed ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    return summary, usage.ru_utime + usage.ru_stime
 
 
-def bench(port: int, args: argparse.Namespace, out: Path) -> dict:
-    subprocess.run([str(BIN / "tokenpath"), "bench", "--base-url", f"http://127.0.0.1:{port}/v1",
-                    "--model", "smollm2-135m-instruct", "--concurrency", str(args.concurrency),
-                    "--num-requests", str(args.num_requests), "--input-len", str(args.input_len),
-                    "--output-len", str(args.output_len), "--warmup", "4", "--seed", "1", "--no-progress",
-                    "--json", str(out)], check=True, capture_output=True, text=True)
-    data = json.loads(out.read_text())
-    ttft = find(data, "ttft_ms")
-    return {"output_tok_s": float(find(data, "output_throughput")),  # type: ignore[arg-type]
-            "ttft_p50_ms": float(ttft["median"]), "ttft_p99_ms": float(ttft["p99"])}  # type: ignore[index]
+class Ledger:
+    """CPU per output token of each run, per process. A run's window on its server (and, for
+    tracing-on runs, on the receiver) lasts until that server's next run starts, so the batch
+    processor's last export of a run (up to 5 s after it) is counted with it, without waiting."""
+
+    def __init__(self, servers: dict[str, tuple[subprocess.Popen, int]], receiver: Receiver) -> None:
+        self.servers, self.receiver = servers, receiver
+        self.open: dict[str, tuple[dict, dict[str, float]]] = {}  # mode -> (its run's record, CPU at start)
+
+    def _snapshot(self, mode: str) -> dict[str, float]:
+        snap = tree_cpu_s(self.servers[mode][0].pid)
+        snap["receiver"] = cpu_s(self.receiver.proc.pid) if mode == "on" else 0.0
+        snap["spans"] = float(self.receiver.spans()) if mode == "on" else 0.0
+        return snap
+
+    def _close(self, mode: str, snap: dict[str, float]) -> None:
+        if mode not in self.open:
+            return
+        rec, start = self.open.pop(mode)
+        toks = rec["output_tokens"]
+        for k in ("server", "engine_procs", "receiver"):
+            rec["cpu_ms_per_tok"][k] = 1000 * (snap[k] - start[k]) / toks
+        rec["spans_received"] = int(snap["spans"] - start["spans"])
+
+    def run(self, mode: str, args: argparse.Namespace, out: Path, seed: int, warmup: int = 0) -> dict:
+        snap = self._snapshot(mode)
+        self._close(mode, snap)
+        s, client_cpu = bench(self.servers[mode][1], args, out, seed, warmup)
+        toks = max(1, int(s["total_output_tokens"]))
+        rec = {"mode": mode, "output_tok_s": float(s["output_throughput"]),
+               "ttft_p50_ms": float(s["ttft_ms"]["median"]), "ttft_p99_ms": float(s["ttft_ms"]["p99"]),
+               "completed": int(s["completed"]), "failed": int(s["failed"]), "output_tokens": toks,
+               "cpu_ms_per_tok": {"bench_client": 1000 * client_cpu / toks}, "loadavg_1m": os.getloadavg()[0]}
+        self.open[mode] = (rec, snap)
+        return rec
+
+    def close_all(self) -> None:
+        time.sleep(6.0)  # the batch processor exports every 5 s: let the last batch go
+        for mode in list(self.open):
+            self._close(mode, self._snapshot(mode))
 
 
 def span_cost(receiver: Receiver, n: int = 2000) -> dict:
     """CPU per request of building and exporting its spans (record_trace + the batch exporter's
-    thread, flushed), with a realistic Timeline: the part of tracing that scales with load,
-    measured without the HTTP run's noise from other processes on the machine."""
+    thread, flushed) with a realistic Timeline, measured alone in this process (the receiver's
+    decoding is in its own process and not counted)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -129,89 +221,65 @@ def span_cost(receiver: Receiver, n: int = 2000) -> dict:
                                token_times=[t0 + 0.08 + 0.01 * k for k in range(32)])
 
     recs = [one(i) for i in range(n)]
-    before = receiver.spans
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    before = receiver.spans()
+    cpu0 = time.process_time()
     for rec in recs:
         record_trace(rec, provider)
     provider.force_flush()
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
     provider.shutdown()
-    return {"requests": n, "spans": receiver.spans - before, "cpu_ms_per_request": 1000 * cpu / n,
-            "wall_ms_per_request": 1000 * wall / n}
+    return {"requests": n, "spans": receiver.spans() - before, "cpu_ms_per_request": 1000 * cpu / n}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=10, help="measured on/off pairs, ABBA order (default 10)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--serve-args", default="", help="extra `tokenpath serve` arguments for both servers")
     p.add_argument("--load-note", default="", help="what else ran on the machine (printed under the table)")
-    p.add_argument("--micro-only", action="store_true", help="only the span-cost measurement (seconds)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where tracing_overhead.md/.json go (default results/)")
+    p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.receiver:
+        return run_receiver()
+    from tracing_overhead_report import report  # noqa: PLC0415 - next to this script
+
     receiver = Receiver()
-    micro = span_cost(receiver)
-    print(json.dumps(micro), flush=True)
-    if args.micro_only:
-        return 0
     tmp = Path(tempfile.mkdtemp(prefix="tp-tracing-bench-"))
-    runs: list[dict] = []
-    for r in range(args.rounds):
-        # ABBA: off-on, then on-off. With a fixed order, a machine whose load falls (or rises) over
-        # the run favours whichever mode always goes second (a first run here: on/off 1.41 median).
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            extra = ["--otlp-endpoint", receiver.url] if mode == "on" else []
-            proc, port = serve(extra, tmp / f"serve-{mode}-{r}.log")
-            try:
-                before = receiver.spans
-                res = bench(port, args, tmp / f"bench-{mode}-{r}.json")
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
-            res.update(mode=mode, round=r, spans_received=receiver.spans - before)
-            runs.append(res)
-            print(json.dumps(res), flush=True)
-    summary = {}
-    for mode in ("off", "on"):
-        rs = [x for x in runs if x["mode"] == mode]
-        summary[mode] = {k: statistics.mean(x[k] for x in rs) for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms")}
-    ratio = summary["on"]["output_tok_s"] / summary["off"]["output_tok_s"]
-    # Each round's on/off pair ran back to back, so the machine's drift (other work on a shared box)
-    # hits both alike: the median of the per-round ratios is the figure least moved by it.
-    pairs = [sorted(runs[i:i + 2], key=lambda x: x["mode"]) for i in range(0, len(runs), 2)]  # [off, on]
-    paired = [on["output_tok_s"] / off["output_tok_s"] for off, on in pairs]
-    paired_ttft = [on["ttft_p50_ms"] / off["ttft_p50_ms"] for off, on in pairs]
-    median_ratio = statistics.median(paired)
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"args": vars(args), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "runs": runs,
-            "summary": summary, "throughput_ratio_on_off": ratio,
-            "paired_throughput_ratios": paired, "median_paired_throughput_ratio": median_ratio,
-            "paired_ttft_p50_ratios": paired_ttft, "load": args.load_note, "span_cost": micro}
-    (RESULTS / "tracing_overhead.json").write_text(json.dumps(meta, indent=2))
-    lines = [f"# Tracing on vs off (c={args.concurrency})", "",
-             f"{args.rounds} rounds (off-on, on-off, ...), {args.num_requests} requests each, input {args.input_len} / "
-             f"output {args.output_len} tokens, `tokenpath bench`, SmolLM2-135M, {meta['machine']}.", "",
-             "| round | tracing | output tok/s | TTFT p50 ms | TTFT p99 ms | spans received |",
-             "|---|---|---|---|---|---|"]
-    for x in runs:
-        lines.append(f"| {x['round']} | {x['mode']} | {x['output_tok_s']:.1f} | {x['ttft_p50_ms']:.0f} | "
-                     f"{x['ttft_p99_ms']:.0f} | {x['spans_received']} |")
-    lines += ["", f"Output throughput on / off per round (each pair back to back): "
-                  f"{', '.join(f'{x:.3f}' for x in paired)}; median **{median_ratio:.3f}** "
-                  f"({100 * (1 - median_ratio):+.1f}% cost). TTFT p50 on / off per round: "
-                  f"{', '.join(f'{x:.2f}' for x in paired_ttft)}."]
-    if args.load_note:
-        lines += ["", f"Machine load during the run: {args.load_note}"]
-    lines += ["", f"Mean output throughput, on / off: **{ratio:.3f}** ({100 * (1 - ratio):+.1f}% cost; "
-                  f"TTFT p50 {summary['off']['ttft_p50_ms']:.0f} ms off vs {summary['on']['ttft_p50_ms']:.0f} ms on)."]
-    per_req_ms = 1000 * args.output_len / summary["off"]["output_tok_s"] * (os.cpu_count() or 1)
-    lines += ["", f"Span building + OTLP export, measured alone ({micro['requests']} requests, {micro['spans']} spans "
-                  f"received): **{micro['cpu_ms_per_request']:.3f} ms CPU per request**, against ~{per_req_ms:.0f} ms "
-                  f"of machine CPU per request at the measured throughput: "
-                  f"{100 * micro['cpu_ms_per_request'] / per_req_ms:.2f}% of it."]
-    (RESULTS / "tracing_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    started = time.monotonic()
+    try:
+        micro = span_cost(receiver)
+        print(json.dumps(micro), flush=True)
+        extra = args.serve_args.split()
+        servers["off"] = serve(extra, tmp / "serve-off.log")
+        servers["on"] = serve([*extra, "--otlp-endpoint", receiver.url], tmp / "serve-on.log")
+        ledger = Ledger(servers, receiver)
+        warm = [ledger.run(m, args, tmp / f"warm-{m}.json", seed=999, warmup=4) for m in ("off", "on")]
+        pairs = []
+        for i in range(args.pairs):
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            runs = {m: ledger.run(m, args, tmp / f"bench-{i}-{m}.json", seed=1000 + i) for m in order}
+            pairs.append({"pair": i, "order": "-".join(order), "off": runs["off"], "on": runs["on"]})
+            print(json.dumps({k: pairs[-1][k] for k in ("pair", "order")}
+                             | {m: round(runs[m]["output_tok_s"], 1) for m in order}), flush=True)
+        ledger.close_all()
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(60)
+        receiver.close()
+    meta = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "receiver")}, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "span_cost": micro,
+            "warm_up_discarded": warm, "pairs": pairs, "runtime_s": time.monotonic() - started}
+    md = report(meta)
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tracing_overhead.json").write_text(json.dumps(meta, indent=2))
+    (args.out / "tracing_overhead.md").write_text(md)
     return 0
 
 
