@@ -93,11 +93,22 @@ async def test_priority_crosses_the_link(engine):
 
 
 @in_module_loop
-async def test_state_rides_with_outputs_and_an_idle_link_only_heartbeats(engine):
-    """A second, raw connection to the engine (it serves any client with the secret) sees every frame
+async def test_state_rides_with_outputs_and_an_idle_link_only_heartbeats(tmp_path):
+    """A second, raw connection to an engine (it serves any client with the secret) sees every frame
     and how they were batched. Before, a timer pushed `state` 10 times a second whatever happened,
-    waking both processes for it: ~25 frames in this idle window."""
+    waking both processes for it: ~25 frames in this idle window. An engine of its own: it exits
+    when any link to it closes (`--exit-with-link`), so the raw one is closed after it stopped."""
+    (engine,) = await spawn_engines(1, "smollm2-135m-instruct", ["--max-num-seqs", "1", "--num-kv-blocks", "64"],
+                                    log_dir=tmp_path, deployment="link-state-test")
     reader, writer = await asyncio.open_connection("127.0.0.1", engine.port)
+    try:
+        await _watch_state_frames(engine, reader, writer)
+    finally:
+        await engine.stop()
+        writer.close()
+
+
+async def _watch_state_frames(engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     writer.write(pack({"t": "hello", "secret": engine.replica.secret}))
     assert (await read_frame(reader))["t"] == "welcome"
     frames = FrameReader(reader)
@@ -138,7 +149,6 @@ async def test_state_rides_with_outputs_and_an_idle_link_only_heartbeats(engine)
         reads.clear()
         await read_for(2, until=lambda msgs: any(m["t"] == "state" and m["running"] == 0 for m in msgs))
         assert reads and reads[-1][0] - finished_at < 1.0
-    writer.close()
 
 
 @in_module_loop
