@@ -200,6 +200,7 @@ async def main(args: argparse.Namespace) -> None:
     from tokenpath.engine.async_engine import AsyncEngine
     from tokenpath.replica.local import InProcessReplica
     from tokenpath.replica.processes import spawn_engines
+    from tokenpath.server.memory import freeze_startup_heap
 
     started = time.monotonic()
     engine_args = ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
@@ -207,6 +208,7 @@ async def main(args: argparse.Namespace) -> None:
     local_engine = AsyncEngine(cfg)
     await local_engine.start()
     (proc,) = await spawn_engines(1, engine_args=engine_args, max_num_seqs=args.max_num_seqs, nice=0)
+    freeze_startup_heap()  # as `serve` and the engine process do: no full GC walks the loaded model
     tok = local_engine.tokenizer
     deps = {"in_process": Deployment(local_engine.model_name, "chat", [InProcessReplica(local_engine)],
                                      tokenizer=tok, max_model_len=local_engine.max_model_len),
