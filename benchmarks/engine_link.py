@@ -208,7 +208,10 @@ async def main(args: argparse.Namespace) -> None:
     local_engine = AsyncEngine(cfg)
     await local_engine.start()
     (proc,) = await spawn_engines(1, engine_args=engine_args, max_num_seqs=args.max_num_seqs, nice=0)
-    freeze_startup_heap()  # as `serve` and the engine process do: no full GC walks the loaded model
+    # As the engine process does: a full GC here would walk the in-process engine's objects, in the
+    # link rounds too (a `serve --replicas` gateway holds no engine), a ~100 ms stall that is no
+    # part of what the link costs.
+    freeze_startup_heap()
     tok = local_engine.tokenizer
     deps = {"in_process": Deployment(local_engine.model_name, "chat", [InProcessReplica(local_engine)],
                                      tokenizer=tok, max_model_len=local_engine.max_model_len),

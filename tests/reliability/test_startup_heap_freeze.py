@@ -4,7 +4,7 @@ and start-up's garbage is collected first, not frozen forever.
 A fresh interpreter (so the heap is the test's own) keeps ~200k tracked objects alive, as a loaded
 engine does, and drops one reference cycle. After the freeze the collector's generations (what a
 full collection walks) hold a small fraction of what they held, and the cycle is gone. The engine
-process and `serve` call it once after loading: a full collection over a loaded SmolLM2 process
+process calls it once after loading: a full collection over a loaded SmolLM2 process
 took ~97 ms with the GIL held (an engine step stalled that long), under 0.1 ms after.
 """
 

@@ -24,7 +24,6 @@ from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig
-from tokenpath.server.memory import freeze_startup_heap
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.request_log import configure_logging, log_event
 
@@ -246,7 +245,6 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
 
     router, closers = await _load(config, args)
     _add_served_names(router, args.served_model_names)
-    freeze_startup_heap()  # an in-process engine's steps stall on full GCs otherwise (server.memory)
     deployments = list(router.deployments.values())
     if hasattr(guard, "aclose"):
         closers.append(guard.aclose)

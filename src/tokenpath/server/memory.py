@@ -82,7 +82,10 @@ def freeze_startup_heap() -> int:
     (an ITL spike; the collector runs one after enough surviving allocations, on whichever thread
     allocated). After the freeze a full collection walks only what serving allocated since: under
     0.1 ms on the same process. vLLM freezes its engine's start-up heap the same way. What is frozen
-    is never collected, so call this once, after loading, when the start-up garbage is collected."""
+    is never collected, so call this once, after loading, when the start-up garbage is collected,
+    and only where the loaded engine lives as long as the process: `tokenpath engine` (a dead
+    engine is a new process). Not `serve` with an in-process engine: that one is rebuilt in place
+    after its step loop dies, and the dead engine's reference cycles would then never be freed."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
