@@ -3,13 +3,22 @@
 Same run, same requests, same model and engine settings: one in-process engine
 (`InProcessReplica`) and one `tokenpath engine` process on the engine link (`EngineLinkReplica`),
 each behind a `Deployment` (admission, pick, the replica boundary's Timeline stamps), measured in
-alternating rounds (in-process, link, in-process, link...) so drift on a shared machine hits both.
-Reported at each concurrency: ITL p50 (gaps between token-bearing deltas as the consumer sees them)
-and output tokens/s. Then the gateway's own overhead: the real app (HTTP, tokenizing, admission)
-in front of the link replica at concurrency 32, its `gateway` stage p50/p99 from the bodies'
-`tokenpath.timing`.
+paired rounds. Each pair runs one fresh set of prompts through both modes, in-process first in
+even pairs and link first in odd ones (drift on a shared machine hits both, in both orders). Fresh
+prompts keep every round's work the same: with one set reused, each engine's prefix cache decided
+how much prefill a round did, and CPU per token moved 7-12 ms between rounds of one mode. The
+first pair at each concurrency warms both engines and is not reported.
 
-    python benchmarks/engine_link.py --out engine_link
+Reported per pair: ITL p50 (gaps between token-bearing deltas as the consumer sees them), output
+tokens/s, and CPU per output token of each process (from /proc, so other load on the machine moves
+it much less than it moves time), split into each engine's step thread and the rest. The verdict is
+the median of the paired differences with a distribution-free 95% interval for it (sign test), not
+the difference of two medians taken separately. Then the gateway's own overhead: the real app (HTTP,
+tokenizing, admission) in front of the link replica at concurrency 32, its `gateway` stage p50/p99
+from the bodies' `tokenpath.timing`.
+
+    setsid python benchmarks/engine_link.py                  # ~5-6 min on an idle 2-core box
+    setsid python benchmarks/engine_link.py --rounds 4 --rounds-c1 2 --out engine_link_try   # ~2 min
 """
 
 from __future__ import annotations
@@ -17,10 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
-import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from engine_link_report import render  # noqa: E402
 from routing_common import pct, rand_tokens  # noqa: E402
 
 from tokenpath.protocol import GenerateRequest, SamplingParams  # noqa: E402
@@ -35,6 +46,7 @@ from tokenpath.routing.models import Deployment  # noqa: E402
 from tokenpath.telemetry.timeline import Timeline  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+MODES = ("in_process", "link")
 
 
 async def one(dep: Deployment, tokens: list[int], max_tokens: int, tag: str, i: int) -> dict:
@@ -61,21 +73,45 @@ async def one(dep: Deployment, tokens: list[int], max_tokens: int, tag: str, i: 
     return {"gaps": gaps, "tokens": n, "delivery": delivery}
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a whole process so far (Linux /proc), all its threads."""
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a process so far (Linux /proc): `schedstat`'s nanoseconds on
+    the CPU, else `stat`'s user + system clock ticks (10 ms: too coarse for a c=1 round's ~200
+    tokens, where the link's cost is a fraction of a millisecond per token)."""
+    tck = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+    for tid in tids:
+        task = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            out[int(tid)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tck
+    return out
+
+
+def cpu_split(before: dict[int, float], after: dict[int, float], tokens: int) -> tuple[float, float]:
+    """(busiest thread, all the others) in CPU ms per output token. The busiest thread over a
+    round is the engine's step loop (model forward, sampling, detokenizing); the rest is the event
+    loop (delivery, the link's framing, the consumer) and anything else the process runs."""
+    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True) or [0.0]
+    return 1000 * used[0] / tokens, 1000 * sum(used[1:]) / tokens
 
 
 async def level(dep: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str,
                 engine_pid: int | None = None) -> dict:
-    """One round. CPU per output token of this (gateway) process and of the engine process: what
-    the link costs in work, which on a loaded machine is steadier than what it costs in time."""
+    """One round. CPU per output token of this process and, for the link, of the engine process."""
     sem = asyncio.Semaphore(concurrency)
-    gw0, eng0 = cpu_s(os.getpid()), cpu_s(engine_pid) if engine_pid else 0.0
+    me = os.getpid()
+    gw0, eng0 = thread_cpu_s(me), thread_cpu_s(engine_pid) if engine_pid else {}
 
     async def run(i: int, p: list[int]) -> dict:
         async with sem:
@@ -84,13 +120,48 @@ async def level(dep: Deployment, prompts: list[list[int]], max_tokens: int, conc
     t0 = time.perf_counter()
     rows = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - t0
-    gw, eng = cpu_s(os.getpid()) - gw0, (cpu_s(engine_pid) - eng0) if engine_pid else 0.0
+    gw1, eng1 = thread_cpu_s(me), thread_cpu_s(engine_pid) if engine_pid else {}
+    tokens = sum(r["tokens"] for r in rows)
     gaps = [g for r in rows for g in r["gaps"]]
     delivery = [d for r in rows for d in r["delivery"]]
-    tokens = sum(r["tokens"] for r in rows)
-    return {"itl_p50_ms": pct(gaps, 50) * 1000, "tok_s": tokens / wall, "wall_s": wall,
-            "delivery_p50_ms": pct(delivery, 50) * 1000, "gateway_cpu_ms_per_tok": 1000 * gw / tokens,
-            "engine_proc_cpu_ms_per_tok": 1000 * eng / tokens, "loadavg_1m": os.getloadavg()[0]}
+    if engine_pid:  # this process is the gateway; the engine is the other one
+        step, rest = cpu_split(eng0, eng1, tokens)
+        gateway = 1000 * sum(gw1[t] - gw0.get(t, 0.0) for t in gw1) / tokens
+    else:
+        (step, rest), gateway = cpu_split(gw0, gw1, tokens), 0.0
+    return {"itl_p50_ms": pct(gaps, 50) * 1000, "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "delivery_p50_ms": pct(delivery, 50) * 1000, "cpu_step_ms_per_tok": step,
+            "cpu_rest_ms_per_tok": rest, "cpu_gateway_ms_per_tok": gateway,
+            "cpu_ms_per_tok": step + rest + gateway, "loadavg_1m": os.getloadavg()[0]}
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval for the median (sign test): the k-th smallest and k-th largest
+    value, k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None if n is too
+    small for any (n < 6 at 95%)."""
+    n, s = len(values), sorted(values)
+    tail, k, cum = (1 - confidence) / 2, 0, 0.0
+    while k < n:
+        cum += math.comb(n, k) / 2**n  # P(X <= k)
+        if cum > tail:
+            break
+        k += 1
+    return (s[k - 1], s[n - k]) if k >= 1 else None
+
+
+def paired(pairs: list[dict]) -> dict:
+    """The verdict figures of one concurrency level from its paired rounds."""
+    itl_d = [p["link"]["itl_p50_ms"] - p["in_process"]["itl_p50_ms"] for p in pairs]
+    tps_r = [p["link"]["tok_s"] / p["in_process"]["tok_s"] for p in pairs]
+    cpu_d = [p["link"]["cpu_ms_per_tok"] - p["in_process"]["cpu_ms_per_tok"] for p in pairs]
+    med = statistics.median
+    return {"n": len(pairs), "itl_diff_ms": itl_d, "itl_diff_median_ms": med(itl_d), "itl_diff_ci_ms": median_ci(itl_d),
+            "itl_diff_iqr_ms": (pct(itl_d, 25), pct(itl_d, 75)), "link_slower": sum(d > 0 for d in itl_d),
+            "tok_s_ratio": tps_r, "tok_s_ratio_median": med(tps_r), "tok_s_ratio_ci": median_ci(tps_r),
+            "cpu_diff_ms": cpu_d, "cpu_diff_median_ms": med(cpu_d),
+            **{f"{m}_{k}": med(p[m][k] for p in pairs) for m in MODES
+               for k in ("itl_p50_ms", "tok_s", "delivery_p50_ms", "cpu_ms_per_tok", "cpu_step_ms_per_tok",
+                         "cpu_rest_ms_per_tok", "cpu_gateway_ms_per_tok")}}
 
 
 async def gateway_overhead(dep: Deployment, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -100,14 +171,12 @@ async def gateway_overhead(dep: Deployment, n: int, concurrency: int, max_tokens
     from tokenpath.api.app import create_app
     from tokenpath.routing.models import ModelRouter
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(ModelRouter([dep])), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(ModelRouter([dep])), host="127.0.0.1", port=0,
                                            log_level="warning", access_log=False))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
     sem = asyncio.Semaphore(concurrency)
     stages: list[dict] = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=300) as client:
@@ -131,12 +200,18 @@ async def main(args: argparse.Namespace) -> None:
     from tokenpath.engine.async_engine import AsyncEngine
     from tokenpath.replica.local import InProcessReplica
     from tokenpath.replica.processes import spawn_engines
+    from tokenpath.server.memory import freeze_startup_heap
 
+    started = time.monotonic()
     engine_args = ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
     local_engine = AsyncEngine(cfg)
     await local_engine.start()
     (proc,) = await spawn_engines(1, engine_args=engine_args, max_num_seqs=args.max_num_seqs, nice=0)
+    # As the engine process does: a full GC here would walk the in-process engine's objects, in the
+    # link rounds too (a `serve --replicas` gateway holds no engine), a ~100 ms stall that is no
+    # part of what the link costs.
+    freeze_startup_heap()
     tok = local_engine.tokenizer
     deps = {"in_process": Deployment(local_engine.model_name, "chat", [InProcessReplica(local_engine)],
                                      tokenizer=tok, max_model_len=local_engine.max_model_len),
@@ -145,79 +220,47 @@ async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     results: dict = {"setup": {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args)}}
     try:
-        for c, n in ((1, args.requests_c1), (32, args.requests_c32)):
-            prompts = [rand_tokens(rng, args.prompt_tokens) for _ in range(n)]
-            await level(deps["in_process"], prompts[:2], 4, c, "warm")
-            await level(deps["link"], prompts[:2], 4, c, "warm")
-            rounds: dict[str, list[dict]] = {"in_process": [], "link": []}
-            for _ in range(args.rounds):
-                for name in ("in_process", "link"):
-                    rounds[name].append(await level(deps[name], prompts, args.max_tokens, c, f"{name}-c{c}",
-                                                    engine_pid=proc.proc.pid if name == "link" else None))
-            results[f"c{c}"] = rounds
-        results["gateway_c32"] = await gateway_overhead(deps["link"], args.requests_c32, 32, args.max_tokens)
+        for c, n, rounds in ((1, args.requests_c1, args.rounds_c1), (32, args.requests_c32, args.rounds)):
+            pairs = []
+            for r in range(args.warmup + rounds):
+                prompts = [rand_tokens(rng, args.prompt_tokens) for _ in range(n)]
+                order = MODES if r % 2 == 0 else MODES[::-1]
+                pair: dict = {"first": order[0]}
+                for name in order:
+                    pair[name] = await level(deps[name], prompts, args.max_tokens, c, f"{name}-c{c}-{r}",
+                                             engine_pid=proc.proc.pid if name == "link" else None)
+                if r >= args.warmup:
+                    pairs.append(pair)
+                print(f"c={c} pair {r - args.warmup + 1}/{rounds}{' (warm-up)' if r < args.warmup else ''}: ITL "
+                      f"{pair['in_process']['itl_p50_ms']:.1f} / {pair['link']['itl_p50_ms']:.1f} ms, CPU/token "
+                      f"{pair['in_process']['cpu_ms_per_tok']:.2f} / {pair['link']['cpu_ms_per_tok']:.2f} ms "
+                      f"(in-process / link), load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            results[f"c{c}"] = {"pairs": pairs, "summary": paired(pairs)}
+        results["gateway_c32"] = await gateway_overhead(deps["link"], args.gateway_requests, 32, args.max_tokens)
     finally:
         await proc.stop()
         await local_engine.shutdown()
+    results["setup"]["runtime_s"] = time.monotonic() - started
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
-    loads = [r["loadavg_1m"] for c in (1, 32) for rs in results[f"c{c}"].values() for r in rs]
-    md = [f"# Engine link vs in-process engine ({platform.machine()}, {os.cpu_count()} CPUs)", "",
-          f"SmolLM2-135M, CPU, 1 torch thread per engine, {args.prompt_tokens}-token prompts, "
-          f"{args.max_tokens} output tokens, max_num_seqs {args.max_num_seqs}; {args.rounds} alternating "
-          "rounds per level (in-process, link, in-process, link...; median of rounds shown).", "",
-          f"**Machine load**: 1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
-          f"during the rounds{' (' + args.load_note + ')' if args.load_note else ''}. Time figures move with "
-          "load; the CPU columns (work per output token) much less.", "",
-          "| concurrency | ITL p50 in-process (ms) | ITL p50 link (ms) | link - in-process (ms) "
-          "| tok/s in-process | tok/s link | link / in-process | delivery p50 in-process (ms) | delivery p50 link (ms) |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for c in (1, 32):
-        def med(name: str, key: str, c: int = c) -> float:
-            return sorted(r[key] for r in results[f"c{c}"][name])[args.rounds // 2]
-
-        a, b = med("in_process", "itl_p50_ms"), med("link", "itl_p50_ms")
-        ta, tb = med("in_process", "tok_s"), med("link", "tok_s")
-        da, db = med("in_process", "delivery_p50_ms"), med("link", "delivery_p50_ms")
-        md.append(f"| {c} | {a:.2f} | {b:.2f} | {b - a:+.2f} | {ta:.1f} | {tb:.1f} | {tb / ta:.3f} "
-                  f"| {da:.2f} | {db:.2f} |")
-    md += ["", "Paired per round (each link round right after its in-process round), and CPU per output token "
-           "(in-process: the one process; link: gateway + engine process):", "",
-           "| concurrency | ITL p50 link / in-process per round | tok/s link / in-process per round "
-           "| CPU ms/token in-process | CPU ms/token link (gateway + engine) | link / in-process CPU |",
-           "|---|---|---|---|---|---|"]
-    for c in (1, 32):
-        pairs = list(zip(results[f"c{c}"]["in_process"], results[f"c{c}"]["link"], strict=True))
-        itl_r = [b["itl_p50_ms"] / a["itl_p50_ms"] for a, b in pairs]
-        tps_r = [b["tok_s"] / a["tok_s"] for a, b in pairs]
-        itl = ", ".join(f"{x:.3f}" for x in itl_r) + f" (median **{sorted(itl_r)[len(pairs) // 2]:.3f}**)"
-        tps = ", ".join(f"{x:.3f}" for x in tps_r) + f" (median **{sorted(tps_r)[len(pairs) // 2]:.3f}**)"
-        cpu_a = sorted(a["gateway_cpu_ms_per_tok"] for a, _ in pairs)[len(pairs) // 2]
-        gw_b = sorted(b["gateway_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
-        eng_b = sorted(b["engine_proc_cpu_ms_per_tok"] for _, b in pairs)[len(pairs) // 2]
-        md.append(f"| {c} | {itl} | {tps} | {cpu_a:.2f} | {gw_b + eng_b:.2f} ({gw_b:.2f} + {eng_b:.2f}) "
-                  f"| {(gw_b + eng_b) / cpu_a:.3f} |")
-    g = results["gateway_c32"]
-    md += ["", "Delivery: from the engine's event (first token, finish) to the consumer holding the delta, "
-           "both in the gateway's clock (the link's clock offset applied): what crossing the process "
-           "boundary adds per delta, apart from how the two processes share the CPU.", "",
-           f"Gateway stage (received -> admitted: HTTP parse, tokenize, admission) at concurrency 32 over "
-           f"{g['n']} chat requests through the real app in front of the link replica: p50 "
-           f"{g['gateway_p50_ms']:.1f} ms, p99 {g['gateway_p99_ms']:.1f} ms (request total p50 {g['total_p50_ms']:.0f} ms)."]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    md = render(results, args)
+    (RESULTS / f"{args.out}.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=10, help="paired rounds at c=32 (after the warm-up)")
+    p.add_argument("--rounds-c1", type=int, default=6, help="paired rounds at c=1 (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="pairs run first at each level and not reported")
     p.add_argument("--requests-c1", type=int, default=6)
-    p.add_argument("--requests-c32", type=int, default=64)
+    p.add_argument("--requests-c32", type=int, default=32, help="per round at c=32 (32: one full batch)")
+    p.add_argument("--gateway-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="engine_link")
+    p.add_argument("--out", default="engine_link", help="results/<out>.md and .json")
     p.add_argument("--load-note", default="", help="what else ran on the machine (printed with the table)")
     asyncio.run(main(p.parse_args()))

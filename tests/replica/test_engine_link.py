@@ -2,7 +2,8 @@
 
 What must hold: a connection without the launch secret is refused; priority crosses the link (a
 high-priority request is scheduled before an earlier low-priority one waiting in the engine); the
-gateway's request id is the engine's; and a SIGKILLed engine fails its streams at once (no hang),
+gateway's request id is the engine's; state frames ride with outputs, a changed state arrives
+promptly and an idle link only heartbeats; and a SIGKILLed engine fails its streams at once (no hang),
 turns unhealthy within a second, is reaped, restarted, counted and healthy again. Slow: loads the
 model in an engine process (twice, with the restart) and once more for the gateway-kill test.
 """
@@ -23,8 +24,9 @@ from tests.api.conftest import TOKENPATH, start_server
 
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, SamplingParams
-from tokenpath.protocol.wire import pack, read_frame
+from tokenpath.protocol.wire import FrameReader, encode_request, pack, read_frame
 from tokenpath.replica.link_client import EngineLinkReplica, LinkRefusedError
+from tokenpath.replica.link_server import STATE_HEARTBEAT_S, STATE_INTERVAL_S
 from tokenpath.replica.processes import spawn_engines
 from tokenpath.telemetry import series
 
@@ -88,6 +90,65 @@ async def test_priority_crosses_the_link(engine):
     # The engine's log names the gateway's request ids and priorities.
     text = engine.log_path.read_text()
     assert re.search(r"request low queued: .* priority 5", text) and re.search(r"request high queued: .* priority 0", text)
+
+
+@in_module_loop
+async def test_state_rides_with_outputs_and_an_idle_link_only_heartbeats(tmp_path):
+    """A second, raw connection to an engine (it serves any client with the secret) sees every frame
+    and how they were batched. Before, a timer pushed `state` 10 times a second whatever happened,
+    waking both processes for it: ~25 frames in this idle window. An engine of its own: it exits
+    when any link to it closes (`--exit-with-link`), so the raw one is closed after it stopped."""
+    (engine,) = await spawn_engines(1, "smollm2-135m-instruct", ["--max-num-seqs", "1", "--num-kv-blocks", "64"],
+                                    log_dir=tmp_path, deployment="link-state-test")
+    reader, writer = await asyncio.open_connection("127.0.0.1", engine.port)
+    try:
+        await _watch_state_frames(engine, reader, writer)
+    finally:
+        await engine.stop()
+        writer.close()
+
+
+async def _watch_state_frames(engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(pack({"t": "hello", "secret": engine.replica.secret}))
+    assert (await read_frame(reader))["t"] == "welcome"
+    frames = FrameReader(reader)
+    reads: list[tuple[float, list[dict]]] = []
+
+    async def read_for(seconds: float, until=lambda msgs: False) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msgs = await asyncio.wait_for(frames.read_frames(), left)
+            except TimeoutError:
+                return
+            reads.append((time.monotonic(), msgs))
+            if until(msgs):
+                return
+
+    await read_for(1.5)  # the connect's own state, and ticks while it was fresh
+    reads.clear()
+    idle_window = 2.5
+    await read_for(idle_window)
+    idle_states = [m for _, msgs in reads for m in msgs if m["t"] == "state"]
+    assert len(idle_states) <= idle_window / STATE_HEARTBEAT_S + 1, len(idle_states)
+    assert idle_states and all(m["running"] == 0 for m in idle_states)  # the heartbeat (liveness)
+
+    reads.clear()
+    writer.write(pack({"t": "add", "req": encode_request(req("raw-link", max_tokens=200))}))
+    await read_for(120, until=lambda msgs: any(m["t"] == "out" and m["fin"] for m in msgs))
+    assert reads and any(m["t"] == "out" and m["fin"] for m in reads[-1][1]), "the request finished"
+    finished_at = reads[-1][0]
+    states = [m for _, msgs in reads for m in msgs if m["t"] == "state"]
+    assert any(m["running"] == 1 for m in states), "the running request showed in a state frame"
+    assert any("state" in kinds and "out" in kinds for kinds in ({m["t"] for m in msgs} for _, msgs in reads)), \
+        "a state frame went in the same write as a step's outputs"
+    decode_s = finished_at - reads[0][0]
+    assert len(states) <= decode_s / STATE_INTERVAL_S + 3, (len(states), decode_s)
+    # The engine going idle is news: it arrives within the interval (leniently: a loaded CI box).
+    if not (states and states[-1]["running"] == 0 and reads[-1][1][-1]["t"] == "state"):
+        reads.clear()
+        await read_for(2, until=lambda msgs: any(m["t"] == "state" and m["running"] == 0 for m in msgs))
+        assert reads and reads[-1][0] - finished_at < 1.0
 
 
 @in_module_loop

@@ -12,7 +12,16 @@ The socket is bound to loopback by its launcher. With `exit_on_close`, the proce
 gateway's link closes, so an engine never outlives the gateway that started it.
 
 Frames from the gateway: `hello`, `ping` (clock sync), `add`, `abort`. To it: `welcome`, `pong`,
-`out`, `err` (one request's failure, as a typed error), `state` (pushed every `STATE_INTERVAL_S`).
+`out`, `err` (one request's failure, as a typed error), `state` (see `StatePush`).
+
+State: a changed state reaches the gateway within `STATE_INTERVAL_S`, an unchanged one is repeated
+every `STATE_HEARTBEAT_S` (liveness: the gateway marks an engine stale after 5 s). While the engine
+steps, the state rides in the same write as a step's outputs, so it costs neither process a
+wake-up of its own; an idle engine's timer wakes once per heartbeat, or at once when a frame
+arrives. A push on a timer of its own, 10 a second whatever happened, woke both processes for it:
+measured 3.5 ms CPU/s in the engine and 2.0 ms/s in the gateway on an idle link (a bare 10 Hz
+asyncio timer alone costs 1.4 ms/s here), about as much CPU as framing every output of a
+batch-32 decode; 0.5 ms/s and under the 0.5 ms/s resolution of that measurement now.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError, TokenpathError
@@ -33,7 +43,8 @@ from tokenpath.telemetry.engine_spans import record_engine_trace
 
 log = logging.getLogger("tokenpath.engine.link")
 
-STATE_INTERVAL_S = 0.1
+STATE_INTERVAL_S = 0.1  # a changed state is pushed at most this long after the change
+STATE_HEARTBEAT_S = 1.0  # an unchanged one is repeated this often
 HELLO_TIMEOUT_S = 5.0
 
 
@@ -45,6 +56,7 @@ class Outbox:
         self.writer = writer
         self._buf = bytearray()
         self._scheduled = False
+        self.before_flush: Callable[[], None] | None = None  # may `send` more into this write
 
     def send(self, msg: dict) -> None:
         self._buf += pack(msg)
@@ -53,6 +65,8 @@ class Outbox:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        if self.before_flush is not None:
+            self.before_flush()  # (still `_scheduled`: what it sends joins this write)
         self._scheduled = False
         if self._buf and not self.writer.is_closing():
             self.writer.write(bytes(self._buf))
@@ -117,11 +131,13 @@ class LinkServer:
         outbox = Outbox(writer)
         live: dict[str, _LinkRequest] = {}
         tasks: dict[str, asyncio.Task] = {}  # requests of the frame kinds a subclass adds
-        pusher = asyncio.create_task(self._push_state(outbox))
+        push = StatePush(self._state, outbox)
+        pusher = asyncio.create_task(self._push_state(push))
         try:
             while True:
                 msg = await read_frame(reader)
                 kind = msg["t"]
+                push.kick()  # (work may follow: back to pushing changes within STATE_INTERVAL_S)
                 if kind == "ping":
                     outbox.send({"t": "pong", "id": msg.get("id"), "now": time.monotonic()})
                 elif kind == "add":
@@ -177,11 +193,58 @@ class LinkServer:
         live[request.request_id] = entry
         self.served += 1
 
-    async def _push_state(self, outbox: Outbox) -> None:
+    async def _push_state(self, push: StatePush) -> None:
         while True:
-            outbox.send(self._state())
-            await outbox.drain()
+            push.on_timer()
+            await push.outbox.drain()
+            await push.wait()
+
+
+class StatePush:
+    """When a link's `state` frame goes out (module docstring): with a write that is leaving anyway
+    once `STATE_INTERVAL_S` has passed since the last one, else from the timer when it changed
+    (an engine that just went idle) or the heartbeat is due. The timer ticks every
+    `STATE_INTERVAL_S` while there is work, or was a frame from the gateway within the last
+    heartbeat; otherwise once per heartbeat, or when `kick`ed."""
+
+    def __init__(self, make: Callable[[], dict], outbox: Outbox) -> None:
+        self.make, self.outbox = make, outbox
+        self.last: dict | None = None
+        self.sent_at = float("-inf")
+        self.kicked_at = float("-inf")
+        self._kicked = asyncio.Event()
+        outbox.before_flush = self.with_outputs
+
+    def kick(self) -> None:
+        self.kicked_at = time.monotonic()
+        self._kicked.set()
+
+    async def wait(self) -> None:
+        """Until the timer's next tick."""
+        last = self.last or {}
+        busy = last.get("running") or last.get("waiting")
+        if busy or self.last is None or time.monotonic() - self.kicked_at < STATE_HEARTBEAT_S:
             await asyncio.sleep(STATE_INTERVAL_S)
+            return
+        self._kicked.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._kicked.wait(), STATE_HEARTBEAT_S)
+
+    def with_outputs(self) -> None:
+        if time.monotonic() - self.sent_at >= STATE_INTERVAL_S:
+            self._send_if(changed_only=True)
+
+    def on_timer(self) -> None:
+        age = time.monotonic() - self.sent_at
+        if age >= STATE_INTERVAL_S:
+            self._send_if(changed_only=age < STATE_HEARTBEAT_S)
+
+    def _send_if(self, changed_only: bool) -> None:
+        state = self.make()
+        if changed_only and state == self.last:
+            return
+        self.last, self.sent_at = state, time.monotonic()
+        self.outbox.send(state)
 
 
 class _LinkRequest:

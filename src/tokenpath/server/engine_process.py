@@ -27,6 +27,7 @@ import socket
 import sys
 
 from tokenpath.config import DEFAULT_CHAT_MODEL
+from tokenpath.server.memory import freeze_startup_heap
 
 log = logging.getLogger("tokenpath.engine")
 
@@ -113,6 +114,7 @@ async def _serve_embedding(config, args: argparse.Namespace, secret: str) -> int
 
     sock = _socket(config, args)
     name, engine = await asyncio.to_thread(load_embedding_engine, config.models[0])
+    freeze_startup_heap()
     server = EmbeddingLinkServer(engine, secret, name, exit_on_close=args.exit_with_link)
     await _run_link(server, name, sock)
     await engine.shutdown()
@@ -141,6 +143,7 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
 
         engine.core.step_observers.append(annotate_step)
     await engine.start()
+    freeze_startup_heap()  # (a full GC walking the loaded model's objects stalled a step ~100 ms)
     server = LinkServer(engine, secret, exit_on_close=args.exit_with_link, tracer_provider=provider)
     await _run_link(server, engine.model_name, sock)
     await engine.shutdown()

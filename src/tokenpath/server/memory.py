@@ -20,6 +20,8 @@ it in 64 MiB arena heaps. Two standard remedies, both cheap:
   main heap swung 28 -> 112 MiB between trims.
 
 Both are no-ops where glibc is absent (musl, macOS).
+
+Python's own heap gets one remedy too, `freeze_startup_heap`, for time rather than memory: see there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import os
 
@@ -68,6 +71,24 @@ def limit_arenas(arena_max: int = ARENA_MAX, mmap_threshold: int = MMAP_THRESHOL
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     return libc.mallopt(M_ARENA_MAX, arena_max) == 1
+
+
+def freeze_startup_heap() -> int:
+    """Take every object alive once start-up is done (imported modules, the model's and the
+    tokenizer's Python side) out of the cyclic garbage collector's sight; returns how many.
+
+    Why: a full collection walks every tracked object, ~227k in a process with SmolLM2 loaded,
+    and took 97 ms here with the GIL held, so an engine's step stalls that long whenever one runs
+    (an ITL spike; the collector runs one after enough surviving allocations, on whichever thread
+    allocated). After the freeze a full collection walks only what serving allocated since: under
+    0.1 ms on the same process. vLLM freezes its engine's start-up heap the same way. What is frozen
+    is never collected, so call this once, after loading, when the start-up garbage is collected,
+    and only where the loaded engine lives as long as the process: `tokenpath engine` (a dead
+    engine is a new process). Not `serve` with an in-process engine: that one is rebuilt in place
+    after its step loop dies, and the dead engine's reference cycles would then never be freed."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def rss_mib() -> float:
