@@ -45,6 +45,10 @@ class EngineConfig(BaseModel):
     quantization: Literal["auto", "none", "q8_0"] = Field(
         default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True)
     block_size: int = Field(16, ge=1, le=256)
+    # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
+    # (half the memory per token; converted in registers, needs F16C, else float32), the model's
+    # dtype on the torch path. kv_cache_memory stays a byte budget, so float16 holds twice the tokens.
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
     max_num_batched_tokens: int = Field(1024, ge=1)

@@ -25,10 +25,11 @@ def test_flags_override_yaml(tmp_path):
     f.write_text("port: 9000\nshutdown_timeout: 3\nmax_body_size: 1MiB\ncaps: {max_n: 2}\n"
                  "engine: {max_num_seqs: 8, block_size: 32}\nmodels: [all-minilm-l6-v2]\n")
     cfg = build_config(parse("serve", "--config", str(f), "--port", "9100", "--max-num-seqs", "4",
-                             "--no-enable-prefix-caching"))
+                             "--no-enable-prefix-caching", "--kv-cache-dtype", "float32"))
     assert cfg.port == 9100 and cfg.shutdown_timeout == 3 and cfg.max_body_bytes == 1024 * 1024
     assert cfg.caps.max_n == 2 and cfg.models == ["all-minilm-l6-v2"]
     assert cfg.engine.max_num_seqs == 4 and cfg.engine.block_size == 32 and not cfg.engine.enable_prefix_caching
+    assert cfg.engine.kv_cache_dtype == "float32"
 
 
 @pytest.mark.parametrize("text", ["caps: {max_n: 0}\n", "bogus_key: 1\n", "- a list\n", "engine: {dtype: int3}\n"])

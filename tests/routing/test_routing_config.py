@@ -38,5 +38,6 @@ def test_engine_flags_carry_only_changed_settings():
     assert engine_flags(EngineConfig()) == []
     flags = engine_flags(EngineConfig(num_kv_blocks=64, max_num_seqs=4, enable_prefix_caching=False))
     assert flags == ["--num-kv-blocks", "64", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
+    assert engine_flags(EngineConfig(kv_cache_dtype="float16")) == ["--kv-cache-dtype", "float16"]
     assert _max_num_seqs(flags) == 4 and _max_num_seqs(["--max-num-seqs=3"]) == 3
     assert _max_num_seqs([]) == EngineConfig().max_num_seqs

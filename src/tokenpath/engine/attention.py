@@ -5,6 +5,8 @@ written to their slots (`slot_mapping`), then each query group gathers its conte
 pool. Sequences with one query token (decode, the common case) are batched into one SDPA call
 over a padded context; multi-token chunks (prefill, chunked prefill after a prefix hit) run one
 SDPA call each, with a causal mask offset by the tokens already computed.
+The pool may store a narrower dtype than the model computes in (--kv-cache-dtype float16 with a
+float32 model): K/V are rounded on write and widened back after each gather.
 """
 
 from __future__ import annotations
@@ -64,15 +66,15 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for g in meta.decode_groups:
         b, ctx = g.slots.shape
         rows = slice(g.start, g.start + b)
-        kd = _gather(k_cache, g.slots).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, g.slots).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
+        kd = _gather(k_cache, g.slots, q.dtype).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, g.slots, q.dtype).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
         out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=scale,
                                                    enable_gqa=gqa).squeeze(2)
     for p in meta.prefills:
@@ -81,7 +83,7 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if p.slots is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = _gather(k_cache, p.slots), _gather(v_cache, p.slots)
+            kp, vp = _gather(k_cache, p.slots, q.dtype), _gather(v_cache, p.slots, q.dtype)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
                                            scale=scale, enable_gqa=gqa)
@@ -89,11 +91,12 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of the pool at `slots`, as [len(slots), kv_heads, head_dim].
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the pool at `slots`, as [len(slots), kv_heads, head_dim] in `dtype` (a no-op cast
+    when the pool already stores it).
 
     `index_select` on a 2-D view is a plain row copy; advanced indexing (`cache[slots]`) took
     2-3x longer for the same gather on CPU.
     """
     flat = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
-    return flat.view(-1, *cache.shape[1:])
+    return flat.view(-1, *cache.shape[1:]).to(dtype)

@@ -6,6 +6,7 @@ It owns the model and the KV cache tensors; the scheduler and block manager only
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -13,11 +14,14 @@ import torch
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import NativeLlama, select_native
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.models.llama import LlamaModel
 from tokenpath.engine.sequence import Sequence
 from tokenpath.errors import ModelLoadError
+
+log = logging.getLogger("tokenpath.engine")
 
 # Decodes per attention call: with contexts sorted, small groups pad little; more calls cost little.
 DECODE_GROUP = 8
@@ -47,10 +51,25 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def pick_kv_dtype(name: str, lib: NativeLibrary | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype. On the native kernels float16 halves the cache (the issue's
+    RSS target: it is most of a busy server's growth) and costs nothing measurable, because the
+    kernels widen halves in registers; it needs F16C, and without it the cache stays float32.
+    On torch, auto keeps the model's dtype (the exact transformers-equivalence path)."""
+    if lib is not None:
+        if name == "float32":
+            return torch.float32
+        if not lib.has_f16c:
+            log.warning("this CPU lacks F16C: the native KV cache stays float32 (--kv-cache-dtype %s)", name)
+            return torch.float32
+        return torch.float16
+    return model_dtype if name == "auto" else {"float32": torch.float32, "float16": torch.float16}[name]
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
         self.device = pick_device(config.device)
-        # The native kernels compute in float32 on quantized weights, their KV cache is float32.
+        # The native kernels compute in float32 on quantized weights (KV cache: pick_kv_dtype).
         lib = select_native(loaded, config.quantization, self.device)
         self.dtype = torch.float32 if lib is not None else pick_dtype(config.dtype, self.device)
         cfg = loaded.config
@@ -63,14 +82,15 @@ class ModelRunner:
             model.load_weights(loaded.weights)
             self.model = model.to(device=self.device, dtype=self.dtype).eval()
             self.model.rope.to(torch.float32)  # keep cos/sin tables exact
+        self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, lib, self.dtype)
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            self.dtype)
+                                            self.kv_dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
         if self.num_blocks < 2:
             raise ModelLoadError(f"kv_cache_memory={config.kv_cache_memory} holds fewer than 2 blocks "
                                  f"({per_block} bytes each)")
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device, zeroed=lib is None)
+                             self.kv_dtype, self.device, zeroed=lib is None)
         if lib is not None:
             self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len)
         if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):

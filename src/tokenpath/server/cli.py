@@ -97,6 +97,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["auto", "none", "q8_0"], help="auto: native kernels on GGUF blocks")
     g.add_argument("--block-size", type=int)
     g.add_argument("--kv-cache-memory")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16"],
+                   help="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch")
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--max-num-seqs", type=int)
@@ -106,8 +108,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
 
 
-_ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
-                 "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching")
+_ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
+                 "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching")
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:

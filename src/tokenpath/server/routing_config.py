@@ -226,8 +226,8 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
     return dep, closers
 
 
-_ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens",
-                       "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
+_ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype",
+                       "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
 
 
 def engine_flags(engine: Any) -> list[str]:

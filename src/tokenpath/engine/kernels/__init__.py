@@ -28,6 +28,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's GGMLQuantizationType numbers
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 ISA_AVX2, ISA_AVX512 = 1, 2
+FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C = 1, 2, 4  # bits of tp_cpu_features()
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -36,7 +37,7 @@ _I = ctypes.c_int
 @dataclass(frozen=True)
 class NativeLibrary:
     lib: ctypes.CDLL
-    features: int  # bit 0: AVX2+FMA, bit 1: AVX-512 VNNI
+    features: int  # FEATURE_* bits: AVX2+FMA, AVX-512 VNNI, F16C (float16 KV cache)
 
     def isa(self, requested: str | None = None) -> int:
         """The kernel set to run: TOKENPATH_KERNELS_ISA (avx2 | avx512 | auto) within what the CPU has."""
@@ -44,6 +45,11 @@ class NativeLibrary:
         if want == "avx2" or not self.features & 2:
             return ISA_AVX2
         return ISA_AVX512
+
+    @property
+    def has_f16c(self) -> bool:
+        """Whether a float16 KV cache can run: its conversions are F16C instructions."""
+        return bool(self.features & FEATURE_F16C)
 
     def available_isas(self) -> list[int]:
         return [ISA_AVX2] + ([ISA_AVX512] if self.features & 2 else [])

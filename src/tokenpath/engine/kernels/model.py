@@ -5,7 +5,8 @@ What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF te
 which keeps their blocks intact), the output and down projections, the norms; the embedding
 (also the LM head when tied) and the RoPE tables. Tensor types the kernels lack (F16, K-quants)
 and safetensors checkpoints under `--quantization q8_0` are quantized to Q8_0 at load.
-The KV cache stays the engine's own block pool: the kernels read and write it in place.
+The KV cache stays the engine's own block pool, float32 or float16: the kernels read and write it
+in place, converting float16 in registers.
 """
 
 from __future__ import annotations
@@ -126,19 +127,24 @@ class NativeLlama:
                 ptr(rope.sin.contiguous())]
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact_mask()], dtype=np.int32)
+                         exact_mask(), int(cache.k[0].dtype == torch.float16)], dtype=np.int32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
                   np.array(layer_types, dtype=np.int32)]
+        if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
+                                                                      and not lib.has_f16c):
+            raise ValueError(f"the native kernels cannot use a {cache.k[0].dtype} KV cache on this CPU")
         self.isa = lib.isa()
+        self.kv_dtype = cache.k[0].dtype
         self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
                                                *(a.ctypes.data for a in arrays))
         self._keep = keep
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
         names = ("qkv", "o", "gate_up", "down", "head")
-        log.info("native kernels: %s, %s weights (%.0f MiB), float activations for [%s], int8 for the rest",
-                 "AVX-512 VNNI" if self.isa == 2 else "AVX2",
+        log.info("native kernels: %s, %s weights (%.0f MiB), float activations for [%s], int8 for the rest, "
+                 "%s KV cache", "AVX-512 VNNI" if self.isa == 2 else "AVX2",
                  "/".join(sorted({("Q4_0", "Q4_1", "Q8_0")[[2, 3, 8].index(t)] for t in layer_types})),
-                 self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1))
+                 self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
+                 str(self.kv_dtype).removeprefix("torch."))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray) -> torch.Tensor:

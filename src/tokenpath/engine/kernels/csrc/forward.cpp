@@ -5,7 +5,9 @@
 // whose threads walk the same list of phases, claiming work items from an atomic counter (see
 // team_for: no OpenMP barriers), with RMSNorm fused into activation quantization,
 // residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
-// paged attention reading K/V in place from the engine's block pool (no gather copy).
+// paged attention reading K/V in place from the engine's block pool (no gather copy). The pool
+// holds float32 or IEEE float16 K/V (--kv-cache-dtype): float16 halves the cache's memory, and is
+// converted in registers (F16C) inside the attention dot and axpy loops, never in a separate pass.
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <omp.h>
@@ -59,7 +61,7 @@ struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
     const uint8_t *qkv, *o, *gate_up, *down;
     int qkv_t, o_t, gate_up_t, down_t;
-    float *k_cache, *v_cache;  // [slots, n_kv, head_dim]
+    void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
 
 struct Model {
@@ -71,6 +73,7 @@ struct Model {
     const uint8_t *embed, *head;
     int embed_t, head_t;
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
+    int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
     const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
@@ -130,6 +133,70 @@ inline void axpy(float* y, float a, const float* x, int n) {
     for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// The same two loops over a float16 K/V row: 8 halves widen to 8 floats in a register (vcvtph2ps)
+// and feed the FMA directly, so the cache is read at half the bytes and nothing is dequantized
+// into memory.
+inline float dot(const float* a, const uint16_t* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i),
+                              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; ++i) r += a[i] * _cvtsh_ss(b[i]);
+    return r;
+}
+
+inline void axpy(float* y, float a, const uint16_t* x, int n) {
+    int i = 0;
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))),
+                                                _mm256_loadu_ps(y + i)));
+    for (; i < n; ++i) y[i] += a * _cvtsh_ss(x[i]);
+}
+
+// Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
+inline void store_kv(float* dst, const float* src, int n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void store_kv(uint16_t* dst, const float* src, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// One (row, kv head) of paged attention: scores of the `rep` query heads that share this KV head
+// against every context position, softmax, then the weighted sum of V, all read in place through
+// the row's block table. KV is float or uint16_t (float16); the dot/axpy overloads convert.
+template <class KV>
+void attend(const KV* k_cache, const KV* v_cache, const float* q, float* out, const int32_t* table, int ctx,
+            int bs, int nkv, int g, int D, int rep, int max_ctx, float scale, float* scratch) {
+    for (int j = 0; j < ctx; ++j) {
+        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+        const KV* k = k_cache + slot * nkv + g * D;
+        for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
+    }
+    for (int r = 0; r < rep; ++r) {
+        float* sc = scratch + r * max_ctx;
+        float mx = sc[0];
+        for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
+        float sum = 0.f;
+        for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+        const float inv = 1.f / sum;
+        for (int j = 0; j < ctx; ++j) sc[j] *= inv;
+        std::memset(out + r * D, 0, sizeof(float) * D);
+    }
+    for (int j = 0; j < ctx; ++j) {
+        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
+        const KV* v = v_cache + slot * nkv + g * D;
+        for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
+    }
+}
+
 // Rotate-half RoPE (Hugging Face layout) on one head vector.
 inline void rope(float* v, const float* c, const float* s, int D) {
     const int h = D / 2;
@@ -149,7 +216,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     auto* m = new Model();
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
-    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11];
+    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
     m->eps = eps;
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
@@ -169,8 +236,8 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
         L.o = reinterpret_cast<const uint8_t*>(p[4]);
         L.gate_up = reinterpret_cast<const uint8_t*>(p[5]);
         L.down = reinterpret_cast<const uint8_t*>(p[6]);
-        L.k_cache = reinterpret_cast<float*>(p[7]);
-        L.v_cache = reinterpret_cast<float*>(p[8]);
+        L.k_cache = reinterpret_cast<void*>(p[7]);
+        L.v_cache = reinterpret_cast<void*>(p[8]);
         L.qkv_t = t[0], L.o_t = t[1], L.gate_up_t = t[2], L.down_t = t[3];
         m->layers.push_back(L);
     }
@@ -234,38 +301,28 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
                     for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
                     const size_t slot = size_t(slot_mapping[t]);
-                    std::memcpy(L.k_cache + slot * nkv, row + nq, sizeof(float) * nkv);
-                    std::memcpy(L.v_cache + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
+                    if (m.kv_f16) {
+                        store_kv(static_cast<uint16_t*>(L.k_cache) + slot * nkv, row + nq, nkv);
+                        store_kv(static_cast<uint16_t*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
+                    } else {
+                        store_kv(static_cast<float*>(L.k_cache) + slot * nkv, row + nq, nkv);
+                        store_kv(static_cast<float*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
+                    }
                 }
             });
             // Attention: one (row, kv head) per item; its `rep` query heads share each K/V read,
             // straight from the block pool through the row's block table.
             team_for(ph, pi, T * m.n_kv, 1, [&](int i0, int) {
                 const int t = i0 / m.n_kv, g = i0 % m.n_kv;
-                const int ctx = pos[t] + 1;
                 const int32_t* table = tables + row_table[t];
                 const float* q = qkv + size_t(t) * W + size_t(g) * rep * D;
                 float* out = attn + size_t(t) * nq + size_t(g) * rep * D;
-                for (int j = 0; j < ctx; ++j) {
-                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-                    const float* k = L.k_cache + slot * nkv + g * D;
-                    for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
-                }
-                for (int r = 0; r < rep; ++r) {
-                    float* sc = scratch + r * max_ctx;
-                    float mx = sc[0];
-                    for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
-                    float sum = 0.f;
-                    for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-                    const float inv = 1.f / sum;
-                    for (int j = 0; j < ctx; ++j) sc[j] *= inv;
-                    std::memset(out + r * D, 0, sizeof(float) * D);
-                }
-                for (int j = 0; j < ctx; ++j) {
-                    const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-                    const float* v = L.v_cache + slot * nkv + g * D;
-                    for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
-                }
+                if (m.kv_f16)
+                    attend(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache), q, out,
+                           table, pos[t] + 1, bs, nkv, g, D, rep, max_ctx, scale, scratch);
+                else
+                    attend(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), q, out, table,
+                           pos[t] + 1, bs, nkv, g, D, rep, max_ctx, scale, scratch);
             });
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);

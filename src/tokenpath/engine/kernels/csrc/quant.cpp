@@ -45,7 +45,8 @@ using namespace tp;
 
 extern "C" {
 
-// Bit 0: AVX2+FMA+F16C (the native path's minimum); bit 1: AVX-512 F/BW/VL/VNNI.
+// Bit 0: AVX2+FMA (the native path's minimum); bit 1: AVX-512 F/BW/VL/VNNI; bit 2: F16C, the
+// half <-> float conversions a float16 KV cache needs (without it the KV cache stays float32).
 int tp_cpu_features() {
     __builtin_cpu_init();
     int f = 0;
@@ -53,6 +54,7 @@ int tp_cpu_features() {
     if ((f & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         f |= 2;
+    if ((f & 1) && __builtin_cpu_supports("f16c")) f |= 4;
     return f;
 }
 
