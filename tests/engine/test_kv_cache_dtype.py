@@ -71,7 +71,7 @@ def scenario(loaded, ids: list[int], kv: str, m: int) -> tuple[list[torch.Tensor
     a, b = ids[: m + 2], ids[100:141]
     c = b[:32] + ids[300:340]
     t0, t1 = [7, 2], [4, 0, 9]
-    t2 = t1[:2] + [12, 3]  # the prefix hit: blocks 4 and 0 hold c[:32] already
+    t2 = t1[:2] + [12, 3, 5]  # the prefix hit: blocks 4 and 0 hold c[:32] already; 70 tokens: 5 blocks
     out = [s.step([(t0, a[:m], 0)]),
            s.step([(t0, a[m : m + 1], m), (t1, b[:40], 0)]),
            s.step([(t2, c[32:52], 32)]),
