@@ -49,7 +49,11 @@ class EngineConfig(BaseModel):
     # (half the memory per token; converted in registers, needs F16C, else float32), the model's
     # dtype on the torch path. kv_cache_memory stays a byte budget, so float16 holds twice the tokens.
     kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
-    kv_cache_memory: str | int = "1GiB"
+    # The byte budget. 512 MiB holds 23k tokens of SmolLM2-135M in float16 (11.6k on the float32
+    # torch path). The block pool's pages become resident as blocks are first used, and the free
+    # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
+    # server touches the whole budget: this is its steady-state KV memory, not just a cap.
+    kv_cache_memory: str | int = "512MiB"
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
     max_num_batched_tokens: int = Field(1024, ge=1)
     # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
