@@ -77,7 +77,9 @@ def run_measured(cmd: list[str], env: dict) -> tuple[str, int]:
 def run_llamacpp(bin_dir: Path, threads: int, reps: int) -> dict:
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf_path()), "-t", str(threads), "-p", "256,512", "-n", "128",
            "-r", str(reps), "-o", "json"]
-    out, rss_kib = run_measured(cmd, os.environ)
+    # Its shared libraries sit beside it (the build's RUNPATH names the folder it was built in).
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(bin_dir), os.environ.get("LD_LIBRARY_PATH")]))}
+    out, rss_kib = run_measured(cmd, env)
     res = {"rss_mib": rss_kib / 1024}
     for row in json.loads(out):
         key = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"

@@ -201,7 +201,9 @@ run_llamacpp() {
     local port=$1
     [ -n "$LC_BIN" ] || setup_llamacpp
     # 512 tokens of context per slot (256 in + 128 out fits); --no-webui: API only.
-    start_server llamacpp "$LC_BIN/llama-server" -m "$GGUF" --alias "$MODEL_NAME" --host 127.0.0.1 \
+    # Its shared libraries sit beside it; the build's RUNPATH names the folder it was built in,
+    # which breaks once the cache is copied or moved, so say where they are.
+    start_server llamacpp env LD_LIBRARY_PATH="$LC_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$LC_BIN/llama-server" -m "$GGUF" --alias "$MODEL_NAME" --host 127.0.0.1 \
         --port "$port" -t "$THREADS" --parallel "$LLAMA_PARALLEL" -c $((LLAMA_PARALLEL * 512)) \
         --cont-batching --no-webui
     wait_ready llamacpp "http://127.0.0.1:$port/health" 600 || return 1
