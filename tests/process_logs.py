@@ -1,12 +1,21 @@
-"""Waiting on a child process's log: the tests that start real servers (Ray heads, gateways)
-know they are up when a line appears, and must fail fast, with the log, if the child dies first."""
+"""For the tests that start real servers (Ray heads, gateways): a free loopback port to give one,
+and waiting on a child process's log (it is up when a line appears; fail fast, with the log, if
+the child dies first)."""
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for servers whose port must be known before they start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for_log(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:

@@ -21,16 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import sys
 import tempfile
 import threading
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.process_logs import free_port
 
 
 def main() -> None:
@@ -43,15 +38,15 @@ def main() -> None:
     temp_dir = args.temp_dir or tempfile.mkdtemp(prefix="tpray")
     common = {"node_ip_address": "127.0.0.1", "temp_dir": temp_dir, "object_store_memory": 80 * 1024 * 1024,
               "dashboard_agent_listen_port": None}
-    head = {**common, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port(),
-            "metrics_export_port": _free_port(), **args.node[0]}
+    head = {**common, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
+            "metrics_export_port": free_port(), **args.node[0]}
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for node in args.node[1:]:
-            cluster.add_node(**{**common, "metrics_export_port": _free_port(), **node})
+            cluster.add_node(**{**common, "metrics_export_port": free_port(), **node})
         cluster.wait_for_nodes()
         print(f"RAY_ADDRESS {cluster.address}", flush=True)
         stop.wait()

@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
-from tests.process_logs import wait_for_log
+from tests.process_logs import free_port, wait_for_log
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,12 +37,6 @@ pytestmark = [
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -69,7 +63,7 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
     tmp = tmp_path_factory.mktemp("ray")
     model = save_tiny("llama", tmp / "tiny")
     ray_tmp = tempfile.mkdtemp(prefix="tpray", dir="/tmp")  # Ray's socket paths must stay short
-    port = _free_port()
+    port = free_port()
     env = {**os.environ,
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray process binds 127.0.0.1, not the host's IP
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),  # this cluster's own token
@@ -80,8 +74,8 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
                                  "--node-ip-address=127.0.0.1", "--num-cpus=2",
                                  # the dashboard serves Ray's state API (`tokenpath status` reads restarts there)
                                  "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                                 f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-                                 f"--metrics-export-port={_free_port()}",
+                                 f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+                                 f"--metrics-export-port={free_port()}",
                                  f"--temp-dir={ray_tmp}", "--disable-usage-stats"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     serve: subprocess.Popen | None = None

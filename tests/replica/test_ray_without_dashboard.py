@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from tests.engine.tiny_models import save_tiny
-from tests.process_logs import wait_for_log
+from tests.process_logs import free_port, wait_for_log
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,19 +35,13 @@ pytestmark = [
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str], Path]]:
     tmp = tmp_path_factory.mktemp("raynodash")
     ray_tmp = tempfile.mkdtemp(prefix="tpray", dir="/tmp")  # Ray's socket paths must stay short
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     log = tmp / "head.log"
