@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", default="tokenpath,transformers")
+    ap.add_argument("--note", default="", help="a sentence for the report, e.g. what else ran on the machine")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -191,9 +192,10 @@ def write_report(args, results: list[dict]) -> None:
         f"{args.hf_batch}. Same float32 compute for both; tokenpath reads the GGUF's quantized blocks "
         "(its default), transformers the same GGUF dequantized to float32.",
         "",
-        "The machine was shared with 4 other agents' jobs (1-min load average before/after each engine: "
+        "1-min load average before/after each engine: "
         + ", ".join(f"{r['engine']} {r['load_before']:.1f}/{r['load_after']:.1f}" for r in results)
-        + f" on {os.cpu_count()} cores): absolute figures are low and noisy, the ratio is what to read.",
+        + f" on {os.cpu_count()} cores (other work on the machine moves the absolute figures; the ratio "
+        "is what to read)." + (f" {args.note}" if args.note else ""),
         "",
         "| engine | weights / dtype | output tok/s | seconds | single-stream decode tok/s | peak RSS MiB |",
         "|---|---|---|---|---|---|",
