@@ -14,12 +14,10 @@ So `tokenpath serve --embedding-replicas N` (or a routing file's embedding deplo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
 
-from tokenpath import errors
 from tokenpath.engine.embedding import EmbeddingEngine
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest
@@ -42,25 +40,8 @@ class EmbeddingLinkReplica(EngineLinkReplica):
     def dimensions(self) -> int:
         return int(self.info.extra.get("dimensions") or 0)
 
-    async def generate(self, request: EmbeddingRequest) -> AsyncIterator[EmbeddingOutput]:  # type: ignore[override]
-        rid = request.request_id
-        if rid in self._streams:
-            raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._send({"t": "embed", "req": encode_embedding_request(request)})
-        self._streams[rid] = (request, queue)  # type: ignore[assignment]
-        done = False
-        try:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            done = True
-            yield item
-        finally:
-            self._streams.pop(rid, None)
-            if not done:
-                with contextlib.suppress(TokenpathError):
-                    self._send({"t": "abort", "id": rid})
+    def generate(self, request: EmbeddingRequest) -> AsyncIterator[EmbeddingOutput]:  # type: ignore[override]
+        return self._stream(request, {"t": "embed", "req": encode_embedding_request(request)}, lambda _: True)
 
     def _on_frame(self, kind: str, msg: dict) -> None:
         if kind != "vec":

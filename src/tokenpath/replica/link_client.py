@@ -26,8 +26,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
@@ -71,7 +72,7 @@ class EngineLinkReplica:
         self.restarts = 0
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
-        self._streams: dict[str, tuple[GenerateRequest, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[Any, asyncio.Queue]] = {}  # request id -> (its request, its outputs)
         self._pongs: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._state: dict = {}
@@ -187,24 +188,30 @@ class EngineLinkReplica:
                 await self._reader_task
 
     # -- the Replica interface --------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self._stream(request, {"t": "add", "req": encode_request(request)}, lambda out: out.finished)
+
+    async def _stream(self, request: Any, frame: dict, last: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """One request over the link: send its frame, yield what `_dispatch` queues for it until
+        `last(item)`, raise an error it queues, and abort it on the engine if the caller stops
+        early. Subclasses send their own request kinds through it (`embedding_link.py`)."""
         rid = request.request_id
         if rid in self._streams:
             raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._send({"t": "add", "req": encode_request(request)})
+        self._send(frame)
         self._streams[rid] = (request, queue)
-        finished = False
+        done = False
         try:
-            while not finished:
+            while not done:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                done = last(item)
                 yield item
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if not done:
                 with contextlib.suppress(TokenpathError):
                     self._send({"t": "abort", "id": rid})
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenpath.config import EngineConfig
+from tokenpath.telemetry.engine_spans import setup_engine_tracing
 
 log = logging.getLogger("tokenpath.engine.link")
 
@@ -109,11 +110,8 @@ class EngineActor:
         from tokenpath.replica.link_server import LinkServer
 
         _set_niceness(self.nice)
-        provider = _tracing()
-        if provider is not None:  # prefill chunks for the trace's prefill span, as in an engine process
-            from tokenpath.telemetry.tracing import annotate_step
-
-            self.engine.core.step_observers.append(annotate_step)
+        # The gateway passes its OTEL_* settings in the actor's runtime environment (ray_replica).
+        provider = setup_engine_tracing(self.engine.core.step_observers)
         await self.engine.start()
         host = ray.util.get_node_ip_address()
         sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
@@ -155,18 +153,6 @@ class EngineActor:
             served=self._server.served, started_at=self.started_at, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, gateways=self._live_gateways(),
         )
-
-
-def _tracing() -> Any:
-    """The actor's TracerProvider when the gateway asked for traces (it passes its OTEL_* settings
-    in the actor's runtime environment), else None."""
-    from tokenpath.telemetry.otel import setup_tracing
-
-    try:
-        return setup_tracing(None, service_name="tokenpath-engine")
-    except ValueError as exc:
-        log.warning("tracing off in the engine actor: %s", exc)
-        return None
 
 
 def _set_niceness(nice: int) -> None:

@@ -163,10 +163,6 @@ class RayReplica(EngineLinkReplica):
                         extra={"event": "replica_down", "replica": self.name})
         super().mark_down(reason)
 
-    @property
-    def max_model_len(self) -> int | None:
-        return self.info.max_model_len if self.info.model else None
-
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()

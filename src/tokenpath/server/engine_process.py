@@ -130,18 +130,10 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
         return await _serve_embedding(config, args, secret)
     sock = _socket(config, args)
     engine_cfg = config.engine.model_copy(update={"model": config.models[0]})
-    from tokenpath.telemetry.otel import setup_tracing
+    from tokenpath.telemetry.engine_spans import setup_engine_tracing
 
-    try:  # the gateway's --otlp-endpoint reaches it as OTEL_EXPORTER_OTLP_ENDPOINT
-        provider = setup_tracing(None, service_name="tokenpath-engine")
-    except ValueError as exc:
-        log.warning("tracing off in the engine process: %s", exc)
-        provider = None
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
-    if provider is not None:  # prefill chunks for the trace's prefill span, as in-process
-        from tokenpath.telemetry.tracing import annotate_step
-
-        engine.core.step_observers.append(annotate_step)
+    provider = setup_engine_tracing(engine.core.step_observers)
     await engine.start()
     freeze_startup_heap()  # (a full GC walking the loaded model's objects stalled a step ~100 ms)
     server = LinkServer(engine, secret, exit_on_close=args.exit_with_link, tracer_provider=provider)

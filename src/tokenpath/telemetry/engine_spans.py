@@ -17,9 +17,26 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 
-from tokenpath.telemetry.otel import caller_context
+from tokenpath.telemetry.otel import caller_context, setup_tracing
 
 log = logging.getLogger("tokenpath.telemetry")
+
+
+def setup_engine_tracing(step_observers: list) -> TracerProvider | None:
+    """Tracing for an engine outside the gateway's process (an engine process, a Ray actor), set by
+    the OTEL_* environment the gateway passes on (its `--otlp-endpoint` arrives as
+    OTEL_EXPORTER_OTLP_ENDPOINT). When on, the engine's steps also record prefill chunks for the
+    trace's prefill span (`annotate_step` joins `step_observers`), as in-process. None: tracing off."""
+    try:
+        provider = setup_tracing(None, service_name="tokenpath-engine")
+    except ValueError as exc:
+        log.warning("tracing off in this engine: %s", exc)
+        return None
+    if provider is not None:
+        from tokenpath.telemetry.tracing import annotate_step
+
+        step_observers.append(annotate_step)
+    return provider
 
 
 def record_engine_trace(provider: TracerProvider | None, *, traceparent: str | None, request_id: str,
