@@ -20,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention.h"
 #include "tp_kernels.h"
 
 using namespace tp;
@@ -77,6 +78,7 @@ struct Model {
     const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
+    std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<int8_t> aq;
     std::vector<float> ad, as, af, afs;
     std::unique_ptr<Phase[]> phases;
@@ -113,52 +115,6 @@ void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, 
     m.quant(tmp, H, a, r);
 }
 
-inline float dot(const float* a, const float* b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float r = _mm_cvtss_f32(s);
-    for (; i < n; ++i) r += a[i] * b[i];
-    return r;
-}
-
-inline void axpy(float* y, float a, const float* x, int n) {
-    int i = 0;
-    const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; ++i) y[i] += a * x[i];
-}
-
-// The same two loops over a float16 K/V row: 8 halves widen to 8 floats in a register (vcvtph2ps)
-// and feed the FMA directly, so the cache is read at half the bytes and nothing is dequantized
-// into memory.
-inline float dot(const float* a, const uint16_t* b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i),
-                              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float r = _mm_cvtss_f32(s);
-    for (; i < n; ++i) r += a[i] * _cvtsh_ss(b[i]);
-    return r;
-}
-
-inline void axpy(float* y, float a, const uint16_t* x, int n) {
-    int i = 0;
-    const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))),
-                                                _mm256_loadu_ps(y + i)));
-    for (; i < n; ++i) y[i] += a * _cvtsh_ss(x[i]);
-}
-
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
 inline void store_kv(float* dst, const float* src, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 inline void store_kv(uint16_t* dst, const float* src, int n) {
@@ -167,34 +123,6 @@ inline void store_kv(uint16_t* dst, const float* src, int n) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// One (row, kv head) of paged attention: scores of the `rep` query heads that share this KV head
-// against every context position, softmax, then the weighted sum of V, all read in place through
-// the row's block table. KV is float or uint16_t (float16); the dot/axpy overloads convert.
-template <class KV>
-void attend(const KV* k_cache, const KV* v_cache, const float* q, float* out, const int32_t* table, int ctx,
-            int bs, int nkv, int g, int D, int rep, int max_ctx, float scale, float* scratch) {
-    for (int j = 0; j < ctx; ++j) {
-        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-        const KV* k = k_cache + slot * nkv + g * D;
-        for (int r = 0; r < rep; ++r) scratch[r * max_ctx + j] = dot(q + r * D, k, D) * scale;
-    }
-    for (int r = 0; r < rep; ++r) {
-        float* sc = scratch + r * max_ctx;
-        float mx = sc[0];
-        for (int j = 1; j < ctx; ++j) mx = sc[j] > mx ? sc[j] : mx;
-        float sum = 0.f;
-        for (int j = 0; j < ctx; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-        const float inv = 1.f / sum;
-        for (int j = 0; j < ctx; ++j) sc[j] *= inv;
-        std::memset(out + r * D, 0, sizeof(float) * D);
-    }
-    for (int j = 0; j < ctx; ++j) {
-        const size_t slot = size_t(table[j / bs]) * bs + j % bs;
-        const KV* v = v_cache + slot * nkv + g * D;
-        for (int r = 0; r < rep; ++r) axpy(out + r * D, scratch[r * max_ctx + j], v, D);
-    }
 }
 
 // Rotate-half RoPE (Hugging Face layout) on one head vector.
@@ -263,9 +191,17 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
     if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
     if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
-    int max_ctx = 1;
-    for (int t = 0; t < T; ++t) max_ctx = pos[t] + 1 > max_ctx ? pos[t] + 1 : max_ctx;
-    const size_t per_thread = size_t(rep) * max_ctx + kmax;  // scores + a norm/activation row
+    // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
+    // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
+    m.tiles.clear();
+    for (int t = 0; t < T; ++t)
+        if (t == 0 || row_table[t] != row_table[t - 1] || pos[t] != pos[t - 1] + 1 ||
+            t - m.tiles.back() == paged::kTileRows)
+            m.tiles.push_back(t);
+    m.tiles.push_back(T);
+    const int ntiles = int(m.tiles.size()) - 1;
+    const size_t attn_floats = paged::scratch_floats(D, rep);
+    const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
     if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
     QAct a = make_act(m, T, kmax);
     float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
@@ -281,7 +217,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     {
         int pi = 0;  // this thread's phase index: every thread walks the same sequence
         float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
-        float* tmp = scratch + size_t(rep) * max_ctx;
+        float* tmp = scratch + attn_floats;
         const size_t eb = size_t((H + QK - 1) / QK) * block_bytes(m.embed_t);
         team_for(ph, pi, T, rg, [&](int t0, int t1) {
             for (int t = t0; t < t1; ++t) tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
@@ -310,19 +246,18 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     }
                 }
             });
-            // Attention: one (row, kv head) per item; its `rep` query heads share each K/V read,
-            // straight from the block pool through the row's block table.
-            team_for(ph, pi, T * m.n_kv, 1, [&](int i0, int) {
-                const int t = i0 / m.n_kv, g = i0 % m.n_kv;
-                const int32_t* table = tables + row_table[t];
-                const float* q = qkv + size_t(t) * W + size_t(g) * rep * D;
-                float* out = attn + size_t(t) * nq + size_t(g) * rep * D;
+            // Attention: one (tile, kv head) per item, longest contexts first (items are claimed in
+            // order, so the short ones fill in at the end); K/V read in place from the block pool.
+            team_for(ph, pi, ntiles * m.n_kv, 1, [&](int i0, int) {
+                const int ti = ntiles - 1 - i0 / m.n_kv, g = i0 % m.n_kv, t = m.tiles[ti];
+                const paged::Tile tile{qkv + size_t(t) * W + size_t(g) * rep * D, attn + size_t(t) * nq + size_t(g) * rep * D,
+                                      W, nq, m.tiles[ti + 1] - t, pos[t], tables + row_table[t]};
                 if (m.kv_f16)
-                    attend(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache), q, out,
-                           table, pos[t] + 1, bs, nkv, g, D, rep, max_ctx, scale, scratch);
+                    paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
+                                      tile, bs, nkv, g, D, rep, scale, scratch);
                 else
-                    attend(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), q, out, table,
-                           pos[t] + 1, bs, nkv, g, D, rep, max_ctx, scale, scratch);
+                    paged::attend_tile(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), tile,
+                                      bs, nkv, g, D, rep, scale, scratch);
             });
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
