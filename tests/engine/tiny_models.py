@@ -9,8 +9,9 @@ import torch
 from tokenpath.engine.loader import resolve_model_path
 
 
-def save_tiny(kind: str, path: Path, tie: bool = True, seed: int = 0) -> Path:
-    """A 2-layer Llama or Qwen2 with SmolLM2's tokenizer (so prompts and chat templates work)."""
+def save_tiny(kind: str, path: Path, tie: bool = True, seed: int = 0, **config: int) -> Path:
+    """A 2-layer Llama or Qwen2 with SmolLM2's tokenizer (so prompts and chat templates work);
+    `config` overrides entries of the model config (e.g. head_dim, num_attention_heads)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     src = resolve_model_path("smollm2-135m-instruct")
@@ -19,6 +20,7 @@ def save_tiny(kind: str, path: Path, tie: bool = True, seed: int = 0) -> Path:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.2,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    common.update(config)
     torch.manual_seed(seed)
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))

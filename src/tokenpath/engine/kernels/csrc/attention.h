@@ -9,9 +9,10 @@
 // How: keys go in blocks of kKeyBlock (flash-attention style online softmax: a running maximum
 // and sum per query, the output rescaled when the maximum grows), so K and V are read in one pass
 // and a block stays in L1 while every query of the tile uses it. A float16 cache is widened once
-// per block into a small float buffer (F16C), not once per query. Scores are computed 8 keys at a
-// time with one accumulator per key and a single transpose-add at the end (one horizontal
-// reduction per 8 scores instead of one per score), and exp runs 8 lanes at once.
+// per block into a small float buffer (F16C), not once per query. The query heads of a row go
+// three at a time through register-blocked kernels (3 queries x 4 keys of score accumulators,
+// 3 queries x 32 output floats), so each K/V load feeds three FMAs; the 4 scores of a query come
+// out of one transpose-add instead of one horizontal sum per score, and exp runs 8 lanes at once.
 //
 // Included by forward.cpp only, after its `#pragma GCC target("avx2,fma,f16c")`.
 #pragma once
@@ -62,67 +63,117 @@ inline __m256 exp2_ps(__m256 x) {
     return _mm256_and_ps(keep, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e)));
 }
 
-// Dot products of q with 8 key rows, lane i = q . k[i]: 8 accumulators, then one transpose-add.
-inline __m256 dot8(const float* q, const float* const* k, int D) {
-    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+// Scores of Q queries against 4 keys, out[i] lane k = q[i] . key[k]: a Q x 4 block of
+// accumulators, so each loaded K chunk feeds Q FMAs and each query chunk 4 (7 loads per 12 FMAs at
+// Q = 3, against 9 per 8 for one query), then one transpose-add per query for the 4 sums.
+template <int Q>
+inline void dots4(const float* const* q, const float* const* k, int D, __m128* out) {
+    __m256 acc[Q][4];
+    for (int i = 0; i < Q; ++i)
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
     int c = 0;
     for (; c + 8 <= D; c += 8) {
-        const __m256 x = _mm256_loadu_ps(q + c);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + c), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + c), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + c), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + c), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k4 + c), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k5 + c), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k6 + c), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k7 + c), a7);
+        __m256 x[Q];
+        for (int i = 0; i < Q; ++i) x[i] = _mm256_loadu_ps(q[i] + c);
+        for (int j = 0; j < 4; ++j) {
+            const __m256 kj = _mm256_loadu_ps(k[j] + c);
+            for (int i = 0; i < Q; ++i) acc[i][j] = _mm256_fmadd_ps(x[i], kj, acc[i][j]);
+        }
     }
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // keys 0-3, both halves
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));  // keys 4-7
-    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    for (int i = 0; i < Q; ++i) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+        out[i] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
     if (c < D) {  // head_dim not a multiple of 8
-        alignas(32) float t[8] = {};
-        for (int i = 0; i < 8; ++i)
-            for (int cc = c; cc < D; ++cc) t[i] += q[cc] * k[i][cc];
-        s = _mm256_add_ps(s, _mm256_load_ps(t));
+        for (int i = 0; i < Q; ++i) {
+            alignas(16) float t[4] = {};
+            for (int j = 0; j < 4; ++j)
+                for (int cc = c; cc < D; ++cc) t[j] += q[i][cc] * k[j][cc];
+            out[i] = _mm_add_ps(out[i], _mm_load_ps(t));
+        }
     }
-    return s;
 }
 
-// o[0, 8 * NC) = alpha * o + sum_j p[j] * v[j][0, 8 * NC): the output slice stays in NC registers.
-template <int NC>
-inline void accumulate_slice(float* o, __m256 alpha, const float* p, const float* const* v, int n, int c) {
-    __m256 acc[NC];
-    for (int i = 0; i < NC; ++i) acc[i] = _mm256_mul_ps(alpha, _mm256_loadu_ps(o + 8 * i));
+// o[i][c, c + 8 * NC) = alpha[i] * o[i] + sum_j p[i][j] * v[j][c, c + 8 * NC) for Q queries: each
+// loaded V chunk feeds Q FMAs, and the Q x NC output block stays in registers over the keys.
+template <int Q, int NC>
+inline void accumulate_slice(float* const* o, const float* alpha, const float (*p)[kKeyBlock],
+                             const float* const* v, int n, int c) {
+    __m256 acc[Q][NC];
+    for (int i = 0; i < Q; ++i)
+        for (int k = 0; k < NC; ++k) acc[i][k] = _mm256_mul_ps(_mm256_set1_ps(alpha[i]), _mm256_loadu_ps(o[i] + c + 8 * k));
     for (int j = 0; j < n; ++j) {
-        const __m256 pj = _mm256_broadcast_ss(p + j);
+        __m256 pj[Q];
+        for (int i = 0; i < Q; ++i) pj[i] = _mm256_broadcast_ss(&p[i][j]);
         const float* vj = v[j] + c;
-        for (int i = 0; i < NC; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+        for (int k = 0; k < NC; ++k) {
+            const __m256 x = _mm256_loadu_ps(vj + 8 * k);
+            for (int i = 0; i < Q; ++i) acc[i][k] = _mm256_fmadd_ps(pj[i], x, acc[i][k]);
+        }
     }
-    for (int i = 0; i < NC; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
+    for (int i = 0; i < Q; ++i)
+        for (int k = 0; k < NC; ++k) _mm256_storeu_ps(o[i] + c + 8 * k, acc[i][k]);
 }
 
-// o = alpha * o + sum_{j < n} p[j] * v[j] over D values, in register-resident slices of 64.
-inline void accumulate(float* o, float alpha, const float* p, const float* const* v, int n, int D) {
-    const __m256 a = _mm256_set1_ps(alpha);
+template <int Q>
+inline void accumulate(float* const* o, const float* alpha, const float (*p)[kKeyBlock], const float* const* v, int n,
+                       int D) {
     int c = 0;
-    for (; c + 64 <= D; c += 64) accumulate_slice<8>(o + c, a, p, v, n, c);
+    for (; c + 32 <= D; c += 32) accumulate_slice<Q, 4>(o, alpha, p, v, n, c);
     switch ((D - c) / 8) {
-        case 7: accumulate_slice<7>(o + c, a, p, v, n, c); break;
-        case 6: accumulate_slice<6>(o + c, a, p, v, n, c); break;
-        case 5: accumulate_slice<5>(o + c, a, p, v, n, c); break;
-        case 4: accumulate_slice<4>(o + c, a, p, v, n, c); break;
-        case 3: accumulate_slice<3>(o + c, a, p, v, n, c); break;
-        case 2: accumulate_slice<2>(o + c, a, p, v, n, c); break;
-        case 1: accumulate_slice<1>(o + c, a, p, v, n, c); break;
+        case 3: accumulate_slice<Q, 3>(o, alpha, p, v, n, c); break;
+        case 2: accumulate_slice<Q, 2>(o, alpha, p, v, n, c); break;
+        case 1: accumulate_slice<Q, 1>(o, alpha, p, v, n, c); break;
         default: break;
     }
-    for (c += (D - c) / 8 * 8; c < D; ++c) {  // head_dim not a multiple of 8
-        float s = alpha * o[c];
-        for (int j = 0; j < n; ++j) s += p[j] * v[j][c];
-        o[c] = s;
+    for (c += (D - c) / 8 * 8; c < D; ++c)  // head_dim not a multiple of 8
+        for (int i = 0; i < Q; ++i) {
+            float s = alpha[i] * o[i][c];
+            for (int j = 0; j < n; ++j) s += p[i][j] * v[j][c];
+            o[i][c] = s;
+        }
+}
+
+// Q consecutive query heads of one row (q, o: their first head; heads D apart) against the n
+// keys of one block it sees: scores, the online-softmax update of their running max and sum, and
+// the rescaled output accumulation.
+template <int Q>
+void block_update(const float* q0, float* o0, float* run_max, float* run_sum, const float* const* krow,
+                  const float* const* vrow, int n, int D, float sl2e) {
+    const float* q[Q];
+    float* o[Q];
+    for (int i = 0; i < Q; ++i) q[i] = q0 + size_t(i) * D, o[i] = o0 + size_t(i) * D;
+    const int groups = (n + 7) / 8;
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vsl2e = _mm256_set1_ps(sl2e);
+    __m256 s[Q][kKeyBlock / 8], bmax[Q];
+    for (int i = 0; i < Q; ++i) bmax[i] = _mm256_set1_ps(-INFINITY);
+    for (int b = 0; b < groups; ++b) {
+        __m128 lo[Q], hi[Q];
+        dots4<Q>(q, krow + 8 * b, D, lo);
+        dots4<Q>(q, krow + 8 * b + 4, D, hi);
+        const bool partial = 8 * b + 8 > n;
+        const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(float(n - 8 * b)), _CMP_LT_OQ);
+        for (int i = 0; i < Q; ++i) {
+            s[i][b] = _mm256_mul_ps(_mm256_set_m128(hi[i], lo[i]), vsl2e);
+            if (partial) s[i][b] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[i][b], valid);
+            bmax[i] = _mm256_max_ps(bmax[i], s[i][b]);
+        }
     }
+    alignas(32) float p[Q][kKeyBlock];
+    float alpha[Q];
+    for (int i = 0; i < Q; ++i) {
+        const float bm = hmax8(bmax[i]), mx = run_max[i] > bm ? run_max[i] : bm;
+        alpha[i] = std::exp2(run_max[i] - mx);  // 0 on the first block (the max was -inf)
+        run_max[i] = mx;
+        __m256 sum = _mm256_setzero_ps();
+        for (int b = 0; b < groups; ++b) {
+            const __m256 e = exp2_ps(_mm256_sub_ps(s[i][b], _mm256_set1_ps(mx)));
+            _mm256_store_ps(&p[i][8 * b], e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        run_sum[i] = run_sum[i] * alpha[i] + hsum8(sum);
+    }
+    accumulate<Q>(o, alpha, p, vrow, n, D);
 }
 
 // A cache row as floats: float32 rows are used in place, float16 rows widened into buf.
@@ -155,11 +206,9 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
     for (int i = 0; i < nqry; ++i) run_max[i] = -INFINITY, run_sum[i] = 0.f;
     for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * rep * D);
     const float sl2e = scale * 1.44269504f;  // scores in log2 units: exp(s * scale) = 2^(s * sl2e)
-    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vsl2e = _mm256_set1_ps(sl2e);
     const int ctx_end = tile.p0 + tile.nrows;  // the last row's context length
     const float* krow[kKeyBlock];
     const float* vrow[kKeyBlock];
-    alignas(32) float p[kKeyBlock];
     const size_t head = size_t(g) * D;
     for (int j0 = 0; j0 < ctx_end; j0 += kKeyBlock) {
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
@@ -174,31 +223,13 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
         for (int r = 0; r < tile.nrows; ++r) {
             const int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
             if (n <= 0) continue;
-            const int groups = (n + 7) / 8;
-            for (int h = 0; h < rep; ++h) {
-                const int qi = r * rep + h;
-                const float* q = tile.q0 + size_t(r) * tile.q_stride + size_t(h) * D;
-                __m256 s[kKeyBlock / 8];
-                __m256 bmax = _mm256_set1_ps(-INFINITY);
-                for (int b = 0; b < groups; ++b) {
-                    s[b] = _mm256_mul_ps(dot8(q, krow + 8 * b, D), vsl2e);
-                    if (8 * b + 8 > n)
-                        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[b],
-                                                _mm256_cmp_ps(iota, _mm256_set1_ps(float(n - 8 * b)), _CMP_LT_OQ));
-                    bmax = _mm256_max_ps(bmax, s[b]);
-                }
-                const float mx = run_max[qi] > hmax8(bmax) ? run_max[qi] : hmax8(bmax);
-                const float alpha = std::exp2(run_max[qi] - mx);  // 0 on the first block (max was -inf)
-                run_max[qi] = mx;
-                __m256 sum = _mm256_setzero_ps();
-                for (int b = 0; b < groups; ++b) {
-                    const __m256 e = exp2_ps(_mm256_sub_ps(s[b], _mm256_set1_ps(mx)));
-                    _mm256_store_ps(p + 8 * b, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                run_sum[qi] = run_sum[qi] * alpha + hsum8(sum);
-                accumulate(tile.o0 + size_t(r) * tile.o_stride + size_t(h) * D, alpha, p, vrow, n, D);
-            }
+            const float* q = tile.q0 + size_t(r) * tile.q_stride;
+            float* o = tile.o0 + size_t(r) * tile.o_stride;
+            float *mx = run_max + r * rep, *sm = run_sum + r * rep;
+            int h = 0;  // the row's query heads three at a time (SmolLM2: rep = 3), then the rest
+            for (; h + 3 <= rep; h += 3) block_update<3>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+            if (rep - h == 2) block_update<2>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+            if (rep - h == 1) block_update<1>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
         }
     }
     for (int r = 0; r < tile.nrows; ++r)

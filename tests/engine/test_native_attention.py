@@ -1,0 +1,106 @@
+"""The native kernels' tiled attention (csrc/attention.h): the rows of a prefill chunk go through
+attention in tiles of up to 8 rows that share each K/V read, a decode row on its own. A row's
+context is positions 0..its own, whatever tile it lands in, so its logits must be exactly those
+it gets when the same tokens arrive one per step (decode style) or beside other sequences' rows:
+the native path is batch-invariant by design (rows are computed independently), which greedy
+decoding relies on. Equality is asserted bit for bit; any masking or tiling slip (a row seeing a
+key past its position, missing one, or reading another row's queries) changes logits by far more.
+
+Both KV pool dtypes, block tables out of order, contexts past one 32-key block, tiles cut short by
+the chunk's end; SmolLM2 (head_dim 64, 3 query heads per KV head) and a tiny Llama with head_dim
+20 and 4 query heads per KV head (the kernels' scalar tails and their 3 + 1 head grouping).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.tiny_models import save_tiny
+from tokenpath.config import EngineConfig
+from tokenpath.engine.kernels import native_library
+from tokenpath.engine.loader import load_model
+from tokenpath.engine.runner import ModelRunner
+from tokenpath.engine.tokenizer import Tokenizer
+
+lib = native_library()
+pytestmark = pytest.mark.skipif(lib is None or not lib.has_f16c, reason="native kernels or F16C missing")
+TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+BS = 16
+KV_DTYPES = ["float32", "float16"]
+
+
+class Steps:
+    """Engine steps driven by hand on one native runner, every row's logits returned."""
+
+    def __init__(self, loaded, kv: str) -> None:
+        config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=24, quantization="q8_0" if loaded.gguf is None
+                              else "auto")
+        self.runner = ModelRunner(loaded, config, 384)
+        assert self.runner.native is not None and self.runner.kv_dtype == getattr(torch, kv)
+
+    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        """chunks: (block table, new token ids, position of the first) per sequence."""
+        ids, pos, rt, tables = [], [], [], []
+        for table, toks, start in chunks:
+            rt += [len(tables)] * len(toks)
+            ids += toks
+            pos += range(start, start + len(toks))
+            tables += table
+        p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
+        slots = t[r + p // BS].astype(np.int64) * BS + p % BS
+        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
+                                          np.arange(len(ids), dtype=np.int32))
+
+
+@pytest.fixture(scope="module")
+def text_ids() -> list[int]:
+    return Tokenizer(load_model("smollm2-135m-instruct").tokenizer_source).encode(TEXT.read_text())
+
+
+@pytest.fixture(scope="module", params=["smollm2", "head_dim_20"])
+def loaded(request, tmp_path_factory):
+    if request.param == "smollm2":
+        return load_model("smollm2-135m-instruct")
+    # intermediate_size 192: the step's activation buffers are sized by max(hidden, intermediate),
+    # which must cover the 8 x 20 attention output row too.
+    path = save_tiny("llama", tmp_path_factory.mktemp("hd20"), head_dim=20, num_attention_heads=8,
+                     num_key_value_heads=2, intermediate_size=192)
+    model = load_model(str(path))
+    assert (model.config.head_dim, model.config.num_heads // model.config.num_kv_heads) == (20, 4)
+    return model
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_prefill_chunk_matches_token_by_token(loaded, text_ids, kv):
+    """A 70-token prompt as one chunk (tiles of 8 rows, the last of 6; keys in blocks of 32, the
+    last partial) against the same 70 tokens one per step, then a decode after each."""
+    table = [9, 3, 14, 0, 6]  # out of order: 80 positions
+    ids = text_ids[:71]
+    chunked, alone = Steps(loaded, kv), Steps(loaded, kv)
+    whole = chunked.step([(table, ids[:70], 0)])
+    one_by_one = torch.cat([alone.step([(table, ids[i : i + 1], i)]) for i in range(70)])
+    assert whole.shape == one_by_one.shape == (70, loaded.config.vocab_size)
+    assert torch.equal(whole, one_by_one), f"max |diff| {(whole - one_by_one).abs().max():.3e}"
+    # The K/V both wrote are the same too: the next decode reads them.
+    assert torch.equal(chunked.step([(table, ids[70:71], 70)]), alone.step([(table, ids[70:71], 70)]))
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_mixed_step_rows_match_their_own_steps(loaded, text_ids, kv):
+    """One step holding two decodes and two later prefill chunks gives each row exactly what its
+    sequence gets from a step of its own. c's decode at position 21 sits right before d's chunk at
+    22..48: consecutive positions, but another sequence's table, so not one tile."""
+    a, b, c, d = text_ids[:40], text_ids[100:180], text_ids[300:340], text_ids[400:450]
+    ta, tb, tc, td = [4, 17, 21], [11, 2, 20, 7, 1], [5, 23], [13, 19, 8, 0]
+    mixed, own = Steps(loaded, kv), Steps(loaded, kv)
+    for s in (mixed, own):  # the cached parts: a 33, b 45, c 21 and d 22 tokens
+        s.step([(ta, a[:33], 0), (tb, b[:45], 0)])
+        s.step([(tc, c[:21], 0), (td, d[:22], 0)])
+    parts = [(ta, a[33:34], 33), (tb, b[45:78], 45), (tc, c[21:22], 21), (td, d[22:49], 22)]
+    got = mixed.step(parts)
+    want = torch.cat([own.step([part]) for part in parts])
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"
