@@ -7,7 +7,7 @@
 // residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
 // paged attention reading K/V in place from the engine's block pool (no gather copy). The pool
 // holds float32 or IEEE float16 K/V (--kv-cache-dtype): float16 halves the cache's memory, and is
-// converted in registers (F16C) inside the attention dot and axpy loops, never in a separate pass.
+// widened (F16C) a 32-key block at a time into an L1-sized buffer inside attention (attention.h).
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <omp.h>
