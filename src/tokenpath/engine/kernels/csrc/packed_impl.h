@@ -69,6 +69,42 @@ static inline void packed_isum(const uint8_t* wg, const int8_t* const* qa, __m25
     }
 }
 
+// Both passes of a Q4X8 block at once (RES): each weight register is unpacked once and meets the
+// int8 values and the residual bytes; isum[r] = 254 * dot(q) + dot(q2).
+template <int MR>
+static inline void packed_isum_fine_q4(const uint8_t* wg, const int8_t* const* qa, const int8_t* const* qb,
+                                       __m256i* isum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t* qs = wg + 32;
+    __m256i coarse[MR], fine[MR];
+    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < MR; ++r) {
+#if TP_VNNI
+            coarse[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(coarse[r], lo, bcast4(qa[r] + 4 * c)), hi,
+                                            bcast4(qa[r] + 16 + 4 * c));
+            fine[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(fine[r], lo, bcast4(qb[r] + 4 * c)), hi,
+                                          bcast4(qb[r] + 16 + 4 * c));
+#else
+            coarse[r] = _mm256_add_epi16(coarse[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
+                                                                     _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
+            fine[r] = _mm256_add_epi16(fine[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
+                                                                 _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
+#endif
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+#if !TP_VNNI
+        coarse[r] = _mm256_madd_epi16(coarse[r], _mm256_set1_epi16(1));
+        fine[r] = _mm256_madd_epi16(fine[r], _mm256_set1_epi16(1));
+#endif
+        isum[r] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(coarse[r], 8), _mm256_slli_epi32(coarse[r], 1)),
+                                   fine[r]);
+    }
+}
+
 // Block dot products of MR activation rows against one 8-row group, over all nb blocks:
 // out[r] (8 floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or d_w*d_a*dot (Q8).
 // RES (the activations' residual bytes a.q2, see QAct): q_a = 254 q + q2, formed in integers.
@@ -84,8 +120,14 @@ static inline void packed_tile(const uint8_t* wg, const QAct& a, const int* rows
         const int8_t* qa[MR];
         __m256i isum[MR];
         for (int r = 0; r < MR; ++r) qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
-        packed_isum<WT, MR>(wg, qa, isum);
-        if constexpr (RES) {
+        if constexpr (RES && WT == W_Q4X8) {
+            const int8_t* qb[MR];
+            for (int r = 0; r < MR; ++r) qb[r] = a.q2 + (size_t(rows[r]) * nb + b) * QK;
+            packed_isum_fine_q4<MR>(wg, qa, qb, isum);
+        } else {
+            packed_isum<WT, MR>(wg, qa, isum);
+        }
+        if constexpr (RES && WT == W_Q8X8) {
             __m256i fine[MR];
             for (int r = 0; r < MR; ++r) qa[r] = a.q2 + (size_t(rows[r]) * nb + b) * QK;
             packed_isum<WT, MR>(wg, qa, fine);
@@ -119,7 +161,8 @@ template <int WT, bool RES>
 static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                           const float* bias, bool accumulate) {
     constexpr size_t GB = WT == W_Q4X8 ? 160 : 272;
-    constexpr int MR = TP_VNNI ? 8 : 4;  // 32 vector registers with AVX-512 VL, 16 without
+    // 32 vector registers with AVX-512 VL, 16 without; the residual pass doubles the integer sums held.
+    constexpr int MR = TP_VNNI && !RES ? 8 : 4;
     int rows[MR];
     __m256 out[MR];
     for (int g = n0 / 8; g < n1 / 8; ++g) {
