@@ -61,9 +61,65 @@ def test_gemm_matches_float64(isa, wtype, shape):
     assert np.abs(y - plain).max() <= 0.03 * scale  # int8 activations: ~0.5% typical
     y_exact = K.gemm(lib, wtype, q, x, k, isa, threads=2, exact=True)  # float activations
     assert np.abs(y_exact - plain).max() <= 1e-5 * scale
+    y_fine = K.gemm(lib, wtype, q, x, k, isa, threads=2, fine=True)  # int8 + residual bytes: ~15 bits
+    assert np.abs(y_fine - plain).max() <= 2e-4 * scale  # measured ~3e-5; int8 alone ~7e-3
     # The weights' own rounding: within a block's step (Q4: range / 15 or max / 8, Q8: max / 127).
     step = {K.Q4_0: 1 / 8, K.Q4_1: 1 / 15, K.Q8_0: 1 / 127}[wtype]
     assert np.abs(wd - w).max() <= step * np.abs(w).max() * 1.01 + 1e-3
+
+
+PACKED_SHAPES = [(1, 40, 64), (3, 64, 100), (17, 136, 576), (64, 32, 1536), (9, 8, 33)]  # N % 8 == 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: K.TYPE_NAMES[t])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
+def test_repacked_gemm_matches_float64(isa, wtype, shape):
+    """The 8-row interleaved layout holds the same weights (dequantized row by row, bit for bit) and
+    its kernel meets the same float64 bounds, for every M tile size (8, 4, 2, 1) and K tail."""
+    m, n, k = shape
+    rng = np.random.default_rng(m * 1000 + n + k + 7)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    q = K.quantize(lib, wtype, w)
+    packed_type, packed = K.repack(lib, wtype, q)
+    assert packed_type == (K.Q8X8 if wtype == K.Q8_0 else K.Q4X8)
+    assert packed.nbytes == n * -(-k // 32) * K.GROUP_BLOCK_BYTES[packed_type] // 8
+    assert np.array_equal(K.dequantize_packed(lib, packed_type, packed, k), K.dequantize(lib, wtype, q, k))
+    wd = ref_weights(wtype, q, k)
+    y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2)
+    exact = quantized_activations(x) @ wd.T
+    plain = x.astype(np.float64) @ wd.T
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(plain).max()
+    y_fine = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, fine=True)
+    assert np.abs(y_fine - plain).max() <= 2e-4 * np.abs(plain).max()
+    # The same arithmetic as the GGUF-layout kernel: exact integer block dots, so equal to rounding.
+    y_rows = K.gemm(lib, wtype, q, x, k, isa, threads=2, fine=True)
+    assert np.abs(y_fine - y_rows).max() <= 1e-5 * np.abs(plain).max()
+
+
+def test_repack_keeps_the_gguf_layout_when_rows_are_not_a_multiple_of_8():
+    q = K.quantize(lib, K.Q4_1, np.ones((12, 64), dtype=np.float32))
+    wtype, same = K.repack(lib, K.Q4_1, q)
+    assert wtype == K.Q4_1 and np.array_equal(same, q)
+
+
+def test_repacked_rows_are_batch_invariant_and_isas_agree():
+    """Each row's result is the same whichever tile it falls in, and AVX2 and AVX-512 VNNI give the
+    same bits (exact integer dots, the same float order; Q8X8's VNNI offset is undone in integers)."""
+    rng = np.random.default_rng(3)
+    for wtype in TYPES:
+        packed_type, w = K.repack(lib, wtype, K.quantize(lib, wtype, rng.standard_normal((48, 96)).astype(np.float32)))
+        x = rng.standard_normal((15, 96)).astype(np.float32)
+        for fine in (False, True):
+            results = []
+            for isa in ISAS:
+                whole = K.gemm(lib, packed_type, w, x, 96, isa, threads=2, fine=fine)
+                alone = np.concatenate([K.gemm(lib, packed_type, w, x[i : i + 1], 96, isa, threads=1, fine=fine)
+                                        for i in range(15)])
+                assert np.array_equal(whole, alone)
+                results.append(whole)
+            assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
 def test_rows_are_batch_invariant():
@@ -89,9 +145,10 @@ def test_real_weights(smol_gguf, isa, name):
     rows = np.ascontiguousarray(raw.data[:300])
     wd = smol_gguf.dequantized(name)[:300].astype(np.float64)
     x = np.random.default_rng(2).standard_normal((3, raw.cols)).astype(np.float32)
-    y = K.gemm(lib, raw.ggml_type, rows, x, raw.cols, isa, threads=2)
     exact = quantized_activations(x) @ wd.T
-    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+    for wtype, w in ((raw.ggml_type, rows), K.repack(lib, raw.ggml_type, rows)):
+        y = K.gemm(lib, wtype, w, x, raw.cols, isa, threads=2)
+        assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
 def test_isa_forced_by_environment(monkeypatch):

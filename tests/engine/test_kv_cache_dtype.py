@@ -1,13 +1,14 @@
 """The float16 KV cache (--kv-cache-dtype): the native kernels against their own float32-KV path on
 the default model, the byte budget, the F16C fallback, and float16 storage on the torch path.
 
-Why the logit comparison runs with float activations (TOKENPATH_KERNELS_EXACT=1): the default int8
-activations quantize every matmul input per 32-block, a step function, so a 5e-4 change in one
+Why the logit comparison runs with float activations (TOKENPATH_KERNELS_EXACT=1): quantized
+activations (int8, or the default int8 plus residual bytes) round every matmul input per 32-block,
+a step function, so a 5e-4 change in one
 attention output can move an int8 rounding and the two paths drift apart by far more than the KV
 storage itself costs (measured: up to 0.3 of the logit scale on one row, argmax still agreeing on
 90-100% of rows). With float activations everything downstream is smooth and the difference is the
 float16 rounding alone: measured at most 1.1e-3 of the largest logit, against the 2e-3 bound here.
-What the default int8 path loses end to end is the quality test's business (perplexity, greedy).
+What the default quantized path loses end to end is the quality test's business (perplexity, greedy).
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def test_float16_kv_logits_match_float32_kv(smol, m, monkeypatch):
 
 
 @native_only
-def test_default_int8_path_uses_float16_and_stays_close(smol):
-    """The default configuration (int8 activations, kv auto): float16 KV, and the scenario's
+def test_default_path_uses_float16_and_stays_close(smol):
+    """The default configuration (quantized activations, kv auto): float16 KV, and the scenario's
     greedy choices agree with float32 KV on nearly every row (measured 90-100% per step)."""
     loaded, ids = smol
     half, h = scenario(loaded, ids, "auto", 17)

@@ -25,8 +25,10 @@ import numpy as np
 log = logging.getLogger("tokenpath.engine.kernels")
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's GGMLQuantizationType numbers
+Q4X8, Q8X8 = 100, 108  # the kernels' 8-row interleaved repacks (csrc/packed_impl.h)
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+GROUP_BLOCK_BYTES = {Q4X8: 160, Q8X8: 272}  # 8 rows x 32 weights, with their scales
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4X8: "Q4X8", Q8X8: "Q8X8"}
 ISA_AVX2, ISA_AVX512 = 1, 2
 FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C = 1, 2, 4  # bits of tp_cpu_features()
 
@@ -82,6 +84,9 @@ def native_library() -> NativeLibrary | None:
     lib.tp_quantize.argtypes = [_I, _P, _I, _I, _P]
     lib.tp_dequantize_row.argtypes = [_I, _P, _I, _P]
     lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
+    lib.tp_repack.restype = _I
+    lib.tp_repack.argtypes = [_I, _P, _I, _I, _P]
+    lib.tp_dequantize_packed_row.argtypes = [_I, _P, _I, _I, _I, _P]
     lib.tp_model_create.restype = _P
     lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P]
     lib.tp_model_free.argtypes = [_P]
@@ -117,14 +122,44 @@ def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndar
     return out
 
 
+def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarray]:
+    """GGUF blocks [N, row_bytes] -> (Q4X8 or Q8X8, [N / 8, group row bytes]): 8 rows interleaved
+    so one vector instruction serves 8 outputs (csrc/packed_impl.h). Returns (wtype, w) unchanged
+    when N is not a multiple of 8."""
+    n, nb = w.shape[0], w.shape[1] // BLOCK_BYTES[wtype]
+    packed_type = Q8X8 if wtype == Q8_0 else Q4X8
+    out = np.empty((n // 8, nb * GROUP_BLOCK_BYTES[packed_type]), dtype=np.uint8)
+    w = np.ascontiguousarray(w)
+    got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out)) if n % 8 == 0 else -1
+    return (wtype, w) if got < 0 else (got, out)
+
+
+def output_rows(wtype: int, w: np.ndarray) -> int:
+    """N of a weight matrix in either layout (a packed array has one row per 8 outputs)."""
+    return w.shape[0] * 8 if wtype in GROUP_BLOCK_BYTES else w.shape[0]
+
+
+def dequantize_packed(lib: NativeLibrary, wtype: int, w: np.ndarray, k: int) -> np.ndarray:
+    n, nb = output_rows(wtype, w), -(-k // 32)
+    out = np.empty((n, k), dtype=np.float32)
+    for i in range(n):
+        lib.lib.tp_dequantize_packed_row(wtype, _ptr(w), nb, i, k, _ptr(out[i]))
+    return out
+
+
 def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, isa: int, threads: int,
-         exact: bool = False) -> np.ndarray:
-    """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly, or
-    (exact) kept in float32 against weights dequantized in registers."""
+         exact: bool = False, fine: bool = False) -> np.ndarray:
+    """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly
+    (fine: plus residual bytes, ~15 bits), or (exact, GGUF layouts only) kept in float32 against
+    weights dequantized in registers."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    m, n = x.shape[0], w.shape[0]
-    if x.shape[1] != k or w.shape[1] != row_bytes(wtype, k):
+    m, n = x.shape[0], output_rows(wtype, w)
+    packed = wtype in GROUP_BLOCK_BYTES
+    want = -(-k // 32) * GROUP_BLOCK_BYTES[wtype] if packed else row_bytes(wtype, k)
+    if x.shape[1] != k or w.shape[1] != want:
         raise ValueError(f"shape mismatch: x {x.shape}, w {w.shape} for K={k}")
+    if packed and exact:
+        raise ValueError("float activations run on GGUF layouts only; repacked weights take int8 activations")
     y = np.empty((m, n), dtype=np.float32)
-    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, int(exact))
+    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, 1 if exact else 2 if fine else 0)
     return y

@@ -18,7 +18,15 @@ import numpy as np
 import torch
 
 from tokenpath.engine.attention import KVCache
-from tokenpath.engine.kernels import BLOCK_BYTES, Q8_0, NativeLibrary, native_library, quantize
+from tokenpath.engine.kernels import (
+    BLOCK_BYTES,
+    Q8_0,
+    TYPE_NAMES,
+    NativeLibrary,
+    native_library,
+    quantize,
+    repack,
+)
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.models.llama import Rope
 
@@ -71,21 +79,35 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
     return np.ascontiguousarray(loaded.weights[name].numpy(), dtype=np.float32).reshape(-1)
 
 
-# Bits of TOKENPATH_KERNELS_EXACT, in the order forward.cpp numbers the matmuls.
+# Bits of TOKENPATH_KERNELS_EXACT and TOKENPATH_KERNELS_FINE, in the order forward.cpp numbers the matmuls.
 EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
-# The default is int8 activations everywhere (llama.cpp's scheme). Float activations for single
-# matmuls were measured on the quality test's 8 prompts (greedy, first 16 tokens equal to the
-# float32 path): all-int8 5/8; float for qkv 4/8, o 3/8, gate/up 2/8, down 6/8, head 4/8; all float
-# 8/8. Down-only reaches 6/8 but its perplexity on the committed text is worse (+0.96% against
-# float32, all-int8 +0.38%), so its extra agreement is one near-tie prompt, not better quality, and
-# it costs decode and prefill speed (side by side against llama-bench on a quiet machine: tg128
-# 1.14x / pp256 1.35x, against 1.42x / 1.55x all-int8). TOKENPATH_KERNELS_EXACT=0x8 selects it.
+# Activations per matmul: int8 per 32-block (llama.cpp's q8 scheme), "fine" (int8 plus a second
+# int8 pass over the rounding error, ~15 bits; csrc/tp_kernels.h QAct::q2), or float ("exact",
+# GGUF layout, slowest). Measured on the quality test (perplexity of the committed text against
+# float32 torch on the same weights; greedy: of 8 prompts, how many keep float32's first 16
+# tokens), float16 KV, repacked kernels:
+#   all int8 +0.75%, 3/8    all fine +0.01%, 8/8    fine but for one matmul +0.11 to +0.19%, 5-8/8
+# Every int8 matmul left in costs about 0.1% perplexity, and with it the greedy agreement becomes
+# a coin toss at the float32 path's near-ties (top two log-probabilities 0.01-0.09 apart), which
+# any change of summation order flips. So fine everywhere is the default: it meets the quality bar
+# with margin, for about 1.8x the integer work of int8 (GEMM time at M >= 32; 1.25x at M = 1, where
+# reading the weights dominates). TOKENPATH_KERNELS_FINE=0 selects llama.cpp's all-int8 scheme.
 DEFAULT_EXACT = 0
+DEFAULT_FINE = 0b11111
+
+
+def fine_mask() -> int:
+    """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE, the
+    same bit mask as TOKENPATH_KERNELS_EXACT). Default DEFAULT_FINE."""
+    value = os.environ.get("TOKENPATH_KERNELS_FINE", "").strip().lower()
+    if not value:
+        return DEFAULT_FINE
+    return 0b11111 if value in ("1", "all", "true") else int(value, 0) & 0b11111
 
 
 def exact_mask() -> int:
     """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1/all = all, 0 = none, or a
-    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (none: all int8)."""
+    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (none)."""
     value = os.environ.get("TOKENPATH_KERNELS_EXACT", "").strip().lower()
     if not value:
         return DEFAULT_EXACT
@@ -106,28 +128,38 @@ class NativeLlama:
             keep.append(a)
             return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
+        exact = exact_mask()
+
+        def packed(kind: int, blocks: tuple[int, np.ndarray]) -> tuple[int, np.ndarray]:
+            """The int8-activation matmuls run on 8-row interleaved weights (csrc/packed_impl.h):
+            the same bytes moved, 2-4x the GEMM speed. Float-activation ones keep GGUF's layout."""
+            return blocks if exact & kind else repack(lib, *blocks)
+
         layer_ptrs, layer_types = [], []
         for i in range(cfg.num_layers):
             def w(n: str, i: int = i) -> str:
                 return f"layers.{i}.{n}"
 
-            qkv_t, qkv = _stacked(lib, loaded, [w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")], want)
-            o_t, o = _stacked(lib, loaded, [w("o_proj.weight")], want)
-            gu_t, gu = _stacked(lib, loaded, [w("gate_proj.weight"), w("up_proj.weight")], want)
-            d_t, down = _stacked(lib, loaded, [w("down_proj.weight")], want)
+            qkv_t, qkv = packed(EXACT_QKV, _stacked(lib, loaded, [w(f"{p}_proj.weight") for p in "qkv"], want))
+            o_t, o = packed(EXACT_O, _stacked(lib, loaded, [w("o_proj.weight")], want))
+            gu_t, gu = packed(EXACT_GATE_UP, _stacked(lib, loaded, [w("gate_proj.weight"), w("up_proj.weight")], want))
+            d_t, down = packed(EXACT_DOWN, _stacked(lib, loaded, [w("down_proj.weight")], want))
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
             layer_ptrs += [ptr(_dense(loaded, w("input_norm.weight"))), ptr(_dense(loaded, w("post_norm.weight"))),
                            ptr(bias), ptr(qkv), ptr(o), ptr(gu), ptr(down), ptr(cache.k[i]), ptr(cache.v[i])]
             layer_types += [qkv_t, o_t, gu_t, d_t]
         embed_t, embed = _stacked(lib, loaded, ["embed.weight"], want)
-        head_t, head = (embed_t, embed) if cfg.tie_word_embeddings else _stacked(lib, loaded, ["lm_head.weight"], want)
+        if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
+            head_t, head = embed_t, embed = packed(EXACT_HEAD, (embed_t, embed))
+        else:
+            head_t, head = packed(EXACT_HEAD, _stacked(lib, loaded, ["lm_head.weight"], want))
         rope = Rope(cfg.head_dim, cfg.rope_theta, max_positions)
         glob = [ptr(embed), ptr(head), ptr(_dense(loaded, "norm.weight")), ptr(rope.cos.contiguous()),
                 ptr(rope.sin.contiguous())]
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact_mask(), int(cache.k[0].dtype == torch.float16)], dtype=np.int32)
+                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact], dtype=np.int32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
                   np.array(layer_types, dtype=np.int32)]
         if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
@@ -140,11 +172,11 @@ class NativeLlama:
         self._keep = keep
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
         names = ("qkv", "o", "gate_up", "down", "head")
-        log.info("native kernels: %s, %s weights (%.0f MiB), float activations for [%s], int8 for the rest, "
-                 "%s KV cache", "AVX-512 VNNI" if self.isa == 2 else "AVX2",
-                 "/".join(sorted({("Q4_0", "Q4_1", "Q8_0")[[2, 3, 8].index(t)] for t in layer_types})),
-                 self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
-                 str(self.kv_dtype).removeprefix("torch."))
+        log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
+                 "for [%s], int8 for the rest, %s KV cache", "AVX-512 VNNI" if self.isa == 2 else "AVX2",
+                 "/".join(sorted({TYPE_NAMES[t] for t in layer_types})), self.weight_bytes / 2**20,
+                 ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
+                 ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray) -> torch.Tensor:

@@ -68,7 +68,14 @@ static inline void tile(const uint8_t* w, const QAct& a, int m0, float* out) {
             const size_t row = size_t(m0 + r) * nb;
             __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (row + b) * QK));
             if constexpr (WT == W_Q8_0) q = _mm256_sign_epi8(q, wsgn);
-            __m256 p = _mm256_cvtepi32_ps(dot_us(wu, q));
+            __m256i dq = dot_us(wu, q);
+            if (a.q2) {  // residual bytes: 254 * dot(q) + dot(q2), in integers (see QAct)
+                __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q2 + (row + b) * QK));
+                if constexpr (WT == W_Q8_0) q2 = _mm256_sign_epi8(q2, wsgn);
+                dq = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(dq, 8), _mm256_slli_epi32(dq, 1)),
+                                      dot_us(wu, q2));
+            }
+            __m256 p = _mm256_cvtepi32_ps(dq);
             acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * a.d[row + b]), acc[r]);
             if constexpr (WT != W_Q8_0) corr[r] += mw * a.s[row + b];
         }
@@ -140,8 +147,13 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
     }
 }
 
+#include "packed_impl.h"
+
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
+    // Repacked weights: int8 activations only (model.py keeps a float-activation matmul unpacked).
+    if (wtype == W_Q4X8) return packed_gemm<W_Q4X8>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q8X8) return packed_gemm<W_Q8X8>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (exact) {
         switch (wtype) {
             case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
@@ -183,6 +195,17 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         __m256i i32[4];
         for (int j = 0; j < 4; ++j)
             i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
+        __m256i r32[4] = {};  // the residual bytes, when wanted (QAct::q2): d2 = d / 254
+        float dsc = d;
+        if (a.q2) {
+            const __m256 vd = _mm256_set1_ps(d), id2 = _mm256_set1_ps(d > 0.f ? 254.f / d : 0.f);
+            for (int j = 0; j < 4; ++j) {
+                const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i32[j]), vd, v[j]);
+                r32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(rest, id2), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
+                r32[j] = _mm256_max_epi32(_mm256_min_epi32(r32[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+            }
+            dsc = d / 254.f;
+        }
         __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
         // Pack 4 x 8 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it).
         __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
@@ -193,8 +216,19 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_hadd_epi32(s4, s4);
         s4 = _mm_hadd_epi32(s4, s4);
-        a.d[off] = d;
-        a.s[off] = d * float(_mm_cvtsi128_si32(s4));
+        a.qsum[off] = _mm_cvtsi128_si32(s4);
+        if (a.q2) {
+            __m256i p16c = _mm256_packs_epi32(r32[0], r32[1]), p16d = _mm256_packs_epi32(r32[2], r32[3]);
+            __m256i r8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16c, p16d), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + off * QK), r8);
+            __m256i rs = _mm256_add_epi32(_mm256_add_epi32(r32[0], r32[1]), _mm256_add_epi32(r32[2], r32[3]));
+            __m128i r4 = _mm_add_epi32(_mm256_castsi256_si128(rs), _mm256_extracti128_si256(rs, 1));
+            r4 = _mm_hadd_epi32(r4, r4);
+            r4 = _mm_hadd_epi32(r4, r4);
+            a.qsum[off] = 254 * a.qsum[off] + _mm_cvtsi128_si32(r4);
+        }
+        a.d[off] = dsc;
+        a.s[off] = dsc * float(a.qsum[off]);
         if (a.f) {  // the exact path's copy: padded floats and their block sum
             float* f = a.f + off * QK;
             __m256 t = _mm256_setzero_ps();

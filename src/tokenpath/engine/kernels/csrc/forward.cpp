@@ -74,13 +74,15 @@ struct Model {
     const uint8_t *embed, *head;
     int embed_t, head_t;
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
+    int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
     int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
     const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
-    std::vector<int8_t> aq;
+    std::vector<int8_t> aq, aq2;
     std::vector<float> ad, as, af, afs;
+    std::vector<int32_t> aqsum;
     std::unique_ptr<Phase[]> phases;
     size_t n_phases = 0;
 };
@@ -88,13 +90,23 @@ struct Model {
 QAct make_act(Model& m, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
     const size_t need = size_t(rows) * nb;
-    if (m.ad.size() < need) m.ad.resize(need), m.as.resize(need), m.aq.resize(need * QK);
-    QAct a{m.aq.data(), m.ad.data(), m.as.data(), nb};
+    if (m.ad.size() < need) m.ad.resize(need), m.as.resize(need), m.aqsum.resize(need), m.aq.resize(need * QK);
+    QAct a{m.aq.data(), m.ad.data(), m.as.data(), nb, m.aqsum.data()};
     if (m.exact) {
         if (m.afs.size() < need) m.afs.resize(need), m.af.resize(need * QK);
         a.f = m.af.data(), a.fs = m.afs.data();
     }
+    if (m.fine) {  // callers switch a.q2 on per matmul (with_fine)
+        if (m.aq2.size() < need * QK) m.aq2.resize(need * QK);
+        a.q2 = m.aq2.data();
+    }
     return a;
+}
+
+// Activation rows `x` (sharing `all`'s buffers) for matmul `kind`: with residual bytes when its bit
+// of Model::fine is set.
+inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
+    x.q2 = (m.fine >> kind) & 1 ? all.q2 : nullptr;
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
@@ -105,14 +117,58 @@ void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, int w
              [&](int n0, int n1) { m.gemm(wt, w, a.nb, a, T, y, ldy, n0, n1, bias, acc, exact); });
 }
 
-// RMSNorm(x) * weight, quantized straight into activation row r.
+// RMSNorm(x) * weight, quantized straight into activation row r. The sum of squares stays in
+// double (4 lanes), as it was when scalar: the norm is cheap, and its rounding feeds every layer.
 void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
     const int H = m.hidden;
-    double ss = 0;
-    for (int i = 0; i < H; ++i) ss += double(x[i]) * x[i];
+    __m256d acc = _mm256_setzero_pd();
+    int i = 0;
+    for (; i + 4 <= H; i += 4) {
+        const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+        acc = _mm256_fmadd_pd(v, v, acc);
+    }
+    alignas(32) double part[4];
+    _mm256_store_pd(part, acc);
+    double ss = (part[0] + part[1]) + (part[2] + part[3]);
+    for (; i < H; ++i) ss += double(x[i]) * x[i];
     const float inv = 1.f / std::sqrt(float(ss / H) + m.eps);
-    for (int i = 0; i < H; ++i) tmp[i] = x[i] * inv * w[i];
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= H; i += 8)
+        _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
+    for (; i < H; ++i) tmp[i] = x[i] * inv * w[i];
     m.quant(tmp, H, a, r);
+}
+
+// exp on 8 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
+// precision) and p a degree-6 Taylor polynomial, within ~2 ulp on [-87, 88] (inputs clamped there).
+// libm's scalar expf was ~3% of a prefill step in SiLU alone.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate.
+inline void silu_mul(const float* g, const float* u, float* out, int n) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
@@ -145,6 +201,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
+    m->fine = dims[13] & ~m->exact;
     m->eps = eps;
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
@@ -218,14 +275,22 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
         int pi = 0;  // this thread's phase index: every thread walks the same sequence
         float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
         float* tmp = scratch + attn_floats;
-        const size_t eb = size_t((H + QK - 1) / QK) * block_bytes(m.embed_t);
+        const int enb = (H + QK - 1) / QK;
+        const size_t eb = size_t(enb) * (is_packed(m.embed_t) ? 0 : block_bytes(m.embed_t));
         team_for(ph, pi, T, rg, [&](int t0, int t1) {
-            for (int t = t0; t < t1; ++t) tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+            for (int t = t0; t < t1; ++t) {
+                if (is_packed(m.embed_t))  // a tied embedding shares the LM head's repacked rows
+                    dequantize_packed_row(m.embed_t, m.embed, enb, ids[t], H, x + size_t(t) * H);
+                else
+                    tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+            }
         });
         QAct ah = a, aq = a, ai = a;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
+        use_fine(m, aq, a, 1), use_fine(m, ai, a, 3);  // o, down
         for (int l = 0; l < m.n_layers; ++l) {
             const Layer& L = m.layers[l];
+            use_fine(m, ah, a, 0);  // qkv
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
             });
@@ -263,6 +328,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
             gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            use_fine(m, ah, a, 2);  // gate_up
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
             });
@@ -270,24 +336,30 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             team_for(ph, pi, T, rg, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
-                    for (int i = 0; i < I; ++i) tmp[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+                    silu_mul(g, g + I, tmp, I);
                     m.quant(tmp, I, ai, t);
                 }
             });
             gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
         }
+        use_fine(m, ah, a, 4);  // head
         team_for(ph, pi, S, 1, [&](int r, int) { norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp); });
         gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
+// mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine).
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
-             int exact) {
+             int mode) {
+    const bool exact = mode == 1;
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
-    QAct a{q.data(), d.data(), s.data(), nb, exact ? f.data() : nullptr, exact ? fs.data() : nullptr};
+    std::vector<int32_t> qsum(size_t(M) * nb);
+    std::vector<int8_t> q2(mode == 2 ? q.size() : 0);
+    QAct a{q.data(), d.data(), s.data(), nb, qsum.data(), exact ? f.data() : nullptr, exact ? fs.data() : nullptr,
+           mode == 2 ? q2.data() : nullptr};
     const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
 #pragma omp parallel num_threads(nthreads)
@@ -297,7 +369,7 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
         const int chunks = (N + 15) / 16;
 #pragma omp for schedule(static)
         for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 16, (c + 1) * 16 < N ? (c + 1) * 16 : N,
-                                              nullptr, false, exact != 0);
+                                              nullptr, false, exact);
     }
 }
 

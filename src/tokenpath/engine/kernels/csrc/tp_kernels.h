@@ -14,9 +14,14 @@ namespace tp {
 
 constexpr int QK = 32;  // weights per block, all formats
 
-enum WType : int { W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8 };  // ggml's GGMLQuantizationType numbers
+// ggml's GGMLQuantizationType numbers, and tokenpath's own 8-row interleaved repacks of them
+// (packed_impl.h): Q4X8 holds Q4_0 or Q4_1 rows, Q8X8 Q8_0 rows.
+enum WType : int { W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8, W_Q4X8 = 100, W_Q8X8 = 108 };
 
 inline size_t block_bytes(int t) { return t == W_Q4_0 ? 18 : t == W_Q4_1 ? 20 : 34; }
+inline bool is_packed(int t) { return t == W_Q4X8 || t == W_Q8X8; }
+// Bytes of one group-block: 8 rows x 32 weights with their scales (and Q4's minimums).
+inline size_t group_block_bytes(int t) { return t == W_Q4X8 ? 160 : 272; }
 
 // Quantized activations for M rows of K values (nb = ceil(K / 32) blocks per row).
 struct QAct {
@@ -24,8 +29,14 @@ struct QAct {
     float* d;   // [M][nb] block scale
     float* s;   // [M][nb] d * sum(q): the term that Q4_1's minimum and Q4_0's -8 offset multiply
     int nb;
+    int32_t* qsum;        // [M][nb] sum(q): the VNNI Q8X8 kernel's offset correction, in integers
     float* f = nullptr;   // optional [M][nb * 32] the float activations, zero-padded (exact path)
     float* fs = nullptr;  // optional [M][nb] their block sums
+    // Optional [M][nb * 32] residual bytes: with them the block's values are d * (254 q + q2), q2
+    // the rounding error of q re-quantized at 1/254 of its step (|error| <= step / 2 keeps q2 in
+    // int8). About 15 bits per activation for two integer passes; d, s and qsum then describe
+    // the combined 254 q + q2.
+    int8_t* q2 = nullptr;
 };
 
 // y[m * ldy + n] = sum_k W[n, k] * x[m, k] (+ bias[n]) (+ y if accumulate), for n in [n0, n1).
@@ -43,6 +54,9 @@ namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx512
+
+// Row n (of a matrix with nb blocks per row) of a repacked matrix -> K floats.
+void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst);
 
 float fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);
