@@ -14,6 +14,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -243,7 +244,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     Model& m = *static_cast<Model*>(handle);
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
-    const int kmax = I > H ? I : H;
+    const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
     if (m.x.size() < size_t(T) * H) m.x.resize(size_t(T) * H);
     if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
     if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
