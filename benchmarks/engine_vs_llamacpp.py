@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--torch-baseline", action="store_true", help="also run tokenpath --quantization none")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_vs_llamacpp.md"))
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp, print its bin folder")
+    ap.add_argument("--note", default="", help="a sentence for the table's header (what else ran, what changed)")
     ap.add_argument("--tokenpath-child", metavar="QUANTIZATION", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokenpath_child:
@@ -170,11 +171,12 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
         "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
         "(GGML_NATIVE). tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
         "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",
-        f"Medians of {args.rounds} alternating rounds. The machine was shared with other agents' jobs "
-        f"(1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores), "
-        "so absolute figures are low and noisy; the ratios compare runs made minutes apart.",
+        f"Medians of {args.rounds} alternating rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
+        "(the benchmark's own processes count 1-2; more means other jobs shared the machine)."
+        + (f" {args.note}" if args.note else ""),
         "",
-        "Best round = the fastest (for RSS: smallest) of the rounds: the least disturbed by the other jobs.",
+        "Best round = the fastest (for RSS: smallest) of the rounds: the least disturbed by other jobs.",
         "",
         "| figure | " + " | ".join(f"{k} median" for k in med) + " | median ratio | "
         + " | ".join(f"{k} best" for k in med) + " | best ratio |",

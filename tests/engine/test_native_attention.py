@@ -104,3 +104,28 @@ def test_mixed_step_rows_match_their_own_steps(loaded, text_ids, kv):
     got = mixed.step(parts)
     want = torch.cat([own.step([part]) for part in parts])
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_a_wide_decode_batch_matches_each_rows_own_step(loaded, text_ids, kv):
+    """With many decode rows (at least 4 per thread), each row's item covers all its KV heads and reads
+    every cache slot whole; its logits equal what the row gets alone, where each head is its own item.
+    24 sequences of 1 block each (context 3..16 tokens), block tables in reverse order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 6))  # whole-row items need at least 4 decode rows per thread
+    try:
+        _wide_decode_batch(loaded, text_ids, kv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _wide_decode_batch(loaded, text_ids, kv: str) -> None:
+    seqs = [(text_ids[50 * i : 50 * i + 16], [23 - i], 2 + i % 14) for i in range(24)]  # (ids, table, cached)
+    batch, own = Steps(loaded, kv), Steps(loaded, kv)
+    for s in (batch, own):
+        for toks, table, cached in seqs:
+            s.step([(table, toks[:cached], 0)])
+    parts = [(table, toks[cached : cached + 1], cached) for toks, table, cached in seqs]
+    got = batch.step(parts)
+    want = torch.cat([own.step([part]) for part in parts])
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"

@@ -29,8 +29,11 @@ namespace paged {
 constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
 constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
 
-// Floats of per-thread scratch an item needs (widened K/V block, running max and sum per query).
-inline size_t scratch_floats(int D, int rep) { return size_t(2) * kKeyBlock * D + size_t(2) * kTileRows * rep; }
+// Floats of per-thread scratch an item needs (widened K/V block of up to `width` features per key,
+// running max and sum per query of up to `queries` per row).
+inline size_t scratch_floats(int width, int queries) {
+    return size_t(2) * kKeyBlock * width + size_t(2) * kTileRows * queries;
+}
 
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -176,7 +179,7 @@ void block_update(const float* q0, float* o0, float* run_max, float* run_sum, co
     accumulate<Q>(o, alpha, p, vrow, n, D);
 }
 
-// A cache row as floats: float32 rows are used in place, float16 rows widened into buf.
+// A cache row (n features) as floats: float32 rows are used in place, float16 rows widened into buf.
 inline const float* widen(const float* row, float*, int) { return row; }
 inline const float* widen(const uint16_t* row, float* buf, int D) {
     int c = 0;
@@ -186,8 +189,8 @@ inline const float* widen(const uint16_t* row, float* buf, int D) {
     return buf;
 }
 
-// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r), query heads
-// g * rep .. g * rep + rep - 1 of each row (q at q0 + r * q_stride + h * D), outputs likewise at o0.
+// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r); q0 and o0 point at
+// the first query head of the item's first KV head in row 0 (row r at + r * q_stride / o_stride).
 struct Tile {
     const float* q0;
     float* o0;
@@ -195,47 +198,58 @@ struct Tile {
     const int32_t* table;  // the sequence's block table
 };
 
+// The item: KV heads g0 .. g1-1 of one tile (query heads g * rep .. g * rep + rep - 1 each). Why
+// several heads: a cache slot holds every KV head's row side by side (kv_width features), so a
+// decode row that reads one head's 64 features per slot has the hardware prefetcher pull in its
+// neighbours too: with one item per head, decode attention moved ~3x the bytes it used. An item
+// over all heads reads each slot's rows whole, once.
 template <class KV>
-void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs, int nkv, int g, int D, int rep,
-                 float scale, float* scratch) {
-    const int nqry = tile.nrows * rep;
-    float* kbuf = scratch;                          // [kKeyBlock][D] widened float16 K
-    float* vbuf = kbuf + size_t(kKeyBlock) * D;     // [kKeyBlock][D] widened float16 V
-    float* run_max = vbuf + size_t(kKeyBlock) * D;  // [nqry] running max of the scaled scores (log2 units)
-    float* run_sum = run_max + nqry;                // [nqry] running sum of 2^(score - max)
+void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs, int kv_width, int g0, int g1, int D,
+                 int rep, float scale, float* scratch) {
+    const int span = (g1 - g0) * D, qpr = (g1 - g0) * rep;  // features per key read, queries per row
+    const int nqry = tile.nrows * qpr;
+    float* kbuf = scratch;                             // [kKeyBlock][span] widened float16 K
+    float* vbuf = kbuf + size_t(kKeyBlock) * span;     // [kKeyBlock][span] widened float16 V
+    float* run_max = vbuf + size_t(kKeyBlock) * span;  // [nqry] running max of the scaled scores (log2 units)
+    float* run_sum = run_max + nqry;                   // [nqry] running sum of 2^(score - max)
     for (int i = 0; i < nqry; ++i) run_max[i] = -INFINITY, run_sum[i] = 0.f;
-    for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * rep * D);
+    for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * qpr * D);
     const float sl2e = scale * 1.44269504f;  // scores in log2 units: exp(s * scale) = 2^(s * sl2e)
     const int ctx_end = tile.p0 + tile.nrows;  // the last row's context length
+    const float* kbase[kKeyBlock];
+    const float* vbase[kKeyBlock];
     const float* krow[kKeyBlock];
     const float* vrow[kKeyBlock];
-    const size_t head = size_t(g) * D;
+    const size_t first = size_t(g0) * D;
     for (int j0 = 0; j0 < ctx_end; j0 += kKeyBlock) {
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
-            const size_t off = (size_t(tile.table[page]) * bs + in_page) * nkv + head;
-            krow[i] = widen(k_cache + off, kbuf + size_t(i) * D, D);
-            vrow[i] = widen(v_cache + off, vbuf + size_t(i) * D, D);
+            const size_t off = (size_t(tile.table[page]) * bs + in_page) * kv_width + first;
+            kbase[i] = widen(k_cache + off, kbuf + size_t(i) * span, span);
+            vbase[i] = widen(v_cache + off, vbuf + size_t(i) * span, span);
             if (++in_page == bs) in_page = 0, ++page;
         }
-        for (int i = nk; i < (nk + 7) / 8 * 8; ++i) krow[i] = krow[0];  // padding lanes, masked below
-        for (int r = 0; r < tile.nrows; ++r) {
-            const int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
-            if (n <= 0) continue;
-            const float* q = tile.q0 + size_t(r) * tile.q_stride;
-            float* o = tile.o0 + size_t(r) * tile.o_stride;
-            float *mx = run_max + r * rep, *sm = run_sum + r * rep;
-            int h = 0;  // the row's query heads three at a time (SmolLM2: rep = 3), then the rest
-            for (; h + 3 <= rep; h += 3) block_update<3>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
-            if (rep - h == 2) block_update<2>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
-            if (rep - h == 1) block_update<1>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+        for (int g = 0; g < g1 - g0; ++g) {
+            for (int i = 0; i < nk; ++i) krow[i] = kbase[i] + size_t(g) * D, vrow[i] = vbase[i] + size_t(g) * D;
+            for (int i = nk; i < (nk + 7) / 8 * 8; ++i) krow[i] = krow[0];  // padding lanes, masked below
+            for (int r = 0; r < tile.nrows; ++r) {
+                const int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
+                if (n <= 0) continue;
+                const float* q = tile.q0 + size_t(r) * tile.q_stride + size_t(g) * rep * D;
+                float* o = tile.o0 + size_t(r) * tile.o_stride + size_t(g) * rep * D;
+                float *mx = run_max + r * qpr + g * rep, *sm = run_sum + r * qpr + g * rep;
+                int h = 0;  // the head's queries three at a time (SmolLM2: rep = 3), then the rest
+                for (; h + 3 <= rep; h += 3) block_update<3>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+                if (rep - h == 2) block_update<2>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+                if (rep - h == 1) block_update<1>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+            }
         }
     }
     for (int r = 0; r < tile.nrows; ++r)
-        for (int h = 0; h < rep; ++h) {
+        for (int h = 0; h < qpr; ++h) {
             float* o = tile.o0 + size_t(r) * tile.o_stride + size_t(h) * D;
-            const float inv = 1.f / run_sum[r * rep + h];
+            const float inv = 1.f / run_sum[r * qpr + h];
             for (int c = 0; c < D; ++c) o[c] *= inv;
         }
 }

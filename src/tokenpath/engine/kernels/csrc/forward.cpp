@@ -66,6 +66,11 @@ struct Layer {
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
 
+// One attention work item: KV heads [g0, g1) of tile `tile` (an index into Model::tiles).
+struct AttnItem {
+    int tile, g0, g1;
+};
+
 struct Model {
     int n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, block_size;
     float eps;
@@ -81,6 +86,7 @@ struct Model {
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
+    std::vector<AttnItem> items;
     std::vector<int8_t> aq, aq2;
     std::vector<float> ad, as, af, afs;
     std::vector<int32_t> aqsum;
@@ -258,7 +264,20 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             m.tiles.push_back(t);
     m.tiles.push_back(T);
     const int ntiles = int(m.tiles.size()) - 1;
-    const size_t attn_floats = paged::scratch_floats(D, rep);
+    // Work items (tile, first KV head, end): longest contexts first (items are claimed in order, so
+    // short ones fill in at the end; later tiles are the prefill chunks). With enough tiles to keep
+    // every thread busy, a decode row's item covers all its KV heads and reads each cache slot whole
+    // (attention.h says why); prefill tiles, which reuse every K/V read across their rows, and
+    // small batches keep one item per head for parallelism.
+    const bool whole_rows = ntiles >= 4 * nthreads;
+    m.items.clear();
+    for (int ti = ntiles - 1; ti >= 0; --ti) {
+        if (whole_rows && m.tiles[ti + 1] - m.tiles[ti] == 1) m.items.push_back({ti, 0, m.n_kv});
+        else
+            for (int g = 0; g < m.n_kv; ++g) m.items.push_back({ti, g, g + 1});
+    }
+    const int nitems = int(m.items.size());
+    const size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
     if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
     QAct a = make_act(m, T, kmax);
@@ -312,18 +331,19 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     }
                 }
             });
-            // Attention: one (tile, kv head) per item, longest contexts first (items are claimed in
-            // order, so the short ones fill in at the end); K/V read in place from the block pool.
-            team_for(ph, pi, ntiles * m.n_kv, 1, [&](int i0, int) {
-                const int ti = ntiles - 1 - i0 / m.n_kv, g = i0 % m.n_kv, t = m.tiles[ti];
-                const paged::Tile tile{qkv + size_t(t) * W + size_t(g) * rep * D, attn + size_t(t) * nq + size_t(g) * rep * D,
-                                      W, nq, m.tiles[ti + 1] - t, pos[t], tables + row_table[t]};
+            // Attention over the work items above; K/V read in place from the block pool.
+            team_for(ph, pi, nitems, 1, [&](int i0, int) {
+                const AttnItem it = m.items[i0];
+                const int t = m.tiles[it.tile];
+                const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
+                                       attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
+                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t]};
                 if (m.kv_f16)
                     paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
-                                      tile, bs, nkv, g, D, rep, scale, scratch);
+                                       tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
                 else
                     paged::attend_tile(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), tile,
-                                      bs, nkv, g, D, rep, scale, scratch);
+                                       bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
             });
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
