@@ -163,3 +163,15 @@ def test_outputs_shorter_than_asked_are_flagged(tmp_path, capsys):
     assert s["exact_output_fraction"] == 0.0 and s["mean_output_tokens"] == 3.0
     out = capsys.readouterr().out
     assert "only 0% of outputs had the asked length" in out and "counted as content chunks" in out
+
+
+def test_result_files_carry_no_machine_folders(tmp_path, monkeypatch):
+    """argv goes into committed result files: paths under the working directory become relative,
+    other absolute ones (temporary files, the installed model) their file name."""
+    from tokenpath.bench.report import machine_meta
+
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tmp_path / "src" / "cli.py"), "bench", "--json", str(tmp_path / "out" / "r.json"),
+            "--tokenizer", "/opt/models/model.gguf", "--target", "a=http://127.0.0.1:1/v1"]
+    assert machine_meta(argv)["argv"] == ["src/cli.py", "bench", "--json", "out/r.json", "--tokenizer",
+                                          "model.gguf", "--target", "a=http://127.0.0.1:1/v1"]

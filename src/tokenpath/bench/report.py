@@ -40,6 +40,20 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def portable_argv(argv: Sequence[str]) -> list[str]:
+    """The command line as it can be shared: absolute paths under the working directory made
+    relative, other absolute paths (temporary files, the installed model) cut to their file name.
+    Result files are committed; they should not carry one machine's folders."""
+    cwd = Path.cwd()
+    out = []
+    for arg in argv:
+        p = Path(arg)
+        if p.is_absolute():
+            arg = str(p.relative_to(cwd)) if p.is_relative_to(cwd) else p.name
+        out.append(arg)
+    return out
+
+
 def machine_meta(argv: Sequence[str] | None = None, **extra: Any) -> dict[str, Any]:
     """Where and with what a run was made: enough to judge whether two tables are comparable."""
     return {
@@ -50,7 +64,7 @@ def machine_meta(argv: Sequence[str] | None = None, **extra: Any) -> dict[str, A
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in ("tokenpath", "httpx", "numpy", "transformers", "torch")},
-        "argv": list(argv if argv is not None else sys.argv),
+        "argv": portable_argv(argv if argv is not None else sys.argv),
         **extra,
     }
 
