@@ -133,7 +133,7 @@ run_tokenpath() {
         --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
     wait_ready tokenpath "http://127.0.0.1:$port/health" 600 || return 1
     TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
-    NOTE="tokenpath $version: native kernels on the GGUF's Q4_1 blocks repacked 8 rows at a time (fine activations: int8 + residual bytes; torch $DTYPE only where kernels are off), paged KV + continuous batching + chunked prefill; ignore_eos+min_tokens"
+    NOTE="tokenpath $version: native kernels on the GGUF's Q4_1 blocks repacked 16 rows at a time (fine activations: int8 + residual bytes; torch $DTYPE only where kernels are off), paged KV + continuous batching + chunked prefill; ignore_eos+min_tokens"
 }
 
 # ---- transformers serve ------------------------------------------------------------------------

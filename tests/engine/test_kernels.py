@@ -68,14 +68,14 @@ def test_gemm_matches_float64(isa, wtype, shape):
     assert np.abs(wd - w).max() <= step * np.abs(w).max() * 1.01 + 1e-3
 
 
-PACKED_SHAPES = [(1, 40, 64), (3, 64, 100), (17, 136, 576), (64, 32, 1536), (9, 8, 33)]  # N % 8 == 0
+PACKED_SHAPES = [(1, 48, 64), (3, 64, 100), (17, 144, 576), (64, 32, 1536), (9, 16, 33)]  # N % 16 == 0
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", TYPES, ids=lambda t: K.TYPE_NAMES[t])
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
 def test_repacked_gemm_matches_float64(isa, wtype, shape):
-    """The 8-row interleaved layout holds the same weights (dequantized row by row, bit for bit) and
+    """The 16-row interleaved layout holds the same weights (dequantized row by row, bit for bit) and
     its kernel meets the same float64 bounds, for every M tile size (8, 4, 2, 1) and K tail."""
     m, n, k = shape
     rng = np.random.default_rng(m * 1000 + n + k + 7)
@@ -83,8 +83,8 @@ def test_repacked_gemm_matches_float64(isa, wtype, shape):
     x = rng.standard_normal((m, k)).astype(np.float32) * 3
     q = K.quantize(lib, wtype, w)
     packed_type, packed = K.repack(lib, wtype, q)
-    assert packed_type == (K.Q8X8 if wtype == K.Q8_0 else K.Q4X8)
-    assert packed.nbytes == n * -(-k // 32) * K.GROUP_BLOCK_BYTES[packed_type] // 8
+    assert packed_type == (K.Q8X16 if wtype == K.Q8_0 else K.Q4X16)
+    assert packed.nbytes == n * -(-k // 32) * K.GROUP_BLOCK_BYTES[packed_type] // K.GROUP_ROWS
     assert np.array_equal(K.dequantize_packed(lib, packed_type, packed, k), K.dequantize(lib, wtype, q, k))
     wd = ref_weights(wtype, q, k)
     y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2)
@@ -98,15 +98,15 @@ def test_repacked_gemm_matches_float64(isa, wtype, shape):
     assert np.abs(y_fine - y_rows).max() <= 1e-5 * np.abs(plain).max()
 
 
-def test_repack_keeps_the_gguf_layout_when_rows_are_not_a_multiple_of_8():
-    q = K.quantize(lib, K.Q4_1, np.ones((12, 64), dtype=np.float32))
+def test_repack_keeps_the_gguf_layout_when_rows_are_not_a_multiple_of_16():
+    q = K.quantize(lib, K.Q4_1, np.ones((24, 64), dtype=np.float32))
     wtype, same = K.repack(lib, K.Q4_1, q)
     assert wtype == K.Q4_1 and np.array_equal(same, q)
 
 
 def test_repacked_rows_are_batch_invariant_and_isas_agree():
     """Each row's result is the same whichever tile it falls in, and AVX2 and AVX-512 VNNI give the
-    same bits (exact integer dots, the same float order; Q8X8's VNNI offset is undone in integers)."""
+    same bits (exact integer dots, the same float order; Q8X16's VNNI offset is undone in integers)."""
     rng = np.random.default_rng(3)
     for wtype in TYPES:
         packed_type, w = K.repack(lib, wtype, K.quantize(lib, wtype, rng.standard_normal((48, 96)).astype(np.float32)))

@@ -96,7 +96,7 @@ def test_greedy_agrees_with_float32(fine, exact, at_least, monkeypatch):
     """The issue's bar is 6 of 8 prompts keeping the float32 path's first 16 greedy tokens. The default,
     "fine" activations (int8 plus a second int8 pass over the rounding error, ~15 bits) measures 8/8,
     as float activations do. llama.cpp's scheme, int8 everywhere (TOKENPATH_KERNELS_FINE=0), measures
-    3/8 with the default float16 KV cache (5/8 with float32 KV on the kernels before the 8-row
+    3/8 with the default float16 KV cache (5/8 with float32 KV on the kernels before the 16-row
     repack): every miss parts at a near-tie of the float32 path, where its top two log-probabilities
     differ by 0.01-0.09, and which near-ties flip changes with any change of summation order. Its
     floor here only catches a broken kernel. Float16 K/V alone costs nothing measurable: with float

@@ -25,10 +25,11 @@ import numpy as np
 log = logging.getLogger("tokenpath.engine.kernels")
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's GGMLQuantizationType numbers
-Q4X8, Q8X8 = 100, 108  # the kernels' 8-row interleaved repacks (csrc/packed_impl.h)
+Q4X16, Q8X16 = 100, 108  # the kernels' 16-row interleaved repacks (csrc/packed_impl.h)
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-GROUP_BLOCK_BYTES = {Q4X8: 160, Q8X8: 272}  # 8 rows x 32 weights, with their scales
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4X8: "Q4X8", Q8X8: "Q8X8"}
+GROUP_ROWS = 16
+GROUP_BLOCK_BYTES = {Q4X16: 320, Q8X16: 576}  # 16 rows x 32 weights, scales, padding to 64 bytes
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4X16: "Q4X16", Q8X16: "Q8X16"}
 ISA_AVX2, ISA_AVX512 = 1, 2
 FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C = 1, 2, 4  # bits of tp_cpu_features()
 
@@ -122,21 +123,29 @@ def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndar
     return out
 
 
+def _aligned_empty(shape: tuple[int, int], align: int = 64) -> np.ndarray:
+    """uint8 array whose data starts on an `align`-byte boundary: the packed kernels' 512-bit loads
+    then never split a cache line (numpy itself only guarantees 16)."""
+    raw = np.empty(shape[0] * shape[1] + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + shape[0] * shape[1]].reshape(shape)
+
+
 def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarray]:
-    """GGUF blocks [N, row_bytes] -> (Q4X8 or Q8X8, [N / 8, group row bytes]): 8 rows interleaved
-    so one vector instruction serves 8 outputs (csrc/packed_impl.h). Returns (wtype, w) unchanged
-    when N is not a multiple of 8."""
+    """GGUF blocks [N, row_bytes] -> (Q4X16 or Q8X16, [N / 16, group row bytes]): 16 rows
+    interleaved so one vector instruction serves 16 outputs (8 on AVX2; csrc/packed_impl.h).
+    Returns (wtype, w) unchanged when N is not a multiple of 16."""
     n, nb = w.shape[0], w.shape[1] // BLOCK_BYTES[wtype]
-    packed_type = Q8X8 if wtype == Q8_0 else Q4X8
-    out = np.empty((n // 8, nb * GROUP_BLOCK_BYTES[packed_type]), dtype=np.uint8)
+    packed_type = Q8X16 if wtype == Q8_0 else Q4X16
+    out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[packed_type]))
     w = np.ascontiguousarray(w)
-    got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out)) if n % 8 == 0 else -1
+    got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out)) if n % GROUP_ROWS == 0 else -1
     return (wtype, w) if got < 0 else (got, out)
 
 
 def output_rows(wtype: int, w: np.ndarray) -> int:
-    """N of a weight matrix in either layout (a packed array has one row per 8 outputs)."""
-    return w.shape[0] * 8 if wtype in GROUP_BLOCK_BYTES else w.shape[0]
+    """N of a weight matrix in either layout (a packed array has one row per 16 outputs)."""
+    return w.shape[0] * GROUP_ROWS if wtype in GROUP_BLOCK_BYTES else w.shape[0]
 
 
 def dequantize_packed(lib: NativeLibrary, wtype: int, w: np.ndarray, k: int) -> np.ndarray:

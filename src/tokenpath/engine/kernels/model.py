@@ -131,7 +131,7 @@ class NativeLlama:
         exact = exact_mask()
 
         def packed(kind: int, blocks: tuple[int, np.ndarray]) -> tuple[int, np.ndarray]:
-            """The int8-activation matmuls run on 8-row interleaved weights (csrc/packed_impl.h):
+            """The int8-activation matmuls run on 16-row interleaved weights (csrc/packed_impl.h):
             the same bytes moved, 2-4x the GEMM speed. Float-activation ones keep GGUF's layout."""
             return blocks if exact & kind else repack(lib, *blocks)
 

@@ -1,5 +1,9 @@
-// AVX-512 VL + VNNI kernels (256-bit vpdpbusd), chosen at run time when the CPU has them.
+// AVX-512 VL + VNNI kernels, chosen at run time when the CPU has them: 512-bit vpdpbusd on the
+// repacked weights (packed_impl.h), 256-bit on GGUF layouts (dot_impl.h).
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+// GCC 12's 512-bit conversion intrinsics pass _mm512_undefined_ps() as their unused merge source,
+// which -Wmaybe-uninitialized reports at every use: a false positive, silenced for this file only.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define TP_VNNI 1
 #define TP_NS tp::avx512
 #include "dot_impl.h"

@@ -152,8 +152,8 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
     // Repacked weights: int8 activations only (model.py keeps a float-activation matmul unpacked).
-    if (wtype == W_Q4X8) return packed_gemm<W_Q4X8>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-    if (wtype == W_Q8X8) return packed_gemm<W_Q8X8>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q4X16) return packed_gemm<W_Q4X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q8X16) return packed_gemm<W_Q8X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (exact) {
         switch (wtype) {
             case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);

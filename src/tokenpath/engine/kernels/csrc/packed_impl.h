@@ -1,193 +1,218 @@
-// GEMM/GEMV on weights repacked 8 rows at a time (Q4X8, Q8X8; see tp_repack in quant.cpp).
+// GEMM/GEMV on weights repacked 16 rows at a time (Q4X16, Q8X16; see tp_repack in quant.cpp).
 // Included by dot_impl.h inside its namespace, so it is compiled once per ISA (TP_VNNI).
 //
 // Why repack: with GGUF's row-major blocks, one 256-bit integer dot covers one weight row, so
 // every (activation row, weight row, block) pays its own float conversion, scale multiply and FMA,
 // and every output a horizontal sum. That bookkeeping, not the integer multiplies, bounded the
 // old kernel at ~140 GFLOP/s for prefill on 2 cores. Interleaved, one register holds 4 weights of
-// each of 8 rows, the activation's 4 bytes are broadcast, and the 8 lanes are 8 outputs: a
-// block's integer dot for 8 rows is 8 multiply-adds, its scales are one vector FMA, and the
+// each of L rows, the activation's 4 bytes are broadcast, and the L lanes are L outputs: a
+// block's integer dot for L rows is 8 multiply-adds, its scales are one vector FMA, and the
 // outputs leave as one store. The same loop serves decode (M = 1), where it also reads each
 // weight byte once, in order.
 //
-// Layout of one group-block (8 rows x 32 weights), the group's blocks in K order:
-//   Q4X8: d[8] fp16, m[8] fp16 (Q4_0's m = -8 d), then 128 bytes: byte c*32 + i*4 + j holds row
-//         i's weights 4c+j (low nibble) and 16+4c+j (high nibble), c = 0..3: each GGUF qs byte of
-//         row i moved, not changed.
-//   Q8X8: d[8] fp16, then 256 bytes: byte c*32 + i*4 + j = row i's weight 4c+j, c = 0..7.
-static inline __m256i bcast4(const int8_t* p) {
+// Lanes: AVX-512 VNNI runs a 16-row group in one 512-bit register (L = 16); AVX2 runs it as two
+// 256-bit halves of 8 rows. One layout serves both, and each output sees the same exact integer
+// sums and the same float operations, so the two ISAs agree bit for bit. 512-bit vpdpbusd moved
+// 1.29x the multiply-adds of 256-bit in the fine-activation kernel at M = 32 on this Zen 4
+// (microbenchmarked; 8-row groups were the first layout).
+//
+// Layout of one group-block (16 rows x 32 weights), the group's blocks in K order:
+//   Q4X16: d[16] fp16, m[16] fp16 (Q4_0's m = -8 d), then 256 bytes: byte c*64 + i*4 + j holds
+//          row i's weights 4c+j (low nibble) and 16+4c+j (high nibble), c = 0..3: each GGUF qs
+//          byte of row i moved, not changed.
+//   Q8X16: d[16] fp16, 32 bytes of padding (the block stays a multiple of 64 bytes), then 512
+//          bytes: byte c*64 + i*4 + j = row i's weight 4c+j, c = 0..7.
+// Weights are read in 64-byte chunks from 64-byte aligned offsets (repack() aligns the array).
+
+#if TP_VNNI
+using VI = __m512i;
+using VF = __m512;
+constexpr int L = 16;  // rows per register
+static inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline VI vzero() { return _mm512_setzero_si512(); }
+static inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+static inline VI vsrl4(VI a) { return _mm512_srli_epi16(a, 4); }
+static inline VI vbyte(char b) { return _mm512_set1_epi8(b); }
+static inline VI vset32(int32_t v) { return _mm512_set1_epi32(v); }
+static inline VI vadd32(VI a, VI b) { return _mm512_add_epi32(a, b); }
+static inline VI vsub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+static inline VI vsll32(VI a, int n) { return _mm512_slli_epi32(a, n); }
+static inline VI vxor(VI a, VI b) { return _mm512_xor_si512(a, b); }
+static inline VI vdot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline VF vhalf(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+static inline VF vfzero() { return _mm512_setzero_ps(); }
+static inline VF vfset(float f) { return _mm512_set1_ps(f); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF vfadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF vcvt(VI a) { return _mm512_cvtepi32_ps(a); }
+static inline VF vfload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vfstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int L = 8;
+static inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline VI vzero() { return _mm256_setzero_si256(); }
+static inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+static inline VI vsrl4(VI a) { return _mm256_srli_epi16(a, 4); }
+static inline VI vbyte(char b) { return _mm256_set1_epi8(b); }
+static inline VI vset32(int32_t v) { return _mm256_set1_epi32(v); }
+static inline VI vadd32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+static inline VI vsub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+static inline VI vsll32(VI a, int n) { return _mm256_slli_epi32(a, n); }
+static inline VF vhalf(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline VF vfzero() { return _mm256_setzero_ps(); }
+static inline VF vfset(float f) { return _mm256_set1_ps(f); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF vfadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline VF vcvt(VI a) { return _mm256_cvtepi32_ps(a); }
+static inline VF vfload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vfstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+static inline VI bcast4(const int8_t* p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
+    return vset32(v);
 }
 
-// Integer block dots of MR activation rows (qa[r]: a block's 32 int8 values) against one 8-row
-// group-block: isum[r] lane i = dot(row i's weights, qa[r]). For Q8X8 on VNNI the weights enter
-// as w + 128, so the caller takes 128 * sum(q_a) off.
-template <int WT, int MR>
-static inline void packed_isum(const uint8_t* wg, const int8_t* const* qa, __m256i* isum) {
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-    if constexpr (WT == W_Q4X8) {
-        const __m256i m4 = _mm256_set1_epi8(0x0F);
-        const uint8_t* qs = wg + 32;
-#if !TP_VNNI
-        // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so 8 of them still fit int16.
-        __m256i s16[MR];
-        for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
-#endif
+// 254 * coarse + fine: an activation block with residual bytes (QAct::q2), in exact integers.
+static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coarse, 8), vsll32(coarse, 1)), fine); }
+
+// Integer block dots of MR activation rows (qa[r], and with RES qb[r] the residual bytes: a
+// block's 32 int8 values) against L rows of one group-block: isum[r] lane i = dot(row i, q_a)
+// (254 * dot(row i, qa) + dot(row i, qb) with RES). qs points at the lanes' first bytes; the
+// chunks of 4 weights per lane are 64 bytes apart. For Q8X16 on VNNI the weights enter as
+// w + 128, so the caller takes 128 * sum(q_a) off.
+template <int WT, int MR, bool RES>
+static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+    VI coarse[MR], fine[MR];
+    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+    if constexpr (WT == W_Q4X16) {
+        const VI m4 = vbyte(0x0F);
         for (int c = 0; c < 4; ++c) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            const VI raw = vload(qs + 64 * c);
+            const VI lo = vand(raw, m4), hi = vand(vsrl4(raw), m4);
             for (int r = 0; r < MR; ++r) {
-                const __m256i x0 = bcast4(qa[r] + 4 * c), x1 = bcast4(qa[r] + 16 + 4 * c);
 #if TP_VNNI
-                isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, x0), hi, x1);
+                coarse[r] = vdot(vdot(coarse[r], lo, bcast4(qa[r] + 4 * c)), hi, bcast4(qa[r] + 16 + 4 * c));
+                if constexpr (RES) fine[r] = vdot(vdot(fine[r], lo, bcast4(qb[r] + 4 * c)), hi, bcast4(qb[r] + 16 + 4 * c));
 #else
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0),
-                                                                   _mm256_maddubs_epi16(hi, x1)));
+                // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so the 8 of a block still fit int16.
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
+                                                                         _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
+                if constexpr (RES)
+                    fine[r] = _mm256_add_epi16(fine[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
+                                                                         _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
 #endif
             }
         }
 #if !TP_VNNI
-        for (int r = 0; r < MR; ++r) isum[r] = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+        for (int r = 0; r < MR; ++r) {
+            coarse[r] = _mm256_madd_epi16(coarse[r], _mm256_set1_epi16(1));
+            if constexpr (RES) fine[r] = _mm256_madd_epi16(fine[r], _mm256_set1_epi16(1));
+        }
 #endif
-    } else {  // Q8X8: signed weights
-        const uint8_t* qs = wg + 16;
+    } else {  // Q8X16: signed weights
         for (int c = 0; c < 8; ++c) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+            const VI w = vload(qs + 64 * c);
 #if TP_VNNI
             // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
-            const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
-            for (int r = 0; r < MR; ++r) isum[r] = _mm256_dpbusd_epi32(isum[r], wu, bcast4(qa[r] + 4 * c));
+            const VI wu = vxor(w, vbyte(char(0x80)));
+            for (int r = 0; r < MR; ++r) {
+                coarse[r] = vdot(coarse[r], wu, bcast4(qa[r] + 4 * c));
+                if constexpr (RES) fine[r] = vdot(fine[r], wu, bcast4(qb[r] + 4 * c));
+            }
 #else
             // maddubs would saturate on (w + 128) * q_a pairs: the sign trick keeps |w| unsigned.
-            const __m256i wa = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < MR; ++r)
-                isum[r] = _mm256_add_epi32(isum[r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r] + 4 * c), w)));
+            const VI wa = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < MR; ++r) {
+                coarse[r] = vadd32(coarse[r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r] + 4 * c), w)));
+                if constexpr (RES) fine[r] = vadd32(fine[r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r] + 4 * c), w)));
+            }
 #endif
         }
     }
+    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[r], fine[r]) : coarse[r];
 }
 
-// Both passes of a Q4X8 block at once (RES): each weight register is unpacked once and meets the
-// int8 values and the residual bytes; isum[r] = 254 * dot(q) + dot(q2).
-template <int MR>
-static inline void packed_isum_fine_q4(const uint8_t* wg, const int8_t* const* qa, const int8_t* const* qb,
-                                       __m256i* isum) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t* qs = wg + 32;
-    __m256i coarse[MR], fine[MR];
-    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        for (int r = 0; r < MR; ++r) {
-#if TP_VNNI
-            coarse[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(coarse[r], lo, bcast4(qa[r] + 4 * c)), hi,
-                                            bcast4(qa[r] + 16 + 4 * c));
-            fine[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(fine[r], lo, bcast4(qb[r] + 4 * c)), hi,
-                                          bcast4(qb[r] + 16 + 4 * c));
-#else
-            coarse[r] = _mm256_add_epi16(coarse[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
-                                                                     _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
-            fine[r] = _mm256_add_epi16(fine[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
-                                                                 _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
-#endif
-        }
-    }
-    for (int r = 0; r < MR; ++r) {
-#if !TP_VNNI
-        coarse[r] = _mm256_madd_epi16(coarse[r], _mm256_set1_epi16(1));
-        fine[r] = _mm256_madd_epi16(fine[r], _mm256_set1_epi16(1));
-#endif
-        isum[r] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(coarse[r], 8), _mm256_slli_epi32(coarse[r], 1)),
-                                   fine[r]);
-    }
-}
-
-// Block dot products of MR activation rows against one 8-row group, over all nb blocks:
-// out[r] (8 floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or d_w*d_a*dot (Q8).
-// RES (the activations' residual bytes a.q2, see QAct): q_a = 254 q + q2, formed in integers.
-// Every row's operations are the same whatever MR is, so results do not depend on the batch, and
-// the integer sums are exact, so AVX2 and VNNI agree bit for bit.
+// Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
+// over all nb blocks: out[r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or
+// d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are the same
+// whatever MR is, so results do not depend on the batch.
 template <int WT, int MR, bool RES>
-static inline void packed_tile(const uint8_t* wg, const QAct& a, const int* rows, __m256* out) {
-    constexpr size_t GB = WT == W_Q4X8 ? 160 : 272;
+static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+    constexpr size_t GB = WT == W_Q4X16 ? 320 : 576;
+    constexpr size_t QS = 64;  // d[16] and m[16] (Q8: padding) come first
     const int nb = a.nb;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    VF acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b, wg += GB) {
         const int8_t* qa[MR];
-        __m256i isum[MR];
-        for (int r = 0; r < MR; ++r) qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
-        if constexpr (RES && WT == W_Q4X8) {
-            const int8_t* qb[MR];
-            for (int r = 0; r < MR; ++r) qb[r] = a.q2 + (size_t(rows[r]) * nb + b) * QK;
-            packed_isum_fine_q4<MR>(wg, qa, qb, isum);
-        } else {
-            packed_isum<WT, MR>(wg, qa, isum);
+        const int8_t* qb[MR];
+        VI isum[MR];
+        for (int r = 0; r < MR; ++r) {
+            qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
+            qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
         }
-        if constexpr (RES && WT == W_Q8X8) {
-            __m256i fine[MR];
-            for (int r = 0; r < MR; ++r) qa[r] = a.q2 + (size_t(rows[r]) * nb + b) * QK;
-            packed_isum<WT, MR>(wg, qa, fine);
-            for (int r = 0; r < MR; ++r)  // 254 * isum + fine
-                isum[r] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(isum[r], 8), _mm256_slli_epi32(isum[r], 1)),
-                                           fine[r]);
-        }
+        packed_isum<WT, MR, RES>(wg + QS + 4 * L * h, qa, qb, isum);
 #if TP_VNNI
-        if constexpr (WT == W_Q8X8)
-            for (int r = 0; r < MR; ++r)
-                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(128 * a.qsum[size_t(rows[r]) * nb + b]));
+        if constexpr (WT == W_Q8X16)
+            for (int r = 0; r < MR; ++r) isum[r] = vsub32(isum[r], vset32(128 * a.qsum[size_t(rows[r]) * nb + b]));
 #endif
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
+        const VF dw = vhalf(wg + 2 * L * h);
         for (int r = 0; r < MR; ++r) {
             const size_t ab = size_t(rows[r]) * nb + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[r]);
+            acc[r] = vfma(vcvt(isum[r]), vmul(dw, vfset(a.d[ab])), acc[r]);
         }
-        if constexpr (WT == W_Q4X8) {
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
-            for (int r = 0; r < MR; ++r)
-                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[size_t(rows[r]) * nb + b]), acc[r]);
+        if constexpr (WT == W_Q4X16) {
+            const VF mw = vhalf(wg + 32 + 2 * L * h);
+            for (int r = 0; r < MR; ++r) acc[r] = vfma(mw, vfset(a.s[size_t(rows[r]) * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
-// y[m, n0..n1) for all M rows; n0 and n1 multiples of 8 (gemm_team hands out multiples of 16).
-// Groups outermost: a group's weights (nb * 160 or 272 bytes) stay in L1 while every tile of
+// y[m, n0..n1) for all M rows; n0 and n1 multiples of 16 (gemm_team hands out multiples of 16).
+// Groups outermost: a group's weights (nb * 320 or 576 bytes) stay in L1 while every tile of
 // activation rows passes over them.
 template <int WT, bool RES>
 static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                           const float* bias, bool accumulate) {
-    constexpr size_t GB = WT == W_Q4X8 ? 160 : 272;
-    // 32 vector registers with AVX-512 VL, 16 without; the residual pass doubles the integer sums held.
+    constexpr size_t GB = WT == W_Q4X16 ? 320 : 576;
+    // Rows per tile: what the vector registers hold (32 with AVX-512, 16 with AVX2) with the
+    // residual pass's doubled integer sums; measured best at 4 for fine activations on VNNI.
     constexpr int MR = TP_VNNI && !RES ? 8 : 4;
     int rows[MR];
-    __m256 out[MR];
-    for (int g = n0 / 8; g < n1 / 8; ++g) {
+    VF out[MR];
+    for (int g = n0 / 16; g < n1 / 16; ++g) {
         const uint8_t* wg = w + size_t(g) * nb * GB;
-        const __m256 vb = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
-        auto store = [&](int m, __m256 v) {
-            float* dst = y + size_t(m) * ldy + 8 * g;
-            v = _mm256_add_ps(v, vb);
-            if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(dst));
-            _mm256_storeu_ps(dst, v);
-        };
-        int m0 = 0;
-        for (; m0 + MR <= M; m0 += MR) {
-            for (int r = 0; r < MR; ++r) rows[r] = m0 + r;
-            packed_tile<WT, MR, RES>(wg, a, rows, out);
-            for (int r = 0; r < MR; ++r) store(m0 + r, out[r]);
-        }
-        for (int rest; (rest = M - m0) > 0;) {  // the tail in tiles of 4, 2, 1 rows
-            const int mr = rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
-            for (int r = 0; r < mr; ++r) rows[r] = m0 + r;
-            if (mr == 4) packed_tile<WT, 4, RES>(wg, a, rows, out);
-            else if (mr == 2) packed_tile<WT, 2, RES>(wg, a, rows, out);
-            else packed_tile<WT, 1, RES>(wg, a, rows, out);
-            for (int r = 0; r < mr; ++r) store(m0 + r, out[r]);
-            m0 += mr;
+        for (int h = 0; h < 16 / L; ++h) {
+            const int n = 16 * g + L * h;  // first output of these lanes
+            const VF vb = bias ? vfload(bias + n) : vfzero();
+            auto store = [&](int m, VF v) {
+                float* dst = y + size_t(m) * ldy + n;
+                v = vfadd(v, vb);
+                if (accumulate) v = vfadd(v, vfload(dst));
+                vfstore(dst, v);
+            };
+            int m0 = 0;
+            for (; m0 + MR <= M; m0 += MR) {
+                for (int r = 0; r < MR; ++r) rows[r] = m0 + r;
+                packed_tile<WT, MR, RES>(wg, h, a, rows, out);
+                for (int r = 0; r < MR; ++r) store(m0 + r, out[r]);
+            }
+            for (int rest; (rest = M - m0) > 0;) {  // the tail in tiles of 4, 2, 1 rows
+                const int mr = rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
+                for (int r = 0; r < mr; ++r) rows[r] = m0 + r;
+                if (mr == 4) packed_tile<WT, 4, RES>(wg, h, a, rows, out);
+                else if (mr == 2) packed_tile<WT, 2, RES>(wg, h, a, rows, out);
+                else packed_tile<WT, 1, RES>(wg, h, a, rows, out);
+                for (int r = 0; r < mr; ++r) store(m0 + r, out[r]);
+                m0 += mr;
+            }
         }
     }
 }

@@ -142,23 +142,23 @@ namespace tp {
 
 void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst) {
     const size_t gb = group_block_bytes(wtype);
-    const uint8_t* g = w + size_t(n / 8) * nb * gb;
-    const int i = n % 8;
+    const uint8_t* g = w + size_t(n / kGroupRows) * nb * gb;
+    const int i = n % kGroupRows;
     for (int b = 0; b < nb; ++b, g += gb) {
         uint16_t dh;
         std::memcpy(&dh, g + 2 * i, 2);
         const float d = fp16_to_fp32(dh);
         float v[QK];
-        if (wtype == W_Q8X8) {
+        if (wtype == W_Q8X16) {
             for (int c = 0; c < 8; ++c)
-                for (int j = 0; j < 4; ++j) v[4 * c + j] = d * float(int8_t(g[16 + 32 * c + 4 * i + j]));
+                for (int j = 0; j < 4; ++j) v[4 * c + j] = d * float(int8_t(g[64 + 64 * c + 4 * i + j]));
         } else {
             uint16_t mh;
-            std::memcpy(&mh, g + 16 + 2 * i, 2);
+            std::memcpy(&mh, g + 32 + 2 * i, 2);
             const float m = fp16_to_fp32(mh);
             for (int c = 0; c < 4; ++c)
                 for (int j = 0; j < 4; ++j) {
-                    const uint8_t byte = g[32 + 32 * c + 4 * i + j];
+                    const uint8_t byte = g[64 + 64 * c + 4 * i + j];
                     v[4 * c + j] = d * float(byte & 0xF) + m;
                     v[16 + 4 * c + j] = d * float(byte >> 4) + m;
                 }
@@ -171,22 +171,23 @@ void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, fl
 
 extern "C" {
 
-// GGUF rows (N of them, nb blocks each) -> the 8-row interleaved layout packed_impl.h describes.
-// Returns the packed type (W_Q4X8 for Q4_0 and Q4_1, W_Q8X8 for Q8_0), or -1 when N is not a
-// multiple of 8 or the type has no packed form (the caller keeps the GGUF layout then). dst holds
-// N * nb * group_block_bytes / 8 bytes. Load-time work: a few milliseconds for this model.
+// GGUF rows (N of them, nb blocks each) -> the 16-row interleaved layout packed_impl.h describes.
+// Returns the packed type (W_Q4X16 for Q4_0 and Q4_1, W_Q8X16 for Q8_0), or -1 when N is not a
+// multiple of 16 or the type has no packed form (the caller keeps the GGUF layout then). dst
+// holds N * nb * group_block_bytes / 16 bytes. Load-time work: a few milliseconds for this model.
 int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
-    if (N % 8 || (wtype != W_Q4_0 && wtype != W_Q4_1 && wtype != W_Q8_0)) return -1;
-    const int pt = wtype == W_Q8_0 ? W_Q8X8 : W_Q4X8;
+    if (N % kGroupRows || (wtype != W_Q4_0 && wtype != W_Q4_1 && wtype != W_Q8_0)) return -1;
+    const int pt = wtype == W_Q8_0 ? W_Q8X16 : W_Q4X16;
     const size_t bb = block_bytes(wtype), gb = group_block_bytes(pt), row = size_t(nb) * bb;
-    for (int g = 0; g < N / 8; ++g) {
+    for (int g = 0; g < N / kGroupRows; ++g) {
         for (int b = 0; b < nb; ++b) {
             uint8_t* out = dst + (size_t(g) * nb + b) * gb;
-            for (int i = 0; i < 8; ++i) {
-                const uint8_t* blk = src + size_t(8 * g + i) * row + b * bb;
+            std::memset(out, 0, gb);  // Q8X16's padding
+            for (int i = 0; i < kGroupRows; ++i) {
+                const uint8_t* blk = src + size_t(kGroupRows * g + i) * row + b * bb;
                 std::memcpy(out + 2 * i, blk, 2);  // d
                 if (wtype == W_Q8_0) {
-                    for (int c = 0; c < 8; ++c) std::memcpy(out + 16 + 32 * c + 4 * i, blk + 2 + 4 * c, 4);
+                    for (int c = 0; c < 8; ++c) std::memcpy(out + 64 + 64 * c + 4 * i, blk + 2 + 4 * c, 4);
                     continue;
                 }
                 uint16_t mh;
@@ -197,9 +198,9 @@ int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
                     std::memcpy(&dh, blk, 2);
                     mh = fp32_to_fp16(-8.f * fp16_to_fp32(dh));
                 }
-                std::memcpy(out + 16 + 2 * i, &mh, 2);
+                std::memcpy(out + 32 + 2 * i, &mh, 2);
                 const uint8_t* qs = blk + (wtype == W_Q4_1 ? 4 : 2);
-                for (int c = 0; c < 4; ++c) std::memcpy(out + 32 + 32 * c + 4 * i, qs + 4 * c, 4);
+                for (int c = 0; c < 4; ++c) std::memcpy(out + 64 + 64 * c + 4 * i, qs + 4 * c, 4);
             }
         }
     }

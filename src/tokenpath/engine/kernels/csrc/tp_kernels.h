@@ -14,14 +14,16 @@ namespace tp {
 
 constexpr int QK = 32;  // weights per block, all formats
 
-// ggml's GGMLQuantizationType numbers, and tokenpath's own 8-row interleaved repacks of them
-// (packed_impl.h): Q4X8 holds Q4_0 or Q4_1 rows, Q8X8 Q8_0 rows.
-enum WType : int { W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8, W_Q4X8 = 100, W_Q8X8 = 108 };
+// ggml's GGMLQuantizationType numbers, and tokenpath's own 16-row interleaved repacks of them
+// (packed_impl.h): Q4X16 holds Q4_0 or Q4_1 rows, Q8X16 Q8_0 rows.
+enum WType : int { W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8, W_Q4X16 = 100, W_Q8X16 = 108 };
 
 inline size_t block_bytes(int t) { return t == W_Q4_0 ? 18 : t == W_Q4_1 ? 20 : 34; }
-inline bool is_packed(int t) { return t == W_Q4X8 || t == W_Q8X8; }
-// Bytes of one group-block: 8 rows x 32 weights with their scales (and Q4's minimums).
-inline size_t group_block_bytes(int t) { return t == W_Q4X8 ? 160 : 272; }
+inline bool is_packed(int t) { return t == W_Q4X16 || t == W_Q8X16; }
+constexpr int kGroupRows = 16;  // rows per repacked group
+// Bytes of one group-block: 16 rows x 32 weights with their scales (and Q4's minimums), a
+// multiple of 64 so that every 512-bit load of weights stays within one cache line.
+inline size_t group_block_bytes(int t) { return t == W_Q4X16 ? 320 : 576; }
 
 // Quantized activations for M rows of K values (nb = ceil(K / 32) blocks per row).
 struct QAct {
@@ -29,7 +31,7 @@ struct QAct {
     float* d;   // [M][nb] block scale
     float* s;   // [M][nb] d * sum(q): the term that Q4_1's minimum and Q4_0's -8 offset multiply
     int nb;
-    int32_t* qsum;        // [M][nb] sum(q): the VNNI Q8X8 kernel's offset correction, in integers
+    int32_t* qsum;        // [M][nb] sum(q): the VNNI Q8X16 kernel's offset correction, in integers
     float* f = nullptr;   // optional [M][nb * 32] the float activations, zero-padded (exact path)
     float* fs = nullptr;  // optional [M][nb] their block sums
     // Optional [M][nb * 32] residual bytes: with them the block's values are d * (254 q + q2), q2
