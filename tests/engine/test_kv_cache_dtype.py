@@ -16,22 +16,20 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from tests.engine.native_steps import NativeSteps
 from tests.engine.tiny_models import save_tiny
 from tokenpath import LLM, SamplingParams
-from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import FEATURE_F16C, NativeLibrary, native_library
 from tokenpath.engine.loader import load_model
-from tokenpath.engine.runner import ModelRunner, pick_kv_dtype
+from tokenpath.engine.runner import pick_kv_dtype
 from tokenpath.engine.tokenizer import Tokenizer
 
 lib = native_library()
 native_only = pytest.mark.skipif(lib is None or not lib.has_f16c, reason="native kernels or F16C missing")
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
-BS = 16
 REL_BOUND = 2e-3  # max |logit difference| / max |logit|, float activations (see the module docstring)
 
 
@@ -41,34 +39,11 @@ def smol():
     return loaded, Tokenizer(loaded.tokenizer_source).encode(TEXT.read_text())
 
 
-class Steps:
-    """Engine steps driven by hand on one runner: block tables chosen by the test (out of order,
-    one shared for a prefix hit), every row's logits returned, every written slot remembered."""
-
-    def __init__(self, loaded, kv: str) -> None:
-        self.runner = ModelRunner(loaded, EngineConfig(kv_cache_dtype=kv, num_kv_blocks=16), 256)
-        self.slots: list[int] = []
-
-    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
-        """chunks: (block table, new token ids, position of the first) per sequence."""
-        ids, pos, rt, tables = [], [], [], []
-        for table, toks, start in chunks:
-            rt += [len(tables)] * len(toks)
-            ids += toks
-            pos += range(start, start + len(toks))
-            tables += table
-        p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
-        slots = t[r + p // BS].astype(np.int64) * BS + p % BS
-        self.slots += slots.tolist()
-        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
-                                          np.arange(len(ids), dtype=np.int32))
-
-
-def scenario(loaded, ids: list[int], kv: str, m: int) -> tuple[list[torch.Tensor], Steps]:
+def scenario(loaded, ids: list[int], kv: str, m: int) -> tuple[list[torch.Tensor], NativeSteps]:
     """A prefill of m tokens; a mixed step (a decode beside a 40-token prefill); a second sequence
     that shares the first 32 tokens (2 blocks) of that prefill and prefills the rest in two chunks,
     the second chunk beside two decodes."""
-    s = Steps(loaded, kv)
+    s = NativeSteps(loaded, kv)
     a, b = ids[: m + 2], ids[100:141]
     c = b[:32] + ids[300:340]
     t0, t1 = [7, 2], [4, 0, 9]

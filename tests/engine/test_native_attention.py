@@ -15,45 +15,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from tests.engine.native_steps import NativeSteps
 from tests.engine.tiny_models import save_tiny
-from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import native_library
 from tokenpath.engine.loader import load_model
-from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.tokenizer import Tokenizer
 
 lib = native_library()
 pytestmark = pytest.mark.skipif(lib is None or not lib.has_f16c, reason="native kernels or F16C missing")
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
-BS = 16
 KV_DTYPES = ["float32", "float16"]
 
 
-class Steps:
-    """Engine steps driven by hand on one native runner, every row's logits returned."""
+class Steps(NativeSteps):
+    """Room for 24 blocks of context (the tests' block tables reach block 23)."""
 
     def __init__(self, loaded, kv: str) -> None:
-        config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=24, quantization="q8_0" if loaded.gguf is None
-                              else "auto")
-        self.runner = ModelRunner(loaded, config, 384)
-        assert self.runner.native is not None and self.runner.kv_dtype == getattr(torch, kv)
-
-    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
-        """chunks: (block table, new token ids, position of the first) per sequence."""
-        ids, pos, rt, tables = [], [], [], []
-        for table, toks, start in chunks:
-            rt += [len(tables)] * len(toks)
-            ids += toks
-            pos += range(start, start + len(toks))
-            tables += table
-        p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
-        slots = t[r + p // BS].astype(np.int64) * BS + p % BS
-        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
-                                          np.arange(len(ids), dtype=np.int32))
+        super().__init__(loaded, kv, num_blocks=24, max_len=384)
+        assert self.runner.kv_dtype == getattr(torch, kv)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""Engine steps driven by hand on one native runner, for the kernel tests: the test picks every
+sequence's block table (out of order, shared for a prefix hit) and gets every row's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenpath.config import EngineConfig
+from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.runner import ModelRunner
+
+BS = 16  # the engine's default block size, which slot numbers below assume
+
+
+class NativeSteps:
+    """One ModelRunner on the native kernels (GGUF: its own blocks; safetensors: q8_0), with every
+    KV slot a step wrote remembered in `slots`."""
+
+    def __init__(self, loaded: LoadedModel, kv: str, num_blocks: int = 16, max_len: int = 256) -> None:
+        config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=num_blocks,
+                              quantization="q8_0" if loaded.gguf is None else "auto")
+        self.runner = ModelRunner(loaded, config, max_len)
+        assert self.runner.native is not None
+        self.slots: list[int] = []
+
+    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        """chunks: (block table, new token ids, position of the first) per sequence."""
+        ids, pos, rt, tables = [], [], [], []
+        for table, toks, start in chunks:
+            rt += [len(tables)] * len(toks)
+            ids += toks
+            pos += range(start, start + len(toks))
+            tables += table
+        p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
+        slots = t[r + p // BS].astype(np.int64) * BS + p % BS
+        self.slots += slots.tolist()
+        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
+                                          np.arange(len(ids), dtype=np.int32))
