@@ -30,6 +30,8 @@ extern "C" void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* d
 
 namespace {
 
+constexpr int kOwnRowsMax = 4;  // steps of at most this many rows quantize per thread (see tp_model_forward)
+
 // One work-sharing phase of a step. Items are claimed dynamically and a thread waits only until
 // every item is done, not until every thread arrives: on a shared machine a descheduled thread
 // held OpenMP's barriers for a whole time slice each (decode fell from ~90 to under 1 tok/s with
@@ -71,6 +73,13 @@ struct AttnItem {
     int tile, g0, g1;
 };
 
+// The buffers behind one QAct (see make_act).
+struct ActBuf {
+    std::vector<int8_t> q, q2;
+    std::vector<float> d, s, f, fs;
+    std::vector<int32_t> qsum;
+};
+
 struct Model {
     int n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, block_size;
     float eps;
@@ -87,25 +96,24 @@ struct Model {
     std::vector<float> x, qkv, attn, gu, logits_in, scores;
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
-    std::vector<int8_t> aq, aq2;
-    std::vector<float> ad, as, af, afs;
-    std::vector<int32_t> aqsum;
+    std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
+    std::vector<QAct> act_views;  // this step's QAct over each of them
     std::unique_ptr<Phase[]> phases;
     size_t n_phases = 0;
 };
 
-QAct make_act(Model& m, int rows, int K) {
+QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
     const size_t need = size_t(rows) * nb;
-    if (m.ad.size() < need) m.ad.resize(need), m.as.resize(need), m.aqsum.resize(need), m.aq.resize(need * QK);
-    QAct a{m.aq.data(), m.ad.data(), m.as.data(), nb, m.aqsum.data()};
+    if (b.d.size() < need) b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.q.resize(need * QK);
+    QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
     if (m.exact) {
-        if (m.afs.size() < need) m.afs.resize(need), m.af.resize(need * QK);
-        a.f = m.af.data(), a.fs = m.afs.data();
+        if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
+        a.f = b.f.data(), a.fs = b.fs.data();
     }
-    if (m.fine) {  // callers switch a.q2 on per matmul (with_fine)
-        if (m.aq2.size() < need * QK) m.aq2.resize(need * QK);
-        a.q2 = m.aq2.data();
+    if (m.fine) {  // callers switch a.q2 on per matmul (use_fine)
+        if (b.q2.size() < need * QK) b.q2.resize(need * QK);
+        a.q2 = b.q2.data();
     }
     return a;
 }
@@ -280,7 +288,15 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     const size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
     if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
-    QAct a = make_act(m, T, kmax);
+    // Rows to quantize for a matmul: with a few rows (decode), every thread quantizes all of them
+    // into its own buffers and goes straight on to its share of the matmul; the phase boundary
+    // (and the wait for the one thread doing the work) would cost more than the redundant work.
+    // With more rows, the threads share the rows of one phase. Same arithmetic either way.
+    const bool own_rows = T <= kOwnRowsMax && nthreads > 1;
+    if (m.acts.size() < size_t(nthreads) + 1) m.acts.resize(size_t(nthreads) + 1);
+    m.act_views.clear();
+    for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
+    const std::vector<QAct>& acts = m.act_views;
     float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
     const float scale = 1.f / std::sqrt(float(D));
 
@@ -305,13 +321,19 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
             }
         });
+        const QAct& a = acts[own_rows ? 1 + omp_get_thread_num() : 0];
+        // A per-row phase: shared among the threads, or (own_rows) done whole by each of them.
+        auto row_phase = [&](int n, auto&& fn) {
+            if (own_rows) fn(0, n);
+            else team_for(ph, pi, n, grain_for(n, nthreads, 1), fn);
+        };
         QAct ah = a, aq = a, ai = a;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
         use_fine(m, aq, a, 1), use_fine(m, ai, a, 3);  // o, down
         for (int l = 0; l < m.n_layers; ++l) {
             const Layer& L = m.layers[l];
             use_fine(m, ah, a, 0);  // qkv
-            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
             });
             gemm_team(m, ph, pi, nthreads, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
@@ -345,16 +367,16 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     paged::attend_tile(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), tile,
                                        bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
             });
-            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
             gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
             use_fine(m, ah, a, 2);  // gate_up
-            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
             });
             gemm_team(m, ph, pi, nthreads, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
-            team_for(ph, pi, T, rg, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
+            row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
                     silu_mul(g, g + I, tmp, I);
@@ -364,7 +386,9 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
         }
         use_fine(m, ah, a, 4);  // head
-        team_for(ph, pi, S, 1, [&](int r, int) { norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp); });
+        row_phase(S, [&](int r0, int r1) {
+            for (int r = r0; r < r1; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
+        });
         gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
