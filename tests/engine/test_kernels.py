@@ -168,3 +168,16 @@ def test_switched_off_by_environment(monkeypatch, caplog):
     finally:
         monkeypatch.delenv("TOKENPATH_NO_KERNELS")
         K.native_library.cache_clear()
+
+
+def test_activation_masks_from_environment(monkeypatch):
+    from tokenpath.engine.kernels.model import DEFAULT_FINE, exact_mask, fine_mask
+
+    monkeypatch.delenv("TOKENPATH_KERNELS_FINE", raising=False)
+    assert fine_mask() == DEFAULT_FINE == 0b11111
+    for value, mask in (("0", 0), ("all", 0b11111), ("0x8", 8), ("0x3f", 0b11111)):
+        monkeypatch.setenv("TOKENPATH_KERNELS_FINE", value)
+        assert fine_mask() == mask
+    monkeypatch.setenv("TOKENPATH_KERNELS_EXACT", "down")
+    with pytest.raises(ValueError, match="TOKENPATH_KERNELS_EXACT='down'"):
+        exact_mask()

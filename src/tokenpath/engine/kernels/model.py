@@ -96,22 +96,29 @@ DEFAULT_EXACT = 0
 DEFAULT_FINE = 0b11111
 
 
-def fine_mask() -> int:
-    """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE, the
-    same bit mask as TOKENPATH_KERNELS_EXACT). Default DEFAULT_FINE."""
-    value = os.environ.get("TOKENPATH_KERNELS_FINE", "").strip().lower()
+def _mask_from_env(name: str, default: int) -> int:
+    """A bit mask over qkv, o, gate_up, down, head from `name`: 1/all/true = all, 0 = none, or a
+    number such as 0x8; unset means `default`."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
-        return DEFAULT_FINE
-    return 0b11111 if value in ("1", "all", "true") else int(value, 0) & 0b11111
+        return default
+    if value in ("1", "all", "true"):
+        return 0b11111
+    try:
+        return int(value, 0) & 0b11111
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected 1, all, 0 or a bit mask such as 0x8 "
+                         "(bits: qkv, o, gate_up, down, head)") from None
+
+
+def fine_mask() -> int:
+    """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE)."""
+    return _mask_from_env("TOKENPATH_KERNELS_FINE", DEFAULT_FINE)
 
 
 def exact_mask() -> int:
-    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT: 1/all = all, 0 = none, or a
-    bit mask over qkv, o, gate_up, down, head as 0x..). Default DEFAULT_EXACT (none)."""
-    value = os.environ.get("TOKENPATH_KERNELS_EXACT", "").strip().lower()
-    if not value:
-        return DEFAULT_EXACT
-    return 0b11111 if value in ("1", "all", "true") else int(value, 0) & 0b11111
+    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT)."""
+    return _mask_from_env("TOKENPATH_KERNELS_EXACT", DEFAULT_EXACT)
 
 
 class NativeLlama:
