@@ -136,10 +136,11 @@ def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarr
     interleaved so one vector instruction serves 16 outputs (8 on AVX2; csrc/packed_impl.h).
     Returns (wtype, w) unchanged when N is not a multiple of 16."""
     n, nb = w.shape[0], w.shape[1] // BLOCK_BYTES[wtype]
-    packed_type = Q8X16 if wtype == Q8_0 else Q4X16
-    out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[packed_type]))
     w = np.ascontiguousarray(w)
-    got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out)) if n % GROUP_ROWS == 0 else -1
+    if n % GROUP_ROWS:
+        return wtype, w
+    out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[Q8X16 if wtype == Q8_0 else Q4X16]))
+    got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out))
     return (wtype, w) if got < 0 else (got, out)
 
 

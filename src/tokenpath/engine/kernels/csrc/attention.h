@@ -23,8 +23,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace tp {
 namespace paged {
+
+using vec::exp2_ps;
+using vec::hmax8;
+using vec::hsum8;
 
 constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
 constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
@@ -33,37 +39,6 @@ constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at he
 // running max and sum per query of up to `queries` per row).
 inline size_t scratch_floats(int width, int queries) {
     return size_t(2) * kKeyBlock * width + size_t(2) * kTileRows * queries;
-}
-
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-// 2^x for x <= 0 (scores minus their running maximum); 0 below 2^-125, so -inf (masked) gives 0.
-// Range reduction to f in [-0.5, 0.5] and the degree-7 Taylor series of 2^f: relative error ~1e-8.
-inline __m256 exp2_ps(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-125.f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-125.f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5252734e-5f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    return _mm256_and_ps(keep, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e)));
 }
 
 // Scores of Q queries against 4 keys, out[i] lane k = q[i] . key[k]: a Q x 4 block of

@@ -13,15 +13,31 @@
 #include <cmath>
 
 #include "tp_kernels.h"
+#include "vec_math.h"
 
 namespace TP_NS {
 using namespace tp;
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+using vec::hsum8;
+
+// 254 * coarse + fine: the integer dot of an activation block with residual bytes (QAct::q2).
+static inline __m256i combine(__m256i coarse, __m256i fine) {
+    return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(coarse, 8), _mm256_slli_epi32(coarse, 1)), fine);
+}
+
+// 4 x 8 int32 (each within int8) -> 32 int8 in order (packs interleave 128-bit lanes; the
+// permute puts them back).
+static inline __m256i pack_i8(const __m256i* v) {
+    const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The sum of 4 x 8 int32.
+static inline int32_t sum_i32(const __m256i* v) {
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    return _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
 }
 
 // Signed int32 lanes of sum(u[i] * s[i]) over groups of 4 bytes: u unsigned, s signed.
@@ -69,18 +85,17 @@ static inline void tile(const uint8_t* w, const QAct& a, int m0, float* out) {
             __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (row + b) * QK));
             if constexpr (WT == W_Q8_0) q = _mm256_sign_epi8(q, wsgn);
             __m256i dq = dot_us(wu, q);
-            if (a.q2) {  // residual bytes: 254 * dot(q) + dot(q2), in integers (see QAct)
+            if (a.q2) {  // residual bytes (see QAct)
                 __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q2 + (row + b) * QK));
                 if constexpr (WT == W_Q8_0) q2 = _mm256_sign_epi8(q2, wsgn);
-                dq = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(dq, 8), _mm256_slli_epi32(dq, 1)),
-                                      dot_us(wu, q2));
+                dq = combine(dq, dot_us(wu, q2));
             }
             __m256 p = _mm256_cvtepi32_ps(dq);
             acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * a.d[row + b]), acc[r]);
             if constexpr (WT != W_Q8_0) corr[r] += mw * a.s[row + b];
         }
     }
-    for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]) + corr[r];
+    for (int r = 0; r < MR; ++r) out[r] = hsum8(acc[r]) + corr[r];
 }
 
 // The exact variant: float activations against weights dequantized in registers (no int8 rounding
@@ -110,7 +125,7 @@ static inline void tile_f32(const uint8_t* w, const QAct& a, int m0, float* out)
             for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(wf[j], _mm256_loadu_ps(x + 8 * j), acc[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) out[r] = hsum(acc[r]);
+    for (int r = 0; r < MR; ++r) out[r] = hsum8(acc[r]);
 }
 
 template <int WT, bool EXACT, int MR>
@@ -206,26 +221,12 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
             }
             dsc = d / 254.f;
         }
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
-        // Pack 4 x 8 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it).
-        __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         const size_t off = size_t(r) * nb + b;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + off * QK), p8);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
-        a.qsum[off] = _mm_cvtsi128_si32(s4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + off * QK), pack_i8(i32));
+        a.qsum[off] = sum_i32(i32);
         if (a.q2) {
-            __m256i p16c = _mm256_packs_epi32(r32[0], r32[1]), p16d = _mm256_packs_epi32(r32[2], r32[3]);
-            __m256i r8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16c, p16d), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + off * QK), r8);
-            __m256i rs = _mm256_add_epi32(_mm256_add_epi32(r32[0], r32[1]), _mm256_add_epi32(r32[2], r32[3]));
-            __m128i r4 = _mm_add_epi32(_mm256_castsi256_si128(rs), _mm256_extracti128_si256(rs, 1));
-            r4 = _mm_hadd_epi32(r4, r4);
-            r4 = _mm_hadd_epi32(r4, r4);
-            a.qsum[off] = 254 * a.qsum[off] + _mm_cvtsi128_si32(r4);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + off * QK), pack_i8(r32));
+            a.qsum[off] = 254 * a.qsum[off] + sum_i32(r32);
         }
         a.d[off] = dsc;
         a.s[off] = dsc * float(a.qsum[off]);
@@ -233,7 +234,7 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
             float* f = a.f + off * QK;
             __m256 t = _mm256_setzero_ps();
             for (int j = 0; j < 4; ++j) _mm256_storeu_ps(f + 8 * j, v[j]), t = _mm256_add_ps(t, v[j]);
-            a.fs[off] = hsum(t);
+            a.fs[off] = hsum8(t);
         }
     }
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "vec_math.h"
 #include "tp_kernels.h"
 
 using namespace tp;
@@ -154,33 +155,14 @@ void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, 
     m.quant(tmp, H, a, r);
 }
 
-// exp on 8 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
-// precision) and p a degree-6 Taylor polynomial, within ~2 ulp on [-87, 88] (inputs clamped there).
-// libm's scalar expf was ~3% of a prefill step in SiLU alone.
-inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate.
+// out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate (libm's scalar expf here
+// was ~3% of a prefill step).
 inline void silu_mul(const float* g, const float* u, float* out, int n) {
     int i = 0;
     const __m256 one = _mm256_set1_ps(1.f);
     for (; i + 8 <= n; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        const __m256 den = _mm256_add_ps(one, vec::exp2_ps(_mm256_mul_ps(gv, _mm256_set1_ps(-1.44269504f))));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
     for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -216,7 +198,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
-    m->fine = dims[13] & ~m->exact;
+    m->fine = dims[13];  // model.py leaves the exact bits out
     m->eps = eps;
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;

@@ -78,8 +78,10 @@ static inline VI bcast4(const int8_t* p) {
     return vset32(v);
 }
 
-// 254 * coarse + fine: an activation block with residual bytes (QAct::q2), in exact integers.
+#if TP_VNNI
+// combine() (dot_impl.h) for 512-bit sums.
 static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coarse, 8), vsll32(coarse, 1)), fine); }
+#endif
 
 // Integer block dots of MR activation rows (qa[r], and with RES qb[r] the residual bytes: a
 // block's 32 int8 values) against L rows of one group-block: isum[r] lane i = dot(row i, q_a)
