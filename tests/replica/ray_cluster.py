@@ -20,12 +20,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import signal
 import sys
 import tempfile
 import threading
 
 from tests.process_logs import free_port
+
+
+def private_ray_env() -> tuple[str, dict[str, str]]:
+    """A private Ray temp dir and the environment every Ray process of one test shares.
+
+    The dir is short (Ray's socket paths must fit in 107 bytes) and holds `ray/`: Ray writes
+    `ray_current_cluster` under `$RAY_TMPDIR/ray/` whatever `--temp-dir` says (Cluster's
+    `write_ray_address`), and a fresh machine has no `/tmp/ray`. Every process binds 127.0.0.1
+    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) and the cluster has its own auth token.
+    """
+    ray_tmp = tempfile.mkdtemp(prefix="tpray", dir="/tmp")
+    os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    return ray_tmp, env
 
 
 def main() -> None:

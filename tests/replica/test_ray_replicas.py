@@ -11,12 +11,10 @@ import importlib.util
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
 from tests.process_logs import free_port, wait_for_log
+from tests.replica.ray_cluster import private_ray_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -62,12 +61,8 @@ class RayGateway:
 def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway]:
     tmp = tmp_path_factory.mktemp("ray")
     model = save_tiny("llama", tmp / "tiny")
-    ray_tmp = tempfile.mkdtemp(prefix="tpray", dir="/tmp")  # Ray's socket paths must stay short
+    ray_tmp, env = private_ray_env()
     port = free_port()
-    env = {**os.environ,
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray process binds 127.0.0.1, not the host's IP
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),  # this cluster's own token
-           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     head_log, serve_log = tmp / "head.log", tmp / "serve.log"
     with head_log.open("wb") as out:
         head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",

@@ -20,12 +20,10 @@ import asyncio
 import importlib.util
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
 from tests.process_logs import wait_for_log
+from tests.replica.ray_cluster import private_ray_env
 from tests.telemetry.otlp_receiver import OtlpReceiver
 
 from tokenpath.gateway import GatewayStore, Limits
@@ -115,11 +114,8 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("ray2")
     model = save_tiny("llama", tmp / "tiny")
-    ray_tmp = tempfile.mkdtemp(prefix="tpray")  # Ray's socket paths must stay short
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray process on 127.0.0.1 (see ray_cluster)
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),  # this cluster's own token
-           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    ray_tmp, env = private_ray_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     redis = None
     if importlib.util.find_spec("redis") is not None and shutil.which("redis-server"):
         sys.path.insert(0, str(ROOT / "tests" / "gateway"))

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tests.engine.tiny_models import save_tiny
 from tests.process_logs import free_port, wait_for_log
+from tests.replica.ray_cluster import private_ray_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,10 +38,8 @@ BIN = Path(sys.executable).parent
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str], Path]]:
     tmp = tmp_path_factory.mktemp("raynodash")
-    ray_tmp = tempfile.mkdtemp(prefix="tpray", dir="/tmp")  # Ray's socket paths must stay short
+    ray_tmp, env = private_ray_env()
     port = free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     log = tmp / "head.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",

@@ -1,22 +1,83 @@
-"""Hyperparameters of a llama-family decoder, read from GGUF metadata or a HF config.json."""
+"""Hyperparameters of a decoder, read from GGUF metadata or a HF config.json.
+
+One typed record for every decoder family the engine runs (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
+the torch path (`engine/models/`), the native kernels (`engine/kernels/model.py`) and the KV cache
+manager all read the same fields, so a feature a path lacks is refused where that path is chosen
+(`unsupported_by`), never silently ignored. Defaults are the Llama ones: a config that names none
+of the newer fields computes exactly what it did before they existed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` (or GGUF `rope.scaling.*` / `rope_freqs`), normalized.
+
+    `rope_type` is one of ROPE_TYPES. `factor` is the context extension; the llama3 and yarn fields
+    are those of transformers' `modeling_rope_utils` under the same names. `freq_factors`, when set,
+    are per-frequency divisors read from a GGUF's `rope_freqs.weight` (llama.cpp's form of llama3
+    scaling): inv_freq[i] / freq_factors[i].
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn (mscale); None = transformers' default
+    freq_factors: tuple[float, ...] | None = None
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # not always hidden / heads (Qwen3, Gemma 3: GGUF attention.key_length)
     rms_norm_eps: float
-    rope_theta: float
+    rope_theta: float  # the rope base of global (full-attention) layers
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v bias
+    rope_scaling: RopeScaling | None = None  # None = plain rope
+    # Sliding windows: per layer, the number of most recent positions a query attends to (itself
+    # included), or None for full attention. Empty = every layer full. Mistral: every layer the
+    # same window; Gemma 3: 5 windowed layers to each global one.
+    layer_windows: tuple[int | None, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the rope base of windowed layers
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before rope
+    sandwich_norms: bool = False  # Gemma 3: post-attention and post-feedforward norms too
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
+    # The attention score scale, when not head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
+    attn_scale: float | None = None
+    # Norm weights are stored as HF keeps them; Gemma's RMSNorm multiplies by (1 + w). Loaders
+    # hand weights over in this form (GGUF's gemma3 norms already hold 1 + w: the loader subtracts).
+    norm_offset: float = 0.0
+    add_bos_token: bool = True
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def rope_base(self, layer: int) -> float:
+        """The rope base of one layer (Gemma 3's windowed layers use their own)."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def has_windows(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
