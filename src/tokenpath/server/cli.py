@@ -45,8 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--embedding-replicas", type=int, default=1,
                        help="run each embedding model as N local engine processes behind the router "
                        "(default 1: in-process)")
-    serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
-                       "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
+    serve.add_argument("--ray", metavar="auto|local|ADDRESS",
+                       help="run the chat model's --replicas as engine actors on this Ray cluster: auto attaches "
+                       "to the running one, local starts a private head on loopback for this server alone "
+                       "(pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
