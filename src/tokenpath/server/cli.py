@@ -57,15 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="a static key clients must send (repeatable; also $TOKENPATH_API_KEY), as vLLM's: "
                             "an admin key of tenant 'default' with no limits; stored keys keep working too")
     serve.add_argument("--metrics-public", action="store_true", default=None,
-                       help="serve /metrics without a key even when auth is on (it names tenants)")
+                       help="/metrics shows the tenant series to every caller, not only to admin keys")
+    serve.add_argument("--metrics-require-key", action="store_true", default=None,
+                       help="/metrics needs an admin key when auth is on (default: open, as vLLM's, with "
+                       "tenant series only for admin keys)")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
     engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
-                        routing=None, routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
-                        limits_fail_open=None, ray=None, embedding_replicas=1)
+                        routing=None, routing_policy=None, api_keys=[], metrics_public=None,
+                        metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
+                        embedding_replicas=1)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -124,7 +128,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public", "redis_url",
+                                            "data_dir", "database_url", "metrics_public", "metrics_require_key", "redis_url",
                                             "limits_fail_open", "ssl_keyfile", "ssl_certfile",
                                             "ssl_ca_certs")}
     if args.max_body_size is not None:
@@ -334,7 +338,9 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
         how = [f"{len(args.api_keys)} --api-key key(s)"] if args.api_keys else []
         how.append("stored keys (`tokenpath keys list`)")
         lines.append(f"  auth: on ({' + '.join(how)}); /metrics "
-                     + ("is public" if config.metrics_public else "needs an admin key"))
+                     + ("needs an admin key" if config.metrics_require_key else
+                        "is open" + (" (tenant series too)" if config.metrics_public else
+                                     " (tenant series for admin keys)")))
     else:
         lines.append("  auth: off (no keys exist; loopback only) - `tokenpath keys create` or --api-key turns it on")
     lines.append("  stop: Ctrl-C or SIGTERM (in-flight requests get --shutdown-timeout seconds)")
