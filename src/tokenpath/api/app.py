@@ -18,6 +18,7 @@ from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
+from tokenpath.gateway.audit_metrics import AuditCollector
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
 from tokenpath.telemetry.metrics import ServerMetrics
@@ -33,6 +34,7 @@ def create_app(
     state = AppState(router=router, guard=guard or OpenGuard(), config=config,
                      metrics=ServerMetrics(lambda: router.deployments.values()),
                      on_shutdown=list(on_shutdown))
+    state.metrics.registry.register(AuditCollector(state.guard.audit_health))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

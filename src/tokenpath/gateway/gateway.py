@@ -11,13 +11,17 @@ been verified (so a guessed or mistyped key is never echoed, not even in part).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
-from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
+from tokenpath.gateway.audit_store import Instance
+from tokenpath.gateway.audit_writer import STALE_S, AuditWriter
+from tokenpath.gateway.base import AuditHealth, AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import hash_key, key_prefix, looks_like_key, verify_key
 from tokenpath.gateway.limiter import Verdict
 from tokenpath.gateway.limits_backend import LimitsBackend, StoreLimits
@@ -95,6 +99,18 @@ class Gateway:
         self.log_text = log_text
         self._keys_exist = False  # once true it stays true: key rows are revoked, never deleted
         self._touched: dict[str, float] = {}
+        self.audit_writer = AuditWriter(store, Instance.current(), clock=clock)
+        self._close_crashed()
+
+    def _close_crashed(self) -> None:
+        """Rows a crashed gateway left open are closed as `gateway_crash` before this one serves."""
+        try:
+            n = self.store.close_crashed_audit(self.audit_writer.instance, self.clock(), STALE_S)
+        except Exception as exc:  # noqa: BLE001 - a store failing now is retried by the writer later
+            log.error("could not close the audit rows of crashed gateways: %s: %s", type(exc).__name__, exc)
+            return
+        if n:
+            log.warning("closed %d audit rows left open by a crashed gateway as gateway_crash", n)
 
     @property
     def auth_enabled(self) -> bool:
@@ -121,7 +137,10 @@ class Gateway:
             raise AuthenticationError(f"API key {record.prefix}... has expired.", code="invalid_api_key")
         if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
             self._touched[record.prefix] = now
-            await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+            try:  # `last used` is informational: a store that cannot be written must not fail the request
+                await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not record the last use of key %s...: %s", record.prefix, type(exc).__name__)
         return await self._principal(record)
 
     def _static_principal(self, secret: str | None) -> Principal | None:
@@ -219,22 +238,35 @@ class Gateway:
         await self.limits.reconcile(reservation.admission_id, p.key_prefix, p.tenant, reservation.day,
                                     reservation.tokens, max(0, int(used_tokens)))
 
-    async def audit(self, record: AuditRecord) -> None:
-        """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
-        would replace the request's own outcome; a failure is logged (without any secret)."""
+    async def audit_open(self, record: AuditRecord, progress: Callable[[], int]) -> None:
+        """Open the request's row at admission (status 0, `open_by` this instance); `progress` says
+        its completion tokens so far, written every few seconds (what a crash is closed with)."""
         if not self.log_text:
             record.prompt_text = record.completion_text = None
-        try:
-            await asyncio.to_thread(self.store.write_audit, record)
-        except Exception as exc:  # noqa: BLE001 - logged, and the request's outcome stands
-            log.error("audit row for request %r not written: %s", record.request_id, type(exc).__name__)
+        record.audit_key = record.audit_key or uuid.uuid4().hex
+        await self.audit_writer.open(record, progress)
+
+    async def audit(self, record: AuditRecord) -> None:
+        """Close the request's row (or write it whole when none was opened). Never raises: it runs in
+        the API's `finally`. A store that cannot be written spools the row (`AuditWriter`)."""
+        if not self.log_text:
+            record.prompt_text = record.completion_text = None
+        record.audit_key = record.audit_key or uuid.uuid4().hex
+        await self.audit_writer.close(record)
+
+    def audit_health(self) -> AuditHealth:
+        return self.audit_writer.health()
 
     def close(self) -> None:
         self.store.close()
 
     async def aclose(self) -> None:
-        """Close the limits backend (its connections live on the event loop), then the store."""
+        """Write the spooled audit rows (a few seconds at most), close the limits backend (its
+        connections live on the event loop), then the store."""
         try:
+            await self.audit_writer.aclose()
+            with contextlib.suppress(Exception):  # a failing store keeps the instance: rows may be open
+                await asyncio.to_thread(self.store.forget_instance, self.audit_writer.instance)
             await self.limits.aclose()
         finally:
             await asyncio.to_thread(self.store.close)
