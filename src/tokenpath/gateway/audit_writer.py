@@ -46,6 +46,12 @@ SLOW_WRITE_S = 1.0
 WAIT_MAX_S = 2.0  # the longest a request waits for its row's write  # a write pending this long makes /health degraded before it fails
 
 
+def describe_error(exc: BaseException) -> str:
+    """`Class: first line of the message`: the cause (e.g. 'database or disk is full'), on one line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
+
+
 @dataclass
 class _Entry:
     op: AuditOp
@@ -173,7 +179,7 @@ class AuditWriter:
             self._recovered()
 
     def _failed(self, exc: Exception) -> None:
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}"
+        reason = describe_error(exc)
         first = self._error is None
         self._error = reason
         self._failures += 1

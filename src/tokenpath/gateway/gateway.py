@@ -18,9 +18,15 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
-from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
+from tokenpath.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
 from tokenpath.gateway.audit_store import Instance
-from tokenpath.gateway.audit_writer import STALE_S, AuditWriter
+from tokenpath.gateway.audit_writer import STALE_S, AuditWriter, describe_error
 from tokenpath.gateway.base import AuditHealth, AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import hash_key, key_prefix, looks_like_key, verify_key
 from tokenpath.gateway.limiter import Verdict
@@ -72,6 +78,12 @@ def credential_from(headers: Mapping[str, str]) -> str | None:
     return bearer if bearer is not None else api_key
 
 
+def store_unavailable(exc: Exception, what: str) -> ServiceUnavailableError:
+    """A 503 for a store that cannot be read or written (never a 500 naming only the exception class)."""
+    return ServiceUnavailableError(f"The gateway's store is unreachable ({type(exc).__name__}); {what}. Retry later.",
+                                   code="store_unavailable", headers={"Retry-After": "1"})
+
+
 STATIC_TENANT = "default"  # the tenant of `serve --api-key` keys
 
 
@@ -99,6 +111,7 @@ class Gateway:
         self.log_text = log_text
         self._keys_exist = False  # once true it stays true: key rows are revoked, never deleted
         self._touched: dict[str, float] = {}
+        self._store_down_logged = False
         self.audit_writer = AuditWriter(store, Instance.current(), clock=clock)
         self._close_crashed()
 
@@ -117,13 +130,30 @@ class Gateway:
         if self._static:
             return True
         if not self._keys_exist:
-            self._keys_exist = self.store.has_keys()
+            try:
+                self._keys_exist = self.store.has_keys()
+            except Exception as exc:  # noqa: BLE001 - as in `authenticate`: no key seen, none can be made now
+                self._store_down(exc)
         return self._keys_exist
+
+    def _store_down(self, exc: Exception) -> None:
+        if not self._store_down_logged:
+            self._store_down_logged = True
+            log.error("gateway store unreachable (%s): no keys existed at the last check, so requests stay "
+                      "anonymous until it is back", describe_error(exc))
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         secret = credential_from(headers)  # ambiguous credentials are a 400 even with auth off
         if not self._static and not self._keys_exist:
-            if not await asyncio.to_thread(self.store.has_keys):
+            try:
+                has_keys = await asyncio.to_thread(self.store.has_keys)
+            except Exception as exc:  # noqa: BLE001
+                # No key was there at the last look, and none can be made while the store is down:
+                # auth stays off (the audit writer reports the outage; this is logged once per outage).
+                self._store_down(exc)
+                return Principal()
+            self._store_down_logged = False
+            if not has_keys:
                 return Principal()
             self._keys_exist = True
         static = self._static_principal(secret)
@@ -159,7 +189,10 @@ class Gateway:
             raise AuthenticationError(_MISSING, code="invalid_api_key")
         if not looks_like_key(secret):
             raise AuthenticationError(_INVALID, code="invalid_api_key")
-        record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
+        try:
+            record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
+        except Exception as exc:  # noqa: BLE001 - fail closed: a key that cannot be checked is not accepted
+            raise store_unavailable(exc, "API keys cannot be checked") from None
         # An unknown prefix still costs one hash and compare, so timing tells little about which exist.
         salt, digest = (record.salt, record.digest) if record else (_DUMMY_SALT, _DUMMY_DIGEST)
         if not verify_key(secret, salt, digest) or record is None:
@@ -168,7 +201,10 @@ class Gateway:
 
     async def _principal(self, record: KeyRecord) -> Principal:
         """Key settings combined with its tenant's: limits tightened, model lists intersected."""
-        tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
+        try:
+            tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
+        except Exception as exc:  # noqa: BLE001
+            raise store_unavailable(exc, "API keys cannot be checked") from None
         tenant_limits = tenant.limits if tenant else Limits()
         models = record.models
         if tenant is not None and tenant.models is not None:
