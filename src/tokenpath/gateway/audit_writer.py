@@ -104,8 +104,8 @@ class AuditWriter:
         key = op.record.audit_key or f"once-{id(op)}-{time.monotonic_ns()}"
         entry = self._pending.get(key)
         if entry is not None:  # the close of a request whose open is still spooled: it supersedes it
-            if op.kind == "close":
-                entry.op = op
+            if op.kind == "close":  # a new entry (same place in the queue): a batch may be writing the old one
+                entry = self._pending[key] = _Entry(op, spooled=entry.spooled, waiters=list(entry.waiters))
         elif len(self._pending) >= self.max_rows:
             self._dropped_total += 1
             if self._dropped_total == 1 or self.clock() - self._last_log >= LOG_EVERY_S:
@@ -167,9 +167,9 @@ class AuditWriter:
             return
         finally:
             self._writing_since = None
-        for key, entry, op in batch:
-            if entry.op is op:  # not superseded by a close while the batch was being written
-                self._pending.pop(key, None)
+        for key, entry, _op in batch:
+            if self._pending.get(key) is entry:  # not superseded by a close while the batch was being written
+                del self._pending[key]
             for fut in entry.waiters:
                 if not fut.done():
                     fut.set_result(True)
