@@ -237,9 +237,10 @@ class AuditWriter:
             log.warning("closed %d audit rows of a gone gateway instance as gateway_crash", n)
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        """Write what is spooled (for up to `timeout`), then stop; what is left is counted as dropped."""
+        """Write what is spooled (for up to `timeout`; 1 s while the store fails, so a dead store does
+        not hold the shutdown), then stop; what is left is counted as dropped and logged."""
         self._closing = True
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (min(timeout, 1.0) if self._error is not None else timeout)
         while self._pending and time.monotonic() < deadline and self._task is not None and not self._task.done():
             self._retry_at = min(self._retry_at, time.monotonic() + 0.05)
             self._wake.set()
