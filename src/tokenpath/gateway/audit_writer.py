@@ -29,9 +29,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenpath.gateway.audit_store import AuditOp, Instance
 from tokenpath.gateway.base import AuditHealth, AuditRecord
+
+if TYPE_CHECKING:
+    from tokenpath.gateway.store import GatewayStore
 
 log = logging.getLogger("tokenpath.gateway.audit")
 
@@ -60,9 +64,9 @@ class _Entry:
 
 
 class AuditWriter:
-    def __init__(self, store: object, instance: Instance, *, max_rows: int = SPOOL_ROWS,
+    def __init__(self, store: GatewayStore, instance: Instance, *, max_rows: int = SPOOL_ROWS,
                  progress_s: float = PROGRESS_S, clock: Callable[[], float] = time.time) -> None:
-        self.store = store  # a GatewayStore (write_audit_batch, write_audit_progress, close_crashed_audit)
+        self.store = store
         self.instance = instance
         self.max_rows = max_rows
         self.progress_s = progress_s
@@ -108,7 +112,7 @@ class AuditWriter:
                 entry = self._pending[key] = _Entry(op, spooled=entry.spooled, waiters=list(entry.waiters))
         elif len(self._pending) >= self.max_rows:
             self._dropped_total += 1
-            if self._dropped_total == 1 or self.clock() - self._last_log >= LOG_EVERY_S:
+            if self._dropped_total == 1 or time.monotonic() - self._last_log >= LOG_EVERY_S:
                 self._log_state(f"audit spool full ({self.max_rows} rows): dropping rows")
             return
         else:
@@ -136,9 +140,15 @@ class AuditWriter:
         next_progress = time.monotonic() + self.progress_s
         next_recover = time.monotonic() + RECOVER_EVERY_S
         while True:
+            self._wake.clear()  # first: a row put while this pass awaits wakes the next wait at once
             now = time.monotonic()
+            if self._error is not None and time.monotonic() - self._last_log >= LOG_EVERY_S:
+                self._log_state("audit store still failing")
             if self._pending and now >= self._retry_at:
                 await self._write_batch()
+                continue
+            if self._error is not None and not self._pending and now >= self._retry_at:
+                await self._write_progress()  # a probe: a failed progress write left nothing spooled to retry
                 continue
             if now >= next_progress:
                 next_progress = now + self.progress_s
@@ -147,12 +157,9 @@ class AuditWriter:
             if now >= next_recover and self._error is None:
                 next_recover = now + RECOVER_EVERY_S
                 await self._recover_others()
-            if self._error is not None and self.clock() - self._last_log >= LOG_EVERY_S:
-                self._log_state("audit store still failing")
             wait = next_progress - time.monotonic()
-            if self._pending:
+            if self._pending or self._error is not None:
                 wait = min(wait, self._retry_at - time.monotonic())
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait))
 
@@ -161,7 +168,7 @@ class AuditWriter:
         ops = [op for _, _, op in batch]
         self._writing_since = time.monotonic()
         try:
-            await asyncio.to_thread(self.store.write_audit_batch, ops, self.instance, self.clock())  # type: ignore[attr-defined]
+            await asyncio.to_thread(self.store.write_audit_batch, ops, self.instance, self.clock())
         except Exception as exc:  # noqa: BLE001 - every store error is a reason to spool, not to lose rows
             self._failed(exc)
             return
@@ -193,19 +200,19 @@ class AuditWriter:
                     fut.set_result(False)
             entry.waiters.clear()
         if first:
-            self._failed_at = self.clock()
-            self._last_log = self.clock()
+            self._failed_at = time.monotonic()
+            self._last_log = time.monotonic()
             log.error("audit store cannot be written (%s): spooling audit rows in memory (up to %d) and "
                       "retrying; /health reports degraded", reason, self.max_rows)
 
     def _recovered(self) -> None:
-        down = self.clock() - (self._failed_at or self.clock())
+        down = time.monotonic() - (self._failed_at or time.monotonic())
         log.warning("audit store writable again after %.1f s (%s); %d rows were spooled, %d dropped in all",
                     down, self._error, self._spooled_total, self._dropped_total)
         self._error, self._failed_at, self._failures = None, None, 0
 
     def _log_state(self, what: str) -> None:
-        self._last_log = self.clock()
+        self._last_log = time.monotonic()
         log.error("%s (%s): %d rows spooled now, %d spooled and %d dropped since start", what, self._error,
                   len(self._pending), self._spooled_total, self._dropped_total)
 
@@ -219,17 +226,19 @@ class AuditWriter:
             if tokens != last and key not in self._pending:  # a spooled open is not in the store yet
                 updates.append((key, tokens))
         try:
-            await asyncio.to_thread(self.store.write_audit_progress, updates, self.instance, self.clock())  # type: ignore[attr-defined]
+            await asyncio.to_thread(self.store.write_audit_progress, updates, self.instance, self.clock())
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
             return
         for key, tokens in updates:
             if key in self._live:
                 self._live[key] = (self._live[key][0], tokens)
+        if self._error is not None and not self._pending:
+            self._recovered()
 
     async def _recover_others(self) -> None:
         try:
-            n = await asyncio.to_thread(self.store.close_crashed_audit, self.instance, self.clock(), STALE_S)  # type: ignore[attr-defined]
+            n = await asyncio.to_thread(self.store.close_crashed_audit, self.instance, self.clock(), STALE_S)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
             return
