@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import CHAT_MODEL, start_server
+from tests.api.conftest import CHAT_MODEL, EMBED_MODEL, start_server
 from tests.api.sim_server import SimServer
 from tests.reliability.private_pg import PrivateCluster
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica
@@ -189,7 +189,8 @@ def test_kill_9_mid_stream_leaves_rows_the_restart_closes_as_gateway_crash(tmp_p
     assert len(ids) == 3 and all(left[i].status == OPEN_STATUS for i in ids), left
     assert all(left[i].completion_tokens > 0 and left[i].prompt_tokens > 0 for i in ids), left
 
-    again = start_server(tmp_path, "--model", CHAT_MODEL)  # the same data dir: its start closes them
+    # The same data dir: the gateway's start closes them (the small embedding model makes it quick).
+    again = start_server(tmp_path, "--model", EMBED_MODEL)
     try:
         store = GatewayStore(location)
         try:
