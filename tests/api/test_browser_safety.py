@@ -104,6 +104,17 @@ def test_docs_need_a_key_when_auth_is_on(keyed_url: str, url: str):
         assert httpx.get(url + path).status_code == 200  # auth off: open (loopback only)
 
 
+def test_public_docs_opens_them_with_auth_on(tmp_path):
+    gw = Gateway(GatewayStore(tmp_path / "gateway.sqlite3"), static_keys=[KEY])
+    srv = SimServer(SimulatedReplica("r0"), guard=gw, config=ApiSettings(public_docs=True))
+    url = srv.start()
+    try:
+        assert httpx.get(url + "/openapi.json").status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 401  # the API itself still needs the key
+    finally:
+        srv.stop()
+
+
 def test_serve_flags():
     cfg = build_config(build_parser().parse_args(
         ["serve", "--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--allowed-origins", "*",
