@@ -8,9 +8,12 @@ import logging
 import subprocess
 import sys
 
+import pytest
 from test_audit_cli import record
 
+from tokenpath.errors import ServiceUnavailableError
 from tokenpath.gateway import Gateway, GatewayStore
+from tokenpath.gateway.admin import create_key
 from tokenpath.gateway.audit_store import AuditOp, Instance
 from tokenpath.gateway.audit_writer import AuditWriter
 from tokenpath.gateway.base import CRASH_STATUS, GATEWAY_CRASH, OPEN_STATUS
@@ -97,3 +100,22 @@ async def test_a_full_spool_drops_and_counts_and_logs_once(tmp_path, clock, capl
 
 # Spooled rows written once the store is back: tests/reliability/test_audit_faults.py, on a really
 # full tmpfs and a really stopped PostgreSQL.
+
+
+async def test_an_unreachable_store_fails_auth_closed_unless_it_said_there_were_no_keys(tmp_path, clock):
+    """Auth stays off while the store is down only when this gateway saw it hold no key (none can be
+    made while it is down); a gateway that never got an answer refuses with 503, not anonymous."""
+    keyed = GatewayStore(tmp_path / "keyed.sqlite3")
+    create_key(keyed, "acme", now=clock())
+    gw = Gateway(keyed, clock=clock)
+    keyed.close()  # down before any request
+    with pytest.raises(ServiceUnavailableError) as err:
+        await gw.authenticate({})
+    assert err.value.code == "store_unavailable"
+    assert gw.auth_enabled  # operator endpoints stay shut too
+
+    empty = GatewayStore(tmp_path / "empty.sqlite3")
+    gw = Gateway(empty, clock=clock)
+    assert (await gw.authenticate({})).tenant == "anonymous"  # the store said: no keys
+    empty.close()
+    assert (await gw.authenticate({})).tenant == "anonymous" and not gw.auth_enabled

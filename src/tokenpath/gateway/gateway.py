@@ -112,6 +112,7 @@ class Gateway:
         self._keys_exist = False  # once true it stays true: key rows are revoked, never deleted
         self._touched: dict[str, float] = {}
         self._store_down_logged = False
+        self._keys_checked = False  # the store has answered has_keys at least once (auth off only then)
         self.audit_writer = AuditWriter(store, Instance.current(), clock=clock)
         self._close_crashed()
 
@@ -132,7 +133,10 @@ class Gateway:
         if not self._keys_exist:
             try:
                 self._keys_exist = self.store.has_keys()
-            except Exception as exc:  # noqa: BLE001 - as in `authenticate`: no key seen, none can be made now
+                self._keys_checked = True
+            except Exception as exc:  # noqa: BLE001 - as in `authenticate`
+                if not self._keys_checked:
+                    return True  # never seen the store answer: keys may exist, so operator endpoints stay shut
                 self._store_down(exc)
         return self._keys_exist
 
@@ -148,11 +152,14 @@ class Gateway:
             try:
                 has_keys = await asyncio.to_thread(self.store.has_keys)
             except Exception as exc:  # noqa: BLE001
+                if not self._keys_checked:  # fail closed: never seen the store say there are no keys
+                    raise store_unavailable(exc, "API keys cannot be checked") from None
                 # No key was there at the last look, and none can be made while the store is down:
                 # auth stays off (the audit writer reports the outage; this is logged once per outage).
                 self._store_down(exc)
                 return Principal()
             self._store_down_logged = False
+            self._keys_checked = True
             if not has_keys:
                 return Principal()
             self._keys_exist = True
