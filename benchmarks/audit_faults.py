@@ -136,6 +136,7 @@ def disk_fault(fault_s: float, clients: int) -> dict:
         return asyncio.run(run_fault("disk full (tmpfs)", location, fill, filler.unlink, fault_s, clients))
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+        mnt.rmdir()
 
 
 def postgres_fault(fault_s: float, clients: int) -> dict:
