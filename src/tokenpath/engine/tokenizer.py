@@ -73,9 +73,9 @@ class IncrementalDetokenizer:
 
 
 def _cache_dir() -> Path:
-    from tokenpath.config import resolve_data_dir
+    from tokenpath.config import data_subdir
 
-    return resolve_data_dir() / "tokenizers"
+    return data_subdir("tokenizers")  # 0700, as the data dir (save_pretrained would make it 0755)
 
 
 def _load_hf_tokenizer(source: Path):
