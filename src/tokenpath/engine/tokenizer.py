@@ -29,6 +29,10 @@ class Tokenizer:
         self.chat_template: str | None = getattr(self._hf, "chat_template", None)
         self.all_special_ids = set(self._hf.all_special_ids)
 
+    @property
+    def hf(self):  # noqa: ANN201 - the transformers tokenizer, for libraries that build on it (llguidance)
+        return self._hf
+
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=True).ids
 
@@ -39,12 +43,16 @@ class Tokenizer:
         """The text of one token as OpenAI logprobs show it."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """`tools` (OpenAI tool definitions) go to templates that render them (Qwen, Llama 3.1);
+        the API renders tools itself for templates that know none (`api/tools.py`)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        extra = {"tools": tools} if tools else {}
         try:
             text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, **extra)
         except Exception as exc:  # a template error is the caller's input, e.g. an unsupported role order
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
         return self.backend.encode(text, add_special_tokens=False).ids
