@@ -241,3 +241,21 @@ def test_metrics_count_structured_and_tool_requests(server, client):
     text = httpx.get(server.url + "/metrics").text
     kinds = dict(re.findall(r'^tokenpath:structured_requests_total\{kind="(\w+)"\} (\S+)$', text, re.M))
     assert float(kinds.get("json", 0)) >= 1, kinds
+
+
+@pytest.mark.slow
+def test_replicas_engine_processes_enforce_the_schema(server_factory):
+    """`--replicas 2`: the spec crosses the engine link and each engine process compiles it."""
+    srv = server_factory("--model", CHAT, "--num-kv-blocks", "256", "--replicas", "2")
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        for i in range(3):  # short distinct prompts rotate over the idle replicas
+            r = http.post("/v1/chat/completions", json={
+                "model": CHAT, "messages": [{"role": "user", "content": f"Person {i} as JSON."}], "max_tokens": 60,
+                "temperature": 0.8, "response_format": _schema_format(SCHEMAS[0])})
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(c["message"]["content"]), SCHEMAS[0])
+        r = http.post("/v1/chat/completions", json={"model": CHAT, "messages": WEATHER_ASK, "tools": [WEATHER],
+                                                    "tool_choice": "required", "max_tokens": 80})
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text

@@ -261,6 +261,8 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]
         content = content.replace(m.group(0), "", 1)
     if not calls:
         return text, []
+    if not plan.parallel:
+        calls = calls[:1]  # parallel_tool_calls false: one call, as OpenAI makes
     content = content.strip()
     return content or None, calls
 
