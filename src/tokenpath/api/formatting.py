@@ -196,7 +196,7 @@ def chat_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None
     }
 
 
-ARGUMENT_FRAGMENT = 32  # characters of arguments per streamed delta
+ARGUMENT_FRAGMENT = 16  # characters of arguments per streamed delta
 
 
 def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
