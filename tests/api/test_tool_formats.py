@@ -4,6 +4,7 @@ parsing, the streamed deltas, and the prompt each family's template is given."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -12,9 +13,12 @@ from tokenpath.api import formatting as fmt
 from tokenpath.api import tools
 from tokenpath.api.inputs import chat_messages
 from tokenpath.api.schemas import ChatCompletionRequest
+from tokenpath.api.structured import compile_checked
 from tokenpath.engine.loader import resolve_model_path
 from tokenpath.engine.structured import GrammarCache
 from tokenpath.engine.tokenizer import Tokenizer
+from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.sampling_params import StructuredOutput
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
@@ -110,3 +114,16 @@ def test_prompts_per_family():
     messages, passed = chat_messages(body, plan, None)
     assert passed is None and messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+
+
+def test_compile_over_the_time_bound_is_a_400_and_a_hit_is_free(cache):
+    _, tok = cache
+    spec = StructuredOutput("json", json.dumps({"type": "object", "properties": {
+        f"bound_{i}": {"type": "string", "pattern": "^[a-z]{3,9}-[0-9]+$"} for i in range(40)}}))
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(compile_checked(tok, spec, "response_format", timeout=1e-6))
+    assert err.value.code == "grammar_too_complex" and err.value.param == "response_format"
+    small = StructuredOutput("regex", "[0-9]{2}")
+    first = asyncio.run(compile_checked(tok, small, "guided_regex"))
+    again = asyncio.run(compile_checked(tok, small, "guided_regex"))
+    assert not first.cache_hit and again.cache_hit and again.compile_ms == 0.0

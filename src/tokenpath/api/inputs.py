@@ -161,6 +161,8 @@ def chat_messages(body: ChatCompletionRequest, plan: tool_calls.ToolPlan | None,
         return messages, None
     if fmt != "tagged":
         return messages, plan.template_tools()
+    if plan.choice == "none":  # no calls wanted: a template without tools is told of none
+        return messages, None
     listing = tool_calls.tagged_system_prompt(plan)
     if messages and messages[0]["role"] == "system":
         messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + listing}

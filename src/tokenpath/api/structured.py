@@ -154,22 +154,13 @@ class CompileInfo:
     cache_hit: bool
 
 
-def grammar_cache(tokenizer: Any) -> GrammarCache:
-    """The gateway's compiled grammars of one tokenizer, kept on the tokenizer object itself (one
-    cache per (schema, tokenizer), and an in-process engine sharing the tokenizer shares it)."""
-    cache = getattr(tokenizer, "_tokenpath_grammars", None)
-    if cache is None:
-        cache = GrammarCache(tokenizer.hf, tokenizer.vocab_size)
-        tokenizer._tokenpath_grammars = cache
-    return cache
-
-
 async def compile_checked(tokenizer: Any, spec: StructuredOutput, param: str,
                           timeout: float = COMPILE_TIMEOUT_S) -> CompileInfo:
     """Compile off the event loop, bounded; what the library refuses becomes a 400 naming it."""
+    cache: GrammarCache = await asyncio.to_thread(lambda: tokenizer.grammars)  # first use: ~1 s, once
     start = time.perf_counter()
     try:
-        found = await asyncio.wait_for(asyncio.to_thread(grammar_cache(tokenizer).get, spec), timeout)
+        found = await asyncio.wait_for(asyncio.to_thread(cache.get, spec), timeout)
     except TimeoutError:
         raise InvalidRequestError(f"{param}: compiling this constraint took longer than {timeout:g} s; simplify "
                                   "it", param=param, code="grammar_too_complex") from None

@@ -22,7 +22,7 @@ from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
-from tokenpath.engine.structured import GrammarCache, GrammarState
+from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
@@ -50,7 +50,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_token_threshold)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
-        self._grammars: GrammarCache | None = None  # built on the first structured request
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.prompt_tokens = 0
@@ -105,11 +104,11 @@ class EngineCore:
                                                  request.prompt)
 
     def _grammar(self, spec: StructuredOutput) -> GrammarState:
-        """A fresh matcher for one choice, from this engine's cache (the API compiled the spec once
-        already, bounded in time, so a miss here costs about a millisecond)."""
-        if self._grammars is None:
-            self._grammars = GrammarCache(self.tokenizer.hf, self.tokenizer.vocab_size)
-        found = self._grammars.get(spec)
+        """A fresh matcher for one choice, from the tokenizer's cache (the API compiled the spec once
+        already, bounded in time, so a miss here costs milliseconds; an in-process engine shares the
+        API's cache and hits). An engine process pays once, on its first structured request, for
+        reading the vocabulary into llguidance (about a second)."""
+        found = self.tokenizer.grammars.get(spec)
         return GrammarState(found.matcher, found.compile_seconds, found.hit)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 import warnings
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 
 
@@ -28,6 +30,19 @@ class Tokenizer:
         self.vocab_size: int = len(self._hf)
         self.chat_template: str | None = getattr(self._hf, "chat_template", None)
         self.all_special_ids = set(self._hf.all_special_ids)
+        self._grammars: GrammarCache | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled grammars for this tokenizer, one cache per (spec, tokenizer). Built on first
+        use, not at load: reading the vocabulary into llguidance takes a second or two, which only
+        structured requests should pay (the API builds it off the event loop; an in-process engine
+        then shares it)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self._hf, self.vocab_size)
+            return self._grammars
 
     @property
     def hf(self):  # noqa: ANN201 - the transformers tokenizer, for libraries that build on it (llguidance)
