@@ -49,7 +49,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep = run.route(body.model, "chat" if chat else "completion")
         floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
-        plan, spec = _constraint(body, dep.tokenizer.chat_template)
+        plan, spec = _constraint(body, getattr(dep.tokenizer, "chat_template", None))
         if spec is not None:
             info = await structured.compile_checked(dep.tokenizer, spec, _spec_param(body, spec))
             run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,

@@ -44,8 +44,9 @@ class Sampler:
         if constrained:
             if self._masks is None:
                 self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
+            may_empty = [j for j, i in enumerate(constrained) if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
             logits = apply_grammar_masks(self._masks, logits, raw, constrained,
-                                         [seqs[i].grammar for i in constrained])  # type: ignore[misc]
+                                         [seqs[i].grammar for i in constrained], may_empty)  # type: ignore[misc]
         tokens = self._sample(logits, seqs)
         for i in constrained:
             seqs[i].grammar.accept(tokens[i])  # type: ignore[union-attr]

@@ -43,8 +43,10 @@ def grammar_text(spec: StructuredOutput) -> str:
             schema = json.loads(spec.spec)
         except ValueError as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            raise GrammarError("the JSON schema must be an object")
+        if schema is True:
+            schema = {}  # JSON Schema's `true`: any JSON value
+        if schema is False or not isinstance(schema, dict):
+            raise GrammarError("the JSON schema must be an object (`false` matches nothing)")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as exc:
@@ -85,7 +87,7 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -
 def _describe(spec: StructuredOutput, error: str) -> str:
     what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]
     first = error.strip().splitlines()[0] if error.strip() else "unknown error"
-    if "Unimplemented" in error or "unimplemented" in error or "not supported" in error:
+    if any(w in error for w in ("Unimplemented", "unimplemented", "not supported", "Unknown format")):
         return (f"this {what} uses a feature that constrained decoding cannot enforce here ({first}); "
                 "remove it or express it another way")
     return f"invalid {what}: {first}"

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch as llt
+import numpy as np
 import torch
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -59,38 +58,49 @@ class MaskBuilder:
             self._buf = torch.zeros((max(rows, 8), words), dtype=torch.int32)
         return self._buf[:rows]
 
-    def allowed(self, states: list[GrammarState], vocab: int) -> torch.Tensor:
-        """A (rows, vocab) bool tensor: which tokens each grammar allows next (ids past the
-        tokenizer's vocabulary, a padded logits row, are never allowed)."""
+    def disallowed(self, states: list[GrammarState], vocab: int) -> torch.Tensor:
+        """A (rows, vocab) bool tensor, True where a grammar forbids the token next (ids past the
+        tokenizer's vocabulary, a padded logits row, are always forbidden). Unpacked with numpy's
+        `unpackbits` from the inverted bitmask: torch shifts over rows x vocab cost as much as a
+        softmax on a busy CPU."""
         start = time.perf_counter()
-        words = self.words
-        mask = self._bitmask(len(states), words)
+        mask = self._bitmask(len(states), self.words)
         if len(states) == 1:
             llt.fill_next_token_bitmask(states[0].matcher, mask, 0)
         else:
             llt.fill_next_token_bitmask_par(self.executor, [(s.matcher, i) for i, s in enumerate(states)], mask)
-        allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).bool().view(len(states), words * 32)[:, :vocab]
-        if allowed.shape[1] < vocab:  # logits padded past the tokenizer: those ids are never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        bits = np.unpackbits(np.bitwise_not(mask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        out = torch.from_numpy(bits).view(torch.bool)
+        if out.shape[1] >= vocab:
+            out = out[:, :vocab]
+        else:  # logits padded past the tokenizer: those ids are never allowed
+            out = torch.nn.functional.pad(out, (0, vocab - out.shape[1]), value=True)
         per_row = (time.perf_counter() - start) / len(states)
         for s in states:
             s.mask_seconds += per_row
             s.masked_steps += 1
-        return allowed
+        return out
 
 
-def apply_grammar_masks(builder: MaskBuilder, logits: torch.Tensor, raw: torch.Tensor,
-                        rows: list[int], states: list[GrammarState]) -> torch.Tensor:
-    """`logits` with each constrained row's disallowed tokens at -inf. A row that penalties and
-    the grammar together leave empty (min_tokens banning the EOS the grammar requires) takes the
-    grammar's mask over the raw logits: the grammar is what the client asked to be guaranteed."""
-    allowed = builder.allowed(states, logits.shape[-1])
-    idx = torch.tensor(rows)
-    sub = logits[idx].masked_fill(~allowed, -float("inf"))
-    empty = torch.isinf(sub).all(dim=-1)
-    if bool(empty.any()):
-        sub[empty] = raw[idx][empty].masked_fill(~allowed[empty], -float("inf"))
+def apply_grammar_masks(builder: MaskBuilder, logits: torch.Tensor, raw: torch.Tensor, rows: list[int],
+                        states: list[GrammarState], may_empty: list[int]) -> torch.Tensor:
+    """`logits` with each constrained row's forbidden tokens at -inf (in place on a copy; the raw
+    logits stay as they were, for logprobs). `may_empty` are the positions in `rows` whose
+    penalties put -inf somewhere (min_tokens banning EOS): if that and the grammar together leave
+    nothing, the row takes the grammar's mask over its raw logits, since the grammar is what the
+    client asked to be guaranteed."""
+    forbidden = builder.disallowed(states, logits.shape[-1])
     if logits is raw:
         logits = logits.clone()
-    logits[idx] = sub
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(forbidden, -float("inf"))
+        sub, write_back = logits, False
+    else:
+        idx = torch.tensor(rows)
+        sub, write_back = logits[idx].masked_fill_(forbidden, -float("inf")), True
+    for j in may_empty:
+        if bool(torch.isinf(sub[j]).all()):
+            sub[j] = raw[rows[j]].masked_fill(forbidden[j], -float("inf"))
+    if write_back:
+        logits[torch.tensor(rows)] = sub
     return logits
