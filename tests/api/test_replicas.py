@@ -92,7 +92,8 @@ def test_same_stages_same_tokens_in_process_and_over_the_link(servers):
 def test_histograms_count_every_request_over_the_link(servers):
     _, replicas = servers
     names = ("time_to_first_token_seconds", "request_gateway_time_seconds", "request_queue_time_seconds",
-             "request_engine_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
+             "request_gateway_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+             "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens")
     before = {n: hist_count(replicas, n) for n in names}
     for i in range(4):
         chat(replicas, f"Count to {i + 2}.")

@@ -75,6 +75,13 @@ def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served,
         rid = request_id[0]
         row = page.wait_for_selector(f"tr.inflight-row[data-request-id='{rid}'][data-stage='decode']", timeout=60_000)
         assert "decode" in row.inner_text()
+        # The numbers move while it decodes: its token count grows, and so does the replica's tok/s.
+        tokens = f"tr.inflight-row[data-request-id='{rid}'] td.tokens"
+        first = int(page.inner_text(tokens))
+        page.wait_for_function(f"Number(document.querySelector(\"{tokens}\")?.textContent) > {first}",
+                               timeout=30_000)
+        page.wait_for_function("[...document.querySelectorAll('#replicas td.tok-s')].some(td => "
+                               "Number(td.textContent) > 0)", timeout=30_000)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard-decode.png"), full_page=True)
         worker.join(300)
@@ -83,6 +90,12 @@ def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served,
         assert page.query_selector(f"tr.inflight-row[data-request-id='{rid}']") is None
         assert page.query_selector("#stages tr[data-stage='decode']") is not None
         assert page.query_selector("#replicas tr[data-replica]") is not None
+        # The error panel and the per-tenant rows count what happened in the window.
+        assert httpx.post(served.url + "/v1/chat/completions", headers=served.headers(),
+                          json=chat(2, n=0)).status_code == 400
+        page.wait_for_function("Number(document.querySelector('#errors-row td:nth-child(2)')?.textContent) >= 1",
+                               timeout=15_000)
+        page.wait_for_selector("#tenants tr[data-tenant='acme']", timeout=15_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     finally:
         worker.join(300)

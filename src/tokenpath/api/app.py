@@ -18,6 +18,7 @@ from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
+from tokenpath.api.tokenize import router as tokenize_routes
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
 from tokenpath.telemetry.metrics import ServerMetrics
@@ -48,6 +49,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(api_routes)
     app.include_router(dashboard_routes)
+    app.include_router(tokenize_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout)

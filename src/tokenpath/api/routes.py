@@ -10,7 +10,7 @@ from tokenpath.api import generation
 from tokenpath.api.embeddings import handle_embeddings
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
-from tokenpath.errors import NotFoundError, PermissionDeniedError
+from tokenpath.errors import NotFoundError, PermissionDeniedError, TokenpathError
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -92,15 +92,30 @@ async def require_admin(state: AppState, request: Request, endpoint: str) -> Non
     if not principal.admin:
         raise PermissionDeniedError(
             f"{endpoint} needs an admin key: a `serve --api-key` key or one made with `tokenpath keys create "
-            "--admin`" + (" (or start serve with --metrics-public)" if endpoint == "/metrics" else ""),
+            "--admin`" + (" (serve runs with --metrics-require-key)" if endpoint == "/metrics" else ""),
             param="Authorization", code="admin_key_required")
+
+
+async def _is_admin(state: AppState, request: Request) -> bool:
+    """Whether the caller may see operator-only data; a missing or bad key just means no."""
+    if not state.guard.auth_enabled:
+        return True
+    try:
+        return (await state.guard.authenticate(request.headers)).admin
+    except TokenpathError:
+        return False
 
 
 @router.get("/metrics")
 async def metrics(request: Request, state: AppState = Depends(get_state)) -> Response:
-    if not state.config.metrics_public:  # it names tenants and models: not for every key holder
+    """vLLM's convention: open to scrapers. Tenant names (tenant series) need an admin key,
+    unless the operator published them (`--metrics-public`); `--metrics-require-key` closes it all."""
+    if state.config.metrics_require_key:
         await require_admin(state, request, "/metrics")
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        tenants = True
+    else:
+        tenants = state.config.metrics_public or await _is_admin(state, request)
+    return Response(state.metrics.render(tenants=tenants), media_type=CONTENT_TYPE)
 
 
 @router.post("/reset_prefix_cache")

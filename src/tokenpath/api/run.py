@@ -69,7 +69,7 @@ class RequestRun:
         self.error_code: str | None = None
         self.sampling: SamplingParams | None = None  # set once the body is validated (trace attributes)
         begin_trace(self.timeline, request.headers)
-        state.live.started(self.timeline, endpoint)
+        state.live.started(self.timeline, endpoint, self.token_times)  # (the same list, as it grows)
 
     # -- the guard, in its fixed order ------------------------------------------------------------
     async def authenticate(self) -> Principal:

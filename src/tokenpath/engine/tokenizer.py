@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -117,6 +118,7 @@ def _load_hf_tokenizer(source: Path):
             tok.save_pretrained(str(tmp))
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
+            shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as exc:
