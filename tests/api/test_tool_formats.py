@@ -127,3 +127,34 @@ def test_compile_over_the_time_bound_is_a_400_and_a_hit_is_free(cache):
     first = asyncio.run(compile_checked(tok, small, "guided_regex"))
     again = asyncio.run(compile_checked(tok, small, "guided_regex"))
     assert not first.cache_hit and again.cache_hit and again.compile_ms == 0.0
+
+
+@pytest.mark.parametrize("template", [QWEN, LLAMA, None])
+def test_constrained_calls_stream_arguments_while_generated(template):
+    plan = tools.parse_tools([ADD, ECHO], "required", None, template)
+    if plan.fmt == "llama3":
+        text = '{"name": "echo", "parameters": {"s": "a}b </tool_call> {x}"}}'
+    else:
+        nl = "\n" if plan.fmt == "hermes" else ""
+        one = f'<tool_call>{nl}{{"name": "echo", "arguments": {{"s": "a}}b {{x}}"}}}}{nl}</tool_call>'
+        text = one + "\n" + one.replace("echo", "add").replace('{"s": "a}b {x}"}', '{"a": 1, "b": 22}')
+    ch, out = fmt.Choice(0), []
+    for i in range(0, len(text), 3):  # a few characters per step, as tokens arrive
+        ch.text = text[:i + 3]
+        done = i + 3 >= len(text)
+        out += fmt.chat_tool_chunk_choices(ch, None, "stop" if done else None, False, plan)
+    calls: dict[int, dict] = {}
+    before_end = 0
+    for n, c in enumerate(out):
+        for tc in c["delta"].get("tool_calls", []):
+            if "id" in tc:
+                assert tc["index"] not in calls and tc["function"]["arguments"] == ""
+                calls[tc["index"]] = {"name": tc["function"]["name"], "args": ""}
+            else:
+                calls[tc["index"]]["args"] += tc["function"]["arguments"]
+                before_end += n < len(out) - 3
+    assert out[-1]["finish_reason"] == "tool_calls"
+    assert before_end > 0  # arguments went out before the reply finished
+    _, parsed = tools.parse_calls(text, plan)
+    assert [(c["name"], json.loads(c["args"])) for c in calls.values()] == \
+        [(p.name, json.loads(p.arguments)) for p in parsed]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenpath.api.tools import ToolPlan, call_start, parse_calls
+from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, streamed_calls
 from tokenpath.protocol.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenpath.telemetry.timeline import Timeline
 
@@ -23,6 +23,8 @@ class Choice:
     finish_reason: str | None = None
     started: bool = False  # for streaming chat: the first delta carries the role
     content_sent: int = 0  # streaming with tools: characters of `text` already sent as content
+    call_ids: list[str] = field(default_factory=list)  # streaming constrained calls: ids sent so far
+    args_sent: list[int] = field(default_factory=list)  # ... and characters of arguments sent per call
 
 
 @dataclass
@@ -216,6 +218,9 @@ def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, fin
         out.append({"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": reason})
         lp = None
 
+    if plan.choice in ("required", "named"):
+        _stream_constrained(ch, finish_reason, plan, emit)
+        return out
     start = call_start(ch.text, plan)
     safe = len(ch.text) if start == -1 or finish_reason is not None and finish_reason != "stop" else start
     calls = parse_calls(ch.text, plan)[1] if finish_reason == "stop" else []
@@ -234,6 +239,25 @@ def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, fin
     elif not out and (lp is not None or not ch.started):
         emit({})
     return out
+
+
+def _stream_constrained(ch: Choice, finish_reason: str | None, plan: ToolPlan, emit) -> None:  # noqa: ANN001
+    """`required` / named calls: the grammar guarantees their shape, so each call's first delta
+    goes out as soon as its name is written and its arguments stream while they are generated."""
+    calls = streamed_calls(ch.text, plan, finished=finish_reason is not None)
+    for k, (name, args) in enumerate(calls):
+        if k == len(ch.call_ids):
+            ch.call_ids.append(ParsedCall(name, "").id)
+            ch.args_sent.append(0)
+            emit({"tool_calls": [{"index": k, "id": ch.call_ids[k], "type": "function",
+                                  "function": {"name": name, "arguments": ""}}]})
+        if len(args) > ch.args_sent[k]:
+            emit({"tool_calls": [{"index": k, "function": {"arguments": args[ch.args_sent[k]:]}}]})
+            ch.args_sent[k] = len(args)
+    if finish_reason is not None:
+        emit({}, "tool_calls" if finish_reason == "stop" and calls else finish_reason)
+    elif not ch.started:
+        emit({})
 
 
 def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,

@@ -283,3 +283,36 @@ def call_start(text: str, plan: ToolPlan) -> int:
         if text.endswith(OPEN[:k]):
             return len(text) - k
     return -1
+
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def streamed_calls(text: str, plan: ToolPlan, finished: bool) -> list[tuple[str, str]]:
+    """(name, arguments so far) of each call in a *constrained* reply as it is being written, for
+    streaming arguments while they are generated. The grammar fixed the shape (`{"name": ...,
+    "arguments": ...}`, compact), so the name is known once its string closes, and the arguments
+    text sent is always a prefix of the final one: an open call holds back its last
+    len(CLOSE) + 1 characters and any trailing braces, which may be the call's own end."""
+    if plan.fmt == "llama3":
+        body = text.lstrip().removeprefix("<|python_tag|>")
+        bodies = [(body, finished)]
+    else:
+        bodies = []
+        for seg in text.split(OPEN)[1:]:
+            end = seg.find(CLOSE)
+            bodies.append((seg, False) if end == -1 else (seg[:end], True))
+        if finished and bodies:
+            bodies[-1] = (bodies[-1][0], True)
+    out = []
+    for body, closed in bodies:
+        m = _HEAD.match(body)
+        if m is None:
+            break
+        args = body[m.end():]
+        if closed:
+            args = args.rstrip().removesuffix("}").rstrip()
+        else:
+            args = args[:max(0, len(args) - len(CLOSE) - 1)].rstrip("} \n\t")
+        out.append((json.loads('"' + m.group(1) + '"'), args))
+    return out
