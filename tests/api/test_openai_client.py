@@ -102,6 +102,17 @@ def test_chat_stream_with_usage(client):
     assert text
 
 
+def test_continuous_usage_stats_puts_the_counts_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (guidellm always sends it)."""
+    chunks = list(client.chat.completions.create(
+        model=CHAT_MODEL, messages=HELLO, max_tokens=6, stream=True, temperature=0,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+
+
 def test_chat_stream_without_usage_carries_timing_on_the_finish_chunk(client):
     chunks = list(client.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=4, stream=True))
     last = chunks[-1]

@@ -211,8 +211,11 @@ class Generation:
 
     # -- streaming ------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:
-        return fmt.chunk(self.run.id, self.run.created, self.model, self.chat, choices,
-                         include_usage=self.body.include_usage)
+        chunk = fmt.chunk(self.run.id, self.run.created, self.model, self.chat, choices,
+                          include_usage=self.body.include_usage)
+        if self.body.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, on every chunk
+            chunk["usage"] = self.acc.usage()
+        return chunk
 
     def _chunks(self, part: int, out: RequestOutput) -> list[dict]:
         make = fmt.chat_chunk_choice if self.chat else fmt.completion_chunk_choice

@@ -131,6 +131,8 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extra (guidellm always sends it): with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 # No length bound here: a bound inside the union would make 1,000 strings fail as "Input should be a
@@ -182,6 +184,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
