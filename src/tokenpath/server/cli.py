@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "an admin key of tenant 'default' with no limits; stored keys keep working too")
     serve.add_argument("--metrics-public", action="store_true", default=None,
                        help="serve /metrics without a key even when auth is on (it names tenants)")
+    live = serve.add_argument_group("replica liveness (engine processes, Ray actors, URLs)")
+    live.add_argument("--stall-timeout", type=float, metavar="S",
+                      help="a replica silent this long is ejected and its requests retried or failed (5)")
+    live.add_argument("--first-token-timeout", type=float, metavar="S",
+                      help="a request with no first token this long after dispatch is released (600)")
+    live.add_argument("--token-timeout", type=float, metavar="S",
+                      help="a request with no next token for this long is released (300)")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
@@ -63,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
-                        limits_fail_open=None, ray=None, embedding_replicas=1)
+                        limits_fail_open=None, ray=None, embedding_replicas=1, stall_timeout=None,
+                        first_token_timeout=None, token_timeout=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -118,7 +126,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
                                             "data_dir", "database_url", "metrics_public", "redis_url",
-                                            "limits_fail_open")}
+                                            "limits_fail_open", "stall_timeout", "first_token_timeout",
+                                            "token_timeout")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
