@@ -16,6 +16,7 @@ reading the gateway's internals: the rendezvous hash is the router's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tests.api.conftest import Server, start_server
 from tests.engine.tiny_models import save_tiny
-
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.routing.replicas import _hrw
 
@@ -64,10 +65,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
 
 
 def with_signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def body(name: str, max_tokens: int, stream: bool = False) -> dict:
