@@ -1,5 +1,5 @@
 """A frozen engine holds no request hostage (issue 23): `tokenpath serve --replicas 2` with a tiny
-model, one engine process SIGSTOPped for a few seconds under traffic, with a 2 s stall bound.
+model, one engine process SIGSTOPped for a few seconds under traffic, with a 3 s stall bound.
 
 Checked, each against the real processes: the frozen engine is ejected and logged
 (`replica_ejected`, reason `stalled`) within the bound; no request is routed to it after the bound;
@@ -33,7 +33,7 @@ from tests.engine.tiny_models import save_tiny
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.routing.replicas import _hrw
 
-STALL_S = 2.0
+STALL_S = 3.0
 SHUTDOWN_S = 3.0
 VICTIM, OTHER = "engine-0", "engine-1"
 
