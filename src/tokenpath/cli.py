@@ -53,7 +53,11 @@ def exit_now(code: int) -> None:
     import atexit
     import logging
     import os
+    import threading
 
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is not None:  # what a normal exit does first: join non-daemon threads and
+        shutdown_threads()  # run their exit hooks (executors finishing queued work)
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
