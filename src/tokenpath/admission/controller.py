@@ -72,6 +72,7 @@ class FlowController:
         self.capacity = CapacityEstimator(self.config.initial_service_s, self.config.ewma_alpha)
         self._ticker: asyncio.Task | None = None
         self._depth_seen: set[tuple[int, str]] = set()
+        metrics.publish_queue_depth(deployment, {}, self._depth_seen)  # the total's series exists at 0
 
     # -- the decision ------------------------------------------------------------------------
     def queue_deadline(self, priority: int, received: float, deadline: float | None) -> float:

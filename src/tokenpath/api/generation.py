@@ -56,7 +56,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         prompts, texts = await prompt_ids(state, dep, body)
         params = sampling_params(state, dep, body, prompts, bias)
         run.sampling = params
-        await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
+        prompt_tokens = sum(len(p) for p in prompts)
+        await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))

@@ -108,7 +108,8 @@ def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
                                   "choices", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > caps.max_stop:
-        raise InvalidRequestError(f"stop has {len(stop)} entries, over the limit of {caps.max_stop}",
+        raise InvalidRequestError(f"stop has {len(stop)} entries, over this server's limit of {caps.max_stop} "
+                                  "stop sequences (caps.max_stop)",
                                   param="stop")
     per_token = max_token_bytes(dep.tokenizer)
     if isinstance(body, ChatCompletionRequest):

@@ -124,7 +124,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Stop = str | Annotated[list[str], Field(max_length=64)] | None
+# No length bound here: a bound inside the union would make 1,000 strings fail as "Input should be a
+# valid string"; `inputs.check_caps` refuses more than `caps.max_stop` with a message naming the cap.
+Stop = str | list[str] | None
 
 
 class _SamplingFields(_Body):

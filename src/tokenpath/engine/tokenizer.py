@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -72,9 +73,9 @@ class IncrementalDetokenizer:
 
 
 def _cache_dir() -> Path:
-    from tokenpath.config import resolve_data_dir
+    from tokenpath.config import data_subdir
 
-    return resolve_data_dir() / "tokenizers"
+    return data_subdir("tokenizers")  # 0700, as the data dir (save_pretrained would make it 0755)
 
 
 def _load_hf_tokenizer(source: Path):
@@ -94,6 +95,7 @@ def _load_hf_tokenizer(source: Path):
             tok.save_pretrained(str(tmp))
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
+            shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as exc:
