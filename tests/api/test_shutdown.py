@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -53,10 +54,12 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(server_factory):
     short_thread = threading.Thread(target=short_request)
     short_thread.start()
     short_thread.join(timeout=0.3)
+    signalled = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     long_thread.join(timeout=120)
     short_thread.join(timeout=120)
     assert srv.proc.wait(timeout=60) == 0, srv.output()[-3000:]
+    assert time.monotonic() - signalled < 4 + 2, "shutdown must fit in --shutdown-timeout plus 2 s"
 
     assert short["status"] == 200 and short["body"]["choices"][0]["finish_reason"] == "length"
     assert events[-1] == {"done": True}

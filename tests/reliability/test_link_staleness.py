@@ -17,8 +17,9 @@ from tokenpath.replica.link_client import STALE_AFTER_S, EngineLinkReplica
 def replica_with_state_age(age_s: float) -> EngineLinkReplica:
     rep = EngineLinkReplica("engine-x", secret="unused")
     rep._down_reason = None  # linked, as `connect()` leaves it (no engine needed for this check)
+    rep.liveness.active = True
     rep._state = {"healthy": True, "running": 1, "waiting": 0, "kv": 0.1}
-    rep._state_at = time.monotonic() - age_s
+    rep.liveness.heard_at = time.monotonic() - age_s
     return rep
 
 
@@ -30,4 +31,4 @@ def test_a_state_push_two_seconds_late_is_still_healthy():
 
 def test_an_engine_silent_past_the_limit_is_unhealthy_and_says_why():
     state = replica_with_state_age(STALE_AFTER_S + 1).state()
-    assert not state.healthy and "no state from the engine" in (state.detail or "")
+    assert not state.healthy and "stalled: nothing from the engine" in (state.detail or "")

@@ -38,11 +38,12 @@ def pack(msg: dict) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict:
-    """The next frame; raises `asyncio.IncompleteReadError` at EOF, `FrameError` on garbage."""
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict:
+    """The next frame; raises `asyncio.IncompleteReadError` at EOF, `FrameError` on garbage or on a
+    frame over `limit` bytes (refused from its length prefix, before its body is read)."""
     (n,) = _LEN.unpack(await reader.readexactly(4))
-    if n > MAX_FRAME:
-        raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME} byte limit")
+    if n > limit:
+        raise FrameError(f"frame of {n} bytes is over the {limit} byte limit")
     return _unpack(await reader.readexactly(n))
 
 

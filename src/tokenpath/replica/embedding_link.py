@@ -50,7 +50,7 @@ class EmbeddingLinkReplica(EngineLinkReplica):
         if entry is not None:
             out = decode_embedding_output(msg)
             out.events = out.events.shifted(-self.offset)
-            entry[1].put_nowait(out)
+            self._deliver(entry, out)
 
     async def reset_prefix_cache(self) -> int:
         return 0  # an encoder keeps no prefix cache

@@ -12,11 +12,13 @@ the shortest round trip, NTP-style: `offset = engine_now - (sent + received) / 2
 half that round trip (tens of microseconds on loopback). Engine event times are shifted by it on
 receipt, and `replica.events.stamp_events` clamps them into what the gateway saw.
 
-Health: unhealthy the moment the link closes (a dead or killed engine: at once), or when no state
-has arrived for `STALE_AFTER_S` (an engine that is alive but wedged). That second check is slow on
-purpose: on a busy machine a push, or the gateway's own reading of it, can lag by over a second,
-and a 1 s limit then turned every replica "unhealthy" together and answered 503 no_healthy_replica
-(seen in the soak, benchmarks/results/soak_before.md).
+Health: unhealthy the moment the link closes (a dead or killed engine: at once), or when nothing
+has arrived for the stall bound (an engine that is alive but frozen or wedged): then
+`replica.liveness` ejects it and releases its in-flight requests (retried elsewhere before their
+first token, a clean 503 after). The bound (`STALE_AFTER_S` by default) is not tighter on purpose:
+on a busy machine a push, or the gateway's own reading of it, can lag by over a second, and a 1 s
+limit then turned every replica "unhealthy" together and answered 503 no_healthy_replica (seen in
+the soak, benchmarks/results/soak_before.md).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
 from tokenpath.protocol.wire import FrameError, FrameReader, decode_output, encode_request, pack, read_frame
+from tokenpath.replica.liveness import STALL_AFTER_S, Liveness, LivenessConfig, Progress
 
 log = logging.getLogger("tokenpath.replica")
 
 # A closed socket marks a dead engine at once; this catches a hung one. Not tighter: on a loaded
 # machine a 100 ms state push can arrive seconds late (seen at load average 15+ on 2 cores, where
 # a 1 s limit marked both live engines stale together), and a stale mark turns requests away with 503.
-STALE_AFTER_S = 5.0
+STALE_AFTER_S = STALL_AFTER_S
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
 
@@ -62,8 +65,18 @@ class LinkRefusedError(ServiceUnavailableError):
     """The engine refused the link (a wrong secret)."""
 
 
+class _Stream:
+    """One request in flight on the link: what `_dispatch` needs to hand it its outputs."""
+
+    __slots__ = ("progress", "queue", "request")
+
+    def __init__(self, request: Any, queue: asyncio.Queue, progress: Progress) -> None:
+        self.request, self.queue, self.progress = request, queue, progress
+
+
 class EngineLinkReplica:
-    def __init__(self, name: str, secret: str, max_num_seqs: int = 0) -> None:
+    def __init__(self, name: str, secret: str, max_num_seqs: int = 0,
+                 liveness: LivenessConfig | None = None) -> None:
         self.name = name
         self.secret = secret
         self.info = LinkInfo()
@@ -72,11 +85,12 @@ class EngineLinkReplica:
         self.restarts = 0
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
-        self._streams: dict[str, tuple[Any, asyncio.Queue]] = {}  # request id -> (its request, its outputs)
+        self._streams: dict[str, _Stream] = {}
         self._pongs: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._state: dict = {}
-        self._state_at = 0.0
+        self.liveness = Liveness(name, liveness)  # stall and per-request progress bounds
+        self.liveness.active = False  # (judged while linked)
         self._down_reason: str | None = "not connected yet"
 
     # -- connection ------------------------------------------------------------------------------
@@ -102,7 +116,9 @@ class EngineLinkReplica:
         self._reader_task = asyncio.create_task(self._read(reader, writer))
         await self._sync_clock()
         self._down_reason = None
-        self._state_at = time.monotonic()
+        self.liveness.heard(time.monotonic())
+        self.liveness.active = True
+        self.liveness.start()
 
     async def _sync_clock(self) -> None:
         best: tuple[float, float] | None = None  # (rtt, offset)
@@ -125,7 +141,9 @@ class EngineLinkReplica:
         frames = FrameReader(reader)
         try:
             while True:
-                for msg in await frames.read_frames():
+                msgs = await frames.read_frames()
+                self.liveness.heard(time.monotonic())  # (once per read: outputs and state alike)
+                for msg in msgs:
                     self._dispatch(msg)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError, OSError) as exc:
             reason = f"link closed ({type(exc).__name__})"
@@ -139,15 +157,15 @@ class EngineLinkReplica:
         if kind == "out":
             entry = self._streams.get(msg["id"])
             if entry is not None:
-                out = decode_output(msg, entry[0])
+                out = decode_output(msg, entry.request)
                 out.events = out.events.shifted(-self.offset)
-                entry[1].put_nowait(out)
+                self._deliver(entry, out)
         elif kind == "err":
             entry = self._streams.get(msg["id"])
             if entry is not None:
-                entry[1].put_nowait(_error_from(msg, self.name))
+                entry.queue.put_nowait(_error_from(msg, self.name))
         elif kind == "state":
-            self._state, self._state_at = msg, time.monotonic()
+            self._state = msg
         elif kind == "pong":
             fut = self._pongs.pop(msg.get("id"), None)
             if fut is not None and not fut.done():
@@ -162,17 +180,23 @@ class EngineLinkReplica:
     def _on_frame(self, kind: str, msg: dict) -> None:
         """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
 
+    def _deliver(self, entry: _Stream, out: Any) -> None:
+        """An output for a request in flight: to its reader, and its progress noted."""
+        entry.progress.advance(self.liveness.heard_at)
+        entry.queue.put_nowait(out)
+
     def mark_down(self, reason: str) -> None:
         """The engine is gone (link closed or process died): fail every stream in flight now."""
         if self._down_reason is None:
             log.warning("replica %s: engine link down: %s", self.name, reason)
         self._down_reason = reason
+        self.liveness.active = False
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         dead = EngineDeadError(f"engine process of replica '{self.name}' went away: {reason}")
-        for _, q in self._streams.values():
-            q.put_nowait(dead)
+        for entry in self._streams.values():
+            entry.queue.put_nowait(dead)
 
     def _send(self, msg: dict) -> None:
         if self._writer is None:
@@ -182,6 +206,7 @@ class EngineLinkReplica:
     async def close(self) -> None:
         self._down_reason = self._down_reason or "closed by the gateway"  # (expected: not a warning)
         self.mark_down("closed by the gateway")
+        await self.liveness.stop()
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(BaseException):
@@ -199,8 +224,13 @@ class EngineLinkReplica:
         if rid in self._streams:
             raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._send(frame)
-        self._streams[rid] = (request, queue)
+        progress = self.liveness.track(rid, queue.put_nowait)  # (refused at once while stalled)
+        try:
+            self._send(frame)
+        except BaseException:
+            self.liveness.untrack(rid)
+            raise
+        self._streams[rid] = _Stream(request, queue, progress)
         done = False
         try:
             while not done:
@@ -211,7 +241,8 @@ class EngineLinkReplica:
                 yield item
         finally:
             self._streams.pop(rid, None)
-            if not done:
+            self.liveness.untrack(rid)
+            if not done:  # (to a frozen engine too: the socket keeps the frame until it wakes)
                 with contextlib.suppress(TokenpathError):
                     self._send({"t": "abort", "id": rid})
 
@@ -236,10 +267,7 @@ class EngineLinkReplica:
 
     def state(self) -> ReplicaState:
         s = self._state
-        age = time.monotonic() - self._state_at
-        detail = self._down_reason
-        if detail is None and age > STALE_AFTER_S:
-            detail = f"no state from the engine for {age:.1f}s"
+        detail = self._down_reason or self.liveness.detail()
         if detail is None and not s.get("healthy", True):
             detail = "the engine reports its step loop dead"
         return ReplicaState(

@@ -7,7 +7,11 @@ the engine hands a whole step's outputs to the loop at once (`AsyncEngine.submit
 encoded by its request's `_LinkRequest` callback, and the step's frames leave in one write.
 
 Trust: the first frame must be `hello` carrying the per-launch secret (compared in constant
-time); anything else is answered `denied` and the connection closed, and the attempt is logged.
+time), within `HELLO_MAX_BYTES`: a longer one is refused from its length prefix, before its body
+is read (the cap was the 64 MiB frame limit, and 8 connections sending 63 MiB each grew an
+engine by 554 MiB in a second, issue 23). Anything else is answered `denied` and the connection
+closed; refusals are counted (`LinkServer.refused`) and logged at most once per
+`REFUSAL_LOG_EVERY_S`, with the count since the last line, so a flood cannot flood the log.
 The socket is bound to loopback by its launcher. With `exit_on_close`, the process ends when its
 gateway's link closes, so an engine never outlives the gateway that started it.
 
@@ -46,6 +50,8 @@ log = logging.getLogger("tokenpath.engine.link")
 STATE_INTERVAL_S = 0.1  # a changed state is pushed at most this long after the change
 STATE_HEARTBEAT_S = 1.0  # an unchanged one is repeated this often
 HELLO_TIMEOUT_S = 5.0
+HELLO_MAX_BYTES = 4096  # a hello is a secret and a type: ~60 bytes
+REFUSAL_LOG_EVERY_S = 60.0
 
 
 class Outbox:
@@ -88,6 +94,9 @@ class LinkServer:
         self.done = asyncio.Event()
         self.tracer_provider = tracer_provider  # the engine's spans, when tracing is on
         self.served = 0  # requests taken on, over every connection (`tokenpath status --ray` shows it)
+        self.refused = 0  # connections refused for want of the secret
+        self._refusals_logged = 0  # `refused` as of the last log line
+        self._refusal_logged_at = float("-inf")
         self._server: asyncio.Server | None = None
 
     async def start(self, sock: socket.socket) -> None:
@@ -115,12 +124,12 @@ class LinkServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            hello = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(read_frame(reader, limit=HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, FrameError, OSError):
             hello = {}
         secret = hello.get("secret") if hello.get("t") == "hello" else None
         if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self.secret):
-            log.warning("engine link: refused a connection from %s without the launch secret", peer)
+            self._refused(peer)
             with contextlib.suppress(Exception):
                 writer.write(pack({"t": "denied", "message": "the engine link requires its launch secret"}))
                 await writer.drain()
@@ -171,6 +180,18 @@ class LinkServer:
 
     def _on_frame(self, kind: str, msg: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
         """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
+
+    def _refused(self, peer: object) -> None:
+        """Count a refused connection; log the first, then one line per interval with the count."""
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at < REFUSAL_LOG_EVERY_S:
+            return
+        since = self.refused - self._refusals_logged
+        log.warning("engine link: refused %d connection(s) without the launch secret (latest from %s; %d in all); "
+                    "next report in %.0fs at most", since, peer, self.refused, REFUSAL_LOG_EVERY_S,
+                    extra={"event": "link_refused", "refused": since, "refused_total": self.refused})
+        self._refusals_logged, self._refusal_logged_at = self.refused, now
 
     def _add(self, d: dict, outbox: Outbox, live: dict[str, _LinkRequest]) -> None:
         try:

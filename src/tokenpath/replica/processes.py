@@ -50,6 +50,10 @@ log = logging.getLogger("tokenpath.replica")
 ENGINE_NICE = 5
 RESTART_BASE_S = 1.0
 RESTART_MAX_S = 30.0
+# How long a stopping engine gets to exit by itself once its link is closed, before SIGKILL: the
+# gateway's whole shutdown must fit in --shutdown-timeout plus 2 s (issue 23), and an engine holds
+# nothing that outlives it (its KV cache dies with it either way).
+STOP_TIMEOUT_S = 1.0
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
 SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
@@ -181,17 +185,20 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGKILL)
 
-    async def stop(self, timeout: float = 15.0) -> None:
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        frozen = self.replica.liveness.stalled  # (a stopped process can act on no signal but SIGKILL)
         await self.replica.close()  # the engine exits when its link closes...
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()  # ...or on SIGTERM
             try:
-                await asyncio.wait_for(self.proc.wait(), timeout)
+                await asyncio.wait_for(self.proc.wait(), 0 if frozen else timeout)
             except TimeoutError:
+                log.warning("replica %s: engine process (pid %d) did not exit within %.1fs of its stop; killed",
+                            self.name, self.proc.pid, timeout)
                 await self._kill_and_reap()
         if self._pump is not None:
             with contextlib.suppress(BaseException):

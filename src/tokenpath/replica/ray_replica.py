@@ -13,8 +13,9 @@ session), and the same pool ejects and retries. Ray is the control plane only:
   to the new incarnation as soon as it answers, and it takes traffic again.
 - A request on an actor that dies fails with `EngineDeadError` (a 503) the moment its link
   closes: the router retries it on another replica if no token was sent yet, otherwise ends it
-  with a clean error. A hung actor or a lost node (no close) is routed around after the link's
-  `STALE_AFTER_S` without a state push.
+  with a clean error. A hung or frozen actor, or a lost node (no close), is ejected after the
+  stall bound without a frame (`replica.liveness`, shared with engine processes): its requests are
+  retried elsewhere or cut cleanly, and it is routed to again once heard from.
 
 Several gateways share one set of actors: the first one creates them, the next ones find them
 by name in the namespace and route to them (with `--redis-url`, they share limits too). The

@@ -10,6 +10,11 @@ State comes from polling the server's Prometheus `/metrics` (parsed with prometh
 parser): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
 mapped onto them. A server without `/metrics` is probed on `/health` for liveness only. Failed
 polls mark the replica unhealthy, which ejects it from routing until a poll succeeds again.
+
+A server that stops answering altogether (frozen, paused, cut off) is a stall, as for an engine
+process (`replica.liveness`): nothing heard for the stall bound (no successful poll, no chunk on
+any stream) and its in-flight streams are closed, each with `ReplicaStalledError` (retried
+elsewhere before the first token); the per-request progress bounds hold here too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUna
 from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
+from tokenpath.replica.liveness import Liveness
 from tokenpath.replica.polled import PolledState
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
@@ -105,6 +111,11 @@ class RemoteReplica(PolledState):
         self._has_metrics = True
         self._poller: asyncio.Task | None = None
         self._open: dict[str, httpx.Response] = {}
+        self.liveness = Liveness(name)
+        self._released: dict[str, BaseException] = {}  # streams liveness let go of, and why
+        # The task a stream is awaiting the server in (absent while it is parked at a `yield`,
+        # where a cancel would hit its consumer instead): what `_release` interrupts.
+        self._readers: dict[str, asyncio.Task] = {}
 
     # -- state ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,6 +129,22 @@ class RemoteReplica(PolledState):
             self.max_model_len = first.get("max_model_len")
         await self.poll()
         self._ensure_poller()
+        self.liveness.start()
+
+    def state(self) -> ReplicaState:
+        state = super().state()
+        detail = self.liveness.detail()
+        if detail is None:
+            return state
+        return replace(state, healthy=False, detail=detail)
+
+    def _release(self, request_id: str, exc: BaseException) -> None:
+        """Liveness gave up on a stream: interrupt the read it waits in (before the response or in
+        its body), so that its reader ends with `exc` (the cancel is taken back in `generate`)."""
+        self._released[request_id] = exc
+        task = self._readers.get(request_id)
+        if task is not None and not task.done():
+            task.cancel()
 
     async def poll(self) -> ReplicaState:
         try:
@@ -145,14 +172,27 @@ class RemoteReplica(PolledState):
                 self._state.detail = f"poll failed: {type(exc).__name__}: {exc}"
         return self._state
 
+    def _yield_point(self, rid: str) -> None:
+        self._readers.pop(rid, None)
+
+    def _resumed(self, rid: str) -> asyncio.Task | None:
+        """Back from a `yield`: raise what liveness released the stream with meanwhile, else note
+        the task it now runs in (its consumer's; after a `wait_for` it may be another one)."""
+        if rid in self._released:
+            raise self._released[rid]
+        task = self._readers[rid] = asyncio.current_task()  # type: ignore[assignment]
+        return task
+
     def _set(self, state: ReplicaState) -> None:
         self._poll_failures = 0
+        self.liveness.heard(time.monotonic())
         state.max_num_seqs = self.config.max_num_seqs or state.max_num_seqs
         if self.config.block_size:
             state.block_size = self.config.block_size
         self._state = state
 
     async def close(self) -> None:
+        await self.liveness.stop()
         await self._stop_polling()
         await self._client.aclose()
 
@@ -180,6 +220,9 @@ class RemoteReplica(PolledState):
         if request.timeline.attrs.get("traceparent"):  # the replica (vLLM, tokenpath) continues our trace
             headers["traceparent"] = str(request.timeline.attrs["traceparent"])
         finished: set[int] = set()
+        rid = request.request_id
+        progress = self.liveness.track(rid, lambda exc: self._release(rid, exc))
+        reader = self._readers[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
             async with self._client.stream("POST", "/v1/completions", json=self._body(request),
                                            headers=headers) as resp:
@@ -189,6 +232,9 @@ class RemoteReplica(PolledState):
                 self._open[request.request_id] = resp
                 last: RequestOutput | None = None  # held back until the usage chunk (cached tokens)
                 async for data in _sse_data(resp):
+                    now = time.monotonic()
+                    self.liveness.heard(now)
+                    progress.advance(now)
                     if last is not None and data.get("usage"):
                         last.num_cached_tokens = _cached_tokens(data)
                     out = self._to_output(request, data, events, finished)
@@ -197,15 +243,31 @@ class RemoteReplica(PolledState):
                     if out.finished:
                         last = out
                     else:
+                        reader = self._yield_point(rid)
                         yield out
+                        reader = self._resumed(rid)
                 if last is not None:
+                    reader = self._yield_point(rid)
                     yield last
-        except httpx.HTTPError as exc:
+        except asyncio.CancelledError:
+            if rid in self._released and reader is not None and reader.uncancel() == 0:
+                raise self._released[rid] from None  # our own cancel: the stall, not the caller
+            raise
+        except Exception as exc:
+            if rid in self._released:
+                raise self._released[rid] from exc
+            if not isinstance(exc, httpx.HTTPError):
+                raise
             if request.request_id not in self._open and not finished:
                 raise ServiceUnavailableError(f"replica '{self.name}' unreachable: {exc}") from exc
             raise ServiceUnavailableError(f"replica '{self.name}' dropped the stream: {exc}") from exc
         finally:
-            self._open.pop(request.request_id, None)
+            self._open.pop(rid, None)
+            self._readers.pop(rid, None)
+            self.liveness.untrack(rid)
+            released = self._released.pop(rid, None)
+        if released is not None and len(finished) < request.params.n:
+            raise released
         if len(finished) < request.params.n:
             raise ServiceUnavailableError(f"replica '{self.name}' ended the stream before finishing")
 

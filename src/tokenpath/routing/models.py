@@ -10,8 +10,10 @@ The task check in `resolve` is what keeps an embedding request away from a chat 
 Retry-After) -> fair queue -> replica pick (policy + reason on the Timeline) -> replica stream.
 A request that fails before its first token is retried once on another replica (the failed one
 is ejected); after the first token a failure ends the stream with a 503, because tokens already
-sent cannot be taken back. Closing the iterator aborts the request wherever it is: it leaves
-the queue, or the replica is told to abort it.
+sent cannot be taken back. A stalled replica (`replica.liveness`) releases its requests the same
+way, with the same request id; the Timeline keeps the first `dispatched` and records the retry
+(`retried_after`, `retry_reason`, the replica that finished it). Closing the iterator aborts the
+request wherever it is: it leaves the queue, or the replica is told to abort it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tokenpath.errors import (
 )
 from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import RequestOutput
-from tokenpath.replica.base import Replica, ReplicaBusyError
+from tokenpath.replica.base import ProgressTimeoutError, Replica, ReplicaBusyError, ReplicaStalledError
 from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
@@ -144,6 +146,7 @@ class Deployment:
             stream = replica.generate(request)
             started = finished = False
             failure: str | None = None
+            retry_reason = "busy"
             try:
                 async for out in self._started_by(stream, request, replica.name):
                     stamp_events(request.timeline, out)  # the one place engine events reach the Timeline
@@ -162,8 +165,11 @@ class Deployment:
                     raise  # out of time, not a replica fault: no retry, no ejection
                 if isinstance(exc, RequestFailedError):
                     raise  # it broke an engine step: retrying it would break the next replica too
-                # A busy replica is retried elsewhere but not ejected; anything else ejects it.
-                failure = None if isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
+                # A busy replica is retried elsewhere but not ejected; a stalled one has ejected itself
+                # (and recovers the moment it is heard, with no backoff); anything else ejects it.
+                released = isinstance(exc, (ReplicaStalledError, ProgressTimeoutError))
+                failure = None if released or isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
+                retry_reason = (exc.code if released else None) or failure or "busy"
                 if started or attempt == MAX_ATTEMPTS:
                     if isinstance(exc, ServiceUnavailableError):
                         raise
@@ -179,7 +185,7 @@ class Deployment:
                 self.flow.release(admission, ok=finished, failure=failure)
             # Failed before the first token: once more, elsewhere.
             metrics.RETRIES.labels(self.name).inc()
-            request.timeline.attrs.update(retried_after=replica.name, retry_reason=failure or "busy")
+            request.timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason)
             admission = await self.flow.acquire(request, exclude=frozenset(tried))
 
     async def _started_by(self, stream: AsyncIterator[RequestOutput], request: GenerateRequest,

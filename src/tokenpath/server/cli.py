@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
@@ -70,15 +71,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "e.g. https://app.example.com")
     b.add_argument("--public-docs", action="store_true", default=None,
                    help="serve /docs, /redoc and /openapi.json without a key even when auth is on")
-    serve.set_defaults(func=run_serve, gateway=True)
+    live = serve.add_argument_group("replica liveness (engine processes, Ray actors, URLs)")
+    live.add_argument("--stall-timeout", type=float, metavar="S",
+                      help="a replica silent this long is ejected and its requests retried or failed (5)")
+    live.add_argument("--first-token-timeout", type=float, metavar="S",
+                      help="a request with no first token this long after dispatch is released (600)")
+    live.add_argument("--token-timeout", type=float, metavar="S",
+                      help="a request with no next token for this long is released (300)")
+    serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
     engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
-    engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
+    engine.set_defaults(func=_run_engine, gateway=False, exit_fast=True, data_dir=None, database_url=None, replicas=1,
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None,
                         metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
-                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None)
+                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None,
+                        stall_timeout=None, first_token_timeout=None, token_timeout=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -139,7 +148,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
                                             "data_dir", "database_url", "metrics_public", "metrics_require_key",
                                             "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
-                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs")}
+                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs",
+                                            "stall_timeout", "first_token_timeout", "token_timeout")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -267,9 +277,10 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     router, closers = await _load(config, args)
     _add_served_names(router, args.served_model_names)
     deployments = list(router.deployments.values())
+    stoppers = [_together(closers)]  # every replica at once: each engine's exit waits on no other
     if hasattr(guard, "aclose"):
-        closers.append(guard.aclose)
-    app = create_app(router, guard, config, on_shutdown=closers)
+        stoppers.append(guard.aclose)  # then the store, once nothing can finish a request any more
+    app = create_app(router, guard, config, on_shutdown=stoppers)
 
     def banner(port: int) -> None:
         print(startup_banner(config, router, guard, args, deployments, port), flush=True)
@@ -280,7 +291,8 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     from tokenpath.api.limits import header_timeout_protocol
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False,
+                               # (abort_all fires at shutdown_timeout; a stream needs a moment after it)
+                               timeout_graceful_shutdown=config.shutdown_timeout + 1, access_log=False,
                                http=header_timeout_protocol(config.header_timeout),
                                log_config=None,  # keep our handler and format
                                **_tls_options(config))
@@ -295,6 +307,19 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     drained = max(0, server.in_flight_at_signal - server.aborted)
     print(f"tokenpath: stopped: drained {drained} in-flight request(s), aborted {server.aborted}", flush=True)
     return 0
+
+
+def _together(closers: list) -> Callable[[], Awaitable[None]]:
+    """One shutdown step that stops every replica concurrently (engine processes, Ray actors, URL
+    clients): stopped one after another, each frozen engine added its whole stop timeout."""
+
+    async def close_all() -> None:
+        results = await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("error while stopping a replica: %r", r)
+
+    return close_all
 
 
 def _tls_options(config: ServerConfig) -> dict:

@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
 from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig
+from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
 
 class ServerConfig(ApiSettings):
@@ -26,6 +27,19 @@ class ServerConfig(ApiSettings):
     redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
     limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
     insecure: bool = False
+    # Replicas in engine processes, on Ray or behind a URL (`tokenpath.replica.liveness`): one
+    # silent this long (no state push, no output) is stalled, ejected at once, and its in-flight
+    # requests are retried elsewhere (no token sent yet) or ended with a clean 503.
+    stall_timeout: float = Field(STALL_AFTER_S, gt=0)
+    # Per request, bounds a healthy engine never reaches: its first token within this many seconds
+    # of dispatch, each next token within `token_timeout` of the last.
+    first_token_timeout: float = Field(FIRST_TOKEN_S, gt=0)
+    token_timeout: float = Field(NEXT_TOKEN_S, gt=0)
+
+    def liveness(self) -> LivenessConfig:
+        return LivenessConfig(stall_after_s=self.stall_timeout, first_token_s=self.first_token_timeout,
+                              next_token_s=self.token_timeout)
+
     # TLS terminated by the server itself (vLLM's --ssl-* flags): a PEM key and certificate; with
     # a CA bundle, clients must present a certificate it signed (mutual TLS).
     ssl_keyfile: str | None = None

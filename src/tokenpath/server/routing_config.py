@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.replica.base import Replica
 from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.replica.liveness import Liveness, LivenessConfig
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
@@ -243,6 +244,17 @@ def engine_flags(engine: Any) -> list[str]:
     return flags
 
 
+def configure_liveness(router: ModelRouter, config: LivenessConfig) -> None:
+    """The serve command's stall and progress bounds on every replica that watches its liveness
+    (engine processes, Ray actors, embedding engines, URLs), and the deployment each belongs to."""
+    for dep in router.deployments.values():
+        for r in dep.replicas:
+            liveness = getattr(r, "liveness", None)
+            if isinstance(liveness, Liveness):
+                liveness.config = config
+                liveness.deployment = dep.name
+
+
 async def serve_router(config: Any, replicas: int = 1, routing_file: str | None = None,
                        policy: str = DEFAULT_POLICY, ray_address: str | None = None,
                        embedding_replicas: int = 1) -> tuple[ModelRouter, list[Closer]]:
@@ -273,6 +285,7 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     embeddings, closers = await embedding_deployments(config.models, embedding_replicas, configured, log_dir)
     if routing is not None:
         router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir)
+        configure_liveness(router, config.liveness())
         return router, closers + more
     deployments: list[Deployment] = list(embeddings)
     try:
@@ -287,4 +300,6 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     except BaseException:
         await asyncio.gather(*(c() for c in closers), return_exceptions=True)
         raise
-    return ModelRouter(deployments, config.aliases), closers
+    router = ModelRouter(deployments, config.aliases)
+    configure_liveness(router, config.liveness())
+    return router, closers

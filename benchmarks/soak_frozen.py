@@ -1,0 +1,151 @@
+"""Frozen-engine soak (issue 23): steady load on `tokenpath serve --replicas 2`, one engine process
+SIGSTOPped for `--freeze` seconds, then SIGCONT.
+
+Reported (benchmarks/results/soak_frozen.md and .json): requests sent, succeeded and lost (any
+non-200, or a stream that ended in an error event) overall and among those sent during the freeze;
+time from SIGSTOP to the gateway's `/health` calling the engine down (time to eject); from SIGCONT to
+healthy again (time to recover); latency p50/p99/max before and during the freeze. Targets: none
+waits more than 5 s beyond normal; >= 99% of requests sent during the freeze succeed.
+
+    .venv/bin/python benchmarks/soak_frozen.py                     # 60 s freeze, 5 s stall bound
+    .venv/bin/python benchmarks/soak_frozen.py --freeze 15 --before 10 --after 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+async def client_loop(c: httpx.AsyncClient, model: str, i: int, stop: float, log: list) -> None:
+    n = 0
+    while time.monotonic() < stop:
+        n += 1
+        stream = n % 2 == 0
+        body = {"model": model, "messages": [{"role": "user", "content": f"Client {i} request {n}: say hi."}],
+                "max_tokens": 16, "temperature": 0, "stream": stream}
+        start = time.monotonic()
+        ok = False
+        try:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                text = (await r.aread()).decode()
+                ok = r.status_code == 200 and (not stream or ('"error"' not in text and "[DONE]" in text))
+        except httpx.HTTPError:
+            pass
+        log.append((start, time.monotonic() - start, ok))
+
+
+async def watch_health(url: str, victim: str, stop: float, out: list) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=5) as c:
+        while time.monotonic() < stop:
+            try:
+                h = (await c.get("/health")).json()
+                healthy = all(r.get(victim, {}).get("healthy", True) for r in h["replicas"].values())
+                out.append((time.monotonic(), healthy))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.05)
+
+
+async def drive(args: argparse.Namespace, url: str, victim_pid: int, victim: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=args.freeze + 120) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.monotonic()
+        stop = t0 + args.before + args.freeze + args.after
+        log: list = []
+        health: list = []
+        tasks = [asyncio.create_task(client_loop(c, model, i, stop, log)) for i in range(args.concurrency)]
+        tasks.append(asyncio.create_task(watch_health(url, victim, stop + 5, health)))
+        await asyncio.sleep(args.before)
+        os.kill(victim_pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            await asyncio.sleep(args.freeze)
+        finally:
+            os.kill(victim_pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        await asyncio.gather(*tasks)
+    ejected = next((t for t, ok in health if t > frozen and not ok), None)
+    recovered = next((t for t, ok in health if t > resumed and ok), None)
+    base = [d for s, d, ok in log if s < frozen and ok]
+    during = [(d, ok) for s, d, ok in log if frozen <= s < resumed]
+    normal = statistics.median(base) if base else 0.0
+    return {
+        "requests": len(log), "succeeded": sum(ok for *_, ok in log), "lost": sum(not ok for *_, ok in log),
+        "sent_during_freeze": len(during), "succeeded_during_freeze": sum(ok for _, ok in during),
+        "success_during_freeze": round(sum(ok for _, ok in during) / max(1, len(during)), 4),
+        "time_to_eject_s": round(ejected - frozen, 3) if ejected else None,
+        "time_to_recover_s": round(recovered - resumed, 3) if recovered else None,
+        "latency_before_s": {"p50": pct(base, 0.5), "p99": pct(base, 0.99), "max": pct(base, 1.0)},
+        "latency_during_s": {"p50": pct([d for d, _ in during], 0.5), "p99": pct([d for d, _ in during], 0.99),
+                             "max": pct([d for d, _ in during], 1.0)},
+        "worst_over_normal_s": round(max((d for d, _ in during), default=0.0) - normal, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--freeze", type=float, default=60.0, help="seconds the engine stays SIGSTOPped")
+    ap.add_argument("--before", type=float, default=20.0)
+    ap.add_argument("--after", type=float, default=20.0)
+    ap.add_argument("--stall-timeout", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", default="soak_frozen")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="soak-frozen-"))
+    log_path = tmp / "server.log"
+    env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data")}
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", "--model", args.model, "--replicas", "2",
+                                 "--stall-timeout", str(args.stall_timeout)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        while not (m := re.search(r"listening on (http://\S+)/v1", log_path.read_text(errors="replace"))):
+            if proc.poll() is not None:
+                sys.exit(f"server exited:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        engines = tmp / "data" / "logs" / "engines"
+        victim = "engine-0"
+        pid = int(re.findall(r"started \(pid (\d+)\)", (engines / f"{victim}.log").read_text())[-1])
+        res = asyncio.run(drive(args, m.group(1), pid, victim))
+        res["ejections_logged"] = sum('"event":"replica_ejected"' in line and '"reason":"stalled"' in line
+                                      for line in log_path.read_text().splitlines())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    res["args"] = vars(args)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(res, indent=2))
+    rows = "\n".join(f"| {k} | {v} |" for k, v in res.items() if k != "args")
+    (RESULTS / f"{args.out}.md").write_text(
+        f"# Frozen engine soak\n\n`{' '.join(sys.argv[1:]) or '(defaults)'}`: 2 engine processes, "
+        f"{args.concurrency} clients, engine-0 SIGSTOPped for {args.freeze:g} s.\n\n| figure | value |\n|---|---|\n"
+        f"{rows}\n")
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
