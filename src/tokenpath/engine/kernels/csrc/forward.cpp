@@ -62,10 +62,20 @@ inline int grain_for(int n, int nthreads, int multiple) {
     return g < multiple ? multiple : g;
 }
 
+// A weight matrix: up to kMaxParts row ranges of its own type each (a fused QKV whose V is Q8_0
+// and Q and K Q5_0 keeps every part's own blocks). Parts of a repacked matrix have rows that are
+// multiples of 16, so the team's 16-row chunks never straddle a part's layout.
+constexpr int kMaxParts = 3;
+struct Mat {
+    int parts = 0;
+    int type[kMaxParts];
+    int rows[kMaxParts];
+    const uint8_t* w[kMaxParts];
+};
+
 struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int qkv_t, o_t, gate_up_t, down_t;
+    Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
 
@@ -78,7 +88,7 @@ struct AttnItem {
 struct ActBuf {
     std::vector<int8_t> q, q2;
     std::vector<float> d, s, f, fs;
-    std::vector<int32_t> qsum;
+    std::vector<int32_t> qsum, qsum16;
 };
 
 struct Model {
@@ -106,8 +116,10 @@ struct Model {
 QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
     const size_t need = size_t(rows) * nb;
-    if (b.d.size() < need) b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.q.resize(need * QK);
+    if (b.d.size() < need)
+        b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
     QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
+    a.qsum16 = b.qsum16.data();
     if (m.exact) {
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
         a.f = b.f.data(), a.fs = b.fs.data();
@@ -126,11 +138,17 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
-void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, int wt, const uint8_t* w, int N,
-               const QAct& a, int T, float* y, int ldy, const float* bias, bool acc) {
+// Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
+void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, const Mat& w, int N, const QAct& a,
+               int T, float* y, int ldy, const float* bias, bool acc) {
     const bool exact = (m.exact >> kind) & 1;
-    team_for(ph, pi, N, grain_for(N, nthreads, 16),
-             [&](int n0, int n1) { m.gemm(wt, w, a.nb, a, T, y, ldy, n0, n1, bias, acc, exact); });
+    team_for(ph, pi, N, grain_for(N, nthreads, 16), [&](int n0, int n1) {
+        for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
+            const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
+            if (lo < hi)
+                m.gemm(w.type[p], w.w[p], a.nb, a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact);
+        }
+    });
 }
 
 // RMSNorm(x) * weight, quantized straight into activation row r. The sum of squares stays in
@@ -207,20 +225,27 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->out_norm = reinterpret_cast<const float*>(glob[2]);
     m->rope_cos = reinterpret_cast<const float*>(glob[3]);
     m->rope_sin = reinterpret_cast<const float*>(glob[4]);
+    // Per layer: 5 pointers (norms, bias, K/V cache), then qkv, o, gate_up, down as kMaxParts
+    // (pointer) each; layer_types holds their kMaxParts (type, rows) pairs, rows 0 = unused part.
+    constexpr int kPtrs = 5 + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2;
     for (int l = 0; l < m->n_layers; ++l) {
-        const uint64_t* p = layer_ptrs + 9 * l;
-        const int32_t* t = layer_types + 4 * l;
+        const uint64_t* p = layer_ptrs + kPtrs * l;
+        const int32_t* t = layer_types + kTypes * l;
         Layer L;
         L.attn_norm = reinterpret_cast<const float*>(p[0]);
         L.ffn_norm = reinterpret_cast<const float*>(p[1]);
         L.qkv_bias = reinterpret_cast<const float*>(p[2]);
-        L.qkv = reinterpret_cast<const uint8_t*>(p[3]);
-        L.o = reinterpret_cast<const uint8_t*>(p[4]);
-        L.gate_up = reinterpret_cast<const uint8_t*>(p[5]);
-        L.down = reinterpret_cast<const uint8_t*>(p[6]);
-        L.k_cache = reinterpret_cast<void*>(p[7]);
-        L.v_cache = reinterpret_cast<void*>(p[8]);
-        L.qkv_t = t[0], L.o_t = t[1], L.gate_up_t = t[2], L.down_t = t[3];
+        L.k_cache = reinterpret_cast<void*>(p[3]);
+        L.v_cache = reinterpret_cast<void*>(p[4]);
+        Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+        for (int j = 0; j < 4; ++j)
+            for (int q = 0; q < kMaxParts; ++q) {
+                const int idx = j * kMaxParts + q;
+                if (t[2 * idx + 1] == 0) continue;
+                Mat& M = *mats[j];
+                M.type[M.parts] = t[2 * idx], M.rows[M.parts] = t[2 * idx + 1];
+                M.w[M.parts++] = reinterpret_cast<const uint8_t*>(p[5 + idx]);
+            }
         m->layers.push_back(L);
     }
     return m;
@@ -318,7 +343,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            gemm_team(m, ph, pi, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
             // RoPE on q and k, then write k and v into their cache slots.
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
@@ -352,12 +377,12 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
-            gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            gemm_team(m, ph, pi, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
@@ -365,13 +390,15 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     m.quant(tmp, I, ai, t);
                 }
             });
-            gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+            gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
         }
         use_fine(m, ah, a, 4);  // head
         row_phase(S, [&](int r0, int r1) {
             for (int r = r0; r < r1; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
         });
-        gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        Mat head;
+        head.parts = 1, head.type[0] = m.head_t, head.rows[0] = m.vocab, head.w[0] = m.head;
+        gemm_team(m, ph, pi, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
 
@@ -383,10 +410,10 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
-    std::vector<int32_t> qsum(size_t(M) * nb);
+    std::vector<int32_t> qsum(size_t(M) * nb), qsum16(2 * qsum.size());
     std::vector<int8_t> q2(mode == 2 ? q.size() : 0);
     QAct a{q.data(), d.data(), s.data(), nb, qsum.data(), exact ? f.data() : nullptr, exact ? fs.data() : nullptr,
-           mode == 2 ? q2.data() : nullptr};
+           mode == 2 ? q2.data() : nullptr, qsum16.data()};
     const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
 #pragma omp parallel num_threads(nthreads)
