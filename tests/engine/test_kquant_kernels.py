@@ -28,16 +28,17 @@ TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K]
 # super-blocks; Q5 runs on them too).
 SHAPES = [(1, 16, 256), (3, 48, 512), (16, 32, 256), (33, 64, 768)]
 # Byte offsets of the fp16 scale fields of each block type, and the range they are drawn from.
-SCALE_FIELDS = {K.Q5_0: (0,), K.Q5_1: (0, 2), K.Q4_K: (0, 2), K.Q5_K: (0, 2), K.Q6_K: (208,)}
+SCALE_FIELDS = {K.Q8_0: (0,), K.Q5_0: (0,), K.Q5_1: (0, 2), K.Q4_K: (0, 2), K.Q5_K: (0, 2), K.Q6_K: (208,)}
 
 
-def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row bytes] of random blocks: random quants and sub-block scales, sane fp16 scales."""
+def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: float = 1 / 64) -> np.ndarray:
+    """[n, row bytes] of random blocks: random quants and sub-block scales, fp16 scales of
+    magnitude `size` / 5 to `size`, either sign."""
     per_block, block_bytes = K.GGUF_BLOCKS[wtype]
     nb = k // per_block
     blocks = rng.integers(0, 256, size=(n * nb, block_bytes), dtype=np.uint8)
     for off in SCALE_FIELDS[wtype]:
-        scale = (rng.uniform(0.2, 1.0, n * nb) * rng.choice([-1, 1], n * nb) / 64).astype(np.float16)
+        scale = (rng.uniform(0.2, 1.0, n * nb) * rng.choice([-1, 1], n * nb) * size).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, nb * block_bytes)
 
