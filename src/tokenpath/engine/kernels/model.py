@@ -33,9 +33,28 @@ from tokenpath.engine.kernels import (
     repack,
 )
 from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.models.llama import Rope
 
 log = logging.getLogger("tokenpath.engine.kernels")
+
+
+def native_unsupported(cfg: ModelConfig) -> list[str]:
+    """The features of `cfg` the native forward does not compute (plain llama/qwen2 only):
+    such a model runs on torch rather than natively and wrong."""
+    checks = {
+        "rope scaling": cfg.rope_scaling is not None,
+        "sliding windows": cfg.has_windows,
+        "per-layer rope bases": cfg.rope_local_theta is not None,
+        "QK-norm": cfg.qk_norm,
+        "sandwich norms": cfg.sandwich_norms,
+        f"activation {cfg.hidden_act}": cfg.hidden_act != "silu",
+        "head_dim != hidden / heads": cfg.head_dim * cfg.num_heads != cfg.hidden_size,
+        "embedding scale": cfg.embed_scale != 1.0,
+        "attention scale": cfg.attn_scale is not None,
+        "norm offset": cfg.norm_offset != 0.0,
+    }
+    return [name for name, hit in checks.items() if hit]
 
 
 def select_native(loaded: LoadedModel, quantization: str, device: torch.device) -> NativeLibrary | None:
@@ -50,6 +69,11 @@ def select_native(loaded: LoadedModel, quantization: str, device: torch.device) 
         if quantization != "auto":
             log.warning("--quantization %s: the native kernels are CPU-only; using torch on %s",
                         quantization, device)
+        return None
+    missing = native_unsupported(loaded.config)
+    if missing:
+        log.log(logging.INFO if quantization == "auto" else logging.WARNING,
+                "the native kernels do not compute %s yet: torch path", ", ".join(missing))
         return None
     if quantization == "auto" and loaded.gguf is None:
         log.info("safetensors checkpoint: torch float path (--quantization q8_0 runs it on the native kernels)")
