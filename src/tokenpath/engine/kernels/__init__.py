@@ -102,7 +102,7 @@ def native_library() -> NativeLibrary | None:
     lib.tp_repack.argtypes = [_I, _P, _I, _I, _P]
     lib.tp_dequantize_packed_row.argtypes = [_I, _P, _I, _I, _I, _P]
     lib.tp_model_create.restype = _P
-    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P]
+    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P, _P]
     lib.tp_model_free.argtypes = [_P]
     lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I]
     features = lib.tp_cpu_features()

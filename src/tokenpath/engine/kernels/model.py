@@ -34,25 +34,18 @@ from tokenpath.engine.kernels import (
 )
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.model_config import ModelConfig
-from tokenpath.engine.models.llama import Rope
+from tokenpath.engine.models.rope import LayerRopes
 
 log = logging.getLogger("tokenpath.engine.kernels")
 
 
 def native_unsupported(cfg: ModelConfig) -> list[str]:
-    """The features of `cfg` the native forward does not compute (plain llama/qwen2 only):
-    such a model runs on torch rather than natively and wrong."""
+    """The features of `cfg` the native forward does not compute: such a model runs on torch
+    rather than natively and wrong. It computes QK-norm, sandwich norms, SwiGLU and GeGLU, embedding
+    and attention scales, norm offsets, per-layer sliding windows and rope tables (any base and
+    scaling: they are built here by the torch path's own LayerRopes), and any head_dim."""
     checks = {
-        "rope scaling": cfg.rope_scaling is not None,
-        "sliding windows": cfg.has_windows,
-        "per-layer rope bases": cfg.rope_local_theta is not None,
-        "QK-norm": cfg.qk_norm,
-        "sandwich norms": cfg.sandwich_norms,
-        f"activation {cfg.hidden_act}": cfg.hidden_act != "silu",
-        "head_dim != hidden / heads": cfg.head_dim * cfg.num_heads != cfg.hidden_size,
-        "embedding scale": cfg.embed_scale != 1.0,
-        "attention scale": cfg.attn_scale is not None,
-        "norm offset": cfg.norm_offset != 0.0,
+        f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
     }
     return [name for name, hit in checks.items() if hit]
 
@@ -213,6 +206,15 @@ class NativeLlama:
             the same bytes moved, 2-4x the GEMM speed. Float-activation ones keep GGUF's layout."""
             return _matrix(lib, loaded, names, want, not exact & kind, requantized)
 
+        ropes = LayerRopes(cfg, max_positions)
+
+        def norm(name: str) -> np.ndarray:  # Gemma's (1 + w), added in float32 as the torch path does
+            w = _dense(loaded, name)
+            return w + np.float32(cfg.norm_offset) if cfg.norm_offset else w
+
+        def optional_norm(name: str, present: bool) -> int:
+            return ptr(norm(name)) if present else 0
+
         layer_ptrs, layer_types, used_types = [], [], set()
         for i in range(cfg.num_layers):
             def w(n: str, i: int = i) -> str:
@@ -224,13 +226,19 @@ class NativeLlama:
                     matrix(EXACT_DOWN, [w("down_proj.weight")])]
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
-            layer_ptrs += [ptr(_dense(loaded, w("input_norm.weight"))), ptr(_dense(loaded, w("post_norm.weight"))),
-                           ptr(bias), ptr(cache.k[i]), ptr(cache.v[i])]
+            rope = ropes.ropes[ropes.layer_rope[i]]
+            layer_ptrs += [ptr(norm(w("input_norm.weight"))), ptr(norm(w("post_norm.weight"))),
+                           ptr(bias), ptr(cache.k[i]), ptr(cache.v[i]),
+                           optional_norm(w("q_norm.weight"), cfg.qk_norm), optional_norm(w("k_norm.weight"), cfg.qk_norm),
+                           optional_norm(w("attn_out_norm.weight"), cfg.sandwich_norms),
+                           optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
+                           ptr(rope.cos.contiguous()), ptr(rope.sin.contiguous())]
             for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
                 parts = parts + [(0, 0, None)] * (MAX_PARTS - len(parts))
                 layer_ptrs += [ptr(b) for _, _, b in parts]
                 layer_types += [v for t, rows, _ in parts for v in (t, rows)]
                 used_types |= {t for t, rows, _ in parts if rows}
+            layer_types.append(cfg.window(i) or 0)
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
             embed_t, embed = head_t, head
@@ -238,17 +246,18 @@ class NativeLlama:
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["lm_head.weight"])
             # Embedding lookups read GGUF rows of the row-kernel types or repacked rows (16-row groups).
             [(embed_t, _, embed)] = _matrix(lib, loaded, ["embed.weight"], want, True, requantized)
-        rope = Rope(cfg.head_dim, cfg.rope_theta, max_positions)
-        glob = [ptr(embed), ptr(head), ptr(_dense(loaded, "norm.weight")), ptr(rope.cos.contiguous()),
-                ptr(rope.sin.contiguous())]
+        glob = [ptr(embed), ptr(head), ptr(norm("norm.weight"))]
         if requantized:
             log.warning("native kernels: %s quantized to Q8_0 at load (the kernels do not read them as stored)",
                         ", ".join(sorted(requantized)))
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact], dtype=np.int32)
+                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact,
+                         int(cfg.hidden_act == "gelu_tanh")], dtype=np.int32)
+        fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
+                           dtype=np.float32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
-                  np.array(layer_types, dtype=np.int32)]
+                  np.array(layer_types, dtype=np.int32), fparams]
         if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
                                                                       and not lib.has_f16c):
             raise ValueError(f"the native kernels cannot use a {cache.k[0].dtype} KV cache on this CPU")

@@ -75,6 +75,11 @@ struct Mat {
 
 struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
+    // Optional (null = absent): per-head RMSNorm of q and k before rope (Qwen3, Gemma 3), and
+    // RMSNorm of the attention and MLP outputs before their residual adds (Gemma 3's sandwich).
+    const float *q_norm, *k_norm, *attn_out_norm, *ffn_out_norm;
+    const float *rope_cos, *rope_sin;  // [max_pos, head_dim]: this layer's rope (base, scaling)
+    int window;                        // sliding window (0: full attention)
     Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
@@ -102,9 +107,11 @@ struct Model {
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
     int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
-    const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
+    int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
+    float embed_scale, attn_scale;
+    const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
-    std::vector<float> x, qkv, attn, gu, logits_in, scores;
+    std::vector<float> x, qkv, attn, gu, logits_in, scores, sub;  // sub: a sandwich-normed output
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
@@ -151,26 +158,38 @@ void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, const
     });
 }
 
-// RMSNorm(x) * weight, quantized straight into activation row r. The sum of squares stays in
-// double (4 lanes), as it was when scalar: the norm is cheap, and its rounding feeds every layer.
-void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
-    const int H = m.hidden;
+// RMSNorm(x[0..n)) * w into out (which may be x). The sum of squares stays in double (4 lanes),
+// as it was when scalar: the norm is cheap, and its rounding feeds every layer.
+void rms_norm(const float* x, const float* w, int n, float eps, float* out) {
     __m256d acc = _mm256_setzero_pd();
     int i = 0;
-    for (; i + 4 <= H; i += 4) {
+    for (; i + 4 <= n; i += 4) {
         const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
         acc = _mm256_fmadd_pd(v, v, acc);
     }
     alignas(32) double part[4];
     _mm256_store_pd(part, acc);
     double ss = (part[0] + part[1]) + (part[2] + part[3]);
-    for (; i < H; ++i) ss += double(x[i]) * x[i];
-    const float inv = 1.f / std::sqrt(float(ss / H) + m.eps);
+    for (; i < n; ++i) ss += double(x[i]) * x[i];
+    const float inv = 1.f / std::sqrt(float(ss / n) + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
-    for (i = 0; i + 8 <= H; i += 8)
-        _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
-    for (; i < H; ++i) tmp[i] = x[i] * inv * w[i];
-    m.quant(tmp, H, a, r);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
+    for (; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// x[0..n) += RMSNorm(y) * w: a sandwich norm's residual add (y is overwritten).
+void add_normed(float* x, float* y, const float* w, int n, float eps) {
+    rms_norm(y, w, n, eps, y);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; ++i) x[i] += y[i];
+}
+
+// RMSNorm(x) * weight, quantized straight into activation row r.
+void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
+    rms_norm(x, w, m.hidden, m.eps, tmp);
+    m.quant(tmp, m.hidden, a, r);
 }
 
 // out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate (libm's scalar expf here
@@ -184,6 +203,25 @@ inline void silu_mul(const float* g, const float* u, float* out, int n) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
     for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// out[i] = GELU_tanh(g[i]) * u[i] (Gemma's GeGLU): 0.5 g (1 + tanh(z)) = g / (1 + exp(-2 z)),
+// z = sqrt(2 / pi) (g + 0.044715 g^3).
+inline void gelu_mul(const float* g, const float* u, float* out, int n) {
+    constexpr float c = 0.7978845608f, k = 0.044715f;
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k), gv),
+                                                                          _mm256_mul_ps(gv, gv), gv));
+        const __m256 den = _mm256_add_ps(one, vec::exp2_ps(_mm256_mul_ps(z, _mm256_set1_ps(-2.f * 1.44269504f))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) {
+        const float z = c * (g[i] + k * g[i] * g[i] * g[i]);
+        out[i] = g[i] / (1.f + std::exp(-2.f * z)) * u[i];
+    }
 }
 
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
@@ -210,24 +248,27 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 
 extern "C" {
 
+// fparams: embedding scale, attention score scale.
 void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
-                      const int32_t* layer_types) {
+                      const int32_t* layer_types, const float* fparams) {
     auto* m = new Model();
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
     m->fine = dims[13];  // model.py leaves the exact bits out
+    m->gelu = dims[14];
     m->eps = eps;
+    m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
     m->embed = reinterpret_cast<const uint8_t*>(glob[0]);
     m->head = reinterpret_cast<const uint8_t*>(glob[1]);
     m->out_norm = reinterpret_cast<const float*>(glob[2]);
-    m->rope_cos = reinterpret_cast<const float*>(glob[3]);
-    m->rope_sin = reinterpret_cast<const float*>(glob[4]);
-    // Per layer: 5 pointers (norms, bias, K/V cache), then qkv, o, gate_up, down as kMaxParts
-    // (pointer) each; layer_types holds their kMaxParts (type, rows) pairs, rows 0 = unused part.
-    constexpr int kPtrs = 5 + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2;
+    // Per layer: 11 pointers (norms, bias, K/V cache, the optional norms, rope tables), then qkv,
+    // o, gate_up, down as kMaxParts (pointer) each; layer_types holds their kMaxParts (type, rows)
+    // pairs, rows 0 = unused part, then the layer's window.
+    constexpr int kFixed = 11, kPtrs = kFixed + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2 + 1;
+    auto f32 = [](uint64_t p) { return reinterpret_cast<const float*>(p); };
     for (int l = 0; l < m->n_layers; ++l) {
         const uint64_t* p = layer_ptrs + kPtrs * l;
         const int32_t* t = layer_types + kTypes * l;
@@ -237,6 +278,9 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
         L.qkv_bias = reinterpret_cast<const float*>(p[2]);
         L.k_cache = reinterpret_cast<void*>(p[3]);
         L.v_cache = reinterpret_cast<void*>(p[4]);
+        L.q_norm = f32(p[5]), L.k_norm = f32(p[6]), L.attn_out_norm = f32(p[7]), L.ffn_out_norm = f32(p[8]);
+        L.rope_cos = f32(p[9]), L.rope_sin = f32(p[10]);
+        L.window = t[kTypes - 1];
         Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
         for (int j = 0; j < 4; ++j)
             for (int q = 0; q < kMaxParts; ++q) {
@@ -244,7 +288,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
                 if (t[2 * idx + 1] == 0) continue;
                 Mat& M = *mats[j];
                 M.type[M.parts] = t[2 * idx], M.rows[M.parts] = t[2 * idx + 1];
-                M.w[M.parts++] = reinterpret_cast<const uint8_t*>(p[5 + idx]);
+                M.w[M.parts++] = reinterpret_cast<const uint8_t*>(p[kFixed + idx]);
             }
         m->layers.push_back(L);
     }
@@ -270,6 +314,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
     if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
     if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
+    if (m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
     m.tiles.clear();
@@ -304,10 +349,10 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     m.act_views.clear();
     for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
     const std::vector<QAct>& acts = m.act_views;
-    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
-    const float scale = 1.f / std::sqrt(float(D));
+    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
+    const float scale = m.attn_scale;
 
-    const size_t need_phases = 3 + size_t(m.n_layers) * 10;
+    const size_t need_phases = 3 + size_t(m.n_layers) * 12;
     if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
     for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
     Phase* ph = m.phases.get();
@@ -326,6 +371,8 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     dequantize_packed_row(m.embed_t, m.embed, enb, ids[t], H, x + size_t(t) * H);
                 else
                     tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+                if (m.embed_scale != 1.f)
+                    for (int i = 0; i < H; ++i) x[size_t(t) * H + i] *= m.embed_scale;
             }
         });
         const QAct& a = acts[own_rows ? 1 + omp_get_thread_num() : 0];
@@ -344,11 +391,16 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
             });
             gemm_team(m, ph, pi, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
-            // RoPE on q and k, then write k and v into their cache slots.
+            // (QK-norm,) RoPE on q and k, then write k and v into their cache slots.
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
                     float* row = qkv + size_t(t) * W;
-                    const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
+                    if (L.q_norm) {
+                        for (int h = 0; h < m.n_heads; ++h) rms_norm(row + h * D, L.q_norm, D, m.eps, row + h * D);
+                        for (int h = m.n_heads; h < m.n_heads + m.n_kv; ++h)
+                            rms_norm(row + h * D, L.k_norm, D, m.eps, row + h * D);
+                    }
+                    const float *c = L.rope_cos + size_t(pos[t]) * D, *s = L.rope_sin + size_t(pos[t]) * D;
                     for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
                     const size_t slot = size_t(slot_mapping[t]);
                     if (m.kv_f16) {
@@ -366,7 +418,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                 const int t = m.tiles[it.tile];
                 const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
                                        attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
-                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t]};
+                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t], L.window};
                 if (m.kv_f16)
                     paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
                                        tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
@@ -377,7 +429,14 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
-            gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            if (L.attn_out_norm) {  // x += RMSNorm(o(attn))
+                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
+                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                    for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.attn_out_norm, H, m.eps);
+                });
+            } else {
+                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            }
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
@@ -386,11 +445,19 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
-                    silu_mul(g, g + I, tmp, I);
+                    if (m.gelu) gelu_mul(g, g + I, tmp, I);
+                    else silu_mul(g, g + I, tmp, I);
                     m.quant(tmp, I, ai, t);
                 }
             });
-            gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+            if (L.ffn_out_norm) {  // x += RMSNorm(down(act))
+                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
+                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                    for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.ffn_out_norm, H, m.eps);
+                });
+            } else {
+                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+            }
         }
         use_fine(m, ah, a, 4);  // head
         row_phase(S, [&](int r0, int r1) {
