@@ -194,7 +194,7 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     const size_t GB = group_block_bytes(WT);
     // Rows per tile: what the vector registers hold (32 with AVX-512, 16 with AVX2) with the
     // residual pass's doubled integer sums; measured best at 4 for fine activations on VNNI.
-    constexpr int MR = TP_VNNI && !RES ? 8 : 4;
+    constexpr int MR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
     int rows[MR];
     VF out[MR];
     for (int g = n0 / 16; g < n1 / 16; ++g) {
