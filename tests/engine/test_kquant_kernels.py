@@ -1,4 +1,5 @@
-"""The native kernels on the 5-bit and K-quant blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) against gguf-py.
+"""The native kernels on the 5-bit, K-quant and float blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
+against gguf-py.
 
 The weights are random GGUF blocks (random bytes, with fp16 scales set to sane values), so every
 bit pattern of the quants and 6-bit scales is exercised, and the reference is gguf-py's own
@@ -6,7 +7,8 @@ dequantize followed by a float64 matmul: an independent reader of the same bytes
 output, relative to the largest |output|:
   - against the activations as the kernels quantize them (int8 per 32-block, or int8 plus
     residual bytes), then float64: 1e-5, the float32 accumulation only;
-  - against the float activations: 3e-2 with int8 activations, 2e-4 with residual bytes.
+  - against the float activations: 3e-2 with int8 activations, 2e-4 with residual bytes;
+  - F16 and BF16 weights take the float activations: 1e-5.
 AVX2 and AVX-512 VNNI give the same bits, and a row's result does not depend on its batch.
 """
 
@@ -23,7 +25,7 @@ lib = K.native_library()
 pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
 
 ISAS = [] if lib is None else lib.available_isas()
-TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K]
+TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K, K.F16, K.BF16]
 # (M, N, K): the tile sizes 8/4/2/1 and their tails; K multiples of 256 (a K-quant row is whole
 # super-blocks; Q5 runs on them too).
 SHAPES = [(1, 16, 256), (3, 48, 512), (16, 32, 256), (33, 64, 768)]
@@ -34,6 +36,9 @@ SCALE_FIELDS = {K.Q8_0: (0,), K.Q5_0: (0,), K.Q5_1: (0, 2), K.Q4_K: (0, 2), K.Q5
 def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: float = 1 / 64) -> np.ndarray:
     """[n, row bytes] of random blocks: random quants and sub-block scales, fp16 scales of
     magnitude `size` / 5 to `size`, either sign."""
+    if wtype in (K.F16, K.BF16):  # values, not blocks: normal floats of magnitude `size` * 8
+        w = (rng.standard_normal((n, k)) * size * 8).astype(np.float32)
+        return (w.astype(np.float16) if wtype == K.F16 else (w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
     per_block, block_bytes = K.GGUF_BLOCKS[wtype]
     nb = k // per_block
     blocks = rng.integers(0, 256, size=(n * nb, block_bytes), dtype=np.uint8)
@@ -44,6 +49,8 @@ def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: fl
 
 
 def dequantized(wtype: int, q: np.ndarray) -> np.ndarray:
+    if wtype == K.F16:
+        return q.view(np.float16).astype(np.float32)
     return gguf_dequantize(q, GGMLQuantizationType(wtype)).reshape(q.shape[0], -1)
 
 
@@ -90,6 +97,9 @@ def test_gemm_matches_gguf_dequantize_in_float64(isa, wtype, shape):
     scale = np.abs(plain).max()
     for fine, bound in ((False, 3e-2), (True, 2e-4)):
         y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, fine=fine)
+        if packed_type in K.FLOAT_PACKED:
+            assert np.abs(y - plain).max() <= 1e-5 * scale
+            continue
         assert np.abs(y - activations(x, fine) @ wd.T).max() <= 1e-5 * scale
         assert np.abs(y - plain).max() <= bound * scale
 

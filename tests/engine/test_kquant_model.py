@@ -1,4 +1,4 @@
-"""A llama GGUF made of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors runs natively on the file's own
+"""A llama GGUF made of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16 and BF16 tensors runs natively on the file's own
 blocks (none re-quantized to Q8_0), and its logits match the torch float32 path fed with
 gguf-py's dequantization of the same blocks.
 
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 512
 # fp16 scale sizes that make weights of about 0.05-0.1 in each type (K-quants multiply by 6-bit
 # or int8 sub-block scales too).
-SIZE = {K.Q5_0: 0.01, K.Q5_1: 0.005, K.Q4_K: 3e-4, K.Q5_K: 2e-4, K.Q6_K: 1e-4, K.Q8_0: 1e-3}
+SIZE = {K.Q5_0: 0.01, K.Q5_1: 0.005, K.Q4_K: 3e-4, K.Q5_K: 2e-4, K.Q6_K: 1e-4, K.Q8_0: 1e-3, K.F16: 0.01,
+        K.BF16: 0.01}
 
 
 def write_gguf(path, types: dict[str, int], tied: bool, seed: int = 0):
@@ -77,9 +78,10 @@ MODELS = {
     "q4_k_m": ({"embed": K.Q6_K, "attn_q": K.Q5_0, "attn_k": K.Q5_0, "attn_v": K.Q5_0, "0.attn_v": K.Q6_K,
                 "attn_output": K.Q4_K, "ffn_gate": K.Q5_0, "ffn_up": K.Q5_0, "ffn_down": K.Q6_K,
                 "1.ffn_down": K.Q4_K}, True),
-    # the other types, an untied head, and a QKV of three types
-    "q5_k_q5_1": ({"embed": K.Q5_1, "output": K.Q5_K, "attn_q": K.Q5_K, "attn_k": K.Q5_1, "attn_v": K.Q8_0,
-                   "attn_output": K.Q5_1, "ffn_gate": K.Q4_K, "ffn_up": K.Q5_K, "ffn_down": K.Q5_0}, False),
+    # the other types, an untied head, a QKV of three types, float matrices (F16 beside Q5_1)
+    "q5_k_q5_1_f16": ({"embed": K.BF16, "output": K.Q5_K, "attn_q": K.Q5_K, "attn_k": K.Q5_1, "attn_v": K.Q8_0,
+                       "attn_output": K.Q5_1, "1.attn_output": K.F16, "ffn_gate": K.Q4_K, "ffn_up": K.Q5_K,
+                       "ffn_down": K.Q5_0, "1.ffn_down": K.BF16}, False),
 }
 
 

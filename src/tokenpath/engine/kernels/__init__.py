@@ -25,22 +25,24 @@ import numpy as np
 log = logging.getLogger("tokenpath.engine.kernels")
 
 # ggml's GGMLQuantizationType numbers
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 # The kernels' 16-row interleaved repacks (csrc/packed_impl.h, csrc/kquant_impl.h)
-Q4X16, Q5X16, Q8X16, Q4KX16, Q5KX16, Q6KX16 = 100, 106, 108, 112, 113, 114
+Q4X16, F16X16, Q5X16, Q8X16, Q4KX16, Q5KX16, Q6KX16, BF16X16 = 100, 101, 106, 108, 112, 113, 114, 130
 # Bytes per GGUF block; the row kernels (GGUF layout, float activations too) read only these.
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-# Every type the kernels read, with (weights, bytes) per GGUF block: the 5-bit and K-quant types
-# run repacked only.
+# Every type the kernels read, with (weights, bytes) per GGUF block (F16/BF16: 32 weights, as
+# the repack groups them): the 5-bit, K-quant and float types run repacked only.
 GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), F16: (32, 64), BF16: (32, 64)}
 PACKED_FROM = {Q4_0: Q4X16, Q4_1: Q4X16, Q5_0: Q5X16, Q5_1: Q5X16, Q8_0: Q8X16, Q4_K: Q4KX16, Q5_K: Q5KX16,
-               Q6_K: Q6KX16}
+               Q6_K: Q6KX16, F16: F16X16, BF16: BF16X16}
+FLOAT_PACKED = (F16X16, BF16X16)  # float weights: they multiply the float activations
 GROUP_ROWS = 16
 # Bytes of 16 rows x 32 weights with their scales (the K-quants' super-blocks are 8 of these),
 # padded so that a group-block (super-block) is a multiple of 64 bytes.
-GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 360, Q6KX16: 424}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 360, Q6KX16: 424, F16X16: 1024,
+                     BF16X16: 1024}
+TYPE_NAMES = {F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
               Q6_K: "Q6_K", Q4X16: "Q4X16", Q5X16: "Q5X16", Q8X16: "Q8X16", Q4KX16: "Q4KX16", Q5KX16: "Q5KX16",
               Q6KX16: "Q6KX16"}
 ISA_AVX2, ISA_AVX512 = 1, 2

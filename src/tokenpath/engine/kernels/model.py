@@ -3,9 +3,9 @@ call per engine step (`tp_model_forward` in csrc/forward.cpp).
 
 What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
 which keeps their blocks intact), the output and down projections, the norms; the embedding
-(also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
-Q6_K matrices keep the file's own blocks (repacked 16 rows at a time); other types (F16, BF16,
-Q2_K, Q3_K, ...), a 5-bit or K-quant matrix whose rows are not a multiple of 16, and safetensors
+(also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time); other types (F32,
+Q2_K, Q3_K, ...), a matrix of those types whose rows are not a multiple of 16, and safetensors
 checkpoints under `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
 The KV cache stays the engine's own block pool, float32 or float16: the kernels read and write it
 in place, converting float16 in registers.
@@ -22,6 +22,7 @@ import torch
 from tokenpath.engine.attention import KVCache
 from tokenpath.engine.kernels import (
     BLOCK_BYTES,
+    FLOAT_PACKED,
     GGUF_BLOCKS,
     GROUP_ROWS,
     Q8_0,
@@ -82,7 +83,7 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
     if loaded.gguf is not None:
         raw = loaded.gguf.raw(name)
         if raw.ggml_type in GGUF_BLOCKS and want in (None, raw.ggml_type):
-            return raw.ggml_type, raw.data
+            return raw.ggml_type, np.ascontiguousarray(raw.data).view(np.uint8)  # F16: values -> bytes
         if want is None:
             requantized.add(_type_name(raw.ggml_type))
         dense = loaded.gguf.dequantized(name)
@@ -111,7 +112,8 @@ def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int
     float activations (GGUF layouts of Q4_0/Q4_1/Q8_0 only), one matrix of one row-kernel type,
     Q8_0 when the types differ."""
     parts = [_as_blocks(lib, loaded, n, want, requantized) for n in names]
-    if pack and all(b.shape[0] % GROUP_ROWS == 0 for _, b in parts):
+    # F16/BF16 rows in whole 32-weight blocks only (the quantized types' rows always are).
+    if pack and all(b.shape[0] % GROUP_ROWS == 0 and b.shape[1] % GGUF_BLOCKS[t][1] == 0 for t, b in parts):
         runs: list[tuple[int, list[np.ndarray]]] = []
         for t, b in parts:
             if runs and runs[-1][0] == t:
@@ -253,7 +255,8 @@ class NativeLlama:
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
                          exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact,
-                         int(cfg.hidden_act == "gelu_tanh")], dtype=np.int32)
+                         int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
+                        dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
                            dtype=np.float32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),

@@ -108,6 +108,7 @@ struct Model {
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
     int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
+    int float_w;  // 1: some matrix has F16/BF16 parts, which read float activations
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -127,7 +128,7 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
         b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
     QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
     a.qsum16 = b.qsum16.data();
-    if (m.exact) {
+    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16 weights
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
         a.f = b.f.data(), a.fs = b.fs.data();
     }
@@ -256,7 +257,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
     m->fine = dims[13];  // model.py leaves the exact bits out
-    m->gelu = dims[14];
+    m->gelu = dims[14], m->float_w = dims[15];
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
@@ -473,7 +474,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
 // mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine).
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode) {
-    const bool exact = mode == 1;
+    const bool exact = mode == 1 || is_float_packed(wtype);  // float weights take float activations
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);

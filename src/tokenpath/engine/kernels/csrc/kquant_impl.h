@@ -33,6 +33,11 @@
 //          512 h, chunk c = qh bytes 32h + 4c.. (GGUF's Q6_K bit positions kept).
 
 #if TP_VNNI
+// L halfs (F16) or bfloat16s (BF16) -> L floats.
+static inline VF vf16(const uint8_t* p) { return vhalf(p); }
+static inline VF vbf16(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 static inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
 static inline VI vsrl16(VI a, int n) { return _mm512_srli_epi16(a, n); }
 static inline VI vsll16(VI a, int n) { return _mm512_slli_epi16(a, n); }
@@ -40,6 +45,10 @@ static inline VI vu8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_s
 static inline VI vi8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 static inline VI kq_dot(VI acc, VI u, VI s) { return vdot(acc, u, s); }
 #else
+static inline VF vf16(const uint8_t* p) { return vhalf(p); }
+static inline VF vbf16(const uint8_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 static inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
 static inline VI vsrl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
 static inline VI vsll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
@@ -133,6 +142,25 @@ static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* r
                 acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
                 acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
             }
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = acc[r];
+}
+
+// F16X16 / BF16X16 (1024 bytes per 16 rows x 32 weights: weight e of lane i at 32 e + 2 i): the
+// float activations (QAct::f) times the weights widened in registers, one FMA per weight and row,
+// in K order on both ISAs.
+template <int WT, int MR>
+static inline void float_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+    const int nb = a.nb;
+    VF acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    for (int b = 0; b < nb; ++b, wg += 1024) {
+        const float* x[MR];
+        for (int r = 0; r < MR; ++r) x[r] = a.f + (size_t(rows[r]) * nb + b) * QK;
+        for (int e = 0; e < QK; ++e) {
+            const VF w = WT == W_F16X16 ? vf16(wg + 32 * e + 2 * L * h) : vbf16(wg + 32 * e + 2 * L * h);
+            for (int r = 0; r < MR; ++r) acc[r] = vfma(w, vfset(x[r][e]), acc[r]);
         }
     }
     for (int r = 0; r < MR; ++r) out[r] = acc[r];

@@ -182,6 +182,7 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
 template <int WT, int MR, bool RES>
 static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
     if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out);
+    else if constexpr (WT == W_F16X16 || WT == W_BF16X16) float_tile<WT, MR>(wg, h, a, rows, out);
     else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
 }
 
@@ -230,6 +231,6 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
 template <int WT>
 static void packed_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                         const float* bias, bool accumulate) {
-    if (a.q2) packed_gemm_t<WT, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (a.q2 && !is_float_packed(WT)) packed_gemm_t<WT, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     else packed_gemm_t<WT, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 }

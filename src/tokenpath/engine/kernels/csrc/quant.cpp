@@ -173,6 +173,18 @@ void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, fl
     const size_t gb = group_block_bytes(wtype);
     const uint8_t* g = w + size_t(n / kGroupRows) * nb * gb;
     const int i = n % kGroupRows;
+    if (is_float_packed(wtype)) {
+        for (int k = 0; k < K; ++k) {
+            const uint8_t* p = g + size_t(k / QK) * gb + 32 * (k % QK) + 2 * i;
+            if (wtype == W_F16X16) {
+                dst[k] = h2f(p);
+            } else {
+                const uint32_t bits = uint32_t(p[0] | p[1] << 8) << 16;
+                std::memcpy(dst + k, &bits, 4);
+            }
+        }
+        return;
+    }
     if (is_kquant_packed(wtype)) {
         float v[QK * kSuper];
         for (int sb = 0; sb < nb / kSuper; ++sb, g += gb * kSuper) {
@@ -287,6 +299,8 @@ int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
         case W_Q4_K: pt = W_Q4KX16; break;
         case W_Q5_K: pt = W_Q5KX16; break;
         case W_Q6_K: pt = W_Q6KX16; break;
+        case W_F16: pt = W_F16X16; break;
+        case W_BF16: pt = W_BF16X16; break;
         default: return -1;
     }
     if (N % kGroupRows) return -1;
@@ -299,6 +313,10 @@ int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
             std::memset(out, 0, gb);  // Q8X16's and Q6KX16's padding
             for (int i = 0; i < kGroupRows; ++i) {
                 const uint8_t* blk = src + size_t(kGroupRows * g + i) * row + b * bb;
+                if (is_float_packed(pt)) {  // 32 weights of 2 bytes: weight e at 32 e + 2 i
+                    for (int e = 0; e < QK; ++e) std::memcpy(out + 32 * e + 2 * i, blk + 2 * e, 2);
+                    continue;
+                }
                 if (pt == W_Q5X16) {
                     repack_q5(wtype, blk, i, out);
                     continue;
