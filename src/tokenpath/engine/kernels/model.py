@@ -1,5 +1,7 @@
-"""The native decoder: a llama-family model whose weights stay in GGUF blocks, run as one native
-call per engine step (`tp_model_forward` in csrc/forward.cpp).
+"""The native decoder: a Llama/Mistral/Qwen2/Qwen3/Gemma 3 model whose weights stay in GGUF blocks,
+run as one native call per engine step (`tp_model_forward` in csrc/forward.cpp), with the
+families' switches of ModelConfig (QK-norm, sandwich norms, GeGLU, embedding and attention scales,
+norm offset, per-layer sliding windows and rope tables).
 
 What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
 which keeps their blocks intact), the output and down projections, the norms; the embedding

@@ -1,4 +1,6 @@
-// The fused native forward pass of a llama-family decoder, one call per engine step.
+// The fused native forward pass of a llama-family decoder, one call per engine step, with the
+// switches the other families need (Layer, Model: QK-norm, sandwich norms, GeGLU, embedding and
+// attention scales, per-layer sliding windows and rope tables; Gemma's 1 + w norms come ready).
 //
 // Why one call: after the matmuls are fast, a 30-layer model run op by op from Python costs
 // ~20 torch ops per layer (milliseconds per step). Here a step is one OpenMP parallel region

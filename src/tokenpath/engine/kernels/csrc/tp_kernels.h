@@ -1,7 +1,8 @@
 // Shared declarations of tokenpath's native CPU kernels.
 //
-// Weights stay in GGUF's own block layouts (ggml's Q4_0, Q4_1, Q8_0: 32 weights per block, one
-// fp16 scale, Q4_1 also an fp16 minimum). Activations are quantized per 32-block to int8 on the
+// Weights keep GGUF's own numbers (ggml's Q4_0, Q4_1, Q8_0: 32 weights per block, one fp16
+// scale, Q4_1 also an fp16 minimum; Q5_0/Q5_1, the K-quants Q4_K/Q5_K/Q6_K and F16/BF16 run
+// repacked only, kquant_impl.h). Activations are quantized per 32-block to int8 on the
 // fly ("QAct": int8 values, the block's scale d and d * sum(q)), so a block's dot product is one
 // integer multiply-add instruction sequence plus one float FMA, as in llama.cpp's
 // vec_dot_q4_1_q8_1. The ISA-specific parts (dot_avx2.cpp, dot_avx512.cpp) are compiled with
