@@ -200,7 +200,9 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
     const float* krow[kKeyBlock + 8];  // + padding lanes past a window's skipped keys
     const float* vrow[kKeyBlock + 8];
     const size_t first = size_t(g0) * D;
-    for (int j0 = key_lo(0); j0 < ctx_end; j0 += kKeyBlock) {
+    // Key blocks stay aligned to multiples of kKeyBlock whatever the tile, so a row sums its keys
+    // in the same blocks in any batch (batch invariance).
+    for (int j0 = key_lo(0) / kKeyBlock * kKeyBlock; j0 < ctx_end; j0 += kKeyBlock) {
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
