@@ -36,7 +36,8 @@ log = logging.getLogger("tokenpath.engine.kernels")
 
 def native_unsupported(cfg: ModelConfig) -> list[str]:
     """The features of `cfg` the native forward does not compute (plain llama/qwen2 only):
-    such a model runs on torch rather than natively and wrong."""
+    such a model runs on torch rather than natively and wrong. (head_dim != hidden / heads it
+    does compute: tests/engine/test_native_attention.py's head_dim 20 model.)"""
     checks = {
         "rope scaling": cfg.rope_scaling is not None,
         "sliding windows": cfg.has_windows,
@@ -44,7 +45,6 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
         "QK-norm": cfg.qk_norm,
         "sandwich norms": cfg.sandwich_norms,
         f"activation {cfg.hidden_act}": cfg.hidden_act != "silu",
-        "head_dim != hidden / heads": cfg.head_dim * cfg.num_heads != cfg.hidden_size,
         "embedding scale": cfg.embed_scale != 1.0,
         "attention scale": cfg.attn_scale is not None,
         "norm offset": cfg.norm_offset != 0.0,
