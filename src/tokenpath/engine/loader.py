@@ -40,7 +40,8 @@ def _package_dir(package: str) -> Path:
 
 
 def gemma3_270m_path() -> Path:
-    """Gemma 3 270M Q4_K_M, joined from its four chunk packages once into the data dir.
+    """Gemma 3 270M Q4_K_M, joined from its four chunk packages once into the user's cache
+    ($XDG_CACHE_HOME/tokenpath/models: shared by every data dir, as the packages are).
 
     The package's `assemble` hashes the 235 MB file on every call; a stamp recording the file's
     size and mtime after one verified assembly makes later starts free. Assembly goes to a private
@@ -49,10 +50,10 @@ def gemma3_270m_path() -> Path:
     _package_dir(GEMMA3_270M_PACKAGE)
     import importlib
 
-    from tokenpath.config import resolve_data_dir
-
     pkg = importlib.import_module(GEMMA3_270M_PACKAGE)  # stdlib-only __init__
-    target = resolve_data_dir() / "models" / pkg.MODEL_NAME
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenpath" / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / pkg.MODEL_NAME
     stamp = target.with_name(target.name + ".verified")
     with contextlib.suppress(OSError):
         st = target.stat()
