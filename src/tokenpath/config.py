@@ -65,6 +65,9 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length, capped at 8192
     enable_prefix_caching: bool = True
     seed: int = 0
+    # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
+    # model without one (a base model such as gemma-3-270m) /v1/chat/completions.
+    chat_template: str | None = None
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -5,6 +5,9 @@ written to their slots (`slot_mapping`), then each query group gathers its conte
 pool. Sequences with one query token (decode, the common case) are batched into one SDPA call
 over a padded context; multi-token chunks (prefill, chunked prefill after a prefix hit) run one
 SDPA call each, with a causal mask offset by the tokens already computed.
+A layer with a sliding window (Mistral, Gemma 3's local layers) masks every key more than
+`window - 1` positions behind its query, in prefill chunks and decode alike; the masks are built
+once per step and window, and shared by every layer with that window.
 The pool may store a narrower dtype than the model computes in (--kv-cache-dtype float16 with a
 float32 model): K/V are rounded on write and widened back after each gather.
 """
@@ -23,6 +26,7 @@ class PrefillChunk:
     num_tokens: int
     slots: torch.Tensor | None  # context slots [computed + num_tokens]; None when nothing was cached before
     mask: torch.Tensor | None  # [num_tokens, context] bool, None when plain causal from position 0
+    computed: int = 0  # tokens of this sequence already in the cache: the first query's position
 
 
 @dataclass
@@ -33,6 +37,7 @@ class DecodeGroup:
     start: int
     slots: torch.Tensor  # [B, Lmax] context slots, padded
     mask: torch.Tensor  # [B, 1, 1, Lmax] bool
+    ctx: torch.Tensor | None = None  # [B] context lengths (each query's position + 1)
 
 
 @dataclass
@@ -40,6 +45,31 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # (window, "d"/"p", index) -> windowed mask, filled by the first layer with that window.
+    window_masks: dict[tuple[int, str, int], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, i: int, window: int | None) -> torch.Tensor:
+        g = self.decode_groups[i]
+        if window is None:
+            return g.mask
+        key = (window, "d", i)
+        if key not in self.window_masks:
+            k = torch.arange(g.mask.shape[-1], device=g.mask.device)
+            recent = k[None, :] >= (g.ctx[:, None] - window)
+            self.window_masks[key] = g.mask & recent[:, None, None, :]
+        return self.window_masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        p = self.prefills[i]
+        if window is None or p.computed + p.num_tokens <= window:  # nothing falls out of the window
+            return p.mask
+        key = (window, "p", i)
+        if key not in self.window_masks:
+            dev = self.slot_mapping.device
+            q = torch.arange(p.computed, p.computed + p.num_tokens, device=dev)[:, None]
+            k = torch.arange(p.computed + p.num_tokens, device=dev)[None, :]  # slots None: computed is 0
+            self.window_masks[key] = (k <= q) & (k > q - window)
+        return self.window_masks[key]
 
 
 class KVCache:
@@ -63,21 +93,24 @@ class KVCache:
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]. `window`: this
+    layer attends only to the last `window` positions (its own included)."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    for g in meta.decode_groups:
+    for gi, g in enumerate(meta.decode_groups):
         b, ctx = g.slots.shape
         rows = slice(g.start, g.start + b)
         kd = _gather(k_cache, g.slots, q.dtype).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = _gather(v_cache, g.slots, q.dtype).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=scale,
+        mask = meta.decode_mask(gi, window)
+        out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa).squeeze(2)
-    for p in meta.prefills:
+    for pi, p in enumerate(meta.prefills):
+        mask = meta.prefill_mask(pi, window)
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.slots is None:
@@ -85,7 +118,7 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         else:
             kp, vp = _gather(k_cache, p.slots, q.dtype), _gather(v_cache, p.slots, q.dtype)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out

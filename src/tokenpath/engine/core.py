@@ -42,7 +42,7 @@ class EngineCore:
         self.model_name = config.served_model_name or (
             config.model if "/" not in config.model and not config.model.endswith(".gguf") else loaded.path.stem
         )
-        self.tokenizer = Tokenizer(loaded.tokenizer_source)
+        self.tokenizer = Tokenizer(loaded.tokenizer_source, config.chat_template)
         self.max_model_len = min(config.max_model_len or MAX_CONTEXT_DEFAULT, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
         del loaded

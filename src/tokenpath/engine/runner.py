@@ -78,9 +78,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.native: NativeLlama | None = None
         if lib is None:
-            model = LlamaModel(cfg, max_positions=max_model_len)
+            model = LlamaModel(cfg, max_positions=max_model_len, dtype=self.dtype)
             model.load_weights(loaded.weights)
-            self.model = model.to(device=self.device, dtype=self.dtype).eval()
+            self.model = model.to(device=self.device).eval()
             self.model.rope.to(torch.float32)  # keep cos/sin tables exact
         self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, lib, self.dtype)
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -179,7 +179,7 @@ class ModelRunner:
         q_pos = torch.arange(done, ctx).unsqueeze(1)
         mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
         return PrefillChunk(start=row, num_tokens=n, slots=slots.to(self.device),
-                            mask=mask.to(self.device))
+                            mask=mask.to(self.device), computed=done)
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
         bs = self.block_size
@@ -192,4 +192,5 @@ class ModelRunner:
         slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(seqs), -1)[:, : ctx.max()]
         mask = np.arange(ctx.max())[None, :] < ctx[:, None]
         return DecodeGroup(start=start, slots=torch.from_numpy(np.ascontiguousarray(slots)).to(self.device),
-                           mask=torch.from_numpy(mask)[:, None, None, :].to(self.device))
+                           mask=torch.from_numpy(mask)[:, None, None, :].to(self.device),
+                           ctx=torch.from_numpy(ctx).to(self.device))

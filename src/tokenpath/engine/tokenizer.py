@@ -22,9 +22,20 @@ from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 
 
+def read_chat_template(path: str | Path) -> str:
+    """The operator's --chat-template file, read once at startup (a missing file fails the start)."""
+    try:
+        return Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"--chat-template {path}: cannot read it ({exc})") from exc
+
+
 class Tokenizer:
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, chat_template: str | Path | None = None) -> None:
+        """`chat_template`: a template file that replaces the model's own (--chat-template)."""
         self._hf = _load_hf_tokenizer(source)
+        if chat_template is not None:
+            self._hf.chat_template = read_chat_template(chat_template)
         self.backend = self._hf.backend_tokenizer
         self.eos_token_id: int = self._hf.eos_token_id if self._hf.eos_token_id is not None else -1
         self.bos_token_id: int | None = self._hf.bos_token_id
@@ -64,7 +75,8 @@ class Tokenizer:
         """`tools` (OpenAI tool definitions) go to templates that render them (Qwen, Llama 3.1);
         the API renders tools itself for templates that know none (`api/tools.py`)."""
         if not self.chat_template:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+            raise InvalidRequestError("this model has no chat template (a base model): use /v1/completions, "
+                                      "or start the server with --chat-template FILE", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
             text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -135,10 +136,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request prefills per step (0: no cap)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template replacing the model's own (needed for chat on a base model)")
 
 
 _ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
-                 "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching")
+                 "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching",
+                 "chat_template")
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
@@ -153,6 +157,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
+        engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
     update = {k: v for k, v in server.items() if v is not None}
     update["engine"] = cfg.engine.model_copy(update=engine)
     return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})

@@ -116,12 +116,22 @@ def _max_num_seqs(engine_args: list[str]) -> int:
     return EngineConfig().max_num_seqs
 
 
-def load_tokenizer(model: str) -> Any:
-    """The gateway tokenizes for remote replicas too: same ids, so prefix hashes match the engine's."""
+def _flag(engine_args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(engine_args):
+        if a == flag and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def load_tokenizer(model: str, chat_template: str | None = None) -> Any:
+    """The gateway tokenizes for remote replicas too: same ids, so prefix hashes match the engine's
+    (and the same --chat-template as its local engines)."""
     from tokenpath.engine.loader import resolve_model_path
     from tokenpath.engine.tokenizer import Tokenizer
 
-    return Tokenizer(resolve_model_path(model))
+    return Tokenizer(resolve_model_path(model), chat_template)
 
 
 async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
@@ -156,7 +166,8 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                 await rep.start()
                 replicas.append(rep)
         if tokenizer is None:
-            tokenizer = await asyncio.to_thread(load_tokenizer, model)
+            template = next((t for r in spec.replicas if (t := _flag(r.engine_args, "--chat-template"))), None)
+            tokenizer = await asyncio.to_thread(load_tokenizer, model, template)
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         raise
@@ -228,7 +239,8 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
 
 
 _ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype",
-                       "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed")
+                       "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed",
+                       "chat_template")
 
 
 def engine_flags(engine: Any) -> list[str]:

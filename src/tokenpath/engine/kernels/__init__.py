@@ -24,12 +24,27 @@ import numpy as np
 
 log = logging.getLogger("tokenpath.engine.kernels")
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's GGMLQuantizationType numbers
-Q4X16, Q8X16 = 100, 108  # the kernels' 16-row interleaved repacks (csrc/packed_impl.h)
+# ggml's GGMLQuantizationType numbers
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+# The kernels' 16-row interleaved repacks (csrc/packed_impl.h, csrc/kquant_impl.h)
+Q4X16, F16X16, Q5X16, Q8X16, Q4KX16, Q5KX16, Q6KX16, BF16X16 = 100, 101, 106, 108, 112, 113, 114, 130
+# Bytes per GGUF block; the row kernels (GGUF layout, float activations too) read only these.
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+# Every type the kernels read, with (weights, bytes) per GGUF block (F16/BF16: 32 weights, as
+# the repack groups them): the 5-bit, K-quant and float types run repacked only.
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), F16: (32, 64), BF16: (32, 64)}
+PACKED_FROM = {Q4_0: Q4X16, Q4_1: Q4X16, Q5_0: Q5X16, Q5_1: Q5X16, Q8_0: Q8X16, Q4_K: Q4KX16, Q5_K: Q5KX16,
+               Q6_K: Q6KX16, F16: F16X16, BF16: BF16X16}
+FLOAT_PACKED = (F16X16, BF16X16)  # float weights: they multiply the float activations
 GROUP_ROWS = 16
-GROUP_BLOCK_BYTES = {Q4X16: 320, Q8X16: 576}  # 16 rows x 32 weights, scales, padding to 64 bytes
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4X16: "Q4X16", Q8X16: "Q8X16"}
+# Bytes of 16 rows x 32 weights with their scales (the K-quants' super-blocks are 8 of these),
+# padded so that a group-block (super-block) is a multiple of 64 bytes.
+GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 360, Q6KX16: 424, F16X16: 1024,
+                     BF16X16: 1024}
+TYPE_NAMES = {F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+              Q6_K: "Q6_K", Q4X16: "Q4X16", Q5X16: "Q5X16", Q8X16: "Q8X16", Q4KX16: "Q4KX16", Q5KX16: "Q5KX16",
+              Q6KX16: "Q6KX16"}
 ISA_AVX2, ISA_AVX512 = 1, 2
 FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C = 1, 2, 4  # bits of tp_cpu_features()
 
@@ -89,7 +104,7 @@ def native_library() -> NativeLibrary | None:
     lib.tp_repack.argtypes = [_I, _P, _I, _I, _P]
     lib.tp_dequantize_packed_row.argtypes = [_I, _P, _I, _I, _I, _P]
     lib.tp_model_create.restype = _P
-    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P]
+    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P, _P]
     lib.tp_model_free.argtypes = [_P]
     lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I]
     features = lib.tp_cpu_features()
@@ -117,6 +132,8 @@ def quantize(lib: NativeLibrary, wtype: int, w: np.ndarray) -> np.ndarray:
 
 
 def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndarray:
+    if wtype not in BLOCK_BYTES:
+        raise ValueError(f"{TYPE_NAMES.get(wtype, wtype)}: dequantized natively only once repacked")
     out = np.empty((q.shape[0], k), dtype=np.float32)
     for i in range(q.shape[0]):
         lib.lib.tp_dequantize_row(wtype, _ptr(q[i]), k, _ptr(out[i]))
@@ -132,14 +149,15 @@ def _aligned_empty(shape: tuple[int, int], align: int = 64) -> np.ndarray:
 
 
 def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarray]:
-    """GGUF blocks [N, row_bytes] -> (Q4X16 or Q8X16, [N / 16, group row bytes]): 16 rows
+    """GGUF blocks [N, row_bytes] -> (PACKED_FROM[wtype], [N / 16, group row bytes]): 16 rows
     interleaved so one vector instruction serves 16 outputs (8 on AVX2; csrc/packed_impl.h).
     Returns (wtype, w) unchanged when N is not a multiple of 16."""
-    n, nb = w.shape[0], w.shape[1] // BLOCK_BYTES[wtype]
+    per_block, block_bytes = GGUF_BLOCKS[wtype]
+    n, nb = w.shape[0], w.shape[1] // block_bytes
     w = np.ascontiguousarray(w)
     if n % GROUP_ROWS:
         return wtype, w
-    out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[Q8X16 if wtype == Q8_0 else Q4X16]))
+    out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[PACKED_FROM[wtype]] * per_block // 32))
     got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out))
     return (wtype, w) if got < 0 else (got, out)
 
@@ -165,6 +183,8 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape[0], output_rows(wtype, w)
     packed = wtype in GROUP_BLOCK_BYTES
+    if not packed and wtype not in BLOCK_BYTES:
+        raise ValueError(f"{TYPE_NAMES.get(wtype, wtype)} runs repacked only (repack() it first)")
     want = -(-k // 32) * GROUP_BLOCK_BYTES[wtype] if packed else row_bytes(wtype, k)
     if x.shape[1] != k or w.shape[1] != want:
         raise ValueError(f"shape mismatch: x {x.shape}, w {w.shape} for K={k}")

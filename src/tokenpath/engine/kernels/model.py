@@ -1,10 +1,14 @@
-"""The native decoder: a llama-family model whose weights stay in GGUF blocks, run as one native
-call per engine step (`tp_model_forward` in csrc/forward.cpp).
+"""The native decoder: a Llama/Mistral/Qwen2/Qwen3/Gemma 3 model whose weights stay in GGUF blocks,
+run as one native call per engine step (`tp_model_forward` in csrc/forward.cpp), with the
+families' switches of ModelConfig (QK-norm, sandwich norms, GeGLU, embedding and attention scales,
+norm offset, per-layer sliding windows and rope tables).
 
 What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
 which keeps their blocks intact), the output and down projections, the norms; the embedding
-(also the LM head when tied) and the RoPE tables. Tensor types the kernels lack (F16, K-quants)
-and safetensors checkpoints under `--quantization q8_0` are quantized to Q8_0 at load.
+(also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time); other types (F32,
+Q2_K, Q3_K, ...), a matrix of those types whose rows are not a multiple of 16, and safetensors
+checkpoints under `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
 The KV cache stays the engine's own block pool, float32 or float16: the kernels read and write it
 in place, converting float16 in registers.
 """
@@ -20,17 +24,33 @@ import torch
 from tokenpath.engine.attention import KVCache
 from tokenpath.engine.kernels import (
     BLOCK_BYTES,
+    FLOAT_PACKED,
+    GGUF_BLOCKS,
+    GROUP_ROWS,
     Q8_0,
     TYPE_NAMES,
     NativeLibrary,
     native_library,
+    output_rows,
     quantize,
     repack,
 )
 from tokenpath.engine.loader import LoadedModel
-from tokenpath.engine.models.llama import Rope
+from tokenpath.engine.model_config import ModelConfig
+from tokenpath.engine.models.rope import LayerRopes
 
 log = logging.getLogger("tokenpath.engine.kernels")
+
+
+def native_unsupported(cfg: ModelConfig) -> list[str]:
+    """The features of `cfg` the native forward does not compute: such a model runs on torch
+    rather than natively and wrong. It computes QK-norm, sandwich norms, SwiGLU and GeGLU, embedding
+    and attention scales, norm offsets, per-layer sliding windows and rope tables (any base and
+    scaling: they are built here by the torch path's own LayerRopes), and any head_dim."""
+    checks = {
+        f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
+    }
+    return [name for name, hit in checks.items() if hit]
 
 
 def select_native(loaded: LoadedModel, quantization: str, device: torch.device) -> NativeLibrary | None:
@@ -46,31 +66,76 @@ def select_native(loaded: LoadedModel, quantization: str, device: torch.device) 
             log.warning("--quantization %s: the native kernels are CPU-only; using torch on %s",
                         quantization, device)
         return None
+    missing = native_unsupported(loaded.config)
+    if missing:
+        log.log(logging.INFO if quantization == "auto" else logging.WARNING,
+                "the native kernels do not compute %s yet: torch path", ", ".join(missing))
+        return None
     if quantization == "auto" and loaded.gguf is None:
         log.info("safetensors checkpoint: torch float path (--quantization q8_0 runs it on the native kernels)")
         return None
     return native_library()
 
 
-def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | None) -> tuple[int, np.ndarray]:
+def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | None,
+               requantized: set[str]) -> tuple[int, np.ndarray]:
     """(ggml type, [rows, bytes]) of one matrix: the GGUF's own blocks when the kernels read that
-    type (and `want` allows it), else quantized here to Q8_0."""
+    type (and `want` allows it), else quantized here to Q8_0 (the type's name goes to
+    `requantized`, for the load's log line)."""
     if loaded.gguf is not None:
         raw = loaded.gguf.raw(name)
-        if raw.ggml_type in BLOCK_BYTES and want in (None, raw.ggml_type):
-            return raw.ggml_type, raw.data
+        if raw.ggml_type in GGUF_BLOCKS and want in (None, raw.ggml_type):
+            return raw.ggml_type, np.ascontiguousarray(raw.data).view(np.uint8)  # F16: values -> bytes
+        if want is None:
+            requantized.add(_type_name(raw.ggml_type))
         dense = loaded.gguf.dequantized(name)
     else:
         dense = loaded.weights[name].numpy()
     return Q8_0, quantize(lib, Q8_0, dense)
 
 
-def _stacked(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int | None) -> tuple[int, np.ndarray]:
-    """Rows of several matrices with the same input size stacked into one (fused QKV, gate/up)."""
-    parts = [_as_blocks(lib, loaded, n, want) for n in names]
-    if len({t for t, _ in parts}) > 1:  # mixed types (e.g. a Q6_K attn_v): one format for the fused matrix
-        parts = [_as_blocks(lib, loaded, n, Q8_0) for n in names]
-    return parts[0][0], np.ascontiguousarray(np.concatenate([b for _, b in parts]))
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return str(ggml_type)
+
+
+Part = tuple[int, int, np.ndarray]  # (kernel type, output rows, blocks): one row range of a matrix
+
+
+def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int | None, pack: bool,
+            requantized: set[str]) -> list[Part]:
+    """The rows of several matrices with the same input size, stacked (fused QKV, gate/up), as the
+    kernels run them: repacked (`pack`) parts of the file's own types, consecutive ones of one type
+    merged; or, where a part cannot be repacked (rows not a multiple of 16) or the matmul keeps
+    float activations (GGUF layouts of Q4_0/Q4_1/Q8_0 only), one matrix of one row-kernel type,
+    Q8_0 when the types differ."""
+    parts = [_as_blocks(lib, loaded, n, want, requantized) for n in names]
+    # F16/BF16 rows in whole 32-weight blocks only (the quantized types' rows always are).
+    if pack and all(b.shape[0] % GROUP_ROWS == 0 and b.shape[1] % GGUF_BLOCKS[t][1] == 0 for t, b in parts):
+        runs: list[tuple[int, list[np.ndarray]]] = []
+        for t, b in parts:
+            if runs and runs[-1][0] == t:
+                runs[-1][1].append(b)
+            else:
+                runs.append((t, [b]))
+        out = []
+        for t, blocks in runs:
+            pt, packed = repack(lib, t, np.concatenate(blocks))
+            out.append((pt, output_rows(pt, packed), packed))
+        return out
+    if len({t for t, _ in parts}) > 1 or any(t not in BLOCK_BYTES for t, _ in parts):
+        for n, (t, _) in zip(names, parts, strict=True):
+            if t not in BLOCK_BYTES:
+                requantized.add(f"{TYPE_NAMES[t]} ({n}: rows not a multiple of 16, or float activations)")
+        parts = [_as_blocks(lib, loaded, n, Q8_0, requantized) for n in names]
+    t, blocks = parts[0][0], np.ascontiguousarray(np.concatenate([b for _, b in parts]))
+    if pack:
+        t, blocks = repack(lib, t, blocks)
+    return [(t, output_rows(t, blocks), blocks)]
 
 
 def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
@@ -78,6 +143,8 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
         return np.ascontiguousarray(loaded.gguf.dequantized(name), dtype=np.float32).reshape(-1)
     return np.ascontiguousarray(loaded.weights[name].numpy(), dtype=np.float32).reshape(-1)
 
+
+MAX_PARTS = 3  # row ranges of their own type per matrix (csrc/forward.cpp kMaxParts)
 
 # Bits of TOKENPATH_KERNELS_EXACT and TOKENPATH_KERNELS_FINE, in the order forward.cpp numbers the matmuls.
 EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
@@ -136,39 +203,66 @@ class NativeLlama:
             return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
         exact = exact_mask()
+        requantized: set[str] = set()
 
-        def packed(kind: int, blocks: tuple[int, np.ndarray]) -> tuple[int, np.ndarray]:
+        def matrix(kind: int, names: list[str]) -> list[Part]:
             """The int8-activation matmuls run on 16-row interleaved weights (csrc/packed_impl.h):
             the same bytes moved, 2-4x the GEMM speed. Float-activation ones keep GGUF's layout."""
-            return blocks if exact & kind else repack(lib, *blocks)
+            return _matrix(lib, loaded, names, want, not exact & kind, requantized)
 
-        layer_ptrs, layer_types = [], []
+        ropes = LayerRopes(cfg, max_positions)
+
+        def norm(name: str) -> np.ndarray:  # Gemma's (1 + w), added in float32 as the torch path does
+            w = _dense(loaded, name)
+            return w + np.float32(cfg.norm_offset) if cfg.norm_offset else w
+
+        def optional_norm(name: str, present: bool) -> int:
+            return ptr(norm(name)) if present else 0
+
+        layer_ptrs, layer_types, used_types = [], [], set()
         for i in range(cfg.num_layers):
             def w(n: str, i: int = i) -> str:
                 return f"layers.{i}.{n}"
 
-            qkv_t, qkv = packed(EXACT_QKV, _stacked(lib, loaded, [w(f"{p}_proj.weight") for p in "qkv"], want))
-            o_t, o = packed(EXACT_O, _stacked(lib, loaded, [w("o_proj.weight")], want))
-            gu_t, gu = packed(EXACT_GATE_UP, _stacked(lib, loaded, [w("gate_proj.weight"), w("up_proj.weight")], want))
-            d_t, down = packed(EXACT_DOWN, _stacked(lib, loaded, [w("down_proj.weight")], want))
+            mats = [matrix(EXACT_QKV, [w(f"{p}_proj.weight") for p in "qkv"]),
+                    matrix(EXACT_O, [w("o_proj.weight")]),
+                    matrix(EXACT_GATE_UP, [w("gate_proj.weight"), w("up_proj.weight")]),
+                    matrix(EXACT_DOWN, [w("down_proj.weight")])]
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
-            layer_ptrs += [ptr(_dense(loaded, w("input_norm.weight"))), ptr(_dense(loaded, w("post_norm.weight"))),
-                           ptr(bias), ptr(qkv), ptr(o), ptr(gu), ptr(down), ptr(cache.k[i]), ptr(cache.v[i])]
-            layer_types += [qkv_t, o_t, gu_t, d_t]
-        embed_t, embed = _stacked(lib, loaded, ["embed.weight"], want)
+            rope = ropes.ropes[ropes.layer_rope[i]]
+            layer_ptrs += [ptr(norm(w("input_norm.weight"))), ptr(norm(w("post_norm.weight"))),
+                           ptr(bias), ptr(cache.k[i]), ptr(cache.v[i]),
+                           optional_norm(w("q_norm.weight"), cfg.qk_norm), optional_norm(w("k_norm.weight"), cfg.qk_norm),
+                           optional_norm(w("attn_out_norm.weight"), cfg.sandwich_norms),
+                           optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
+                           ptr(rope.cos.contiguous()), ptr(rope.sin.contiguous())]
+            for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
+                parts = parts + [(0, 0, None)] * (MAX_PARTS - len(parts))
+                layer_ptrs += [ptr(b) for _, _, b in parts]
+                layer_types += [v for t, rows, _ in parts for v in (t, rows)]
+                used_types |= {t for t, rows, _ in parts if rows}
+            layer_types.append(cfg.window(i) or 0)
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
-            head_t, head = embed_t, embed = packed(EXACT_HEAD, (embed_t, embed))
+            [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
+            embed_t, embed = head_t, head
         else:
-            head_t, head = packed(EXACT_HEAD, _stacked(lib, loaded, ["lm_head.weight"], want))
-        rope = Rope(cfg.head_dim, cfg.rope_theta, max_positions)
-        glob = [ptr(embed), ptr(head), ptr(_dense(loaded, "norm.weight")), ptr(rope.cos.contiguous()),
-                ptr(rope.sin.contiguous())]
+            [(head_t, _, head)] = matrix(EXACT_HEAD, ["lm_head.weight"])
+            # Embedding lookups read GGUF rows of the row-kernel types or repacked rows (16-row groups).
+            [(embed_t, _, embed)] = _matrix(lib, loaded, ["embed.weight"], want, True, requantized)
+        glob = [ptr(embed), ptr(head), ptr(norm("norm.weight"))]
+        if requantized:
+            log.warning("native kernels: %s quantized to Q8_0 at load (the kernels do not read them as stored)",
+                        ", ".join(sorted(requantized)))
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact], dtype=np.int32)
+                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact,
+                         int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
+                        dtype=np.int32)
+        fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
+                           dtype=np.float32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
-                  np.array(layer_types, dtype=np.int32)]
+                  np.array(layer_types, dtype=np.int32), fparams]
         if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
                                                                       and not lib.has_f16c):
             raise ValueError(f"the native kernels cannot use a {cache.k[0].dtype} KV cache on this CPU")
@@ -181,7 +275,7 @@ class NativeLlama:
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
                  "for [%s], int8 for the rest, %s KV cache", "AVX-512 VNNI" if self.isa == 2 else "AVX2",
-                 "/".join(sorted({TYPE_NAMES[t] for t in layer_types})), self.weight_bytes / 2**20,
+                 "/".join(sorted({TYPE_NAMES[t] for t in used_types | {head_t}})), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
 

@@ -1,4 +1,10 @@
-"""A llama-family decoder (Llama, SmolLM2, Qwen2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder every supported family shares: RMSNorm, RoPE, grouped-query attention, a gated MLP.
+
+Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Gemma 3 differ only in switches the ModelConfig carries:
+QK-norm (Qwen3, Gemma 3), sandwich norms around attention and MLP outputs, GeGLU instead of SwiGLU,
+embedding scale, attention scale, per-layer sliding windows and rope bases (Gemma 3), Gemma's
+(1 + w) norms. One module with those switches, rather than a copy per family, keeps the paged
+attention and fused projections in one place.
 
 Input is a flat batch of tokens from many sequences (prefill chunks and decode steps mixed); the
 paged attention backend knows which rows belong to which sequence. Q/K/V and gate/up projections
@@ -8,76 +14,77 @@ model's decode step on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenpath.engine.attention import AttentionMetadata, KVCache, paged_attention
 from tokenpath.engine.model_config import ModelConfig
+from tokenpath.engine.models.rope import LayerRopes, Rope
+
+__all__ = ["DecoderLayer", "LlamaModel", "Rope"]
 
 
-class Rope(nn.Module):
-    def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for this step's positions: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
-
-    @staticmethod
-    def apply(cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            rotated = torch.cat((-x2, x1), dim=-1)
-            out.append((x.float() * cos + rotated.float() * sin).to(x.dtype))
-        return out
+def _norm_param(n: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.ones(n, dtype=dtype))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.input_norm = nn.Parameter(torch.ones(h))
-        self.post_norm = nn.Parameter(torch.ones(h))
-        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
-        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_norm = _norm_param(h, dtype)
+        self.post_norm = _norm_param(h, dtype)  # before the MLP
+        self.q_norm = _norm_param(d, dtype) if cfg.qk_norm else None
+        self.k_norm = _norm_param(d, dtype) if cfg.qk_norm else None
+        self.attn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
+        self.ffn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else d**-0.5
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
+        h = self._rms(x, self.input_norm)
         q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
         q, k = Rope.apply(*rope, q, k)
-        a = paged_attention(idx, q, k, v, cache, meta, cfg.head_dim**-0.5)
-        x = x + self.o_proj(a.reshape(t, self.q_size))
-        h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+        a = self.o_proj(paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx)).reshape(t, self.q_size))
+        x = x + (a if self.attn_out_norm is None else self._rms(a, self.attn_out_norm))
+        h = self._rms(x, self.post_norm)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        act = F.silu(gate) if cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        m = self.down(act * up)
+        return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype | None = None) -> None:
+        """`dtype` builds the parameters in the compute dtype directly: a bf16 model never has a
+        float32 copy of itself (load_weights casts each checkpoint tensor as it copies it)."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = _norm_param(cfg.hidden_size, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+        self.rope = LayerRopes(cfg, max_positions)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -85,26 +92,36 @@ class LlamaModel(nn.Module):
         """Returns float32 logits for the rows in `logit_rows` only: the other rows are prefill
         tokens whose next-token distribution nobody needs."""
         x = self.embed(input_ids)
-        rope = self.rope.tables(positions)
+        if self.cfg.embed_scale != 1.0:  # Gemma: as transformers does, the scale in the model's dtype
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, rope, cache, meta)
+            x = layer(i, x, tables[self.rope.layer_rope[i]], cache, meta)
         x = F.rms_norm(x[logit_rows], (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Our checkpoint names -> fused parameters."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Our checkpoint names -> fused parameters, cast to the parameters' dtype one by one.
+        Norm weights get the config's offset (Gemma's 1 + w), added in float32."""
+        off = self.cfg.norm_offset
+
+        def norm(p: nn.Parameter, w: torch.Tensor) -> None:
+            p.copy_(w.float() + off if off else w)
+
         with torch.no_grad():
             self.embed.weight.copy_(weights["embed.weight"])
-            self.norm.copy_(weights["norm.weight"])
+            norm(self.norm, weights["norm.weight"])
             if self.lm_head is not None:
                 self.lm_head.weight.copy_(weights["lm_head.weight"])
             for i, layer in enumerate(self.layers):
                 def w(name: str, i: int = i) -> torch.Tensor:
                     return weights[f"layers.{i}.{name}"]
 
-                layer.input_norm.copy_(w("input_norm.weight"))
-                layer.post_norm.copy_(w("post_norm.weight"))
+                for pname in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_out_norm"):
+                    p = getattr(layer, pname)
+                    if p is not None:
+                        norm(p, w(f"{pname}.weight"))
                 layer.qkv.weight.copy_(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]))
                 if layer.qkv.bias is not None:
                     layer.qkv.bias.copy_(torch.cat([w("q_proj.bias"), w("k_proj.bias"), w("v_proj.bias")]))

@@ -164,13 +164,15 @@ inline const float* widen(const uint16_t* row, float* buf, int D) {
     return buf;
 }
 
-// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r); q0 and o0 point at
-// the first query head of the item's first KV head in row 0 (row r at + r * q_stride / o_stride).
+// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r, or with a sliding
+// window the last `window` of them: p0 + r - window + 1 .. p0 + r); q0 and o0 point at the first
+// query head of the item's first KV head in row 0 (row r at + r * q_stride / o_stride).
 struct Tile {
     const float* q0;
     float* o0;
     int q_stride, o_stride, nrows, p0;
     const int32_t* table;  // the sequence's block table
+    int window = 0;        // 0: full causal attention
 };
 
 // The item: KV heads g0 .. g1-1 of one tile (query heads g * rep .. g * rep + rep - 1 each). Why
@@ -191,12 +193,16 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
     for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * qpr * D);
     const float sl2e = scale * 1.44269504f;  // scores in log2 units: exp(s * scale) = 2^(s * sl2e)
     const int ctx_end = tile.p0 + tile.nrows;  // the last row's context length
+    // The first key row r sees; keys before the first row's are read by no row of the tile.
+    auto key_lo = [&](int r) { return tile.window > 0 && tile.p0 + r + 1 > tile.window ? tile.p0 + r + 1 - tile.window : 0; };
     const float* kbase[kKeyBlock];
     const float* vbase[kKeyBlock];
-    const float* krow[kKeyBlock];
-    const float* vrow[kKeyBlock];
+    const float* krow[kKeyBlock + 8];  // + padding lanes past a window's skipped keys
+    const float* vrow[kKeyBlock + 8];
     const size_t first = size_t(g0) * D;
-    for (int j0 = 0; j0 < ctx_end; j0 += kKeyBlock) {
+    // Key blocks stay aligned to multiples of kKeyBlock whatever the tile, so a row sums its keys
+    // in the same blocks in any batch (batch invariance).
+    for (int j0 = key_lo(0) / kKeyBlock * kKeyBlock; j0 < ctx_end; j0 += kKeyBlock) {
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
@@ -207,17 +213,21 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
         }
         for (int g = 0; g < g1 - g0; ++g) {
             for (int i = 0; i < nk; ++i) krow[i] = kbase[i] + size_t(g) * D, vrow[i] = vbase[i] + size_t(g) * D;
-            for (int i = nk; i < (nk + 7) / 8 * 8; ++i) krow[i] = krow[0];  // padding lanes, masked below
+            for (int i = nk; i < nk + 8; ++i) krow[i] = krow[0];  // padding lanes, masked below
             for (int r = 0; r < tile.nrows; ++r) {
-                const int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
+                int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
+                const int skip = key_lo(r) > j0 ? key_lo(r) - j0 : 0;        // ones before its window
+                n -= skip;
                 if (n <= 0) continue;
                 const float* q = tile.q0 + size_t(r) * tile.q_stride + size_t(g) * rep * D;
                 float* o = tile.o0 + size_t(r) * tile.o_stride + size_t(g) * rep * D;
                 float *mx = run_max + r * qpr + g * rep, *sm = run_sum + r * qpr + g * rep;
                 int h = 0;  // the head's queries three at a time (SmolLM2: rep = 3), then the rest
-                for (; h + 3 <= rep; h += 3) block_update<3>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
-                if (rep - h == 2) block_update<2>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
-                if (rep - h == 1) block_update<1>(q + h * D, o + h * D, mx + h, sm + h, krow, vrow, n, D, sl2e);
+                const float* const* kr = krow + skip;
+                const float* const* vr = vrow + skip;
+                for (; h + 3 <= rep; h += 3) block_update<3>(q + h * D, o + h * D, mx + h, sm + h, kr, vr, n, D, sl2e);
+                if (rep - h == 2) block_update<2>(q + h * D, o + h * D, mx + h, sm + h, kr, vr, n, D, sl2e);
+                if (rep - h == 1) block_update<1>(q + h * D, o + h * D, mx + h, sm + h, kr, vr, n, D, sl2e);
             }
         }
     }

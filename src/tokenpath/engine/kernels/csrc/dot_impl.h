@@ -167,8 +167,15 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
     // Repacked weights: int8 activations only (model.py keeps a float-activation matmul unpacked).
+    // The 5-bit and K-quant types run repacked only (tp_repack), so they never reach the row kernels.
     if (wtype == W_Q4X16) return packed_gemm<W_Q4X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q8X16) return packed_gemm<W_Q8X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q5X16) return packed_gemm<W_Q5X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q4KX16) return packed_gemm<W_Q4KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q5KX16) return packed_gemm<W_Q5KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_Q6KX16) return packed_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_F16X16) return packed_gemm<W_F16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_BF16X16) return packed_gemm<W_BF16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (exact) {
         switch (wtype) {
             case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
@@ -227,6 +234,17 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         if (a.q2) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + off * QK), pack_i8(r32));
             a.qsum[off] = 254 * a.qsum[off] + sum_i32(r32);
+        }
+        if (a.qsum16) {  // half-block sums (Q6_K's scale per 16 weights)
+            const __m256i h0[4] = {i32[0], i32[1], _mm256_setzero_si256(), _mm256_setzero_si256()};
+            const __m256i h1[4] = {i32[2], i32[3], _mm256_setzero_si256(), _mm256_setzero_si256()};
+            a.qsum16[2 * off] = sum_i32(h0), a.qsum16[2 * off + 1] = sum_i32(h1);
+            if (a.q2) {
+                const __m256i f0[4] = {r32[0], r32[1], _mm256_setzero_si256(), _mm256_setzero_si256()};
+                const __m256i f1[4] = {r32[2], r32[3], _mm256_setzero_si256(), _mm256_setzero_si256()};
+                a.qsum16[2 * off] = 254 * a.qsum16[2 * off] + sum_i32(f0);
+                a.qsum16[2 * off + 1] = 254 * a.qsum16[2 * off + 1] + sum_i32(f1);
+            }
         }
         a.d[off] = dsc;
         a.s[off] = dsc * float(a.qsum[off]);

@@ -1,4 +1,6 @@
-// The fused native forward pass of a llama-family decoder, one call per engine step.
+// The fused native forward pass of a llama-family decoder, one call per engine step, with the
+// switches the other families need (Layer, Model: QK-norm, sandwich norms, GeGLU, embedding and
+// attention scales, per-layer sliding windows and rope tables; Gemma's 1 + w norms come ready).
 //
 // Why one call: after the matmuls are fast, a 30-layer model run op by op from Python costs
 // ~20 torch ops per layer (milliseconds per step). Here a step is one OpenMP parallel region
@@ -62,10 +64,25 @@ inline int grain_for(int n, int nthreads, int multiple) {
     return g < multiple ? multiple : g;
 }
 
+// A weight matrix: up to kMaxParts row ranges of its own type each (a fused QKV whose V is Q8_0
+// and Q and K Q5_0 keeps every part's own blocks). Parts of a repacked matrix have rows that are
+// multiples of 16, so the team's 16-row chunks never straddle a part's layout.
+constexpr int kMaxParts = 3;
+struct Mat {
+    int parts = 0;
+    int type[kMaxParts];
+    int rows[kMaxParts];
+    const uint8_t* w[kMaxParts];
+};
+
 struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int qkv_t, o_t, gate_up_t, down_t;
+    // Optional (null = absent): per-head RMSNorm of q and k before rope (Qwen3, Gemma 3), and
+    // RMSNorm of the attention and MLP outputs before their residual adds (Gemma 3's sandwich).
+    const float *q_norm, *k_norm, *attn_out_norm, *ffn_out_norm;
+    const float *rope_cos, *rope_sin;  // [max_pos, head_dim]: this layer's rope (base, scaling)
+    int window;                        // sliding window (0: full attention)
+    Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
 
@@ -78,7 +95,7 @@ struct AttnItem {
 struct ActBuf {
     std::vector<int8_t> q, q2;
     std::vector<float> d, s, f, fs;
-    std::vector<int32_t> qsum;
+    std::vector<int32_t> qsum, qsum16;
 };
 
 struct Model {
@@ -92,9 +109,12 @@ struct Model {
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
     int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
-    const float *out_norm, *rope_cos, *rope_sin;  // [max_pos, head_dim] (halves duplicated)
+    int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
+    int float_w;  // 1: some matrix has F16/BF16 parts, which read float activations
+    float embed_scale, attn_scale;
+    const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
-    std::vector<float> x, qkv, attn, gu, logits_in, scores;
+    std::vector<float> x, qkv, attn, gu, logits_in, scores, sub;  // sub: a sandwich-normed output
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
@@ -106,9 +126,11 @@ struct Model {
 QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
     const size_t need = size_t(rows) * nb;
-    if (b.d.size() < need) b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.q.resize(need * QK);
+    if (b.d.size() < need)
+        b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
     QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
-    if (m.exact) {
+    a.qsum16 = b.qsum16.data();
+    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16 weights
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
         a.f = b.f.data(), a.fs = b.fs.data();
     }
@@ -126,33 +148,51 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
-void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, int wt, const uint8_t* w, int N,
-               const QAct& a, int T, float* y, int ldy, const float* bias, bool acc) {
+// Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
+void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, const Mat& w, int N, const QAct& a,
+               int T, float* y, int ldy, const float* bias, bool acc) {
     const bool exact = (m.exact >> kind) & 1;
-    team_for(ph, pi, N, grain_for(N, nthreads, 16),
-             [&](int n0, int n1) { m.gemm(wt, w, a.nb, a, T, y, ldy, n0, n1, bias, acc, exact); });
+    team_for(ph, pi, N, grain_for(N, nthreads, 16), [&](int n0, int n1) {
+        for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
+            const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
+            if (lo < hi)
+                m.gemm(w.type[p], w.w[p], a.nb, a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact);
+        }
+    });
 }
 
-// RMSNorm(x) * weight, quantized straight into activation row r. The sum of squares stays in
-// double (4 lanes), as it was when scalar: the norm is cheap, and its rounding feeds every layer.
-void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
-    const int H = m.hidden;
+// RMSNorm(x[0..n)) * w into out (which may be x). The sum of squares stays in double (4 lanes),
+// as it was when scalar: the norm is cheap, and its rounding feeds every layer.
+void rms_norm(const float* x, const float* w, int n, float eps, float* out) {
     __m256d acc = _mm256_setzero_pd();
     int i = 0;
-    for (; i + 4 <= H; i += 4) {
+    for (; i + 4 <= n; i += 4) {
         const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
         acc = _mm256_fmadd_pd(v, v, acc);
     }
     alignas(32) double part[4];
     _mm256_store_pd(part, acc);
     double ss = (part[0] + part[1]) + (part[2] + part[3]);
-    for (; i < H; ++i) ss += double(x[i]) * x[i];
-    const float inv = 1.f / std::sqrt(float(ss / H) + m.eps);
+    for (; i < n; ++i) ss += double(x[i]) * x[i];
+    const float inv = 1.f / std::sqrt(float(ss / n) + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
-    for (i = 0; i + 8 <= H; i += 8)
-        _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
-    for (; i < H; ++i) tmp[i] = x[i] * inv * w[i];
-    m.quant(tmp, H, a, r);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
+    for (; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// x[0..n) += RMSNorm(y) * w: a sandwich norm's residual add (y is overwritten).
+void add_normed(float* x, float* y, const float* w, int n, float eps) {
+    rms_norm(y, w, n, eps, y);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; ++i) x[i] += y[i];
+}
+
+// RMSNorm(x) * weight, quantized straight into activation row r.
+void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, float* tmp) {
+    rms_norm(x, w, m.hidden, m.eps, tmp);
+    m.quant(tmp, m.hidden, a, r);
 }
 
 // out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate (libm's scalar expf here
@@ -166,6 +206,25 @@ inline void silu_mul(const float* g, const float* u, float* out, int n) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
     for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// out[i] = GELU_tanh(g[i]) * u[i] (Gemma's GeGLU): 0.5 g (1 + tanh(z)) = g / (1 + exp(-2 z)),
+// z = sqrt(2 / pi) (g + 0.044715 g^3).
+inline void gelu_mul(const float* g, const float* u, float* out, int n) {
+    constexpr float c = 0.7978845608f, k = 0.044715f;
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k), gv),
+                                                                          _mm256_mul_ps(gv, gv), gv));
+        const __m256 den = _mm256_add_ps(one, vec::exp2_ps(_mm256_mul_ps(z, _mm256_set1_ps(-2.f * 1.44269504f))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) {
+        const float z = c * (g[i] + k * g[i] * g[i] * g[i]);
+        out[i] = g[i] / (1.f + std::exp(-2.f * z)) * u[i];
+    }
 }
 
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
@@ -192,35 +251,48 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 
 extern "C" {
 
+// fparams: embedding scale, attention score scale.
 void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
-                      const int32_t* layer_types) {
+                      const int32_t* layer_types, const float* fparams) {
     auto* m = new Model();
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
     m->fine = dims[13];  // model.py leaves the exact bits out
+    m->gelu = dims[14], m->float_w = dims[15];
     m->eps = eps;
+    m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
     m->embed = reinterpret_cast<const uint8_t*>(glob[0]);
     m->head = reinterpret_cast<const uint8_t*>(glob[1]);
     m->out_norm = reinterpret_cast<const float*>(glob[2]);
-    m->rope_cos = reinterpret_cast<const float*>(glob[3]);
-    m->rope_sin = reinterpret_cast<const float*>(glob[4]);
+    // Per layer: 11 pointers (norms, bias, K/V cache, the optional norms, rope tables), then qkv,
+    // o, gate_up, down as kMaxParts (pointer) each; layer_types holds their kMaxParts (type, rows)
+    // pairs, rows 0 = unused part, then the layer's window.
+    constexpr int kFixed = 11, kPtrs = kFixed + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2 + 1;
+    auto f32 = [](uint64_t p) { return reinterpret_cast<const float*>(p); };
     for (int l = 0; l < m->n_layers; ++l) {
-        const uint64_t* p = layer_ptrs + 9 * l;
-        const int32_t* t = layer_types + 4 * l;
+        const uint64_t* p = layer_ptrs + kPtrs * l;
+        const int32_t* t = layer_types + kTypes * l;
         Layer L;
         L.attn_norm = reinterpret_cast<const float*>(p[0]);
         L.ffn_norm = reinterpret_cast<const float*>(p[1]);
         L.qkv_bias = reinterpret_cast<const float*>(p[2]);
-        L.qkv = reinterpret_cast<const uint8_t*>(p[3]);
-        L.o = reinterpret_cast<const uint8_t*>(p[4]);
-        L.gate_up = reinterpret_cast<const uint8_t*>(p[5]);
-        L.down = reinterpret_cast<const uint8_t*>(p[6]);
-        L.k_cache = reinterpret_cast<void*>(p[7]);
-        L.v_cache = reinterpret_cast<void*>(p[8]);
-        L.qkv_t = t[0], L.o_t = t[1], L.gate_up_t = t[2], L.down_t = t[3];
+        L.k_cache = reinterpret_cast<void*>(p[3]);
+        L.v_cache = reinterpret_cast<void*>(p[4]);
+        L.q_norm = f32(p[5]), L.k_norm = f32(p[6]), L.attn_out_norm = f32(p[7]), L.ffn_out_norm = f32(p[8]);
+        L.rope_cos = f32(p[9]), L.rope_sin = f32(p[10]);
+        L.window = t[kTypes - 1];
+        Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+        for (int j = 0; j < 4; ++j)
+            for (int q = 0; q < kMaxParts; ++q) {
+                const int idx = j * kMaxParts + q;
+                if (t[2 * idx + 1] == 0) continue;
+                Mat& M = *mats[j];
+                M.type[M.parts] = t[2 * idx], M.rows[M.parts] = t[2 * idx + 1];
+                M.w[M.parts++] = reinterpret_cast<const uint8_t*>(p[kFixed + idx]);
+            }
         m->layers.push_back(L);
     }
     return m;
@@ -245,6 +317,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
     if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
     if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
+    if (m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
     m.tiles.clear();
@@ -279,10 +352,10 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     m.act_views.clear();
     for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
     const std::vector<QAct>& acts = m.act_views;
-    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data();
-    const float scale = 1.f / std::sqrt(float(D));
+    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
+    const float scale = m.attn_scale;
 
-    const size_t need_phases = 3 + size_t(m.n_layers) * 10;
+    const size_t need_phases = 3 + size_t(m.n_layers) * 12;
     if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
     for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
     Phase* ph = m.phases.get();
@@ -301,6 +374,8 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                     dequantize_packed_row(m.embed_t, m.embed, enb, ids[t], H, x + size_t(t) * H);
                 else
                     tp_dequantize_row(m.embed_t, m.embed + size_t(ids[t]) * eb, H, x + size_t(t) * H);
+                if (m.embed_scale != 1.f)
+                    for (int i = 0; i < H; ++i) x[size_t(t) * H + i] *= m.embed_scale;
             }
         });
         const QAct& a = acts[own_rows ? 1 + omp_get_thread_num() : 0];
@@ -318,12 +393,17 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 0, L.qkv_t, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
-            // RoPE on q and k, then write k and v into their cache slots.
+            gemm_team(m, ph, pi, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            // (QK-norm,) RoPE on q and k, then write k and v into their cache slots.
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
                     float* row = qkv + size_t(t) * W;
-                    const float *c = m.rope_cos + size_t(pos[t]) * D, *s = m.rope_sin + size_t(pos[t]) * D;
+                    if (L.q_norm) {
+                        for (int h = 0; h < m.n_heads; ++h) rms_norm(row + h * D, L.q_norm, D, m.eps, row + h * D);
+                        for (int h = m.n_heads; h < m.n_heads + m.n_kv; ++h)
+                            rms_norm(row + h * D, L.k_norm, D, m.eps, row + h * D);
+                    }
+                    const float *c = L.rope_cos + size_t(pos[t]) * D, *s = L.rope_sin + size_t(pos[t]) * D;
                     for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
                     const size_t slot = size_t(slot_mapping[t]);
                     if (m.kv_f16) {
@@ -341,7 +421,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                 const int t = m.tiles[it.tile];
                 const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
                                        attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
-                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t]};
+                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t], L.window};
                 if (m.kv_f16)
                     paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
                                        tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
@@ -352,26 +432,43 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
-            gemm_team(m, ph, pi, nthreads, 1, L.o_t, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            if (L.attn_out_norm) {  // x += RMSNorm(o(attn))
+                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
+                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                    for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.attn_out_norm, H, m.eps);
+                });
+            } else {
+                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+            }
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 2, L.gate_up_t, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            gemm_team(m, ph, pi, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
-                    silu_mul(g, g + I, tmp, I);
+                    if (m.gelu) gelu_mul(g, g + I, tmp, I);
+                    else silu_mul(g, g + I, tmp, I);
                     m.quant(tmp, I, ai, t);
                 }
             });
-            gemm_team(m, ph, pi, nthreads, 3, L.down_t, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+            if (L.ffn_out_norm) {  // x += RMSNorm(down(act))
+                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
+                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                    for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.ffn_out_norm, H, m.eps);
+                });
+            } else {
+                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+            }
         }
         use_fine(m, ah, a, 4);  // head
         row_phase(S, [&](int r0, int r1) {
             for (int r = r0; r < r1; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
         });
-        gemm_team(m, ph, pi, nthreads, 4, m.head_t, m.head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        Mat head;
+        head.parts = 1, head.type[0] = m.head_t, head.rows[0] = m.vocab, head.w[0] = m.head;
+        gemm_team(m, ph, pi, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
 }
 
@@ -379,14 +476,14 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
 // mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine).
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode) {
-    const bool exact = mode == 1;
+    const bool exact = mode == 1 || is_float_packed(wtype);  // float weights take float activations
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
-    std::vector<int32_t> qsum(size_t(M) * nb);
+    std::vector<int32_t> qsum(size_t(M) * nb), qsum16(2 * qsum.size());
     std::vector<int8_t> q2(mode == 2 ? q.size() : 0);
     QAct a{q.data(), d.data(), s.data(), nb, qsum.data(), exact ? f.data() : nullptr, exact ? fs.data() : nullptr,
-           mode == 2 ? q2.data() : nullptr};
+           mode == 2 ? q2.data() : nullptr, qsum16.data()};
     const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
     const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
 #pragma omp parallel num_threads(nthreads)

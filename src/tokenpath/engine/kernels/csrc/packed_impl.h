@@ -177,16 +177,25 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
     for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
+#include "kquant_impl.h"
+
+template <int WT, int MR, bool RES>
+static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out);
+    else if constexpr (WT == W_F16X16 || WT == W_BF16X16) float_tile<WT, MR>(wg, h, a, rows, out);
+    else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
+}
+
 // y[m, n0..n1) for all M rows; n0 and n1 multiples of 16 (gemm_team hands out multiples of 16).
-// Groups outermost: a group's weights (nb * 320 or 576 bytes) stay in L1 while every tile of
+// Groups outermost: a group's weights (nb * group_block_bytes) stay in L1/L2 while every tile of
 // activation rows passes over them.
 template <int WT, bool RES>
 static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                           const float* bias, bool accumulate) {
-    constexpr size_t GB = WT == W_Q4X16 ? 320 : 576;
+    const size_t GB = group_block_bytes(WT);
     // Rows per tile: what the vector registers hold (32 with AVX-512, 16 with AVX2) with the
     // residual pass's doubled integer sums; measured best at 4 for fine activations on VNNI.
-    constexpr int MR = TP_VNNI && !RES ? 8 : 4;
+    constexpr int MR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
     int rows[MR];
     VF out[MR];
     for (int g = n0 / 16; g < n1 / 16; ++g) {
@@ -203,15 +212,15 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
             int m0 = 0;
             for (; m0 + MR <= M; m0 += MR) {
                 for (int r = 0; r < MR; ++r) rows[r] = m0 + r;
-                packed_tile<WT, MR, RES>(wg, h, a, rows, out);
+                any_tile<WT, MR, RES>(wg, h, a, rows, out);
                 for (int r = 0; r < MR; ++r) store(m0 + r, out[r]);
             }
             for (int rest; (rest = M - m0) > 0;) {  // the tail in tiles of 4, 2, 1 rows
                 const int mr = rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
                 for (int r = 0; r < mr; ++r) rows[r] = m0 + r;
-                if (mr == 4) packed_tile<WT, 4, RES>(wg, h, a, rows, out);
-                else if (mr == 2) packed_tile<WT, 2, RES>(wg, h, a, rows, out);
-                else packed_tile<WT, 1, RES>(wg, h, a, rows, out);
+                if (mr == 4) any_tile<WT, 4, RES>(wg, h, a, rows, out);
+                else if (mr == 2) any_tile<WT, 2, RES>(wg, h, a, rows, out);
+                else any_tile<WT, 1, RES>(wg, h, a, rows, out);
                 for (int r = 0; r < mr; ++r) store(m0 + r, out[r]);
                 m0 += mr;
             }
@@ -222,6 +231,6 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
 template <int WT>
 static void packed_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                         const float* bias, bool accumulate) {
-    if (a.q2) packed_gemm_t<WT, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (a.q2 && !is_float_packed(WT)) packed_gemm_t<WT, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     else packed_gemm_t<WT, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 }

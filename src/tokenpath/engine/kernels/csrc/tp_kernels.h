@@ -1,7 +1,8 @@
 // Shared declarations of tokenpath's native CPU kernels.
 //
-// Weights stay in GGUF's own block layouts (ggml's Q4_0, Q4_1, Q8_0: 32 weights per block, one
-// fp16 scale, Q4_1 also an fp16 minimum). Activations are quantized per 32-block to int8 on the
+// Weights keep GGUF's own numbers (ggml's Q4_0, Q4_1, Q8_0: 32 weights per block, one fp16
+// scale, Q4_1 also an fp16 minimum; Q5_0/Q5_1, the K-quants Q4_K/Q5_K/Q6_K and F16/BF16 run
+// repacked only, kquant_impl.h). Activations are quantized per 32-block to int8 on the
 // fly ("QAct": int8 values, the block's scale d and d * sum(q)), so a block's dot product is one
 // integer multiply-add instruction sequence plus one float FMA, as in llama.cpp's
 // vec_dot_q4_1_q8_1. The ISA-specific parts (dot_avx2.cpp, dot_avx512.cpp) are compiled with
@@ -15,15 +16,49 @@ namespace tp {
 constexpr int QK = 32;  // weights per block, all formats
 
 // ggml's GGMLQuantizationType numbers, and tokenpath's own 16-row interleaved repacks of them
-// (packed_impl.h): Q4X16 holds Q4_0 or Q4_1 rows, Q8X16 Q8_0 rows.
-enum WType : int { W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8, W_Q4X16 = 100, W_Q8X16 = 108 };
+// (packed_impl.h, kquant_impl.h): Q4X16 holds Q4_0 or Q4_1 rows, Q8X16 Q8_0 rows, Q5X16 Q5_0 or
+// Q5_1 rows, Q4KX16 / Q5KX16 / Q6KX16 the K-quants' rows (256-weight super-blocks).
+enum WType : int {
+    W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q5_1 = 7, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
+    W_BF16 = 30,
+    W_Q4X16 = 100, W_F16X16 = 101, W_Q5X16 = 106, W_Q8X16 = 108, W_Q4KX16 = 112, W_Q5KX16 = 113, W_Q6KX16 = 114,
+    W_BF16X16 = 130
+};
 
-inline size_t block_bytes(int t) { return t == W_Q4_0 ? 18 : t == W_Q4_1 ? 20 : 34; }
-inline bool is_packed(int t) { return t == W_Q4X16 || t == W_Q8X16; }
+// Bytes of one GGUF block (32 weights, or 256 for the K-quants).
+inline size_t block_bytes(int t) {
+    switch (t) {
+        case W_Q4_0: return 18;
+        case W_Q4_1: return 20;
+        case W_Q5_0: return 22;
+        case W_Q5_1: return 24;
+        case W_Q4_K: return 144;
+        case W_Q5_K: return 176;
+        case W_Q6_K: return 210;
+        case W_F16: case W_BF16: return 64;  // 32 weights, as the repack counts them
+        default: return 34;
+    }
+}
+inline bool is_packed(int t) { return t >= W_Q4X16; }
+inline bool is_kquant_packed(int t) { return t >= W_Q4KX16 && t <= W_Q6KX16; }
+// Float weights (F16, BF16) multiply float activations (QAct::f), not int8 ones.
+inline bool is_float_packed(int t) { return t == W_F16X16 || t == W_BF16X16; }
 constexpr int kGroupRows = 16;  // rows per repacked group
-// Bytes of one group-block: 16 rows x 32 weights with their scales (and Q4's minimums), a
-// multiple of 64 so that every 512-bit load of weights stays within one cache line.
-inline size_t group_block_bytes(int t) { return t == W_Q4X16 ? 320 : 576; }
+constexpr int kSuper = 8;       // 32-blocks per K-quant super-block
+// Bytes of one group-block, per 32 weights of each of the 16 rows (the K-quant layouts are
+// 8 times this per super-block). Group-blocks (super-blocks) are multiples of 64 bytes so that
+// every 512-bit load of weights stays within one cache line.
+inline size_t group_block_bytes(int t) {
+    switch (t) {
+        case W_Q4X16: return 320;
+        case W_Q5X16: return 384;
+        case W_Q4KX16: return 2368 / 8;
+        case W_Q5KX16: return 2880 / 8;
+        case W_Q6KX16: return 3392 / 8;
+        case W_F16X16: case W_BF16X16: return 1024;
+        default: return 576;
+    }
+}
 
 // Quantized activations for M rows of K values (nb = ceil(K / 32) blocks per row).
 struct QAct {
@@ -39,6 +74,9 @@ struct QAct {
     // int8). About 15 bits per activation for two integer passes; d, s and qsum then describe
     // the combined 254 q + q2.
     int8_t* q2 = nullptr;
+    // Optional [M][nb * 2] sums of each half block's 16 values (of 254 q + q2 with residual
+    // bytes): Q6_K has a scale per 16 weights, and its -32 offset multiplies these.
+    int32_t* qsum16 = nullptr;
 };
 
 // y[m * ldy + n] = sum_k W[n, k] * x[m, k] (+ bias[n]) (+ y if accumulate), for n in [n0, n1).

@@ -1,0 +1,156 @@
+"""Hugging Face model directories: config.json -> ModelConfig, *.safetensors -> our weight names.
+
+Both config spellings are read: transformers 5's `rope_parameters` (per layer type for Gemma 3)
+and the older `rope_theta` + `rope_scaling`. Features this engine does not compute (a rope type,
+Qwen's `use_sliding_window`, Gemma 2's logit soft-capping) are refused with the field named.
+Weights keep the checkpoint's dtype: the model converts each one as it copies it in, so a bf16
+checkpoint never exists as a second float32 copy beside the model's own parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
+from tokenpath.errors import ModelLoadError
+
+HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _rope(params: dict, cfg_file: Path, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope base, scaling) from one rope dict (transformers 5 `rope_parameters` or old `rope_scaling`)."""
+    kind = params.get("rope_type", params.get("type")) or "default"
+    theta = float(params.get("rope_theta", 10000.0))
+    if kind not in ROPE_TYPES or kind == "dynamic":
+        raise ModelLoadError(f"{cfg_file}: unsupported rope type '{kind}' (supported: default, linear, llama3, yarn)")
+    for key in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) not in (None, 1.0):
+            raise ModelLoadError(f"{cfg_file}: rope parameter '{key}' is not supported")
+    if kind == "yarn" and params.get("truncate", True) is not True:
+        raise ModelLoadError(f"{cfg_file}: rope parameter 'truncate' = false is not supported")
+    if kind == "default":
+        return theta, None
+    orig = params.get("original_max_position_embeddings") or max_pos
+    return theta, RopeScaling(
+        rope_type=kind, factor=float(params.get("factor") or (max_pos / orig)),
+        original_max_position_embeddings=int(orig),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"))
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{cfg_file}: missing (a model directory needs config.json)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    archs = cfg.get("architectures") or []
+    arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
+    if arch is None:
+        raise ModelLoadError(f"{cfg_file}: unsupported architecture {archs or cfg.get('model_type')!r} "
+                             f"(supported: {', '.join(HF_ARCHS)})")
+    for key in ("use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            raise ModelLoadError(f"{cfg_file}: '{key}' = {cfg[key]!r} is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in _ACTS:
+        raise ModelLoadError(f"{cfg_file}: unsupported activation '{act}'")
+    try:
+        n_heads, hidden, n_layers = cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        rope = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}),
+                                              "rope_theta": cfg.get("rope_theta", 10000.0)}
+        extra: dict = {}
+        window = cfg.get("sliding_window")
+        if arch == "gemma3":
+            local = rope.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+            glob = rope.get("full_attention", rope)
+            theta, scaling = _rope(glob, cfg_file, max_pos)
+            local_theta, local_scaling = _rope(local, cfg_file, max_pos)
+            if local_scaling is not None:
+                raise ModelLoadError(f"{cfg_file}: rope scaling on sliding layers is not supported")
+            types = cfg.get("layer_types") or [
+                "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+                for i in range(n_layers)]
+            extra = dict(layer_windows=tuple(int(window) if t == "sliding_attention" else None for t in types),
+                         rope_local_theta=local_theta, qk_norm=True, sandwich_norms=True,
+                         embed_scale=float(hidden) ** 0.5, attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                         norm_offset=1.0)
+        else:
+            theta, scaling = _rope(rope, cfg_file, max_pos)
+            if arch == "mistral" and window:
+                extra = dict(layer_windows=(int(window),) * n_layers)
+            extra["qk_norm"] = arch == "qwen3"
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or hidden // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=scaling,
+            hidden_act=_ACTS[act],
+            **extra,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{cfg_file}: missing field {exc}") from exc
+
+
+# HF module names -> ours. Gemma's post_attention_layernorm is a sandwich norm (the attention
+# output's), while in Llama/Qwen it is the norm before the MLP (ours: post_norm).
+_RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."),
+            ("pre_feedforward_layernorm.", "post_norm."), ("post_feedforward_layernorm.", "ffn_out_norm.")]
+
+
+def load_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor under our names, in the checkpoint's own dtype (memory-mapped by safetensors)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    post_attn = "attn_out_norm." if config.sandwich_norms else "post_norm."
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    n = name.removeprefix("model.")
+                    if "rotary_emb" in n:
+                        continue
+                    for a, b in _RENAMES:
+                        n = n.replace(a, b)
+                    n = n.replace("post_attention_layernorm.", post_attn)
+                    weights[n] = st.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{f}: cannot read safetensors ({exc})") from exc
+    return weights
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+    need = ["embed.weight", "norm.weight"]
+    per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm", "gate_proj", "up_proj", "down_proj"]
+    per_layer += ["q_norm", "k_norm"] if config.qk_norm else []
+    per_layer += ["attn_out_norm", "ffn_out_norm"] if config.sandwich_norms else []
+    for i in range(config.num_layers):
+        need += [f"layers.{i}.{n}.weight" for n in per_layer]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))

@@ -1,0 +1,127 @@
+"""The native kernels on the 5-bit, K-quant and float blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
+against gguf-py.
+
+The weights are random GGUF blocks (random bytes, with fp16 scales set to sane values), so every
+bit pattern of the quants and 6-bit scales is exercised, and the reference is gguf-py's own
+dequantize followed by a float64 matmul: an independent reader of the same bytes. Bounds, per
+output, relative to the largest |output|:
+  - against the activations as the kernels quantize them (int8 per 32-block, or int8 plus
+    residual bytes), then float64: 1e-5, the float32 accumulation only;
+  - against the float activations: 3e-2 with int8 activations, 2e-4 with residual bytes;
+  - F16 and BF16 weights take the float activations: 1e-5.
+AVX2 and AVX-512 VNNI give the same bits, and a row's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenpath.engine import kernels as K
+
+lib = K.native_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+
+ISAS = [] if lib is None else lib.available_isas()
+TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K, K.F16, K.BF16]
+# (M, N, K): the tile sizes 8/4/2/1 and their tails; K multiples of 256 (a K-quant row is whole
+# super-blocks; Q5 runs on them too).
+SHAPES = [(1, 16, 256), (3, 48, 512), (16, 32, 256), (33, 64, 768)]
+# Byte offsets of the fp16 scale fields of each block type, and the range they are drawn from.
+SCALE_FIELDS = {K.Q8_0: (0,), K.Q5_0: (0,), K.Q5_1: (0, 2), K.Q4_K: (0, 2), K.Q5_K: (0, 2), K.Q6_K: (208,)}
+
+
+def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: float = 1 / 64) -> np.ndarray:
+    """[n, row bytes] of random blocks: random quants and sub-block scales, fp16 scales of
+    magnitude `size` / 5 to `size`, either sign."""
+    if wtype in (K.F16, K.BF16):  # values, not blocks: normal floats of magnitude `size` * 8
+        w = (rng.standard_normal((n, k)) * size * 8).astype(np.float32)
+        return (w.astype(np.float16) if wtype == K.F16 else (w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
+    per_block, block_bytes = K.GGUF_BLOCKS[wtype]
+    nb = k // per_block
+    blocks = rng.integers(0, 256, size=(n * nb, block_bytes), dtype=np.uint8)
+    for off in SCALE_FIELDS[wtype]:
+        scale = (rng.uniform(0.2, 1.0, n * nb) * rng.choice([-1, 1], n * nb) * size).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, nb * block_bytes)
+
+
+def dequantized(wtype: int, q: np.ndarray) -> np.ndarray:
+    if wtype == K.F16:
+        return q.view(np.float16).astype(np.float32)
+    return gguf_dequantize(q, GGMLQuantizationType(wtype)).reshape(q.shape[0], -1)
+
+
+def activations(x: np.ndarray, fine: bool) -> np.ndarray:
+    """x as the kernels see it: per 32-block d = max|x| / 127, q = round(x / d); with residual
+    bytes also q2 = round((x - d q) / (d / 254)), clipped to int8."""
+    m, k = x.shape
+    b = x.reshape(m, k // 32, 32)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(b * inv)
+    d = (amax / np.float32(127)).astype(np.float32)
+    out = q.astype(np.float64) * d
+    if fine:
+        rest = (b - (q * d).astype(np.float32)).astype(np.float32)
+        inv2 = np.where(d > 0, np.float32(254) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        q2 = np.clip(np.rint(rest * inv2), -127, 127)
+        out = (254 * q + q2).astype(np.float64) * (d / np.float32(254)).astype(np.float32)
+    return out.reshape(m, k)
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: K.TYPE_NAMES[t])
+def test_repack_keeps_the_files_numbers(wtype):
+    """The repacked rows dequantize to gguf-py's floats bit for bit: bytes moved, not changed."""
+    rng = np.random.default_rng(wtype)
+    q = random_blocks(wtype, 32, 512, rng)
+    packed_type, packed = K.repack(lib, wtype, q)
+    assert packed_type == K.PACKED_FROM[wtype]
+    assert packed.ctypes.data % 64 == 0
+    assert np.array_equal(K.dequantize_packed(lib, packed_type, packed, 512), dequantized(wtype, q))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: K.TYPE_NAMES[t])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gemm_matches_gguf_dequantize_in_float64(isa, wtype, shape):
+    m, n, k = shape
+    rng = np.random.default_rng(m * 1000 + n + k + wtype)
+    q = random_blocks(wtype, n, k, rng)
+    wd = dequantized(wtype, q).astype(np.float64)
+    packed_type, packed = K.repack(lib, wtype, q)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    plain = x.astype(np.float64) @ wd.T
+    scale = np.abs(plain).max()
+    for fine, bound in ((False, 3e-2), (True, 2e-4)):
+        y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, fine=fine)
+        if packed_type in K.FLOAT_PACKED:
+            assert np.abs(y - plain).max() <= 1e-5 * scale
+            continue
+        assert np.abs(y - activations(x, fine) @ wd.T).max() <= 1e-5 * scale
+        assert np.abs(y - plain).max() <= bound * scale
+
+
+def test_isas_agree_bit_for_bit_and_rows_are_batch_invariant():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((13, 512)).astype(np.float32)
+    for wtype in TYPES:
+        packed_type, w = K.repack(lib, wtype, random_blocks(wtype, 48, 512, rng))
+        for fine in (False, True):
+            results = []
+            for isa in ISAS:
+                whole = K.gemm(lib, packed_type, w, x, 512, isa, threads=2, fine=fine)
+                alone = np.concatenate([K.gemm(lib, packed_type, w, x[i : i + 1], 512, isa, threads=1, fine=fine)
+                                        for i in range(len(x))])
+                assert np.array_equal(whole, alone), (K.TYPE_NAMES[wtype], isa, fine)
+                results.append(whole)
+            assert all(np.array_equal(results[0], r) for r in results[1:]), (K.TYPE_NAMES[wtype], fine)
+
+
+def test_new_types_run_repacked_only():
+    q = random_blocks(K.Q4_K, 24, 256, np.random.default_rng(0))  # 24 rows: no 16-row groups
+    assert K.repack(lib, K.Q4_K, q)[0] == K.Q4_K
+    with pytest.raises(ValueError, match="Q4_K runs repacked only"):
+        K.gemm(lib, K.Q4_K, q, np.ones((1, 256), dtype=np.float32), 256, K.ISA_AVX2, threads=1)
