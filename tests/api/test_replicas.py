@@ -52,7 +52,9 @@ def audit_row(srv: Server, request_id: str):
     store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
     try:
         deadline = time.monotonic() + 30
-        while not (rows := store.query_audit(request_id=request_id)) and time.monotonic() < deadline:
+        # (a row is opened at admission with status 0 and closed when the request ends)
+        while (not (rows := store.query_audit(request_id=request_id)) or rows[0].status == 0) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         (row,) = rows
         return row

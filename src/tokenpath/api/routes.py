@@ -67,7 +67,9 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
     503 (`unhealthy`) only when some model has no healthy replica left, naming it. Each replica's
     state and, when down, why (a dead process or step loop, a failed encoder) is in the body.
     Read from each replica's own report (the engine link pushes it every 100 ms), so it is
-    current within a second of an engine dying or coming back."""
+    current within a second of an engine dying or coming back.
+    `degraded` too while the audit log's store cannot be written (`audit.reason` says why; the rows
+    are spooled in memory and written once it is back), within a second of the failure."""
     models: dict[str, bool] = {}
     replicas: dict[str, dict[str, dict]] = {}
     degraded = False
@@ -78,9 +80,14 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
         models[dep.name] = any(s.healthy for s in own)
         degraded = degraded or not all(s.healthy for s in own)
     ok = all(models.values())
+    body: dict = {"models": models, "replicas": replicas}
+    audit = state.guard.audit_health()
+    if audit is not None:
+        body["audit"] = {"state": "degraded" if audit.degraded else "ok", "spool_rows": audit.spool_rows,
+                         "dropped_rows": audit.dropped_total, **({"reason": audit.reason} if audit.reason else {})}
+        degraded = degraded or audit.degraded
     status = "unhealthy" if not ok else "degraded" if degraded else "ok"
-    return JSONResponse({"status": status, "models": models, "replicas": replicas},
-                        status_code=200 if ok else 503)
+    return JSONResponse({"status": status, **body}, status_code=200 if ok else 503)
 
 
 async def require_admin(state: AppState, request: Request, endpoint: str) -> None:

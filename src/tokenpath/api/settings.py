@@ -40,6 +40,11 @@ class ApiSettings(BaseModel):
     # within these many seconds, or it is closed (headers) or answered 408 (body).
     header_timeout: float = Field(10.0, gt=0)
     body_timeout: float = Field(10.0, gt=0)
+    # Browser-facing safety (`tokenpath.api.browser`): Host names beyond localhost/127.0.0.1/[::1],
+    # origins whose pages may call the API (CORS, default none; "*" for any), docs without a key.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    allowed_origins: list[str] = Field(default_factory=list)
+    public_docs: bool = False
 
     @property
     def max_body_bytes(self) -> int:

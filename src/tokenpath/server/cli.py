@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import ipaddress
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from types import FrameType
 
 import uvicorn
 
+from tokenpath.api.browser import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
@@ -62,6 +62,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-require-key", action="store_true", default=None,
                        help="/metrics needs an admin key when auth is on (default: open, as vLLM's, with "
                        "tenant series only for admin keys)")
+    b = serve.add_argument_group("browser safety")
+    b.add_argument("--allowed-hosts", action="extend", type=_csv, default=None, metavar="HOST[,HOST]",
+                   help="Host header names accepted beside localhost, 127.0.0.1 and [::1] (checked when bound to "
+                   "loopback, against DNS rebinding; and on any address once given)")
+    b.add_argument("--allowed-origins", action="extend", type=_csv, default=None, metavar="ORIGIN[,ORIGIN]",
+                   help="origins whose web pages may call the API (CORS; default none; '*' for any), "
+                   "e.g. https://app.example.com")
+    b.add_argument("--public-docs", action="store_true", default=None,
+                   help="serve /docs, /redoc and /openapi.json without a key even when auth is on")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
@@ -70,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None,
                         metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
-                        embedding_replicas=1)
+                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -130,9 +139,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public", "metrics_require_key", "redis_url",
-                                            "limits_fail_open", "ssl_keyfile", "ssl_certfile",
-                                            "ssl_ca_certs")}
+                                            "data_dir", "database_url", "metrics_public", "metrics_require_key",
+                                            "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
+                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -141,13 +150,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -198,6 +198,8 @@ class ServerMetrics:
                                   "admission, deadline).", m + ["reason"], registry=r)
         self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Tokens per tenant, by kind (prompt, cached, "
                                      "generation).", m + ["tenant", "kind"], registry=r)
+        self.structured_requests = Counter(PREFIX + "structured_requests", "Requests with constrained output, by "
+                                           "kind (json, regex, choice, grammar, tools).", ["kind"], registry=r)
         self.registry.register(EngineStepCollector(deployments))
         for dep in deployments():  # the trace's prefill chunks, from the in-process engine's own thread
             for replica in getattr(dep, "replicas", ()):

@@ -96,7 +96,7 @@ class FinishedRequest:
         a = self.timeline.attrs
         out: dict[str, object] = {"stages_ms": self.stage_ms()}
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
-                    "retried_after", "preemptions"):
+                    "retried_after", "preemptions", "grammar"):
             if a.get(key) is not None:
                 out[key] = a[key]
         if self.priority is not None:
