@@ -202,6 +202,10 @@ async def test_an_actors_engine_spans_join_the_gateways_trace(setup: Setup) -> N
     engine_root = next(s for s in spans if s["service"] == "tokenpath-engine" and s["kind"] == "SPAN_KIND_SERVER")
     assert engine_root["parent_id"] == dispatch["span_id"]
     assert dispatch["attributes"]["tokenpath.replica"] in ("tiny-0", "tiny-1")
+    # Each engine span once: the actor exported them, so the gateway built none under dispatch.
+    engine_spans = [s for s in setup.receiver.trace(trace_id) if s["name"].startswith("engine.")]
+    assert sorted(s["name"] for s in engine_spans) == ["engine.decode", "engine.prefill", "engine.queue"]
+    assert engine_root["attributes"]["gen_ai.operation.name"] == "chat"
 
 
 async def test_reset_prefix_cache_reaches_the_actors(setup: Setup) -> None:

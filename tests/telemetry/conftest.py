@@ -84,7 +84,7 @@ def launch(tmp: Path, receiver: OtlpReceiver, *args: str, env: dict[str, str] | 
     keys = make_keys(data_dir)
     log = tmp / "server.log"
     full_env = {**os.environ, "TOKENPATH_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1",
-                "OTEL_BSP_SCHEDULE_DELAY": "200", **(env or {})}
+                "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "300", **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", "--otlp-endpoint", receiver.url,
                                  "--model", CHAT_MODEL, *args], stdout=out, stderr=subprocess.STDOUT, env=full_env)

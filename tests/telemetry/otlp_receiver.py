@@ -1,8 +1,10 @@
-"""A small OTLP/HTTP trace receiver on loopback, for tests: what a collector would get.
+"""A small OTLP/HTTP receiver on loopback, for tests: what a collector would get.
 
-It decodes each `ExportTraceServiceRequest` (protobuf) with `opentelemetry-proto` and keeps the
-spans as plain dicts: trace/span/parent ids as hex, times in ns, attributes as Python values,
-events, the span kind name and the resource's `service.name`.
+It decodes each `ExportTraceServiceRequest` (protobuf, on /v1/traces) with `opentelemetry-proto`
+and keeps the spans as plain dicts: trace/span/parent ids as hex, times in ns, attributes as
+Python values, events, the span kind name and the resource's `service.name`. Metrics (an
+`ExportMetricsServiceRequest` on /v1/metrics) are kept as one dict per histogram data point:
+name, unit, attributes, count, sum, bucket bounds and counts, temporality and service.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -33,6 +39,7 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.points: list[dict[str, Any]] = []  # histogram data points, every export appended
         self.requests = 0
         self._lock = threading.Lock()
         receiver = self
@@ -40,10 +47,16 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                receiver._add(req, self.path)
-                out = ExportTraceServiceResponse().SerializeToString()
+                if self.path.rstrip("/").endswith("/v1/metrics"):
+                    mreq = ExportMetricsServiceRequest()
+                    mreq.ParseFromString(body)
+                    receiver._add_metrics(mreq)
+                    out = ExportMetricsServiceResponse().SerializeToString()
+                else:
+                    req = ExportTraceServiceRequest()
+                    req.ParseFromString(body)
+                    receiver._add(req, self.path)
+                    out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(out)))
@@ -76,6 +89,33 @@ class OtlpReceiver:
                                        for e in s.events],
                             "service": service, "path": path,
                         })
+
+    def _add_metrics(self, req: ExportMetricsServiceRequest) -> None:
+        with self._lock:
+            for rm in req.resource_metrics:
+                service = _attrs(rm.resource.attributes).get("service.name")
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        if m.WhichOneof("data") != "histogram":
+                            continue
+                        for dp in m.histogram.data_points:
+                            self.points.append({
+                                "name": m.name, "unit": m.unit, "attributes": _attrs(dp.attributes),
+                                "count": dp.count, "sum": dp.sum, "bounds": tuple(dp.explicit_bounds),
+                                "buckets": tuple(dp.bucket_counts), "service": service,
+                                "temporality": m.histogram.aggregation_temporality, "time": dp.time_unix_nano,
+                            })
+
+    def latest_points(self, name: str) -> list[dict[str, Any]]:
+        """The newest data point of each attribute set of metric `name` (exports are cumulative)."""
+        with self._lock:
+            newest: dict[tuple, dict[str, Any]] = {}
+            for p in self.points:
+                if p["name"] == name:
+                    key = tuple(sorted(p["attributes"].items()))
+                    if key not in newest or p["time"] >= newest[key]["time"]:
+                        newest[key] = p
+            return list(newest.values())
 
     def start(self) -> OtlpReceiver:
         self.thread.start()

@@ -8,6 +8,8 @@ a 400 and a 429 give an error root with `error.type`.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.telemetry.conftest import CHAT_MODEL, Served, chat
@@ -40,6 +42,9 @@ def test_a_streamed_request_is_one_trace_with_genai_attributes(served: Served, h
     spans = _complete_trace(served, root["trace_id"], 10)
     by_name = {s["name"]: s for s in spans}
     ids = {s["span_id"] for s in spans}
+    # In-process, the gateway is the one owner of the engine's spans: each exactly once.
+    assert sorted(s["name"] for s in spans if s["name"].startswith("engine.")) == [
+        "engine.decode", "engine.prefill", "engine.queue"]
 
     assert root["kind"] == "SPAN_KIND_SERVER" and root["name"] == f"chat {CHAT_MODEL}"
     assert root["parent_id"] is None
@@ -99,3 +104,45 @@ def test_errors_give_an_error_root_with_error_type(served: Served, http: httpx.C
     assert [r.status_code for r in statuses] == [200, 429]
     root = _root(served, statuses[1].headers["x-request-id"])
     assert root["attributes"]["error.type"] == "rate_limit_exceeded" and root["status"] == 2
+
+
+def _count(served: Served, name: str, **attrs: object) -> int:
+    return sum(p["count"] for p in served.receiver.latest_points(name)
+               if all(p["attributes"].get(k) == v for k, v in attrs.items()))
+
+
+def test_genai_metrics_arrive_over_otlp_beside_the_traces(served: Served, http: httpx.Client):
+    """One finished request is one reading of each GenAI histogram, exported to the same
+    endpoint as the traces, with the conventions' names, units and buckets."""
+    names = ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
+             "gen_ai.server.time_per_output_token", "gen_ai.client.token.usage")
+    chat_ok = {"gen_ai.operation.name": "chat", "gen_ai.request.model": CHAT_MODEL}
+    before = {n: _count(served, n, **chat_ok) for n in names}
+    before_err = _count(served, names[0], **{"error.type": "invalid_request_error"})
+    before_text = _count(served, names[0], **{"gen_ai.operation.name": "text_completion"})
+    for _ in range(2):
+        assert http.post("/v1/chat/completions", json=chat(3), headers=served.headers()).status_code == 200
+    assert http.post("/v1/completions", headers=served.headers(), json={
+        "model": CHAT_MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).status_code == 200
+    bad = http.post("/v1/chat/completions", json=chat(4, temperature=-1), headers=served.headers())
+    assert bad.status_code == 400
+    # The 400 counts in the duration only (with error.type); token usage: input and output each.
+    want = {names[0]: 3, names[1]: 2, names[2]: 2, names[3]: 4}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        got = {n: _count(served, n, **chat_ok) - before[n] for n in names}
+        if got == want and _count(served, names[0], **{"error.type": "invalid_request_error"}) == before_err + 1:
+            break
+        time.sleep(0.2)
+    assert got == want, got
+    assert _count(served, names[0], **{"error.type": "invalid_request_error"}) == before_err + 1
+    assert _count(served, names[0], **{"gen_ai.operation.name": "text_completion"}) == before_text + 1
+    # (FastAPI's own `http.server.request.duration` comes along once a meter provider exists.)
+    units = {p["name"]: p["unit"] for p in served.receiver.points if p["name"].startswith("gen_ai.")}
+    assert units == {names[0]: "s", names[1]: "s", names[2]: "s", names[3]: "{token}"}, units
+    usage = {p["attributes"]["gen_ai.token.type"]: p for p in served.receiver.latest_points(names[3])
+             if p["attributes"]["gen_ai.operation.name"] == "chat"}
+    assert usage["output"]["sum"] >= 6 and usage["input"]["sum"] > 0
+    point = served.receiver.latest_points(names[1])[0]
+    assert point["bounds"][:3] == (0.001, 0.005, 0.01) and point["service"] == "tokenpath"
+    assert point["temporality"] == 2  # AGGREGATION_TEMPORALITY_CUMULATIVE

@@ -42,16 +42,20 @@ class EngineEvents:
     finished: float | None = None  # every choice finished
     # (end of step, tokens) of each prefill chunk of choice 0, for the trace's prefill span events.
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)
+    # The engine's process exported this request's engine spans itself (an engine process or Ray
+    # actor with tracing on), so the gateway must not rebuild them: each span has one owner.
+    traced: bool = False
 
     def shifted(self, by: float) -> EngineEvents:
         """The same events in another clock (`by` = that clock minus this one)."""
         f = lambda t: None if t is None else t + by  # noqa: E731
         return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished),
-                            [(t + by, n) for t, n in self.prefill_chunks])
+                            [(t + by, n) for t, n in self.prefill_chunks], self.traced)
 
     def snapshot(self) -> EngineEvents:
         """A copy the engine thread will not change afterwards."""
-        return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks))
+        return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks),
+                            self.traced)
 
 
 @dataclass

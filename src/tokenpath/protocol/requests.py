@@ -17,7 +17,7 @@ from tokenpath.telemetry.timeline import Timeline
 
 # The fields that cross the engine link (everything but the gateway-local timeline and prompt text).
 WIRE_FIELDS = ("request_id", "prompt_token_ids", "priority", "tenant", "session_id", "deadline",
-               "traceparent", "arrival")
+               "traceparent", "operation", "arrival")
 
 
 @dataclass
@@ -33,5 +33,8 @@ class GenerateRequest:
     # *remaining* (`deadline_in`), so the engine needs no shared clock to honour it.
     deadline: float | None = None
     traceparent: str | None = None  # W3C trace context of the gateway's span
+    # GenAI semconv's operation name (chat, text_completion): the engine's own span says which API
+    # call it served, which it cannot tell from token ids.
+    operation: str | None = None
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
     prompt: str | None = field(default=None, repr=False)  # the text, when there was one (offline use)

@@ -95,7 +95,7 @@ def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
     return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
             "prio": req.priority, "tenant": req.tenant, "session": req.session_id,
             "deadline_in": None if req.deadline is None else req.deadline - now,
-            "trace": req.traceparent}
+            "trace": req.traceparent, "op": req.operation}
 
 
 def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
@@ -107,7 +107,7 @@ def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
                            params=SamplingParams(**d["params"]), priority=int(d.get("prio", 0)),
                            tenant=str(d.get("tenant") or "anonymous"), session_id=d.get("session"),
                            deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
-                           arrival=now)
+                           operation=d.get("op"), arrival=now)
 
 
 # -- RequestOutput ------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def encode_output(out: RequestOutput) -> dict:
     ev = out.events
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
-                                               [list(c) for c in ev.prefill_chunks]],
+                                               [list(c) for c in ev.prefill_chunks], ev.traced],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
@@ -143,4 +143,4 @@ def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
 def _events(ev: list) -> EngineEvents:
     queued, scheduled, first_token, finished, *rest = ev
     chunks = [(float(t), int(n)) for t, n in rest[0]] if rest else []
-    return EngineEvents(queued, scheduled, first_token, finished, chunks)
+    return EngineEvents(queued, scheduled, first_token, finished, chunks, bool(rest[1]) if len(rest) > 1 else False)

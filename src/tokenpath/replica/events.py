@@ -39,6 +39,8 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput | EmbeddingOutput
         floor = timeline.stamps[name]
     if isinstance(out, EmbeddingOutput):
         return
+    if ev.traced:  # the engine exported its own spans: the gateway's trace leaves them to it
+        timeline.attrs["engine_traced"] = True
     if out.num_cached_tokens:
         timeline.attrs["cached_tokens"] = out.num_cached_tokens
     if ev.prefill_chunks:

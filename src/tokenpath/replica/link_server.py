@@ -43,7 +43,7 @@ from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError, TokenpathError
 from tokenpath.protocol import GenerateRequest, RequestOutput
 from tokenpath.protocol.wire import FrameError, decode_request, encode_output, pack, read_frame
-from tokenpath.telemetry.engine_spans import record_engine_trace
+from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
 
 log = logging.getLogger("tokenpath.engine.link")
 
@@ -276,6 +276,10 @@ class _LinkRequest:
                  live: dict[str, _LinkRequest]) -> None:
         self.server, self.request, self.outbox, self.live = server, request, outbox, live
         self.completion = 0
+        # This process exports the request's engine spans (tracing on, a trace to join): the
+        # last output says so, and the gateway does not build them a second time.
+        self.traced = will_export(server.tracer_provider, request.traceparent)  # type: ignore[arg-type]
+        self.token_times: list[float] = []  # when choice 0's tokens left, for the decode span's ITL
 
     def __call__(self, out: RequestOutput | BaseException) -> None:
         rid = self.request.request_id
@@ -289,8 +293,12 @@ class _LinkRequest:
                 self.outbox.send({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
                                   "message": f"{type(exc).__name__}: {exc}"})
             return
+        if out.finished and self.traced:
+            out.events.traced = True
         self.outbox.send(encode_output(out))
         self.completion += sum(len(c.token_ids) for c in out.outputs)
+        if self.traced and any(c.token_ids for c in out.outputs if c.index == 0):
+            self.token_times.append(time.monotonic())
         if out.finished:
             self.live.pop(rid, None)
             self.finished(out)
@@ -300,12 +308,18 @@ class _LinkRequest:
         log.info("request %s finished: %s, %d cached prompt tokens, %d preemptions", rid,
                  ",".join(str(c.finish_reason) for c in out.outputs if c.finish_reason),
                  out.num_cached_tokens, out.num_preemptions)
-        ev = out.events
-        record_engine_trace(server.tracer_provider, traceparent=self.request.traceparent,  # type: ignore[arg-type]
-                            request_id=rid, model=server.engine.model_name, queued=ev.queued,
-                            scheduled=ev.scheduled, first_token=ev.first_token, finished=ev.finished,
-                            prompt_tokens=len(self.request.prompt_token_ids), completion_tokens=self.completion,
-                            cached_tokens=out.num_cached_tokens, preemptions=out.num_preemptions)
+        ev, params = out.events, self.request.params
+        if self.traced:
+            record_engine_trace(server.tracer_provider, EngineSpanRecord(  # type: ignore[arg-type]
+                request_id=rid, model=server.engine.model_name, traceparent=self.request.traceparent,
+                operation=self.request.operation, queued=ev.queued, scheduled=ev.scheduled,
+                first_token=ev.first_token, finished=ev.finished, prompt_tokens=len(self.request.prompt_token_ids),
+                completion_tokens=self.completion, cached_tokens=out.num_cached_tokens,
+                preemptions=out.num_preemptions, prefill_chunks=list(ev.prefill_chunks),
+                token_times=self.token_times, finish_reasons=[str(c.finish_reason) for c in out.outputs
+                                                              if c.finish_reason],
+                max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                seed=params.seed))
 
 
 def _error(rid: str, exc: TokenpathError) -> dict:

@@ -27,6 +27,7 @@ from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
+from tokenpath.telemetry.otel_metrics import setup_metrics
 from tokenpath.telemetry.request_log import configure_logging, log_event
 
 log = logging.getLogger("tokenpath.api")
@@ -116,7 +117,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
     t = p.add_argument_group("telemetry")
     t.add_argument("--otlp-endpoint", metavar="URL",
-                   help="export traces over OTLP/HTTP to this base URL (else the OTEL_* variables; off by default)")
+                   help="export traces and the GenAI metrics over OTLP/HTTP to this base URL (else the OTEL_* "
+                        "variables; off by default)")
     t.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="request and event logs on stdout: one JSON object per line (default) or text")
     t.add_argument("--log-level", default="info", type=str.lower,
@@ -204,6 +206,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         tracer_provider = setup_tracing(args.otlp_endpoint, service_name="tokenpath" if args.gateway
                                         else "tokenpath-engine")
+        # The GenAI metrics go where the traces go (the engine processes record none: see otel_metrics).
+        meter_provider = setup_metrics(args.otlp_endpoint, service_name="tokenpath" if args.gateway
+                                       else "tokenpath-engine")
     except ValueError as exc:
         print(f"tokenpath: invalid tracing configuration: {exc}", file=sys.stderr)
         return 2
@@ -220,6 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the spans still batched
+        if meter_provider is not None:
+            meter_provider.shutdown()  # export the last readings
 
 
 class _Server(uvicorn.Server):

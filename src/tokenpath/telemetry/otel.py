@@ -91,11 +91,21 @@ def _otlp_exporter(endpoint: str | None) -> SpanExporter:
     return OTLPSpanExporter()
 
 
+def engine_service_name() -> str:
+    """The service an engine outside the gateway's process exports as: `tokenpath-engine`, or
+    `{OTEL_SERVICE_NAME}-engine` when the gateway's service was renamed. Engine processes and Ray
+    actors inherit the gateway's OTEL_* variables; taking OTEL_SERVICE_NAME as it is would merge
+    the two services into one."""
+    gateway = os.environ.get("OTEL_SERVICE_NAME", "").strip()
+    return f"{gateway}-engine" if gateway else "tokenpath-engine"
+
+
 def setup_tracing(otlp_endpoint: str | None = None, *, service_name: str = "tokenpath",
-                  exporter: SpanExporter | None = None) -> TracerProvider | None:
+                  exporter: SpanExporter | None = None, fixed_name: bool = False) -> TracerProvider | None:
     """Install the process's TracerProvider when tracing is asked for; None when it is off.
 
-    `exporter` is for embedding tokenpath (and tests): any SpanExporter, still batched."""
+    `exporter` is for embedding tokenpath (and tests): any SpanExporter, still batched.
+    `fixed_name`: `service_name` wins over OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES (engines)."""
     kind = "custom" if exporter is not None else _exporter_kind(otlp_endpoint)
     if kind == "none":
         return None
@@ -107,7 +117,7 @@ def setup_tracing(otlp_endpoint: str | None = None, *, service_name: str = "toke
         else:
             raise ValueError(f"OTEL_TRACES_EXPORTER={kind!r} is not supported (use otlp, console or none)")
     # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; ours is only the default.
-    attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+    attrs = {} if os.environ.get("OTEL_SERVICE_NAME") and not fixed_name else {"service.name": service_name}
     provider = TracerProvider(resource=Resource.create(attrs), id_generator=PresetIdGenerator())
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

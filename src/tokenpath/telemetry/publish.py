@@ -10,6 +10,7 @@ import logging
 
 from tokenpath.telemetry.live import LiveRequests
 from tokenpath.telemetry.metrics import ServerMetrics
+from tokenpath.telemetry.otel_metrics import record_genai_metrics
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.request_log import log_request
 from tokenpath.telemetry.tracing import record_trace
@@ -19,7 +20,9 @@ log = logging.getLogger("tokenpath.telemetry")
 
 def publish(rec: FinishedRequest, metrics: ServerMetrics, live: LiveRequests) -> None:
     steps = (("trace", lambda: record_trace(rec)), ("log", lambda: log_request(rec)),
-             ("metrics", lambda: metrics.observe_finished(rec)), ("live", lambda: live.finished(rec)))
+             ("metrics", lambda: metrics.observe_finished(rec)),
+             ("otlp metrics", lambda: record_genai_metrics(rec, metrics.model_label(rec))),
+             ("live", lambda: live.finished(rec)))
     for what, step in steps:
         try:
             step()

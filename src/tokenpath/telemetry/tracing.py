@@ -12,6 +12,12 @@ One request is one trace:
 - under `dispatch`, the engine's `engine.queue`, `engine.prefill` (one event per prefill chunk)
   and `engine.decode` (token count and inter-token latency summary as attributes). A remote
   replica continues the trace from the `traceparent` it was sent, which names `dispatch`.
+
+Each span has one owner. An engine process or Ray actor with tracing on exports its own engine
+spans (`engine_spans.py`) and says so on its last output (`EngineEvents.traced`, copied to the
+Timeline as `engine_traced`); the gateway then builds no engine spans of its own under
+`dispatch`. It still builds them for an in-process engine and for an OpenAI-compatible replica,
+which export nothing tokenpath could count on.
 """
 
 from __future__ import annotations
@@ -160,6 +166,9 @@ def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, star
     with preset_ids(None, _hex(a.get("trace_dispatch"))):
         dispatch = tracer.start_span(f"dispatch {replica}", context=trace.set_span_in_context(root),
                                      kind=SpanKind.CLIENT, start_time=start, attributes=attrs)
+    if a.get("engine_traced"):  # the engine's process exported these spans itself
+        dispatch.end(end_time=end)
+        return
     embedding = rec.operation == "embeddings"
     for name, a_stage, b_stage in _ENGINE_SPANS:
         sa, sb = _stamp_ns(t, a_stage), _stamp_ns(t, b_stage)
@@ -182,8 +191,12 @@ def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, star
 
 
 def _decode_attributes(rec: FinishedRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {"gen_ai.usage.output_tokens": rec.completion_tokens}
-    times = rec.token_times
+    return {"gen_ai.usage.output_tokens": rec.completion_tokens, **itl_attributes(rec.token_times)}
+
+
+def itl_attributes(times: Sequence[float]) -> dict[str, Any]:
+    """The decode span's inter-token latency summary, from token arrival times (seconds)."""
+    out: dict[str, Any] = {}
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     if gaps:
         out.update({"tokenpath.itl.mean_ms": round(1000 * sum(gaps) / len(gaps), 3),
