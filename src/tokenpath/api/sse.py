@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from tokenpath.telemetry.timeline import Timeline
 
 DONE = "[DONE]"
 T = TypeVar("T")
@@ -124,8 +127,10 @@ class SSEResponse(Response):
         stop: StopSignal,
         on_close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.events = events
+        self.timeline = timeline
         self.stop = stop
         self.on_close = on_close
         self.status_code = 200
@@ -138,14 +143,22 @@ class SSEResponse(Response):
             self.stop.set("disconnect")
 
         watcher = asyncio.create_task(watch())
+        blocked = 0.0
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # Time inside `send` is time the client's socket pushed back (the server's write
+            # buffer was full): the request's slow_client cause. Two clock reads per event.
+            clock = time.monotonic
             async for chunk in self.events:
+                t0 = clock()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                blocked += clock() - t0
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
+            if self.timeline is not None and blocked:
+                self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             with contextlib.suppress(Exception):
