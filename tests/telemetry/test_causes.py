@@ -7,7 +7,7 @@ them (the console script, `--port 0`):
 
 - in-process, `--max-num-seqs 1`: a short request behind long ones (engine queue and admission
   queue), and a client that reads slowly;
-- in-process, a small KV pool and 256-token prefill chunks: a long prompt stalling a decoding
+- in-process, a small KV pool and 1,024-token prefill chunks: a long prompt stalling a decoding
   stream, and a preemption forced by another request's growth;
 - `--replicas 2` engine processes, `--max-num-seqs 1`: a shared prefix routed away under load,
   and a request queued in an engine process's own queue (the facts cross the engine link).
@@ -80,7 +80,7 @@ def one_seq(tmp_path_factory, tiny) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory, tiny) -> Iterator[Served]:
-    yield from _server(tmp_path_factory, tiny, "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    yield from _server(tmp_path_factory, tiny, "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
                        "--num-kv-blocks", "120", "--block-size", "16")
 
 
@@ -127,15 +127,15 @@ def _stage_ms(s: dict, stage: str) -> float:
     return next(st["ms"] for st in s["stages"] if st["stage"] == stage)
 
 
-def _wait_running(srv: Served, rid: str, timeout: float = 30) -> None:
-    """Until the request has produced a token (it holds its slot)."""
+def _wait_running(srv: Served, rid: str, stage: str = "decode", timeout: float = 60) -> None:
+    """Until the request is in `stage` (decode: it has produced a token and holds its slot)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         data = httpx.get(f"{srv.url}/dashboard/data", headers=srv.headers("admin"), timeout=10).json()
-        if any(r["request_id"] == rid and r["stage"] == "decode" for r in data["inflight"]):
+        if any(r["request_id"] == rid and r["stage"] == stage for r in data["inflight"]):
             return
         time.sleep(0.05)
-    raise AssertionError(f"{rid} never started decoding")
+    raise AssertionError(f"{rid} never reached {stage}")
 
 
 def _diagnose(srv: Served, *args: str) -> dict:
@@ -148,7 +148,7 @@ def _diagnose(srv: Served, *args: str) -> dict:
 # -- queued behind ---------------------------------------------------------------------------------
 def test_a_short_request_behind_a_long_one_names_it(one_seq: Served):
     long_id, short_id = _rid("long"), _rid("short")
-    t = _in_background(_complete, one_seq, long_id, "Tell me a story.", 600)
+    t = _in_background(_complete, one_seq, long_id, "Tell me a story.", 150)
     _wait_running(one_seq, long_id)
     assert _complete(one_seq, short_id, "Hi", 2).status_code == 200
     t.join()
@@ -163,10 +163,11 @@ def test_a_short_request_behind_a_long_one_names_it(one_seq: Served):
 def test_a_request_queued_at_the_gateway_names_the_slot_holders_and_who_freed_one(one_seq: Served):
     # 1 running + 2 in the engine's queue fill the replica; the 4th waits in the admission queue.
     ids = [_rid(f"hold{i}") for i in range(3)]
-    threads = [_in_background(_complete, one_seq, ids[0], "Tell me a story.", 300)]
+    threads = [_in_background(_complete, one_seq, ids[0], "Tell me a story.", 400)]
     _wait_running(one_seq, ids[0])
-    threads += [_in_background(_complete, one_seq, rid, "Tell me a story.", 300) for rid in ids[1:]]
-    time.sleep(0.3)
+    for rid in ids[1:]:
+        threads.append(_in_background(_complete, one_seq, rid, "Tell me a story.", 30))
+        _wait_running(one_seq, rid, "engine_queue")
     waiter = _rid("waiter")
     assert _complete(one_seq, waiter, "Hi", 2).status_code == 200
     for t in threads:
@@ -181,26 +182,32 @@ def test_a_request_queued_at_the_gateway_names_the_slot_holders_and_who_freed_on
 
 # -- slow client -----------------------------------------------------------------------------------
 def test_a_client_that_reads_slowly_is_named(one_seq: Served):
+    """A client on a slow link: a small receive window and a small segment size (so the kernel
+    does not size the server's send buffer from loopback's 64 KiB MSS), and it reads nothing for
+    8 s. 20 top logprobs make each token's event ~1.6 KB, so the server's buffers (~110 KB with
+    asyncio's) fill within ~70 tokens and the rest of the stream waits on the client."""
     rid = _rid("slowreader")
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-                       "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 150,
+                       "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True,
+                       "top_logprobs": 20}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {one_seq.keys['acme']}\r\nx-request-id: {rid}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, as a slow link has
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect(("127.0.0.1", one_seq.port))
     sock.sendall(head + body)
+    sock.settimeout(120)
+    time.sleep(8.0)  # the client is busy elsewhere: nothing read
     got = b""
-    started = time.monotonic()
     while not got.endswith(b"0\r\n\r\n"):
-        chunk = sock.recv(4096)
+        chunk = sock.recv(1 << 20)
         if not chunk:
             break
         got += chunk
-        time.sleep(0.05)  # ~80 KB/s: slower than the engine writes
     sock.close()
-    assert b"[DONE]" in got and time.monotonic() - started > 1.0
+    assert b"[DONE]" in got and len(got) > 200_000, len(got)
     s = _trace(one_seq, rid)
     c = s["causes"][0]
     assert c["kind"] == "slow_client", s["causes"]
@@ -228,7 +235,7 @@ def test_a_long_prompt_stalling_a_decoding_stream_is_named(small_kv: Served):
     t.join()
     s = _trace(small_kv, stream_id)
     c = _cause(s, "decode_stalled_by_prefill")
-    assert c["request_ids"][0] == long_id and c["detail"]["slow_steps"] >= 3, c
+    assert c["request_ids"][0] == long_id and c["detail"]["slow_steps"] >= 1, c
     assert c["detail"]["prefills"][0]["tokens"] >= 1400
     # It covers most of the decode time beyond the stream's own pace.
     decode, tokens = _stage_ms(s, "decode"), s["completion_tokens"]
