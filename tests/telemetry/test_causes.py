@@ -7,7 +7,7 @@ them (the console script, `--port 0`):
 
 - in-process, `--max-num-seqs 1`: a short request behind long ones (engine queue and admission
   queue), and a client that reads slowly;
-- in-process, a small KV pool and 1,024-token prefill chunks: a long prompt stalling a decoding
+- in-process, an 80-block KV pool and 1,024-token prefill chunks: a long prompt stalling a decoding
   stream, and a preemption forced by another request's growth;
 - `--replicas 2` engine processes, `--max-num-seqs 1`: a shared prefix routed away under load,
   and a request queued in an engine process's own queue (the facts cross the engine link).
@@ -81,7 +81,7 @@ def one_seq(tmp_path_factory, tiny) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory, tiny) -> Iterator[Served]:
     yield from _server(tmp_path_factory, tiny, "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
-                       "--num-kv-blocks", "120", "--block-size", "16")
+                       "--num-kv-blocks", "80", "--block-size", "16")
 
 
 @pytest.fixture(scope="module")
@@ -231,34 +231,35 @@ def test_a_long_prompt_stalling_a_decoding_stream_is_named(small_kv: Served):
     t = _in_background(stream)
     while len(times) < 20:
         time.sleep(0.01)
-    assert _complete(small_kv, long_id, "hello " * 1500, 1).status_code == 200
+    assert _complete(small_kv, long_id, "hello " * 1000, 1).status_code == 200
     t.join()
     s = _trace(small_kv, stream_id)
     c = _cause(s, "decode_stalled_by_prefill")
     assert c["request_ids"][0] == long_id and c["detail"]["slow_steps"] >= 1, c
-    assert c["detail"]["prefills"][0]["tokens"] >= 1400
-    # It covers most of the decode time beyond the stream's own pace.
-    decode, tokens = _stage_ms(s, "decode"), s["completion_tokens"]
-    excess = decode - (tokens - 1) * c["detail"]["median_itl_ms"]
-    assert c["ms"] >= 0.6 * excess, (c, decode, tokens)
+    assert c["detail"]["prefills"][0]["tokens"] >= 900
+    # It covers most of the stall the client saw: its longest gap beyond its usual one.
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    stalled_ms = 1000 * (gaps[-1] - gaps[len(gaps) // 2])
+    assert c["ms"] >= 0.6 * stalled_ms, (c, stalled_ms)
     assert s["causes"][0]["kind"] == "decode_stalled_by_prefill", s["causes"]
 
 
 # -- preemption ------------------------------------------------------------------------------------
 def test_a_small_kv_pool_names_the_request_that_forced_a_preemption(small_kv: Served):
-    # 120 blocks of 16 tokens: each request grows to ~80 blocks, so both cannot stay.
+    """80 blocks of 16 tokens. The first request (1,000 prompt + 250 tokens: 79 blocks) is
+    decoding when the second (200 + 100: 19 blocks) arrives; within a few blocks of growth they no
+    longer fit, the later one is preempted, and waits for the first to finish before recomputing."""
     first, second = _rid("grower"), _rid("victim")
-    prompt = "hello " * 600
-    t = _in_background(_complete, small_kv, first, prompt, 650)
+    t = _in_background(_complete, small_kv, first, "hello " * 1000, 250)
     _wait_running(small_kv, first)
-    assert _complete(small_kv, second, prompt, 650).status_code == 200
+    assert _complete(small_kv, second, "world " * 200, 100).status_code == 200  # (no prefix shared)
     t.join()
     s = _trace(small_kv, second)
     c = _cause(s, "preempted")
     assert c["request_ids"] == [first] and c["detail"]["times"] >= 1, c
-    assert c["detail"]["recomputed_tokens"] >= 600
+    assert c["detail"]["recomputed_tokens"] >= 200
     stage = _stage_ms(s, c["detail"]["stage"])
-    assert c["ms"] >= 0.3 * stage, (c, s["stages"])
+    assert c["ms"] >= 0.5 * stage, (c, s["stages"])
     assert s["causes"][0]["kind"] == "preempted", s["causes"]
 
 
