@@ -316,3 +316,25 @@ def test_queued_in_an_engine_process_names_the_request_on_that_replica(two_repli
     on_replica = {_trace(two_replicas, x)["replica"]: x for x in (a, b)}
     assert c["request_ids"][0] == on_replica[s["replica"]], (c, on_replica, s["replica"])
     assert c["ms"] >= 0.9 * _stage_ms(s, "engine_queue")
+
+
+# -- upload ----------------------------------------------------------------------------------------
+def test_a_body_that_trickles_in_is_named_upload(one_seq: Served):
+    rid = _rid("trickle")
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {one_seq.keys['acme']}\r\nx-request-id: {rid}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", one_seq.port), timeout=60) as sock:
+        sock.sendall(head + body[:10])
+        time.sleep(1.0)  # a slow uplink
+        sock.sendall(body[10:])
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    s = _trace(one_seq, rid)
+    c = s["causes"][0]
+    assert c["kind"] == "upload" and c["detail"]["stage"] == "gateway", s["causes"]
+    assert c["ms"] >= 900 and c["ms"] >= 0.8 * _stage_ms(s, "gateway"), (c, s["stages"])
+    assert s["total_ms"] >= c["ms"]
