@@ -192,11 +192,13 @@ class EngineCore:
         (choice 0) remembers the step's time and whose prefill shared it (its
         decode_stalled_by_prefill cause). Only such mixed steps cost anything here."""
         took = now - self._step_started
+        own = {p[0] for p in prefills}
         for seq in sampling:
             ev = seq.events
             if seq.index or len(ev.stalls) >= MAX_STALLS or seq.num_output_tokens <= 1:
                 continue  # (a first token is this request's own prefill, not a stalled decode)
-            others = [p for p in prefills if p[0] != seq.request_id]
+            # One shared list for every decode in the step (never changed once recorded).
+            others = prefills if seq.request_id not in own else [p for p in prefills if p[0] != seq.request_id]
             if others:
                 ev.stalls.append([now, took, others])
 
