@@ -37,6 +37,9 @@ from tokenpath.telemetry.stages import stage_durations
 from tokenpath.telemetry.timeline import Timeline
 
 MIN_MS = 0.5  # a cause under half a millisecond explains nothing worth reading
+# Writing to and reading from a healthy local client takes a few ms of event-loop turns; below
+# this the client-side causes are noise, not a slow client or a slow uplink.
+CLIENT_MIN_MS = 10.0
 STALL_FACTOR = 2.0  # a token gap over this many times the request's median ITL is a stall
 # Kinds kept whatever their ms: they are facts about the request even when they cost little.
 _FACTS = ("prefill_uncached", "prefix_elsewhere", "retried", "replica_ejected")
@@ -67,11 +70,11 @@ def derive(timeline: Timeline, *, prompt_tokens: int = 0, cached_tokens: int = 0
     out += _preempted(timeline)
     out += _retried(a)
     blocked = float(a.get("client_blocked_s") or 0.0) * 1000
-    if blocked >= MIN_MS:
+    if blocked >= CLIENT_MIN_MS:
         out.append(Cause("slow_client", round(min(blocked, stages.get("decode", blocked)), 1),
                          {"stage": "decode", "blocked_ms": round(blocked, 1)}))
     upload = timeline.between("received", "body_read")
-    if upload is not None and upload * 1000 >= MIN_MS:
+    if upload is not None and upload * 1000 >= CLIENT_MIN_MS:
         out.append(Cause("upload", round(upload * 1000, 1), {"stage": "gateway", "body_bytes": a.get("body_bytes")}))
     out = [c for c in out if c.ms >= MIN_MS or c.kind in _FACTS]
     out.sort(key=lambda c: -c.ms)

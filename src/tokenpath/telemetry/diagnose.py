@@ -243,9 +243,10 @@ def render(findings: list[Finding], window: str) -> str:
     for f in findings:
         share = f"{100 * f.share:5.1f}%" if f.share else "     "
         lines.append(f"{share}  {f.kind:<26}{f.figure}")
-        ids = f.evidence.get("request_ids") or f.evidence.get("culprits")
-        if ids:
-            lines.append(f"{'':7}{'':26}evidence: {', '.join(map(str, ids[:3]))}")
+        for label, key in (("requests", "request_ids"), ("culprits", "culprits")):
+            ids = f.evidence.get(key)
+            if ids:
+                lines.append(f"{'':7}{'':26}{label}: {', '.join(map(str, ids[:3]))}")
         if f.lever:
             lines.append(f"{'':7}{'':26}lever: {f.lever}")
     return "\n".join(lines)
