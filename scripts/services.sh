@@ -8,7 +8,7 @@
 # browser), drop in scripts/NAME.sh and add NAME to the default list below.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-read -r -a services <<<"${TOKENPATH_TEST_SERVICES:-postgres redis chromium}"
+read -r -a services <<<"${TOKENPATH_TEST_SERVICES:-postgres redis chromium prometheus}"
 started=()
 
 stop_started() {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Literal
 
@@ -88,6 +89,33 @@ def resolve_data_dir(explicit: str | None = None) -> Path:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         path = Path(base) / "tokenpath"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)  # keys and the audit log live here: owner only
+    _private_dir(path)
+    return path
+
+
+def _private_dir(path: Path) -> None:
+    """The data dir must not be writable by others (they could replace the store or plant links).
+    A shared sticky folder (mode 1777: /tmp, /var/tmp) is refused, never tightened: closing it would
+    break every other user of it. Any other folder of ours that is group- or world-writable (a
+    k8s emptyDir is 0777) is tightened to 0700; one owned by someone else is refused."""
+    st = path.stat()
+    if not st.st_mode & 0o022:
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_mode & stat.S_ISVTX:
+        raise ValueError(f"the data dir {path} is a shared folder (mode {mode:o}, writable by every user); keys "
+                         "and the audit log need a private one: give a path inside it, e.g. "
+                         f"{path / 'tokenpath'} (created 0700), or chmod 700 {path} if it is yours alone")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"the data dir {path} is writable by others (mode {mode:o}) and owned by another user "
+                         f"(uid {st.st_uid}); use a private folder")
+    os.chmod(path, 0o700)
+
+
+def data_subdir(name: str) -> Path:
+    """A folder inside the data dir, made 0700 like it (tokenizer caches, engine logs)."""
+    path = resolve_data_dir() / name
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 
 

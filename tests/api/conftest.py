@@ -57,7 +57,7 @@ def start_server(tmp: Path, *args: str, wait: float = 240) -> Server:
                                 env=env)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
+        m = re.search(r"listening on https?://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
         if m:
             return Server(proc, int(m.group(1)), log)
         if proc.poll() is not None:

@@ -15,18 +15,23 @@ from tests.simulated_replica import SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.api.app import create_app
+from tokenpath.api.settings import ApiSettings
 from tokenpath.engine.embedding import EmbeddingTokenizer, default_embedding_model_dir
+from tokenpath.gateway.base import RequestGuard
 from tokenpath.routing.models import Deployment, ModelRouter
 
 
 class SimServer:
-    def __init__(self, replica: SimulatedReplica, admission: AdmissionConfig | None = None) -> None:
+    def __init__(self, replica: SimulatedReplica, admission: AdmissionConfig | None = None,
+                 guard: RequestGuard | None = None, config: ApiSettings | None = None) -> None:
         self.replica = replica
         tok = EmbeddingTokenizer(default_embedding_model_dir() / "tokenizer.json")  # any real tokenizer will do
         dep = Deployment(name="sim", task="completion", replicas=[replica], tokenizer=tok, max_model_len=512,
                          admission=admission or AdmissionConfig())
-        self.server = uvicorn.Server(uvicorn.Config(create_app(ModelRouter([dep])), host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="on"))
+        closers = [guard.aclose] if hasattr(guard, "aclose") else []
+        app = create_app(ModelRouter([dep]), guard, config, on_shutdown=closers)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 

@@ -81,7 +81,7 @@ def test_metrics_count_embedding_requests(servers):
         model = rf'model_name="{EMBED_MODEL}"'
         ok = rf'tokenpath:requests_total\{{(?=.*endpoint="/v1/embeddings")(?=.*{model})(?=.*status="200")'
         prefill = rf'tokenpath:request_stage_seconds_count\{{(?=.*{model})(?=.*stage="prefill")'
-        e2e = rf'tokenpath:e2e_request_latency_seconds_count\{{(?=.*{model})'
+        e2e = rf'tokenpath:embedding_request_latency_seconds_count\{{(?=.*{model})'
         before = [count(srv, p) for p in (ok, prefill, e2e)]
         for i in range(3):
             client(srv).embeddings.create(model=EMBED_MODEL, input=f"count me {i}")

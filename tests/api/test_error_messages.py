@@ -32,7 +32,7 @@ CASES = [
      400, "messages.0.content", ["null is only allowed"]),
     ("/v1/chat/completions", {"model": CHAT, "messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}, *MSG]},
-     None, 400, "messages.0.tool_calls", ["tool calls are not supported"]),
+     None, 400, "messages.0.tool_calls.0", ["messages.0.tool_calls.0 must be", "function"]),
     ("/v1/chat/completions", {"model": CHAT}, None, 400, "messages", ["Missing required parameter", "messages"]),
     ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "logit_bias": {"99999999": 5}}, None, 400,
      "logit_bias", ["outside this model's vocabulary"]),
@@ -41,7 +41,7 @@ CASES = [
     ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "logit_bias": {"x": 1}}, None, 400,
      "logit_bias", ["token ids"]),
     ("/v1/chat/completions", {"model": CHAT, "messages": MSG, "tools": [{"type": "function"}]}, None, 400,
-     "tools", ["not supported", "remove it"]),
+     "tools.0", ["tools.0 must be", "function"]),
     ("/v1/chat/completions", {"model": CHAT, "messages": [{"role": "user", "content": 5}]}, None, 400,
      "messages.0.content", ["messages.0.content"]),
 ]

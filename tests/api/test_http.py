@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -51,8 +52,8 @@ def test_sse_framing(http):
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"presence_penalty": -9}, "presence_penalty"),
         ({"seed": "abc"}, "seed"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"logit_bias": {"42": 500}}, "logit_bias"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"stream_options": {"include_usage": True}}, "any"),
@@ -183,8 +184,22 @@ def test_health_and_metrics(http, metric):
         metric(text, name)
     assert metric(text, "generation_tokens_total") >= 2
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "time_per_output_token_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_max_num_generation_tokens",
+                 "request_gateway_queue_time_seconds"):
         assert metric(text, name + "_count") >= 1
+    metric(text, "gpu_cache_usage_perc")
+    # Embeddings have their own series: no first token, no decode (the embedding model has no TTFT).
+    http.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hello"})
+    text = http.get("/metrics").text
+    assert metric(text, "embedding_request_latency_seconds_count", model="all-minilm-l6-v2") >= 1
+    assert 'time_to_first_token_seconds_count{model_name="all-minilm-l6-v2"}' not in text
+    # A client cannot grow the label set: an unknown model name counts under `unknown`.
+    assert http.post("/v1/chat/completions", json={"model": "made-up-model-7f3a", "messages": MSG}).status_code == 404
+    text = http.get("/metrics").text
+    assert "made-up-model-7f3a" not in text
+    assert re.search(r'^tokenpath:requests_total\{[^}]*model_name="unknown"[^}]*status="404"', text, re.M)
     assert 'tokenpath:request_success_total{finished_reason="length",model_name="smollm2-135m-instruct"}' in text
 
 
@@ -193,3 +208,24 @@ def test_server_survives_a_burst_of_garbage(http):
         resp = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
         assert 400 <= resp.status_code < 500
     assert http.get("/health").status_code == 200
+
+
+def test_tokenize_detokenize_and_version(http):
+    """vLLM's utility endpoints: /tokenize counts exactly what a request is charged as prompt_tokens."""
+    done = http.post("/v1/chat/completions", json={"model": CHAT, "messages": MSG, "max_tokens": 1}).json()
+    chat = http.post("/tokenize", json={"model": CHAT, "messages": MSG, "return_token_strs": True}).json()
+    assert chat["count"] == len(chat["tokens"]) == done["usage"]["prompt_tokens"]
+    assert chat["max_model_len"] > 0 and len(chat["token_strs"]) == chat["count"]
+    plain = http.post("/tokenize", json={"model": CHAT, "prompt": "Hello world"}).json()
+    assert plain["token_strs"] is None and plain["count"] == len(plain["tokens"]) >= 2
+    back = http.post("/detokenize", json={"model": CHAT, "tokens": plain["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+    for path, body, param in (("/tokenize", {"model": CHAT, "prompt": "a", "messages": MSG}, "prompt"),
+                              ("/tokenize", {"model": CHAT, "prompt": "a", "add_special_tokens": False},
+                               "add_special_tokens"),
+                              ("/detokenize", {"model": CHAT, "tokens": [10**9]}, "tokens")):
+        bad = http.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert http.post("/tokenize", json={"model": "no-such-model", "prompt": "a"}).status_code == 404
+    version = http.get("/version")
+    assert version.status_code == 200 and version.json()["version"]

@@ -84,8 +84,8 @@ def test_slow_clients_are_cut_off_within_15_seconds(server):
     (then a 408). The probes run side by side, so the test takes ~10 s."""
     probes = {
         "silent": b"",
-        "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n",
-        "body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n",
+        "body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"model\": "),
     }
     out: dict = {}

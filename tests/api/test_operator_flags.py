@@ -68,18 +68,33 @@ def test_stored_keys_keep_working_beside_static_ones(keyed, store):
     assert _client(keyed, secret).chat.completions.create(model=CHAT, messages=MSG, max_tokens=1).choices
 
 
-def test_metrics_and_reset_need_an_admin_key(keyed, store):
+def test_metrics_are_open_without_tenant_names_and_reset_needs_an_admin_key(keyed, store):
+    """vLLM's convention: /metrics answers a scraper without a key; tenant names (the tenant
+    series) only reach admin keys. /reset_prefix_cache changes state: admin keys only."""
     plain, _ = create_key(store, "acme")
     admin, _ = create_key(store, "ops", admin=True)
     with httpx.Client(base_url=keyed.url, timeout=60) as http:
-        assert http.get("/metrics").status_code == 401  # main: 200, naming tenants
-        no = http.get("/metrics", headers={"Authorization": f"Bearer {plain}"})
-        assert no.status_code == 403 and no.json()["error"]["code"] == "admin_key_required"
+        _client(keyed, plain).chat.completions.create(model=CHAT, messages=MSG, max_tokens=1)  # a tenant's tokens
+        for headers in ({}, {"Authorization": f"Bearer {plain}"}, {"Authorization": "Bearer wrong"}):
+            page = http.get("/metrics", headers=headers)
+            assert page.status_code == 200
+            assert "tokenpath:time_to_first_token_seconds_bucket" in page.text
+            assert 'tenant="' not in page.text and "acme" not in page.text
         for key in ("k1", admin):
-            assert http.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            page = http.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+            assert page.status_code == 200 and 'tokenpath:tenant_tokens_total{' in page.text
+            assert 'tenant="acme"' in page.text
         assert http.post("/reset_prefix_cache", headers={"Authorization": f"Bearer {plain}"}).status_code == 403
         ok = http.post("/reset_prefix_cache", headers={"Authorization": "Bearer k1"})
         assert ok.status_code == 200 and ok.json()["replicas"], ok.text
+
+
+def test_metrics_require_key_closes_metrics_to_all_but_admins(server_factory):
+    srv = server_factory("--model", CHAT, "--api-key", "k1", "--metrics-require-key")
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert "/metrics needs an admin key" in srv.output()
 
 
 def test_reset_prefix_cache_makes_the_next_request_cold(keyed):

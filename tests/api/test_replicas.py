@@ -52,7 +52,9 @@ def audit_row(srv: Server, request_id: str):
     store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
     try:
         deadline = time.monotonic() + 30
-        while not (rows := store.query_audit(request_id=request_id)) and time.monotonic() < deadline:
+        # (a row is opened at admission with status 0 and closed when the request ends)
+        while (not (rows := store.query_audit(request_id=request_id)) or rows[0].status == 0) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         (row,) = rows
         return row
@@ -92,7 +94,8 @@ def test_same_stages_same_tokens_in_process_and_over_the_link(servers):
 def test_histograms_count_every_request_over_the_link(servers):
     _, replicas = servers
     names = ("time_to_first_token_seconds", "request_gateway_time_seconds", "request_queue_time_seconds",
-             "request_engine_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
+             "request_gateway_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+             "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens")
     before = {n: hist_count(replicas, n) for n in names}
     for i in range(4):
         chat(replicas, f"Count to {i + 2}.")

@@ -73,7 +73,8 @@ def make_app(state: StubState) -> FastAPI:
                      "prompt_tokens_details": {"cached_tokens": cached}}
             final: dict[str, Any] = {"id": f"r{n}", "choices": [], "usage": usage}
             if state.timing:
-                final["tokenpath"] = {"timing": {"queue": 0.001, "prefill": 0.002, "decode": 0.003, "total": 0.006}}
+                final["tokenpath"] = {"timing": {"gateway": 0.0005, "queue": 0.001, "engine_queue": 0.0015,
+                                                "prefill": 0.002, "decode": 0.003, "total": 0.008}}
             yield ": keep-alive comment\n\n"
             if state.usage:
                 yield "data: " + json.dumps(final) + "\n\n"

@@ -49,6 +49,9 @@ def test_two_targets_two_loads_all_outputs(tmp_path, capsys):
     assert first["errors"] == {"total": 1, "http_429": 1, "by_status": {"429": 1}}
     assert first["completed"] == 4 and first["good_requests"] == 4
     assert first["server_ms"]["decode"]["mean"] == pytest.approx(3.0)
+    # every server stage is kept, the gateway's and the engine's queue too
+    assert first["server_ms"]["gateway"]["mean"] == pytest.approx(0.5)
+    assert first["server_ms"]["engine_queue"]["mean"] == pytest.approx(1.5)
     assert doc["runs"][2]["summary"]["server_ms"] == {}
     # same request list for both targets; each target got its own model name and length forcing
     ours_prompts = sorted(b["messages"][-1]["content"] for b in ours_bodies)  # c=2: arrival order may vary
@@ -62,6 +65,7 @@ def test_two_targets_two_loads_all_outputs(tmp_path, capsys):
     assert "## Where ours loses" in md and "## Targets" in md
     out = capsys.readouterr().out
     assert "server-side stages" in out and "TTFT p99" in out
+    assert "gateway mean" in out and "engine_queue p99" in out
 
 
 def test_multi_turn_resends_the_growing_history(tmp_path):
@@ -175,3 +179,26 @@ def test_result_files_carry_no_machine_folders(tmp_path, monkeypatch):
             "--tokenizer", "/opt/models/model.gguf", "--target", "a=http://127.0.0.1:1/v1"]
     assert machine_meta(argv)["argv"] == ["src/cli.py", "bench", "--json", "out/r.json", "--tokenizer",
                                           "model.gguf", "--target", "a=http://127.0.0.1:1/v1"]
+
+
+def test_result_files_carry_no_secret(tmp_path, monkeypatch):
+    """Keys given on the command line are masked in result files; `env:VAR` names are kept."""
+    from tokenpath.bench.report import machine_meta
+
+    argv = ["bench", "--target", "a=http://127.0.0.1:1/v1,key=tp-secret1,model=m", "--api-key", "tp-secret2",
+            "--api-key=tp-secret3", "--target", "b=http://127.0.0.1:2/v1,key=env:B_KEY"]
+    kept = machine_meta(argv)["argv"]
+    assert not any("tp-secret" in a for a in kept)
+    assert kept == ["bench", "--target", "a=http://127.0.0.1:1/v1,key=***,model=m", "--api-key", "***",
+                    "--api-key=***", "--target", "b=http://127.0.0.1:2/v1,key=env:B_KEY"]
+
+
+def test_key_from_an_unset_variable_is_an_error(monkeypatch):
+    """`key=env:VAR` with VAR unset used to send no key at all, silently."""
+    monkeypatch.delenv("TP_NO_SUCH_KEY", raising=False)
+    ns = build_parser().parse_args(["bench"])
+    with pytest.raises(ValueError, match="TP_NO_SUCH_KEY.*not set"):
+        parse_target("p=http://127.0.0.1:9/v1,key=env:TP_NO_SUCH_KEY", ns, {})
+    monkeypatch.setenv("TP_NO_SUCH_KEY", "tp-x")
+    assert parse_target("p=http://127.0.0.1:9/v1,key=env:TP_NO_SUCH_KEY", ns, {}).api_key == "tp-x"
+    assert bench("--target", "p=http://127.0.0.1:9/v1,key=env:TP_UNSET_TOO") == 2

@@ -89,7 +89,8 @@ async def test_send_times_content_chunks_and_reads_usage_and_server_timing(api):
     assert len(r.itl) == 5  # gaps between 6 content chunks; the role-only chunk is not a token
     assert 0 < r.ttft <= r.e2el
     assert r.e2el == pytest.approx(r.ttft + sum(r.itl))
-    assert r.server_timing == pytest.approx({"queue": 0.001, "prefill": 0.002, "decode": 0.003, "total": 0.006})
+    assert r.server_timing == pytest.approx({"gateway": 0.0005, "queue": 0.001, "engine_queue": 0.0015,
+                                             "prefill": 0.002, "decode": 0.003, "total": 0.008})
     assert r.text == "".join(f" w{i}" for i in range(6))
     assert body["ignore_eos"] is True and body["model"] == "m"
 

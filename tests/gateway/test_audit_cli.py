@@ -39,12 +39,19 @@ async def test_audit_rows_round_trip_and_text_only_when_turned_on(store, clock):
 
 
 async def test_audit_failure_is_logged_not_raised(store_location, clock, caplog):
+    """A store that cannot be written: the row is spooled (not raised, not lost), the log names the
+    cause (not only the exception class), /health's source says degraded, and shutdown counts it."""
     s = GatewayStore(store_location)
     gw = Gateway(s, clock=clock)
     s.close()  # every write now fails
     with caplog.at_level(logging.ERROR, logger="tokenpath.gateway"):
         await gw.audit(record("r-lost", clock()))
-    assert "r-lost" in caplog.text
+        health = gw.audit_health()
+        assert health.degraded and "closed" in (health.reason or "")
+        assert (health.spool_rows, health.spooled_total, health.dropped_total) == (1, 1, 0)
+        await gw.audit_writer.aclose(timeout=0.2)
+    assert "Cannot operate on a closed" in caplog.text or "closed" in caplog.text
+    assert gw.audit_health().dropped_total == 1 and "1 audit rows could not be written" in caplog.text
 
 
 def test_usage_sums_by_day_and_model(store, clock):

@@ -27,6 +27,7 @@ from tokenpath.cli import main as cli_main
 from tokenpath.config import DEFAULT_CHAT_MODEL
 from tokenpath.gateway import Gateway, GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
+from tokenpath.gateway.base import OPEN_STATUS
 from tokenpath.gateway.limiter import DAY_S, day_of
 
 pytestmark = pytest.mark.slow
@@ -136,13 +137,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def audit_rows(server: Server, request_id: str, wait_s: float = 60) -> list:
-    """The audit rows of a request, waiting (bounded) for the server's `finally` to write them."""
+    """The audit rows of a request, waiting (bounded) for the server's `finally` to close them (a row
+    is opened at admission with status 0, and closed with every column when the request ends)."""
     store = server.store()
     try:
         deadline = time.monotonic() + wait_s
         while True:
             rows = store.query_audit(request_id=request_id)
-            if rows or time.monotonic() > deadline:
+            if (rows and all(r.status != OPEN_STATUS for r in rows)) or time.monotonic() > deadline:
                 return rows
             time.sleep(0.1)
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,14 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
         yield b
         b.close()
+
+
+def _until(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.2)
 
 
 def test_dashboard_needs_the_admin_key(served: Served, http: httpx.Client):
@@ -75,6 +84,13 @@ def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served,
         rid = request_id[0]
         row = page.wait_for_selector(f"tr.inflight-row[data-request-id='{rid}'][data-stage='decode']", timeout=60_000)
         assert "decode" in row.inner_text()
+        # The numbers move while it decodes: its token count grows, and so does the replica's tok/s.
+        # (Polled from Python: the page's CSP forbids the eval that wait_for_function needs.)
+        tokens = f"tr.inflight-row[data-request-id='{rid}'] td.tokens"
+        first = int(page.inner_text(tokens))
+        _until(lambda: int(page.inner_text(tokens)) > first, "the in-flight token count to grow")
+        _until(lambda: any(float(td.inner_text()) > 0 for td in page.query_selector_all("#replicas td.tok-s")),
+               "a replica's tok/s above 0")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard-decode.png"), full_page=True)
         worker.join(300)
@@ -83,6 +99,11 @@ def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served,
         assert page.query_selector(f"tr.inflight-row[data-request-id='{rid}']") is None
         assert page.query_selector("#stages tr[data-stage='decode']") is not None
         assert page.query_selector("#replicas tr[data-replica]") is not None
+        # The error panel and the per-tenant rows count what happened in the window.
+        assert httpx.post(served.url + "/v1/chat/completions", headers=served.headers(),
+                          json=chat(2, n=0)).status_code == 400
+        _until(lambda: int(page.inner_text("#errors-row td:nth-child(2)")) >= 1, "the 4xx count to show the 400")
+        page.wait_for_selector("#tenants tr[data-tenant='acme']", timeout=15_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     finally:
         worker.join(300)

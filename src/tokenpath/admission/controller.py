@@ -75,6 +75,7 @@ class FlowController:
         self.capacity = CapacityEstimator(self.config.initial_service_s, self.config.ewma_alpha)
         self._ticker: asyncio.Task | None = None
         self._depth_seen: set[tuple[int, str]] = set()
+        metrics.publish_queue_depth(deployment, {}, self._depth_seen)  # the total's series exists at 0
         # Who holds a slot now, and whose release gave the last one back: what a queued request
         # waited behind (its queued_behind cause). One dict insert and delete per request.
         self._holding: dict[int, Admission] = {}

@@ -12,12 +12,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
+from tokenpath.api.dashboard import page_headers
 from tokenpath.api.dashboard import router as dashboard_routes
 from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
+from tokenpath.api.tokenize import router as tokenize_routes
+from tokenpath.gateway.audit_metrics import AuditCollector
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
 from tokenpath.telemetry.metrics import ServerMetrics
@@ -33,6 +37,7 @@ def create_app(
     state = AppState(router=router, guard=guard or OpenGuard(), config=config,
                      metrics=ServerMetrics(lambda: router.deployments.values()),
                      on_shutdown=list(on_shutdown))
+    state.metrics.registry.register(AuditCollector(state.guard.audit_health))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,9 +53,16 @@ def create_app(
     install_error_handlers(app)
     app.include_router(api_routes)
     app.include_router(dashboard_routes)
+    app.include_router(tokenize_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout)
+    # Outermost (added last): a page in a browser is refused before any body is read.
+    bind = getattr(config, "host", None)  # ServerConfig's; an app built by a test is on loopback
+    app.add_middleware(BrowserGuardMiddleware, guard=lambda: state.guard,
+                       check_hosts=bind is None or is_loopback(bind) or bool(config.allowed_hosts),
+                       allowed_hosts=config.allowed_hosts, allowed_origins=config.allowed_origins,
+                       public_docs=config.public_docs, page_headers=page_headers)
     return app
 
 

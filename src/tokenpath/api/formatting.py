@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, streamed_calls
 from tokenpath.protocol.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenpath.telemetry.timeline import Timeline
 
@@ -21,6 +22,9 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False  # for streaming chat: the first delta carries the role
+    content_sent: int = 0  # streaming with tools: characters of `text` already sent as content
+    call_ids: list[str] = field(default_factory=list)  # streaming constrained calls: ids sent so far
+    args_sent: list[int] = field(default_factory=list)  # ... and characters of arguments sent per call
 
 
 @dataclass
@@ -124,22 +128,34 @@ def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
 
 
 # -- whole responses ---------------------------------------------------------------------------
-def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool, timeline: Timeline) -> dict:
+def _message(c: Choice, plan: ToolPlan | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, and its finish reason: a reply that parses as
+    tool calls carries them (`content` null when there is no other text) and ends "tool_calls"."""
+    message: dict = {"role": "assistant", "content": c.text, "refusal": None}
+    if plan is None or not plan.parses or c.finish_reason != "stop":
+        return message, c.finish_reason
+    content, calls = parse_calls(c.text, plan)
+    if not calls:
+        return message, c.finish_reason
+    message["content"] = content
+    message["tool_calls"] = [call.openai() for call in calls]
+    return message, "tool_calls"
+
+
+def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool, timeline: Timeline,
+              plan: ToolPlan | None = None) -> dict:
+    choices = []
+    for c in acc.sorted():
+        message, reason = _message(c, plan)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None, "finish_reason": reason})
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in acc.sorted()
-        ],
+        "choices": choices,
         "usage": acc.usage(),
         "tokenpath": timing_extension(timeline),
     }
@@ -180,6 +196,68 @@ def chat_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None
         "logprobs": chat_logprobs(logprobs or []) if want_logprobs and logprobs else None,
         "finish_reason": finish_reason,
     }
+
+
+ARGUMENT_FRAGMENT = 16  # characters of arguments per streamed delta
+
+
+def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                            want_logprobs: bool, plan: ToolPlan) -> list[dict]:
+    """Streaming with tools: content is sent up to where a call may start and held from there;
+    when the choice finishes, the calls go out as OpenAI streams them (per call: a delta with its
+    index, id, type and function name with empty arguments, then argument fragments), and the
+    finish reason is "tool_calls". A reply that does not parse as calls is sent as content."""
+    out: list[dict] = []
+    lp = chat_logprobs(logprobs or []) if want_logprobs and logprobs else None
+
+    def emit(delta: dict, reason: str | None = None) -> None:
+        nonlocal lp
+        if not ch.started:
+            delta = {"role": "assistant", **delta}
+            ch.started = True
+        out.append({"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": reason})
+        lp = None
+
+    if plan.choice in ("required", "named"):
+        _stream_constrained(ch, finish_reason, plan, emit)
+        return out
+    start = call_start(ch.text, plan)
+    safe = len(ch.text) if start == -1 or finish_reason is not None and finish_reason != "stop" else start
+    calls = parse_calls(ch.text, plan)[1] if finish_reason == "stop" else []
+    if not calls and finish_reason is not None:
+        safe = len(ch.text)
+    if safe > ch.content_sent:
+        emit({"content": ch.text[ch.content_sent:safe]})
+        ch.content_sent = safe
+    for k, call in enumerate(calls):
+        emit({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": ""}}]})
+        for j in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
+            emit({"tool_calls": [{"index": k, "function": {"arguments": call.arguments[j:j + ARGUMENT_FRAGMENT]}}]})
+    if finish_reason is not None:
+        emit({}, "tool_calls" if calls else finish_reason)
+    elif not out and (lp is not None or not ch.started):
+        emit({})
+    return out
+
+
+def _stream_constrained(ch: Choice, finish_reason: str | None, plan: ToolPlan, emit) -> None:  # noqa: ANN001
+    """`required` / named calls: the grammar guarantees their shape, so each call's first delta
+    goes out as soon as its name is written and its arguments stream while they are generated."""
+    calls = streamed_calls(ch.text, plan, finished=finish_reason is not None)
+    for k, (name, args) in enumerate(calls):
+        if k == len(ch.call_ids):
+            ch.call_ids.append(ParsedCall(name, "").id)
+            ch.args_sent.append(0)
+            emit({"tool_calls": [{"index": k, "id": ch.call_ids[k], "type": "function",
+                                  "function": {"name": name, "arguments": ""}}]})
+        if len(args) > ch.args_sent[k]:
+            emit({"tool_calls": [{"index": k, "function": {"arguments": args[ch.args_sent[k]:]}}]})
+            ch.args_sent[k] = len(args)
+    if finish_reason is not None:
+        emit({}, "tool_calls" if finish_reason == "stop" and calls else finish_reason)
+    elif not ch.started:
+        emit({})
 
 
 def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,

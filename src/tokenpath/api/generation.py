@@ -17,14 +17,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
+from tokenpath.api import structured
+from tokenpath.api import tools as tool_calls
 from tokenpath.api.errors import error_body
 from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.errors import TokenpathError
+from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
+from tokenpath.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger("tokenpath.api")
 
@@ -46,6 +49,12 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep = run.route(body.model, "chat" if chat else "completion")
         floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
+        plan, spec = _constraint(body, getattr(dep.tokenizer, "chat_template", None))
+        if spec is not None:
+            info = await structured.compile_checked(dep.tokenizer, spec, _spec_param(body, spec))
+            run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,
+                                             "compile_ms": info.compile_ms, "cache_hit": info.cache_hit}
+        observe_structured(state, plan, spec)
         priority = run.priority()
         received = run.timeline.stamps["received"]
         deadline = None if body.timeout is None else received + body.timeout
@@ -53,16 +62,17 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep.precheck(priority, run.principal.tenant, received, deadline)
         await run.reserve(floor.tokens)
         floor.check_context(dep.max_model_len)
-        prompts, texts = await prompt_ids(state, dep, body)
-        params = sampling_params(state, dep, body, prompts, bias)
+        prompts, texts = await prompt_ids(state, dep, body, plan)
+        params = sampling_params(state, dep, body, prompts, bias, spec)
         run.sampling = params
-        await run.admit(texts, sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts))
+        prompt_tokens = sum(len(p) for p in prompts)
+        await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
         run.acc = fmt.Accumulator(n=params.n)
         state.inflight[run.id] = run.stop
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
-        gen = Generation(run, body, chat, len(prompts))
+        gen = Generation(run, body, chat, len(prompts), plan)
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
@@ -74,6 +84,41 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
     finally:
         if not handed_off:
             await run.finish()
+
+
+def _constraint(body: Body, chat_template: str | None) -> tuple[tool_calls.ToolPlan | None, StructuredOutput | None]:
+    """The request's tool plan (chat only) and the one grammar its output must follow, if any."""
+    spec = structured.requested(body)
+    plan = None
+    if isinstance(body, ChatCompletionRequest):
+        plan = tool_calls.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, chat_template)
+    if plan is not None and plan.parses and spec is not None:
+        raise InvalidRequestError("response_format (or structured_outputs) together with tools is not supported: a "
+                                  "reply cannot follow both; set tool_choice to 'none' or drop response_format",
+                                  param="response_format")
+    tool_spec = tool_calls.constraint(plan) if plan is not None else None
+    return plan, spec or tool_spec
+
+
+def _spec_param(body: Body, spec: StructuredOutput) -> str:
+    if spec.tools:
+        return "tools"
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(body, name, None):
+            return name
+    return "response_format"
+
+
+def observe_structured(state: AppState, plan: tool_calls.ToolPlan | None, spec: StructuredOutput | None) -> None:
+    """The structured / tool request counter (the metric set may predate it: then nothing)."""
+    counter = getattr(state.metrics, "structured_requests", None)
+    if counter is None:
+        return
+    if plan is not None:
+        counter.labels(kind="tools").inc()
+    elif spec is not None:
+        counter.labels(kind=spec.kind).inc()
 
 
 async def _merge(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -117,8 +162,10 @@ async def _merge(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class Generation:
     """Turns the merged delta stream into a JSON body or SSE chunks."""
 
-    def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int) -> None:
+    def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int,
+                 plan: tool_calls.ToolPlan | None = None) -> None:
         self.run = run
+        self.plan = plan if plan is not None and plan.parses else None
         self.body = body
         self.chat = chat
         self.parts = parts
@@ -129,6 +176,11 @@ class Generation:
 
     def _add(self, part: int, out: RequestOutput) -> list:
         touched = self.acc.add(part, out)
+        if out.grammar is not None and part == 0:  # the engine's side, for the trace and the audit row
+            g = self.run.timeline.attrs.setdefault("grammar", {})
+            if isinstance(g, dict):
+                g.update({"engine_compile_ms": out.grammar.compile_ms, "engine_cache_hit": out.grammar.cache_hit,
+                          "mask_us_per_token": out.grammar.mask_us_per_token})
         if part == 0 and any(c.index == 0 and c.token_ids for _, c in touched):
             self.run.token_times.append(time.monotonic())
         return touched
@@ -152,8 +204,10 @@ class Generation:
                 raise
             self.acc.abort_unfinished(self.parts)
         run.timeline.stamp("finished")
-        build = fmt.chat_body if self.chat else fmt.completion_body
-        body = build(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline)
+        if self.chat:
+            body = fmt.chat_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline, self.plan)
+        else:
+            body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline)
         return JSONResponse(body, headers=run.headers(timing=True))
 
     # -- streaming ------------------------------------------------------------------------------
@@ -165,6 +219,10 @@ class Generation:
         make = fmt.chat_chunk_choice if self.chat else fmt.completion_chunk_choice
         chunks = []
         for ch, c in self._add(part, out):
+            if self.plan is not None:
+                chunks.extend(self._chunk([x]) for x in fmt.chat_tool_chunk_choices(
+                    ch, c.logprobs, c.finish_reason, self.want_logprobs, self.plan))
+                continue
             if c.text or c.finish_reason or c.logprobs or (self.chat and not ch.started):
                 chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
         return chunks

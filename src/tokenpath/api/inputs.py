@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from tokenpath.api import tools as tool_calls
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import EmbeddingRequest as EmbeddingJob
 from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.routing.models import Deployment
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -108,7 +110,8 @@ def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
                                   "choices", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > caps.max_stop:
-        raise InvalidRequestError(f"stop has {len(stop)} entries, over the limit of {caps.max_stop}",
+        raise InvalidRequestError(f"stop has {len(stop)} entries, over this server's limit of {caps.max_stop} "
+                                  "stop sequences (caps.max_stop)",
                                   param="stop")
     per_token = max_token_bytes(dep.tokenizer)
     if isinstance(body, ChatCompletionRequest):
@@ -137,13 +140,45 @@ def _over_request_cap(tokens: int, cap: int, n: int, prompts: int, max_tokens: i
         "the number of prompts", param="max_tokens", code="request_too_large")
 
 
-async def prompt_ids(state: AppState, dep: Deployment, body: Body) -> tuple[list[list[int]], list[str]]:
+def chat_messages(body: ChatCompletionRequest, plan: tool_calls.ToolPlan | None,
+                  chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
+    """The conversation as the chat template takes it, and the `tools=` to pass it. Past tool
+    calls are checked (a malformed one is a 400 naming it); for a template that knows no tools
+    they, and the tool list, become text in tokenpath's documented format (`api/tools.py`)."""
+    fmt = plan.fmt if plan else tool_calls.template_format(chat_template)
+    messages: list[dict] = []
+    for i, m in enumerate(body.messages):
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = tool_calls.check_history_calls(m.tool_calls, f"messages.{i}")
+            if fmt == "tagged":
+                d["content"] = "\n".join(x for x in (d["content"], tool_calls.render_call_text(calls, fmt)) if x)
+            else:
+                d["tool_calls"] = calls
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        messages.append(d)
+    if plan is None:
+        return messages, None
+    if fmt != "tagged":
+        return messages, plan.template_tools()
+    if plan.choice == "none":  # no calls wanted: a template without tools is told of none
+        return messages, None
+    listing = tool_calls.tagged_system_prompt(plan)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + listing}
+    else:
+        messages.insert(0, {"role": "system", "content": listing})
+    return messages, None
+
+
+async def prompt_ids(state: AppState, dep: Deployment, body: Body,
+                     plan: tool_calls.ToolPlan | None = None) -> tuple[list[list[int]], list[str]]:
     """Token ids per prompt (tokenized off the event loop) and the texts the policy hook sees."""
     tok = dep.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+        messages, tools = chat_messages(body, plan, tok.chat_template)
+        ids = await asyncio.to_thread(tok.apply_chat_template, messages, True, tools)
         return [list(ids)], [m["content"] for m in messages]
     out: list[list[int]] = []
     texts: list[str] = []
@@ -165,7 +200,8 @@ async def prompt_ids(state: AppState, dep: Deployment, body: Body) -> tuple[list
 
 
 def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[list[int]],
-                     logit_bias: dict[int, float] | None = None) -> SamplingParams:
+                     logit_bias: dict[int, float] | None = None,
+                     structured: StructuredOutput | None = None) -> SamplingParams:
     caps = state.config.caps
     where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     max_tokens = body.requested_max_tokens
@@ -206,6 +242,7 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
         logprobs=body.logprobs_count,
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=logit_bias,
+        structured=structured,
     )
 
 

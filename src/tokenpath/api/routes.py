@@ -10,7 +10,7 @@ from tokenpath.api import generation
 from tokenpath.api.embeddings import handle_embeddings
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
-from tokenpath.errors import NotFoundError, PermissionDeniedError
+from tokenpath.errors import NotFoundError, PermissionDeniedError, TokenpathError
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -67,7 +67,9 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
     503 (`unhealthy`) only when some model has no healthy replica left, naming it. Each replica's
     state and, when down, why (a dead process or step loop, a failed encoder) is in the body.
     Read from each replica's own report (the engine link pushes it every 100 ms), so it is
-    current within a second of an engine dying or coming back."""
+    current within a second of an engine dying or coming back.
+    `degraded` too while the audit log's store cannot be written (`audit.reason` says why; the rows
+    are spooled in memory and written once it is back), within a second of the failure."""
     models: dict[str, bool] = {}
     replicas: dict[str, dict[str, dict]] = {}
     degraded = False
@@ -78,9 +80,14 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
         models[dep.name] = any(s.healthy for s in own)
         degraded = degraded or not all(s.healthy for s in own)
     ok = all(models.values())
+    body: dict = {"models": models, "replicas": replicas}
+    audit = state.guard.audit_health()
+    if audit is not None:
+        body["audit"] = {"state": "degraded" if audit.degraded else "ok", "spool_rows": audit.spool_rows,
+                         "dropped_rows": audit.dropped_total, **({"reason": audit.reason} if audit.reason else {})}
+        degraded = degraded or audit.degraded
     status = "unhealthy" if not ok else "degraded" if degraded else "ok"
-    return JSONResponse({"status": status, "models": models, "replicas": replicas},
-                        status_code=200 if ok else 503)
+    return JSONResponse({"status": status, **body}, status_code=200 if ok else 503)
 
 
 async def require_admin(state: AppState, request: Request, endpoint: str) -> None:
@@ -92,15 +99,30 @@ async def require_admin(state: AppState, request: Request, endpoint: str) -> Non
     if not principal.admin:
         raise PermissionDeniedError(
             f"{endpoint} needs an admin key: a `serve --api-key` key or one made with `tokenpath keys create "
-            "--admin`" + (" (or start serve with --metrics-public)" if endpoint == "/metrics" else ""),
+            "--admin`" + (" (serve runs with --metrics-require-key)" if endpoint == "/metrics" else ""),
             param="Authorization", code="admin_key_required")
+
+
+async def _is_admin(state: AppState, request: Request) -> bool:
+    """Whether the caller may see operator-only data; a missing or bad key just means no."""
+    if not state.guard.auth_enabled:
+        return True
+    try:
+        return (await state.guard.authenticate(request.headers)).admin
+    except TokenpathError:
+        return False
 
 
 @router.get("/metrics")
 async def metrics(request: Request, state: AppState = Depends(get_state)) -> Response:
-    if not state.config.metrics_public:  # it names tenants and models: not for every key holder
+    """vLLM's convention: open to scrapers. Tenant names (tenant series) need an admin key,
+    unless the operator published them (`--metrics-public`); `--metrics-require-key` closes it all."""
+    if state.config.metrics_require_key:
         await require_admin(state, request, "/metrics")
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        tenants = True
+    else:
+        tenants = state.config.metrics_public or await _is_admin(state, request)
+    return Response(state.metrics.render(tenants=tenants), media_type=CONTENT_TYPE)
 
 
 @router.post("/reset_prefix_cache")

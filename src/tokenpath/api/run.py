@@ -22,7 +22,7 @@ from tokenpath.api.limits import UPLOAD_KEY
 from tokenpath.api.sse import Interrupted, StopSignal
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
-from tokenpath.gateway.base import AuditRecord, Principal, Reservation
+from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
@@ -75,8 +75,9 @@ class RequestRun:
         self._finished = False
         self.error_code: str | None = None
         self.sampling: SamplingParams | None = None  # set once the body is validated (trace attributes)
+        self.audit_key = uuid.uuid4().hex  # ties the audit row opened at admission to its close
         begin_trace(self.timeline, request.headers)
-        state.live.started(self.timeline, endpoint)
+        state.live.started(self.timeline, endpoint, self.token_times)  # (the same list, as it grows)
 
     # -- the guard, in its fixed order ------------------------------------------------------------
     async def authenticate(self) -> Principal:
@@ -114,9 +115,10 @@ class RequestRun:
         assert self.principal is not None and self.deployment is not None
         self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, estimate)
 
-    async def admit(self, texts: list[str], tokens: int) -> None:
+    async def admit(self, texts: list[str], tokens: int, prompt_tokens: int | None = None) -> None:
         """The policy hook on the prompt text, then the reservation re-sized to the exact count
-        (re-decided when it grows, so token limits stay exact)."""
+        (re-decided when it grows, so token limits stay exact), then the audit row opened: a gateway
+        that dies from here on leaves a row the next start closes as `gateway_crash`."""
         assert self.principal is not None and self.deployment is not None
         self.timeline.stamp("tokenized")
         self.prompt_text = "\n".join(texts)
@@ -126,6 +128,9 @@ class RequestRun:
         else:
             await self.state.guard.adjust(self.reservation, tokens)
         self.timeline.stamp("admitted")
+        opened = self._audit_record(None, tokens if prompt_tokens is None else prompt_tokens, 0, {}, None)
+        opened.status, opened.completion_text = OPEN_STATUS, None
+        await self.state.guard.audit_open(opened, lambda: self.completion_tokens)
 
     # -- endings ----------------------------------------------------------------------------------
     def fail(self, exc: TokenpathError) -> None:
@@ -213,7 +218,7 @@ class RequestRun:
         )
 
     def _audit_record(self, finish_reason: str | None, prompt: int, completion: int,
-                      durations: dict[str, float], record: FinishedRequest) -> AuditRecord:
+                      durations: dict[str, float], record: FinishedRequest | None) -> AuditRecord:
         p = self.principal
         client = self.request.client
         return AuditRecord(
@@ -236,5 +241,6 @@ class RequestRun:
             error_type=self.error_type,
             prompt_text=self.prompt_text,
             completion_text="\n".join(c.text for c in self.acc.sorted()) if self.acc else None,
-            timing=json.dumps(record.timing_summary()),
+            timing=json.dumps(record.timing_summary()) if record is not None else None,
+            audit_key=self.audit_key,
         )

@@ -1,7 +1,7 @@
 """Pydantic request schemas of the OpenAI-compatible API.
 
 Unknown fields are rejected (as OpenAI does) and known fields that would change the output but
-are not implemented (tools, structured output, echo, suffix...) are 400s with a clear message:
+are not implemented (legacy `functions`, echo, suffix...) are 400s with a clear message:
 silently ignoring them would return something the client did not ask for. Every error names the
 parameter (`param`) and says what to send instead.
 
@@ -80,11 +80,12 @@ _PART_KINDS = {"image_url": "image", "input_image": "image", "input_audio": "aud
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
@@ -96,12 +97,20 @@ class ChatMessage(_Strict):
 
     def check(self, i: int) -> None:
         """OpenAI's rules for one message: text-only content, null content only for an assistant
-        message that carries tool calls (which this server cannot take part in)."""
+        message that carries tool calls, `tool_calls` only on assistant messages, and a `tool`
+        message answering a call by its id. (The calls themselves: `api.tools.check_history_calls`.)"""
         where = f"messages.{i}"
-        if self.tool_calls or self.function_call:
-            raise InvalidRequestError(f"{where}.tool_calls: tool calls are not supported by this server; "
-                                      "send the assistant's reply as text content", param=f"{where}.tool_calls",
-                                      code="unsupported_parameter")
+        if self.function_call:
+            raise InvalidRequestError(f"{where}.function_call (the legacy functions API) is not supported; send "
+                                      "tool_calls", param=f"{where}.function_call", code="unsupported_parameter")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequestError(f"{where}.tool_calls is only allowed on assistant messages",
+                                      param=f"{where}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError(f"{where}.tool_call_id is required on a tool message: the id of the call it "
+                                      "answers", param=f"{where}.tool_call_id")
+        if self.content is None and self.tool_calls:
+            return
         if self.content is None:
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of text parts; null is only allowed for an "
@@ -124,7 +133,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Stop = str | Annotated[list[str], Field(max_length=64)] | None
+# No length bound here: a bound inside the union would make 1,000 strings fail as "Input should be a
+# valid string"; `inputs.check_caps` refuses more than `caps.max_stop` with a message naming the cap.
+Stop = str | list[str] | None
 
 
 class _SamplingFields(_Body):
@@ -159,6 +170,14 @@ class _SamplingFields(_Body):
     service_tier: str | None = None
     # Token id (as a string, as OpenAI sends it) -> bias added to its logit, -100..100.
     logit_bias: dict[str, float] | None = None
+    # Structured output (api/structured.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields. At most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -210,7 +229,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -221,15 +239,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("messages must contain at least one message", param="messages")
         for i, m in enumerate(self.messages):
             m.check(i)
-        if self.tools or self.functions:
-            raise _unsupported("tools", "(function calling) is not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _unsupported("tool_choice")
+        if self.functions:
+            raise _unsupported("functions", "(the legacy functions API) is not supported by this server; send tools")
         if self.function_call not in (None, "none", "auto"):
-            raise _unsupported("function_call")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", f"type {self.response_format.get('type')!r} (structured "
-                               "output) is not supported by this server; only 'text'")
+            raise _unsupported("function_call", "(the legacy functions API) is not supported; send tool_choice")
         if self.modalities not in (None, ["text"]) or self.audio:
             raise _unsupported("modalities", "other than ['text'] are not supported by this server")
         if self.prediction:

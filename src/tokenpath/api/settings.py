@@ -31,11 +31,20 @@ class ApiSettings(BaseModel):
     max_body_size: str | int = "4MiB"
     shutdown_timeout: float = Field(30.0, ge=0)
     caps: Caps = Field(default_factory=Caps)
-    metrics_public: bool = False  # /metrics without a key even when auth is on (it names tenants)
+    # /metrics is open, as vLLM's is (scrape configs and aiperf send no key), with tenant series
+    # summed away unless the caller has an admin key. `metrics_require_key`: an admin key for all of
+    # it. `metrics_public`: open with the tenant series too (the operator publishes tenant names).
+    metrics_require_key: bool = False
+    metrics_public: bool = False
     # Slow clients (slowloris): a connection must finish its request headers, and then its body,
     # within these many seconds, or it is closed (headers) or answered 408 (body).
     header_timeout: float = Field(10.0, gt=0)
     body_timeout: float = Field(10.0, gt=0)
+    # Browser-facing safety (`tokenpath.api.browser`): Host names beyond localhost/127.0.0.1/[::1],
+    # origins whose pages may call the API (CORS, default none; "*" for any), docs without a key.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    allowed_origins: list[str] = Field(default_factory=list)
+    public_docs: bool = False
 
     @property
     def max_body_bytes(self) -> int:

@@ -55,7 +55,9 @@ def parse_target(text: str, defaults: argparse.Namespace, notes: dict[str, str])
     name = name or (urlparse(url).netloc or "target")
     key = fields.get("key", defaults.api_key)
     if key and key.startswith("env:"):
-        key = os.environ.get(key[4:])
+        if not os.environ.get(key[4:]):
+            raise ValueError(f"target {name}: key={key} names an environment variable that is not set")
+        key = os.environ[key[4:]]
     api = fields.get("api", defaults.api)
     exact = fields.get("exact", defaults.exact)
     if api not in ("chat", "completions") or exact not in EXACT_MODES:

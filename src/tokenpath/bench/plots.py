@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenpath.bench.runner import RunResult
+from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
 
 
 def _plt():
@@ -94,7 +95,7 @@ def plot_stages(results: Sequence[RunResult], out: Path) -> Path:
         sm = r.summary.server_ms
         labels.append(f"{r.target.name}\n{r.load.label()}")
         if sm:
-            row = {f"server {k}": (sm.get(k) or {}).get("mean") or 0.0 for k in ("queue", "prefill", "decode")}
+            row = {f"server {k}": (sm.get(k) or {}).get("mean") or 0.0 for k in SERVER_STAGES}
             # What the server's own clock does not see (HTTP, SSE, the client), so bar heights = E2EL.
             row["outside server (E2EL - server total)"] = max(
                 0.0, (r.summary.e2el_ms.mean or 0.0) - ((sm.get("total") or {}).get("mean") or sum(row.values())))

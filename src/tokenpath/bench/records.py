@@ -71,7 +71,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
     intended_input_len: int = 0
     intended_output_len: int = 0
-    server_timing: dict[str, float] | None = None  # seconds: queue, prefill, decode, total
+    server_timing: dict[str, float] | None = None  # seconds, per server stage (telemetry.stages) and total
     group: int | None = None
     session: int | None = None
     turn: int = 0

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -19,6 +20,7 @@ from typing import Any
 from tokenpath.bench.metrics import Stats, Summary
 from tokenpath.bench.records import LoadPoint, RequestRecord, Target
 from tokenpath.bench.runner import RunResult
+from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
 
 SCHEMA = "tokenpath.bench/1"
 
@@ -40,13 +42,31 @@ def _version(dist: str) -> str | None:
         return None
 
 
+_KEY_FIELD = re.compile(r"(\bkey=)([^,]*)")  # a --target's key=KEY field
+
+
+def _redact(value: str) -> str:
+    return value if value.startswith("env:") else "***"
+
+
 def portable_argv(argv: Sequence[str]) -> list[str]:
     """The command line as it can be shared: absolute paths under the working directory made
     relative, other absolute paths (temporary files, the installed model) cut to their file name.
     Result files are committed; they should not carry one machine's folders."""
     cwd = Path.cwd()
     out = []
+    secret_next = False
     for arg in argv:
+        # A key given on the command line never reaches a result file (env:VAR names are kept).
+        if secret_next:
+            out.append(_redact(arg))
+            secret_next = False
+            continue
+        if arg.startswith("--api-key="):
+            out.append("--api-key=" + _redact(arg.removeprefix("--api-key=")))
+            continue
+        secret_next = arg == "--api-key"
+        arg = _KEY_FIELD.sub(lambda m: m.group(1) + _redact(m.group(2)), arg)
         p = Path(arg)
         if p.is_absolute():
             arg = str(p.relative_to(cwd)) if p.is_relative_to(cwd) else p.name
@@ -142,12 +162,14 @@ def main_rows(results: Sequence[RunResult]) -> list[list[str]]:
     return rows
 
 
-STAGE_HEADERS = ["target", "load", "client TTFT mean", "queue mean", "queue p99", "prefill mean", "prefill p99",
-                 "decode mean", "decode p99", "server total mean", "client E2EL mean", "dominant"]
+STAGE_HEADERS = ["target", "load", "client TTFT mean",
+                 *[f"{st} {k}" for st in SERVER_STAGES for k in ("mean", "p99")],
+                 "server total mean", "client E2EL mean", "dominant"]
 
 
 def stage_rows(results: Sequence[RunResult]) -> list[list[str]]:
-    """Server-side breakdown next to the client's view, for targets that report it."""
+    """Server-side breakdown (every stage the server reports) next to the client's view, for
+    targets that report it."""
     rows = []
     for r in results:
         sm = r.summary.server_ms
@@ -157,11 +179,10 @@ def stage_rows(results: Sequence[RunResult]) -> list[list[str]]:
         def g(stage: str, k: str, sm: dict = sm) -> float | None:
             return (sm.get(stage) or {}).get(k)
 
-        parts = {st: g(st, "mean") or 0.0 for st in ("queue", "prefill", "decode")}
+        parts = {st: g(st, "mean") or 0.0 for st in SERVER_STAGES}
         rows.append([r.target.name, r.load.label(), _ms(r.summary.ttft_ms, "mean"),
-                     _f(g("queue", "mean")), _f(g("queue", "p99")), _f(g("prefill", "mean")), _f(g("prefill", "p99")),
-                     _f(g("decode", "mean")), _f(g("decode", "p99")), _f(g("total", "mean")),
-                     _ms(r.summary.e2el_ms, "mean"), max(parts, key=parts.__getitem__)])
+                     *[_f(g(st, k)) for st in SERVER_STAGES for k in ("mean", "p99")],
+                     _f(g("total", "mean")), _ms(r.summary.e2el_ms, "mean"), max(parts, key=parts.__getitem__)])
     return rows
 
 

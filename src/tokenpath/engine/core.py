@@ -22,11 +22,12 @@ from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput
-from tokenpath.protocol.sampling_params import SamplingParams
+from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
 
 MAX_CONTEXT_DEFAULT = 8192
 
@@ -48,7 +49,7 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_token_threshold)
-        self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed)
+        self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.prompt_tokens = 0
@@ -96,12 +97,22 @@ class EngineCore:
                            leader=leader if self.config.enable_prefix_caching else None)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
+            if params.structured is not None:
+                seq.grammar = self._grammar(params.structured)
             leader = leader or seq
             choices.append(ChoiceState(seq=seq, detok=self.tokenizer.detokenizer(params.skip_special_tokens)))
             self.scheduler.add(seq)
         self.prompt_tokens += len(prompt_token_ids)
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events,
                                                  request.prompt)
+
+    def _grammar(self, spec: StructuredOutput) -> GrammarState:
+        """A fresh matcher for one choice, from the tokenizer's cache (the API compiled the spec once
+        already, bounded in time, so a miss here costs milliseconds; an in-process engine shares the
+        API's cache and hits). An engine process pays once, on its first structured request, for
+        reading the vocabulary into llguidance (about a second)."""
+        found = self.tokenizer.grammars.get(spec)
+        return GrammarState(found.matcher, found.compile_seconds, found.hit)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         req = self.requests.get(request_id)

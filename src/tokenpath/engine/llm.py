@@ -88,3 +88,4 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
     acc.events = delta.events
     acc.num_preemptions = delta.num_preemptions
     acc.num_cached_tokens = delta.num_cached_tokens
+    acc.grammar = delta.grammar or acc.grammar

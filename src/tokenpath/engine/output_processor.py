@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.outputs import (
+    CompletionOutput,
+    EngineEvents,
+    GrammarStats,
+    RequestOutput,
+    TokenLogprob,
+)
 from tokenpath.protocol.sampling_params import SamplingParams
 
 
@@ -67,6 +73,10 @@ class OutputProcessor:
             reason = self._check_stop_strings(choice, p, before)
             if reason:
                 return reason
+        if seq.grammar is not None and seq.grammar.terminated:
+            # Complete (the grammar accepts nothing more but EOS): a whole JSON document, choice...
+            # A matcher in its error state (a token it refused) ends the choice as an error.
+            return "error" if seq.grammar.failed else "stop"
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
@@ -107,7 +117,16 @@ class OutputProcessor:
                                          stop_reason=seq.stop_reason if final else None))
         if not outs:
             return None
+        grammars = [c.seq.grammar for c in req.choices if c.seq.grammar is not None]
+        stats = None
+        if grammars and req.finished:
+            steps = sum(g.masked_steps for g in grammars)
+            stats = GrammarStats(compile_ms=round(1000 * sum(g.compile_seconds for g in grammars), 3),
+                                 cache_hit=all(g.cache_hit for g in grammars),
+                                 mask_us_per_token=round(1e6 * sum(g.mask_seconds for g in grammars) / steps, 2)
+                                 if steps else 0.0)
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
                              finished=req.finished, events=req.events.snapshot(),
-                             num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt)
+                             num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt,
+                             grammar=stats)

@@ -3,7 +3,11 @@
 Rows share batched tensor work (penalties, temperature, top-k/top-p/min-p filtering); the random
 draw of a seeded request uses its own `torch.Generator`, so the same seed gives the same tokens
 whatever else shares the batch. Logprobs are those of the model's raw distribution (before
-temperature and penalties), as OpenAI and vLLM report them.
+temperature, penalties and grammar masks), as OpenAI and vLLM report them.
+
+Rows with a grammar (structured output, tool calls) get their disallowed tokens masked after the
+penalties, row by row, and their matcher advances past the token drawn; rows without one are
+untouched, so both kinds share one batch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.structured.masking import MaskBuilder, apply_grammar_masks
 from tokenpath.protocol.sampling_params import SAMPLING_EPS
 
 
@@ -24,15 +29,27 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, eos_token_id: int, seed: int = 0) -> None:
+    def __init__(self, eos_token_id: int, seed: int = 0, grammar_vocab: int | None = None) -> None:
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar_vocab = grammar_vocab
+        self._masks: MaskBuilder | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw = logits
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._apply_penalties(logits, seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            if self._masks is None:
+                self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
+            may_empty = [j for j, i in enumerate(constrained) if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
+            logits = apply_grammar_masks(self._masks, logits, raw, constrained,
+                                         [seqs[i].grammar for i in constrained], may_empty)  # type: ignore[misc]
         tokens = self._sample(logits, seqs)
+        for i in constrained:
+            seqs[i].grammar.accept(tokens[i])  # type: ignore[union-attr]
         lp: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenpath.engine.structured.masking import GrammarState
 from tokenpath.protocol.outputs import EngineEvents
 from tokenpath.protocol.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
 
     @property
     def num_tokens(self) -> int:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import threading
 import warnings
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 
 
@@ -28,6 +31,23 @@ class Tokenizer:
         self.vocab_size: int = len(self._hf)
         self.chat_template: str | None = getattr(self._hf, "chat_template", None)
         self.all_special_ids = set(self._hf.all_special_ids)
+        self._grammars: GrammarCache | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled grammars for this tokenizer, one cache per (spec, tokenizer). Built on first
+        use, not at load: reading the vocabulary into llguidance takes a second or two, which only
+        structured requests should pay (the API builds it off the event loop; an in-process engine
+        then shares it)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self._hf, self.vocab_size)
+            return self._grammars
+
+    @property
+    def hf(self):  # noqa: ANN201 - the transformers tokenizer, for libraries that build on it (llguidance)
+        return self._hf
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=True).ids
@@ -39,12 +59,16 @@ class Tokenizer:
         """The text of one token as OpenAI logprobs show it."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """`tools` (OpenAI tool definitions) go to templates that render them (Qwen, Llama 3.1);
+        the API renders tools itself for templates that know none (`api/tools.py`)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        extra = {"tools": tools} if tools else {}
         try:
             text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, **extra)
         except Exception as exc:  # a template error is the caller's input, e.g. an unsupported role order
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -72,9 +96,9 @@ class IncrementalDetokenizer:
 
 
 def _cache_dir() -> Path:
-    from tokenpath.config import resolve_data_dir
+    from tokenpath.config import data_subdir
 
-    return resolve_data_dir() / "tokenizers"
+    return data_subdir("tokenizers")  # 0700, as the data dir (save_pretrained would make it 0755)
 
 
 def _load_hf_tokenizer(source: Path):
@@ -94,6 +118,7 @@ def _load_hf_tokenizer(source: Path):
             tok.save_pretrained(str(tmp))
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
+            shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as exc:

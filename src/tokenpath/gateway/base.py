@@ -7,7 +7,7 @@ that has no gateway in front of it (e.g. a bare `tokenpath engine` replica behin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,6 +84,25 @@ class AuditRecord:
     completion_text: str | None = None
     # JSON from telemetry: every stage's ms, replica, routing policy/reason, trace id (`tokenpath trace`).
     timing: str | None = None
+    # Ties the row opened at admission to its close (unique); None: a row written once, at the end.
+    audit_key: str | None = None
+
+
+OPEN_STATUS = 0  # the status of a row opened at admission and not yet closed
+CRASH_STATUS = 500  # a row left open by a gateway that died, closed by the next start
+GATEWAY_CRASH = "gateway_crash"  # its finish_reason and error_type
+
+
+@dataclass(frozen=True)
+class AuditHealth:
+    """The audit log's writer, as /health and /metrics report it."""
+
+    degraded: bool = False
+    reason: str | None = None  # why rows cannot be written now (the store's error), when degraded
+    spool_rows: int = 0  # rows held in memory now, waiting for the store
+    spooled_total: int = 0  # rows ever held because the store failed
+    dropped_total: int = 0  # rows lost because the spool was full (never silently: counted and logged)
+    written_total: int = 0  # rows written (open or close)
 
 
 class RequestGuard(Protocol):
@@ -103,7 +122,11 @@ class RequestGuard(Protocol):
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...
 
+    async def audit_open(self, record: AuditRecord, progress: Callable[[], int]) -> None: ...
+
     async def audit(self, record: AuditRecord) -> None: ...
+
+    def audit_health(self) -> AuditHealth | None: ...
 
 
 class OpenGuard:
@@ -132,5 +155,11 @@ class OpenGuard:
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         return None
 
+    async def audit_open(self, record: AuditRecord, progress: Callable[[], int]) -> None:
+        return None
+
     async def audit(self, record: AuditRecord) -> None:
+        return None
+
+    def audit_health(self) -> AuditHealth | None:
         return None

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 
 from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
-from tokenpath.gateway.base import Limits
+from tokenpath.gateway.base import OPEN_STATUS, Limits
 from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -227,7 +227,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     rows: list[Sequence[object]] = [header]
     for r in records:
         rows.append((_iso(r.time), r.request_id, r.tenant, r.key_prefix, r.model, r.endpoint, r.status,
-                     r.finish_reason, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                     r.finish_reason or ("(open)" if r.status == OPEN_STATUS else None), r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                      None if r.total_s is None else f"{r.total_s:.3f}", r.client, r.error_type))
     _print_table(rows)
     return 0

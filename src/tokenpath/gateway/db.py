@@ -62,6 +62,15 @@ MIGRATIONS: list[list[str]] = [
     [  # 3: per-stage timing and routing facts of each request, as JSON (`tokenpath trace`)
         "ALTER TABLE audit_log ADD COLUMN timing TEXT",
     ],
+    [  # 4: rows opened at admission and closed at the end (a crashed gateway's are closed on the next start)
+        "ALTER TABLE audit_log ADD COLUMN audit_key TEXT",  # ties a request's open row to its close
+        "ALTER TABLE audit_log ADD COLUMN open_by TEXT",  # the gateway instance while the row is open
+        "CREATE UNIQUE INDEX audit_log_key ON audit_log (audit_key)",
+        "CREATE INDEX audit_log_open ON audit_log (open_by)",
+        """CREATE TABLE gateway_instances (
+            id TEXT PRIMARY KEY, host TEXT NOT NULL, pid {int} NOT NULL, pid_start TEXT,
+            started_at {float} NOT NULL, seen_at {float} NOT NULL)""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

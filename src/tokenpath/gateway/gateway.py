@@ -11,13 +11,23 @@ been verified (so a guessed or mistyped key is never echoed, not even in part).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
-from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitError
-from tokenpath.gateway.base import AuditRecord, Limits, Principal, Reservation
+from tokenpath.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
+from tokenpath.gateway.audit_store import Instance
+from tokenpath.gateway.audit_writer import STALE_S, AuditWriter, describe_error
+from tokenpath.gateway.base import AuditHealth, AuditRecord, Limits, Principal, Reservation
 from tokenpath.gateway.keys import hash_key, key_prefix, looks_like_key, verify_key
 from tokenpath.gateway.limiter import Verdict
 from tokenpath.gateway.limits_backend import LimitsBackend, StoreLimits
@@ -68,6 +78,12 @@ def credential_from(headers: Mapping[str, str]) -> str | None:
     return bearer if bearer is not None else api_key
 
 
+def store_unavailable(exc: Exception, what: str) -> ServiceUnavailableError:
+    """A 503 for a store that cannot be read or written (never a 500 naming only the exception class)."""
+    return ServiceUnavailableError(f"The gateway's store is unreachable ({type(exc).__name__}); {what}. Retry later.",
+                                   code="store_unavailable", headers={"Retry-After": "1"})
+
+
 STATIC_TENANT = "default"  # the tenant of `serve --api-key` keys
 
 
@@ -95,19 +111,56 @@ class Gateway:
         self.log_text = log_text
         self._keys_exist = False  # once true it stays true: key rows are revoked, never deleted
         self._touched: dict[str, float] = {}
+        self._store_down_logged = False
+        self._keys_checked = False  # the store has answered has_keys at least once (auth off only then)
+        self.audit_writer = AuditWriter(store, Instance.current(), clock=clock)
+        self._close_crashed()
+
+    def _close_crashed(self) -> None:
+        """Rows a crashed gateway left open are closed as `gateway_crash` before this one serves."""
+        try:
+            n = self.store.close_crashed_audit(self.audit_writer.instance, self.clock(), STALE_S)
+        except Exception as exc:  # noqa: BLE001 - a store failing now is retried by the writer later
+            log.error("could not close the audit rows of crashed gateways: %s: %s", type(exc).__name__, exc)
+            return
+        if n:
+            log.warning("closed %d audit rows left open by a crashed gateway as gateway_crash", n)
 
     @property
     def auth_enabled(self) -> bool:
         if self._static:
             return True
         if not self._keys_exist:
-            self._keys_exist = self.store.has_keys()
+            try:
+                self._keys_exist = self.store.has_keys()
+                self._keys_checked = True
+            except Exception as exc:  # noqa: BLE001 - as in `authenticate`
+                if not self._keys_checked:
+                    return True  # never seen the store answer: keys may exist, so operator endpoints stay shut
+                self._store_down(exc)
         return self._keys_exist
+
+    def _store_down(self, exc: Exception) -> None:
+        if not self._store_down_logged:
+            self._store_down_logged = True
+            log.error("gateway store unreachable (%s): no keys existed at the last check, so requests stay "
+                      "anonymous until it is back", describe_error(exc))
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         secret = credential_from(headers)  # ambiguous credentials are a 400 even with auth off
         if not self._static and not self._keys_exist:
-            if not await asyncio.to_thread(self.store.has_keys):
+            try:
+                has_keys = await asyncio.to_thread(self.store.has_keys)
+            except Exception as exc:  # noqa: BLE001
+                if not self._keys_checked:  # fail closed: never seen the store say there are no keys
+                    raise store_unavailable(exc, "API keys cannot be checked") from None
+                # No key was there at the last look, and none can be made while the store is down:
+                # auth stays off (the audit writer reports the outage; this is logged once per outage).
+                self._store_down(exc)
+                return Principal()
+            self._store_down_logged = False
+            self._keys_checked = True
+            if not has_keys:
                 return Principal()
             self._keys_exist = True
         static = self._static_principal(secret)
@@ -121,7 +174,10 @@ class Gateway:
             raise AuthenticationError(f"API key {record.prefix}... has expired.", code="invalid_api_key")
         if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
             self._touched[record.prefix] = now
-            await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+            try:  # `last used` is informational: a store that cannot be written must not fail the request
+                await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not record the last use of key %s...: %s", record.prefix, type(exc).__name__)
         return await self._principal(record)
 
     def _static_principal(self, secret: str | None) -> Principal | None:
@@ -140,7 +196,10 @@ class Gateway:
             raise AuthenticationError(_MISSING, code="invalid_api_key")
         if not looks_like_key(secret):
             raise AuthenticationError(_INVALID, code="invalid_api_key")
-        record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
+        try:
+            record = await asyncio.to_thread(self.store.find_key, key_prefix(secret))
+        except Exception as exc:  # noqa: BLE001 - fail closed: a key that cannot be checked is not accepted
+            raise store_unavailable(exc, "API keys cannot be checked") from None
         # An unknown prefix still costs one hash and compare, so timing tells little about which exist.
         salt, digest = (record.salt, record.digest) if record else (_DUMMY_SALT, _DUMMY_DIGEST)
         if not verify_key(secret, salt, digest) or record is None:
@@ -149,7 +208,10 @@ class Gateway:
 
     async def _principal(self, record: KeyRecord) -> Principal:
         """Key settings combined with its tenant's: limits tightened, model lists intersected."""
-        tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
+        try:
+            tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant)
+        except Exception as exc:  # noqa: BLE001
+            raise store_unavailable(exc, "API keys cannot be checked") from None
         tenant_limits = tenant.limits if tenant else Limits()
         models = record.models
         if tenant is not None and tenant.models is not None:
@@ -219,22 +281,35 @@ class Gateway:
         await self.limits.reconcile(reservation.admission_id, p.key_prefix, p.tenant, reservation.day,
                                     reservation.tokens, max(0, int(used_tokens)))
 
-    async def audit(self, record: AuditRecord) -> None:
-        """Write the request's row. Never raises: it runs in the API's `finally`, where an exception
-        would replace the request's own outcome; a failure is logged (without any secret)."""
+    async def audit_open(self, record: AuditRecord, progress: Callable[[], int]) -> None:
+        """Open the request's row at admission (status 0, `open_by` this instance); `progress` says
+        its completion tokens so far, written every few seconds (what a crash is closed with)."""
         if not self.log_text:
             record.prompt_text = record.completion_text = None
-        try:
-            await asyncio.to_thread(self.store.write_audit, record)
-        except Exception as exc:  # noqa: BLE001 - logged, and the request's outcome stands
-            log.error("audit row for request %r not written: %s", record.request_id, type(exc).__name__)
+        record.audit_key = record.audit_key or uuid.uuid4().hex
+        await self.audit_writer.open(record, progress)
+
+    async def audit(self, record: AuditRecord) -> None:
+        """Close the request's row (or write it whole when none was opened). Never raises: it runs in
+        the API's `finally`. A store that cannot be written spools the row (`AuditWriter`)."""
+        if not self.log_text:
+            record.prompt_text = record.completion_text = None
+        record.audit_key = record.audit_key or uuid.uuid4().hex
+        await self.audit_writer.close(record)
+
+    def audit_health(self) -> AuditHealth:
+        return self.audit_writer.health()
 
     def close(self) -> None:
         self.store.close()
 
     async def aclose(self) -> None:
-        """Close the limits backend (its connections live on the event loop), then the store."""
+        """Write the spooled audit rows (a few seconds at most), close the limits backend (its
+        connections live on the event loop), then the store."""
         try:
+            await self.audit_writer.aclose()
+            with contextlib.suppress(Exception):  # a failing store keeps the instance: rows may be open
+                await asyncio.to_thread(self.store.forget_instance, self.audit_writer.instance)
             await self.limits.aclose()
         finally:
             await asyncio.to_thread(self.store.close)

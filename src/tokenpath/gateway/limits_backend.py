@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from tokenpath.errors import ServiceUnavailableError
 from tokenpath.gateway.base import Limits
 from tokenpath.gateway.limiter import Verdict
 from tokenpath.gateway.store import Admitted, GatewayStore
@@ -48,13 +49,19 @@ class StoreLimits:
 
     async def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
                       tokens: int, now: float) -> Admitted:
-        return await asyncio.to_thread(self.store.reserve, key_prefix, tenant, key_limits, tenant_limits,
-                                       tokens, now)
+        try:  # fail closed, as RedisLimits does: a limit that cannot be checked is a 503, not a 500
+            return await asyncio.to_thread(self.store.reserve, key_prefix, tenant, key_limits, tenant_limits,
+                                           tokens, now)
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(exc) from None
 
     async def adjust(self, admission_id: int | str, key_prefix: str, tenant: str, key_limits: Limits,
                      tenant_limits: Limits, day: int, reserved: int, tokens: int, now: float) -> Verdict:
-        return await asyncio.to_thread(self.store.adjust, int(admission_id), key_prefix, tenant, key_limits,
-                                       tenant_limits, day, reserved, tokens, now)
+        try:
+            return await asyncio.to_thread(self.store.adjust, int(admission_id), key_prefix, tenant, key_limits,
+                                           tenant_limits, day, reserved, tokens, now)
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(exc) from None
 
     async def reconcile(self, admission_id: int | str, key_prefix: str, tenant: str, day: int,
                         reserved: int, used: int) -> None:
@@ -62,3 +69,9 @@ class StoreLimits:
 
     async def aclose(self) -> None:
         return None  # the store is the guard's, closed with it
+
+
+def _unavailable(exc: Exception) -> ServiceUnavailableError:
+    return ServiceUnavailableError(f"The gateway's store is unreachable ({type(exc).__name__}); rate limits cannot "
+                                   "be checked. Retry later.", code="rate_limits_unavailable",
+                                   headers={"Retry-After": "1"})

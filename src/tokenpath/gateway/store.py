@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenpath.gateway import limiter
+from tokenpath.gateway import audit_store, limiter
+from tokenpath.gateway.audit_store import AUDIT_COLUMNS, AuditOp, Instance
 from tokenpath.gateway.base import AuditRecord, Limits
 from tokenpath.gateway.db import Tx, connect
 from tokenpath.gateway.keys import NewKey
@@ -75,7 +76,6 @@ class UsageRow:
 
 _KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tokens, priority, "
                 "expires_at, created_at, last_used_at, revoked_at, admin")
-AUDIT_COLUMNS = tuple(f.name for f in fields(AuditRecord))
 
 
 def _models_out(models: frozenset[str] | None) -> str | None:
@@ -262,11 +262,27 @@ class GatewayStore:
 
     # ---- audit -----------------------------------------------------------------------------
     def write_audit(self, record: AuditRecord) -> None:
-        values = asdict(record)
-        columns = (*AUDIT_COLUMNS, "day")
-        params = [values[c] for c in AUDIT_COLUMNS] + [limiter.day_of(record.time)]
+        """One finished request's row, at once (the serving path goes through `AuditWriter`)."""
         with self.db.transaction() as tx:
-            tx.q(f"INSERT INTO audit_log ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", params)
+            audit_store.write_batch(tx, [AuditOp("close", record)], None, record.time)
+
+    def write_audit_batch(self, ops: Sequence[AuditOp], instance: Instance, now: float) -> None:
+        """Open and close rows of many requests in one transaction (idempotent: a retry is safe)."""
+        with self.db.transaction() as tx:
+            audit_store.write_batch(tx, ops, instance, now)
+
+    def write_audit_progress(self, updates: Sequence[tuple[str, int]], instance: Instance, now: float) -> None:
+        with self.db.transaction() as tx:
+            audit_store.write_progress(tx, updates, instance, now)
+
+    def close_crashed_audit(self, me: Instance, now: float, stale_s: float) -> int:
+        """Close the rows gone gateway instances left open, as `gateway_crash`; how many."""
+        with self.db.transaction() as tx:
+            return audit_store.close_crashed(tx, me, now, stale_s)
+
+    def forget_instance(self, instance: Instance) -> None:
+        with self.db.transaction() as tx:
+            audit_store.forget_instance(tx, instance)
 
     def query_audit(self, *, tenant: str | None = None, since: float | None = None, until: float | None = None,
                     request_id: str | None = None, limit: int | None = 1000) -> list[AuditRecord]:

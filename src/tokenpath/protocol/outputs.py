@@ -78,6 +78,16 @@ MAX_STALLS = 64  # stall records kept per request: enough to explain its slow ga
 
 
 @dataclass
+class GrammarStats:
+    """What constrained decoding cost one request in its engine: the grammar compile (0 and
+    `cache_hit` when the engine had it compiled already) and the mean mask time per token."""
+
+    compile_ms: float
+    cache_hit: bool
+    mask_us_per_token: float
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     outputs: list[CompletionOutput]
@@ -90,6 +100,7 @@ class RequestOutput:
     # Set when the engine failed this request (a step raised): the request ends here, on this
     # replica, and must not be retried elsewhere, since it may be what broke the step.
     error: str | None = None
+    grammar: GrammarStats | None = None  # on the final output of a structured request
 
     @property
     def num_prompt_tokens(self) -> int:

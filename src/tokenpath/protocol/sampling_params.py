@@ -21,6 +21,32 @@ SAMPLING_EPS = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 # top_k becomes a tensor element (int64): anything larger than the vocabulary is "disabled".
 MAX_TOP_K = 2**31 - 1
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC = 256 * 1024  # characters of one schema / regex / grammar (the API caps it lower)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match, as text the engine compiles into a grammar.
+
+    `json`: a JSON Schema (serialized); `regex`; `choice`: a JSON list of strings; `grammar`: a
+    Lark grammar. Plain strings, so the spec crosses the engine link (msgpack) and a Ray actor
+    call as it is, and equal specs are equal cache keys. `tools` marks a tool-call grammar (for
+    metrics and tracing only: it is constrained like any other)."""
+
+    kind: str
+    spec: str
+    tools: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {self.kind!r}", param="structured_outputs")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise SamplingParamsError("structured output spec must be a non-empty string", param="structured_outputs")
+        if len(self.spec) > MAX_STRUCTURED_SPEC:
+            raise SamplingParamsError(f"structured output spec is {len(self.spec)} characters, over the limit of "
+                                      f"{MAX_STRUCTURED_SPEC}", param="structured_outputs")
 
 
 @dataclass
@@ -42,8 +68,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), OpenAI's
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):  # as it arrives over the engine link (asdict + msgpack)
+            self.structured = StructuredOutput(**self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

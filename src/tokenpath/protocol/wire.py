@@ -15,7 +15,13 @@ from dataclasses import asdict
 
 import msgpack
 
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.outputs import (
+    CompletionOutput,
+    EngineEvents,
+    GrammarStats,
+    RequestOutput,
+    TokenLogprob,
+)
 from tokenpath.protocol.requests import GenerateRequest
 from tokenpath.protocol.sampling_params import SamplingParams
 
@@ -116,7 +122,9 @@ def encode_output(out: RequestOutput) -> dict:
                                                [list(c) for c in ev.prefill_chunks], ev.behind, ev.freed_by,
                                                ev.stalls, ev.preempted],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
-                      c.finish_reason, c.stop_reason] for c in out.outputs]}
+                      c.finish_reason, c.stop_reason] for c in out.outputs],
+            "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
+                                                     out.grammar.mask_us_per_token]}
 
 
 def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
@@ -129,7 +137,7 @@ def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
     return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
                          num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
                          events=_events(d["ev"]), num_preemptions=int(d.get("pre", 0)),
-                         prompt=request.prompt)
+                         prompt=request.prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]))
 
 
 def _events(ev: list) -> EngineEvents:

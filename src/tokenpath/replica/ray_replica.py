@@ -26,9 +26,12 @@ on them through its state polls, and the last gateway to shut down stops them (s
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -76,11 +79,38 @@ def _ray() -> Any:
     return ray
 
 
+def _stop_private_head(ray: Any, temp_dir: str) -> None:
+    """Stop the head `--ray local` started (its processes first: they write into the dir), then
+    remove its temp dir."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def connect(address: str | None, namespace: str = NAMESPACE) -> Any:
-    """Join the Ray cluster as a driver (once per process)."""
+    """Join the Ray cluster as a driver (once per process).
+
+    `auto` attaches to a running cluster (RAY_ADDRESS or this machine's) and says in one line how
+    to start one when there is none; `local` starts a private head on loopback for this process
+    alone, in its own temp dir, which Ray stops when the process exits (and the dir goes with it).
+    """
     ray = _ray()
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    if ray.is_initialized():
+        return ray
+    opts: dict[str, Any] = {}
+    if address == "local":
+        temp_dir = tempfile.mkdtemp(prefix="tpray")  # short: Ray's socket paths must fit
+        atexit.register(_stop_private_head, ray, temp_dir)
+        opts = {"_temp_dir": temp_dir, "_node_ip_address": "127.0.0.1", "include_dashboard": False}
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False, **opts)
+    except ConnectionError as exc:
+        if address != "auto":
+            raise EngineDeadError(f"--ray {address}: cannot reach that Ray cluster ({exc})") from None
+        raise EngineDeadError(
+            "--ray auto: no Ray cluster is running here and RAY_ADDRESS is unset. Start one "
+            "(`ray start --head --node-ip-address 127.0.0.1`) and pass its address, or use --ray local "
+            "for a private one that lives and dies with this server") from None
     return ray
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import ipaddress
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from types import FrameType
 
 import uvicorn
 
+from tokenpath.api.browser import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
 from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
@@ -45,8 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--embedding-replicas", type=int, default=1,
                        help="run each embedding model as N local engine processes behind the router "
                        "(default 1: in-process)")
-    serve.add_argument("--ray", metavar="auto|ADDRESS", help="run the chat model's --replicas as engine actors on "
-                       "this Ray cluster (pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
+    serve.add_argument("--ray", metavar="auto|local|ADDRESS",
+                       help="run the chat model's --replicas as engine actors on this Ray cluster: auto attaches "
+                       "to the running one, local starts a private head on loopback for this server alone "
+                       "(pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
@@ -55,15 +57,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="a static key clients must send (repeatable; also $TOKENPATH_API_KEY), as vLLM's: "
                             "an admin key of tenant 'default' with no limits; stored keys keep working too")
     serve.add_argument("--metrics-public", action="store_true", default=None,
-                       help="serve /metrics without a key even when auth is on (it names tenants)")
+                       help="/metrics shows the tenant series to every caller, not only to admin keys")
+    serve.add_argument("--metrics-require-key", action="store_true", default=None,
+                       help="/metrics needs an admin key when auth is on (default: open, as vLLM's, with "
+                       "tenant series only for admin keys)")
+    b = serve.add_argument_group("browser safety")
+    b.add_argument("--allowed-hosts", action="extend", type=_csv, default=None, metavar="HOST[,HOST]",
+                   help="Host header names accepted beside localhost, 127.0.0.1 and [::1] (checked when bound to "
+                   "loopback, against DNS rebinding; and on any address once given)")
+    b.add_argument("--allowed-origins", action="extend", type=_csv, default=None, metavar="ORIGIN[,ORIGIN]",
+                   help="origins whose web pages may call the API (CORS; default none; '*' for any), "
+                   "e.g. https://app.example.com")
+    b.add_argument("--public-docs", action="store_true", default=None,
+                   help="serve /docs, /redoc and /openapi.json without a key even when auth is on")
     serve.set_defaults(func=run_serve, gateway=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
     engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
     engine.set_defaults(func=_run_engine, gateway=False, data_dir=None, database_url=None, replicas=1,
-                        routing=None, routing_policy=None, api_keys=[], metrics_public=None, redis_url=None,
-                        limits_fail_open=None, ray=None, embedding_replicas=1)
+                        routing=None, routing_policy=None, api_keys=[], metrics_public=None,
+                        metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
+                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -82,6 +97,11 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-size", help="largest accepted request body, e.g. 4MiB")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback --host without API keys")
+    tls = p.add_argument_group("TLS")
+    tls.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this PEM private key")
+    tls.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
+    tls.add_argument("--ssl-ca-certs", metavar="FILE",
+                     help="require client certificates signed by these CAs (mutual TLS)")
     p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
                    help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
     t = p.add_argument_group("telemetry")
@@ -117,8 +137,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public", "redis_url",
-                                            "limits_fail_open")}
+                                            "data_dir", "database_url", "metrics_public", "metrics_require_key",
+                                            "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
+                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -127,13 +148,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -266,7 +282,8 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
                                timeout_graceful_shutdown=config.shutdown_timeout + 5, access_log=False,
                                http=header_timeout_protocol(config.header_timeout),
-                               log_config=None)  # keep our handler and format
+                               log_config=None,  # keep our handler and format
+                               **_tls_options(config))
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
     from tokenpath.server.memory import trim_periodically
 
@@ -278,6 +295,19 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
     drained = max(0, server.in_flight_at_signal - server.aborted)
     print(f"tokenpath: stopped: drained {drained} in-flight request(s), aborted {server.aborted}", flush=True)
     return 0
+
+
+def _tls_options(config: ServerConfig) -> dict:
+    """uvicorn's TLS arguments: HTTPS when a certificate is set, client certificates required when
+    a CA bundle is."""
+    if not config.ssl_certfile:
+        return {}
+    import ssl
+
+    opts: dict = {"ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile}
+    if config.ssl_ca_certs:
+        opts |= {"ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return opts
 
 
 def _add_served_names(router, names: list[str]) -> None:  # noqa: ANN001
@@ -312,9 +342,14 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
         how = [f"{len(args.api_keys)} --api-key key(s)"] if args.api_keys else []
         how.append("stored keys (`tokenpath keys list`)")
         lines.append(f"  auth: on ({' + '.join(how)}); /metrics "
-                     + ("is public" if config.metrics_public else "needs an admin key"))
+                     + ("needs an admin key" if config.metrics_require_key else
+                        "is open" + (" (tenant series too)" if config.metrics_public else
+                                     " (tenant series for admin keys)")))
     else:
         lines.append("  auth: off (no keys exist; loopback only) - `tokenpath keys create` or --api-key turns it on")
     lines.append("  stop: Ctrl-C or SIGTERM (in-flight requests get --shutdown-timeout seconds)")
-    lines.append(f"tokenpath: listening on http://{config.host}:{port}/v1  (health: /health, metrics: /metrics)")
+    if config.ssl_certfile:
+        lines.append("  tls: on" + (" (client certificates required)" if config.ssl_ca_certs else ""))
+    lines.append(f"tokenpath: listening on {config.scheme}://{config.host}:{port}/v1  "
+                 "(health: /health, metrics: /metrics)")
     return "\n".join(lines)

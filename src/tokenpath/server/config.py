@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
 from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig
@@ -26,6 +26,27 @@ class ServerConfig(ApiSettings):
     redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
     limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
     insecure: bool = False
+    # TLS terminated by the server itself (vLLM's --ssl-* flags): a PEM key and certificate; with
+    # a CA bundle, clients must present a certificate it signed (mutual TLS).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> ServerConfig:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs (client certificates) needs --ssl-keyfile and --ssl-certfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServerConfig:

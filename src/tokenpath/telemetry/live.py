@@ -1,5 +1,6 @@
-"""The dashboard's data: requests in flight (and the stage each is in), recent ones, and
-per-stage percentiles, queue depth per priority band, KV usage and tokens per replica.
+"""The dashboard's data: requests in flight (and the stage each is in, and the tokens each has
+streamed so far), recent ones, per-stage percentiles, the error rate, per-tenant rows, queue depth
+per priority band, KV usage and tokens per replica.
 
 One `LiveRequests` per app (it lives on the app's state, never in a module global). The API
 layer tells it when a request starts and ends; everything else is read from the Timelines and
@@ -24,6 +25,7 @@ from tokenpath.telemetry.timeline import Timeline
 class _Live:
     timeline: Timeline
     endpoint: str
+    token_times: list[float]  # the request's own list, appended as its tokens reach the API
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -37,8 +39,8 @@ class LiveRequests:
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self.tokens_by_replica: Counter[str] = Counter()
 
-    def started(self, timeline: Timeline, endpoint: str) -> None:
-        self.inflight[timeline.request_id] = _Live(timeline, endpoint)
+    def started(self, timeline: Timeline, endpoint: str, token_times: list[float]) -> None:
+        self.inflight[timeline.request_id] = _Live(timeline, endpoint, token_times)
 
     def finished(self, rec: FinishedRequest) -> None:
         self.inflight.pop(rec.request_id, None)
@@ -64,7 +66,7 @@ class LiveRequests:
                 "request_id": rid, "endpoint": live.endpoint, "stage": stage,
                 "model": t.attrs.get("deployment"), "tenant": t.attrs.get("tenant"),
                 "replica": t.attrs.get("replica"), "age_ms": round((now - t.stamps["received"]) * 1000, 1),
-                "tokens": len(getattr(t, "token_times", ())), "stages_ms": so_far,
+                "tokens": len(live.token_times), "stages_ms": so_far,
             })
         recent = [r for r in self.recent if r["time"] >= now_wall - window_s]
         per_stage: dict[str, dict[str, float | int]] = {}
@@ -72,11 +74,42 @@ class LiveRequests:
             values = [r["stages_ms"][stage] for r in recent if stage in r["stages_ms"] and r["status"] == 200]
             if values:
                 per_stage[stage] = {"p50": _quantile(values, 0.5), "p99": _quantile(values, 0.99), "n": len(values)}
+        streamed = Counter[str]()  # tokens of requests still streaming, per replica: tok/s moves during decode
+        for row in inflight:
+            if row["replica"]:
+                streamed[row["replica"]] += row["tokens"]
         return {"time": now_wall, "window_s": window_s, "inflight": inflight, "recent": list(recent)[-show:][::-1],
-                "stages": per_stage, "deployments": [_deployment(d, self.tokens_by_replica) for d in deployments]}
+                "stages": per_stage, "errors": _errors(recent), "tenants": _tenants(recent),
+                "deployments": [_deployment(d, self.tokens_by_replica + streamed) for d in deployments]}
 
 
-def _deployment(dep: Any, finished_tokens: Counter[str]) -> dict[str, Any]:
+def _errors(recent: list[dict[str, Any]]) -> dict[str, Any]:
+    """Finished requests in the window by status class; `rate` is the 5xx share (what alerts use)."""
+    n = len(recent)
+    c4 = sum(1 for r in recent if 400 <= r["status"] < 500)
+    c5 = sum(1 for r in recent if r["status"] >= 500)
+    return {"requests": n, "4xx": c4, "5xx": c5, "rate": round(c5 / n, 4) if n else 0.0}
+
+
+def _tenants(recent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per tenant over the window: requests, errors, tokens and total latency."""
+    rows: dict[str, dict[str, Any]] = {}
+    totals: dict[str, list[float]] = {}
+    for r in recent:
+        t = rows.setdefault(r["tenant"], {"tenant": r["tenant"], "requests": 0, "errors": 0, "prompt_tokens": 0,
+                                          "completion_tokens": 0})
+        t["requests"] += 1
+        t["errors"] += r["status"] >= 400
+        t["prompt_tokens"] += r["prompt_tokens"] or 0
+        t["completion_tokens"] += r["completion_tokens"] or 0
+        if r["status"] == 200 and "total" in r["stages_ms"]:
+            totals.setdefault(r["tenant"], []).append(r["stages_ms"]["total"])
+    for tenant, values in totals.items():
+        rows[tenant]["p50_total_ms"] = _quantile(values, 0.5)
+    return sorted(rows.values(), key=lambda t: -t["requests"])
+
+
+def _deployment(dep: Any, tokens_by_replica: Counter[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"name": dep.name, "task": dep.task, "queue_by_band": {}, "replicas": []}
     if not dep.replicas:
         return out
@@ -89,7 +122,7 @@ def _deployment(dep: Any, finished_tokens: Counter[str]) -> dict[str, Any]:
         s = handle.state()
         engine = getattr(handle.replica, "engine", None)
         in_process = engine is not None and hasattr(engine, "core")  # (an in-process chat engine)
-        tokens = engine.state().generation_tokens if in_process else finished_tokens[handle.name]
+        tokens = engine.state().generation_tokens if in_process else tokens_by_replica[handle.name]
         out["replicas"].append({"name": handle.name, "healthy": s.healthy, "running": s.running,
                                 "waiting": s.waiting, "kv_usage": round(s.kv_usage, 4),
                                 "inflight": handle.inflight, "generation_tokens": tokens})

@@ -1,11 +1,19 @@
-"""Prometheus metrics with vLLM's meanings under a `tokenpath:` prefix and a `model_name` label.
+"""Prometheus metrics with vLLM's names and meanings under a `tokenpath:` prefix and a `model_name` label.
 
 Gauges and engine counters (running, waiting, KV usage, prefix-cache queries/hits, preemptions)
 are read from the replicas' state at scrape time (in-process, or pushed over the engine link), so
 they can never drift from the engine. Per-request histograms and token counters are observed once
 per finished request from its Timeline, the same source as the Server-Timing header and the audit
-row: one histogram per Timeline stage. Embedding requests count in the same series (their
-`prefill` is the encoder pass, their time to first token the time to their vectors).
+row. vLLM's meanings hold where the names are vLLM's, so its Grafana dashboard works with the
+prefix swapped: `request_queue_time_seconds` is the engine's wait (the gateway's admission queue is
+`request_gateway_queue_time_seconds`), `time_per_output_token_seconds` is the per-token gap,
+`request_inference_time_seconds` is prefill plus decode. Embedding requests have their own series
+(`embedding_*`): they have no first token and no decode.
+
+Every served model's series exist from the start (at zero), and `model_name` only ever takes a
+served model's name: a request for an unknown model counts under `unknown`, so clients cannot grow
+the label set. Tenant series (`tenant_tokens`, the tenant label of `queue_depth`) are rendered only
+for callers allowed to see tenant names (`render(tenants=True)`); the public view sums them away.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from tokenpath.telemetry.engine_steps import SERIES as STEP_SERIES
 from tokenpath.telemetry.engine_steps import prometheus_buckets
@@ -30,6 +40,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's build_1_2_5_buckets, to a context far beyond any model served here.
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+UNKNOWN_MODEL = "unknown"  # the model_name of requests for a model this server does not serve
+TENANT_LABEL = "tenant"
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -45,6 +59,8 @@ class _StateCollector(Collector):
             "num_requests_running": "Number of requests in model execution batches.",
             "num_requests_waiting": "Number of requests waiting to be processed.",
             "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+            # vLLM's older name for the same gauge, which its published Grafana dashboard still reads.
+            "gpu_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage (vLLM's older name).",
         }
         counters = {
             "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
@@ -74,7 +90,8 @@ class _StateCollector(Collector):
                 preemptions += st.num_preemptions
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
-            g["kv_cache_usage_perc"].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
+            for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
+                g[name].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
             c["prefix_cache_queries"].add_metric([dep.name], queries)
             c["prefix_cache_hits"].add_metric([dep.name], hits)
             c["num_preemptions"].add_metric([dep.name], preemptions)
@@ -116,6 +133,7 @@ class ServerMetrics:
 
     def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
         self.registry = CollectorRegistry()
+        self._deployments = deployments
         self.registry.register(_StateCollector(deployments))
         # Queue depth per band and tenant, rejections by reason, routing decisions by policy.
         self.registry.register(RoutingMetricsCollector())
@@ -131,24 +149,44 @@ class ServerMetrics:
                              m, buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot_token = Histogram(PREFIX + "time_per_output_token_seconds",
+                                    "Histogram of time per output token in seconds (the gap between tokens; "
+                                    "vLLM's name for inter_token_latency_seconds).", m, buckets=_ITL_BUCKETS,
+                                    registry=r)
         self.gateway = Histogram(PREFIX + "request_gateway_time_seconds",
                                  "Histogram of time from arrival to admission (auth, routing, tokenizing, "
                                  "rate limits), in seconds.", m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.gateway_queue = Histogram(PREFIX + "request_gateway_queue_time_seconds",
+                                       "Histogram of time spent in the gateway's admission queue, in seconds.",
+                                       m, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds",
-                               "Histogram of time spent in the gateway's admission queue, in seconds.",
-                               m, buckets=_LATENCY_BUCKETS, registry=r)
-        self.engine_queue = Histogram(PREFIX + "request_engine_queue_time_seconds",
-                                      "Histogram of time from dispatch to the engine's first schedule, in seconds.",
-                                      m, buckets=_LATENCY_BUCKETS, registry=r)
+                               "Histogram of time spent in WAITING phase for request (dispatch to the "
+                               "engine's first schedule), in seconds.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram(PREFIX + "request_prefill_time_seconds",
                                  "Histogram of time spent in the prefill phase, in seconds.",
                                  m, buckets=_LATENCY_BUCKETS, registry=r)
         self.decode = Histogram(PREFIX + "request_decode_time_seconds",
                                 "Histogram of time spent in the decode phase, in seconds.",
                                 m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram(PREFIX + "request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request (prefill + decode), "
+                                   "in seconds.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                               "Histogram of time_per_output_token_seconds per request: decode time over "
                               "output tokens after the first.", m, buckets=_ITL_BUCKETS, registry=r)
+        self.req_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.",
+                                           m, buckets=_TOKEN_BUCKETS, registry=r)
+        self.req_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                               "Number of generation tokens processed.", m, buckets=_TOKEN_BUCKETS,
+                                               registry=r)
+        self.req_max_tokens = Histogram(PREFIX + "request_max_num_generation_tokens",
+                                        "Histogram of maximum number of requested generation tokens.", m,
+                                        buckets=_TOKEN_BUCKETS, registry=r)
+        self.embed_latency = Histogram(PREFIX + "embedding_request_latency_seconds",
+                                       "Histogram of embedding request latency (arrival to vectors), in seconds.",
+                                       m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.embed_tokens = Counter(PREFIX + "embedding_input_tokens", "Number of embedding input tokens encoded.",
+                                    m, registry=r)
         self.stage = Histogram(PREFIX + "request_stage_seconds",
                                "Time per request stage (gateway, queue, engine_queue, prefill, decode), from "
                                "the request's Timeline: the same numbers as Server-Timing.",
@@ -160,16 +198,47 @@ class ServerMetrics:
                                   "admission, deadline).", m + ["reason"], registry=r)
         self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Tokens per tenant, by kind (prompt, cached, "
                                      "generation).", m + ["tenant", "kind"], registry=r)
+        self.structured_requests = Counter(PREFIX + "structured_requests", "Requests with constrained output, by "
+                                           "kind (json, regex, choice, grammar, tools).", ["kind"], registry=r)
         self.registry.register(EngineStepCollector(deployments))
         for dep in deployments():  # the trace's prefill chunks, from the in-process engine's own thread
             for replica in getattr(dep, "replicas", ()):
                 core = getattr(getattr(replica, "engine", None), "core", None)
                 if core is not None and hasattr(core, "step_observers") and annotate_step not in core.step_observers:
                     core.step_observers.append(annotate_step)
+        self._init_series()
+
+    def _served(self) -> set[str]:
+        return {d.name for d in self._deployments()}
+
+    def _init_series(self) -> None:
+        """Every served model's series exist at zero from the start, as vLLM's do: a dashboard or
+        an alert sees 0, not "no data", before the first request."""
+        per_model = (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot_token, self.e2e,
+                     self.gateway, self.gateway_queue, self.queue, self.prefill, self.decode, self.inference,
+                     self.tpot, self.req_prompt_tokens, self.req_generation_tokens, self.req_max_tokens)
+        for dep in self._deployments():
+            if getattr(dep, "task", None) == "embedding":
+                self.embed_latency.labels(dep.name)
+                self.embed_tokens.labels(dep.name)
+                continue
+            for series in per_model:
+                series.labels(dep.name)
+            for reason in ("stop", "length", "abort"):
+                self.request_success.labels(dep.name, reason)
+
+    def model_label(self, rec: FinishedRequest) -> str:
+        """The deployment that served it, or the name asked for when this server serves it (a
+        refusal before routing), else `unknown`: clients never choose label values."""
+        if rec.model is not None:
+            return rec.model
+        if rec.requested_model is not None and rec.requested_model in self._served():
+            return rec.requested_model
+        return UNKNOWN_MODEL
 
     def observe_finished(self, rec: FinishedRequest) -> None:
         """Every finished request, whatever its ending: status, rejection, tenant tokens, stages."""
-        model = rec.model or rec.requested_model or ""
+        model = self.model_label(rec)
         self.requests.labels(model, rec.endpoint, str(rec.status), rec.error_code or rec.error_type or "").inc()
         reason = rec.rejection_reason
         if reason is not None:
@@ -184,12 +253,18 @@ class ServerMetrics:
         for stage in STAGES:
             if stage in stages:
                 self.stage.labels(model, stage).observe(stages[stage])
+        if rec.endpoint == "/v1/embeddings":  # no first token, no decode: series of their own
+            self.embed_tokens.labels(model).inc(rec.prompt_tokens)
+            self.embed_latency.labels(model).observe(rec.timeline.durations()["total"])
+            return
         decode = stages.get("decode")
         if decode is not None and rec.completion_tokens > 1:
             self.tpot.labels(model).observe(decode / (rec.completion_tokens - 1))
+        self.req_prompt_tokens.labels(model).observe(rec.prompt_tokens)
+        self.req_generation_tokens.labels(model).observe(rec.completion_tokens)
+        if rec.max_tokens is not None:
+            self.req_max_tokens.labels(model).observe(rec.max_tokens)
         finish_reason = rec.finish_reasons[0] if rec.finish_reasons else None
-        if rec.endpoint == "/v1/embeddings" and rec.status == 200:
-            finish_reason = "stop"  # (vLLM's for a pooling request: every vector was returned)
         self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
                              completion_tokens=rec.completion_tokens, finish_reason=finish_reason,
                              token_times=rec.token_times)
@@ -206,12 +281,41 @@ class ServerMetrics:
             self.ttft.labels(model).observe(ttft)
         d = timeline.durations()
         self.e2e.labels(model).observe(d["total"])
-        for name, hist in (("gateway", self.gateway), ("queue", self.queue), ("engine_queue", self.engine_queue),
+        for name, hist in (("gateway", self.gateway), ("queue", self.gateway_queue), ("engine_queue", self.queue),
                            ("prefill", self.prefill), ("decode", self.decode)):
             if name in d:
                 hist.labels(model).observe(d[name])
+        if "prefill" in d:
+            self.inference.labels(model).observe(d["prefill"] + d.get("decode", 0.0))
         for a, b in zip(token_times, token_times[1:], strict=False):
-            self.itl.labels(model).observe(max(0.0, b - a))
+            gap = max(0.0, b - a)
+            self.itl.labels(model).observe(gap)
+            self.tpot_token.labels(model).observe(gap)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = True) -> bytes:
+        """The exposition text; without `tenants`, series with a tenant label are summed over it
+        (queue depth) or left out (tenant tokens), so no tenant name leaves."""
+        return generate_latest(self.registry if tenants else _WithoutTenants(self.registry))
+
+
+class _WithoutTenants(Collector):
+    """A registry's metrics with the tenant label summed away (families that only make sense per
+    tenant are dropped)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        for fam in self._registry.collect():
+            if not any(TENANT_LABEL in s.labels for s in fam.samples):
+                yield fam
+                continue
+            if fam.name == PREFIX + "tenant_tokens":
+                continue
+            summed: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for s in fam.samples:
+                key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != TENANT_LABEL)))
+                summed[key] = summed.get(key, 0.0) + s.value
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [Sample(name, dict(labels), value) for (name, labels), value in summed.items()]
+            yield out

@@ -105,7 +105,7 @@ class FinishedRequest:
         a = self.timeline.attrs
         out: dict[str, object] = {"stages_ms": self.stage_ms()}
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
-                    "retried_after", "preemptions", "predicted_wait_s"):
+                    "retried_after", "preemptions", "grammar", "predicted_wait_s"):
             if a.get(key) is not None:
                 out[key] = a[key]
         causes = self.causes()

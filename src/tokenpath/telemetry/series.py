@@ -22,6 +22,11 @@ QUEUE_DEPTH = Gauge(
     "Requests waiting in the gateway's flow-control queue.",
     ["deployment", "band", "tenant"], registry=REGISTRY,
 )
+QUEUE_DEPTH_TOTAL = Gauge(
+    "tokenpath:gateway_queue_depth",
+    "Requests waiting in the gateway's flow-control queue, all bands and tenants (0 from the start).",
+    ["deployment"], registry=REGISTRY,
+)
 REJECTIONS = Counter(
     "tokenpath:admission_rejections",
     "Requests rejected or removed by admission control, by reason.",
@@ -62,6 +67,7 @@ RETRIES = Counter(
 
 def publish_queue_depth(deployment: str, depth: dict[tuple[int, str], int], seen: set[tuple[int, str]]) -> None:
     """Set the gauge for every (band, tenant) now queued, and zero the ones that emptied."""
+    QUEUE_DEPTH_TOTAL.labels(deployment).set(sum(depth.values()))
     for band, tenant in seen - set(depth):
         QUEUE_DEPTH.labels(deployment, str(band), tenant).set(0)
     for (band, tenant), n in depth.items():

@@ -91,6 +91,9 @@ def root_attributes(rec: FinishedRequest) -> dict[str, Any]:
         "tokenpath.admission": a.get("admission"),
     }
     attrs.update({k: v for k, v in optional.items() if v is not None})
+    grammar = a.get("grammar")  # constrained decoding: compile (hit or miss) and mask cost
+    if isinstance(grammar, dict):
+        attrs.update({f"tokenpath.grammar.{k}": v for k, v in grammar.items() if v is not None})
     if rec.finish_reasons:
         attrs["gen_ai.response.finish_reasons"] = list(rec.finish_reasons)
     if rec.status >= 400:

@@ -1,0 +1,170 @@
+"""A request body's output constraint -> one `StructuredOutput`, checked and compiled before admission.
+
+The names clients send, OpenAI's first: `response_format` (`json_object`, `json_schema` with its
+`strict`), then vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`) and its older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be given.
+
+Every constraint is enforced, `strict` or not: a JSON-schema feature the grammar library cannot
+enforce is a 400 naming it, never dropped (OpenAI's non-strict mode guarantees nothing; here it
+guarantees the same as strict). The schema must be valid JSON Schema (checked against the 2020-12
+metaschema), and the compile is bounded in time: a grammar that takes longer is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from tokenpath.engine.structured import GrammarCache, GrammarError
+from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+MAX_SPEC_CHARS = 64 * 1024  # one schema, regex or grammar, serialized
+MAX_CHOICES = 256
+COMPILE_TIMEOUT_S = 5.0  # generous: the bound is for pathological grammars, not 2 busy cores
+
+
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+def check_schema(schema: Any, param: str) -> str:
+    """The schema serialized, after checking it is a JSON Schema and under the size cap."""
+    if not isinstance(schema, dict | bool):
+        raise _bad(param, f"{param} must be a JSON Schema object")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise _bad(param, f"{param} is not a valid JSON Schema: at {where}: {exc.message}") from None
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if len(text) > MAX_SPEC_CHARS:
+        raise _bad(param, f"{param} is {len(text)} characters, over the limit of {MAX_SPEC_CHARS}; send a smaller schema")
+    return text
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _bad(param, f"{param} must be a non-empty string")
+    if len(value) > MAX_SPEC_CHARS:
+        raise _bad(param, f"{param} is {len(value)} characters, over the limit of {MAX_SPEC_CHARS}")
+    return value
+
+
+def _choice(value: Any, param: str) -> str:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise _bad(param, f"{param} must be a non-empty list of non-empty strings")
+    if len(value) > MAX_CHOICES:
+        raise _bad(param, f"{param} has {len(value)} choices, over the limit of {MAX_CHOICES}")
+    return _text(json.dumps(value, ensure_ascii=False), param)
+
+
+def _schema_value(value: Any, param: str) -> str:
+    if isinstance(value, str):  # vLLM accepts the schema as a JSON string too
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _bad(param, f"{param} is a string that is not JSON; send the schema as an object") from None
+    return check_schema(value, param)
+
+
+def from_response_format(rf: dict[str, Any]) -> StructuredOutput | None:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json", '{"type":"object"}')
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "json_schema" not in js:
+            raise _bad("response_format.json_schema", "response_format.json_schema must be an object with a "
+                       "'name' and a 'schema'")
+        if not isinstance(js.get("strict", False), bool | None):
+            raise _bad("response_format.json_schema.strict", "strict must be a boolean")
+        return StructuredOutput("json", check_schema(js.get("schema", js.get("json_schema")),
+                                                     "response_format.json_schema.schema"))
+    raise _bad("response_format.type", f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+               f"got {kind!r}")
+
+
+_VLLM_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def from_vllm(so: dict[str, Any]) -> StructuredOutput | None:
+    given = {k: v for k, v in so.items() if v is not None}
+    unknown = sorted(set(given) - set(_VLLM_KEYS) - {"json_object", "disable_fallback", "disable_any_whitespace",
+                                                      "disable_additional_properties", "whitespace_pattern"})
+    if unknown:
+        raise _bad(f"structured_outputs.{unknown[0]}", f"structured_outputs.{unknown[0]} is not supported; use one "
+                   "of json, regex, choice, grammar")
+    kinds = [k for k in _VLLM_KEYS if k in given]
+    if given.get("json_object"):
+        kinds.append("json_object")
+    if len(kinds) > 1:
+        raise _bad("structured_outputs", f"structured_outputs takes one constraint, got {', '.join(kinds)}")
+    if not kinds:
+        return None
+    k = kinds[0]
+    param = f"structured_outputs.{k}"
+    if k == "json_object":
+        return StructuredOutput("json", '{"type":"object"}')
+    if k == "json":
+        return StructuredOutput("json", _schema_value(given[k], param))
+    if k == "choice":
+        return StructuredOutput("choice", _choice(given[k], param))
+    return StructuredOutput(k, _text(given[k], param))
+
+
+def requested(body: Any) -> StructuredOutput | None:
+    """The one constraint a body asks for, or None. Two ways of asking at once is a 400."""
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = getattr(body, "response_format", None)
+    if rf:
+        spec = from_response_format(rf)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if body.structured_outputs:
+        spec = from_vllm(body.structured_outputs)
+        if spec is not None:
+            found.append(("structured_outputs", spec))
+    if body.guided_json is not None:
+        found.append(("guided_json", StructuredOutput("json", _schema_value(body.guided_json, "guided_json"))))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", StructuredOutput("regex", _text(body.guided_regex, "guided_regex"))))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", StructuredOutput("choice", _choice(body.guided_choice, "guided_choice"))))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", StructuredOutput("grammar", _text(body.guided_grammar, "guided_grammar"))))
+    if len(found) > 1:
+        raise _bad(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output; send only one")
+    return found[0][1] if found else None
+
+
+@dataclass(frozen=True)
+class CompileInfo:
+    """For the trace and the audit row."""
+
+    kind: str
+    compile_ms: float
+    cache_hit: bool
+
+
+async def compile_checked(tokenizer: Any, spec: StructuredOutput, param: str,
+                          timeout: float = COMPILE_TIMEOUT_S) -> CompileInfo:
+    """Compile off the event loop, bounded; what the library refuses becomes a 400 naming it."""
+    cache: GrammarCache = await asyncio.to_thread(lambda: tokenizer.grammars)  # first use: ~1 s, once
+    start = time.perf_counter()
+    try:
+        found = await asyncio.wait_for(asyncio.to_thread(cache.get, spec), timeout)
+    except TimeoutError:
+        raise InvalidRequestError(f"{param}: compiling this constraint took longer than {timeout:g} s; simplify "
+                                  "it", param=param, code="grammar_too_complex") from None
+    except GrammarError as exc:
+        raise GrammarError(f"{param}: {exc.message}", param=param) from None
+    return CompileInfo(spec.kind, round(1000 * (time.perf_counter() - start), 3) if not found.hit else 0.0,
+                       found.hit)

@@ -1,0 +1,129 @@
+"""A `StructuredOutput` spec -> an llguidance grammar -> a matcher for one tokenizer, cached.
+
+The API compiles every spec once before admitting the request (so a bad schema is a 400 and a
+compile over the time bound is refused there); the engine compiles it again for its own
+tokenizer, from this module's cache, and hands each sequence a `deep_copy` of the cached matcher
+(building a matcher is the expensive part; copying one is cheap).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+
+from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+# Compact JSON: a small model given flexible whitespace can spend its whole budget on newlines.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256
+
+
+class GrammarError(InvalidRequestError):
+    """The spec cannot be enforced: invalid, or using a feature the library does not implement."""
+
+    def __init__(self, message: str, param: str = "response_format") -> None:
+        super().__init__(message, param=param, code="invalid_grammar")
+
+
+def _lark_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # Lark string literals take JSON's escapes
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a spec (raises GrammarError for a spec that is not even well-formed)."""
+    if spec.kind == "json":
+        try:
+            schema = json.loads(spec.spec)
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if schema is True:
+            schema = {}  # JSON Schema's `true`: any JSON value
+        if schema is False or not isinstance(schema, dict):
+            raise GrammarError("the JSON schema must be an object (`false` matches nothing)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.spec)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError("choice must be a non-empty list of non-empty strings", param="structured_outputs")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in choices))
+    return llguidance.LLMatcher.grammar_from_lark(spec.spec)
+
+
+@dataclass
+class Compiled:
+    matcher: llguidance.LLMatcher  # the template: never advanced, only copied
+    seconds: float
+
+
+def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> Compiled:
+    """Build (and check) a matcher; errors name what the library refused."""
+    start = time.perf_counter()
+    text = grammar_text(spec)
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(_describe(spec, matcher.get_error()),
+                           param="response_format" if spec.kind == "json" else "structured_outputs")
+    matcher.compute_ff_tokens()  # builds the lazy parts now, not in the first decode step
+    if matcher.is_error():
+        raise GrammarError(_describe(spec, matcher.get_error()))
+    return Compiled(matcher, time.perf_counter() - start)
+
+
+def _describe(spec: StructuredOutput, error: str) -> str:
+    what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    if any(w in error for w in ("Unimplemented", "unimplemented", "not supported", "Unknown format")):
+        return (f"this {what} uses a feature that constrained decoding cannot enforce here ({first}); "
+                "remove it or express it another way")
+    return f"invalid {what}: {first}"
+
+
+def llg_tokenizer(hf_tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:  # noqa: ANN001
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+@dataclass
+class Lookup:
+    matcher: llguidance.LLMatcher  # a fresh copy for one sequence
+    compile_seconds: float  # 0 on a cache hit (the time to copy is negligible)
+    hit: bool
+
+
+class GrammarCache:
+    """Compiled grammars of one tokenizer, least recently used first out. Thread-safe: the API
+    compiles from worker threads while the engine thread looks up."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int | None = None, size: int = CACHE_SIZE) -> None:  # noqa: ANN001
+        self.tokenizer = llg_tokenizer(hf_tokenizer, vocab_size)
+        self.size = size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, Compiled] = OrderedDict()
+
+    def get(self, spec: StructuredOutput) -> Lookup:
+        key = StructuredOutput(spec.kind, spec.spec)  # the `tools` flag does not change the grammar
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                return Lookup(found.matcher.deep_copy(), 0.0, True)
+        compiled = compile_grammar(self.tokenizer, key)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        return Lookup(compiled.matcher.deep_copy(), compiled.seconds, False)
