@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from tokenpath.telemetry.timeline import Timeline
 
 DONE = "[DONE]"
+SEND_BLOCKED_S = 0.02  # one send longer than this waited on the client (see SSEResponse)
 T = TypeVar("T")
 
 
@@ -146,13 +147,18 @@ class SSEResponse(Response):
         blocked = 0.0
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            # Time inside `send` is time the client's socket pushed back (the server's write
-            # buffer was full): the request's slow_client cause. Two clock reads per event.
+            # A send that waits is the client's socket pushing back (the server's write buffer is
+            # full until the client reads): the request's slow_client cause. Only sends over
+            # SEND_BLOCKED_S count: a send also gives up the GIL for its syscall and can wait a
+            # switch interval (5 ms) or two to get it back from the engine thread, which is not
+            # the client's doing. Two clock reads per event.
             clock = time.monotonic
             async for chunk in self.events:
                 t0 = clock()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                blocked += clock() - t0
+                took = clock() - t0
+                if took > SEND_BLOCKED_S:
+                    blocked += took
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
