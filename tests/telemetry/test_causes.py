@@ -190,7 +190,7 @@ def test_a_client_that_reads_slowly_is_named(one_seq: Served):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 150,
                        "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {one_seq.keys['acme']}\r\nx-request-id: {rid}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -337,7 +337,7 @@ def test_queued_in_an_engine_process_names_the_request_on_that_replica(two_repli
 def test_a_body_that_trickles_in_is_named_upload(one_seq: Served):
     rid = _rid("trickle")
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {one_seq.keys['acme']}\r\nx-request-id: {rid}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", one_seq.port), timeout=60) as sock:
