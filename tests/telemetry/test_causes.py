@@ -280,6 +280,11 @@ def test_a_small_kv_pool_names_the_request_that_forced_a_preemption(small_kv: Se
 
 def test_diagnose_finds_the_stall_and_the_kv_pressure(small_kv: Served):
     report = _diagnose(small_kv, "--url", small_kv.url)
+    if not {"decode_stalled_by_prefill", "preempted"} <= {f["kind"] for f in report["findings"]}:
+        # Run alone (`-k diagnose`): stage the two incidents on this server first.
+        test_a_long_prompt_stalling_a_decoding_stream_is_named(small_kv)
+        test_a_small_kv_pool_names_the_request_that_forced_a_preemption(small_kv)
+        report = _diagnose(small_kv, "--url", small_kv.url)
     kinds = {f["kind"]: f for f in report["findings"]}
     assert {"ttft", "decode_stalled_by_prefill", "preempted", "kv_pressure", "engine_busy"} <= set(kinds), kinds
     assert kinds["kv_pressure"]["evidence"]["preemptions"] >= 1
