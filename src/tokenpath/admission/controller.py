@@ -59,6 +59,9 @@ class Admission:
     dispatched_at: float = field(default_factory=time.monotonic)
     prefill_tokens: int = 0  # counted in the replica's prefill backlog until the first token
     first_token_seen: bool = False
+    request_id: str = ""
+    tenant: str = "anonymous"
+    max_tokens: int | None = None
 
 
 class FlowController:
@@ -73,6 +76,10 @@ class FlowController:
         self._ticker: asyncio.Task | None = None
         self._depth_seen: set[tuple[int, str]] = set()
         metrics.publish_queue_depth(deployment, {}, self._depth_seen)  # the total's series exists at 0
+        # Who holds a slot now, and whose release gave the last one back: what a queued request
+        # waited behind (its queued_behind cause). One dict insert and delete per request.
+        self._holding: dict[int, Admission] = {}
+        self._last_freed: str | None = None
 
     # -- the decision ------------------------------------------------------------------------
     def queue_deadline(self, priority: int, received: float, deadline: float | None) -> float:
@@ -158,9 +165,11 @@ class FlowController:
         ticket = Ticket(request.request_id, request.tenant, request.priority,
                         cost=_cost(request), deadline=deadline, payload=(request, exclude))
         ticket.future = asyncio.get_running_loop().create_future()
+        ahead = self.queue.ahead_of(request.priority)
         self.queue.push(ticket)
         request.timeline.stamp("admitted", deployment=self.deployment, admission="queued",
-                               predicted_wait_s=round(self.predicted_wait(request.priority), 3))
+                               predicted_wait_s=round(self.predicted_wait(request.priority), 3),
+                               admission_ahead=ahead, admission_behind=self._holders())
         metrics.ADMISSIONS.labels(self.deployment, "queued").inc()
         self._changed()
         return await self._wait(ticket, request)
@@ -187,6 +196,11 @@ class FlowController:
                 code="deadline_exceeded"))
         return ticket.future.result()
 
+    def _holders(self, limit: int = 8) -> list[list]:
+        """The requests holding slots as one more queues: [id, tenant, max_tokens, replica]."""
+        held = sorted(self._holding.values(), key=lambda a: a.dispatched_at)[:limit]
+        return [[a.request_id, a.tenant, a.max_tokens, a.handle.name] for a in held]
+
     # -- dispatch ----------------------------------------------------------------------------
     def _room(self, exclude: frozenset[str]) -> list:
         room = self.pool.with_room()
@@ -203,7 +217,17 @@ class FlowController:
         request.timeline.stamp("dequeued", queued_s=round(queued_s, 4))
         request.timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
                                reason=pick.reason, matched_blocks=pick.matched_blocks)
-        return Admission(handle, pick, queued_s, prefill_tokens=prefill)
+        if queued_s > 0 and self._last_freed is not None:
+            request.timeline.attrs.setdefault("admission_freed_by", self._last_freed)
+        if pick.elsewhere is not None:  # with the requests that held the replica it passed over
+            other = pick.elsewhere.get("replica")
+            holders = [a.request_id for a in self._holding.values() if a.handle.name == other][:8]
+            request.timeline.attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
+        params = getattr(request, "params", None)
+        admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
+                              tenant=request.tenant, max_tokens=getattr(params, "max_tokens", None))
+        self._holding[id(admission)] = admission
+        return admission
 
     def _pump(self) -> None:
         """Hand queued tickets to replicas while any has room."""
@@ -256,6 +280,8 @@ class FlowController:
     def release(self, admission: Admission, ok: bool, failure: str | None = None) -> None:
         """Give the slot back; learn the service time; eject the replica on failure."""
         self._clear_backlog(admission)
+        if self._holding.pop(id(admission), None) is not None:
+            self._last_freed = admission.request_id
         handle = admission.handle
         handle.inflight = max(0, handle.inflight - 1)
         if ok:

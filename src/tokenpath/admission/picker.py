@@ -18,6 +18,9 @@ class Pick:
     state: ReplicaState
     reason: str  # short, low-cardinality: "prefix_hit", "cold", "load_escape", "p2c", ...
     matched_blocks: int = 0
+    # A replica that held more of this prompt and was passed over: {"replica", "blocks", "why"}
+    # (the request's prefix_elsewhere cause).
+    elsewhere: dict | None = None
 
     @property
     def name(self) -> str:

@@ -12,17 +12,24 @@ and so is this.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import base64
 import functools
 import hashlib
 import re
+import time
+from dataclasses import asdict
 from importlib import resources
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tokenpath.api.state import AppState, get_state
-from tokenpath.errors import AuthenticationError, PermissionDeniedError
+from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from tokenpath.gateway.cli import parse_time
+from tokenpath.telemetry.diagnose import diagnose, engine_figures
+from tokenpath.telemetry.waterfall import summary
 
 router = APIRouter()
 COOKIE = "tokenpath_admin"
@@ -79,3 +86,31 @@ async def dashboard(request: Request, state: AppState = Depends(get_state)) -> R
 async def dashboard_data(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
     await _require_admin(state, request)
     return JSONResponse(state.live.snapshot(state.deployments()), headers={"cache-control": "no-store"})
+
+
+@router.get("/diagnose", include_in_schema=False)
+async def diagnose_window(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    """`tokenpath diagnose --url`: the findings over the audit rows since `since` (epoch seconds or a
+    duration like 10m; default 10m), for `model` if given, with this server's engine figures."""
+    await _require_admin(state, request)
+    raw = request.query_params.get("since", "10m")
+    try:
+        since = parse_time(raw)
+    except argparse.ArgumentTypeError:
+        try:
+            since = float(raw)
+        except ValueError:
+            raise InvalidRequestError(f"since must be epoch seconds, an ISO time or a duration like 10m, got {raw!r}",
+                                      param="since") from None
+    model = request.query_params.get("model")
+    store = getattr(state.guard, "store", None)
+    records = await asyncio.to_thread(store.query_audit, since=since, limit=None) if store is not None else []
+    rows = [summary(asdict(r)) for r in records]
+    if model:
+        rows = [r for r in rows if r.get("model") == model]
+    deployments = [d for d in state.deployments() if not model or d.name == model]
+    engines = engine_figures(deployments, max(1e-9, time.time() - state.started))
+    findings = diagnose(rows, engines)
+    return JSONResponse({"since": since, "model": model, "requests": len(rows),
+                         "engines": [asdict(e) for e in engines], "findings": [f.as_dict() for f in findings]},
+                        headers={"cache-control": "no-store"})

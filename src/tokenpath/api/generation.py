@@ -76,7 +76,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
-            return SSEResponse(gen.events(first, stream), run.stop, run.finish, headers=run.headers())
+            return SSEResponse(gen.events(first, stream), run.stop, run.finish, headers=run.headers(),
+                               timeline=run.timeline)
         return await gen.collect(stream)
     except Exception as exc:
         return run.respond_to(exc)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tokenpath.api.errors import error_body
+
+UPLOAD_KEY = "tokenpath.upload"  # ASGI scope key: (started, body read, body bytes), monotonic seconds
 
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:
@@ -48,6 +51,7 @@ class BodyLimitMiddleware:
             await _send_error(send, 413, f"request body is {int(declared)} bytes, over the limit of "
                               f"{self.max_body} bytes", "body_too_large")
             return
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.body_timeout):
                 body = await self._read_body(receive, send)
@@ -56,6 +60,9 @@ class BodyLimitMiddleware:
                               "send the whole body at once", "request_timeout")
             return
         if body is not None:
+            # The request's upload (headers in -> whole body read): `RequestRun` starts its
+            # Timeline here, so the upload is part of `gateway` and explained by an `upload` cause.
+            scope[UPLOAD_KEY] = (started, time.monotonic(), len(body))
             await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:

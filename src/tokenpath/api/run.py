@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from tokenpath.api.errors import error_response
 from tokenpath.api.formatting import Accumulator
+from tokenpath.api.limits import UPLOAD_KEY
 from tokenpath.api.sse import Interrupted, StopSignal
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
@@ -52,6 +53,12 @@ class RequestRun:
         self.endpoint = endpoint
         self.id = request_id_of(request, id_prefix)
         self.timeline = Timeline(self.id)
+        upload = request.scope.get(UPLOAD_KEY)
+        if upload is not None:  # the request began when its headers were in, not once its body was
+            began, read, size = upload
+            self.timeline.wall_start -= self.timeline.stamps["received"] - began
+            self.timeline.stamps["received"] = began
+            self.timeline.stamp("body_read", at=read, body_bytes=size)
         self.created = int(time.time())
         self.principal: Principal | None = None
         self.reservation: Reservation | None = None

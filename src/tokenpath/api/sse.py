@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
@@ -18,7 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from tokenpath.telemetry.timeline import Timeline
+
 DONE = "[DONE]"
+SEND_BLOCKED_S = 0.02  # one send longer than this waited on the client (see SSEResponse)
 T = TypeVar("T")
 
 
@@ -124,8 +128,10 @@ class SSEResponse(Response):
         stop: StopSignal,
         on_close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.events = events
+        self.timeline = timeline
         self.stop = stop
         self.on_close = on_close
         self.status_code = 200
@@ -138,14 +144,27 @@ class SSEResponse(Response):
             self.stop.set("disconnect")
 
         watcher = asyncio.create_task(watch())
+        blocked = 0.0
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # A send that waits is the client's socket pushing back (the server's write buffer is
+            # full until the client reads): the request's slow_client cause. Only sends over
+            # SEND_BLOCKED_S count: a send also gives up the GIL for its syscall and can wait a
+            # switch interval (5 ms) or two to get it back from the engine thread, which is not
+            # the client's doing. Two clock reads per event.
+            clock = time.monotonic
             async for chunk in self.events:
+                t0 = clock()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                took = clock() - t0
+                if took > SEND_BLOCKED_S:
+                    blocked += took
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
+            if self.timeline is not None and blocked:
+                self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             with contextlib.suppress(Exception):

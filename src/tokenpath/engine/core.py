@@ -26,7 +26,7 @@ from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
-from tokenpath.protocol.outputs import EngineEvents, EngineState, RequestOutput
+from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
 
 MAX_CONTEXT_DEFAULT = 8192
@@ -56,6 +56,7 @@ class EngineCore:
         self.generation_tokens = 0
         self.steps = 0
         self.failed_steps = 0
+        self._step_started = 0.0
         # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
         # of step time, batch size and prefill chunks, without the engine knowing about metrics.
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
@@ -85,12 +86,14 @@ class EngineCore:
         params = self._runnable_params(request)
         arrival = request.arrival
         events = EngineEvents(queued=time.monotonic())
+        if self.scheduler.is_full():  # it will wait: remember behind whom (its queued_behind cause)
+            events.behind = self.scheduler.holders()
         choices: list[ChoiceState] = []
         leader: Sequence | None = None
         for i in range(params.n):
             seq = Sequence(request_id=request_id, index=i, token_ids=list(prompt_token_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params, priority=request.priority,
-                           arrival_time=arrival, events=events,
+                           tenant=request.tenant, arrival_time=arrival, events=events,
                            leader=leader if self.config.enable_prefix_caching else None)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
@@ -134,7 +137,7 @@ class EngineCore:
         A step that raises (a kernel fault, a bug, an out-of-memory) fails only the requests that
         were in it: each ends with finish_reason "error" and an `error` message, their blocks are
         freed, and the engine keeps serving. One bad request must never take the model down."""
-        started = time.monotonic()
+        started = self._step_started = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -161,9 +164,14 @@ class EngineCore:
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         logits, sampling = self.runner.execute(scheduled)
         self.steps += 1
+        prefills: list[list] | None = None
         for seq, n in scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                (prefills := prefills or []).append([seq.request_id, n])
             seq.num_computed_tokens += n
             self.blocks.commit_computed(seq)
+            if seq.events.preempted:
+                self._note_recovered(seq)
         result = self.sampler(logits, sampling) if sampling else None
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -179,6 +187,8 @@ class EngineCore:
             if reason is not None:
                 seq.finish_reason = reason
                 self._finish(seq, now)
+        if prefills is not None and sampling:
+            self._note_stalls(sampling, prefills, now)
         outs = []
         for req in touched.values():
             out = self.outputs.make_output(req)
@@ -187,6 +197,28 @@ class EngineCore:
             if req.finished:
                 self._retire(req)
         return outs
+
+    def _note_stalls(self, sampling: list[Sequence], prefills: list[list], now: float) -> None:
+        """A step that ran prefill chunks also held back the decodes in it: each decoding request
+        (choice 0) remembers the step's time and whose prefill shared it (its
+        decode_stalled_by_prefill cause). Only such mixed steps cost anything here."""
+        took = now - self._step_started
+        own = {p[0] for p in prefills}
+        for seq in sampling:
+            ev = seq.events
+            if seq.index or len(ev.stalls) >= MAX_STALLS or seq.num_output_tokens <= 1:
+                continue  # (a first token is this request's own prefill, not a stalled decode)
+            # One shared list for every decode in the step (never changed once recorded).
+            others = prefills if seq.request_id not in own else [p for p in prefills if p[0] != seq.request_id]
+            if others:
+                ev.stalls.append([now, took, others])
+
+    @staticmethod
+    def _note_recovered(seq: Sequence) -> None:
+        """A preempted sequence has recomputed what it lost: close its preemption record."""
+        last = seq.events.preempted[-1]
+        if last[3] is None and seq.num_computed_tokens >= last[2]:
+            last[3] = time.monotonic()
 
     def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.remove(seq)

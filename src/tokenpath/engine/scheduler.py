@@ -46,6 +46,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _wait_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.last_freed: str | None = None  # the request whose end last gave a slot back
 
     # ------------------------------------------------------------ membership
     def add(self, seq: Sequence) -> None:
@@ -56,6 +57,7 @@ class Scheduler:
         """Take a sequence out wherever it is and give back its blocks (finish, abort, error)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self.last_freed = seq.request_id
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
@@ -68,6 +70,22 @@ class Scheduler:
     def _wait_key(seq: Sequence) -> tuple:
         # A preempted sequence returns to the front of its priority band.
         return (seq.priority, 0 if seq.num_preemptions else 1, seq.arrival_time, seq.seq_id)
+
+    def holders(self, limit: int = 8) -> list[list]:
+        """Who holds the engine now (a request arriving to a full engine waits behind them):
+        [request id, tenant, tokens left, "running"|"waiting"], most work left first. Called only
+        when the engine is full, so an idle engine pays nothing for it."""
+        out: dict[str, list] = {}
+        for state, seqs in (("running", self.running), ("waiting", self.waiting)):
+            for seq in seqs:
+                left = seq.num_tokens - seq.num_computed_tokens + max(0, (seq.params.max_tokens or 0)
+                                                                      - seq.num_output_tokens)
+                if seq.request_id not in out:
+                    out[seq.request_id] = [seq.request_id, seq.tenant, left, state]
+        return sorted(out.values(), key=lambda h: -h[2])[:limit]
+
+    def is_full(self) -> bool:
+        return bool(self.waiting) or len(self.running) >= self.max_num_seqs
 
     # ------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
@@ -110,6 +128,8 @@ class Scheduler:
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
             self.waiting.pop(i)
+            if seq.events.behind and seq.events.freed_by is None:
+                seq.events.freed_by = self.last_freed
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
@@ -150,6 +170,8 @@ class Scheduler:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
             victim = max(self.running, key=Sequence.sort_key)  # lowest priority, latest arrival
+            victim.events.preempted.append([time.monotonic(), "" if victim is seq else seq.request_id,
+                                            victim.num_computed_tokens, None])
             self._preempt(victim, out)
             if victim is seq:
                 return False

@@ -35,6 +35,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     priority: int = 0
+    tenant: str = "anonymous"  # whose request (named when another request waits behind it)
     arrival_time: float = field(default_factory=time.monotonic)
     # The request's engine events, one object shared by its n choices (the first one to reach an
     # event stamps it): the engine's only timing record of a request.

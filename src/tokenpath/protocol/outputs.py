@@ -34,7 +34,12 @@ class CompletionOutput:
 
 @dataclass
 class EngineEvents:
-    """Monotonic seconds (the engine process's clock) of one request's engine events."""
+    """Monotonic seconds (the engine process's clock) of one request's engine events, and the
+    facts that explain them (`tokenpath.telemetry.causes` turns them into the request's causes).
+
+    The facts are recorded where the engine sees them, only when they happen (a request that
+    never waited, never shared a step with a prefill and was never preempted carries empty
+    lists), so a calm engine pays nothing per token for them."""
 
     queued: float | None = None  # entered the engine's queue
     scheduled: float | None = None  # first scheduled (any choice)
@@ -42,6 +47,15 @@ class EngineEvents:
     finished: float | None = None  # every choice finished
     # (end of step, tokens) of each prefill chunk of choice 0, for the trace's prefill span events.
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)
+    # Who held the engine when it arrived full: [request id, tenant, tokens left, "running"|"waiting"].
+    behind: list[list] = field(default_factory=list)
+    freed_by: str | None = None  # the request whose end gave this one its slot
+    # Decode steps of choice 0 that also ran other requests' prefill chunks:
+    # [end of step, step seconds, [[request id, prefill tokens], ...]] (at most MAX_STALLS).
+    stalls: list[list] = field(default_factory=list)
+    # Each preemption: [at, the request whose allocation forced it ("" = its own), tokens thrown
+    # away, when it had recomputed them (None until then)].
+    preempted: list[list] = field(default_factory=list)
     # The engine's process exported this request's engine spans itself (an engine process or Ray
     # actor with tracing on), so the gateway must not rebuild them: each span has one owner.
     traced: bool = False
@@ -50,12 +64,20 @@ class EngineEvents:
         """The same events in another clock (`by` = that clock minus this one)."""
         f = lambda t: None if t is None else t + by  # noqa: E731
         return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished),
-                            [(t + by, n) for t, n in self.prefill_chunks], self.traced)
+                            [(t + by, n) for t, n in self.prefill_chunks], [list(b) for b in self.behind],
+                            self.freed_by, [[t + by, s, list(o)] for t, s, o in self.stalls],
+                            [[t + by, who, n, f(done)] for t, who, n, done in self.preempted], self.traced)
 
     def snapshot(self) -> EngineEvents:
-        """A copy the engine thread will not change afterwards."""
+        """A copy the engine thread will not change afterwards (taken with every output delta, so
+        kept cheap: `behind` and `stalls` records are never changed once added, a preemption's
+        record is closed later, so only those are copied one by one)."""
         return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks),
-                            self.traced)
+                            list(self.behind), self.freed_by, list(self.stalls),
+                            [list(p) for p in self.preempted] if self.preempted else [], self.traced)
+
+
+MAX_STALLS = 64  # stall records kept per request: enough to explain its slow gaps, bounded
 
 
 @dataclass

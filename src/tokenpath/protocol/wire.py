@@ -120,7 +120,8 @@ def encode_output(out: RequestOutput) -> dict:
     ev = out.events
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
-                                               [list(c) for c in ev.prefill_chunks], ev.traced],
+                                               [list(c) for c in ev.prefill_chunks], ev.behind, ev.freed_by,
+                                               ev.stalls, ev.preempted, ev.traced],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
@@ -141,6 +142,15 @@ def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
 
 
 def _events(ev: list) -> EngineEvents:
+    """An engine of an older version sends fewer fields: what it leaves out stays empty."""
     queued, scheduled, first_token, finished, *rest = ev
     chunks = [(float(t), int(n)) for t, n in rest[0]] if rest else []
-    return EngineEvents(queued, scheduled, first_token, finished, chunks, bool(rest[1]) if len(rest) > 1 else False)
+    out = EngineEvents(queued, scheduled, first_token, finished, chunks)
+    if len(rest) >= 5:
+        behind, freed_by, stalls, preempted = rest[1:5]
+        out.behind = [[str(r), str(t), int(n), str(w)] for r, t, n, w in behind]
+        out.freed_by = None if freed_by is None else str(freed_by)
+        out.stalls = [[float(t), float(s), [[str(r), int(n)] for r, n in o]] for t, s, o in stalls]
+        out.preempted = [[float(t), str(w), int(n), None if d is None else float(d)] for t, w, n, d in preempted]
+    out.traced = bool(rest[5]) if len(rest) > 5 else False
+    return out

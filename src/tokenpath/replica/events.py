@@ -48,3 +48,9 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput | EmbeddingOutput
                                             for t, n in ev.prefill_chunks]
     if out.num_preemptions:
         timeline.attrs["preemptions"] = out.num_preemptions
+    # The engine's facts behind the request's causes (`tokenpath.telemetry.causes`); the latest
+    # delta carries them whole, so each replaces the previous one.
+    for key, value in (("engine_behind", ev.behind), ("engine_freed_by", ev.freed_by),
+                       ("engine_stalls", ev.stalls), ("engine_preempted", ev.preempted)):
+        if value:
+            timeline.attrs[key] = value

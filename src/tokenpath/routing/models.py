@@ -185,7 +185,8 @@ class Deployment:
                 self.flow.release(admission, ok=finished, failure=failure)
             # Failed before the first token: once more, elsewhere.
             metrics.RETRIES.labels(self.name).inc()
-            request.timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason)
+            request.timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason,
+                                          retry_lost_s=round(time.monotonic() - admission.dispatched_at, 4))
             admission = await self.flow.acquire(request, exclude=frozenset(tried))
 
     async def _started_by(self, stream: AsyncIterator[RequestOutput], request: GenerateRequest,

@@ -181,10 +181,23 @@ class PrefixAwarePicker:
         if load_score(chosen) - load_score(least) > self.load_threshold:
             chosen, reason, matched = least, "load_escape", 0
         self.index.add(chosen.name, by_size[chosen.block_size], chosen.num_blocks)
-        return Pick(chosen, reason, matched)
+        return Pick(chosen, reason, matched, _passed_over(scored, chosen, reason))
 
     def forget(self, replica: str) -> None:
         self.index.forget(replica)
+
+
+def _passed_over(scored: list[tuple[float, int, ReplicaState]], chosen: ReplicaState,
+                 reason: str) -> dict | None:
+    """The replica holding the most of this prompt, when it was not the one chosen, and why:
+    the load threshold (`load_escape`), or its prefill backlog outweighing the blocks it held."""
+    _, best_blocks, best = max(scored, key=lambda x: (x[1], -x[0]))
+    held = next(m for _, m, s in scored if s is chosen)
+    if best is chosen or best_blocks <= held:
+        return None
+    why = "load_threshold" if reason == "load_escape" else "backlog"
+    return {"replica": best.name, "blocks": best_blocks, "chosen_blocks": held, "why": why,
+            "block_size": best.block_size, "backlog_tokens": best.pending_prefill_tokens}
 
 
 def _hrw(session: str, replica: str) -> int:

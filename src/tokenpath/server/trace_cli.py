@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from dataclasses import asdict
 
 from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.cli import parse_time
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
+from tokenpath.telemetry.diagnose import diagnose
+from tokenpath.telemetry.diagnose import render as render_findings
 from tokenpath.telemetry.waterfall import render, render_slowest, summary
 
 
@@ -28,6 +32,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="store location (default: $TOKENPATH_DATA_DIR or XDG)")
     p.add_argument("--database-url", help="PostgreSQL URL instead of SQLite in the data dir")
     p.set_defaults(func=cmd_trace)
+
+    d = subparsers.add_parser("diagnose", help="why requests were slow over a window: findings, evidence, levers")
+    d.add_argument("--since", type=parse_time, default="10m", help="ISO time or duration (default 10m)")
+    d.add_argument("--model", help="only this model's requests")
+    d.add_argument("--json", action="store_true", help="JSON instead of text")
+    d.add_argument("--url", help="ask a running server's GET /diagnose instead (adds its engines' figures: "
+                   "batch size, busy fraction, KV pressure)")
+    d.add_argument("--api-key", default=os.environ.get("TOKENPATH_API_KEY"),
+                   help="with --url: an admin key (default $TOKENPATH_API_KEY)")
+    d.add_argument("--data-dir", help="store location (default: $TOKENPATH_DATA_DIR or XDG)")
+    d.add_argument("--database-url", help="PostgreSQL URL instead of SQLite in the data dir")
+    d.set_defaults(func=cmd_diagnose)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -54,3 +70,49 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 0
     finally:
         store.close()
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    since = float(args.since)
+    window = f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(since))} UTC" + \
+        (f", model {args.model}" if args.model else "")
+    if args.url:
+        return _diagnose_remote(args, since, window)
+    store = GatewayStore(resolve_store_location(resolve_data_dir(args.data_dir), args.database_url))
+    try:
+        rows = [summary(asdict(r)) for r in store.query_audit(since=since, limit=None)]
+    finally:
+        store.close()
+    if args.model:
+        rows = [r for r in rows if r.get("model") == args.model]
+    findings = diagnose(rows)
+    if args.json:
+        print(json.dumps({"window": window, "requests": len(rows), "findings": [f.as_dict() for f in findings]},
+                         indent=2))
+    else:
+        print(render_findings(findings, f"{window}, {len(rows)} requests; engine figures need --url"))
+    return 0
+
+
+def _diagnose_remote(args: argparse.Namespace, since: float, window: str) -> int:
+    import httpx
+
+    params = {"since": str(since), **({"model": args.model} if args.model else {})}
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.get(args.url.rstrip("/") + "/diagnose", params=params, headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        print(f"tokenpath diagnose: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if resp.status_code != 200:
+        print(f"tokenpath diagnose: {args.url} answered {resp.status_code}: {resp.text[:300]}", file=sys.stderr)
+        return 1
+    body = resp.json()
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        from tokenpath.telemetry.diagnose import Finding
+
+        findings = [Finding(**f) for f in body["findings"]]
+        print(render_findings(findings, f"{window}, {body['requests']} requests"))
+    return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tokenpath.telemetry.causes import Cause, derive
 from tokenpath.telemetry.stages import stage_durations, stage_ms
 from tokenpath.telemetry.timeline import Timeline
 
@@ -57,6 +58,7 @@ class FinishedRequest:
     token_times: list[float] = field(default_factory=list)
     prompt_text: str | None = None
     completion_text: str | None = None
+    _causes: list[Cause] | None = field(default=None, init=False, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -84,6 +86,13 @@ class FinishedRequest:
             return by_code
         return _REJECTION_BY_STATUS.get(self.status)
 
+    def causes(self) -> list[Cause]:
+        """Why it took as long as it did (`tokenpath.telemetry.causes`), derived once."""
+        if self._causes is None:
+            self._causes = derive(self.timeline, prompt_tokens=self.prompt_tokens,
+                                  cached_tokens=self.cached_tokens, token_times=self.token_times)
+        return self._causes
+
     def stages(self) -> dict[str, float]:
         return stage_durations(self.timeline)
 
@@ -96,9 +105,14 @@ class FinishedRequest:
         a = self.timeline.attrs
         out: dict[str, object] = {"stages_ms": self.stage_ms()}
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
-                    "retried_after", "preemptions", "grammar"):
+                    "retried_after", "preemptions", "grammar", "predicted_wait_s"):
             if a.get(key) is not None:
                 out[key] = a[key]
+        causes = self.causes()
+        if causes:
+            out["causes"] = [c.as_dict() for c in causes]
         if self.priority is not None:
             out["priority"] = self.priority
+        if self.rejection_reason is not None:
+            out["rejection"] = self.rejection_reason
         return out

@@ -18,6 +18,7 @@ import logging
 import sys
 from typing import Any
 
+from tokenpath.telemetry.causes import compact
 from tokenpath.telemetry.record import FinishedRequest
 
 REQUEST_LOGGER = "tokenpath.request"
@@ -88,6 +89,7 @@ def request_fields(rec: FinishedRequest) -> dict[str, Any]:
         "completion_tokens": rec.completion_tokens, "cached_tokens": rec.cached_tokens,
         # Server-Timing's own numbers, so a log line and a response header never disagree.
         "stages_ms": {k: round(v * 1000, 1) for k, v in rec.timeline.durations().items()},
+        "causes": compact(rec.causes()),
     }
     if rec.prompt_text is not None:
         fields["prompt_text"] = rec.prompt_text

@@ -11,7 +11,7 @@ Stages (`STAGES`), the same in-process and with engine processes (`--replicas N`
 
 | stage          | from -> to              | what it holds                                   |
 |----------------|-------------------------|-------------------------------------------------|
-| `gateway`      | received -> admitted    | auth, routing, tokenizing, rate limits          |
+| `gateway`      | received -> admitted    | upload, auth, routing, tokenizing, rate limits  |
 | `queue`        | admitted -> dispatched  | the gateway's admission (fair) queue            |
 | `engine_queue` | dispatched -> scheduled | the link and the engine's own waiting queue     |
 | `prefill`      | scheduled -> first_token| prompt compute (chunks, prefix-cache hits)      |
@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 EVENTS = (
-    "received",
+    "received",  # the request's headers are in (the body is read next: `body_read`)
+    "body_read",  # its whole body is in: received -> body_read is the upload, part of `gateway`
     "authenticated",
     "routed",
     "admitted",

@@ -33,6 +33,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from tokenpath.telemetry.causes import detail_json
 from tokenpath.telemetry.otel import caller_context, preset_ids, tracing_provider
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.timeline import Timeline
@@ -141,6 +142,7 @@ def record_trace(rec: FinishedRequest, provider: TracerProvider | None = None) -
         return
     if rec.status >= 400:
         root.set_status(Status(StatusCode.ERROR, rec.error_code or rec.error_type or str(rec.status)))
+    _cause_events(root, rec, end)
     for span_name, a_stage, b_stage in _GATEWAY_SPANS:
         sa, sb = _stamp_ns(t, a_stage), _stamp_ns(t, b_stage)
         if sa is not None and sb is not None:
@@ -155,6 +157,23 @@ def record_trace(rec: FinishedRequest, provider: TracerProvider | None = None) -
     elif (scheduled := _stamp_ns(t, "scheduled")) is not None:  # embeddings: the encoder's batch
         _child(tracer, "engine.embed", root, scheduled, end, attributes={"gen_ai.usage.input_tokens": rec.prompt_tokens})
     root.end(end_time=end)
+
+
+def _cause_events(root: trace.Span, rec: FinishedRequest, end: int) -> None:
+    """Each cause as a `tokenpath.cause` event on the root span, and the top one as attributes,
+    so a trace backend can filter on `tokenpath.cause.kind` and show why without the audit log."""
+    causes = rec.causes()
+    if not causes:
+        return
+    top = causes[0]
+    root.set_attributes({"tokenpath.cause.kind": top.kind, "tokenpath.cause.ms": top.ms,
+                         "tokenpath.cause.kinds": [c.kind for c in causes]})
+    if top.request_ids:
+        root.set_attribute("tokenpath.cause.request_ids", top.request_ids[:8])
+    for c in causes:
+        root.add_event("tokenpath.cause", {"tokenpath.cause.kind": c.kind, "tokenpath.cause.ms": c.ms,
+                                           "tokenpath.cause.request_ids": c.request_ids[:8],
+                                           "tokenpath.cause.detail": detail_json(c)}, timestamp=end)
 
 
 def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, start: int, end: int) -> None:

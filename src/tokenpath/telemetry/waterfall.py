@@ -41,6 +41,8 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "stages": [{"stage": k, "ms": v, "percent": round(100 * v / total, 1) if total else 0.0}
                    for k, v in stages.items() if k != "total"],
         "dominant_stage": dominant,
+        "predicted_wait_s": timing.get("predicted_wait_s"), "rejection": timing.get("rejection"),
+        "causes": timing.get("causes") or [],
     }
 
 
@@ -69,12 +71,35 @@ def render(s: dict[str, Any]) -> str:
     if s["dominant_stage"]:
         share = next(x["percent"] for x in s["stages"] if x["stage"] == s["dominant_stage"])
         lines.append(f"  dominant stage: {s['dominant_stage']} ({share:.1f}% of the total)")
+    lines += render_causes(s.get("causes") or [], total)
     return "\n".join(lines)
 
 
+def render_causes(causes: list[dict[str, Any]], total: float) -> list[str]:
+    """One line per cause: kind, ms and share of the total, the culprits, then the facts."""
+    if not causes:
+        return []
+    out = ["  causes:"]
+    for c in causes:
+        share = f"{100 * c['ms'] / total:5.1f}%" if total else "    -"
+        who = f"  <- {', '.join(c['request_ids'][:3])}" if c.get("request_ids") else ""
+        out.append(f"    {c['kind']:<26}{c['ms']:>9.1f} ms {share}{who}")
+        facts = ", ".join(f"{k}={_short(v)}" for k, v in (c.get("detail") or {}).items()
+                          if v not in (None, [], {}) and k not in ("holders", "prefills"))
+        if facts:
+            out.append(f"      {facts}")
+    return out
+
+
+def _short(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def render_slowest(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'total ms':>10}  {'dominant':<13}{'status':>6}  {'model':<24}request id"]
+    lines = [f"{'total ms':>10}  {'dominant':<13}{'top cause':<27}{'status':>6}  {'model':<24}request id"]
     for s in rows:
-        lines.append(f"{s['total_ms']:>10.1f}  {s['dominant_stage'] or '-':<13}{s['status']:>6}  "
+        top = (s.get("causes") or [{}])[0].get("kind") or "-"
+        lines.append(f"{s['total_ms']:>10.1f}  {s['dominant_stage'] or '-':<13}{top:<27}{s['status']:>6}  "
                      f"{(s['model'] or '-')[:23]:<24}{s['request_id']}")
     return "\n".join(lines)
