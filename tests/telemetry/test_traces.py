@@ -117,7 +117,15 @@ def test_genai_metrics_arrive_over_otlp_beside_the_traces(served: Served, http: 
     names = ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
              "gen_ai.server.time_per_output_token", "gen_ai.client.token.usage")
     chat_ok = {"gen_ai.operation.name": "chat", "gen_ai.request.model": CHAT_MODEL}
-    before = {n: _count(served, n, **chat_ok) for n in names}
+    # Start from settled counts: what earlier requests recorded is exported up to one interval
+    # (300 ms here) later, and must not land in this test's difference.
+    before: dict = {}
+    for _ in range(20):
+        time.sleep(0.7)
+        now = {n: _count(served, n, **chat_ok) for n in names}
+        if now == before:
+            break
+        before = now
     before_err = _count(served, names[0], **{"error.type": "invalid_request_error"})
     before_text = _count(served, names[0], **{"gen_ai.operation.name": "text_completion"})
     for _ in range(2):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -71,24 +73,32 @@ def _exporter_kind(otlp_endpoint: str | None) -> str:
     return "none"  # off by default, unlike the SDK's own default
 
 
-def _otlp_exporter(endpoint: str | None) -> SpanExporter:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+# The OTLP exporter class of each signal, per protocol package (`{}`: http or grpc).
+_OTLP_EXPORTERS = {"traces": ("opentelemetry.exporter.otlp.proto.{}.trace_exporter", "OTLPSpanExporter"),
+                   "metrics": ("opentelemetry.exporter.otlp.proto.{}.metric_exporter", "OTLPMetricExporter")}
+
+
+def otlp_exporter(signal: str, endpoint: str | None) -> Any:
+    """The OTLP exporter of one signal ("traces" or "metrics"), honouring the OTEL_* protocol
+    variables: http/protobuf by default, grpc when its package is installed. `endpoint` is a base
+    URL, as OTEL_EXPORTER_OTLP_ENDPOINT is: the signal's path goes after it."""
+    protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+    module, name = _OTLP_EXPORTERS[signal]
     if protocol == "grpc":
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+            grpc = getattr(importlib.import_module(module.format("grpc")), name)
         except ImportError as exc:
             raise ValueError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc; "
                              "install it or use http/protobuf") from exc
-        return Grpc(endpoint=endpoint) if endpoint else Grpc()
+        return grpc(endpoint=endpoint) if endpoint else grpc()
     if protocol != "http/protobuf":
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported (use http/protobuf or grpc)")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    if endpoint:  # a base URL, as OTEL_EXPORTER_OTLP_ENDPOINT is: the signal path goes after it
-        endpoint = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint)
-    return OTLPSpanExporter()
+    http = getattr(importlib.import_module(module.format("http")), name)
+    if endpoint:
+        path = f"/v1/{signal}"
+        return http(endpoint=endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path)
+    return http()
 
 
 def engine_service_name() -> str:
@@ -111,7 +121,7 @@ def setup_tracing(otlp_endpoint: str | None = None, *, service_name: str = "toke
         return None
     if exporter is None:
         if kind == "otlp":
-            exporter = _otlp_exporter(otlp_endpoint)
+            exporter = otlp_exporter("traces", otlp_endpoint)
         elif kind == "console":
             exporter = ConsoleSpanExporter()
         else:

@@ -35,6 +35,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 
+from tokenpath.telemetry.otel import otlp_exporter
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.tracing import PROVIDER_NAME
 
@@ -58,26 +59,6 @@ def _exporter_kind(otlp_endpoint: str | None) -> str:
     return "none"
 
 
-def _otlp_exporter(endpoint: str | None) -> MetricExporter:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
-    if protocol == "grpc":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
-        except ImportError as exc:
-            raise ValueError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc; "
-                             "install it or use http/protobuf") from exc
-        return Grpc(endpoint=endpoint) if endpoint else Grpc()
-    if protocol != "http/protobuf":
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported (use http/protobuf or grpc)")
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    if endpoint:  # a base URL, as for traces: the signal path goes after it
-        endpoint = endpoint if endpoint.rstrip("/").endswith("/v1/metrics") else endpoint.rstrip("/") + "/v1/metrics"
-        return OTLPMetricExporter(endpoint=endpoint)
-    return OTLPMetricExporter()
-
-
 def setup_metrics(otlp_endpoint: str | None = None, *, service_name: str = "tokenpath",
                   exporter: MetricExporter | None = None) -> MeterProvider | None:
     """Install the process's MeterProvider when OTLP metrics are asked for; None when off.
@@ -87,7 +68,7 @@ def setup_metrics(otlp_endpoint: str | None = None, *, service_name: str = "toke
         return None
     if exporter is None:
         if kind == "otlp":
-            exporter = _otlp_exporter(otlp_endpoint)
+            exporter = otlp_exporter("metrics", otlp_endpoint)
         elif kind == "console":
             exporter = ConsoleMetricExporter()
         else:
