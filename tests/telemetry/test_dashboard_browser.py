@@ -68,7 +68,7 @@ def test_a_streaming_request_shows_in_decode_then_as_a_waterfall(served: Served,
         try:
             with httpx.Client(base_url=served.url, timeout=300) as client, client.stream(
                     "POST", "/v1/chat/completions", headers=served.headers(),
-                    json=chat(120, stream=True, ignore_eos=True)) as resp:
+                    json=chat(1000, stream=True, ignore_eos=True)) as resp:  # seconds of decode, even on a quiet machine
                 request_id.append(resp.headers["x-request-id"])
                 started.set()
                 for _ in resp.iter_lines():

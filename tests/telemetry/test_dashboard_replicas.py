@@ -30,7 +30,7 @@ def test_tokens_and_replica_counts_move_during_decode(two_engines: Served):
     def stream() -> None:
         with httpx.Client(base_url=srv.url, timeout=300) as client, client.stream(
                 "POST", "/v1/chat/completions", headers=srv.headers(),
-                json=chat(200, stream=True, ignore_eos=True)) as resp:
+                json=chat(1000, stream=True, ignore_eos=True)) as resp:
             for _ in resp.iter_lines():
                 pass
         done.set()
