@@ -10,12 +10,12 @@ requests, and reads every span back from `GET /v1/projects/default/spans`. It fa
 unless each request is one trace with one gateway root, each `engine.queue/prefill/decode`
 appears exactly once, and the engine's SERVER span has the right `gen_ai.operation.name`.
 
-Phoenix pins its own dependency set, so it lives in a venv of its own (no second torch: the
-constraints file keeps torch out):
+Phoenix pins its own dependency set, so it lives in a venv of its own (checked: it pulls no torch),
+beside the checkout and gitignored:
 
-    python -m venv /tmp/phoenix-venv
-    /tmp/phoenix-venv/bin/pip install -c constraints.txt arize-phoenix
-    PYTHONPATH=src python benchmarks/phoenix_traces.py --phoenix /tmp/phoenix-venv/bin/phoenix
+    python -m venv .phoenix-venv
+    .phoenix-venv/bin/pip install arize-phoenix
+    PYTHONPATH=src python benchmarks/phoenix_traces.py --phoenix .phoenix-venv/bin/phoenix
 
 Phoenix takes traces only: the GenAI metrics (`gen_ai.server.*`) need a metrics backend (an OTel
 collector, Prometheus' OTLP receiver); the test suite checks them with the in-test receiver.
