@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine.test_quantized_quality import all_logits, runner
+from tests.engine.tiny_models import FAMILIES as TINY_FAMILIES
 from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import LoadedModel, load_model
 
@@ -26,18 +27,13 @@ lib = K.native_library()
 pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
 
 VOCAB = 512
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+# The tiny families of tests/engine/tiny_models.py, on a smaller vocabulary; Mistral with head_dim 32.
 FAMILIES = {
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3}),
+    "llama3-rope": TINY_FAMILIES["llama3"],
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8, "head_dim": 32}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               {"num_hidden_layers": 6, "head_dim": 256, "num_key_value_heads": 1, "sliding_window": 8,
-                "query_pre_attn_scalar": 256}),
-    "gemma3-scalar": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                      {"num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
-                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "qwen3": TINY_FAMILIES["qwen3"],
+    "gemma3": TINY_FAMILIES["gemma3"],
+    "gemma3-scalar": TINY_FAMILIES["gemma3-scalar"],
 }
 
 

@@ -24,11 +24,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tests.telemetry.otlp_receiver import OtlpReceiver
 from tokenpath.gateway.admin import create_key
 from tokenpath.gateway.base import Limits
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
+from tokenpath.telemetry.otel import PresetIdGenerator
 
 CHAT_MODEL = "smollm2-135m-instruct"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
@@ -104,6 +108,15 @@ def stop(srv: Served) -> int:
     if srv.proc.poll() is None:
         srv.proc.send_signal(signal.SIGTERM)
     return srv.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def traced() -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A tracer provider whose spans stay in memory (the span unit tests)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=PresetIdGenerator())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,6 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from tokenpath.protocol import CompletionOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -26,21 +24,13 @@ from tokenpath.protocol.outputs import EngineEvents
 from tokenpath.protocol.wire import decode_output, decode_request, encode_output, encode_request
 from tokenpath.replica.events import stamp_events
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
-from tokenpath.telemetry.otel import PresetIdGenerator, begin_trace, engine_service_name
+from tokenpath.telemetry.otel import begin_trace, engine_service_name
 from tokenpath.telemetry.otel_metrics import DURATION_BUCKETS, TTFT_BUCKETS, record_genai_metrics
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.timeline import Timeline
 from tokenpath.telemetry.tracing import record_trace
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-def traced() -> tuple[TracerProvider, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=PresetIdGenerator())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
 
 
 def _timeline(provider: TracerProvider | None = None) -> Timeline:

@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from tokenpath.telemetry.otel import PresetIdGenerator, begin_trace
+from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.timeline import Timeline
 from tokenpath.telemetry.tracing import record_trace
-
-
-@pytest.fixture
-def traced() -> tuple[TracerProvider, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=PresetIdGenerator())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
 
 
 def _timeline(headers: dict[str, str], provider: TracerProvider) -> Timeline:
