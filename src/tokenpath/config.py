@@ -68,6 +68,12 @@ class EngineConfig(BaseModel):
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.
     chat_template: str | None = None
+    # LoRA adapters (vLLM's flags): how many distinct adapters one step may hold (an LRU of
+    # resident slots), the largest rank accepted, and how many parsed adapters stay cached in
+    # memory beyond those (default: max_loras), so a returning adapter skips the disk.
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(64, ge=1, le=256)
+    max_cpu_loras: int | None = Field(None, ge=1)
 
     @field_validator("kv_cache_memory")
     @classmethod

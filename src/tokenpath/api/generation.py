@@ -170,7 +170,8 @@ class Generation:
         self.chat = chat
         self.parts = parts
         self.want_logprobs = body.logprobs_count is not None
-        self.model = run.deployment.name if run.deployment else body.model
+        # (a LoRA adapter answers under its own name, as vLLM's do)
+        self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
         assert run.acc is not None
         self.acc: fmt.Accumulator = run.acc
 

@@ -43,6 +43,7 @@ def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params
         # The trace context the engine continues (the gateway's dispatch span, when tracing is on).
         traceparent=str(run.timeline.attrs["traceparent"]) if run.timeline.attrs.get("traceparent") else None,
         operation="chat" if "chat" in run.endpoint else "text_completion",
+        lora=run.lora,
     )
 
 

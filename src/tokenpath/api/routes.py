@@ -35,6 +35,11 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: AppState =
 
 
 def _model_card(state: AppState, name: str) -> dict:
+    ref = state.router.adapter(name)
+    if ref is not None:  # a LoRA adapter: vLLM's card, root = its path, parent = the base model
+        dep = state.router.deployments[ref.base]
+        return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
+                "root": ref.path, "parent": ref.base, "max_model_len": dep.max_model_len, "task": dep.task}
     dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
     return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
             "root": dep.name, "max_model_len": dep.max_model_len, "task": dep.task}
@@ -42,7 +47,7 @@ def _model_card(state: AppState, name: str) -> dict:
 
 async def _visible(state: AppState, request: Request) -> list[str]:
     principal = await state.guard.authenticate(request.headers)
-    names = state.router.names() + list(state.router.aliases)
+    names = state.router.names() + list(state.router.aliases) + list(state.router.adapters)
     return state.guard.visible_models(principal, names)
 
 

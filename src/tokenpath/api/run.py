@@ -24,6 +24,7 @@ from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
+from tokenpath.protocol.lora import LoraRef
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
@@ -64,6 +65,7 @@ class RequestRun:
         self.reservation: Reservation | None = None
         self.deployment: Deployment | None = None
         self.model: str | None = None
+        self.lora: LoraRef | None = None  # the LoRA adapter `model` named (it runs on its base deployment)
         self.status = 200
         self.error_type: str | None = None
         self.acc: Accumulator | None = None
@@ -90,7 +92,10 @@ class RequestRun:
         self.model = model
         self.state.guard.check_model(self.principal, model)
         self.deployment = self.state.router.resolve(model, task)
+        self.lora = self.state.router.adapter(model)
         self.timeline.stamp("routed", deployment=self.deployment.name)
+        if self.lora is not None:
+            self.timeline.attrs.update(lora=self.lora.name, lora_base=self.deployment.name)
         return self.deployment
 
     def priority(self) -> int:

@@ -34,6 +34,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **engine_kwargs: object) -> None:
         self.config = config or EngineConfig(**engine_kwargs)
         self.core = EngineCore(self.config)
+        self.core.loras.wake = self._wake_up  # an adapter loaded off the loop: schedule again
         self.tokenizer = self.core.tokenizer
         self.model_name = self.core.model_name
         self.max_model_len = self.core.max_model_len
@@ -65,6 +66,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.core.loras.close()
 
     # ------------------------------------------------------------ public API
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -124,6 +126,9 @@ class AsyncEngine:
         return state
 
     # ------------------------------------------------------------ the loop thread
+    def _wake_up(self) -> None:
+        self._wake.set()
+
     def _send(self, msg: tuple) -> None:
         self._inbox.put(msg)
         self._wake.set()
@@ -136,6 +141,12 @@ class AsyncEngine:
                     outs = self.core.step()
                     if outs and self._loop is not None:
                         self._loop.call_soon_threadsafe(self._deliver_step, outs)
+                    while self.core.rejected:  # (their adapter failed to load)
+                        rid, exc = self.core.rejected.pop()
+                        self._deliver(rid, exc)
+                    if not self.core.last_scheduled:  # only requests waiting for an adapter: no spinning
+                        self._wake.wait(timeout=0.05)
+                        self._wake.clear()
                 else:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()

@@ -68,7 +68,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent = None
+        parent = seq.hash_root
         hits: list[int] = []
         hashes: list[int] = []
         for i in range(max_blocks):
@@ -112,7 +112,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         for i in range(len(seq.block_hashes), n_full):
             h = hash_block_tokens(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = seq.block_table[i]

@@ -15,8 +15,10 @@ from dataclasses import replace
 import torch
 
 from tokenpath.config import EngineConfig
+from tokenpath.engine.block_hash import lora_root
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.loader import load_model
+from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
 from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler
@@ -46,9 +48,16 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or MAX_CONTEXT_DEFAULT, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
         del loaded
+        # LoRA adapters, loaded on first use off the step loop; `wake` is the step loop's (AsyncEngine).
+        self.loras = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                 native=self.runner.native is not None)
+        self.runner.loras = self.loras
+        # Requests that failed outside a step (their adapter did not load): (request id, error),
+        # taken by the driver (AsyncEngine) after each step.
+        self.rejected: list[tuple[str, Exception]] = []
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, loras=self.loras)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
@@ -60,6 +69,8 @@ class EngineCore:
         # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
         # of step time, batch size and prefill chunks, without the engine knowing about metrics.
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
+        self._lora_waiters: set[str] = set()  # requests whose adapter was not in memory when they came
+        self.last_scheduled = 0  # sequences the last step ran (0: nothing could run)
 
     # ------------------------------------------------------------ requests
     def _runnable_params(self, request: GenerateRequest) -> SamplingParams:
@@ -90,11 +101,16 @@ class EngineCore:
             events.behind = self.scheduler.holders()
         choices: list[ChoiceState] = []
         leader: Sequence | None = None
+        lora = request.lora
+        root = None if lora is None else lora_root(lora.name, lora.path)
+        # Reading it from disk starts now, on the loader thread; the request waits for it in the queue.
+        waits = lora is not None and not self.loras.ready(lora)
         for i in range(params.n):
             seq = Sequence(request_id=request_id, index=i, token_ids=list(prompt_token_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params, priority=request.priority,
                            tenant=request.tenant, arrival_time=arrival, events=events,
                            leader=leader if self.config.enable_prefix_caching else None)
+            seq.lora, seq.hash_root = lora, root
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
             if params.structured is not None:
@@ -105,6 +121,8 @@ class EngineCore:
         self.prompt_tokens += len(prompt_token_ids)
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events,
                                                  request.prompt)
+        if waits:
+            self._lora_waiters.add(request_id)
 
     def _grammar(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for one choice, from the tokenizer's cache (the API compiled the spec once
@@ -138,9 +156,14 @@ class EngineCore:
         were in it: each ends with finish_reason "error" and an `error` message, their blocks are
         freed, and the engine keeps serving. One bad request must never take the model down."""
         started = self._step_started = time.monotonic()
+        if self.loras.failed:
+            self._fail_lora_waiters()
         sched = self.scheduler.schedule()
+        self.last_scheduled = len(sched.scheduled)
         if not sched.scheduled:
             return []
+        if self._lora_waiters:
+            self._note_lora_loads(sched.scheduled)
         try:
             outs = self._run_step(sched.scheduled)
         except Exception as exc:
@@ -149,6 +172,25 @@ class EngineCore:
         for observe in self.step_observers:
             observe(sched.scheduled, started, time.monotonic())
         return outs
+
+    def _fail_lora_waiters(self) -> None:
+        """Requests whose adapter failed to load end with its 400 (through `rejected`)."""
+        failures = self.loras.take_failures()
+        waiting = {s.request_id: s.lora for s in self.scheduler.waiting if s.lora is not None}
+        for rid, lora in waiting.items():
+            error = failures.get(lora_key(lora))
+            if error is not None:
+                self.abort(rid, reason="error")
+                self.rejected.append((rid, error))
+
+    def _note_lora_loads(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """A request that waited for its adapter keeps that load's times (its trace shows them)."""
+        for seq, _ in scheduled:
+            if seq.request_id in self._lora_waiters and seq.lora is not None:
+                self._lora_waiters.discard(seq.request_id)
+                rec = self.loras.records.get(lora_key(seq.lora))
+                if rec is not None:
+                    seq.events.lora_load = [rec.started, rec.ended, rec.cold]
 
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
         message = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
@@ -227,6 +269,7 @@ class EngineCore:
 
     def _retire(self, req: RequestState) -> None:
         self.requests.pop(req.request_id, None)
+        self._lora_waiters.discard(req.request_id)
         if req.events.finished is None:
             req.events.finished = time.monotonic()
 
@@ -244,5 +287,9 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             steps=self.steps,
+            loras=self.loras.names(),
+            running_loras=tuple(dict.fromkeys(s.lora.name for s in list(self.scheduler.running) if s.lora)),
+            waiting_loras=tuple(dict.fromkeys(s.lora.name for s in list(self.scheduler.waiting) if s.lora)),
+            max_loras=self.loras.max_loras,
         )
 

@@ -7,11 +7,13 @@ continuous batching does the rest.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
 from tokenpath.protocol import CompletionOutput, GenerateRequest, RequestOutput, SamplingParams
+from tokenpath.protocol.lora import LoraRef
 
 Prompt = str | list[int]
 
@@ -26,17 +28,20 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None,
+                 lora: LoraRef | None | Seq[LoraRef | None] = None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._expand(params, len(prompts))
         ids = []
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(GenerateRequest(rid, token_ids, p, priority=priority[i] if priority else 0,
-                                                    prompt=prompt if isinstance(prompt, str) else None))
+                                                    prompt=prompt if isinstance(prompt, str) else None,
+                                                    lora=loras[i]))
             ids.append(rid)
         return self._run(ids)
 
@@ -59,7 +64,12 @@ class LLM:
         """Step until every request finishes; accumulate deltas into whole completions."""
         results: dict[str, RequestOutput] = {}
         while self.engine.has_work():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            if self.engine.rejected:  # an adapter that failed to load
+                raise self.engine.rejected.pop()[1]
+            if not self.engine.last_scheduled:
+                time.sleep(0.002)  # waiting for an adapter to load
+            for delta in deltas:
                 acc = results.get(delta.request_id)
                 if acc is None:
                     acc = results[delta.request_id] = RequestOutput(

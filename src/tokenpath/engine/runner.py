@@ -17,6 +17,8 @@ from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, 
 from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import NativeLlama, select_native
 from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.lora import LoraManager
+from tokenpath.engine.lora_batch import TorchLoraBatch, fused_offsets, native_step, row_groups
 from tokenpath.engine.models.llama import LlamaModel
 from tokenpath.engine.sequence import Sequence
 from tokenpath.errors import ModelLoadError
@@ -77,6 +79,8 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.native: NativeLlama | None = None
+        self.loras: LoraManager | None = None  # set by the engine core: the resident adapters
+        self._lora_offsets = fused_offsets(cfg)
         if lib is None:
             model = LlamaModel(cfg, max_positions=max_model_len, dtype=self.dtype)
             model.load_weights(loaded.weights)
@@ -109,6 +113,7 @@ class ModelRunner:
         sampling: list[Sequence] = []
         decode: list[Sequence] = []
         prefills: list[PrefillChunk] = []
+        lora_spans: list = []  # (first row, rows, adapter) of the sequences that run one
         row = 0
         # Decodes first, shortest context first: consecutive rows form the padded decode groups.
         scheduled = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
@@ -123,6 +128,8 @@ class ModelRunner:
                 decode.append(seq)
             else:
                 prefills.append(self._prefill_chunk(seq, row, n, table))
+            if seq.lora is not None and self.loras is not None:
+                lora_spans.append((row, n, self.loras.get(seq.lora)))
             row += n
             if start + n == seq.num_tokens:
                 logit_rows.append(row - 1)
@@ -137,7 +144,8 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
-        logits = self.model(input_ids, positions, self.cache, meta, rows)
+        lora = TorchLoraBatch(row_groups(lora_spans, dev), self._lora_offsets) if lora_spans else None
+        logits = self.model(input_ids, positions, self.cache, meta, rows, lora)
         return logits.cpu(), sampling
 
     def _execute_native(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -148,8 +156,10 @@ class ModelRunner:
         pos_chunks, table_chunks, row_tables = [], [], []
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
+        adapters: list = []  # (rows, adapter or None) per sequence, in row order
         row = offset = 0
         for seq, n in scheduled:
+            adapters.append((n, self.loras.get(seq.lora) if seq.lora is not None and self.loras else None))
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             pos_chunks.append(np.arange(start, start + n, dtype=np.int32))
@@ -166,7 +176,7 @@ class ModelRunner:
         rt = np.concatenate(row_tables)
         slots = tables[rt + pos // bs].astype(np.int64) * bs + pos % bs
         logits = self.native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
-                                     np.asarray(logit_rows, dtype=np.int32))
+                                     np.asarray(logit_rows, dtype=np.int32), native_step(adapters))
         return logits, sampling
 
     def _prefill_chunk(self, seq: Sequence, row: int, n: int, table: np.ndarray) -> PrefillChunk:

@@ -13,6 +13,10 @@ arrives behind a long one is prefilled in the next step rather than after the wh
 A waiting prompt whose next uncached block is being prefilled right now by a running sequence
 (two requests with one system prompt, arriving together) waits for those blocks to land in the
 prefix cache instead of computing them a second time; later prompts may go ahead of it meanwhile.
+
+LoRA: a waiting sequence whose adapter is still loading (off the step loop), or would be one
+adapter more than the `max_loras` the running ones already hold, is passed over (later ones may
+go ahead of it) until its adapter is in memory and a slot is free.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
+from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.sequence import Sequence, Status
 
 
@@ -38,8 +43,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, loras: LoraManager | None = None) -> None:
         self.blocks = blocks
+        self.loras = loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
@@ -113,8 +119,12 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prefilling: set[int]) -> None:
         i = 0
+        adapters = self.running_adapters()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.lora is not None and not self._lora_admissible(seq, adapters):
+                i += 1  # its adapter is loading, or every slot is held by running requests
+                continue
             if seq.leader is not None and self._leader_prefilling(seq.leader):
                 i += 1  # n > 1: wait for the leader's prompt blocks, then share them
                 continue
@@ -137,10 +147,24 @@ class Scheduler:
             if self.blocks.enable_prefix_caching:
                 prefilling.update(self._prompt_hashes(seq)[len(seq.block_hashes):])
 
+    def running_adapters(self) -> set[str]:
+        """The adapters (`lora_key`) of the running sequences: they hold their slots."""
+        return {lora_key(s.lora) for s in self.running if s.lora is not None}
+
+    def _lora_admissible(self, seq: Sequence, adapters: set[str]) -> bool:
+        key = lora_key(seq.lora)  # type: ignore[arg-type]
+        if self.loras is None or (key not in adapters and len(adapters) >= self.loras.max_loras):
+            return False
+        if not self.loras.activate(seq.lora, adapters):  # type: ignore[arg-type]
+            return False
+        adapters.add(key)
+        return True
+
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
         """The chained hashes of the prompt's full blocks, computed once per sequence."""
         if seq.prompt_hashes is None:
-            seq.prompt_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens], self.blocks.block_size)
+            seq.prompt_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens], self.blocks.block_size,
+                                             root=seq.hash_root)
         return seq.prompt_hashes
 
     def _prefilling_hashes(self) -> set[int]:

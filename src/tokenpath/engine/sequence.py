@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenpath.engine.structured.masking import GrammarState
+from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.outputs import EngineEvents
 from tokenpath.protocol.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
+    lora: LoraRef | None = None  # the LoRA adapter it runs with
+    hash_root: int | None = None  # its block hash chain's root (block_hash.lora_root; None: base)
 
     @property
     def num_tokens(self) -> int:

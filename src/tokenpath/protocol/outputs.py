@@ -59,6 +59,8 @@ class EngineEvents:
     # The engine's process exported this request's engine spans itself (an engine process or Ray
     # actor with tracing on), so the gateway must not rebuild them: each span has one owner.
     traced: bool = False
+    # The LoRA adapter load this request waited for: [started, ended, from disk (True) or not].
+    lora_load: list | None = None
 
     def shifted(self, by: float) -> EngineEvents:
         """The same events in another clock (`by` = that clock minus this one)."""
@@ -66,7 +68,9 @@ class EngineEvents:
         return EngineEvents(f(self.queued), f(self.scheduled), f(self.first_token), f(self.finished),
                             [(t + by, n) for t, n in self.prefill_chunks], [list(b) for b in self.behind],
                             self.freed_by, [[t + by, s, list(o)] for t, s, o in self.stalls],
-                            [[t + by, who, n, f(done)] for t, who, n, done in self.preempted], self.traced)
+                            [[t + by, who, n, f(done)] for t, who, n, done in self.preempted], self.traced,
+                            None if self.lora_load is None else [self.lora_load[0] + by, self.lora_load[1] + by,
+                                                                 self.lora_load[2]])
 
     def snapshot(self) -> EngineEvents:
         """A copy the engine thread will not change afterwards (taken with every output delta, so
@@ -74,7 +78,8 @@ class EngineEvents:
         record is closed later, so only those are copied one by one)."""
         return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks),
                             list(self.behind), self.freed_by, list(self.stalls),
-                            [list(p) for p in self.preempted] if self.preempted else [], self.traced)
+                            [list(p) for p in self.preempted] if self.preempted else [], self.traced,
+                            self.lora_load)
 
 
 MAX_STALLS = 64  # stall records kept per request: enough to explain its slow gaps, bounded
@@ -126,6 +131,12 @@ class EngineState:
     generation_tokens: int
     healthy: bool = True
     steps: int = 0
+    # LoRA: adapters resident in the engine (ready for a step), those its running and waiting
+    # requests use (vLLM's lora_requests_info labels), and how many one step may hold.
+    loras: tuple[str, ...] = ()
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -28,6 +28,12 @@ class ReplicaState:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     restarts: int = 0
+    # LoRA adapters the engine holds loaded (what adapter-affinity routing prefers), those its
+    # running and waiting requests use, and its `max_loras` (0: no adapters reported).
+    loras: frozenset[str] = frozenset()
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def load(self) -> int:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.telemetry.timeline import Timeline
 
 # The fields that cross the engine link (everything but the gateway-local timeline and prompt text).
 WIRE_FIELDS = ("request_id", "prompt_token_ids", "priority", "tenant", "session_id", "deadline",
-               "traceparent", "operation", "arrival")
+               "traceparent", "operation", "arrival", "lora")
 
 
 @dataclass
@@ -38,3 +39,4 @@ class GenerateRequest:
     operation: str | None = None
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
     prompt: str | None = field(default=None, repr=False)  # the text, when there was one (offline use)
+    lora: LoraRef | None = None  # the LoRA adapter to run with (None: the base model)

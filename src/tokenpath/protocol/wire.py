@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 import msgpack
 
+from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.outputs import (
     CompletionOutput,
     EngineEvents,
@@ -95,7 +96,7 @@ def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
     return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
             "prio": req.priority, "tenant": req.tenant, "session": req.session_id,
             "deadline_in": None if req.deadline is None else req.deadline - now,
-            "trace": req.traceparent, "op": req.operation}
+            "trace": req.traceparent, "op": req.operation, "lora": None if req.lora is None else req.lora.wire()}
 
 
 def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
@@ -107,7 +108,7 @@ def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
                            params=SamplingParams(**d["params"]), priority=int(d.get("prio", 0)),
                            tenant=str(d.get("tenant") or "anonymous"), session_id=d.get("session"),
                            deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
-                           operation=d.get("op"), arrival=now)
+                           operation=d.get("op"), arrival=now, lora=LoraRef.from_wire(d.get("lora")))
 
 
 # -- RequestOutput ------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def encode_output(out: RequestOutput) -> dict:
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
                                                [list(c) for c in ev.prefill_chunks], ev.behind, ev.freed_by,
-                                               ev.stalls, ev.preempted, ev.traced],
+                                               ev.stalls, ev.preempted, ev.traced, ev.lora_load],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
@@ -153,4 +154,7 @@ def _events(ev: list) -> EngineEvents:
         out.stalls = [[float(t), float(s), [[str(r), int(n)] for r, n in o]] for t, s, o in stalls]
         out.preempted = [[float(t), str(w), int(n), None if d is None else float(d)] for t, w, n, d in preempted]
     out.traced = bool(rest[5]) if len(rest) > 5 else False
+    if len(rest) > 6 and rest[6] is not None:
+        started, ended, cold = rest[6]
+        out.lora_load = [float(started), float(ended), bool(cold)]
     return out

@@ -48,6 +48,10 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput | EmbeddingOutput
                                             for t, n in ev.prefill_chunks]
     if out.num_preemptions:
         timeline.attrs["preemptions"] = out.num_preemptions
+    if ev.lora_load is not None:  # the adapter load this request waited for (clamped like the rest)
+        started, ended, cold = ev.lora_load
+        started = min(max(started, timeline.get("dispatched") or timeline.stamps["received"]), now)
+        timeline.attrs["lora_load"] = [started, min(max(ended, started), now), bool(cold)]
     # The engine's facts behind the request's causes (`tokenpath.telemetry.causes`); the latest
     # delta carries them whole, so each replaces the previous one.
     for key, value in (("engine_behind", ev.behind), ("engine_freed_by", ev.freed_by),

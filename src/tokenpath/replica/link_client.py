@@ -267,6 +267,7 @@ class EngineLinkReplica:
 
     def state(self) -> ReplicaState:
         s = self._state
+        resident, running, waiting, max_loras = s.get("lora") or ([], [], [], 0)
         detail = self._down_reason or self.liveness.detail()
         if detail is None and not s.get("healthy", True):
             detail = "the engine reports its step loop dead"
@@ -277,7 +278,9 @@ class EngineLinkReplica:
             block_size=int(s.get("block_size") or self.info.block_size),
             num_blocks=int(s.get("num_blocks") or self.info.num_blocks), detail=detail,
             prefix_cache_queries=int(s.get("pq", 0)), prefix_cache_hits=int(s.get("ph", 0)),
-            num_preemptions=int(s.get("pre", 0)), restarts=self.restarts)
+            num_preemptions=int(s.get("pre", 0)), restarts=self.restarts,
+            loras=frozenset(map(str, resident)), running_loras=tuple(map(str, running)),
+            waiting_loras=tuple(map(str, waiting)), max_loras=int(max_loras))
 
 
 def _error_from(msg: dict, name: str) -> TokenpathError:

@@ -119,7 +119,8 @@ class LinkServer:
         return {"t": "state", "waiting": s.waiting, "running": s.running, "kv": s.kv_usage,
                 "healthy": s.healthy, "pq": s.prefix_cache_queries, "ph": s.prefix_cache_hits,
                 "pre": s.num_preemptions, "steps": s.steps, "num_blocks": s.num_blocks,
-                "block_size": s.block_size, "sh": self.engine.step_stats.snapshot()}
+                "block_size": s.block_size, "sh": self.engine.step_stats.snapshot(),
+                "lora": [list(s.loras), list(s.running_loras), list(s.waiting_loras), s.max_loras]}
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")

@@ -67,6 +67,10 @@ class InProcessReplica:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             restarts=self.restarts,
+            loras=frozenset(s.loras),
+            running_loras=s.running_loras,
+            waiting_loras=s.waiting_loras,
+            max_loras=s.max_loras,
         )
 
     def _supervise(self) -> None:

@@ -36,6 +36,7 @@ from tokenpath.errors import (
     TokenpathError,
 )
 from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, ReplicaState
+from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.replica.base import ProgressTimeoutError, Replica, ReplicaBusyError, ReplicaStalledError
 from tokenpath.replica.events import stamp_events
@@ -66,6 +67,11 @@ class Deployment:
     picker_options: dict[str, float] = field(default_factory=dict)
     fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
     processes: list[Any] = field(default_factory=list)  # local engine processes it owns (EngineProcess)
+    # What a LoRA adapter is checked against before it is registered: the base model's
+    # ModelConfig (None: unknown, e.g. a URL replica; the engine then checks shapes on first use)
+    # and the engines' --max-lora-rank.
+    model_config: Any = None
+    max_lora_rank: int = 64
     _flow: FlowController | None = field(default=None, init=False, repr=False)
 
     def serves(self, task: str) -> bool:
@@ -223,6 +229,9 @@ class ModelRouter:
         self.deployments = {d.name: d for d in deployments}
         self.aliases = dict(aliases or {})
         self.fallbacks = {k: list(v) for k, v in (fallbacks or {}).items()}
+        # LoRA adapters by the name clients send (vLLM's --lora-modules, /v1/load_lora_adapter):
+        # each runs on its base deployment, whose requests then carry it to the engine.
+        self.adapters: dict[str, LoraRef] = {}
         for alias, target in self.aliases.items():
             if target not in self.deployments:
                 raise ValueError(f"alias '{alias}' points at unknown deployment '{target}'")
@@ -245,9 +254,35 @@ class ModelRouter:
     def names(self) -> list[str]:
         return list(self.deployments)
 
+    def add_adapter(self, ref: LoraRef) -> None:
+        """Register an adapter (already checked) under a name no model or alias has."""
+        if ref.name in self.adapters:
+            raise InvalidRequestError(f"The lora adapter '{ref.name}' has already been loaded.", param="lora_name",
+                                      code="lora_already_loaded")
+        if ref.name in self.deployments or ref.name in self.aliases:
+            raise InvalidRequestError(f"'{ref.name}' is already the name of a model; pick another lora_name",
+                                      param="lora_name")
+        base = self.deployments.get(ref.base)
+        if base is None or base.task == "embedding":
+            raise InvalidRequestError(f"base model '{ref.base}' is not a chat model served here", param="base_model_name")
+        self.adapters[ref.name] = ref
+
+    def remove_adapter(self, name: str) -> LoraRef:
+        """Unregister: new requests naming it get a 404; running ones keep their adapter and finish."""
+        ref = self.adapters.pop(name, None)
+        if ref is None:
+            raise NotFoundError(f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                                code="lora_not_found")
+        return ref
+
+    def adapter(self, model: str) -> LoraRef | None:
+        return self.adapters.get(model)
+
     def resolve(self, model: str, task: str) -> Deployment:
-        """Name (or alias) -> deployment; 404 for an unknown name, 400 when it cannot do the task."""
-        name = self.aliases.get(model, model)
+        """Name (or alias, or LoRA adapter: its base) -> deployment; 404 for an unknown name, 400
+        when it cannot do the task."""
+        ref = self.adapters.get(model)
+        name = ref.base if ref is not None else self.aliases.get(model, model)
         dep = self.deployments.get(name)
         if dep is None:
             raise NotFoundError(f"The model '{model}' does not exist", param="model", code="model_not_found")

@@ -25,6 +25,10 @@ Policies:
 - `session_affinity`: rendezvous hashing of the session id (`user` or `x-session-id`), with the
   same load escape. Rendezvous hashing needs no table and moves only the sessions of a replica
   that leaves, so several gateways agree without sharing state.
+
+A request with a LoRA adapter: `prefix_aware` first narrows the replicas to those holding the
+adapter, spreading a hot one (`routing.lora_affinity`), and records that reason (`lora_hit`,
+`lora_spread`, `lora_cold`); its block hashes are the adapter's own (`block_hash.lora_root`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from tokenpath.admission.picker import Pick, ReplicaPicker
-from tokenpath.engine.block_hash import block_hashes
+from tokenpath.engine.block_hash import block_hashes, lora_root
 from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.routing.lora_affinity import lora_candidates
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_POLICY = "prefix_aware"
@@ -159,13 +164,16 @@ class PrefixAwarePicker:
 
     def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
+        everyone = states
+        states, lora_reason = lora_candidates(request, states)
+        root = None if request.lora is None else lora_root(request.lora.name, request.lora.path)
         by_size: dict[int, list[int]] = {}
         scored: list[tuple[float, int, ReplicaState]] = []  # (cost in tokens, matched blocks, state)
         n = len(request.prompt_token_ids)
         for s in states:
             hashes = by_size.get(s.block_size)
             if hashes is None:
-                hashes = by_size[s.block_size] = block_hashes(request.prompt_token_ids, s.block_size)
+                hashes = by_size[s.block_size] = block_hashes(request.prompt_token_ids, s.block_size, root=root)
             matched = self.index.matched(s, hashes)
             if matched < self.min_match_blocks:
                 matched = 0
@@ -177,9 +185,12 @@ class PrefixAwarePicker:
         else:
             _, matched, chosen = min(scored, key=lambda x: (x[0], -x[1], load_score(x[2]), x[2].name))
             reason = "prefix_hit" if matched else "backlog_escape"
-        least = _least(states)
+        least = _least(everyone)
         if load_score(chosen) - load_score(least) > self.load_threshold:
             chosen, reason, matched = least, "load_escape", 0
+            by_size.setdefault(chosen.block_size, block_hashes(request.prompt_token_ids, chosen.block_size, root=root))
+        elif lora_reason is not None:
+            reason = lora_reason
         self.index.add(chosen.name, by_size[chosen.block_size], chosen.num_blocks)
         return Pick(chosen, reason, matched, _passed_over(scored, chosen, reason))
 
@@ -192,7 +203,7 @@ def _passed_over(scored: list[tuple[float, int, ReplicaState]], chosen: ReplicaS
     """The replica holding the most of this prompt, when it was not the one chosen, and why:
     the load threshold (`load_escape`), or its prefill backlog outweighing the blocks it held."""
     _, best_blocks, best = max(scored, key=lambda x: (x[1], -x[0]))
-    held = next(m for _, m, s in scored if s is chosen)
+    held = next((m for _, m, s in scored if s is chosen), 0)  # (0: escaped to one outside the candidates)
     if best is chosen or best_blocks <= held:
         return None
     why = "load_threshold" if reason == "load_escape" else "backlog"

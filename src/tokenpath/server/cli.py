@@ -23,9 +23,10 @@ import uvicorn
 
 from tokenpath.api.browser import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
-from tokenpath.errors import EngineDeadError, ModelLoadError
+from tokenpath.errors import EngineDeadError, ModelLoadError, TokenpathError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig
+from tokenpath.server.lora_modules import register_lora_modules
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.otel_metrics import setup_metrics
 from tokenpath.telemetry.request_log import configure_logging, log_event
@@ -52,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="run the chat model's --replicas as engine actors on this Ray cluster: auto attaches "
                        "to the running one, local starts a private head on loopback for this server alone "
                        "(pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
+    serve.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve (vLLM's flag): NAME=PATH, or JSON "
+                       '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable. Clients send NAME as '
+                       "`model`; POST /v1/load_lora_adapter adds more at run time")
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
@@ -88,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine.set_defaults(func=_run_engine, gateway=False, exit_fast=True, data_dir=None, database_url=None, replicas=1,
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None,
                         metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
-                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None,
+                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None, lora_modules=None,
                         stall_timeout=None, first_token_timeout=None, token_timeout=None)
 
 
@@ -140,11 +145,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template replacing the model's own (needed for chat on a base model)")
+    g.add_argument("--max-loras", type=int, help="LoRA adapters one engine step may mix (resident slots, default 4)")
+    g.add_argument("--max-lora-rank", type=int, help="largest LoRA rank accepted (default 64, at most 256)")
+    g.add_argument("--max-cpu-loras", type=int,
+                   help="parsed LoRA adapters kept in memory, resident or not (default: --max-loras)")
 
 
 _ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
                  "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching",
-                 "chat_template")
+                 "chat_template", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
@@ -155,7 +164,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
                                             "data_dir", "database_url", "metrics_public", "metrics_require_key",
                                             "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
                                             "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs",
-                                            "stall_timeout", "first_token_timeout", "token_timeout")}
+                                            "stall_timeout", "first_token_timeout", "token_timeout",
+                                            "lora_modules")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
@@ -289,6 +299,11 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
 
     router, closers = await _load(config, args)
     _add_served_names(router, args.served_model_names)
+    try:
+        await register_lora_modules(router, config.lora_modules)
+    except TokenpathError as exc:
+        await _together(closers)()
+        raise ModelLoadError(f"--lora-modules: {exc.message}") from None
     deployments = list(router.deployments.values())
     stoppers = [_together(closers)]  # every replica at once: each engine's exit waits on no other
     if hasattr(guard, "aclose"):
@@ -371,6 +386,8 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
         names = [a for a, target in router.aliases.items() if target == d.name]
         also = f"; also as {', '.join(names)}" if names else ""
         lines.append(f"  model: {d.name} ({d.task}, {len(d.replicas) or 1} replica(s){also})")
+    for name, ref in router.adapters.items():
+        lines.append(f"  lora adapter: {name} (on {ref.base}, {ref.path})")
     lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/embeddings /reset_prefix_cache; "
                  "GET /v1/models /health /metrics")
     data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"

@@ -35,6 +35,8 @@ class ServerConfig(ApiSettings):
     # of dispatch, each next token within `token_timeout` of the last.
     first_token_timeout: float = Field(FIRST_TOKEN_S, gt=0)
     token_timeout: float = Field(NEXT_TOKEN_S, gt=0)
+    # LoRA adapters served from the start (vLLM's --lora-modules): NAME=PATH or its JSON form.
+    lora_modules: list[str] = Field(default_factory=list)
 
     def liveness(self) -> LivenessConfig:
         return LivenessConfig(stall_after_s=self.stall_timeout, first_token_s=self.first_token_timeout,

@@ -49,7 +49,8 @@ async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer
     await engine.start()
     replica = InProcessReplica(engine, deployment=engine.model_name)
     dep = Deployment(name=engine.model_name, task="chat", replicas=[replica],
-                     tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
+                     tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+                     model_config=engine.core.model_config, max_lora_rank=engine_cfg.max_lora_rank)
     return dep, replica.close
 
 

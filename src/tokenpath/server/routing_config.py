@@ -184,6 +184,15 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                      policy=spec.policy, admission=AdmissionConfig(**spec.admission),
                      pool_config=PoolConfig(**spec.pool), picker_options=options)
     dep.processes = procs
+    if any(r.local or r.ray is not None for r in spec.replicas):  # (what LoRA adapters are checked against)
+        from tokenpath.engine.lora import base_model_config
+
+        dep.model_config = await asyncio.to_thread(base_model_config, model)
+        rank = next((v for r in spec.replicas if (v := _flag(r.engine_args, "--max-lora-rank"))), None)
+        if rank is None and any(r.ray is not None for r in spec.replicas):
+            rank = next((r.ray.get("engine", {}).get("max_lora_rank") for r in spec.replicas if r.ray), None)
+        if rank is not None:
+            dep.max_lora_rank = int(rank)
     return dep, closers
 
 
@@ -240,7 +249,7 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
 
 _ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype",
                        "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed",
-                       "chat_template")
+                       "chat_template", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def engine_flags(engine: Any) -> list[str]:

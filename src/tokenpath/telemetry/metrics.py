@@ -18,6 +18,7 @@ for callers allowed to see tenant names (`render(tenants=True)`); the public vie
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -73,13 +74,22 @@ class _StateCollector(Collector):
         cache_info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache config.",
                                        labels=["model_name", "block_size", "num_gpu_blocks"])
         c = {k: CounterMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in counters.items()}
+        # vLLM's lora_requests_info: the adapters of running and waiting requests (comma-separated
+        # label values) and the slots per step; the value is the scrape's wall time, as vLLM's.
+        lora_info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                      labels=["model_name", "max_lora", "waiting_lora_adapters",
+                                              "running_lora_adapters"])
         for dep in self._deployments():  # (embedding models too: their replicas report running requests)
             running = waiting = 0
             usage: list[float] = []
             queries = hits = preemptions = 0
             config: tuple[int, int] | None = None
+            max_lora, lora_run, lora_wait = 0, {}, {}
             for replica in dep.replicas:
                 st = replica.state()
+                max_lora = max(max_lora, st.max_loras)
+                lora_run.update(dict.fromkeys(st.running_loras))
+                lora_wait.update(dict.fromkeys(st.waiting_loras))
                 if config is None and st.num_blocks > 0:
                     config = (st.block_size, st.num_blocks)
                 running += st.running
@@ -97,8 +107,12 @@ class _StateCollector(Collector):
             c["num_preemptions"].add_metric([dep.name], preemptions)
             if config is not None:
                 cache_info.add_metric([dep.name, str(config[0]), str(config[1])], 1.0)
+            if max_lora:
+                lora_info.add_metric([dep.name, str(max_lora), ",".join(sorted(lora_wait)),
+                                      ",".join(sorted(lora_run))], time.time())
         yield from g.values()
         yield cache_info
+        yield lora_info
         yield from c.values()
 
 

@@ -95,8 +95,13 @@ def root_attributes(rec: FinishedRequest) -> dict[str, Any]:
         "tokenpath.client_request_id": rec.client_request_id, "tokenpath.replica": a.get("replica"),
         "tokenpath.routing.policy": a.get("policy"), "tokenpath.routing.reason": a.get("reason"),
         "tokenpath.admission": a.get("admission"),
+        "tokenpath.lora.base": a.get("lora_base"),
     }
     attrs.update({k: v for k, v in optional.items() if v is not None})
+    load = a.get("lora_load")  # the adapter load this request waited for
+    if isinstance(load, list):
+        attrs["tokenpath.lora.load_ms"] = round(1000 * (load[1] - load[0]), 3)
+        attrs["tokenpath.lora.load_cold"] = bool(load[2])
     grammar = a.get("grammar")  # constrained decoding: compile (hit or miss) and mask cost
     if isinstance(grammar, dict):
         attrs.update({f"tokenpath.grammar.{k}": v for k, v in grammar.items() if v is not None})
@@ -185,6 +190,10 @@ def _dispatch(tracer: trace.Tracer, rec: FinishedRequest, root: trace.Span, star
     with preset_ids(None, _hex(a.get("trace_dispatch"))):
         dispatch = tracer.start_span(f"dispatch {replica}", context=trace.set_span_in_context(root),
                                      kind=SpanKind.CLIENT, start_time=start, attributes=attrs)
+    load = a.get("lora_load")
+    if isinstance(load, list):  # the adapter load this request waited for, inside its engine queue time
+        _child(tracer, "lora.load", dispatch, _ns(t, float(load[0])), _ns(t, float(load[1])),
+               attributes={"tokenpath.lora.name": str(a.get("lora") or ""), "tokenpath.lora.cold": bool(load[2])})
     if a.get("engine_traced"):  # the engine's process exported these spans itself
         dispatch.end(end_time=end)
         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -188,6 +189,18 @@ def exact_mask() -> int:
     return _mask_from_env("TOKENPATH_KERNELS_EXACT", DEFAULT_EXACT)
 
 
+@dataclass
+class NativeLoraStep:
+    """One step's adapters for `tp_model_forward_lora` (csrc/forward.cpp LoraStep): each row's slot
+    (-1: base only) and, per slot, its pointer table ([layers][LORA_TARGETS][A, B^T], float32),
+    rank and scale. The arrays behind the pointers are owned by the resident adapters."""
+
+    row_slot: np.ndarray  # int32 [T]
+    ptrs: np.ndarray  # uint64 [slots * layers * 7 * 2]
+    ranks: np.ndarray  # int32 [slots]
+    scales: np.ndarray  # float32 [slots]
+
+
 class NativeLlama:
     def __init__(self, lib: NativeLibrary, loaded: LoadedModel, quantization: str, cache: KVCache,
                  block_size: int, max_positions: int) -> None:
@@ -280,14 +293,22 @@ class NativeLlama:
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
-                tables: np.ndarray, logit_rows: np.ndarray) -> torch.Tensor:
+                tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None) -> torch.Tensor:
         """One step over T rows -> float32 logits [len(logit_rows), vocab]. int32 inputs except
-        slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`."""
+        slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`.
+        `lora`: the step's adapters, whose float32 deltas run beside the quantized base GEMMs."""
         logits = torch.empty((len(logit_rows), self.vocab), dtype=torch.float32)
-        self.lib.lib.tp_model_forward(self._handle, len(ids), ids.ctypes.data, pos.ctypes.data,
-                                      slot_mapping.ctypes.data, row_table.ctypes.data, tables.ctypes.data,
-                                      len(logit_rows), logit_rows.ctypes.data, logits.data_ptr(),
-                                      torch.get_num_threads())
+        args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
+                row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
+                logits.data_ptr(), torch.get_num_threads())
+        if lora is None:
+            self.lib.lib.tp_model_forward(*args)
+        else:
+            if not hasattr(self.lib.lib, "tp_model_forward_lora"):
+                raise RuntimeError("the native kernels predate LoRA support: rebuild them "
+                                   "(python setup.py build_ext --inplace)")
+            self.lib.lib.tp_model_forward_lora(*args, lora.row_slot.ctypes.data, lora.ptrs.ctypes.data,
+                                               lora.ranks.ctypes.data, lora.scales.ctypes.data)
         return logits
 
     def __del__(self) -> None:
@@ -297,4 +318,4 @@ class NativeLlama:
             self._handle = None
 
 
-__all__ = ["NativeLlama", "select_native", "native_library"]
+__all__ = ["NativeLlama", "NativeLoraStep", "select_native", "native_library"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenpath.engine.attention import AttentionMetadata, KVCache, paged_attention
+from tokenpath.engine.lora_batch import TorchLoraBatch
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.models.rope import LayerRopes, Rope
 
@@ -53,23 +54,36 @@ class DecoderLayer(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: TorchLoraBatch | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters, whose deltas are added to their own rows' projections."""
         cfg = self.cfg
         t = x.shape[0]
         h = self._rms(x, self.input_norm)
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(h)
+        if lora is not None:
+            lora.add(idx, "qkv", h, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
         q, k = Rope.apply(*rope, q, k)
-        a = self.o_proj(paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx)).reshape(t, self.q_size))
+        attn = paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx)).reshape(t, self.q_size)
+        a = self.o_proj(attn)
+        if lora is not None:
+            lora.add(idx, "o", attn, a)
         x = x + (a if self.attn_out_norm is None else self._rms(a, self.attn_out_norm))
         h = self._rms(x, self.post_norm)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        gu = self.gate_up(h)
+        if lora is not None:
+            lora.add(idx, "gate_up", h, gu)
+        gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) if cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        m = self.down(act * up)
+        act = act * up
+        m = self.down(act)
+        if lora is not None:
+            lora.add(idx, "down", act, m)
         return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
 
 
@@ -88,7 +102,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logit_rows: torch.Tensor,
+                lora: TorchLoraBatch | None = None) -> torch.Tensor:
         """Returns float32 logits for the rows in `logit_rows` only: the other rows are prefill
         tokens whose next-token distribution nobody needs."""
         x = self.embed(input_ids)
@@ -96,7 +111,7 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, tables[self.rope.layer_rope[i]], cache, meta)
+            x = layer(i, x, tables[self.rope.layer_rope[i]], cache, meta, lora)
         x = F.rms_norm(x[logit_rows], (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()

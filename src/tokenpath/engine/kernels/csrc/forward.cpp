@@ -115,6 +115,7 @@ struct Model {
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     std::vector<float> x, qkv, attn, gu, logits_in, scores, sub;  // sub: a sandwich-normed output
+    std::vector<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
@@ -227,6 +228,46 @@ inline void gelu_mul(const float* g, const float* u, float* out, int n) {
     }
 }
 
+// LoRA (S-LoRA/punica style): the base GEMMs run once for every row; each row whose request
+// runs with an adapter then gets that adapter's low-rank delta, y += scale * B (A x), in float32
+// from the matmul's float input (kept in Model::lin while a step has adapters).
+constexpr int kLoraTargets = 7;  // q, k, v, o, gate, up, down (model.py LORA_TARGETS)
+constexpr int kLoraMaxRank = 256;
+struct LoraStep {
+    const int32_t* row_slot;  // [T]: the row's adapter slot in this step, -1: the base model only
+    const uint64_t* ptrs;     // [slots][layers][kLoraTargets][2]: A [r, in] and B^T [r, out], float32; 0: untargeted
+    const int32_t* ranks;     // [slots]
+    const float* scales;      // [slots]: lora_alpha / r (or / sqrt(r), rsLoRA)
+};
+
+inline float fdot(const float* a, const float* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_hadd_ps(v, v);
+    v = _mm_hadd_ps(v, v);
+    float sum = _mm_cvtss_f32(v);
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+// y[0..out) += scale * B (A x) for one row: r dot products of length `in`, then r axpys over `out`
+// (B stored transposed, so both loops stream contiguous memory).
+inline void lora_delta(const float* A, const float* Bt, int r, int in, int out, float scale, const float* x,
+                       float* y) {
+    float u[kLoraMaxRank];
+    for (int j = 0; j < r; ++j) u[j] = scale * fdot(A + size_t(j) * in, x, in);
+    for (int j = 0; j < r; ++j) {
+        const float* b = Bt + size_t(j) * out;
+        const __m256 uj = _mm256_set1_ps(u[j]);
+        int o = 0;
+        for (; o + 8 <= out; o += 8)
+            _mm256_storeu_ps(y + o, _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + o), _mm256_loadu_ps(y + o)));
+        for (; o < out; ++o) y[o] += u[j] * b[o];
+    }
+}
+
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
 inline void store_kv(float* dst, const float* src, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 inline void store_kv(uint16_t* dst, const float* src, int n) {
@@ -306,10 +347,15 @@ void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 //   row_table:      [T] offset into `tables` of the row's sequence block table; its context is
 //                   positions 0..pos (causal within a prefill chunk, everything cached before)
 //   logit_rows:     [S] rows whose next-token logits are wanted -> logits [S, vocab]
-void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
-                      const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                      float* logits, int nthreads) {
+//   row_slot, lora_ptrs, lora_ranks, lora_scales: LoRA adapters of this step (see LoraStep), or
+//                   null row_slot for none
+void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+                           const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
+                           float* logits, int nthreads, const int32_t* row_slot, const uint64_t* lora_ptrs,
+                           const int32_t* lora_ranks, const float* lora_scales) {
     Model& m = *static_cast<Model*>(handle);
+    const LoraStep ls{row_slot, lora_ptrs, lora_ranks, lora_scales};
+    const bool lora = row_slot != nullptr;
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
@@ -347,7 +393,10 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     // into its own buffers and goes straight on to its share of the matmul; the phase boundary
     // (and the wait for the one thread doing the work) would cost more than the redundant work.
     // With more rows, the threads share the rows of one phase. Same arithmetic either way.
-    const bool own_rows = T <= kOwnRowsMax && nthreads > 1;
+    // (Not with adapters: their deltas read each row's float input, which one thread must write.)
+    const bool own_rows = T <= kOwnRowsMax && nthreads > 1 && !lora;
+    if (lora && m.lin.size() < size_t(T) * kmax) m.lin.resize(size_t(T) * kmax);
+    float* lin = m.lin.data();
     if (m.acts.size() < size_t(nthreads) + 1) m.acts.resize(size_t(nthreads) + 1);
     m.act_views.clear();
     for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
@@ -355,7 +404,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
     float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
     const float scale = m.attn_scale;
 
-    const size_t need_phases = 3 + size_t(m.n_layers) * 12;
+    const size_t need_phases = 3 + size_t(m.n_layers) * 16;
     if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
     for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
     Phase* ph = m.phases.get();
@@ -387,13 +436,36 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
         QAct ah = a, aq = a, ai = a;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
         use_fine(m, aq, a, 1), use_fine(m, ai, a, 3);  // o, down
+        // The adapters' deltas of targets [t0, t0 + n) of layer l, for every row that has one:
+        // input rows xin (stride ldx, `in` wide), outputs y (stride ldy) at offs[g], outs[g] wide.
+        auto lora_phase = [&](int l, int tg0, int n, const float* xin, int ldx, int in, float* y, int ldy,
+                              const int* offs, const int* outs) {
+            team_for(ph, pi, T, rg, [&](int r0, int r1) {
+                for (int t = r0; t < r1; ++t) {
+                    const int sl = ls.row_slot[t];
+                    if (sl < 0) continue;
+                    const uint64_t* p = ls.ptrs + (size_t(sl) * m.n_layers + l) * kLoraTargets * 2;
+                    for (int g = 0; g < n; ++g) {
+                        const auto* A = reinterpret_cast<const float*>(p[2 * (tg0 + g)]);
+                        const auto* Bt = reinterpret_cast<const float*>(p[2 * (tg0 + g) + 1]);
+                        if (A == nullptr) continue;
+                        lora_delta(A, Bt, ls.ranks[sl], in, outs[g], ls.scales[sl], xin + size_t(t) * ldx,
+                                   y + size_t(t) * ldy + offs[g]);
+                    }
+                }
+            });
+        };
+        const int qkv_offs[3] = {0, nq, nq + nkv}, qkv_outs[3] = {nq, nkv, nkv};
+        const int gu_offs[2] = {0, I}, gu_outs[2] = {I, I}, h_off[1] = {0}, h_out[1] = {H};
         for (int l = 0; l < m.n_layers; ++l) {
             const Layer& L = m.layers[l];
             use_fine(m, ah, a, 0);  // qkv
             row_phase(T, [&](int t0, int t1) {
-                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, tmp);
+                for (int t = t0; t < t1; ++t)
+                    norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
             });
             gemm_team(m, ph, pi, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            if (lora) lora_phase(l, 0, 3, lin, kmax, H, qkv, W, qkv_offs, qkv_outs);
             // (QK-norm,) RoPE on q and k, then write k and v into their cache slots.
             team_for(ph, pi, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
@@ -434,32 +506,39 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
             });
             if (L.attn_out_norm) {  // x += RMSNorm(o(attn))
                 gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
+                if (lora) lora_phase(l, 3, 1, attn, nq, nq, sub, H, h_off, h_out);
                 team_for(ph, pi, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.attn_out_norm, H, m.eps);
                 });
             } else {
                 gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+                if (lora) lora_phase(l, 3, 1, attn, nq, nq, x, H, h_off, h_out);
             }
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
-                for (int t = t0; t < t1; ++t) norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, tmp);
+                for (int t = t0; t < t1; ++t)
+                    norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
             });
             gemm_team(m, ph, pi, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            if (lora) lora_phase(l, 4, 2, lin, kmax, H, gu, 2 * I, gu_offs, gu_outs);
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
                     const float* g = gu + size_t(t) * 2 * I;
-                    if (m.gelu) gelu_mul(g, g + I, tmp, I);
-                    else silu_mul(g, g + I, tmp, I);
-                    m.quant(tmp, I, ai, t);
+                    float* act = lora ? lin + size_t(t) * kmax : tmp;
+                    if (m.gelu) gelu_mul(g, g + I, act, I);
+                    else silu_mul(g, g + I, act, I);
+                    m.quant(act, I, ai, t);
                 }
             });
             if (L.ffn_out_norm) {  // x += RMSNorm(down(act))
                 gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
+                if (lora) lora_phase(l, 6, 1, lin, kmax, I, sub, H, h_off, h_out);
                 team_for(ph, pi, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.ffn_out_norm, H, m.eps);
                 });
             } else {
                 gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+                if (lora) lora_phase(l, 6, 1, lin, kmax, I, x, H, h_off, h_out);
             }
         }
         use_fine(m, ah, a, 4);  // head
@@ -470,6 +549,13 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
         head.parts = 1, head.type[0] = m.head_t, head.rows[0] = m.vocab, head.w[0] = m.head;
         gemm_team(m, ph, pi, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
+}
+
+void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+                      const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
+                      float* logits, int nthreads) {
+    tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
+                          nullptr, nullptr, nullptr, nullptr);
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
