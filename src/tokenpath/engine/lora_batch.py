@@ -16,6 +16,9 @@ import torch
 from tokenpath.engine.lora import LORA_TARGETS, LoraWeights
 from tokenpath.engine.model_config import ModelConfig
 
+BLOCK_ROWS = 16  # rows per native work item (csrc/forward.cpp kLoraBlockRows)
+MAX_NATIVE_RANK = 256  # (kLoraMaxRank)
+
 # Which targets make up each fused matrix of the torch model, with their column offsets (filled
 # from the model's sizes by `fused_offsets`).
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -81,22 +84,29 @@ def native_step(row_adapters: list[tuple[int, LoraWeights | None]]):  # noqa: AN
 
     slots: dict[int, int] = {}
     adapters: list[LoraWeights] = []
-    parts = []
+    rows: list[list[int]] = []
+    row = 0
     for n, w in row_adapters:
-        if w is None:
-            parts.append(np.full(n, -1, dtype=np.int32))
-            continue
-        slot = slots.get(id(w))
-        if slot is None:
-            slot = slots[id(w)] = len(adapters)
-            adapters.append(w)
-        parts.append(np.full(n, slot, dtype=np.int32))
+        if w is not None:
+            slot = slots.get(id(w))
+            if slot is None:
+                slot = slots[id(w)] = len(adapters)
+                adapters.append(w)
+                rows.append([])
+            rows[slot].extend(range(row, row + n))
+        row += n
     if not adapters:
         return None
     for w in adapters:
-        if w.native is None or w.rank > 256:
+        if w.native is None or w.rank > MAX_NATIVE_RANK:
             raise RuntimeError(f"LoRA adapter {w.name} is not resident in native form")
-    return NativeLoraStep(row_slot=np.concatenate(parts),
+    blocks, start = [], 0
+    for slot, r in enumerate(rows):
+        for k in range(0, len(r), BLOCK_ROWS):
+            blocks += [slot, start + k, min(BLOCK_ROWS, len(r) - k)]
+        start += len(r)
+    return NativeLoraStep(blocks=np.array(blocks, dtype=np.int32),
+                          rows=np.array([i for r in rows for i in r], dtype=np.int32),
                           ptrs=np.concatenate([w.native.ptrs for w in adapters]),  # type: ignore[union-attr]
                           ranks=np.array([w.rank for w in adapters], dtype=np.int32),
                           scales=np.array([w.scaling for w in adapters], dtype=np.float32))

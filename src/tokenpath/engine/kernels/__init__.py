@@ -108,7 +108,7 @@ def native_library() -> NativeLibrary | None:
     lib.tp_model_free.argtypes = [_P]
     lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I]
     if hasattr(lib, "tp_model_forward_lora"):  # (a library built before LoRA lacks it: model.py says so)
-        lib.tp_model_forward_lora.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P]
+        lib.tp_model_forward_lora.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P]
     features = lib.tp_cpu_features()
     if not features & 1:
         log.warning("this CPU lacks AVX2+FMA: using the torch float32 path")

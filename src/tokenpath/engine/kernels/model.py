@@ -191,11 +191,13 @@ def exact_mask() -> int:
 
 @dataclass
 class NativeLoraStep:
-    """One step's adapters for `tp_model_forward_lora` (csrc/forward.cpp LoraStep): each row's slot
-    (-1: base only) and, per slot, its pointer table ([layers][LORA_TARGETS][A, B^T], float32),
-    rank and scale. The arrays behind the pointers are owned by the resident adapters."""
+    """One step's adapters for `tp_model_forward_lora` (csrc/forward.cpp LoraStep): the rows of
+    each slot in blocks of at most 16 ((slot, first index into `rows`, count) each) and, per slot,
+    its pointer table ([layers][LORA_TARGETS][A, B^T], float32), rank and scale. The arrays behind
+    the pointers are owned by the resident adapters."""
 
-    row_slot: np.ndarray  # int32 [T]
+    blocks: np.ndarray  # int32 [n_blocks * 3]
+    rows: np.ndarray  # int32: the rows of slot 0, then slot 1, ...
     ptrs: np.ndarray  # uint64 [slots * layers * 7 * 2]
     ranks: np.ndarray  # int32 [slots]
     scales: np.ndarray  # float32 [slots]
@@ -307,8 +309,9 @@ class NativeLlama:
             if not hasattr(self.lib.lib, "tp_model_forward_lora"):
                 raise RuntimeError("the native kernels predate LoRA support: rebuild them "
                                    "(python setup.py build_ext --inplace)")
-            self.lib.lib.tp_model_forward_lora(*args, lora.row_slot.ctypes.data, lora.ptrs.ctypes.data,
-                                               lora.ranks.ctypes.data, lora.scales.ctypes.data)
+            self.lib.lib.tp_model_forward_lora(*args, len(lora.blocks) // 3, lora.blocks.ctypes.data,
+                                               lora.rows.ctypes.data, lora.ptrs.ctypes.data, lora.ranks.ctypes.data,
+                                               lora.scales.ctypes.data)
         return logits
 
     def __del__(self) -> None:

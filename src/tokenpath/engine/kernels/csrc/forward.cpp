@@ -228,16 +228,21 @@ inline void gelu_mul(const float* g, const float* u, float* out, int n) {
     }
 }
 
-// LoRA (S-LoRA/punica style): the base GEMMs run once for every row; each row whose request
-// runs with an adapter then gets that adapter's low-rank delta, y += scale * B (A x), in float32
-// from the matmul's float input (kept in Model::lin while a step has adapters).
+// LoRA (S-LoRA/punica style): the base GEMMs run once for every row; the rows of each adapter
+// then get its low-rank delta, y += scale * B (A x), in float32 from the matmul's float input
+// (kept in Model::lin while a step has adapters). Rows come grouped by adapter in blocks of up
+// to kLoraBlockRows, so one work item reads an adapter's A and B once for a whole block (the
+// SGMV idea): per row, they would be read as often as the base weights themselves.
 constexpr int kLoraTargets = 7;  // q, k, v, o, gate, up, down (model.py LORA_TARGETS)
 constexpr int kLoraMaxRank = 256;
+constexpr int kLoraBlockRows = 16;
 struct LoraStep {
-    const int32_t* row_slot;  // [T]: the row's adapter slot in this step, -1: the base model only
-    const uint64_t* ptrs;     // [slots][layers][kLoraTargets][2]: A [r, in] and B^T [r, out], float32; 0: untargeted
-    const int32_t* ranks;     // [slots]
-    const float* scales;      // [slots]: lora_alpha / r (or / sqrt(r), rsLoRA)
+    int n_blocks;           // row blocks (0: no adapter in this step)
+    const int32_t* blocks;  // [n_blocks][3]: slot, first index into rows, number of rows (<= kLoraBlockRows)
+    const int32_t* rows;    // the rows of each slot, grouped by slot
+    const uint64_t* ptrs;   // [slots][layers][kLoraTargets][2]: A [r, in] and B^T [r, out], float32; 0: untargeted
+    const int32_t* ranks;   // [slots]
+    const float* scales;    // [slots]: lora_alpha / r (or / sqrt(r), rsLoRA)
 };
 
 inline float fdot(const float* a, const float* b, int n) {
@@ -252,19 +257,26 @@ inline float fdot(const float* a, const float* b, int n) {
     return sum;
 }
 
-// y[0..out) += scale * B (A x) for one row: r dot products of length `in`, then r axpys over `out`
-// (B stored transposed, so both loops stream contiguous memory).
-inline void lora_delta(const float* A, const float* Bt, int r, int in, int out, float scale, const float* x,
-                       float* y) {
-    float u[kLoraMaxRank];
-    for (int j = 0; j < r; ++j) u[j] = scale * fdot(A + size_t(j) * in, x, in);
+// Y[row] += scale * B (A X[row]) for the rows of one block: each row of A and of B^T (stored
+// transposed, so both loops stream contiguous memory) is read once for all the block's rows.
+inline void lora_delta(const float* A, const float* Bt, int r, int in, int out, float scale, const int32_t* rows,
+                       int nrows, const float* x, int ldx, float* y, int ldy) {
+    float u[kLoraBlockRows][kLoraMaxRank];
     for (int j = 0; j < r; ++j) {
-        const float* b = Bt + size_t(j) * out;
-        const __m256 uj = _mm256_set1_ps(u[j]);
-        int o = 0;
-        for (; o + 8 <= out; o += 8)
-            _mm256_storeu_ps(y + o, _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + o), _mm256_loadu_ps(y + o)));
-        for (; o < out; ++o) y[o] += u[j] * b[o];
+        const float* a = A + size_t(j) * in;
+        for (int b = 0; b < nrows; ++b) u[b][j] = scale * fdot(a, x + size_t(rows[b]) * ldx, in);
+    }
+    for (int j = 0; j < r; ++j) {
+        const float* bt = Bt + size_t(j) * out;
+        for (int b = 0; b < nrows; ++b) {
+            float* yr = y + size_t(rows[b]) * ldy;
+            const float uj = u[b][j];
+            const __m256 uv = _mm256_set1_ps(uj);
+            int o = 0;
+            for (; o + 8 <= out; o += 8)
+                _mm256_storeu_ps(yr + o, _mm256_fmadd_ps(uv, _mm256_loadu_ps(bt + o), _mm256_loadu_ps(yr + o)));
+            for (; o < out; ++o) yr[o] += uj * bt[o];
+        }
     }
 }
 
@@ -347,15 +359,15 @@ void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 //   row_table:      [T] offset into `tables` of the row's sequence block table; its context is
 //                   positions 0..pos (causal within a prefill chunk, everything cached before)
 //   logit_rows:     [S] rows whose next-token logits are wanted -> logits [S, vocab]
-//   row_slot, lora_ptrs, lora_ranks, lora_scales: LoRA adapters of this step (see LoraStep), or
-//                   null row_slot for none
+//   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
 void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                           float* logits, int nthreads, const int32_t* row_slot, const uint64_t* lora_ptrs,
-                           const int32_t* lora_ranks, const float* lora_scales) {
+                           float* logits, int nthreads, int n_lora_blocks, const int32_t* lora_blocks,
+                           const int32_t* lora_rows, const uint64_t* lora_ptrs, const int32_t* lora_ranks,
+                           const float* lora_scales) {
     Model& m = *static_cast<Model*>(handle);
-    const LoraStep ls{row_slot, lora_ptrs, lora_ranks, lora_scales};
-    const bool lora = row_slot != nullptr;
+    const LoraStep ls{n_lora_blocks, lora_blocks, lora_rows, lora_ptrs, lora_ranks, lora_scales};
+    const bool lora = n_lora_blocks > 0;
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
@@ -436,23 +448,18 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
         QAct ah = a, aq = a, ai = a;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
         use_fine(m, aq, a, 1), use_fine(m, ai, a, 3);  // o, down
-        // The adapters' deltas of targets [t0, t0 + n) of layer l, for every row that has one:
-        // input rows xin (stride ldx, `in` wide), outputs y (stride ldy) at offs[g], outs[g] wide.
+        // The adapters' deltas of targets [tg0, tg0 + n) of layer l: one work item per (row block,
+        // target). Input rows xin (stride ldx, `in` wide), outputs y (stride ldy) at offs[g], outs[g] wide.
         auto lora_phase = [&](int l, int tg0, int n, const float* xin, int ldx, int in, float* y, int ldy,
                               const int* offs, const int* outs) {
-            team_for(ph, pi, T, rg, [&](int r0, int r1) {
-                for (int t = r0; t < r1; ++t) {
-                    const int sl = ls.row_slot[t];
-                    if (sl < 0) continue;
-                    const uint64_t* p = ls.ptrs + (size_t(sl) * m.n_layers + l) * kLoraTargets * 2;
-                    for (int g = 0; g < n; ++g) {
-                        const auto* A = reinterpret_cast<const float*>(p[2 * (tg0 + g)]);
-                        const auto* Bt = reinterpret_cast<const float*>(p[2 * (tg0 + g) + 1]);
-                        if (A == nullptr) continue;
-                        lora_delta(A, Bt, ls.ranks[sl], in, outs[g], ls.scales[sl], xin + size_t(t) * ldx,
-                                   y + size_t(t) * ldy + offs[g]);
-                    }
-                }
+            team_for(ph, pi, ls.n_blocks * n, 1, [&](int i0, int) {
+                const int32_t* blk = ls.blocks + 3 * (i0 / n);
+                const int sl = blk[0], g = i0 % n;
+                const uint64_t* p = ls.ptrs + ((size_t(sl) * m.n_layers + l) * kLoraTargets + tg0 + g) * 2;
+                const auto* A = reinterpret_cast<const float*>(p[0]);
+                if (A == nullptr) return;
+                lora_delta(A, reinterpret_cast<const float*>(p[1]), ls.ranks[sl], in, outs[g], ls.scales[sl],
+                           ls.rows + blk[1], blk[2], xin, ldx, y + offs[g], ldy);
             });
         };
         const int qkv_offs[3] = {0, nq, nq + nkv}, qkv_outs[3] = {nq, nkv, nkv};
@@ -555,7 +562,7 @@ void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* po
                       const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
                       float* logits, int nthreads) {
     tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
-                          nullptr, nullptr, nullptr, nullptr);
+                          0, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
