@@ -199,7 +199,9 @@ class RemoteReplica(PolledState):
     # -- generation ------------------------------------------------------------------------------
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
-        body: dict = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True,
+        # A LoRA adapter by its name: the remote server (vLLM, another tokenpath) must serve it as such.
+        model = request.lora.name if request.lora is not None else self.model
+        body: dict = {"model": model, "prompt": request.prompt_token_ids, "stream": True,
                       "stream_options": {"include_usage": True}, "n": p.n, "max_tokens": p.max_tokens,
                       "temperature": p.temperature, "top_p": p.top_p,
                       "skip_special_tokens": p.skip_special_tokens}
