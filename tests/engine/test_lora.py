@@ -114,15 +114,32 @@ def test_adapter_that_fails_to_load_fails_its_request(torch_llm, tmp_path, promp
     assert _tokens(torch_llm, prompts[:1], None)
 
 
+def _first_logprobs(llm: LLM, prompts, lora) -> list[dict[int, float]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5), lora=lora)
+    return [{t: lp for t, _, lp in o.outputs[0].logprobs[0].top} for o in outs]
+
+
 @pytest.mark.skipif(native_library() is None, reason="native kernels not built")
-def test_native_path_matches_peft(base, adapters, prompts, references):
-    """The delta in float32 beside the quantized (Q8_0) base GEMMs: at least 3 of 4 prompts keep
-    transformers + peft's greedy tokens, and a mixed step equals each request alone."""
+def test_native_path_matches_peft(base, adapters, prompts, references, torch_llm):
+    """The delta in float32 beside the quantized (Q8_0) base GEMMs. The tiny random model's logits
+    are flat (top-two gaps of 0.001-0.2 nats), where even the Q8_0 base model alone keeps
+    transformers' greedy tokens for only 3-6 steps; so the native path is held to: the first
+    three tokens of transformers + peft on at least 3 of 4 prompts, next-token log-probabilities
+    within 0.25 nats of the float32 torch path's (the Q8_0 base alone is up to 0.15 off here) while
+    the adapter moves them by far more, and a mixed step equal to each request alone."""
     llm = LLM(str(base), quantization="q8_0", num_kv_blocks=128, max_num_seqs=16)
     assert llm.engine.runner.native is not None
+    base_lp = _first_logprobs(torch_llm, prompts, None)
     for name, ref in adapters.items():
         got = _tokens(llm, prompts, ref)
-        assert sum(g == w for g, w in zip(got, references[name], strict=True)) >= 3, name
+        assert sum(g[:3] == w[:3] for g, w in zip(got, references[name], strict=True)) >= 3, name
+        want_lp, got_lp = _first_logprobs(torch_llm, prompts, ref), _first_logprobs(llm, prompts, ref)
+        for want, have, plain in zip(want_lp, got_lp, base_lp, strict=True):
+            shared = set(want) & set(have)
+            assert len(shared) >= 4, name
+            assert max(abs(want[t] - have[t]) for t in shared) < 0.25, name
+            moved = [abs(want[t] - plain[t]) for t in set(want) & set(plain)] or [float("inf")]
+            assert max(moved) > 1.0, name  # the adapter matters here
     mix = [adapters["a"], None, adapters["b"], adapters["a"]]
     alone = [_tokens(llm, [p], lora)[0] for p, lora in zip(prompts, mix, strict=True)]
     assert _tokens(llm, prompts, mix) == alone
