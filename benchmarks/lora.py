@@ -149,11 +149,12 @@ async def _ttft_run(port: int, models: list[str], ps: list[list[int]], concurren
             body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                     "stream": True}
             async with client.stream("POST", "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
+                lines = r.aiter_lines()
+                async for line in lines:
                     if line.startswith("data: {"):
                         out.append(time.perf_counter() - t)
                         break
-                async for _ in r.aiter_lines():
+                async for _ in lines:
                     pass
 
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
@@ -197,7 +198,9 @@ def main() -> None:
         res = {"loadavg_before": [round(x, 2) for x in load], "nproc": os.cpu_count(),
                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         res["load_time"] = load_times(adapters)
+        print(res["load_time"], flush=True)
         res["throughput"] = throughput(adapters, args.rounds, args.requests, args.output_len)
+        print(res["throughput"], flush=True)
         if not args.skip_serve:
             res["ttft"] = ttft_affinity(adapters, 64, 8)
     res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
