@@ -16,16 +16,15 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from tokenpath.api.browser import is_loopback
-from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
+from tokenpath.config import resolve_data_dir
 from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
-from tokenpath.server.config import ServerConfig
+from tokenpath.server.config import ServerConfig, build_config
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.otel_metrics import setup_metrics
 from tokenpath.telemetry.request_log import configure_logging, log_event
@@ -140,30 +139,6 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template replacing the model's own (needed for chat on a base model)")
-
-
-_ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
-                 "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching",
-                 "chat_template")
-
-
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
-    if not args.gateway and not args.models and not args.config:
-        cfg.models = [DEFAULT_CHAT_MODEL]
-    server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public", "metrics_require_key",
-                                            "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
-                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs",
-                                            "stall_timeout", "first_token_timeout", "token_timeout")}
-    if args.max_body_size is not None:
-        server["max_body_size"] = args.max_body_size
-    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
-    if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
-        engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
-    update = {k: v for k, v in server.items() if v is not None}
-    update["engine"] = cfg.engine.model_copy(update=engine)
-    return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
 
 
 def _csv(value: str) -> list[str]:
