@@ -25,7 +25,6 @@ import numpy as np
 from tokenpath.bench.records import RequestRecord
 from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
 
-PERCENTILES = (50, 90, 99)
 STAGES = (*SERVER_STAGES, "total")  # the server's own stages (telemetry.stages), then their sum
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 
