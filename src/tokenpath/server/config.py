@@ -15,7 +15,7 @@ import yaml
 from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
-from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig
+from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig, engine_flag_names
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
 
@@ -83,24 +83,15 @@ def is_embedding_model(name: str) -> bool:
     return path.is_dir() and (path / "sentence_bert_config.json").is_file()
 
 
-# Flags that are `ServerConfig` fields of the same name (None: not given, the file's or default value stays).
-SERVER_FLAGS = ("host", "port", "models", "shutdown_timeout", "insecure", "data_dir", "database_url",
-                "metrics_public", "metrics_require_key", "redis_url", "limits_fail_open", "ssl_keyfile",
-                "ssl_certfile", "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs", "stall_timeout",
-                "first_token_timeout", "token_timeout", "max_body_size")
-ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
-                "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len",
-                "enable_prefix_caching", "chat_template")
-
-
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """The `--config` file (or the defaults), with every flag that was given laid over it. A bare
     `tokenpath engine` serves the default chat model alone. Flags a subcommand lacks count as not given."""
     cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
-    update = {k: v for k in SERVER_FLAGS if (v := getattr(args, k, None)) is not None}
-    engine = {k: v for k in ENGINE_FLAGS if (v := getattr(args, k, None)) is not None}
+    # A flag's dest is its field's name (`--model` gathers `models`), so the fields are the list of flags.
+    update = {k: v for k in ServerConfig.model_fields if k != "engine" and (v := getattr(args, k, None)) is not None}
+    engine = {k: v for k in engine_flag_names() if (v := getattr(args, k, None)) is not None}
     if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
         engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
     update["engine"] = cfg.engine.model_copy(update=engine)

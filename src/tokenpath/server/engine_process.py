@@ -28,15 +28,13 @@ import sys
 
 from tokenpath.api.browser import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL
+from tokenpath.replica.processes import NICE_ENV, PARENT_ENV, SECRET_ENV  # (set by the launcher)
 from tokenpath.server.config import build_config
 from tokenpath.server.memory import freeze_startup_heap
 
 log = logging.getLogger("tokenpath.engine")
 
 PR_SET_PDEATHSIG = 1
-SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
-PARENT_ENV = "TOKENPATH_PARENT_PID"
-NICE_ENV = "TOKENPATH_ENGINE_NICE"
 
 
 def die_with_parent() -> None:
