@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from tokenpath.bench.records import RequestRecord
-from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
+from tokenpath.telemetry.timeline import STAGES
 
-STAGES = (*SERVER_STAGES, "total")  # the server's own stages (telemetry.stages), then their sum
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
