@@ -287,30 +287,16 @@ def decode(d: dict) -> Any:
 
 def _fields_of(msg: object) -> dict:
     return {name: _fields_of(v) if type(v) in _NESTED else v
-            for name in _field_names(type(msg)) for v in (getattr(msg, name),)}
+            for name in _NAMES[type(msg)] for v in (getattr(msg, name),)}
 
 
 def _build(cls: type, d: dict) -> Any:
     if not isinstance(d, dict):
         raise FrameError(f"{cls.__name__} must be a map")
-    nested = _nested_fields(cls)
-    return cls(**{k: _build(nested[k], v) if k in nested else v for k, v in d.items() if k in _field_names(cls)})
+    nested, names = _NESTED_FIELDS[cls], _NAMES[cls]
+    return cls(**{k: _build(nested[k], v) if k in nested else v for k, v in d.items() if k in names})
 
 
-_NAMES: dict[type, frozenset[str]] = {}
-_NESTED_FIELDS: dict[type, dict[str, type]] = {}
-
-
-def _field_names(cls: type) -> frozenset[str]:
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-    return names
-
-
-def _nested_fields(cls: type) -> dict[str, type]:
-    nested = _NESTED_FIELDS.get(cls)
-    if nested is None:
-        hints = typing.get_type_hints(cls)
-        nested = _NESTED_FIELDS[cls] = {name: t for name, t in hints.items() if t in _NESTED}
-    return nested
+# Each message class's fields, and those that hold another message (read once, at import).
+_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*FIELD_MESSAGES.values(), *_NESTED)}
+_NESTED_FIELDS = {cls: {name: t for name, t in typing.get_type_hints(cls).items() if t in _NESTED} for cls in _NAMES}
