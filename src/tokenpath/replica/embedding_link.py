@@ -71,8 +71,9 @@ class EmbeddingLinkServer(LinkServer):
             outbox.send(LinkError.malformed(str(d.get("id")), exc, "embedding request"))
             return
         task = asyncio.create_task(self._embed(request, outbox))
-        tasks[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: tasks.pop(rid, None))
+        rid = request.request_id
+        tasks[rid] = task
+        task.add_done_callback(lambda _t: tasks.pop(rid, None))
 
     async def _embed(self, request: EmbeddingRequest, outbox: Outbox) -> None:
         try:

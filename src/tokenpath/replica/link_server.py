@@ -40,6 +40,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError, TokenpathError
@@ -58,6 +59,9 @@ from tokenpath.protocol.link import (
 )
 from tokenpath.protocol.wire import FrameError, decode, decode_request, frame, read_frame
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger("tokenpath.engine.link")
 
@@ -100,7 +104,7 @@ class Outbox:
 
 class LinkServer:
     def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False,
-                 tracer_provider: object | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None) -> None:
         if not secret:
             raise ValueError("the engine link needs a secret")
         self.engine = engine
@@ -296,7 +300,7 @@ class _LinkRequest:
         self.completion = 0
         # This process exports the request's engine spans (tracing on, a trace to join): the
         # last output says so, and the gateway does not build them a second time.
-        self.traced = will_export(server.tracer_provider, request.traceparent)  # type: ignore[arg-type]
+        self.traced = will_export(server.tracer_provider, request.traceparent)
         self.token_times: list[float] = []  # when choice 0's tokens left, for the decode span's ITL
 
     def __call__(self, out: RequestOutput | BaseException) -> None:
@@ -325,7 +329,7 @@ class _LinkRequest:
                  out.num_cached_tokens, out.num_preemptions)
         ev, params = out.events, self.request.params
         if self.traced:
-            record_engine_trace(server.tracer_provider, EngineSpanRecord(  # type: ignore[arg-type]
+            record_engine_trace(server.tracer_provider, EngineSpanRecord(
                 request_id=rid, model=server.engine.model_name, traceparent=self.request.traceparent,
                 operation=self.request.operation, queued=ev.queued, scheduled=ev.scheduled,
                 first_token=ev.first_token, finished=ev.finished, prompt_tokens=len(self.request.prompt_token_ids),
