@@ -110,8 +110,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
     tls.add_argument("--ssl-ca-certs", metavar="FILE",
                      help="require client certificates signed by these CAs (mutual TLS)")
-    p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
-                   help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
+    p.add_argument("--served-model-name", action="extend", nargs="+", dest="served_model_names", default=[],
+                   metavar="NAME", help="more names clients may send for the (first) chat model, as vLLM's flag "
+                   "takes them (`--served-model-name a b`, or repeated); each is its own /v1/models entry")
     t = p.add_argument_group("telemetry")
     t.add_argument("--otlp-endpoint", metavar="URL",
                    help="export traces and the GenAI metrics over OTLP/HTTP to this base URL (else the OTEL_* "
