@@ -35,14 +35,23 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: AppState =
 
 
 def _model_card(state: AppState, name: str) -> dict:
+    """vLLM's ModelCard: one entry per name a client may send, an alias (`--served-model-name`)
+    included, each keeping the name asked for as `id`; `root` is the model that serves it and
+    `parent` is null, except for a LoRA adapter (as in vLLM): `root` its path, `parent` the base."""
     ref = state.router.adapter(name)
-    if ref is not None:  # a LoRA adapter: vLLM's card, root = its path, parent = the base model
+    if ref is not None:
         dep = state.router.deployments[ref.base]
-        return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
-                "root": ref.path, "parent": ref.base, "max_model_len": dep.max_model_len, "task": dep.task}
-    dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
+        root, parent = ref.path, ref.base
+    else:
+        dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
+        root, parent = dep.name, None
+    permission = {"id": f"modelperm-{dep.name}", "object": "model_permission", "created": state.started,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
     return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
-            "root": dep.name, "max_model_len": dep.max_model_len, "task": dep.task}
+            "root": root, "parent": parent, "max_model_len": dep.max_model_len, "permission": [permission],
+            "task": dep.task}
 
 
 async def _visible(state: AppState, request: Request) -> list[str]:

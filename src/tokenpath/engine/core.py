@@ -204,6 +204,8 @@ class EngineCore:
         return outs
 
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        self.sampler.prefetch_masks([seq for seq, n in scheduled if seq.grammar is not None
+                                     and seq.num_computed_tokens + n == seq.num_tokens])
         logits, sampling = self.runner.execute(scheduled)
         self.steps += 1
         prefills: list[list] | None = None

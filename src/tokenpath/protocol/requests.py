@@ -16,10 +16,6 @@ from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.telemetry.timeline import Timeline
 
-# The fields that cross the engine link (everything but the gateway-local timeline and prompt text).
-WIRE_FIELDS = ("request_id", "prompt_token_ids", "priority", "tenant", "session_id", "deadline",
-               "traceparent", "operation", "arrival", "lora")
-
 
 @dataclass
 class GenerateRequest:

@@ -67,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), OpenAI's
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
