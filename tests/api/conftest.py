@@ -49,12 +49,15 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
-def start_server(tmp: Path, *args: str, wait: float = 240) -> Server:
+def start_server(tmp: Path, *args: str, wait: float = 240, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`command` replaces the console script (a test double that wraps the real entry point);
+    `env` is added to the environment."""
     log = tmp / "server.log"
-    env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1", **(env or {})}
     with log.open("wb") as out:
-        proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*(command or [TOKENPATH]), "serve", "--port", "0", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         m = re.search(r"listening on https?://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
