@@ -358,3 +358,5 @@ def test_a_body_that_trickles_in_is_named_upload(one_seq: Served):
     assert c["kind"] == "upload" and c["detail"]["stage"] == "gateway", s["causes"]
     assert c["ms"] >= 900 and c["ms"] >= 0.8 * _stage_ms(s, "gateway"), (c, s["stages"])
     assert s["total_ms"] >= c["ms"]
+    timing = dict(re.findall(rb"(\w+);dur=([\d.]+)", got.split(b"\r\n\r\n")[0]))
+    assert float(timing[b"upload"]) >= 900, timing  # a stage of its own in Server-Timing

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TTFT_STAGES = ("gateway", "queue", "engine_queue", "prefill")
+TTFT_STAGES = ("upload", "gateway", "queue", "engine_queue", "prefill")
 
 
 @dataclass

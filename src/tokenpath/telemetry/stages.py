@@ -1,6 +1,7 @@
-"""The six stages of a request, read off its Timeline's stamps.
+"""The stages of a request, read off its Timeline's stamps.
 
-`gateway` (received->admitted: auth, routing, tokenize, rate limits), `queue` (the admission
+`upload` (received->body_read: the client sending its body), `gateway` (body_read->admitted:
+auth, routing, tokenize, rate limits), `queue` (the admission
 queue: admitted->dispatched), `engine_queue` (dispatched->scheduled), `prefill`
 (scheduled->first token), `decode` (first token->finished) and `total`.
 
@@ -18,10 +19,10 @@ import time
 
 from tokenpath.telemetry.timeline import Timeline
 
-STAGES = ("gateway", "queue", "engine_queue", "prefill", "decode")
+STAGES = ("upload", "gateway", "queue", "engine_queue", "prefill", "decode")
 # (stage, the stamp that ends it), in path order; `received` starts the first one.
-STAGE_ENDS = (("gateway", "admitted"), ("queue", "dispatched"), ("engine_queue", "scheduled"),
-              ("prefill", "first_token"), ("decode", "finished"))
+STAGE_ENDS = (("upload", "body_read"), ("gateway", "admitted"), ("queue", "dispatched"),
+              ("engine_queue", "scheduled"), ("prefill", "first_token"), ("decode", "finished"))
 
 
 def stage_durations(timeline: Timeline) -> dict[str, float]:
