@@ -81,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="a request with no first token this long after dispatch is released (600)")
     live.add_argument("--token-timeout", type=float, metavar="S",
                       help="a request with no next token for this long is released (300)")
+    serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
+                       help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
+                       "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
     serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
     _server_flags(engine)
@@ -90,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         routing=None, routing_policy=None, api_keys=[], metrics_public=None,
                         metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
                         embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None,
-                        stall_timeout=None, first_token_timeout=None, token_timeout=None)
+                        stall_timeout=None, first_token_timeout=None, token_timeout=None, causes=None)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -156,7 +159,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
                                             "data_dir", "database_url", "metrics_public", "metrics_require_key",
                                             "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
                                             "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs",
-                                            "stall_timeout", "first_token_timeout", "token_timeout")}
+                                            "stall_timeout", "first_token_timeout", "token_timeout", "causes")}
     if args.max_body_size is not None:
         server["max_body_size"] = args.max_body_size
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
