@@ -109,7 +109,7 @@ def report(meta: dict) -> str:
     med = statistics.median(tput)
     lines += ["", f"- Output throughput on / off: median **{med:.3f}** (cost {100 * (1 - med):+.1f}%; target <= 2%), "
                   f"mean {statistics.mean(tput):.3f} over {len(tput)} pairs: "
-                  + ("**met**" if med >= 0.98 else "**not met**" if len(tput) >= 4 else "too few pairs to say") + ".",
+                  + ("too few pairs to say" if len(tput) < 4 else "**met**" if med >= 0.98 else "**not met**") + ".",
               f"- TTFT p50 on / off: median {statistics.median(ttft):.3f}.",
               f"- Server CPU per output token on / off: median {statistics.median(cpu):.3f}.",
               f"- Per request, measured alone: deriving its causes and writing them into the audit row's `timing` "
