@@ -57,6 +57,7 @@ class EngineCore:
         self.steps = 0
         self.failed_steps = 0
         self._step_started = 0.0
+        self.step_tokens = 0  # tokens scheduled in the step running now, or the last one (liveness)
         # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
         # of step time, batch size and prefill chunks, without the engine knowing about metrics.
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
@@ -141,6 +142,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.step_tokens = sum(n for _, n in sched.scheduled)
         try:
             outs = self._run_step(sched.scheduled)
         except Exception as exc:
