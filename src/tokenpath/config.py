@@ -55,7 +55,9 @@ class EngineConfig(BaseModel):
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
     # server touches the whole budget: this is its steady-state KV memory, not just a cap.
     kv_cache_memory: str | int = "512MiB"
-    num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
+    # Overrides kv_cache_memory when set: the memory of this many blocks of every layer (a model
+    # whose window layers keep only their window gets more, smaller pages from it: engine/kv_groups.py).
+    num_kv_blocks: int | None = Field(None, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
     # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
     # A cap lets short prompts and decodes share steps with a long prefill instead of waiting
@@ -64,6 +66,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length, capped at 8192
     enable_prefix_caching: bool = True
+    # vLLM's name. False (default): sliding-window layers keep only their window's KV blocks
+    # (engine/kv_groups.py); True: every layer's blocks for the whole context (the baseline).
+    disable_hybrid_kv_cache_manager: bool = False
     seed: int = 0
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.

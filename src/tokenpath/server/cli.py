@@ -138,13 +138,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request prefills per step (0: no cap)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                   help="keep every layer's KV blocks for the whole context (sliding-window layers too)")
     g.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template replacing the model's own (needed for chat on a base model)")
 
 
 _ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
                  "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching",
-                 "chat_template")
+                 "chat_template", "disable_hybrid_kv_cache_manager")
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:

@@ -253,6 +253,8 @@ def engine_flags(engine: Any) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if not getattr(engine, "enable_prefix_caching", True):
         flags.append("--no-enable-prefix-caching")
+    if getattr(engine, "disable_hybrid_kv_cache_manager", False):
+        flags.append("--disable-hybrid-kv-cache-manager")
     return flags
 
 
