@@ -25,7 +25,6 @@ from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.sequence import Sequence, Status
 
-
 # Prompt tokens per step of a prompt_logprobs request: 256 rows of logits are 256 MiB at Gemma 3's
 # 262k vocabulary, 48 MiB at SmolLM2's.
 PROMPT_LOGPROBS_CHUNK = 256
