@@ -136,6 +136,7 @@ blocks each at a decode step (the peak is during prefill: a chunk's blocks plus 
 it). The greedy tokens of both modes are {'identical' if meta['same_tokens'] else 'DIFFERENT'}.
 "formula" is the same figure from the config alone (full layers: the context in whole blocks;
 window layers: 33 blocks), beside the measured one.
+"seconds" is the whole request on whatever else the machine runs (not a speed measurement).
 """
 
 
