@@ -40,7 +40,7 @@ lint: install
 
 test: install
 	$(BIN)/ruff check src tests
-	bash scripts/services.sh $(BIN)/python -m pytest -q -ra
+	bash scripts/services.sh $(BIN)/python -m pytest -q -ra --durations=30
 
 bench: install
 	bash benchmarks/run_peers.sh

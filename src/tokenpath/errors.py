@@ -69,11 +69,6 @@ class NotFoundError(TokenpathError):
     error_type = "not_found_error"
 
 
-class PayloadTooLargeError(TokenpathError):
-    status_code = 413
-    error_type = "invalid_request_error"
-
-
 class RateLimitError(TokenpathError):
     """429: over a rate limit or quota, or shed by admission control. Carries Retry-After."""
 

@@ -49,11 +49,13 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
-def start_server(tmp: Path, *args: str, wait: float = 240) -> Server:
+def start_server(tmp: Path, *args: str, wait: float = 240, exe: str = TOKENPATH,
+                 env: dict[str, str] | None = None) -> Server:
+    """`exe serve --port 0 ARGS` (exe: another install's `tokenpath`), in `env` (default: ours)."""
     log = tmp / "server.log"
-    env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
+    env = {**(os.environ if env is None else env), "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
-        proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", *args], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([exe, "serve", "--port", "0", *args], stdout=out, stderr=subprocess.STDOUT,
                                 env=env)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:

@@ -130,7 +130,9 @@ def test_health_stays_200_degraded_while_one_replica_is_down(servers):
     assert h.json()["replicas"][EMBED_MODEL][victim]["state"] == "down"
     for i in range(3):  # the other engine serves meanwhile
         assert len(client(replicas).embeddings.create(model=EMBED_MODEL, input=f"still {i}").data) == 1
+    # The restart is a new process importing torch and loading the model: seconds on a quiet
+    # machine, over 30 s on 2 cores at load 9; the bound only catches a restart that never comes.
     while (h := httpx.get(replicas.url + "/health")).json()["status"] != "ok":
-        assert h.status_code == 200 and time.monotonic() - killed < 30, replicas.output()[-2000:]
+        assert h.status_code == 200 and time.monotonic() - killed < 120, replicas.output()[-2000:]
         time.sleep(0.2)
     assert engine_pids(replicas)[victim] != pids[victim]

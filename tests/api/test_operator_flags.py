@@ -32,7 +32,7 @@ def test_version_matches_the_package():
 
 @pytest.fixture(scope="module")
 def keyed(server_factory):
-    return server_factory("--model", CHAT, "--api-key", "k1", "--served-model-name", "my-alias",
+    return server_factory("--model", CHAT, "--api-key", "k1", "--served-model-name", "my-alias", "my-other",
                           "--served-model-name", "gpt-4o-mini")
 
 
@@ -58,9 +58,19 @@ def test_api_key_refuses_missing_and_other_keys_and_accepts_k1(keyed):
 
 def test_served_model_names_answer_in_v1_models_and_serve_requests(keyed):
     client = _client(keyed, "k1")
-    assert {m.id for m in client.models.list()} == {CHAT, "my-alias", "gpt-4o-mini"}
+    assert {m.id for m in client.models.list()} == {CHAT, "my-alias", "my-other", "gpt-4o-mini"}
     resp = client.chat.completions.create(model="my-alias", messages=MSG, max_tokens=1)
     assert resp.model == CHAT
+    # vLLM's card for each name (`--served-model-name a b` takes several, as vLLM's does): the id
+    # the client sends, the model behind it as `root`, no `parent` (that is for LoRA adapters).
+    with httpx.Client(base_url=keyed.url, timeout=60, headers={"Authorization": "Bearer k1"}) as http:
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+        assert http.get("/v1/models/my-other").json() == cards["my-other"]
+    for name in ("my-alias", "my-other", "gpt-4o-mini", CHAT):
+        card = cards[name]
+        assert (card["object"], card["root"], card["parent"]) == ("model", CHAT, None)
+        assert card["max_model_len"] == cards[CHAT]["max_model_len"] > 0
+        assert card["permission"][0]["object"] == "model_permission"
 
 
 def test_stored_keys_keep_working_beside_static_ones(keyed, store):
@@ -124,7 +134,7 @@ def test_store_is_private(keyed):
 
 def test_banner_and_shutdown_line(keyed):
     head = keyed.output()
-    assert "tokenpath 0." in head and f"model: {CHAT} (chat" in head and "also as my-alias, gpt-4o-mini" in head
+    assert "tokenpath 0." in head and f"model: {CHAT} (chat" in head and "also as my-alias, my-other, gpt-4o-mini" in head
     assert "auth: on (1 --api-key key(s)" in head and "data dir:" in head and "/reset_prefix_cache" in head
     assert "k1" not in head  # a key is never printed
     assert keyed.stop() == 0

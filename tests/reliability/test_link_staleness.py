@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from tokenpath.protocol import EngineState
 from tokenpath.replica.link_client import STALE_AFTER_S, EngineLinkReplica
 
 
@@ -18,7 +19,7 @@ def replica_with_state_age(age_s: float) -> EngineLinkReplica:
     rep = EngineLinkReplica("engine-x", secret="unused")
     rep._down_reason = None  # linked, as `connect()` leaves it (no engine needed for this check)
     rep.liveness.active = True
-    rep._state = {"healthy": True, "running": 1, "waiting": 0, "kv": 0.1}
+    rep._state = EngineState(running=1, kv_usage=0.1)  # the engine's last state message
     rep.liveness.heard_at = time.monotonic() - age_s
     return rep
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
@@ -114,6 +115,26 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
     except openai.APIError as exc:  # an error event in the stream
         assert received > 0 and "internal server error" not in str(exc), exc
         return "stream_error", received
+
+
+async def test_structured_output_is_enforced_inside_the_actors(ray_gateway: RayGateway) -> None:
+    """Issue 22: the grammar runs where the tokenizer and sampler are, in each engine actor. The
+    tiny model has random weights, so only the grammar can make its replies valid; six requests
+    at once reach both actors (least_loaded), a JSON schema and a choice side by side."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "answer"}]
+    async with ray_gateway.client() as client:
+        calls = [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=1.0,
+                                                response_format=fmt) for _ in range(4)]
+        calls += [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=1.0,
+                                                 extra_body={"guided_choice": ["alpha", "beta"]}) for _ in range(2)]
+        replies = await asyncio.gather(*calls)
+    for r in replies[:4]:
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert all(r.choices[0].message.content in ("alpha", "beta") for r in replies[4:]), replies[4:]
 
 
 async def test_two_actors_serve_40_requests_and_a_killed_one_comes_back(ray_gateway: RayGateway) -> None:

@@ -8,7 +8,7 @@ import time
 
 from tokenpath.admission.controller import FlowController
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import EngineState, GenerateRequest, SamplingParams
 from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.liveness import LivenessConfig
 from tokenpath.replica.pool import ReplicaPool
@@ -20,7 +20,7 @@ def linked(name: str) -> EngineLinkReplica:
     rep = EngineLinkReplica(name, secret="unused", max_num_seqs=8, liveness=LivenessConfig(stall_after_s=2.0))
     rep._down_reason = None
     rep.liveness.active = True
-    rep._state = {"healthy": True, "running": 0, "waiting": 0, "kv": 0.0, "block_size": 16, "num_blocks": 1000}
+    rep._state = EngineState(block_size=16, num_blocks=1000)
     return rep
 
 

@@ -18,6 +18,7 @@ from tokenpath.api.dashboard import router as dashboard_routes
 from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.routes import router as api_routes
+from tokenpath.api.run import refuse_early
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
 from tokenpath.api.tokenize import router as tokenize_routes
@@ -50,13 +51,14 @@ def create_app(
     app = FastAPI(title="tokenpath", version="0.1.0", lifespan=lifespan,
                   summary="OpenAI-compatible LLM serving that says where every millisecond went.", **native)
     app.state.tokenpath = state
-    install_error_handlers(app)
+    install_error_handlers(app, lambda request, error, body: refuse_early(state, request, error, body))
     app.include_router(api_routes)
     app.include_router(dashboard_routes)
     app.include_router(tokenize_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
-                       max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout)
+                       max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout,
+                       refuse=lambda request, error: refuse_early(state, request, error))
     # Outermost (added last): a page in a browser is refused before any body is read.
     bind = getattr(config, "host", None)  # ServerConfig's; an app built by a test is on loopback
     app.add_middleware(BrowserGuardMiddleware, guard=lambda: state.guard,

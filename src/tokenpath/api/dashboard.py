@@ -17,6 +17,7 @@ import asyncio
 import base64
 import functools
 import hashlib
+import json
 import re
 import time
 from dataclasses import asdict
@@ -29,6 +30,7 @@ from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from tokenpath.gateway.cli import parse_time
 from tokenpath.telemetry.diagnose import diagnose, engine_figures
+from tokenpath.telemetry.timeline import PATH_STAGES
 from tokenpath.telemetry.waterfall import summary
 
 router = APIRouter()
@@ -36,7 +38,9 @@ COOKIE = "tokenpath_admin"
 
 
 def _page(name: str) -> str:
-    return resources.files("tokenpath.api").joinpath("static", name).read_text(encoding="utf-8")
+    """A static page, with the stage table filled in (defined once: `telemetry.timeline`)."""
+    text = resources.files("tokenpath.api").joinpath("static", name).read_text(encoding="utf-8")
+    return text.replace("__PATH_STAGES__", json.dumps(list(PATH_STAGES)))
 
 
 def _script_hashes(*pages: str) -> str:

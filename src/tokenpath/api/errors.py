@@ -8,10 +8,11 @@ other exception is logged and becomes a 500 without leaking internals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenpath.errors import InvalidRequestError, TokenpathError
@@ -87,14 +88,24 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
     return InvalidRequestError(f"{param}: {msg}{more}" if param else msg + more, param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+# How a request refused by the schema (before its route ran) is still recorded: (request, error, raw body).
+Refusal = Callable[[Request, TokenpathError, object], Awaitable[Response]]
+
+
+def install_error_handlers(app: FastAPI, refuse: Refusal | None = None) -> None:
+    """`refuse` records schema refusals like any other ending (audit row, log line, metrics); without
+    it (an app built without request bookkeeping) they are only answered."""
+
     @app.exception_handler(TokenpathError)
     async def _typed(request: Request, exc: TokenpathError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc, request))
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        error = validation_error(exc, request)
+        if refuse is not None:
+            return await refuse(request, error, exc.body)
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -13,29 +13,55 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tokenpath.api.errors import error_body
+from tokenpath.errors import TokenpathError
 
 UPLOAD_KEY = "tokenpath.upload"  # ASGI scope key: (started, body read, body bytes), monotonic seconds
+# How a refusal here is still recorded like any other ending (audit row, log line, metrics).
+Refuse = Callable[[Request, TokenpathError], Awaitable[Response]]
 
 
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
-    await send({"type": "http.response.start", "status": status,
+class TransportRefusal(TokenpathError):
+    """Headers or body too large (431, 413), or a body too slow (408): refused before the app ran.
+    The connection is closed after the answer (the rest of the body may still be on its way)."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message, code=code, headers={"connection": "close"})
+        self.status_code = status
+
+
+async def _send_error(send: Send, err: TransportRefusal) -> None:
+    body = json.dumps(error_body(err.message, err.error_type, code=err.code)).encode()
+    await send({"type": "http.response.start", "status": err.status_code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int, body_timeout: float = 10.0) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int, body_timeout: float = 10.0,
+                 refuse: Refuse | None = None) -> None:
         self.app = app
         self.max_body = max_body_bytes
         self.max_headers = max_header_bytes
         self.body_timeout = body_timeout
+        self.refuse = refuse
+
+    async def _refused(self, scope: Scope, receive: Receive, send: Send, err: TransportRefusal) -> None:
+        if self.refuse is None:
+            await _send_error(send, err)
+            return
+        response = await self.refuse(Request(scope), err)
+        await response(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,30 +69,37 @@ class BodyLimitMiddleware:
             return
         header_bytes = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
         if header_bytes > self.max_headers:
-            await _send_error(send, 431, f"request headers are {header_bytes} bytes, over the limit of "
-                              f"{self.max_headers} bytes", "headers_too_large")
+            await self._refused(scope, receive, send, TransportRefusal(
+                431, f"request headers are {header_bytes} bytes, over the limit of {self.max_headers} bytes",
+                "headers_too_large"))
             return
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await _send_error(send, 413, f"request body is {int(declared)} bytes, over the limit of "
-                              f"{self.max_body} bytes", "body_too_large")
+            await self._refused(scope, receive, send, TransportRefusal(
+                413, f"request body is {int(declared)} bytes, over the limit of {self.max_body} bytes",
+                "body_too_large"))
             return
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.body_timeout):
-                body = await self._read_body(receive, send)
+                body = await self._read_body(receive)
         except TimeoutError:
-            await _send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s; "
-                              "send the whole body at once", "request_timeout")
+            await self._refused(scope, receive, send, TransportRefusal(
+                408, f"the request body did not arrive within {self.body_timeout:g} s; send the whole body at once",
+                "request_timeout"))
             return
-        if body is not None:
+        if body is _TOO_LARGE:
+            await self._refused(scope, receive, send, TransportRefusal(
+                413, f"request body is over the limit of {self.max_body} bytes", "body_too_large"))
+            return
+        if isinstance(body, bytes):
             # The request's upload (headers in -> whole body read): `RequestRun` starts its
             # Timeline here, so the upload is part of `gateway` and explained by an `upload` cause.
             scope[UPLOAD_KEY] = (started, time.monotonic(), len(body))
             await self.app(scope, _replay(body, receive), send)
 
-    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, or None when the client left or it was over the limit (answered 413)."""
+    async def _read_body(self, receive: Receive) -> bytes | object | None:
+        """The whole body, None when the client left, `_TOO_LARGE` past the limit."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -76,9 +109,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                await _send_error(send, 413, f"request body is over the limit of {self.max_body} bytes",
-                                  "body_too_large")
-                return None
+                return _TOO_LARGE
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -124,6 +155,9 @@ def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
     return HeaderTimeoutProtocol
+
+
+_TOO_LARGE = object()  # `_read_body`'s answer for a body past the limit
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

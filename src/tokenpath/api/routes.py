@@ -35,9 +35,17 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: AppState =
 
 
 def _model_card(state: AppState, name: str) -> dict:
+    """vLLM's ModelCard: one entry per name a client may send, an alias (`--served-model-name`)
+    included, each keeping the name asked for as `id`; `root` is the model that serves it and
+    `parent` is null (vLLM sets it only for LoRA adapters, which tokenpath does not serve)."""
     dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
+    permission = {"id": f"modelperm-{dep.name}", "object": "model_permission", "created": state.started,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
     return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
-            "root": dep.name, "max_model_len": dep.max_model_len, "task": dep.task}
+            "root": dep.name, "parent": None, "max_model_len": dep.max_model_len, "permission": [permission],
+            "task": dep.task}
 
 
 async def _visible(state: AppState, request: Request) -> list[str]:

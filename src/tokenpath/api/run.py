@@ -7,6 +7,7 @@ error, a client disconnect, a shutdown abort or an unexpected exception.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -36,6 +37,34 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the au
 # A client's x-request-id is kept end to end when it looks like an id (what nginx, Envoy and
 # OpenAI's SDKs send); anything else is replaced by a minted one rather than logged as is.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+# The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
+ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
+               "/tokenize": "tok", "/detokenize": "tok"}
+_MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
+
+
+async def refuse_early(state: AppState, request: Request, error: TokenpathError, body: object = None) -> Response:
+    """A request to a request endpoint refused before its route ran: its body by the schema
+    (FastAPI's validation: an unknown field, malformed JSON), or its headers or body by their
+    limits (`api.limits`: 431, 413, 408). It gets the same RequestRun ending as a refusal inside
+    the route (a request log line, an audit row, `requests_total`), so a client sending a field the
+    server does not know shows up on the server, not only in the client's own error. The key is
+    checked only to name the tenant; the refusal is the answer either way (the cheapest checks
+    come before the key). `body`: the parsed body, if any, for the `model` it names."""
+    prefix = ID_PREFIXES.get(request.url.path)
+    if prefix is None:
+        return error_response(error)
+    run = RequestRun(state, request, request.url.path, prefix)
+    try:
+        with contextlib.suppress(TokenpathError):
+            await run.authenticate()
+        model = body.get("model") if isinstance(body, dict) else None
+        run.model = model[:_MODEL_CHARS] if isinstance(model, str) else None
+        return run.respond_to(error)
+    finally:
+        await run.finish()
 
 
 def request_id_of(request: Request, prefix: str) -> str:

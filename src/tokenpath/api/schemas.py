@@ -166,6 +166,7 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Accepted and ignored: they do not change the output.
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -23,10 +23,8 @@ from typing import Any
 import numpy as np
 
 from tokenpath.bench.records import RequestRecord
-from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
+from tokenpath.telemetry.timeline import STAGES
 
-PERCENTILES = (50, 90, 99)
-STAGES = (*SERVER_STAGES, "total")  # the server's own stages (telemetry.stages), then their sum
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 

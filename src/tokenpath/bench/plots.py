@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenpath.bench.runner import RunResult
-from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
+from tokenpath.telemetry.timeline import PATH_STAGES as SERVER_STAGES
 
 
 def _plt():

@@ -20,7 +20,7 @@ from typing import Any
 from tokenpath.bench.metrics import Stats, Summary
 from tokenpath.bench.records import LoadPoint, RequestRecord, Target
 from tokenpath.bench.runner import RunResult
-from tokenpath.telemetry.stages import STAGES as SERVER_STAGES
+from tokenpath.telemetry.timeline import PATH_STAGES as SERVER_STAGES
 
 SCHEMA = "tokenpath.bench/1"
 

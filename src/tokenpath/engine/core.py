@@ -167,6 +167,8 @@ class EngineCore:
         return outs
 
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        self.sampler.prefetch_masks([seq for seq, n in scheduled if seq.grammar is not None
+                                     and seq.num_computed_tokens + n == seq.num_tokens])
         logits, sampling, prompt_rows = self.runner.execute(scheduled)
         if prompt_rows:
             self._score_prompts(logits[len(sampling):], prompt_rows)

@@ -1,6 +1,7 @@
 """From sampled tokens to what a client sees: text, stop conditions, logprobs, deltas.
 
-Stop strings are never emitted: while streaming, the last `len(longest stop) - 1` characters are
+Stop strings are not emitted (unless vLLM's `include_stop_str_in_output` asks for the matched one to
+end the text): while streaming, the last `len(longest stop) - 1` characters are
 held back until they can be ruled out. Text is produced by an incremental detokenizer that never
 splits a multi-byte UTF-8 character.
 """
@@ -89,14 +90,14 @@ class OutputProcessor:
     def _check_stop_strings(choice: ChoiceState, p: SamplingParams, before: int) -> str | None:
         # Only a match that ends in the new text is new; earlier text was checked already.
         window_start = max(0, before - max(len(s) for s in p.stop) + 1)
-        best = -1
+        best, end = -1, -1
         for s in p.stop:
             i = choice.text.find(s, window_start)
             if i != -1 and (best == -1 or i < best):
-                best, choice.seq.stop_reason = i, s
+                best, end, choice.seq.stop_reason = i, i + len(s), s
         if best == -1:
             return None
-        choice.text = choice.text[:best]
+        choice.text = choice.text[:end if p.include_stop_str_in_output else best]
         return "stop"
 
     def make_output(self, req: RequestState) -> RequestOutput | None:

@@ -79,16 +79,6 @@ class Tx(Protocol):
     def q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]: ...
 
 
-class Database(Protocol):
-    kind: str
-
-    def transaction(self, lock_tenant: str | None = None) -> Any: ...
-
-    def migrate(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class _SqliteTx:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn

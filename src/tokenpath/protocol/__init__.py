@@ -7,7 +7,9 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 - `GenerateRequest` (`requests.py`): one prompt's request to a replica;
 - `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
 - `EmbeddingRequest`, `EmbeddingOutput` (`embeddings.py`): the same trip for an embedding model;
-- `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read.
+- `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read;
+- the engine link's own messages (`link.py`: hello/welcome, ping/pong, abort, reset, errors);
+- `wire.py`: the engine link's one codec, for every message above that crosses a process.
 """
 
 from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest

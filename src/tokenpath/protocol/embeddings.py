@@ -3,7 +3,7 @@
 The twin of `GenerateRequest` / `RequestOutput` for pooling models. Built once by the API layer
 (tokenized and validated there), passed whole through admission, routing and the replica to the
 embedding engine; across the engine link its wire fields travel as they are
-(`protocol.embedding_wire`). It answers in one `EmbeddingOutput` (vectors + the engine's event
+(`protocol.wire`). It answers in one `EmbeddingOutput` (vectors + the engine's event
 times), which the replica boundary stamps on the request's Timeline like a generation's last
 delta: `scheduled` when its encoder batch started, `first_token` when the vectors were ready.
 """

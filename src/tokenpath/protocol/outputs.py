@@ -116,20 +116,24 @@ class RequestOutput:
 
 @dataclass
 class EngineState:
-    """What routers, admission control and /metrics read (vLLM-compatible meanings)."""
+    """What routers, admission control and /metrics read (vLLM-compatible meanings). Also the
+    engine link's `state` message (`protocol.link`), which adds the step histograms."""
 
-    waiting: int
-    running: int
-    kv_usage: float  # fraction of KV blocks in use, 0..1
-    num_blocks: int
-    block_size: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which were served from it
-    num_preemptions: int
-    prompt_tokens: int  # total prompt tokens computed or cached
-    generation_tokens: int
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_blocks: int = 0
+    block_size: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which were served from it
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # total prompt tokens computed or cached
+    generation_tokens: int = 0
     healthy: bool = True
     steps: int = 0
+    # The engine's cumulative step histograms (`telemetry.engine_steps.StepStats.snapshot`), filled
+    # by the engine link's end for the gateway's /metrics; None in process.
+    step_stats: dict[str, list] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -15,10 +15,6 @@ from dataclasses import dataclass, field
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.telemetry.timeline import Timeline
 
-# The fields that cross the engine link (everything but the gateway-local timeline and prompt text).
-WIRE_FIELDS = ("request_id", "prompt_token_ids", "priority", "tenant", "session_id", "deadline",
-               "traceparent", "operation", "arrival")
-
 
 @dataclass
 class GenerateRequest:

@@ -70,6 +70,7 @@ class SamplingParams:
     # such a prompt is computed whole, never served from the prefix cache (it has no logits there).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), OpenAI's
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 

@@ -1,23 +1,48 @@
-"""The engine link's wire format: length-prefixed msgpack frames of plain maps and lists.
+"""The engine link's wire format and its one codec: length-prefixed msgpack frames.
 
 msgpack is compact, fast and safe to decode (no pickle: a frame can only ever become dicts,
 lists, strings and numbers). Each frame is a 4-byte big-endian length and one msgpack map with a
-`t` (type) key. The codecs below are the only place the protocol types are flattened, so adding a
-field to `GenerateRequest` or `RequestOutput` means changing exactly one encoder and decoder.
+`t` (type) key. `encode` turns any message of the link into that map and `decode` turns a map
+back into its message (`protocol.link` lists them); no other module flattens a protocol type.
+
+Two kinds have hand-written layouts, because they are most of the link's traffic (a frame per
+request per engine step): `out` (`RequestOutput`, positional lists) and the requests. The rest
+(`protocol.link`'s messages and `EngineState`) are encoded field by field under their own
+names, so adding a field to one of those classes is the whole change: the peer of an older
+version ignores a key it does not know, and a key it does not send keeps the field's default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
+import sys
 import time
+import typing
+from array import array
 from dataclasses import asdict
+from typing import Any
 
 import msgpack
 
+from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest
+from tokenpath.protocol.link import (
+    Abort,
+    Denied,
+    Hello,
+    LinkError,
+    LinkInfo,
+    Ping,
+    Pong,
+    Reset,
+    ResetDone,
+    Welcome,
+)
 from tokenpath.protocol.outputs import (
     CompletionOutput,
     EngineEvents,
+    EngineState,
     GrammarStats,
     RequestOutput,
     TokenLogprob,
@@ -34,8 +59,14 @@ class FrameError(Exception):
 
 
 def pack(msg: dict) -> bytes:
+    """One frame of an encoded message (`pack(encode(msg))`)."""
     body = msgpack.packb(msg, use_bin_type=True)
     return _LEN.pack(len(body)) + body
+
+
+def frame(msg: object) -> bytes:
+    """One frame of any message of the link."""
+    return pack(encode(msg))
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict:
@@ -160,3 +191,118 @@ def _events(ev: list) -> EngineEvents:
         out.preempted = [[float(t), str(w), int(n), None if d is None else float(d)] for t, w, n, d in preempted]
     out.traced = bool(rest[5]) if len(rest) > 5 else False
     return out
+
+
+# -- EmbeddingRequest / EmbeddingOutput ----------------------------------------------------------
+# Vectors travel as little-endian float32 bytes: the encoder computes in float32, so the gateway
+# gets exactly the numbers an in-process replica would return, at a quarter of msgpack's float64 size.
+def encode_embedding_request(req: EmbeddingRequest, now: float | None = None) -> dict:
+    now = time.monotonic() if now is None else now
+    return {"id": req.request_id, "inputs": req.inputs, "prio": req.priority, "tenant": req.tenant,
+            "deadline_in": None if req.deadline is None else req.deadline - now, "trace": req.traceparent}
+
+
+def decode_embedding_request(d: dict, now: float | None = None) -> EmbeddingRequest:
+    now = time.monotonic() if now is None else now
+    left = d.get("deadline_in")
+    return EmbeddingRequest(request_id=str(d["id"]), inputs=[list(x) for x in d["inputs"]],
+                            priority=int(d.get("prio", 0)), tenant=str(d.get("tenant") or "anonymous"),
+                            deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
+                            arrival=now)
+
+
+def _f32(vector: list[float]) -> bytes:
+    packed = array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _floats(raw: bytes) -> list[float]:
+    packed = array("f")
+    packed.frombytes(raw)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def encode_embedding_output(out: EmbeddingOutput) -> dict:
+    ev = out.events
+    return {"t": "vec", "id": out.request_id, "n": out.num_prompt_tokens,
+            "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished],
+            "vecs": [_f32(v) for v in out.vectors]}
+
+
+def decode_embedding_output(d: dict) -> EmbeddingOutput:
+    """Event times stay in the sender's clock; the link client shifts them."""
+    queued, scheduled, first, finished = d["ev"]
+    return EmbeddingOutput(request_id=str(d["id"]), vectors=[_floats(v) for v in d["vecs"]],
+                           num_prompt_tokens=int(d.get("n", 0)),
+                           events=EngineEvents(queued, scheduled, first, finished))
+
+
+# -- every message: encode / decode --------------------------------------------------------------
+# The messages encoded field by field, by frame type.
+FIELD_MESSAGES: dict[str, type] = {
+    "hello": Hello, "welcome": Welcome, "denied": Denied, "ping": Ping, "pong": Pong, "reset": Reset,
+    "reset_done": ResetDone, "abort": Abort, "err": LinkError, "state": EngineState,
+}
+_TAGS = {cls: tag for tag, cls in FIELD_MESSAGES.items()}
+_NESTED = {LinkInfo}  # message classes that appear as a field of another
+
+
+def encode(msg: object) -> dict:
+    """The frame map of one message of the link."""
+    if type(msg) is RequestOutput:
+        return encode_output(msg)
+    tag = _TAGS.get(type(msg))
+    if tag is not None:
+        d = _fields_of(msg)
+        d["t"] = tag
+        return d
+    if isinstance(msg, GenerateRequest):
+        return {"t": "add", "req": encode_request(msg)}
+    if isinstance(msg, EmbeddingRequest):
+        return {"t": "embed", "req": encode_embedding_request(msg)}
+    if isinstance(msg, EmbeddingOutput):
+        return encode_embedding_output(msg)
+    raise TypeError(f"{type(msg).__name__} is not a message of the engine link")
+
+
+def decode(d: dict) -> Any:
+    """The message a frame map holds; `FrameError` for a malformed one, None for a frame type
+    this version does not know (ignored, so a newer peer may add one). An `out` frame is decoded
+    by `decode_output`, against the request it answers."""
+    kind = d["t"]
+    cls = FIELD_MESSAGES.get(kind)
+    try:
+        if cls is not None:
+            return _build(cls, d)
+        if kind == "add":
+            return decode_request(d["req"])
+        if kind == "embed":
+            return decode_embedding_request(d["req"])
+        if kind == "vec":
+            return decode_embedding_output(d)
+    except FrameError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise FrameError(f"malformed {kind!r} frame: {exc}") from None
+    return None
+
+
+def _fields_of(msg: object) -> dict:
+    return {name: _fields_of(v) if type(v) in _NESTED else v
+            for name in _NAMES[type(msg)] for v in (getattr(msg, name),)}
+
+
+def _build(cls: type, d: dict) -> Any:
+    if not isinstance(d, dict):
+        raise FrameError(f"{cls.__name__} must be a map")
+    nested, names = _NESTED_FIELDS[cls], _NAMES[cls]
+    return cls(**{k: _build(nested[k], v) if k in nested else v for k, v in d.items() if k in names})
+
+
+# Each message class's fields, and those that hold another message (read once, at import).
+_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*FIELD_MESSAGES.values(), *_NESTED)}
+_NESTED_FIELDS = {cls: {name: t for name, t in typing.get_type_hints(cls).items() if t in _NESTED} for cls in _NAMES}

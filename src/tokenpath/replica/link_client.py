@@ -29,13 +29,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
-from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
-from tokenpath.protocol.wire import FrameError, FrameReader, decode_output, encode_request, pack, read_frame
+from tokenpath.protocol import EmbeddingOutput, EngineState, GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.protocol.link import Abort, Hello, LinkError, LinkInfo, Ping, Pong, Reset, ResetDone, Welcome
+from tokenpath.protocol.wire import FrameError, FrameReader, decode, decode_output, frame, read_frame
 from tokenpath.replica.liveness import STALL_AFTER_S, Liveness, LivenessConfig, Progress
 
 log = logging.getLogger("tokenpath.replica")
@@ -46,19 +46,6 @@ log = logging.getLogger("tokenpath.replica")
 STALE_AFTER_S = STALL_AFTER_S
 CONNECT_TIMEOUT_S = 10.0
 SYNC_PINGS = 5
-
-
-@dataclass
-class LinkInfo:
-    """What the engine says about itself at connect."""
-
-    model: str = ""
-    max_model_len: int = 2048
-    block_size: int = 16
-    num_blocks: int = 0
-    max_num_seqs: int = 0
-    pid: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LinkRefusedError(ServiceUnavailableError):
@@ -88,7 +75,7 @@ class EngineLinkReplica:
         self._streams: dict[str, _Stream] = {}
         self._pongs: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._state: dict = {}
+        self._state = EngineState()  # the engine's last state message
         self.liveness = Liveness(name, liveness)  # stall and per-request progress bounds
         self.liveness.active = False  # (judged while linked)
         self._down_reason: str | None = "not connected yet"
@@ -97,19 +84,16 @@ class EngineLinkReplica:
     async def connect(self, host: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Link to an engine; `timeout` covers its start-up (it answers once its model is loaded)."""
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-        writer.write(pack({"t": "hello", "secret": self.secret}))
+        writer.write(frame(Hello(self.secret)))
         try:
-            welcome = await asyncio.wait_for(read_frame(reader), timeout)
+            welcome = decode(await asyncio.wait_for(read_frame(reader), timeout))
         except BaseException:
             writer.close()
             raise
-        if welcome.get("t") != "welcome":
+        if not isinstance(welcome, Welcome):
             writer.close()
-            raise LinkRefusedError(f"engine {self.name} refused the link: {welcome.get('message', welcome)}")
-        i = welcome.get("info") or {}
-        self.info = LinkInfo(model=i.get("model", ""), max_model_len=int(i.get("max_model_len") or 2048),
-                             block_size=int(i.get("block_size") or 16), num_blocks=int(i.get("num_blocks") or 0),
-                             max_num_seqs=int(i.get("max_num_seqs") or 0), pid=int(i.get("pid") or 0), extra=i)
+            raise LinkRefusedError(f"engine {self.name} refused the link: {getattr(welcome, 'message', welcome)}")
+        self.info = welcome.info
         if self._reader_task is not None:
             self._reader_task.cancel()
         self._writer = writer
@@ -127,7 +111,7 @@ class EngineLinkReplica:
             fut = asyncio.get_running_loop().create_future()
             self._pongs[pid] = fut
             sent = time.monotonic()
-            self._send({"t": "ping", "id": pid})
+            self._send(Ping(pid))
             engine_now = await asyncio.wait_for(fut, CONNECT_TIMEOUT_S)
             got = time.monotonic()
             rtt, offset = got - sent, engine_now - (sent + got) / 2
@@ -153,32 +137,29 @@ class EngineLinkReplica:
 
     def _dispatch(self, msg: dict) -> None:
         """One frame from the engine, to the request stream or future waiting for it."""
-        kind = msg["t"]
-        if kind == "out":
+        if msg["t"] == "out":  # (most frames: decoded against the request they answer)
             entry = self._streams.get(msg["id"])
             if entry is not None:
                 out = decode_output(msg, entry.request)
                 out.events = out.events.shifted(-self.offset)
                 self._deliver(entry, out)
-        elif kind == "err":
-            entry = self._streams.get(msg["id"])
+            return
+        m = decode(msg)
+        if isinstance(m, EngineState):
+            self._state = m
+        elif isinstance(m, EmbeddingOutput):
+            entry = self._streams.get(m.request_id)
             if entry is not None:
-                entry.queue.put_nowait(_error_from(msg, self.name))
-        elif kind == "state":
-            self._state = msg
-        elif kind == "pong":
-            fut = self._pongs.pop(msg.get("id"), None)
+                m.events = m.events.shifted(-self.offset)
+                self._deliver(entry, m)
+        elif isinstance(m, LinkError):
+            entry = self._streams.get(m.id)
+            if entry is not None:
+                entry.queue.put_nowait(m.exception(self.name))
+        elif isinstance(m, Pong | ResetDone):
+            fut = self._pongs.pop(m.id, None)
             if fut is not None and not fut.done():
-                fut.set_result(float(msg["now"]))
-        elif kind == "reset_done":
-            fut = self._pongs.pop(msg.get("id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(float(msg.get("freed") or 0))
-        else:
-            self._on_frame(kind, msg)
-
-    def _on_frame(self, kind: str, msg: dict) -> None:
-        """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
+                fut.set_result(float(m.now if isinstance(m, Pong) else m.freed))
 
     def _deliver(self, entry: _Stream, out: Any) -> None:
         """An output for a request in flight: to its reader, and its progress noted."""
@@ -198,10 +179,10 @@ class EngineLinkReplica:
         for entry in self._streams.values():
             entry.queue.put_nowait(dead)
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: object) -> None:
         if self._writer is None:
             raise EngineDeadError(f"replica '{self.name}' is down: {self._down_reason}")
-        self._writer.write(pack(msg))
+        self._writer.write(frame(msg))
 
     async def close(self) -> None:
         self._down_reason = self._down_reason or "closed by the gateway"  # (expected: not a warning)
@@ -214,10 +195,10 @@ class EngineLinkReplica:
 
     # -- the Replica interface --------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        return self._stream(request, {"t": "add", "req": encode_request(request)}, lambda out: out.finished)
+        return self._stream(request, lambda out: out.finished)
 
-    async def _stream(self, request: Any, frame: dict, last: Callable[[Any], bool]) -> AsyncIterator[Any]:
-        """One request over the link: send its frame, yield what `_dispatch` queues for it until
+    async def _stream(self, request: Any, last: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """One request over the link: send it, yield what `_dispatch` queues for it until
         `last(item)`, raise an error it queues, and abort it on the engine if the caller stops
         early. Subclasses send their own request kinds through it (`embedding_link.py`)."""
         rid = request.request_id
@@ -226,7 +207,7 @@ class EngineLinkReplica:
         queue: asyncio.Queue = asyncio.Queue()
         progress = self.liveness.track(rid, queue.put_nowait)  # (refused at once while stalled)
         try:
-            self._send(frame)
+            self._send(request)
         except BaseException:
             self.liveness.untrack(rid)
             raise
@@ -244,52 +225,36 @@ class EngineLinkReplica:
             self.liveness.untrack(rid)
             if not done:  # (to a frozen engine too: the socket keeps the frame until it wakes)
                 with contextlib.suppress(TokenpathError):
-                    self._send({"t": "abort", "id": rid})
+                    self._send(Abort(rid))
 
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(TokenpathError):
-            self._send({"t": "abort", "id": request_id})
+            self._send(Abort(request_id))
 
     async def reset_prefix_cache(self) -> int:
         """Forget the engine's prefix cache (POST /reset_prefix_cache reaches every replica)."""
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pongs[rid] = fut
-        self._send({"t": "reset", "id": rid})
+        self._send(Reset(rid))
         try:
             return int(await asyncio.wait_for(fut, CONNECT_TIMEOUT_S))
         finally:
             self._pongs.pop(rid, None)
 
     def step_stats(self) -> dict[str, list] | None:
-        """The engine's cumulative step histograms, as of its last state frame (`sh`)."""
-        return self._state.get("sh")
+        """The engine's cumulative step histograms, as of its last state message."""
+        return self._state.step_stats
 
     def state(self) -> ReplicaState:
         s = self._state
         detail = self._down_reason or self.liveness.detail()
-        if detail is None and not s.get("healthy", True):
+        if detail is None and not s.healthy:
             detail = "the engine reports its step loop dead"
         return ReplicaState(
-            name=self.name, waiting=int(s.get("waiting", 0)), running=int(s.get("running", 0)),
-            kv_usage=float(s.get("kv", 0.0)), healthy=detail is None,
+            name=self.name, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage, healthy=detail is None,
             max_num_seqs=self.max_num_seqs or self.info.max_num_seqs,
-            block_size=int(s.get("block_size") or self.info.block_size),
-            num_blocks=int(s.get("num_blocks") or self.info.num_blocks), detail=detail,
-            prefix_cache_queries=int(s.get("pq", 0)), prefix_cache_hits=int(s.get("ph", 0)),
-            num_preemptions=int(s.get("pre", 0)), restarts=self.restarts)
+            block_size=s.block_size or self.info.block_size, num_blocks=s.num_blocks or self.info.num_blocks,
+            detail=detail, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, restarts=self.restarts)
 
-
-def _error_from(msg: dict, name: str) -> TokenpathError:
-    """An engine's typed error, as the same type here (400s stay 400s: the request's own fault)."""
-    cls = getattr(errors, str(msg.get("cls")), None)
-    status = int(msg.get("status", 503))
-    message = str(msg.get("message", "engine error"))
-    if isinstance(cls, type) and issubclass(cls, TokenpathError):
-        try:  # (RequestFailedError stays one: a request that broke an engine is not retried elsewhere)
-            return cls(message, param=msg.get("param"), code=msg.get("code"))
-        except TypeError:  # an error type with more required fields: fall back by status
-            pass
-    if status < 500:
-        return errors.InvalidRequestError(message, param=msg.get("param"), code=msg.get("code"))
-    return ServiceUnavailableError(f"replica '{name}' failed the request: {message}", code="replica_failed")

@@ -15,8 +15,10 @@ closed; refusals are counted (`LinkServer.refused`) and logged at most once per
 The socket is bound to loopback by its launcher. With `exit_on_close`, the process ends when its
 gateway's link closes, so an engine never outlives the gateway that started it.
 
-Frames from the gateway: `hello`, `ping` (clock sync), `add`, `abort`. To it: `welcome`, `pong`,
-`out`, `err` (one request's failure, as a typed error), `state` (see `StatePush`).
+Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`), `Abort`,
+`Reset`. To it: `Welcome`, `Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's
+failure, as a typed error), `ResetDone`, and the `EngineState` (see `StatePush`); the messages
+are `protocol.link`'s, encoded by `protocol.wire`.
 
 State: a changed state reaches the gateway within `STATE_INTERVAL_S`, an unchanged one is repeated
 every `STATE_HEARTBEAT_S` (liveness: the gateway marks an engine stale after 5 s). While the engine
@@ -38,12 +40,28 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError, TokenpathError
-from tokenpath.protocol import GenerateRequest, RequestOutput
-from tokenpath.protocol.wire import FrameError, decode_request, encode_output, pack, read_frame
+from tokenpath.protocol import EngineState, GenerateRequest, RequestOutput
+from tokenpath.protocol.link import (
+    Abort,
+    Denied,
+    Hello,
+    LinkError,
+    LinkInfo,
+    Ping,
+    Pong,
+    Reset,
+    ResetDone,
+    Welcome,
+)
+from tokenpath.protocol.wire import FrameError, decode, decode_request, frame, read_frame
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger("tokenpath.engine.link")
 
@@ -64,8 +82,9 @@ class Outbox:
         self._scheduled = False
         self.before_flush: Callable[[], None] | None = None  # may `send` more into this write
 
-    def send(self, msg: dict) -> None:
-        self._buf += pack(msg)
+    def send(self, msg: object) -> None:
+        """Queue one message of the link (`protocol.wire.encode` says which are)."""
+        self._buf += frame(msg)
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -85,7 +104,7 @@ class Outbox:
 
 class LinkServer:
     def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False,
-                 tracer_provider: object | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None) -> None:
         if not secret:
             raise ValueError("the engine link needs a secret")
         self.engine = engine
@@ -108,35 +127,34 @@ class LinkServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
-    def _info(self) -> dict:
+    def _info(self) -> LinkInfo:
         e = self.engine
         s = e.state()
-        return {"model": e.model_name, "max_model_len": e.max_model_len, "block_size": s.block_size,
-                "num_blocks": s.num_blocks, "max_num_seqs": e.config.max_num_seqs, "pid": os.getpid()}
+        return LinkInfo(model=e.model_name, max_model_len=e.max_model_len, block_size=s.block_size,
+                        num_blocks=s.num_blocks, max_num_seqs=e.config.max_num_seqs, pid=os.getpid())
 
-    def _state(self) -> dict:
-        s = self.engine.state()
-        return {"t": "state", "waiting": s.waiting, "running": s.running, "kv": s.kv_usage,
-                "healthy": s.healthy, "pq": s.prefix_cache_queries, "ph": s.prefix_cache_hits,
-                "pre": s.num_preemptions, "steps": s.steps, "num_blocks": s.num_blocks,
-                "block_size": s.block_size, "sh": self.engine.step_stats.snapshot()}
+    def _state(self) -> EngineState:
+        s = self.engine.state()  # (a new object per call: ours to fill)
+        s.step_stats = self.engine.step_stats.snapshot()
+        return s
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            hello = await asyncio.wait_for(read_frame(reader, limit=HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
+            first = await asyncio.wait_for(read_frame(reader, limit=HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
+            hello = decode(first) if first["t"] == "hello" else None  # (nothing else is decoded first)
         except (TimeoutError, asyncio.IncompleteReadError, FrameError, OSError):
-            hello = {}
-        secret = hello.get("secret") if hello.get("t") == "hello" else None
+            hello = None
+        secret = hello.secret if isinstance(hello, Hello) else None
         if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self.secret):
             self._refused(peer)
             with contextlib.suppress(Exception):
-                writer.write(pack({"t": "denied", "message": "the engine link requires its launch secret"}))
+                writer.write(frame(Denied("the engine link requires its launch secret")))
                 await writer.drain()
             writer.close()
             return
         log.info("engine link: gateway connected from %s", peer)
-        writer.write(pack({"t": "welcome", "now": time.monotonic(), "info": self._info()}))
+        writer.write(frame(Welcome(time.monotonic(), self._info())))
         outbox = Outbox(writer)
         live: dict[str, _LinkRequest] = {}
         tasks: dict[str, asyncio.Task] = {}  # requests of the frame kinds a subclass adds
@@ -147,23 +165,12 @@ class LinkServer:
                 msg = await read_frame(reader)
                 kind = msg["t"]
                 push.kick()  # (work may follow: back to pushing changes within STATE_INTERVAL_S)
-                if kind == "ping":
-                    outbox.send({"t": "pong", "id": msg.get("id"), "now": time.monotonic()})
-                elif kind == "add":
-                    self._add(msg["req"], outbox, live)
-                elif kind == "reset":  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
-                    freed = self.engine.reset_prefix_cache()
-                    outbox.send({"t": "reset_done", "id": msg.get("id"), "freed": freed})
-                elif kind == "abort":
-                    gone = live.pop(str(msg.get("id")), None)
-                    if gone is not None:
-                        log.info("request %s aborted by the gateway", gone.request.request_id)
-                        self.engine.detach(gone.request.request_id)
-                    task = tasks.pop(str(msg.get("id")), None)
-                    if task is not None:
-                        task.cancel()  # a subclass's request (an embedding batch member)
+                if kind == "add":  # (decoded by `_add`: a request that does not decode fails alone)
+                    self._add(msg.get("req") or {}, outbox, live)
+                elif kind in self.REQUEST_FRAMES:
+                    self._on_request(msg.get("req") or {}, outbox, tasks)
                 else:
-                    self._on_frame(kind, msg, outbox, tasks)
+                    self._on_message(decode(msg), outbox, live, tasks)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
             log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
@@ -178,8 +185,25 @@ class LinkServer:
             if self.exit_on_close:
                 self.done.set()
 
-    def _on_frame(self, kind: str, msg: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
-        """A frame kind this class does not know; subclasses add theirs (`embedding_link.py`)."""
+    REQUEST_FRAMES: tuple[str, ...] = ()  # request kinds a subclass serves (`embedding_link.py`)
+
+    def _on_request(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
+        """A request of one of the `REQUEST_FRAMES`, still encoded; subclasses serve them."""
+
+    def _on_message(self, msg: object, outbox: Outbox, live: dict[str, _LinkRequest],
+                    tasks: dict[str, asyncio.Task]) -> None:
+        if isinstance(msg, Ping):
+            outbox.send(Pong(msg.id, time.monotonic()))
+        elif isinstance(msg, Abort):
+            gone = live.pop(str(msg.id), None)
+            if gone is not None:
+                log.info("request %s aborted by the gateway", gone.request.request_id)
+                self.engine.detach(gone.request.request_id)
+            task = tasks.pop(str(msg.id), None)
+            if task is not None:
+                task.cancel()  # a subclass's request (an embedding batch member)
+        elif isinstance(msg, Reset):  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
+            outbox.send(ResetDone(msg.id, self.engine.reset_prefix_cache()))
 
     def _refused(self, peer: object) -> None:
         """Count a refused connection; log the first, then one line per interval with the count."""
@@ -197,11 +221,10 @@ class LinkServer:
         try:
             request = decode_request(d)
         except TokenpathError as exc:
-            outbox.send(_error(str(d.get("id")), exc))
+            outbox.send(LinkError.of(str(d.get("id")), exc))
             return
         except Exception as exc:  # a malformed frame from a trusted peer: this request's problem only
-            outbox.send({"t": "err", "id": str(d.get("id")), "status": 400,
-                         "message": f"malformed request: {exc}", "type": "invalid_request_error"})
+            outbox.send(LinkError.malformed(str(d.get("id")), exc))
             return
         log.info("request %s queued: %d prompt tokens, priority %d, tenant %s, trace %s", request.request_id,
                  len(request.prompt_token_ids), request.priority, request.tenant, request.traceparent or "-")
@@ -209,7 +232,7 @@ class LinkServer:
         try:
             self.engine.submit(request, entry)
         except TokenpathError as exc:
-            outbox.send(_error(request.request_id, exc))
+            outbox.send(LinkError.of(request.request_id, exc))
             return
         live[request.request_id] = entry
         self.served += 1
@@ -228,9 +251,9 @@ class StatePush:
     `STATE_INTERVAL_S` while there is work, or was a frame from the gateway within the last
     heartbeat; otherwise once per heartbeat, or when `kick`ed."""
 
-    def __init__(self, make: Callable[[], dict], outbox: Outbox) -> None:
+    def __init__(self, make: Callable[[], EngineState], outbox: Outbox) -> None:
         self.make, self.outbox = make, outbox
-        self.last: dict | None = None
+        self.last: EngineState | None = None
         self.sent_at = float("-inf")
         self.kicked_at = float("-inf")
         self._kicked = asyncio.Event()
@@ -242,8 +265,7 @@ class StatePush:
 
     async def wait(self) -> None:
         """Until the timer's next tick."""
-        last = self.last or {}
-        busy = last.get("running") or last.get("waiting")
+        busy = self.last is not None and (self.last.running or self.last.waiting)
         if busy or self.last is None or time.monotonic() - self.kicked_at < STATE_HEARTBEAT_S:
             await asyncio.sleep(STATE_INTERVAL_S)
             return
@@ -278,7 +300,7 @@ class _LinkRequest:
         self.completion = 0
         # This process exports the request's engine spans (tracing on, a trace to join): the
         # last output says so, and the gateway does not build them a second time.
-        self.traced = will_export(server.tracer_provider, request.traceparent)  # type: ignore[arg-type]
+        self.traced = will_export(server.tracer_provider, request.traceparent)
         self.token_times: list[float] = []  # when choice 0's tokens left, for the decode span's ITL
 
     def __call__(self, out: RequestOutput | BaseException) -> None:
@@ -286,16 +308,13 @@ class _LinkRequest:
         if isinstance(out, BaseException) or out.error is not None:
             self.live.pop(rid, None)
             exc = out if isinstance(out, BaseException) else RequestFailedError(out.error or "")
-            if isinstance(exc, TokenpathError):
-                self.outbox.send(_error(rid, exc))
-            else:
+            if not isinstance(exc, TokenpathError):
                 log.error("request %s failed: %r", rid, exc)
-                self.outbox.send({"t": "err", "id": rid, "status": 503, "type": "service_unavailable",
-                                  "message": f"{type(exc).__name__}: {exc}"})
+            self.outbox.send(LinkError.of(rid, exc))
             return
         if out.finished and self.traced:
             out.events.traced = True
-        self.outbox.send(encode_output(out))
+        self.outbox.send(out)
         self.completion += sum(len(c.token_ids) for c in out.outputs)
         if self.traced and any(c.token_ids for c in out.outputs if c.index == 0):
             self.token_times.append(time.monotonic())
@@ -310,7 +329,7 @@ class _LinkRequest:
                  out.num_cached_tokens, out.num_preemptions)
         ev, params = out.events, self.request.params
         if self.traced:
-            record_engine_trace(server.tracer_provider, EngineSpanRecord(  # type: ignore[arg-type]
+            record_engine_trace(server.tracer_provider, EngineSpanRecord(
                 request_id=rid, model=server.engine.model_name, traceparent=self.request.traceparent,
                 operation=self.request.operation, queued=ev.queued, scheduled=ev.scheduled,
                 first_token=ev.first_token, finished=ev.finished, prompt_tokens=len(self.request.prompt_token_ids),
@@ -321,7 +340,3 @@ class _LinkRequest:
                 max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 seed=params.seed))
 
-
-def _error(rid: str, exc: TokenpathError) -> dict:
-    return {"t": "err", "id": rid, "status": exc.status_code, "type": exc.error_type, "message": exc.message,
-            "param": exc.param, "code": exc.code, "cls": type(exc).__name__}

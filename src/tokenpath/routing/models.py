@@ -84,10 +84,6 @@ class Deployment:
         """Each replica's own report (not the pool's ejection view): what `/health` shows."""
         return [h.raw_state() for h in self.flow.pool.handles.values()]
 
-    def healthy_replicas(self) -> list[Replica]:
-        healthy = {s.name for s in self.flow.pool.healthy()}
-        return [r for r in self.replicas if r.name in healthy]
-
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request. Closing the iterator aborts the request wherever it is."""
         if request.timeline is None:  # (a caller without an HTTP request: its record starts here)

@@ -16,16 +16,15 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from tokenpath.api.browser import is_loopback
-from tokenpath.config import DEFAULT_CHAT_MODEL, resolve_data_dir
+from tokenpath.config import EngineConfig, add_model_flags, engine_flag_names, env_help, resolve_data_dir
 from tokenpath.errors import EngineDeadError, ModelLoadError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
-from tokenpath.server.config import ServerConfig
+from tokenpath.server.config import ServerConfig, build_config
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.otel_metrics import setup_metrics
 from tokenpath.telemetry.request_log import configure_logging, log_event
@@ -34,7 +33,8 @@ log = logging.getLogger("tokenpath.api")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (chat, completions, embeddings)")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (chat, completions, embeddings)",
+                           epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _server_flags(serve)
     serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
@@ -81,15 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     live.add_argument("--token-timeout", type=float, metavar="S",
                       help="a request with no next token for this long is released (300)")
     serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
-    engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway")
+    engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway",
+                            epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _server_flags(engine)
     engine.add_argument("--listen-fd", type=int, help="serve on this inherited, already-bound socket")
     engine.add_argument("--exit-with-link", action="store_true", help="exit when the gateway's link closes")
-    engine.set_defaults(func=_run_engine, gateway=False, exit_fast=True, data_dir=None, database_url=None, replicas=1,
-                        routing=None, routing_policy=None, api_keys=[], metrics_public=None,
-                        metrics_require_key=None, redis_url=None, limits_fail_open=None, ray=None,
-                        embedding_replicas=1, allowed_hosts=None, allowed_origins=None, public_docs=None,
-                        stall_timeout=None, first_token_timeout=None, token_timeout=None)
+    engine.set_defaults(func=_run_engine, gateway=False, exit_fast=True)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -113,8 +110,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
     tls.add_argument("--ssl-ca-certs", metavar="FILE",
                      help="require client certificates signed by these CAs (mutual TLS)")
-    p.add_argument("--served-model-name", action="append", dest="served_model_names", default=[], metavar="NAME",
-                   help="another name clients may send for the (first) chat model; repeatable, listed in /v1/models")
+    p.add_argument("--served-model-name", action="extend", nargs="+", dest="served_model_names", default=[],
+                   metavar="NAME", help="more names clients may send for the (first) chat model, as vLLM's flag "
+                   "takes them (`--served-model-name a b`, or repeated); each is its own /v1/models entry")
     t = p.add_argument_group("telemetry")
     t.add_argument("--otlp-endpoint", metavar="URL",
                    help="export traces and the GenAI metrics over OTLP/HTTP to this base URL (else the OTEL_* "
@@ -123,49 +121,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="request and event logs on stdout: one JSON object per line (default) or text")
     t.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error"], help="lowest level logged (default info)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device")
-    g.add_argument("--quantization", choices=["auto", "none", "q8_0"], help="auto: native kernels on GGUF blocks")
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--kv-cache-memory")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16"],
-                   help="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch")
-    g.add_argument("--num-kv-blocks", type=int)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--max-num-seqs", type=int)
-    g.add_argument("--long-prefill-token-threshold", type=int,
-                   help="most prompt tokens one request prefills per step (0: no cap)")
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
-                   help="keep every layer's KV blocks for the whole context (sliding-window layers too)")
-    g.add_argument("--chat-template", metavar="FILE",
-                   help="Jinja chat template replacing the model's own (needed for chat on a base model)")
-
-
-_ENGINE_FLAGS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
-                 "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "enable_prefix_caching",
-                 "chat_template", "disable_hybrid_kv_cache_manager")
-
-
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
-    if not args.gateway and not args.models and not args.config:
-        cfg.models = [DEFAULT_CHAT_MODEL]
-    server = {k: getattr(args, k) for k in ("host", "port", "models", "shutdown_timeout", "insecure",
-                                            "data_dir", "database_url", "metrics_public", "metrics_require_key",
-                                            "redis_url", "limits_fail_open", "ssl_keyfile", "ssl_certfile",
-                                            "ssl_ca_certs", "allowed_hosts", "allowed_origins", "public_docs",
-                                            "stall_timeout", "first_token_timeout", "token_timeout")}
-    if args.max_body_size is not None:
-        server["max_body_size"] = args.max_body_size
-    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
-    if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
-        engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
-    update = {k: v for k, v in server.items() if v is not None}
-    update["engine"] = cfg.engine.model_copy(update=engine)
-    return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
+    # Generated from EngineConfig's fields (tokenpath.config): declared there once.
+    add_model_flags(p.add_argument_group("engine"), EngineConfig, engine_flag_names())
 
 
 def _csv(value: str) -> list[str]:

@@ -1,16 +1,21 @@
 """`tokenpath serve` settings, one config for the whole server: where to listen, which models to
 serve, the engine's knobs, and (from `ApiSettings`) the caps that keep a client mistake from
-becoming an outage. Loadable from a YAML file (`--config`); flags override it."""
+becoming an outage. Loadable from a YAML file (`--config`); flags override it (`build_config`).
+
+`build_config` lives here, below both commands that need it (`server.cli` for `serve`,
+`server.engine_process` for `engine`), so neither imports the other.
+"""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import yaml
 from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
-from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig
+from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig, engine_flag_names
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
 
@@ -76,3 +81,18 @@ def is_embedding_model(name: str) -> bool:
         return True
     path = Path(name)
     return path.is_dir() and (path / "sentence_bert_config.json").is_file()
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """The `--config` file (or the defaults), with every flag that was given laid over it. A bare
+    `tokenpath engine` serves the default chat model alone. Flags a subcommand lacks count as not given."""
+    cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
+    if not args.gateway and not args.models and not args.config:
+        cfg.models = [DEFAULT_CHAT_MODEL]
+    # A flag's dest is its field's name (`--model` gathers `models`), so the fields are the list of flags.
+    update = {k: v for k in ServerConfig.model_fields if k != "engine" and (v := getattr(args, k, None)) is not None}
+    engine = {k: v for k in engine_flag_names() if (v := getattr(args, k, None)) is not None}
+    if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
+        engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
+    update["engine"] = cfg.engine.model_copy(update=engine)
+    return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})

@@ -26,15 +26,15 @@ import signal
 import socket
 import sys
 
+from tokenpath.api.browser import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL
+from tokenpath.replica.processes import NICE_ENV, PARENT_ENV, SECRET_ENV  # (set by the launcher)
+from tokenpath.server.config import build_config
 from tokenpath.server.memory import freeze_startup_heap
 
 log = logging.getLogger("tokenpath.engine")
 
 PR_SET_PDEATHSIG = 1
-SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
-PARENT_ENV = "TOKENPATH_PARENT_PID"
-NICE_ENV = "TOKENPATH_ENGINE_NICE"
 
 
 def die_with_parent() -> None:
@@ -73,8 +73,6 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"tokenpath engine: set {SECRET_ENV} (the gateway that links to it must send the same secret)",
               file=sys.stderr)
         return 2
-    from tokenpath.server.cli import build_config, is_loopback
-
     if args.listen_fd is None and not is_loopback(args.host or "127.0.0.1") and not args.insecure:
         print(f"tokenpath engine: refusing to bind {args.host}: engines bind loopback (or pass --insecure)",
               file=sys.stderr)

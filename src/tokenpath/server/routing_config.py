@@ -8,7 +8,8 @@ deployments:
     policy: prefix_aware          # round_robin | least_loaded | prefix_aware | session_affinity
     replicas:
       - local: 2                  # two `tokenpath engine` processes on this machine
-        engine_args: ["--num-kv-blocks", "512"]
+        engine: {num_kv_blocks: 512}  # EngineConfig fields (tokenpath.config), checked at load
+        # engine_args: ["--num-kv-blocks", "512"]  (the same as raw `tokenpath engine` flags)
         # engine_command: [numactl, --cpunodebind=0, python, -m, tokenpath.cli, engine]  (optional)
       - url: http://10.0.0.7:8000 # another tokenpath engine, or vLLM / SGLang / llama.cpp
         max_num_seqs: 64
@@ -30,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenpath.admission.controller import AdmissionConfig
+from tokenpath.config import EngineConfig, engine_flag_names, model_argv
 from tokenpath.replica.base import Replica
 from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.liveness import Liveness, LivenessConfig
@@ -52,7 +54,11 @@ class ReplicaSpec(BaseModel):
     model: str | None = None  # the name the server knows the model by (default: discovered)
     api_key: str | None = None
     max_num_seqs: int = Field(0, ge=0)
-    engine_args: list[str] = Field(default_factory=list)  # extra flags for local processes
+    # Local processes' engine settings: EngineConfig fields (validated here: a typo is a config
+    # error, not an engine that fails to start), turned into the flags generated from the same
+    # fields; `engine_args` are raw `tokenpath engine` flags after them.
+    engine: dict[str, Any] = Field(default_factory=dict)
+    engine_args: list[str] = Field(default_factory=list)
     # What starts each local process, instead of `python -m tokenpath.cli engine` (a wrapper such as
     # numactl/taskset, another install); the link flags and engine_args are appended to it.
     engine_command: list[str] = Field(default_factory=list)
@@ -61,7 +67,18 @@ class ReplicaSpec(BaseModel):
     def _one_kind(self) -> ReplicaSpec:
         if (self.url is not None) + (self.local > 0) + (self.ray is not None) != 1:
             raise ValueError("a replica entry needs exactly one of `url`, `local: N` or `ray: {...}`")
+        if self.engine:
+            unknown = set(self.engine) - set(engine_flag_names())
+            if unknown:
+                raise ValueError(f"engine: unknown setting(s) {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(engine_flag_names())}")
+            EngineConfig(**self.engine)
         return self
+
+    @property
+    def engine_argv(self) -> list[str]:
+        """What a local engine process is started with: the `engine` block as flags, then `engine_args`."""
+        return engine_flags(EngineConfig(**self.engine)) + self.engine_args
 
 
 class DeploymentSpec(BaseModel):
@@ -106,8 +123,6 @@ class RoutingConfig(BaseModel):
 
 def _max_num_seqs(engine_args: list[str]) -> int:
     """The batch size a local engine process will run with (its flag, else the engine default)."""
-    from tokenpath.config import EngineConfig
-
     for i, a in enumerate(engine_args):
         if a == "--max-num-seqs" and i + 1 < len(engine_args):
             return int(engine_args[i + 1])
@@ -154,9 +169,9 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                 replicas += reps
                 closers.append(close)
             elif r.local:
-                ps = await spawn_engines(r.local, model, r.engine_args, log_dir=log_dir,
+                ps = await spawn_engines(r.local, model, r.engine_argv, log_dir=log_dir,
                                          name_prefix="engine" if i == 0 else f"engine{i}", deployment=spec.name,
-                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_args),
+                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_argv),
                                          command=r.engine_command or None)
                 procs += ps
                 replicas += [p.replica for p in ps]
@@ -166,7 +181,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                 await rep.start()
                 replicas.append(rep)
         if tokenizer is None:
-            template = next((t for r in spec.replicas if (t := _flag(r.engine_args, "--chat-template"))), None)
+            template = next((t for r in spec.replicas if (t := _flag(r.engine_argv, "--chat-template"))), None)
             tokenizer = await asyncio.to_thread(load_tokenizer, model, template)
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
@@ -238,24 +253,9 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
     return dep, closers
 
 
-_ENGINE_FLAG_FIELDS = ("dtype", "device", "quantization", "block_size", "kv_cache_memory", "kv_cache_dtype",
-                       "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_model_len", "seed",
-                       "chat_template")
-
-
-def engine_flags(engine: Any) -> list[str]:
+def engine_flags(engine: EngineConfig) -> list[str]:
     """An `EngineConfig` as `tokenpath engine` flags, so local processes run with the serve flags."""
-    flags: list[str] = []
-    defaults = type(engine)()
-    for name in _ENGINE_FLAG_FIELDS:
-        value = getattr(engine, name, None)
-        if value is not None and value != getattr(defaults, name, None) and name != "seed":
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    if not getattr(engine, "enable_prefix_caching", True):
-        flags.append("--no-enable-prefix-caching")
-    if getattr(engine, "disable_hybrid_kv_cache_manager", False):
-        flags.append("--disable-hybrid-kv-cache-manager")
-    return flags
+    return model_argv(engine, engine_flag_names())
 
 
 def configure_liveness(router: ModelRouter, config: LivenessConfig) -> None:

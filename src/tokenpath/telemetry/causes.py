@@ -43,8 +43,6 @@ CLIENT_MIN_MS = 10.0
 STALL_FACTOR = 2.0  # a token gap over this many times the request's median ITL is a stall
 # Kinds kept whatever their ms: they are facts about the request even when they cost little.
 _FACTS = ("prefill_uncached", "prefix_elsewhere", "retried", "replica_ejected")
-CAUSE_KINDS = ("queued_behind", "prefill_uncached", "prefix_elsewhere", "decode_stalled_by_prefill",
-               "preempted", "retried", "replica_ejected", "slow_client", "upload")
 
 
 @dataclass

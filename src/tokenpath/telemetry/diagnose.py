@@ -24,7 +24,9 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TTFT_STAGES = ("gateway", "queue", "engine_queue", "prefill")
+from tokenpath.telemetry.timeline import PATH_STAGES
+
+TTFT_STAGES = PATH_STAGES[:PATH_STAGES.index("decode")]  # every stage before the first token
 
 
 @dataclass

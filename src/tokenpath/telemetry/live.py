@@ -17,8 +17,8 @@ from typing import Any
 
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.request_log import request_fields
-from tokenpath.telemetry.stages import STAGES, current_stage, stage_ms
-from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.stages import current_stage, stage_ms
+from tokenpath.telemetry.timeline import PATH_STAGES, STAGES, Timeline
 
 
 @dataclass
@@ -60,7 +60,7 @@ class LiveRequests:
             t = live.timeline
             so_far = stage_ms(t)
             stage = current_stage(t)
-            if stage in STAGES:  # the stage it is in now, up to this moment
+            if stage in PATH_STAGES:  # the stage it is in now, up to this moment
                 so_far[stage] = round(max(0.0, so_far["total"] - sum(v for k, v in so_far.items() if k != "total")), 1)
             inflight.append({
                 "request_id": rid, "endpoint": live.endpoint, "stage": stage,
@@ -70,7 +70,7 @@ class LiveRequests:
             })
         recent = [r for r in self.recent if r["time"] >= now_wall - window_s]
         per_stage: dict[str, dict[str, float | int]] = {}
-        for stage in (*STAGES, "total"):
+        for stage in STAGES:
             values = [r["stages_ms"][stage] for r in recent if stage in r["stages_ms"] and r["status"] == 200]
             if values:
                 per_stage[stage] = {"p50": _quantile(values, 0.5), "p99": _quantile(values, 0.99), "n": len(values)}

@@ -31,8 +31,7 @@ from tokenpath.telemetry.engine_steps import SERIES as STEP_SERIES
 from tokenpath.telemetry.engine_steps import prometheus_buckets
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.series import RoutingMetricsCollector
-from tokenpath.telemetry.stages import STAGES
-from tokenpath.telemetry.timeline import Timeline
+from tokenpath.telemetry.timeline import PATH_STAGES, Timeline
 from tokenpath.telemetry.tracing import annotate_step
 
 PREFIX = "tokenpath:"
@@ -250,7 +249,7 @@ class ServerMetrics:
         if rec.status not in (200, 499) or rec.model is None:
             return
         stages = rec.stages()
-        for stage in STAGES:
+        for stage in PATH_STAGES:
             if stage in stages:
                 self.stage.labels(model, stage).observe(stages[stage])
         if rec.endpoint == "/v1/embeddings":  # no first token, no decode: series of their own

@@ -2,48 +2,24 @@
 
 `gateway` (received->admitted: auth, routing, tokenize, rate limits), `queue` (the admission
 queue: admitted->dispatched), `engine_queue` (dispatched->scheduled), `prefill`
-(scheduled->first token), `decode` (first token->finished) and `total`.
+(scheduled->first token), `decode` (first token->finished) and `total`: the table is
+`timeline.STAGE_BOUNDS`, and the arithmetic is `Timeline.durations()`; these are views of them.
 
 Each stage runs from the previous stamp that exists to its own end stamp, and `finished` closes
 the stage the request was in (a 400 ends in `gateway`), so a missing stamp folds its time into
 the next stage and the stages always sum to `total`: a trace, a log line
-and `tokenpath trace` can never show time that went nowhere. When the Timeline itself already
-reports these stages (`Timeline.durations()` with a `gateway` key), that is the answer, so
-every consumer agrees with Server-Timing.
+and `tokenpath trace` can never show time that went nowhere, and every consumer agrees with
+Server-Timing.
 """
 
 from __future__ import annotations
 
-import time
-
-from tokenpath.telemetry.timeline import Timeline
-
-STAGES = ("gateway", "queue", "engine_queue", "prefill", "decode")
-# (stage, the stamp that ends it), in path order; `received` starts the first one.
-STAGE_ENDS = (("gateway", "admitted"), ("queue", "dispatched"), ("engine_queue", "scheduled"),
-              ("prefill", "first_token"), ("decode", "finished"))
+from tokenpath.telemetry.timeline import PATH_STAGES, STAGE_BOUNDS, Timeline
 
 
 def stage_durations(timeline: Timeline) -> dict[str, float]:
-    """Seconds per stage plus `total`; stages never reached are left out."""
-    own = timeline.durations()
-    if "gateway" in own:
-        return own
-    stamps = timeline.stamps
-    start = prev = stamps["received"]
-    out: dict[str, float] = {}
-    for stage, end in STAGE_ENDS[:-1]:
-        at = stamps.get(end)
-        if at is not None and at >= prev:
-            out[stage] = at - prev
-            prev = at
-    finished = stamps.get("finished")
-    if finished is not None and finished >= prev:
-        # The end closes whatever stage the request was in: decode normally, gateway for a 400.
-        last = current_stage(timeline, ignore_finished=True)
-        out[last] = out.get(last, 0.0) + finished - prev
-    out["total"] = max(0.0, (finished or time.monotonic()) - start)
-    return out
+    """Seconds per stage plus `total`; stages never reached are left out (`Timeline.durations`)."""
+    return timeline.durations()
 
 
 def stage_ms(timeline: Timeline) -> dict[str, float]:
@@ -54,10 +30,10 @@ def stage_ms(timeline: Timeline) -> dict[str, float]:
 def current_stage(timeline: Timeline, *, ignore_finished: bool = False) -> str:
     """The stage a request is in: the one after the last stamp it has reached (`done` once
     finished, unless `ignore_finished`)."""
-    stage = "gateway"
-    for i, (_, end) in enumerate(STAGE_ENDS):
+    stage = PATH_STAGES[0]
+    for i, (_, _, end) in enumerate(STAGE_BOUNDS):
         if end in timeline.stamps and not (ignore_finished and end == "finished"):
-            stage = STAGE_ENDS[i + 1][0] if i + 1 < len(STAGE_ENDS) else "done"
+            stage = PATH_STAGES[i + 1] if i + 1 < len(PATH_STAGES) else "done"
     return stage
 
 

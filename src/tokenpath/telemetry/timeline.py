@@ -7,7 +7,9 @@ body's `tokenpath.timing`, the audit row, `/metrics` and traces are all *derived
 `durations()`, so they cannot disagree. Times are `time.monotonic()` seconds; `wall_start`
 anchors them to the wall clock for logs and traces.
 
-Stages (`STAGES`), the same in-process and with engine processes (`--replicas N`):
+Stages (`STAGE_BOUNDS`: the one stage table, which `telemetry.stages`, metrics, the dashboard,
+`tokenpath trace`, benchmarks and docs/architecture.md all follow), the same in-process and with
+engine processes (`--replicas N`):
 
 | stage          | from -> to              | what it holds                                   |
 |----------------|-------------------------|-------------------------------------------------|
@@ -28,11 +30,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# Every event a Timeline is stamped with, in path order (tests/telemetry/test_stage_table.py holds
+# every stamp in src to it).
 EVENTS = (
     "received",  # the request's headers are in (the body is read next: `body_read`)
     "body_read",  # its whole body is in: received -> body_read is the upload, part of `gateway`
     "authenticated",
     "routed",
+    "tokenized",
     "admitted",
     "dequeued",
     "dispatched",
@@ -49,7 +54,8 @@ STAGE_BOUNDS = (
     ("prefill", "scheduled", "first_token"),
     ("decode", "first_token", "finished"),
 )
-STAGES = (*(s for s, _, _ in STAGE_BOUNDS), "total")
+PATH_STAGES = tuple(s for s, _, _ in STAGE_BOUNDS)  # the request path's stages, in order
+STAGES = (*PATH_STAGES, "total")  # and their sum: every key `durations()` may return
 
 
 @dataclass

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenpath.telemetry.stages import STAGES, dominant_stage
+from tokenpath.telemetry.stages import dominant_stage
+from tokenpath.telemetry.timeline import PATH_STAGES
 
 WIDTH = 48
 
@@ -19,8 +20,8 @@ def timing_of(row: dict[str, Any]) -> dict[str, Any]:
     old queue/prefill/decode/total seconds instead."""
     if row.get("timing"):
         return json.loads(row["timing"])
-    stages = {k: round(row[f"{k}_s"] * 1000, 1) for k in ("queue", "prefill", "decode", "total")
-              if row.get(f"{k}_s") is not None}
+    stages = {k.removesuffix("_s"): round(row[k] * 1000, 1) for k in ("queue_s", "prefill_s", "decode_s", "total_s")
+              if row.get(k) is not None}
     return {"stages_ms": stages}
 
 
@@ -60,7 +61,7 @@ def render(s: dict[str, Any]) -> str:
         facts.append(f"trace {s['trace_id']}")
     lines = [head, "  " + "  |  ".join(facts), f"  {'stage':<13}{'ms':>10}{'%':>7}  0{'':{WIDTH - 6}}{total:.0f} ms"]
     offset = 0.0
-    order = {k: i for i, k in enumerate(STAGES)}
+    order = {k: i for i, k in enumerate(PATH_STAGES)}
     for st in sorted(s["stages"], key=lambda x: order.get(x["stage"], len(order))):
         start = int(round(WIDTH * offset / total)) if total else 0
         width = int(round(WIDTH * (offset + st["ms"]) / total)) - start if total else 0

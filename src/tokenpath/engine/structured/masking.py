@@ -1,19 +1,33 @@
 """Per-sequence grammar state and the per-row logits mask of one sampling step.
 
-Only the rows that carry a grammar are touched: their bitmasks are filled in one parallel call
-(llguidance's executor drops the GIL), unpacked to booleans and applied with `masked_fill`, so a
-batch mixing constrained and free rows pays for the constrained ones only.
+Only the rows that carry a grammar are computed: their bitmasks are filled in one parallel call
+(llguidance's executor drops the GIL), and only those rows of the logits are masked. The mask is
+applied without a branch per token: the bits become float32 bit patterns (+0.0 where allowed,
+-inf where not) that are added to the logits. Measured on this CPU (49k vocabulary, 32 rows):
+0.9 ms, where `masked_fill` with the unpacked booleans took 3.7 ms (a branch per token,
+mispredicted on mixed masks) and llguidance's `apply_token_bitmask_inplace` is a torch.compile
+kernel (a C++ compiler at first use, inductor threads beside the engine's, 0.7 ms a call).
+
+The masks of a step depend only on the tokens already accepted, so the engine starts computing
+them (`prefetch`) before the step's forward pass and collects them at sampling: llguidance and the
+native forward both run without the GIL, so the grammar's work fills the cores' idle moments
+instead of adding to the step. Nothing else touches the matchers between the two calls (the step
+loop is one thread), and a mask that was not prefetched is computed on the spot.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch as llt
 import numpy as np
 import torch
+
+# float32 -inf as an int32 bit pattern: (bit - 1) & NEG_INF is 0 (+0.0) for 1 and -inf for 0.
+NEG_INF_BITS = int(np.array([-np.inf], dtype=np.float32).view(np.int32)[0])
 
 
 @dataclass
@@ -46,61 +60,96 @@ class GrammarState:
 
 
 class MaskBuilder:
-    """Owns the executor (a thread pool) and the reusable bitmask buffer."""
+    """Owns the executor (a thread pool), the reusable bitmask buffer and the prefetch thread."""
 
     def __init__(self, grammar_vocab: int) -> None:
         self.executor = llguidance.LLExecutor()
         self.words = (grammar_vocab + 31) // 32  # the bitmask width the matchers' tokenizer fills
         self._buf: torch.Tensor | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._pending: tuple[list[GrammarState], torch.Tensor, Future[float]] | None = None
 
-    def _bitmask(self, rows: int, words: int) -> torch.Tensor:
-        if self._buf is None or self._buf.shape[0] < rows or self._buf.shape[1] != words:
-            self._buf = torch.zeros((max(rows, 8), words), dtype=torch.int32)
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        if self._buf is None or self._buf.shape[0] < rows:
+            self._buf = torch.empty((max(rows, 8), self.words), dtype=torch.int32)
         return self._buf[:rows]
 
-    def disallowed(self, states: list[GrammarState], vocab: int) -> torch.Tensor:
-        """A (rows, vocab) bool tensor, True where a grammar forbids the token next (ids past the
-        tokenizer's vocabulary, a padded logits row, are always forbidden). Unpacked with numpy's
-        `unpackbits` from the inverted bitmask: torch shifts over rows x vocab cost as much as a
-        softmax on a busy CPU."""
+    def _compute(self, states: list[GrammarState], mask: torch.Tensor, rows: list[int]) -> float:
+        """Fill `mask`'s `rows` from `states`; returns the seconds it took per row."""
         start = time.perf_counter()
-        mask = self._bitmask(len(states), self.words)
         if len(states) == 1:
-            llt.fill_next_token_bitmask(states[0].matcher, mask, 0)
+            llt.fill_next_token_bitmask(states[0].matcher, mask, rows[0])
         else:
-            llt.fill_next_token_bitmask_par(self.executor, [(s.matcher, i) for i, s in enumerate(states)], mask)
-        bits = np.unpackbits(np.bitwise_not(mask.numpy()).view(np.uint8), axis=1, bitorder="little")
-        out = torch.from_numpy(bits).view(torch.bool)
-        if out.shape[1] >= vocab:
-            out = out[:, :vocab]
-        else:  # logits padded past the tokenizer: those ids are never allowed
-            out = torch.nn.functional.pad(out, (0, vocab - out.shape[1]), value=True)
-        per_row = (time.perf_counter() - start) / len(states)
-        for s in states:
-            s.mask_seconds += per_row
+            llt.fill_next_token_bitmask_par(self.executor, [(s.matcher, i) for i, s in zip(rows, states, strict=True)],
+                                            mask)
+        return (time.perf_counter() - start) / len(states)
+
+    def prefetch(self, states: list[GrammarState]) -> None:
+        """Start computing these states' next masks in the background (see the module's docstring)."""
+        self._collect()
+        if states:
+            buf = torch.empty((len(states), self.words), dtype=torch.int32)
+            self._pending = (states, buf, self._thread.submit(self._compute, states, buf, list(range(len(states)))))
+
+    def _collect(self) -> dict[int, tuple[torch.Tensor, float]]:
+        """The prefetched masks by state identity (waiting for them); empty if none or it failed."""
+        if self._pending is None:
+            return {}
+        states, buf, fut = self._pending
+        self._pending = None
+        try:
+            per_row = fut.result()
+        except Exception:  # noqa: BLE001 - computed again on the spot, where an error surfaces
+            return {}
+        return {id(s): (buf[k], per_row) for k, s in enumerate(states)}
+
+    def fill(self, rows: int, states: list[GrammarState]) -> torch.Tensor:
+        """A (rows, words) int32 bitmask: row j as states[j]'s grammar allows next."""
+        ready = self._collect()
+        mask = self._bitmask(rows)
+        todo_rows, todo = [], []
+        for row, s in enumerate(states):
+            hit = ready.get(id(s))
+            if hit is None:
+                todo_rows.append(row)
+                todo.append(s)
+                continue
+            mask[row] = hit[0]
+            s.mask_seconds += hit[1]
             s.masked_steps += 1
-        return out
+        if todo:
+            per_row = self._compute(todo, mask, todo_rows)
+            for s in todo:
+                s.mask_seconds += per_row
+                s.masked_steps += 1
+        return mask
+
+
+def additive_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) float32: +0.0 where the bitmask allows the token, -inf where it does not;
+    ids past the bitmask (a logits row padded past the tokenizer) are never allowed."""
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    bits = bits[:, :vocab] if bits.shape[1] >= vocab else np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    return torch.from_numpy(((bits.astype(np.int32) - 1) & NEG_INF_BITS).view(np.float32))
 
 
 def apply_grammar_masks(builder: MaskBuilder, logits: torch.Tensor, raw: torch.Tensor, rows: list[int],
                         states: list[GrammarState], may_empty: list[int]) -> torch.Tensor:
-    """`logits` with each constrained row's forbidden tokens at -inf (in place on a copy; the raw
-    logits stay as they were, for logprobs). `may_empty` are the positions in `rows` whose
-    penalties put -inf somewhere (min_tokens banning EOS): if that and the grammar together leave
-    nothing, the row takes the grammar's mask over its raw logits, since the grammar is what the
-    client asked to be guaranteed."""
-    forbidden = builder.disallowed(states, logits.shape[-1])
-    if logits is raw:
+    """`logits` with each constrained row's forbidden tokens at -inf, in place (the sampler owns
+    the step's logits; logprobs were taken from the raw ones before). `may_empty` are the
+    positions in `rows` whose penalties put -inf somewhere (min_tokens banning EOS): if that and
+    the grammar together leave nothing, the row takes the grammar's mask over its raw logits,
+    since the grammar is what the client asked to be guaranteed."""
+    add = additive_mask(builder.fill(len(rows), states), logits.shape[-1])
+    if may_empty and logits is raw:
         logits = logits.clone()
     if len(rows) == logits.shape[0]:
-        logits.masked_fill_(forbidden, -float("inf"))
-        sub, write_back = logits, False
+        logits.add_(add)
     else:
         idx = torch.tensor(rows)
-        sub, write_back = logits[idx].masked_fill_(forbidden, -float("inf")), True
+        logits[idx] = logits[idx].add_(add)
     for j in may_empty:
-        if bool(torch.isinf(sub[j]).all()):
-            sub[j] = raw[rows[j]].masked_fill(forbidden[j], -float("inf"))
-    if write_back:
-        logits[torch.tensor(rows)] = sub
+        i = rows[j]
+        if bool(torch.isinf(logits[i]).all()):
+            logits[i] = raw[i] + add[j]
     return logits

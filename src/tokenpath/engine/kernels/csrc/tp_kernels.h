@@ -6,7 +6,8 @@
 // fly ("QAct": int8 values, the block's scale d and d * sum(q)), so a block's dot product is one
 // integer multiply-add instruction sequence plus one float FMA, as in llama.cpp's
 // vec_dot_q4_1_q8_1. The ISA-specific parts (dot_avx2.cpp, dot_avx512.cpp) are compiled with
-// GCC target pragmas so one library carries both and picks at run time (cpu.cpp).
+// GCC target pragmas so one library carries both and picks at run time (tp_cpu_features in
+// quant.cpp says what the CPU has; NativeLibrary.isa in kernels/__init__.py chooses).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -1,0 +1,60 @@
+"""A ~1B-shaped Qwen3 with random weights, as Q4_K_M GGUF: the model where decode is bound by
+memory bandwidth rather than by per-token overheads (issue 21's second speed target).
+
+Shape: hidden 2048, 16 layers, 16 query heads and 8 KV heads of 128, FFN 6144, QK-norm, SmolLM2's
+49k-token vocabulary (the tests' harness uses it, so prompts tokenize): about 0.9B parameters.
+Made by transformers from a config (tests/engine/tiny_models.py, nothing downloaded), written as
+a float32 GGUF the way llama.cpp's converter writes it, then quantized by llama.cpp's own
+`llama-quantize Q4_K_M` (built from the vendored source by engine_vs_llamacpp.py). The result is
+cached under .cache/peers/ (gitignored); prints its path.
+
+    .venv/bin/python benchmarks/make_qwen3_1b.py
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --model "$(.venv/bin/python benchmarks/make_qwen3_1b.py | tail -1)" \\
+        --out benchmarks/results/engine_vs_llamacpp-qwen3-1b.md
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, initializer_range=0.02)
+
+
+def build_quantize(src: Path) -> Path:
+    """llama-quantize from the same build tree as llama-bench (an incremental build: ggml is shared)."""
+    tool = src / "build" / "bin" / "llama-quantize"
+    if not tool.exists():
+        subprocess.run(["cmake", "--build", "build", "--target", "llama-quantize", f"-j{os.cpu_count()}"],
+                       cwd=src, check=True, stdout=sys.stderr)
+    return tool
+
+
+def main() -> None:
+    from benchmarks.engine_vs_llamacpp import CACHE, build_llamacpp
+    from tests.engine.tiny_models import save_gguf, save_tiny
+
+    out = CACHE / "qwen3-1b-random.Q4_K_M.gguf"
+    if not out.exists():
+        bin_dir = build_llamacpp()
+        quantize = build_quantize(bin_dir.parent.parent)
+        hf = CACHE / "qwen3-1b-random-hf"
+        if not (hf / "config.json").exists():
+            save_tiny("qwen3", hf, tie=False, **SHAPE)
+        f32 = save_gguf("qwen3", hf, CACHE / "qwen3-1b-random.f32.gguf")
+        tmp = out.with_name(out.name + ".tmp")
+        env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+        subprocess.run([str(quantize), str(f32), str(tmp), "Q4_K_M"], check=True, env=env, stdout=sys.stderr)
+        os.replace(tmp, out)
+        f32.unlink()  # 3.6 GB; the HF directory stays for reference runs
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

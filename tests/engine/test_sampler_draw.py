@@ -1,0 +1,72 @@
+"""The sampler's draw and the grammar mask's arithmetic, against their definitions: the inverse-CDF
+draw samples the filtered distribution (zero-probability tokens never), the additive mask equals
+masking with booleans, and a prefetched mask is the one the matcher would compute on the spot."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from tokenpath import SamplingParams
+from tokenpath.engine.sampler import Sampler
+from tokenpath.engine.structured import GrammarCache
+from tokenpath.engine.structured.masking import GrammarState, MaskBuilder, additive_mask
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+
+class _Seq:
+    """What the sampler reads of a sequence (the real Sequence needs a whole request)."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+        self.params, self.generator, self.grammar = params, generator, None
+        self.num_output_tokens, self.output_token_ids, self.token_ids = 0, [], []
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.0, 0.3])
+    logits = torch.log(probs).unsqueeze(0)  # -inf where the probability is 0
+    sampler = Sampler(eos_token_id=99, seed=3)
+    seq = _Seq(SamplingParams(temperature=1.0))
+    counts = np.zeros(5)
+    for _ in range(4000):
+        counts[sampler(logits.clone(), [seq]).token_ids[0]] += 1
+    freq = counts / counts.sum()
+    assert counts[1] == counts[3] == 0
+    assert np.allclose(freq[[0, 2, 4]], [0.1, 0.6, 0.3], atol=0.03)
+
+
+def test_seeded_rows_repeat_whatever_shares_the_batch():
+    logits = torch.randn(3, 1000)
+    alone = Sampler(0)(logits[1:2].clone(), [_Seq(SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))])
+    shared = Sampler(0)(logits.clone(), [_Seq(SamplingParams(temperature=0.7)),
+                                         _Seq(SamplingParams(temperature=1.0), torch.Generator().manual_seed(5)),
+                                         _Seq(SamplingParams(temperature=0.9))])
+    assert alone.token_ids[0] == shared.token_ids[1]
+
+
+def test_additive_mask_equals_boolean_masking():
+    rng = np.random.default_rng(0)
+    mask = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, size=(3, 4), dtype=np.int32))
+    for vocab in (128, 100, 140):  # exact, logits narrower than the bitmask, padded past it
+        logits = torch.randn(3, vocab)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+        allowed = np.zeros((3, vocab), dtype=bool)
+        allowed[:, :bits.shape[1]] = bits
+        expect = torch.where(torch.from_numpy(allowed), logits, -float("inf"))
+        assert torch.equal(logits + additive_mask(mask, vocab), expect)
+
+
+def test_prefetched_mask_is_the_on_the_spot_mask(smol_llm):
+    tok = smol_llm.tokenizer
+    cache = GrammarCache(tok.hf, tok.vocab_size)
+    spec = StructuredOutput("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    states = [GrammarState(cache.get(spec).matcher) for _ in range(2)]
+    states[1].accept(tok.hf.encode("{", add_special_tokens=False)[0])  # two different masks
+    builder = MaskBuilder(tok.vocab_size)
+    spot = builder.fill(2, states).clone()
+    assert not torch.equal(spot[0], spot[1])
+    builder.prefetch(states)
+    assert torch.equal(builder.fill(2, states), spot)
+    assert [s.masked_steps for s in states] == [2, 2]

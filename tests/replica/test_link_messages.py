@@ -1,0 +1,108 @@
+"""The engine link's messages have one codec (`protocol.wire`): every message round-trips through
+it, a malformed frame is a `FrameError` (the link closes), a frame type this version does not
+know is ignored, and no module outside the codec builds a frame as a dict of its own."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError, ServiceUnavailableError
+from tokenpath.protocol import (
+    EmbeddingOutput,
+    EmbeddingRequest,
+    EngineEvents,
+    EngineState,
+    GenerateRequest,
+    SamplingParams,
+)
+from tokenpath.protocol.link import (
+    Abort,
+    Denied,
+    Hello,
+    LinkError,
+    LinkInfo,
+    Ping,
+    Pong,
+    Reset,
+    ResetDone,
+    Welcome,
+)
+from tokenpath.protocol.wire import FIELD_MESSAGES, FrameError, decode, encode, frame
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
+
+MESSAGES = [
+    Hello("s3cret"), Welcome(12.5, LinkInfo("m", 4096, 16, 100, 8, 42, "embedding", 384)), Denied("no"),
+    Ping(3), Pong(3, 1.25), Reset(4), ResetDone(4, 17), Abort("r1"),
+    LinkError("r1", 400, "bad", "invalid_request_error", "top_p", "c", "SamplingParamsError"),
+    EngineState(2, 3, 0.5, 100, 16, 10, 4, 1, 99, 7, True, 12, {"time": [[1, 2], 0.5]}),
+]
+
+
+def over_the_wire(msg: object) -> object:
+    """Encoded, packed, unpacked as the reader does, decoded."""
+    body = frame(msg)[4:]
+    return decode(msgpack.unpackb(body, raw=False, strict_map_key=False))
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    assert over_the_wire(msg) == msg
+
+
+def test_every_field_message_is_covered_here():
+    assert {type(m) for m in MESSAGES} == set(FIELD_MESSAGES.values())
+
+
+def test_requests_and_embedding_outputs_round_trip():
+    req = GenerateRequest("g1", [1, 2, 3], SamplingParams(max_tokens=5), tenant="t", deadline=None, operation="chat")
+    back = over_the_wire(req)
+    assert (back.request_id, back.prompt_token_ids, back.params, back.tenant, back.operation) == \
+        ("g1", [1, 2, 3], req.params, "t", "chat")
+    emb = over_the_wire(EmbeddingRequest("e1", [[1, 2], [3]], tenant="t"))
+    assert (emb.request_id, emb.inputs, emb.tenant) == ("e1", [[1, 2], [3]], "t")
+    out = EmbeddingOutput("e1", [[0.5, -1.0]], 3, EngineEvents(1.0, 2.0, 3.0, 4.0))
+    assert over_the_wire(out) == out
+
+
+def test_an_older_or_newer_peer_is_understood():
+    """Keys a peer adds are ignored; fields it leaves out keep their defaults; new frame types are skipped."""
+    d = encode(EngineState(running=1))
+    d["adapter_slots"] = 4  # a field of a newer version
+    del d["step_stats"]
+    assert decode(d) == EngineState(running=1)
+    assert decode({"t": "something_new", "x": 1}) is None
+
+
+@pytest.mark.parametrize("d", [{"t": "pong", "id": 1}, {"t": "welcome", "now": 1.0, "info": "x"},
+                               {"t": "ping"}, {"t": "add", "req": {}}])
+def test_a_malformed_frame_is_a_frame_error(d):
+    with pytest.raises(FrameError):
+        decode(d)
+
+
+def test_a_link_error_becomes_the_same_error_type_on_the_gateway():
+    err = LinkError.of("r", RequestFailedError("the step raised"))
+    assert isinstance(over_the_wire(err).exception("rep"), RequestFailedError)
+    assert isinstance(LinkError.of("r", EngineDeadError("gone")).exception("rep"), EngineDeadError)
+    unknown = LinkError.of("r", RuntimeError("boom"))
+    assert (unknown.status, unknown.cls) == (503, None)
+    assert isinstance(unknown.exception("rep"), ServiceUnavailableError)
+    assert "rep" in str(unknown.exception("rep"))
+    assert isinstance(LinkError.malformed("r", KeyError("ids")).exception("rep"), InvalidRequestError)
+
+
+def test_encode_refuses_what_is_not_a_message():
+    with pytest.raises(TypeError):
+        encode({"t": "ping", "id": 1})
+
+
+def test_no_frame_is_built_as_a_dict_outside_the_codec():
+    """A `{"t": ...}` literal anywhere in src but protocol/wire.py is a second codec."""
+    offenders = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py") if p.name != "wire.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\{\s*\"t\"\s*:", line)]
+    assert not offenders, offenders

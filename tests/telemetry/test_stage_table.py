@@ -1,0 +1,56 @@
+"""One stage table: `telemetry.timeline.STAGE_BOUNDS` names the request path's stages and the
+events that bound them; every Timeline stamp in src is one of `EVENTS`; no other module writes
+its own list of stage names (metrics, the dashboard, diagnose and benchmarks read the table)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tokenpath.api.dashboard import _page
+from tokenpath.telemetry.stages import current_stage
+from tokenpath.telemetry.timeline import EVENTS, PATH_STAGES, STAGE_BOUNDS, STAGES, Timeline
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
+
+
+def sources() -> dict[Path, str]:
+    return {p: p.read_text() for p in [*SRC.rglob("*.py"), *SRC.rglob("*.html")]}
+
+
+def test_the_table_is_bounded_by_events_in_path_order():
+    assert (*PATH_STAGES, "total") == STAGES
+    ends = [EVENTS.index(end) for _, _, end in STAGE_BOUNDS]
+    assert ends == sorted(ends) and STAGE_BOUNDS[-1][2] == "finished"
+    for (_, _, end), (_, start, _) in zip(STAGE_BOUNDS, STAGE_BOUNDS[1:], strict=False):
+        assert end == start, "each stage starts where the one before it ends"
+
+
+def test_every_stamp_in_src_is_a_known_event():
+    stamped = {m for text in sources().values() for m in re.findall(r"\.stamp\(\s*\"([a-z_]+)\"", text)}
+    events = (SRC / "replica" / "events.py").read_text()  # (the engine's events, stamped from a tuple)
+    loop = re.search(r"for name, at in \((.*?)\):\n", events, re.S)
+    assert loop, "replica/events.py stamps its engine events from one tuple"
+    stamped |= set(re.findall(r"\(\"([a-z_]+)\", ", loop.group(1)))
+    assert {"admitted", "tokenized", "scheduled", "first_token", "finished"} <= stamped
+    assert stamped - set(EVENTS) == set(), "stamped but not in timeline.EVENTS"
+
+
+def test_no_second_list_of_stage_names():
+    pair = "|".join(rf"[\"']{a}[\"']\s*,\s*[\"']{b}[\"']" for a, b in zip(PATH_STAGES, PATH_STAGES[1:], strict=False))
+    copies = [str(p.relative_to(SRC)) for p, text in sources().items()
+              if p.name != "timeline.py" and re.search(pair, text)]
+    assert copies == [], copies
+
+
+def test_the_dashboard_draws_the_tables_stages():
+    assert f"const STAGES = {list(PATH_STAGES)!r}".replace("'", '"') in _page("dashboard.html")
+
+
+def test_current_stage_walks_the_table():
+    t = Timeline("r")
+    seen = [current_stage(t)]
+    for _, _, end in STAGE_BOUNDS:
+        t.stamp(end)
+        seen.append(current_stage(t))
+    assert seen == [*PATH_STAGES, "done"]

@@ -1,0 +1,20 @@
+"""The protocol and the engine type-check (mypy, configured in pyproject.toml's `[tool.mypy]`),
+so their `# type: ignore`s are the ones a checker needs (`warn_unused_ignores`), not guesses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_protocol_and_engine_type_check(tmp_path):
+    pytest.importorskip("mypy", reason="mypy is in the [test] extra")
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                          "--cache-dir", str(tmp_path / "mypy_cache")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
