@@ -44,7 +44,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV-cache group (engine/kv_groups.py); empty while it holds no blocks.
+    block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
     prompt_hashes: list[int] | None = None  # of the prompt's full blocks (the scheduler fills it in)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
@@ -53,6 +54,12 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (the full-attention one when the model has one); empty while
+        the sequence holds no blocks."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

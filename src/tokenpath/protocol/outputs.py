@@ -17,6 +17,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token text, logprob)
+    rank: int | None = None  # of the token in its distribution, 1 = most likely (prompt logprobs)
 
 
 @dataclass
@@ -104,6 +105,9 @@ class RequestOutput:
     # replica, and must not be retried elsewhere, since it may be what broke the step.
     error: str | None = None
     grammar: GrammarStats | None = None  # on the final output of a structured request
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None; on one delta only
+    # (the first after the prompt is computed).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

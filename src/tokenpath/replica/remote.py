@@ -199,6 +199,9 @@ class RemoteReplica(PolledState):
     # -- generation ------------------------------------------------------------------------------
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
+        if p.prompt_logprobs is not None:  # the stream read below carries no prompt logprobs: refuse, not drop
+            raise InvalidRequestError(f"prompt_logprobs is not supported through remote replica '{self.name}'",
+                                      param="prompt_logprobs", code="unsupported_parameter")
         body: dict = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True,
                       "stream_options": {"include_usage": True}, "n": p.n, "max_tokens": p.max_tokens,
                       "temperature": p.temperature, "top_p": p.top_p,
