@@ -15,6 +15,13 @@ Reported (benchmarks/results/soak.md and .json):
 
     .venv/bin/python benchmarks/soak.py                      # 30 minutes, one engine kill at minute 10
     .venv/bin/python benchmarks/soak.py --minutes 4 --window 1 --kill-at 1.5   # a short run
+
+With `--faults` (root: it mounts a tmpfs), every fault of issue 23 in one run instead, under steady
+load, a few minutes (`benchmarks/soak_faults.py`: a frozen engine, a full disk under the audit
+store, a flood on an engine's port, browser probes, `kill -9` of the gateway, shutdown with an
+engine frozen), reporting requests and audit rows lost, time to eject and to recover, rows spooled:
+
+    sudo .venv/bin/python benchmarks/soak.py --faults         # results/soak_faults.md
 """
 
 from __future__ import annotations
@@ -332,7 +339,25 @@ def main() -> None:
     ap.add_argument("--out", default="soak")
     ap.add_argument("--note", default="", help="a line for the top of the report (what changed, the machine)")
     ap.add_argument("--rerender", metavar="JSON", help="rewrite the report from an earlier run's .json")
+    f = ap.add_argument_group("--faults: every fault of issue 23 in one run (benchmarks/soak_faults.py)")
+    f.add_argument("--faults", action="store_true")
+    f.add_argument("--model", default=CHAT)
+    f.add_argument("--clients", type=int, default=6)
+    f.add_argument("--warm", type=float, default=20.0, help="seconds of load before the first fault")
+    f.add_argument("--gap", type=float, default=8.0, help="seconds of load between faults")
+    f.add_argument("--freeze", type=float, default=30.0, help="seconds engine-0 stays SIGSTOPped")
+    f.add_argument("--disk-full", type=float, default=30.0, help="seconds the store's disk stays full")
+    f.add_argument("--stall-timeout", type=float, default=None, help="serve's bound (default: serve's own)")
+    f.add_argument("--shutdown-timeout", type=float, default=5.0)
     args = ap.parse_args()
+    if args.faults:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from soak_faults import run_faults
+
+        args.out = "soak_faults" if args.out == "soak" else args.out
+        res = run_faults(args)
+        print(json.dumps({k: v for k, v in res.items() if k != "command"}, indent=2))
+        return
     if args.rerender:
         res = json.loads(Path(args.rerender).read_text())
         res["processes"] = process_drift(res["rss_mib"])

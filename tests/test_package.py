@@ -40,6 +40,7 @@ def test_valid_sampling_params():
 def test_timeline_durations():
     t = Timeline("r1")
     t0 = t.stamps["received"]
+    t.stamp("body_read", at=t0 + 0.05)
     t.stamp("admitted", at=t0 + 0.1)
     t.stamp("dispatched", at=t0 + 0.3)
     t.stamp("scheduled", at=t0 + 0.5)
@@ -48,7 +49,7 @@ def test_timeline_durations():
     t.stamp("finished", at=t0 + 9.0)  # first stamp wins
     d = t.durations()
     assert list(d) == list(STAGES)
-    assert d == pytest.approx({"gateway": 0.1, "queue": 0.2, "engine_queue": 0.2, "prefill": 0.25,
+    assert d == pytest.approx({"upload": 0.05, "gateway": 0.05, "queue": 0.2, "engine_queue": 0.2, "prefill": 0.25,
                                "decode": 0.25, "total": 1.0})
     assert sum(v for k, v in d.items() if k != "total") == pytest.approx(d["total"])
-    assert t.server_timing().startswith("gateway;dur=100.0, queue;dur=200.0")
+    assert t.server_timing().startswith("upload;dur=50.0, gateway;dur=50.0, queue;dur=200.0")

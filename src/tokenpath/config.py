@@ -66,6 +66,8 @@ class EngineConfig(BaseModel):
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
     # server touches the whole budget: this is its steady-state KV memory, not just a cap.
     kv_cache_memory: str | int = Field("512MiB", description="the KV cache's byte budget, e.g. 512MiB or 2GiB")
+    # The memory of this many blocks of every layer (a model whose window layers keep only their
+    # window gets more, smaller pages from it: engine/kv_groups.py).
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks (overrides --kv-cache-memory)")
     max_num_batched_tokens: int = Field(1024, ge=1, description="most tokens one engine step computes")
     # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
@@ -77,6 +79,10 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="longest prompt + completion (default: the model's context, capped at 8192)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompts seen before")
+    # vLLM's name. False (default): sliding-window layers keep only their window's KV blocks
+    # (engine/kv_groups.py); True: every layer's blocks for the whole context (the baseline).
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False, description="keep every layer's KV blocks for the whole context (sliding-window layers too)")
     seed: int = Field(0, description="seed of the engine's sampling generator")
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.

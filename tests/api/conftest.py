@@ -49,14 +49,15 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
-def start_server(tmp: Path, *args: str, wait: float = 240, exe: str = TOKENPATH,
+def start_server(tmp: Path, *args: str, wait: float = 240, exe: str = TOKENPATH, command: list[str] | None = None,
                  env: dict[str, str] | None = None) -> Server:
-    """`exe serve --port 0 ARGS` (exe: another install's `tokenpath`), in `env` (default: ours)."""
+    """`exe serve --port 0 ARGS` (exe: another install's `tokenpath`; `command` replaces it with a
+    test double that wraps the real entry point), in `env` (default: ours)."""
     log = tmp / "server.log"
     env = {**(os.environ if env is None else env), "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
-        proc = subprocess.Popen([exe, "serve", "--port", "0", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*(command or [exe]), "serve", "--port", "0", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         m = re.search(r"listening on https?://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))

@@ -44,10 +44,10 @@ def test_chat_completion_shape_usage_and_timing(client):
     assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 6 and u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert u.prompt_tokens_details.cached_tokens >= 0
     timing = resp.model_extra["tokenpath"]["timing"]
-    assert set(timing) == {"gateway", "queue", "engine_queue", "prefill", "decode", "total"}
+    assert set(timing) == {"upload", "gateway", "queue", "engine_queue", "prefill", "decode", "total"}
     assert timing["total"] >= timing["prefill"] + timing["decode"]
     header = raw.headers["server-timing"]
-    assert header.startswith("gateway;dur=") and "engine_queue;dur=" in header and "total;dur=" in header
+    assert header.startswith("upload;dur=") and "gateway;dur=" in header and "engine_queue;dur=" in header and "total;dur=" in header
 
 
 def test_max_completion_tokens_and_n_choices(client):
@@ -94,8 +94,8 @@ def test_chat_stream_with_usage(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     body, usage = chunks[:-1], chunks[-1]
     assert usage.choices == [] and 0 < usage.usage.completion_tokens <= 5
-    assert set(usage.model_extra["tokenpath"]["timing"]) == {"gateway", "queue", "engine_queue", "prefill",
-                                                             "decode", "total"}
+    assert set(usage.model_extra["tokenpath"]["timing"]) == {"upload", "gateway", "queue", "engine_queue",
+                                                             "prefill", "decode", "total"}
     assert body[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.usage is None for c in body)
     text = "".join(c.choices[0].delta.content or "" for c in body)

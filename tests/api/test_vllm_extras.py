@@ -101,7 +101,8 @@ def test_logit_bias_and_skip_special_tokens(http):
     assert shown["text"] == text * 3
 
 
-@pytest.mark.parametrize("field", [{"use_beam_search": True}, {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 4},
+# (prompt_logprobs is served on /v1/completions: tests/api/test_prompt_logprobs.py)
+@pytest.mark.parametrize("field", [{"use_beam_search": True}, {"truncate_prompt_tokens": 4},
                                    {"allowed_token_ids": [1, 2]}, {"bad_words": ["Paris"]}])
 def test_vllm_extras_not_served_are_refused_by_name(http, field):
     r = http.post("/v1/completions", json={"model": CHAT, "prompt": PROMPT, "max_tokens": 2, **field})

@@ -18,7 +18,8 @@ class NativeSteps:
     KV slot a step wrote remembered in `slots`."""
 
     def __init__(self, loaded: LoadedModel, kv: str, num_blocks: int = 16, max_len: int = 256) -> None:
-        config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=num_blocks,
+        # One block table for every layer (the tests pick it), windows in the kernels' masks only.
+        config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=num_blocks, disable_hybrid_kv_cache_manager=True,
                               quantization="q8_0" if loaded.gguf is None else "auto")
         self.runner = ModelRunner(loaded, config, max_len)
         assert self.runner.native is not None

@@ -32,7 +32,9 @@ def loaded():
 
 
 def runner(loaded, quantization: str, kv: str = "auto") -> ModelRunner:
-    cfg = EngineConfig(quantization=quantization, dtype="float32", num_kv_blocks=WINDOW // 16, kv_cache_dtype=kv)
+    # One block table for every layer: all_logits writes slot i for position i by hand.
+    cfg = EngineConfig(quantization=quantization, dtype="float32", num_kv_blocks=WINDOW // 16, kv_cache_dtype=kv,
+                       disable_hybrid_kv_cache_manager=True)
     return ModelRunner(loaded, cfg, WINDOW)
 
 

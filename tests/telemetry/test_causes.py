@@ -291,6 +291,13 @@ def test_diagnose_finds_the_stall_and_the_kv_pressure(small_kv: Served):
     assert kinds["decode_stalled_by_prefill"]["share"] > 0
     assert any(i.startswith("longprompt-") for i in kinds["decode_stalled_by_prefill"]["evidence"]["culprits"])
     assert 0 < kinds["engine_busy"]["evidence"]["busy_fraction"] <= 1
+    # The engine figures are the window's (step time, batch, preemptions, KV usage mean and max).
+    busy = kinds["engine_busy"]["evidence"]
+    assert busy["window_s"] <= 600 + 6 and busy["steps"] > 0 and busy["mean_step_ms"] > 0, busy
+    assert busy["mean_batch_seqs"] >= 1 and busy["preemptions"] >= 1 and busy["kv_usage_max"] is not None, busy
+    now = httpx.get(f"{small_kv.url}/diagnose", params={"since": str(time.time())}, headers=small_kv.headers("admin"))
+    (recent,) = now.json()["engines"]
+    assert recent["figures"]["window_s"] <= 6 + 1 and recent["steps"] <= busy["steps"], recent
     for f in report["findings"]:
         assert f["figure"] and f["lever"] and 0 <= f["share"] <= 1
     offline = _diagnose(small_kv, "--data-dir", str(small_kv.data_dir))  # audit rows only
@@ -353,8 +360,12 @@ def test_a_body_that_trickles_in_is_named_upload(one_seq: Served):
         while chunk := sock.recv(65536):
             got += chunk
     assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    timing = dict(re.findall(rb"(\w+);dur=([\d.]+)", got.split(b"\r\n\r\n")[0]))
+    assert float(timing[b"upload"]) >= 900, timing  # a stage of its own in Server-Timing
     s = _trace(one_seq, rid)
+    assert s["dominant_stage"] == "upload" and _stage_ms(s, "upload") >= 900, s["stages"]
+    assert _stage_ms(s, "gateway") < 0.5 * _stage_ms(s, "upload"), s["stages"]  # the wait is not the gateway's
     c = s["causes"][0]
-    assert c["kind"] == "upload" and c["detail"]["stage"] == "gateway", s["causes"]
-    assert c["ms"] >= 900 and c["ms"] >= 0.8 * _stage_ms(s, "gateway"), (c, s["stages"])
+    assert c["kind"] == "upload" and c["detail"]["stage"] == "upload", s["causes"]
+    assert c["ms"] >= 0.9 * _stage_ms(s, "upload") and c["detail"]["body_bytes"] == len(body), (c, s["stages"])
     assert s["total_ms"] >= c["ms"]

@@ -31,7 +31,7 @@ def test_trace_shows_one_requests_waterfall(served: Served, http: httpx.Client):
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     names = [st["stage"] for st in s["stages"]]
-    assert names == ["gateway", "queue", "engine_queue", "prefill", "decode"]
+    assert names == ["upload", "gateway", "queue", "engine_queue", "prefill", "decode"]
     assert abs(sum(st["ms"] for st in s["stages"]) - s["total_ms"]) <= 5.0
     assert abs(sum(st["percent"] for st in s["stages"]) - 100) <= 1.0
     assert s["replica"] and s["routing_policy"] and s["routing_reason"] and s["cached_tokens"] is not None

@@ -11,7 +11,8 @@ recent service time (dispatch to finish, an EWMA). Predicted wait for a new requ
   deadline: 429 at once, `Retry-After` = predicted drain time. Waiting in line for a request that
   cannot make its deadline only burns capacity the others need;
 - otherwise queue it. A queued request leaves when a replica has room, when its deadline passes
-  (504, removed at once) or when its client goes away (removed at once).
+  (504, removed at once), when its client goes away (removed at once), or with the same 503 as a
+  new request when every replica reports itself down (stalled, dead).
 
 Rejections are pure bookkeeping (no I/O, no awaits), so they answer in microseconds.
 """
@@ -112,10 +113,7 @@ class FlowController:
         must fit in it, else 429 now rather than 504 after the whole timeout."""
         now = time.monotonic() if now is None else now
         if not self.pool.healthy():
-            retry = max([h.ejected_until - now for h in self.pool.handles.values()] + [1.0])
-            raise self._reject("no_healthy_replica", ServiceUnavailableError(
-                f"no healthy replica for model '{self.deployment}'",
-                code="no_healthy_replica", headers={"Retry-After": str(max(1, int(retry + 0.999)))}), record)
+            raise self._reject("no_healthy_replica", self._no_replica(now), record)
         if self.queue.ahead_of(priority) == 0 and self.pool.with_room():
             self._check_first_token(0.0, first_token_by, now, record)
             return
@@ -138,6 +136,12 @@ class FlowController:
                 retry_after=wait, code="deadline_unreachable"), record)
         cautious = self.capacity.cautious_wait(self.queue.ahead_of(priority) + 1, self.pool.slots())
         self._check_first_token(cautious, first_token_by, now, record)
+
+    def _no_replica(self, now: float) -> ServiceUnavailableError:
+        retry = max([h.ejected_until - now for h in self.pool.handles.values()] + [1.0])
+        return ServiceUnavailableError(f"no healthy replica for model '{self.deployment}'",
+                                       code="no_healthy_replica",
+                                       headers={"Retry-After": str(max(1, int(retry + 0.999)))})
 
     def _check_first_token(self, queue_wait: float, first_token_by: float | None, now: float,
                            record: bool) -> None:
@@ -262,7 +266,20 @@ class FlowController:
                         code="deadline_exceeded"))
                     metrics.REJECTIONS.labels(self.deployment, "deadline").inc()
             self._pump()
+            if len(self.queue) and not any(h.raw_state().healthy for h in self.pool.handles.values()):
+                self._refuse_queued()
             metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
+
+    def _refuse_queued(self) -> None:
+        """Every replica says it is down (stalled, dead, restarting): what waits in the queue gets
+        the 503 a new request gets, now, not a 504 at its deadline (issue 23: a stalled engine
+        refuses fast rather than queueing for as long as it hangs). A replica only in the pool's
+        ejection backoff is not enough: it is probed again within seconds, and the queue waits."""
+        now = time.monotonic()
+        while (t := self.queue.pop()) is not None:
+            if t.future is not None and not t.future.done():
+                t.future.set_exception(self._no_replica(now))
+                metrics.REJECTIONS.labels(self.deployment, "no_healthy_replica").inc()
 
     def started(self, admission: Admission) -> None:
         """The first token came: this request no longer adds to its replica's prefill backlog."""

@@ -6,6 +6,8 @@ around any set of deployments and starts instantly.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -13,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
-from tokenpath.api.dashboard import page_headers
+from tokenpath.api.dashboard import page_headers, sample_engines
 from tokenpath.api.dashboard import router as dashboard_routes
 from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.limits import BodyLimitMiddleware
@@ -43,7 +45,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(sample_engines(state))
         yield
+        sampler.cancel()
+        with contextlib.suppress(BaseException):
+            await sampler
         await state.close()
 
     # FastAPI's own HTTP spans (newer releases emit them whenever a tracer provider exists) would

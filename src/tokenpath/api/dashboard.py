@@ -18,6 +18,7 @@ import base64
 import functools
 import hashlib
 import json
+import logging
 import re
 import time
 from dataclasses import asdict
@@ -35,6 +36,7 @@ from tokenpath.telemetry.waterfall import summary
 
 router = APIRouter()
 COOKIE = "tokenpath_admin"
+log = logging.getLogger("tokenpath.api")
 
 
 def _page(name: str) -> str:
@@ -113,8 +115,26 @@ async def diagnose_window(request: Request, state: AppState = Depends(get_state)
     if model:
         rows = [r for r in rows if r.get("model") == model]
     deployments = [d for d in state.deployments() if not model or d.name == model]
-    engines = engine_figures(deployments, max(1e-9, time.time() - state.started))
+    now = time.time()
+    engines = state.engine_history.window(since, now, engine_figures(deployments, max(1e-9, now - state.started)))
     findings = diagnose(rows, engines)
     return JSONResponse({"since": since, "model": model, "requests": len(rows),
-                         "engines": [asdict(e) for e in engines], "findings": [f.as_dict() for f in findings]},
-                        headers={"cache-control": "no-store"})
+                         "engines": [{**asdict(e), "figures": e.summary()} for e in engines],
+                         "findings": [f.as_dict() for f in findings]}, headers={"cache-control": "no-store"})
+
+
+async def sample_engines(state: AppState) -> None:
+    """Every replica's cumulative engine figures every `sample_s`, for /diagnose's windows
+    (`telemetry.engine_window`): a few list copies per replica, off the request path."""
+    history = state.engine_history
+    failed = False
+    while state.config.causes:
+        await asyncio.sleep(history.sample_s)
+        try:
+            now = time.time()
+            history.add(now, engine_figures(state.deployments(), max(1e-9, now - state.started)))
+            failed = False
+        except Exception:
+            if not failed:  # (once per run of failures: a replica mid-restart, say)
+                log.exception("sampling the engines' figures for /diagnose failed")
+            failed = True

@@ -36,6 +36,7 @@ class Accumulator:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     finished_parts: set[int] = field(default_factory=set)
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)  # per part
 
     def index(self, part: int, choice: int) -> int:
         return part * self.n + choice
@@ -43,6 +44,8 @@ class Accumulator:
     def add(self, part: int, out: RequestOutput) -> list[tuple[Choice, CompletionOutput]]:
         self.prompt_tokens[part] = out.num_prompt_tokens
         self.cached_tokens[part] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[part] = out.prompt_logprobs
         touched = []
         for c in out.outputs:
             idx = self.index(part, c.index)
@@ -127,6 +130,21 @@ def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
     }
 
 
+def prompt_logprobs(items: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the prompt's token and the top ones asked for."""
+    out: list[dict | None] = []
+    for lp in items:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, (token_id, text, value) in enumerate(lp.top, start=1):
+            entry.setdefault(str(token_id), {"logprob": value, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out
+
+
 # -- whole responses ---------------------------------------------------------------------------
 def _message(c: Choice, plan: ToolPlan | None) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, and its finish reason: a reply that parses as
@@ -162,22 +180,27 @@ def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprob
 
 
 def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
-                    timeline: Timeline) -> dict:
+                    timeline: Timeline, want_prompt_logprobs: bool = False) -> dict:
+    choices = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in acc.sorted()
+    ]
+    if want_prompt_logprobs:
+        for c in choices:
+            part = acc.prompt_logprobs.get(c["index"] // acc.n)
+            c["prompt_logprobs"] = None if part is None else prompt_logprobs(part)
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in acc.sorted()
-        ],
+        "choices": choices,
         "usage": acc.usage(),
         "tokenpath": timing_extension(timeline),
     }

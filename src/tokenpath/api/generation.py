@@ -208,7 +208,8 @@ class Generation:
         if self.chat:
             body = fmt.chat_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline, self.plan)
         else:
-            body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline)
+            body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline,
+                                       getattr(self.body, "prompt_logprobs", None) is not None)
         return JSONResponse(body, headers=run.headers(timing=True))
 
     # -- streaming ------------------------------------------------------------------------------

@@ -242,6 +242,7 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs_count,
+        prompt_logprobs=getattr(body, "prompt_logprobs", None),  # /v1/completions only
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logit_bias=logit_bias,

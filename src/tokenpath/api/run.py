@@ -235,6 +235,7 @@ class RequestRun:
         text = audit_text_enabled()
         return FinishedRequest(
             timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
+            derive_causes=self.state.config.causes,
             model=self.deployment.name if self.deployment else None, error_type=self.error_type,
             error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
             client_request_id=client_id[:128] if client_id else None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from tokenpath.errors import InvalidRequestError
@@ -281,8 +281,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's extra: each prompt token's logprob (and this many top ones), for perplexity.
+    prompt_logprobs: StrictInt | None = None  # strict: true or 1.5 is a 400, not 1
 
     def reject_unsupported(self) -> None:
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"prompt_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
+                                          f"got {self.prompt_logprobs}", param="prompt_logprobs")
+            if self.stream:
+                raise _unsupported("prompt_logprobs", "is not supported with stream; send \"stream\": false")
         if self.echo:
             raise _unsupported("echo")
         if self.suffix:

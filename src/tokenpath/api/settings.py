@@ -45,6 +45,9 @@ class ApiSettings(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list)
     allowed_origins: list[str] = Field(default_factory=list)
     public_docs: bool = False
+    # Causes for every request and per-window engine figures for /diagnose (`telemetry.causes`,
+    # `telemetry.engine_window`); off only to measure what they cost (`serve --no-causes`).
+    causes: bool = True
 
     @property
     def max_body_bytes(self) -> int:

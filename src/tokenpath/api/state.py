@@ -14,6 +14,7 @@ from tokenpath.api.settings import ApiSettings
 from tokenpath.api.sse import StopSignal
 from tokenpath.gateway.base import RequestGuard
 from tokenpath.routing.models import ModelRouter
+from tokenpath.telemetry.engine_window import EngineHistory
 from tokenpath.telemetry.live import LiveRequests
 from tokenpath.telemetry.metrics import ServerMetrics
 
@@ -30,6 +31,7 @@ class AppState:
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))
     live: LiveRequests = field(default_factory=LiveRequests)  # what the dashboard shows
+    engine_history: EngineHistory = field(default_factory=EngineHistory)  # /diagnose's engine figures
 
     def abort_all(self, reason: str = "shutdown") -> int:
         """Stop every in-flight generation; each one ends with finish_reason `abort`."""

@@ -7,14 +7,26 @@ before the next step, and its blocks are free by then. A step's outputs cross ba
 `call_soon_threadsafe` (one wake-up of the loop per step, not one per request) and are handed to
 each request's sink: its asyncio queue (`generate`), or a callback (`submit`, for the engine link,
 which serves every request of a step from one place instead of one task per request).
+
+Whoever watches the engine's liveness (`replica.liveness`, through `replica.local`) reads `beat`:
+when the step thread last came round its loop (each step, and at least once a second when idle).
+A step that never returns (a native call stuck, a lock never released) leaves it behind while the
+event loop stays free (the kernels and torch release the GIL), so a hung step is noticed and its
+requests released instead of waiting for as long as it hangs. `step_allowance_s` is how long a
+normal step of this engine may take, for the step running now: the longest step so far, or its
+tokens at the costliest per-token price of a big step (>= `BIG_STEP_TOKENS`; before one, the first
+step's, which pays one-time setup too and so errs long), so a big model's long prefill chunk is
+not taken for a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -28,6 +40,7 @@ from tokenpath.telemetry.engine_steps import StepStats
 log = logging.getLogger("tokenpath.engine")
 
 Sink = Callable[[RequestOutput | BaseException], None]
+BIG_STEP_TOKENS = 64  # a step this big prices a token for `step_allowance_s`
 
 
 class AsyncEngine:
@@ -49,6 +62,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self.beat = time.monotonic()  # the step thread's last turn of its loop (see the module doc)
+        # Of steps that ended within `step_ceiling_s`: the first one's price per token, then the
+        # longest step and the costliest token of a big step among the later ones.
+        self.first_step_s_per_token = 0.0
+        self.longest_step_s = 0.0
+        self.step_s_per_token = 0.0
+        # Steps longer than this are not counted: the watcher sets it to its stall bound, so one
+        # hang that ended does not stretch the bound for every later one.
+        self.step_ceiling_s = math.inf
 
     @property
     def healthy(self) -> bool:
@@ -61,11 +83,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tokenpath-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step thread, waiting up to `timeout` for its current step (a hung one is left
+        behind: the thread is a daemon, and exits with the process)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+            await asyncio.to_thread(self._thread.join, timeout)
         self.core.loras.close()
 
     # ------------------------------------------------------------ public API
@@ -115,6 +139,17 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """On the loop: end a request's stream with `exc` now, without waiting for the step thread
+        (a watcher found it hung). Its `generate` raises `exc` and sends the abort, which the step
+        thread applies whenever it comes back."""
+        self._deliver_step([(request_id, exc)])
+
+    def step_allowance_s(self) -> float:
+        """How long a normal step of this engine may take, for the step running now (or the last)."""
+        price = self.step_s_per_token or self.first_step_s_per_token
+        return max(self.longest_step_s, price * self.core.step_tokens)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's /reset_prefix_cache); blocks forgotten. Safe from the
         loop while the step thread runs (see `BlockManager.reset_prefix_cache`)."""
@@ -136,9 +171,18 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self.beat = started = time.monotonic()
                 self._drain_inbox()
                 if self.core.has_work():
                     outs = self.core.step()
+                    took = time.monotonic() - started
+                    if took <= self.step_ceiling_s and (tokens := self.core.step_tokens):
+                        if not self.first_step_s_per_token:
+                            self.first_step_s_per_token = took / tokens
+                        else:
+                            self.longest_step_s = max(self.longest_step_s, took)
+                            if tokens >= BIG_STEP_TOKENS:
+                                self.step_s_per_token = max(self.step_s_per_token, took / tokens)
                     if outs and self._loop is not None:
                         self._loop.call_soon_threadsafe(self._deliver_step, outs)
                     while self.core.rejected:  # (their adapter failed to load)

@@ -8,6 +8,9 @@ SDPA call each, with a causal mask offset by the tokens already computed.
 A layer with a sliding window (Mistral, Gemma 3's local layers) masks every key more than
 `window - 1` positions behind its query, in prefill chunks and decode alike; the masks are built
 once per step and window, and shared by every layer with that window.
+With KV-cache groups (`kv_groups.py`: Gemma 3's window layers keep only their window's blocks)
+each group has its own block table, so every slot tensor below may carry a leading group axis
+([G, ...]); a layer reads the row of its own group. Without it, one table serves every layer.
 The pool may store a narrower dtype than the model computes in (--kv-cache-dtype float16 with a
 float32 model): K/V are rounded on write and widened back after each gather.
 """
@@ -19,12 +22,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenpath.engine.kv_groups import KVLayout
+
 
 @dataclass
 class PrefillChunk:
     start: int  # first row of this sequence's tokens in the flattened batch
     num_tokens: int
-    slots: torch.Tensor | None  # context slots [computed + num_tokens]; None when nothing was cached before
+    # context slots [computed + num_tokens] (or [G, ...] per group); None when nothing was cached before
+    slots: torch.Tensor | None
     mask: torch.Tensor | None  # [num_tokens, context] bool, None when plain causal from position 0
     computed: int = 0  # tokens of this sequence already in the cache: the first query's position
 
@@ -35,14 +41,14 @@ class DecodeGroup:
     group's longest context wastes little."""
 
     start: int
-    slots: torch.Tensor  # [B, Lmax] context slots, padded
+    slots: torch.Tensor  # [B, Lmax] context slots, padded (or [G, B, Lmax] per group)
     mask: torch.Tensor  # [B, 1, 1, Lmax] bool
     ctx: torch.Tensor | None = None  # [B] context lengths (each query's position + 1)
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written (or [G, T] per group)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # (window, "d"/"p", index) -> windowed mask, filled by the first layer with that window.
@@ -54,7 +60,7 @@ class AttentionMetadata:
             return g.mask
         key = (window, "d", i)
         if key not in self.window_masks:
-            k = torch.arange(g.mask.shape[-1], device=g.mask.device)
+            k = torch.arange(g.mask.shape[-1], device=g.mask.device)  # (masks: one per window, any group)
             recent = k[None, :] >= (g.ctx[:, None] - window)
             self.window_masks[key] = g.mask & recent[:, None, None, :]
         return self.window_masks[key]
@@ -65,7 +71,7 @@ class AttentionMetadata:
             return p.mask
         key = (window, "p", i)
         if key not in self.window_masks:
-            dev = self.slot_mapping.device
+            dev = p.mask.device if p.mask is not None else self.slot_mapping.device
             q = torch.arange(p.computed, p.computed + p.num_tokens, device=dev)[:, None]
             k = torch.arange(p.computed + p.num_tokens, device=dev)[None, :]  # slots None: computed is 0
             self.window_masks[key] = (k <= q) & (k > q - window)
@@ -74,17 +80,22 @@ class AttentionMetadata:
 
 class KVCache:
     """One K and one V pool per layer, shaped [num_blocks * block_size, kv_heads, head_dim] so a
-    token's slot index addresses it directly."""
+    token's slot index addresses it directly. With a KVLayout, layers of different groups share
+    tensors (`k[layer]` is its slot's tensor): a block id is a page of `group_size` layers."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device, zeroed: bool = True, layout: KVLayout | None = None) -> None:
         """zeroed=False leaves the pool unwritten, so its pages become resident only as slots are
         used: for readers that never touch a slot before writing it (the native kernels). The SDPA
         path pads gathers with unwritten slots, and a NaN there would survive its mask."""
+        layout = layout or KVLayout.single(num_layers)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         alloc = torch.zeros if zeroed else torch.empty
-        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        ks = [alloc(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
+        vs = [alloc(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
+        self.k = [ks[j] for j in layout.layer_slot]
+        self.v = [vs[j] for j in layout.layer_slot]
+        self.layer_group = layout.layer_group
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -97,15 +108,18 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]. `window`: this
     layer attends only to the last `window` positions (its own included)."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    group = cache.layer_group[layer]
+    slot_mapping = _of_group(meta.slot_mapping, group, 1)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for gi, g in enumerate(meta.decode_groups):
-        b, ctx = g.slots.shape
+        slots = _of_group(g.slots, group, 2)
+        b, ctx = slots.shape
         rows = slice(g.start, g.start + b)
-        kd = _gather(k_cache, g.slots, q.dtype).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, g.slots, q.dtype).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
+        kd = _gather(k_cache, slots, q.dtype).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, slots, q.dtype).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
         mask = meta.decode_mask(gi, window)
         out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa).squeeze(2)
@@ -116,12 +130,18 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if p.slots is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = _gather(k_cache, p.slots, q.dtype), _gather(v_cache, p.slots, q.dtype)
+            slots = _of_group(p.slots, group, 1)
+            kp, vp = _gather(k_cache, slots, q.dtype), _gather(v_cache, slots, q.dtype)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _of_group(slots: torch.Tensor, group: int, dims: int) -> torch.Tensor:
+    """A group's slots from a tensor with a leading group axis, or the one table's."""
+    return slots if slots.dim() == dims else slots[group]
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
-from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput
+from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
 
 MAX_CONTEXT_DEFAULT = 8192
@@ -55,7 +55,10 @@ class EngineCore:
         # Requests that failed outside a step (their adapter did not load): (request id, error),
         # taken by the driver (AsyncEngine) after each step.
         self.rejected: list[tuple[str, Exception]] = []
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   windows=self.runner.layout.windows,
+                                   max_chunk=min(config.max_num_batched_tokens,
+                                                 config.long_prefill_token_threshold or config.max_num_batched_tokens))
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_token_threshold, loras=self.loras)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
@@ -66,6 +69,7 @@ class EngineCore:
         self.steps = 0
         self.failed_steps = 0
         self._step_started = 0.0
+        self.step_tokens = 0  # tokens scheduled in the step running now, or the last one (liveness)
         # Called after every step with (scheduled [(seq, n_tokens)], start, end): telemetry's view
         # of step time, batch size and prefill chunks, without the engine knowing about metrics.
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
@@ -82,7 +86,7 @@ class EngineCore:
         n = len(request.prompt_token_ids)
         params, limit = request.params, self.max_model_len
         max_tokens = limit - n if params.max_tokens is None else params.max_tokens
-        need = self.blocks.blocks_needed(n + max(max_tokens, 0))
+        need = self.blocks.max_blocks_needed(n + max(max_tokens, 0))  # all KV-cache groups at their peak
         if n == 0 or max_tokens < 1 or n + max_tokens > limit or need > self.blocks.num_blocks:
             raise ContextLengthError(
                 f"this engine cannot run {n} prompt + {max_tokens} completion tokens: its context length is "
@@ -123,6 +127,8 @@ class EngineCore:
                                                  request.prompt)
         if waits:
             self._lora_waiters.add(request_id)
+        if params.prompt_logprobs is not None:
+            self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
 
     def _grammar(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for one choice, from the tokenizer's cache (the API compiled the spec once
@@ -164,6 +170,7 @@ class EngineCore:
             return []
         if self._lora_waiters:
             self._note_lora_loads(sched.scheduled)
+        self.step_tokens = sum(n for _, n in sched.scheduled)
         try:
             outs = self._run_step(sched.scheduled)
         except Exception as exc:
@@ -206,7 +213,10 @@ class EngineCore:
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         self.sampler.prefetch_masks([seq for seq, n in scheduled if seq.grammar is not None
                                      and seq.num_computed_tokens + n == seq.num_tokens])
-        logits, sampling = self.runner.execute(scheduled)
+        logits, sampling, prompt_rows = self.runner.execute(scheduled)
+        if prompt_rows:
+            self._score_prompts(logits[len(sampling):], prompt_rows)
+            logits = logits[: len(sampling)]
         self.steps += 1
         prefills: list[list] | None = None
         for seq, n in scheduled:
@@ -241,6 +251,32 @@ class EngineCore:
             if req.finished:
                 self._retire(req)
         return outs
+
+    def _score_prompts(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int]]) -> None:
+        """Prompt logprobs (SamplingParams.prompt_logprobs) from the logits of prompt positions: the
+        raw distribution's logprob and rank of each next prompt token, and the top ones asked for.
+        A position computed twice (after a preemption) keeps its first value."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        text_of = self.tokenizer.token_text
+        row = 0
+        for seq, first, count in prompt_rows:
+            block = logprobs[row : row + count]
+            row += count
+            req = self.requests.get(seq.request_id)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], dtype=torch.long)
+            chosen = block.gather(1, targets[:, None])
+            ranks = (block > chosen).sum(dim=1) + 1
+            k = seq.params.prompt_logprobs or 0
+            top_vals, top_ids = block.topk(k, dim=1) if k else (None, None)
+            for j, (token, value, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                        strict=True)):
+                if req.prompt_logprobs[first + 1 + j] is not None:
+                    continue
+                top = ([(t, text_of(t), v) for t, v in zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)]
+                       if k else [])
+                req.prompt_logprobs[first + 1 + j] = TokenLogprob(token, text_of(token), value, top, rank)
 
     def _note_stalls(self, sampling: list[Sequence], prefills: list[list], now: float) -> None:
         """A step that ran prefill chunks also held back the decodes in it: each decoding request
@@ -289,9 +325,9 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             steps=self.steps,
-            loras=self.loras.names(),
-            running_loras=tuple(dict.fromkeys(s.lora.name for s in list(self.scheduler.running) if s.lora)),
-            waiting_loras=tuple(dict.fromkeys(s.lora.name for s in list(self.scheduler.waiting) if s.lora)),
+            loras=list(self.loras.names()),
+            running_loras=list(dict.fromkeys(s.lora.name for s in list(self.scheduler.running) if s.lora)),
+            waiting_loras=list(dict.fromkeys(s.lora.name for s in list(self.scheduler.waiting) if s.lora)),
             max_loras=self.loras.max_loras,
         )
 

@@ -99,3 +99,4 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
     acc.num_preemptions = delta.num_preemptions
     acc.num_cached_tokens = delta.num_cached_tokens
     acc.grammar = delta.grammar or acc.grammar
+    acc.prompt_logprobs = delta.prompt_logprobs or acc.prompt_logprobs

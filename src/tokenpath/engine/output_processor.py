@@ -42,6 +42,8 @@ class RequestState:
     choices: list[ChoiceState]
     events: EngineEvents
     prompt: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by EngineCore._score_prompts
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -126,8 +128,14 @@ class OutputProcessor:
                                  cache_hit=all(g.cache_hit for g in grammars),
                                  mask_us_per_token=round(1e6 * sum(g.mask_seconds for g in grammars) / steps, 2)
                                  if steps else 0.0)
+        prompt_logprobs = None
+        first = req.choices[0].seq
+        # Complete once choice 0 has sampled (its prompt is computed), or whatever there is at its end.
+        if req.prompt_logprobs is not None and not req.sent_prompt_logprobs and (first.num_output_tokens > 0
+                                                                                 or first.is_finished):
+            prompt_logprobs, req.sent_prompt_logprobs = req.prompt_logprobs, True
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
                              finished=req.finished, events=req.events.snapshot(),
                              num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt,
-                             grammar=stats)
+                             grammar=stats, prompt_logprobs=prompt_logprobs)

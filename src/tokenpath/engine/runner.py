@@ -16,6 +16,7 @@ from tokenpath.config import EngineConfig
 from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import NativeLlama, select_native
+from tokenpath.engine.kv_groups import KVLayout
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.lora import LoraManager
 from tokenpath.engine.lora_batch import TorchLoraBatch, fused_offsets, native_step, row_groups
@@ -27,6 +28,20 @@ log = logging.getLogger("tokenpath.engine")
 
 # Decodes per attention call: with contexts sorted, small groups pad little; more calls cost little.
 DECODE_GROUP = 8
+
+# Prompt positions whose next-token logits a step also returns (SamplingParams.prompt_logprobs):
+# (sequence, first position, count), their rows after the sampling rows, in this order.
+PromptRows = list[tuple[Sequence, int, int]]
+
+
+def _prompt_rows(seq: Sequence, start: int, n: int, row: int, rows: list[int], out: PromptRows) -> None:
+    """The rows of a chunk whose logits score the next prompt token, for a choice 0 that asked."""
+    if seq.params.prompt_logprobs is None or seq.index:
+        return
+    k = min(start + n, seq.num_prompt_tokens - 1) - start
+    if k > 0:
+        out.append((seq, start, k))
+        rows.extend(range(row, row + k))
 
 
 def pick_device(name: str) -> torch.device:
@@ -87,22 +102,32 @@ class ModelRunner:
             self.model = model.to(device=self.device).eval()
             self.model.rope.to(torch.float32)  # keep cos/sin tables exact
         self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, lib, self.dtype)
-        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            self.kv_dtype)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        # KV-cache groups: window layers keep only their window's blocks (kv_groups.py); a block is
+        # a page of `group_size` layers.
+        self.layout = KVLayout.for_model(cfg, hybrid=not config.disable_hybrid_kv_cache_manager)
+        per_block = KVCache.bytes_per_block(self.layout.group_size, config.block_size, cfg.num_kv_heads,
+                                            cfg.head_dim, self.kv_dtype)
+        self.bytes_per_block = per_block
+        # num_kv_blocks counts blocks of every layer (the memory it always meant); with KV-cache
+        # groups the pool holds that memory in pages of group_size layers.
+        budget = (config.num_kv_blocks * KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                                                  cfg.head_dim, self.kv_dtype)
+                  if config.num_kv_blocks else config.kv_cache_bytes)
+        self.num_blocks = max(1, budget // per_block)
         if self.num_blocks < 2:
             raise ModelLoadError(f"kv_cache_memory={config.kv_cache_memory} holds fewer than 2 blocks "
                                  f"({per_block} bytes each)")
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.kv_dtype, self.device, zeroed=lib is None)
+                             self.kv_dtype, self.device, zeroed=lib is None, layout=self.layout)
         if lib is not None:
             self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len)
         if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENPATH_NUM_THREADS"]))
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step. Returns logits [S, vocab] for the sequences whose scheduled tokens reach
-        the end of what they know (they sample); the rest were mid-prompt chunks."""
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], PromptRows]:
+        """Run one step. Returns logits [S + P, vocab]: S rows for the sequences whose scheduled
+        tokens reach the end of what they know (they sample; the rest were mid-prompt chunks), then
+        the P prompt positions of `PromptRows`."""
         if self.native is not None:
             return self._execute_native(scheduled)
         bs = self.block_size
@@ -114,6 +139,8 @@ class ModelRunner:
         decode: list[Sequence] = []
         prefills: list[PrefillChunk] = []
         lora_spans: list = []  # (first row, rows, adapter) of the sequences that run one
+        extra: list[int] = []
+        prompt_rows: PromptRows = []
         row = 0
         # Decodes first, shortest context first: consecutive rows form the padded decode groups.
         scheduled = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
@@ -121,34 +148,36 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            table = self._tables(seq, np.int64)  # [G, blocks]
             pos_chunks.append(pos)
-            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            slot_chunks.append(table[:, pos // bs] * bs + pos % bs)
             if n == 1:
                 decode.append(seq)
             else:
                 prefills.append(self._prefill_chunk(seq, row, n, table))
             if seq.lora is not None and self.loras is not None:
                 lora_spans.append((row, n, self.loras.get(seq.lora)))
+            _prompt_rows(seq, start, n, row, extra, prompt_rows)
             row += n
             if start + n == seq.num_tokens:
                 logit_rows.append(row - 1)
                 sampling.append(seq)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks, axis=1)).to(dev),
             decode_groups=[self._decode_group(decode[i : i + DECODE_GROUP], i)
                            for i in range(0, len(decode), DECODE_GROUP)],
             prefills=prefills,
         )
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        rows = torch.tensor(logit_rows + extra, dtype=torch.long, device=dev)
         lora = TorchLoraBatch(row_groups(lora_spans, dev), self._lora_offsets) if lora_spans else None
         logits = self.model(input_ids, positions, self.cache, meta, rows, lora)
-        return logits.cpu(), sampling
+        return logits.cpu(), sampling, prompt_rows
 
-    def _execute_native(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def _execute_native(self, scheduled: list[tuple[Sequence, int]]
+                        ) -> tuple[torch.Tensor, list[Sequence], PromptRows]:
         """The same step on the native kernels: rows in any order, each row's context read in
         place through its sequence's block table (no padding, no gather, no masks)."""
         bs = self.block_size
@@ -157,27 +186,36 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
         adapters: list = []  # (rows, adapter or None) per sequence, in row order
+        extra: list[int] = []
+        prompt_rows: PromptRows = []
         row = offset = 0
         for seq, n in scheduled:
             adapters.append((n, self.loras.get(seq.lora) if seq.lora is not None and self.loras else None))
             start = seq.num_computed_tokens
+            _prompt_rows(seq, start, n, row, extra, prompt_rows)
             ids.extend(seq.token_ids[start : start + n])
             pos_chunks.append(np.arange(start, start + n, dtype=np.int32))
-            table = np.asarray(seq.block_table, dtype=np.int32)
+            table = self._tables(seq, np.int32)  # [G, blocks]
             table_chunks.append(table)
             row_tables.append(np.full(n, offset, dtype=np.int32))
-            offset += len(table)
+            offset += table.shape[1]
             row += n
             if start + n == seq.num_tokens:
                 logit_rows.append(row - 1)
                 sampling.append(seq)
         pos = np.concatenate(pos_chunks)
-        tables = np.concatenate(table_chunks)
+        tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
         rt = np.concatenate(row_tables)
-        slots = tables[rt + pos // bs].astype(np.int64) * bs + pos % bs
+        slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]
         logits = self.native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
-                                     np.asarray(logit_rows, dtype=np.int32), native_step(adapters))
-        return logits, sampling
+                                     np.asarray(logit_rows + extra, dtype=np.int32), native_step(adapters))
+        return logits, sampling, prompt_rows
+
+    def _tables(self, seq: Sequence, dtype: type) -> np.ndarray:
+        """The sequence's block tables, [groups, blocks] (every group's table has one length),
+        a window group's freed entries read as block 0: they are never written, and whatever a
+        read of them finds is masked out."""
+        return np.maximum(np.asarray(seq.block_tables, dtype=dtype).reshape(len(seq.block_tables), -1), 0)
 
     def _prefill_chunk(self, seq: Sequence, row: int, n: int, table: np.ndarray) -> PrefillChunk:
         done = seq.num_computed_tokens
@@ -185,7 +223,7 @@ class ModelRunner:
             return PrefillChunk(start=row, num_tokens=n, slots=None, mask=None)
         ctx = done + n
         pos = np.arange(ctx)
-        slots = torch.from_numpy(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        slots = torch.from_numpy(table[:, pos // self.block_size] * self.block_size + pos % self.block_size)
         q_pos = torch.arange(done, ctx).unsqueeze(1)
         mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
         return PrefillChunk(start=row, num_tokens=n, slots=slots.to(self.device),
@@ -195,11 +233,11 @@ class ModelRunner:
         bs = self.block_size
         ctx = np.array([s.num_computed_tokens + 1 for s in seqs])
         max_blocks = int(-(-ctx.max() // bs))
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        tables = np.zeros((self.layout.num_groups, len(seqs), max_blocks), dtype=np.int64)
         for i, s in enumerate(seqs):
-            t = s.block_table[:max_blocks]
-            tables[i, : len(t)] = t
-        slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(len(seqs), -1)[:, : ctx.max()]
+            t = self._tables(s, np.int64)[:, :max_blocks]
+            tables[:, i, : t.shape[1]] = t
+        slots = (tables[..., None] * bs + np.arange(bs)).reshape(*tables.shape[:2], -1)[..., : ctx.max()]
         mask = np.arange(ctx.max())[None, :] < ctx[:, None]
         return DecodeGroup(start=start, slots=torch.from_numpy(np.ascontiguousarray(slots)).to(self.device),
                            mask=torch.from_numpy(mask)[:, None, None, :].to(self.device),

@@ -30,6 +30,10 @@ from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.sequence import Sequence, Status
 
+# Prompt tokens per step of a prompt_logprobs request: 256 rows of logits are 256 MiB at Gemma 3's
+# 262k vocabulary, 48 MiB at SmolLM2's.
+PROMPT_LOGPROBS_CHUNK = 256
+
 
 @dataclass
 class SchedulerOutput:
@@ -102,7 +106,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._cap(seq))
             if n <= 0:
                 continue
             if not self._make_room(seq, n, out):
@@ -133,7 +137,7 @@ class Scheduler:
                 continue
             if not seq.block_table:
                 self.blocks.lookup_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._cap(seq))
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
@@ -159,6 +163,13 @@ class Scheduler:
             return False
         adapters.add(key)
         return True
+
+    def _cap(self, seq: Sequence) -> int:
+        """Most tokens of `seq` one step computes: a prompt_logprobs prompt returns every row's
+        logits (rows x vocabulary floats), so its chunks stay at PROMPT_LOGPROBS_CHUNK."""
+        if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            return min(self.chunk_cap, PROMPT_LOGPROBS_CHUNK)
+        return self.chunk_cap
 
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
         """The chained hashes of the prompt's full blocks, computed once per sequence."""

@@ -45,7 +45,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV-cache group (engine/kv_groups.py); empty while it holds no blocks.
+    block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
     prompt_hashes: list[int] | None = None  # of the prompt's full blocks (the scheduler fills it in)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
@@ -56,6 +57,12 @@ class Sequence:
     grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
     lora: LoraRef | None = None  # the LoRA adapter it runs with
     hash_root: int | None = None  # its block hash chain's root (block_hash.lora_root; None: base)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (the full-attention one when the model has one); empty while
+        the sequence holds no blocks."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

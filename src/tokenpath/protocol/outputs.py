@@ -17,6 +17,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token text, logprob)
+    rank: int | None = None  # of the token in its distribution, 1 = most likely (prompt logprobs)
 
 
 @dataclass
@@ -109,6 +110,9 @@ class RequestOutput:
     # replica, and must not be retried elsewhere, since it may be what broke the step.
     error: str | None = None
     grammar: GrammarStats | None = None  # on the final output of a structured request
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None; on one delta only
+    # (the first after the prompt is computed).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,10 +141,11 @@ class EngineState:
     step_stats: dict[str, list] | None = None
     # LoRA: adapters resident in the engine (ready for a step), those its running and waiting
     # requests use (vLLM's lora_requests_info labels), and how many one step may hold.
-    # They cross the engine link under these names like every field here (a list there).
-    loras: tuple[str, ...] = ()
-    running_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
+    # They cross the engine link under these names like every field here (lists: what msgpack
+    # gives back, so a state decodes equal to the one sent).
+    loras: list[str] = field(default_factory=list)
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
     max_loras: int = 0
 
     @property

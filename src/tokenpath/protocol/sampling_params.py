@@ -66,6 +66,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
+    # vLLM's: logprobs of every prompt token after the first (and this many top ones per position);
+    # such a prompt is computed whole, never served from the prefix cache (it has no logits there).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), OpenAI's
@@ -138,6 +141,9 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"must be non-negative token ids, got {t}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs", self.prompt_logprobs) \
+                <= MAX_TOP_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
         for token, bias in (self.logit_bias or {}).items():  # ids against the vocabulary: at the API edge
             if integer("logit_bias", token) < 0 or not -100.0 <= finite("logit_bias", bias) <= 100.0:
                 raise bad("logit_bias", f"needs token ids >= 0 and values in [-100, 100], got {token}: {bias}")

@@ -157,7 +157,10 @@ def encode_output(out: RequestOutput) -> dict:
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
-                                                     out.grammar.mask_us_per_token]}
+                                                     out.grammar.mask_us_per_token],
+            # prompt logprobs: per prompt token None or [id, text, logprob, top, rank]
+            "plp": None if out.prompt_logprobs is None else
+            [None if x is None else [*_lp(x), x.rank] for x in out.prompt_logprobs]}
 
 
 def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
@@ -170,7 +173,10 @@ def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
     return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
                          num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
                          events=_events(d["ev"]), num_preemptions=int(d.get("pre", 0)),
-                         prompt=request.prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]))
+                         prompt=request.prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]),
+                         prompt_logprobs=None if d.get("plp") is None else
+                         [None if x is None else TokenLogprob(x[0], x[1], x[2], [tuple(t) for t in x[3]], x[4])
+                          for x in d["plp"]])
 
 
 def _events(ev: list) -> EngineEvents:

@@ -4,36 +4,68 @@ It shares the gateway's clock, so the engine's event times are passed on as they
 engine's step loop dies, the replica reports itself unhealthy at once (so the pool ejects it and
 `/health` says why) and rebuilds the engine in the background with exponential backoff; once the
 new engine runs, state says healthy and the pool re-admits it.
+
+A step loop that hangs instead of dying (a native call that never returns, a blocked thread) is
+found by the same `replica.liveness` as a frozen engine process: its step thread has not come
+round its loop (`AsyncEngine.beat`) for the stall bound, or for `STEP_SLACK` times what a normal
+step of its size takes (`AsyncEngine.step_allowance_s`) if that is longer. Before its first step
+has ended there is no price yet, and that step pays the engine's one-time setup (a fresh server's
+first forward took over 2 s on a loaded machine): it is allowed `FIRST_STEP_S`. Then the replica is ejected (`state()` unhealthy, `/health` says
+why), its in-flight requests are released (retried elsewhere before their first token, else a
+clean 503 or an SSE error event), new ones are refused at once, and the engine is told to abort
+them; the first turn of the loop afterwards recovers it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.replica.liveness import Liveness, LivenessConfig
 from tokenpath.telemetry import series
 
 log = logging.getLogger("tokenpath.replica")
 
 RESTART_BASE_S = 1.0
 RESTART_MAX_S = 30.0
+STEP_SLACK = 3.0  # a step is hung past this many times the most a normal step takes (and the bound)
+STOP_WAIT_S = 30.0  # at close, how long a step that is still moving may take to end
+FIRST_STEP_S = 30.0  # an engine's first step (one-time setup, no price per token yet) is hung only past this
 
 
 class InProcessReplica:
-    def __init__(self, engine: AsyncEngine, name: str | None = None, deployment: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, name: str | None = None, deployment: str | None = None,
+                 liveness: LivenessConfig | None = None) -> None:
         self.engine = engine
         self.name = name or f"local:{engine.model_name}"
         self.deployment = deployment or engine.model_name
         self.restarts = 0
         self._restarting: asyncio.Task | None = None
         self._closed = False
+        self.liveness = Liveness(self.name, liveness, poll=self._poll_engine)
+        self.liveness.deployment = self.deployment
+
+    def _poll_engine(self, liveness: Liveness) -> None:
+        """What the step thread last did, read (it cannot push): see the module docstring."""
+        engine = self.engine
+        liveness.active = engine.healthy  # (a dead loop is the restart's business, not a stall)
+        liveness.slack_s = STEP_SLACK * engine.step_allowance_s() if engine.first_step_s_per_token else FIRST_STEP_S
+        engine.step_ceiling_s = liveness.bound
+        liveness.heard(engine.beat)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(request):
-            yield out
+        engine, rid = self.engine, request.request_id
+        progress = self.liveness.track(rid, lambda exc: engine.fail(rid, exc))  # (refused at once while stalled)
+        try:
+            async for out in engine.generate(request):
+                progress.advance(time.monotonic())
+                yield out
+        finally:
+            self.liveness.untrack(rid)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -52,12 +84,14 @@ class InProcessReplica:
         detail = None
         if not s.healthy:
             detail = f"engine step loop died: {self.engine.error!r}; restarting" if self.engine.error else "starting"
+        else:
+            detail = self.liveness.detail()
         return ReplicaState(
             name=self.name,
             waiting=s.waiting,
             running=s.running,
             kv_usage=s.kv_usage,
-            healthy=s.healthy,
+            healthy=detail is None,
             prefix_hashes=self.engine.core.blocks.cached_hashes(),
             max_num_seqs=self.engine.config.max_num_seqs,
             block_size=s.block_size,
@@ -68,8 +102,8 @@ class InProcessReplica:
             num_preemptions=s.num_preemptions,
             restarts=self.restarts,
             loras=frozenset(s.loras),
-            running_loras=s.running_loras,
-            waiting_loras=s.waiting_loras,
+            running_loras=tuple(s.running_loras),
+            waiting_loras=tuple(s.waiting_loras),
             max_loras=s.max_loras,
         )
 
@@ -103,7 +137,12 @@ class InProcessReplica:
             return
 
     async def close(self) -> None:
+        """Stop the engine. A hung step is not waited for past its stall bound: shutdown must end
+        within `--shutdown-timeout` plus a moment whatever the engine does (issue 23)."""
         self._closed = True
         if self._restarting is not None:
             self._restarting.cancel()
-        await self.engine.shutdown()
+        lv = self.liveness
+        wait = 0.5 if lv.stalled or lv.detail() else min(STOP_WAIT_S, lv.bound - lv.silent_for() + 0.5)
+        await lv.stop()
+        await self.engine.shutdown(timeout=max(0.5, wait))

@@ -199,6 +199,9 @@ class RemoteReplica(PolledState):
     # -- generation ------------------------------------------------------------------------------
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
+        if p.prompt_logprobs is not None:  # the stream read below carries no prompt logprobs: refuse, not drop
+            raise InvalidRequestError(f"prompt_logprobs is not supported through remote replica '{self.name}'",
+                                      param="prompt_logprobs", code="unsupported_parameter")
         # A LoRA adapter by its name: the remote server (vLLM, another tokenpath) must serve it as such.
         model = request.lora.name if request.lora is not None else self.model
         body: dict = {"model": model, "prompt": request.prompt_token_ids, "stream": True,

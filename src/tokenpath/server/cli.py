@@ -78,13 +78,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "e.g. https://app.example.com")
     b.add_argument("--public-docs", action="store_true", default=None,
                    help="serve /docs, /redoc and /openapi.json without a key even when auth is on")
-    live = serve.add_argument_group("replica liveness (engine processes, Ray actors, URLs)")
+    live = serve.add_argument_group("replica liveness (in-process engines, engine processes, Ray actors, URLs)")
     live.add_argument("--stall-timeout", type=float, metavar="S",
-                      help="a replica silent this long is ejected and its requests retried or failed (5)")
+                      help="a replica silent this long (an in-process engine: one step hung this long) is "
+                      "ejected and its requests retried or failed (4)")
     live.add_argument("--first-token-timeout", type=float, metavar="S",
                       help="a request with no first token this long after dispatch is released (600)")
     live.add_argument("--token-timeout", type=float, metavar="S",
                       help="a request with no next token for this long is released (300)")
+    serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
+                       help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
+                       "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
     serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway",
                             epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)

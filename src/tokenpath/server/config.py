@@ -32,8 +32,9 @@ class ServerConfig(ApiSettings):
     redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
     limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
     insecure: bool = False
-    # Replicas in engine processes, on Ray or behind a URL (`tokenpath.replica.liveness`): one
-    # silent this long (no state push, no output) is stalled, ejected at once, and its in-flight
+    # Every replica, in-process, in engine processes, on Ray or behind a URL
+    # (`tokenpath.replica.liveness`): one silent this long (no state push, no output; in-process,
+    # a step that has not returned) is stalled, ejected at once, and its in-flight
     # requests are retried elsewhere (no token sent yet) or ended with a clean 503.
     stall_timeout: float = Field(STALL_AFTER_S, gt=0)
     # Per request, bounds a healthy engine never reaches: its first token within this many seconds

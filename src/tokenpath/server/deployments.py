@@ -47,7 +47,7 @@ async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer
     engine_cfg = config.engine.model_copy(update={"model": name})
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     await engine.start()
-    replica = InProcessReplica(engine, deployment=engine.model_name)
+    replica = InProcessReplica(engine, deployment=engine.model_name, liveness=config.liveness())
     dep = Deployment(name=engine.model_name, task="chat", replicas=[replica],
                      tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                      model_config=engine.core.model_config, max_lora_rank=engine_cfg.max_lora_rank)

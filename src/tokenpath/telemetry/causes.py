@@ -19,7 +19,7 @@ hold several causes, and a cause explains part of one stage, named in `detail["s
 |                             | (scheduler)                                                     |               |
 | `retried`/`replica_ejected` | the replica that failed before the first token, and how         | engine_queue  |
 | `slow_client`               | time blocked writing to the client's socket (SSE response)      | decode        |
-| `upload`                    | headers in -> whole body read (the body-limit middleware)       | gateway       |
+| `upload`                    | headers in -> whole body read (the body-limit middleware)       | upload        |
 
 The same facts exist in every deployment (in-process, engine processes, Ray): the engine's
 travel in `EngineEvents`, which cross the engine link, and `replica.events.stamp_events` puts
@@ -73,7 +73,7 @@ def derive(timeline: Timeline, *, prompt_tokens: int = 0, cached_tokens: int = 0
                          {"stage": "decode", "blocked_ms": round(blocked, 1)}))
     upload = timeline.between("received", "body_read")
     if upload is not None and upload * 1000 >= CLIENT_MIN_MS:
-        out.append(Cause("upload", round(upload * 1000, 1), {"stage": "gateway", "body_bytes": a.get("body_bytes")}))
+        out.append(Cause("upload", round(upload * 1000, 1), {"stage": "upload", "body_bytes": a.get("body_bytes")}))
     out = [c for c in out if c.ms >= MIN_MS or c.kind in _FACTS]
     out.sort(key=lambda c: -c.ms)
     return out

@@ -2,8 +2,9 @@
 thing cost, the evidence, and the lever to pull (`tokenpath diagnose`, `GET /diagnose`).
 
 Input: the window's audit rows as `waterfall.summary` dicts (stages and causes per request) and,
-when a server is asked, its engines' figures (`EngineFigures`, cumulative since each engine
-started). The map:
+when a server is asked, its engines' figures over the same window (`EngineFigures`, made
+per-window by `engine_window.EngineHistory`: steps, step time, batch size in sequences and tokens,
+preemptions, KV usage mean and max). The map:
 
 - `ttft`: time to first token split by stage and by cause (queued behind, prefill, retries...);
 - `batches_not_forming`: mean batch against `max_num_seqs`, and why (arrivals, KV, limits);
@@ -11,7 +12,7 @@ started). The map:
 - `prefix_benefit_lost`: the prefix-cache hit rate achieved against the one achievable had each
   request gone to the replica holding most of its prompt (the router hashed every prompt's blocks
   against every replica when it chose; `prefix_elsewhere` keeps what it passed over);
-- `engine_busy`: the share of the time each engine spent stepping;
+- `engine_busy`: the share of the window each engine spent stepping, with its window's figures;
 - `admission_rejections`: refusals by reason.
 
 A finding's `share` is its milliseconds over the window's total request latency (0..1), so
@@ -43,7 +44,9 @@ class Finding:
 
 @dataclass
 class EngineFigures:
-    """One engine replica's cumulative figures (what `/metrics` reads, summed since it started)."""
+    """One engine replica's figures: cumulative since it started as `engine_figures` reads them
+    (what `/metrics` reads), or over a window once `engine_window` has taken the differences
+    (`window_s` set: the counters are the window's, `kv_usage_mean`/`_max` its gauge)."""
 
     replica: str
     max_num_seqs: int
@@ -51,12 +54,31 @@ class EngineFigures:
     step_seconds: float
     seqs_scheduled: float  # the sum of batch sizes over steps
     preemptions: int
-    kv_usage: float
+    kv_usage: float  # now
     waiting: int
     running: int
-    uptime_s: float
+    uptime_s: float  # seconds since the server started
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    tokens_scheduled: float = 0.0  # the sum of tokens per step over steps
+    window_s: float | None = None  # the seconds the counters cover (None: since the server started)
+    kv_usage_mean: float | None = None
+    kv_usage_max: float | None = None
+
+    @property
+    def span_s(self) -> float:
+        return self.window_s if self.window_s is not None else self.uptime_s
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The figures an operator reads first: per step and per window."""
+        steps = max(1, self.steps)
+        return {"window_s": round(self.span_s, 1), "steps": self.steps,
+                "busy_fraction": round(self.step_seconds / self.span_s, 4) if self.span_s > 0 else 0.0,
+                "mean_step_ms": round(1000 * self.step_seconds / steps, 2) if self.steps else None,
+                "mean_batch_seqs": round(self.seqs_scheduled / steps, 3) if self.steps else None,
+                "mean_batch_tokens": round(self.tokens_scheduled / steps, 1) if self.steps else None,
+                "max_num_seqs": self.max_num_seqs, "preemptions": self.preemptions,
+                "kv_usage_mean": self.kv_usage_mean, "kv_usage_max": self.kv_usage_max, "kv_usage_now": self.kv_usage}
 
 
 _LEVERS = {
@@ -192,16 +214,22 @@ def _prefix_lost(served: list[dict[str, Any]], total_ms: float) -> Finding | Non
 
 def _engine(e: EngineFigures, rows: list[dict[str, Any]]) -> list[Finding]:
     out = []
-    busy = e.step_seconds / e.uptime_s if e.uptime_s > 0 else 0.0
+    fig = e.summary()
+    kv_peak = e.kv_usage_max if e.kv_usage_max is not None else e.kv_usage
+    busy = float(fig["busy_fraction"] or 0.0)
+    per_step = (f"; mean step {fig['mean_step_ms']} ms, batch {fig['mean_batch_seqs']} seqs / "
+                f"{fig['mean_batch_tokens']} tokens" if e.steps else "")
+    kv = f", KV mean {100 * e.kv_usage_mean:.0f}% max {100 * e.kv_usage_max:.0f}%" \
+        if e.kv_usage_mean is not None and e.kv_usage_max is not None else ""
     out.append(Finding(
-        "engine_busy", f"engine {e.replica} stepped {100 * busy:.1f}% of the time ({e.steps} steps in "
-        f"{e.uptime_s:.0f} s)", 0.0, {"replica": e.replica, "busy_fraction": round(busy, 4), "steps": e.steps},
+        "engine_busy", f"engine {e.replica} stepped {100 * busy:.1f}% of the last {e.span_s:.0f} s ({e.steps} "
+        f"steps{per_step}{kv}, {e.preemptions} preemptions)", 0.0, {"replica": e.replica, **fig},
         "busy near 100%: add replicas; low while TTFT is high: the time is outside the engine (gateway, "
         "queue limits, network)"))
     if e.steps:
         mean = e.seqs_scheduled / e.steps
         if mean < 0.75 * e.max_num_seqs:
-            if e.preemptions or e.kv_usage > 0.9:
+            if e.preemptions or kv_peak > 0.9:
                 why, lever = "KV", _LEVERS["preempted"]
             elif e.waiting:
                 why, lever = "limits", "the engine has waiting requests it cannot batch: --max-num-batched-tokens"
@@ -216,11 +244,13 @@ def _engine(e: EngineFigures, rows: list[dict[str, Any]]) -> list[Finding]:
                 f"(cause: {why})", 0.0, {"replica": e.replica, "mean_batch": round(mean, 3), "cause": why,
                                          "steps": e.steps}, lever))
     preempted = [r for r in rows if any(c.get("kind") == "preempted" for c in r.get("causes") or ())]
-    if e.preemptions or e.kv_usage > 0.9:
+    if e.preemptions or kv_peak > 0.9:
         out.append(Finding(
             "kv_pressure", f"{e.preemptions} preemptions on {e.replica} ({e.preemptions / max(1, len(rows)):.2f} "
-            f"per request in the window), KV {100 * e.kv_usage:.0f}% used now", 0.0,
+            f"per request in the window), KV {100 * e.kv_usage:.0f}% used now"
+            + (f", {100 * e.kv_usage_max:.0f}% at most in the window" if e.kv_usage_max is not None else ""), 0.0,
             {"replica": e.replica, "preemptions": e.preemptions, "kv_usage": round(e.kv_usage, 4),
+             "kv_usage_max": e.kv_usage_max,
              "request_ids": [r["request_id"] for r in preempted[:10]]}, _LEVERS["preempted"]))
     return out
 
@@ -269,8 +299,10 @@ def engine_figures(deployments: Any, uptime_s: float) -> list[EngineFigures]:
                 continue
             s = handle.state()
             (counts, step_s), (_, seqs) = snap["time"], snap["seqs"]
+            tokens = float(snap["tokens"][1]) if "tokens" in snap else 0.0
             out.append(EngineFigures(replica=str(handle.name), max_num_seqs=int(s.max_num_seqs or 0),
                                      steps=int(sum(counts)), step_seconds=float(step_s), seqs_scheduled=float(seqs),
+                                     tokens_scheduled=tokens,
                                      preemptions=int(s.num_preemptions), kv_usage=float(s.kv_usage),
                                      waiting=int(s.waiting), running=int(s.running), uptime_s=uptime_s,
                                      prefix_cache_queries=int(s.prefix_cache_queries),

@@ -58,6 +58,7 @@ class FinishedRequest:
     token_times: list[float] = field(default_factory=list)
     prompt_text: str | None = None
     completion_text: str | None = None
+    derive_causes: bool = True  # False: `serve --no-causes` (causes() is empty)
     _causes: list[Cause] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -88,6 +89,8 @@ class FinishedRequest:
 
     def causes(self) -> list[Cause]:
         """Why it took as long as it did (`tokenpath.telemetry.causes`), derived once."""
+        if not self.derive_causes:
+            return []
         if self._causes is None:
             self._causes = derive(self.timeline, prompt_tokens=self.prompt_tokens,
                                   cached_tokens=self.cached_tokens, token_times=self.token_times)

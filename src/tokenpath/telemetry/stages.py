@@ -1,6 +1,7 @@
-"""The six stages of a request, read off its Timeline's stamps.
+"""The stages of a request, read off its Timeline's stamps.
 
-`gateway` (received->admitted: auth, routing, tokenize, rate limits), `queue` (the admission
+`upload` (received->body_read: the client sending its body), `gateway` (body_read->admitted:
+auth, routing, tokenize, rate limits), `queue` (the admission
 queue: admitted->dispatched), `engine_queue` (dispatched->scheduled), `prefill`
 (scheduled->first token), `decode` (first token->finished) and `total`: the table is
 `timeline.STAGE_BOUNDS`, and the arithmetic is `Timeline.durations()`; these are views of them.

@@ -13,7 +13,8 @@ engine processes (`--replicas N`):
 
 | stage          | from -> to              | what it holds                                   |
 |----------------|-------------------------|-------------------------------------------------|
-| `gateway`      | received -> admitted    | upload, auth, routing, tokenizing, rate limits  |
+| `upload`       | received -> body_read   | the client sending its body (its uplink)        |
+| `gateway`      | body_read -> admitted   | auth, routing, tokenizing, rate limits          |
 | `queue`        | admitted -> dispatched  | the gateway's admission (fair) queue            |
 | `engine_queue` | dispatched -> scheduled | the link and the engine's own waiting queue     |
 | `prefill`      | scheduled -> first_token| prompt compute (chunks, prefix-cache hits)      |
@@ -21,7 +22,8 @@ engine processes (`--replicas N`):
 | `total`        | received -> finished    | the whole request (the sum of the above)        |
 
 A stage runs from the previous event reached to its own end event, and `finished` closes the
-stage the request was in (a 400 ends in `gateway`; an embedding request's encoder batch, from
+stage the request was in (a 400 ends in `gateway`; a request whose body was never read through the
+body-limit middleware has no `upload`, its gateway stage starts at `received`; an embedding request's encoder batch, from
 `scheduled` on, is its `prefill`): the stages always sum to `total`.
 """
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 # every stamp in src to it).
 EVENTS = (
     "received",  # the request's headers are in (the body is read next: `body_read`)
-    "body_read",  # its whole body is in: received -> body_read is the upload, part of `gateway`
+    "body_read",  # its whole body is in: received -> body_read is the `upload` stage
     "authenticated",
     "routed",
     "tokenized",
@@ -48,7 +50,8 @@ EVENTS = (
 
 # (stage, from event, to event); `total` is received -> finished.
 STAGE_BOUNDS = (
-    ("gateway", "received", "admitted"),
+    ("upload", "received", "body_read"),
+    ("gateway", "body_read", "admitted"),
     ("queue", "admitted", "dispatched"),
     ("engine_queue", "dispatched", "scheduled"),
     ("prefill", "scheduled", "first_token"),
@@ -93,7 +96,7 @@ class Timeline:
         stamps = self.stamps
         prev = stamps["received"]
         out: dict[str, float] = {}
-        current = STAGE_BOUNDS[0][0]
+        current = "gateway"  # (where a request with no body read is: its upload is not a stage)
         for i, (name, _, end) in enumerate(STAGE_BOUNDS[:-1]):
             at = stamps.get(end)
             if at is not None and at >= prev:

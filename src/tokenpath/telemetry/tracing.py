@@ -7,7 +7,7 @@ SDK provider installed, see `otel.setup_tracing`) `record_trace` returns at once
 One request is one trace:
 - SERVER root `chat {model}` / `text_completion {model}` / `embeddings {model}`, a child of the
   caller's span when the request carried a `traceparent`;
-- its children `gateway.auth`, `gateway.route`, `gateway.tokenize`, `gateway.rate_limit`,
+- its children `gateway.upload` (the client sending its body), `gateway.auth`, `gateway.route`, `gateway.tokenize`, `gateway.rate_limit`,
   `admission.queue`, and the CLIENT span `dispatch {replica}`;
 - under `dispatch`, the engine's `engine.queue`, `engine.prefill` (one event per prefill chunk)
   and `engine.decode` (token count and inter-token latency summary as attributes). A remote
@@ -41,7 +41,7 @@ from tokenpath.telemetry.timeline import Timeline
 log = logging.getLogger("tokenpath.telemetry")
 PROVIDER_NAME = "tokenpath"
 # (span name, start stamp, end stamp) of the gateway's own children of the root.
-_GATEWAY_SPANS = (("gateway.auth", "received", "authenticated"), ("gateway.route", "authenticated", "routed"),
+_GATEWAY_SPANS = (("gateway.upload", "received", "body_read"), ("gateway.auth", "body_read", "authenticated"), ("gateway.route", "authenticated", "routed"),
                   ("gateway.tokenize", "routed", "tokenized"), ("gateway.rate_limit", "tokenized", "admitted"))
 _ENGINE_SPANS = (("engine.queue", "dispatched", "scheduled"), ("engine.prefill", "scheduled", "first_token"),
                  ("engine.decode", "first_token", "finished"))
@@ -150,6 +150,8 @@ def record_trace(rec: FinishedRequest, provider: TracerProvider | None = None) -
     _cause_events(root, rec, end)
     for span_name, a_stage, b_stage in _GATEWAY_SPANS:
         sa, sb = _stamp_ns(t, a_stage), _stamp_ns(t, b_stage)
+        if sa is None and a_stage == "body_read":  # no body read through the middleware: auth from the start
+            sa = _stamp_ns(t, "received")
         if sa is not None and sb is not None:
             _child(tracer, span_name, root, sa, sb)
     admitted, dispatched = _stamp_ns(t, "admitted"), _stamp_ns(t, "dispatched")

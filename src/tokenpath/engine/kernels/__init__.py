@@ -78,6 +78,11 @@ def _library_path() -> Path | None:
     return found[0] if found else None
 
 
+# csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
+# 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs).
+MODEL_ABI = 3
+
+
 @functools.cache
 def native_library() -> NativeLibrary | None:
     """The loaded kernels, or None with one log line saying why the engine falls back."""
@@ -97,6 +102,11 @@ def native_library() -> NativeLibrary | None:
         log.warning("native kernels failed to load (%s): using the torch float32 path", exc)
         return None
     lib.tp_cpu_features.restype = _I
+    abi = lib.tp_model_abi() if hasattr(lib, "tp_model_abi") else 1
+    if abi != MODEL_ABI:
+        log.warning("native kernels at %s are stale (model ABI %d, this code needs %d; rebuild: python setup.py "
+                    "build_ext --inplace): using the torch float32 path", path, abi, MODEL_ABI)
+        return None
     lib.tp_quantize.argtypes = [_I, _P, _I, _I, _P]
     lib.tp_dequantize_row.argtypes = [_I, _P, _I, _P]
     lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
@@ -106,9 +116,8 @@ def native_library() -> NativeLibrary | None:
     lib.tp_model_create.restype = _P
     lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P, _P]
     lib.tp_model_free.argtypes = [_P]
-    lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I]
-    if hasattr(lib, "tp_model_forward_lora"):  # (a library built before LoRA lacks it: model.py says so)
-        lib.tp_model_forward_lora.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P]
+    lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+    lib.tp_model_forward_lora.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
     features = lib.tp_cpu_features()
     if not features & 1:
         log.warning("this CPU lacks AVX2+FMA: using the torch float32 path")

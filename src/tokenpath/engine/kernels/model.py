@@ -257,7 +257,7 @@ class NativeLlama:
                 layer_ptrs += [ptr(b) for _, _, b in parts]
                 layer_types += [v for t, rows, _ in parts for v in (t, rows)]
                 used_types |= {t for t, rows, _ in parts if rows}
-            layer_types.append(cfg.window(i) or 0)
+            layer_types += [cfg.window(i) or 0, cache.layer_group[i]]  # window, KV-cache group
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
             embed_t, embed = head_t, head
@@ -286,6 +286,7 @@ class NativeLlama:
         self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
                                                *(a.ctypes.data for a in arrays))
         self._keep = keep
+        self.num_groups = max(cache.layer_group) + 1
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
@@ -298,17 +299,22 @@ class NativeLlama:
                 tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None) -> torch.Tensor:
         """One step over T rows -> float32 logits [len(logit_rows), vocab]. int32 inputs except
         slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`.
-        `lora`: the step's adapters, whose float32 deltas run beside the quantized base GEMMs."""
+        `lora`: the step's adapters, whose float32 deltas run beside the quantized base GEMMs.
+        With KV-cache groups, slot_mapping is [G, T] and tables [G, N] (group-major, each group's
+        tables at the same offsets); one group may pass them flat."""
+        groups = 1 if slot_mapping.ndim == 1 else slot_mapping.shape[0]
+        if groups != self.num_groups or (tables.ndim == 1) != (slot_mapping.ndim == 1) or \
+                (tables.ndim == 2 and tables.shape[0] != groups):
+            raise ValueError(f"this model's KV cache has {self.num_groups} groups: slot_mapping "
+                             f"{slot_mapping.shape} and tables {tables.shape} must have one row each")
+        slot_mapping, tables = np.ascontiguousarray(slot_mapping), np.ascontiguousarray(tables)
         logits = torch.empty((len(logit_rows), self.vocab), dtype=torch.float32)
         args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
-                logits.data_ptr(), torch.get_num_threads())
+                logits.data_ptr(), torch.get_num_threads(), slot_mapping.shape[-1], tables.shape[-1])
         if lora is None:
             self.lib.lib.tp_model_forward(*args)
         else:
-            if not hasattr(self.lib.lib, "tp_model_forward_lora"):
-                raise RuntimeError("the native kernels predate LoRA support: rebuild them "
-                                   "(python setup.py build_ext --inplace)")
             self.lib.lib.tp_model_forward_lora(*args, len(lora.blocks) // 3, lora.blocks.ctypes.data,
                                                lora.rows.ctypes.data, lora.ptrs.ctypes.data, lora.ranks.ctypes.data,
                                                lora.scales.ctypes.data)

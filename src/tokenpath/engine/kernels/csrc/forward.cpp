@@ -82,6 +82,7 @@ struct Layer {
     const float *q_norm, *k_norm, *attn_out_norm, *ffn_out_norm;
     const float *rope_cos, *rope_sin;  // [max_pos, head_dim]: this layer's rope (base, scaling)
     int window;                        // sliding window (0: full attention)
+    int group;                         // KV-cache group: which row of slot_mapping / tables it uses
     Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
@@ -322,8 +323,8 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->out_norm = reinterpret_cast<const float*>(glob[2]);
     // Per layer: 11 pointers (norms, bias, K/V cache, the optional norms, rope tables), then qkv,
     // o, gate_up, down as kMaxParts (pointer) each; layer_types holds their kMaxParts (type, rows)
-    // pairs, rows 0 = unused part, then the layer's window.
-    constexpr int kFixed = 11, kPtrs = kFixed + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2 + 1;
+    // pairs, rows 0 = unused part, then the layer's window and KV-cache group.
+    constexpr int kFixed = 11, kPtrs = kFixed + 4 * kMaxParts, kTypes = 4 * kMaxParts * 2 + 2;
     auto f32 = [](uint64_t p) { return reinterpret_cast<const float*>(p); };
     for (int l = 0; l < m->n_layers; ++l) {
         const uint64_t* p = layer_ptrs + kPtrs * l;
@@ -336,7 +337,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
         L.v_cache = reinterpret_cast<void*>(p[4]);
         L.q_norm = f32(p[5]), L.k_norm = f32(p[6]), L.attn_out_norm = f32(p[7]), L.ffn_out_norm = f32(p[8]);
         L.rope_cos = f32(p[9]), L.rope_sin = f32(p[10]);
-        L.window = t[kTypes - 1];
+        L.window = t[kTypes - 2], L.group = t[kTypes - 1];
         Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
         for (int j = 0; j < 4; ++j)
             for (int q = 0; q < kMaxParts; ++q) {
@@ -353,18 +354,25 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
 
 void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 
+// The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
+// (kernels/__init__.py MODEL_ABI): a library built from older sources is refused, not misread.
+// 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
+int tp_model_abi() { return 3; }
+
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
 //   slot_mapping:   [T] KV slot each row's new K/V is written to
 //   row_table:      [T] offset into `tables` of the row's sequence block table; its context is
 //                   positions 0..pos (causal within a prefill chunk, everything cached before)
 //   logit_rows:     [S] rows whose next-token logits are wanted -> logits [S, vocab]
+// With KV-cache groups (a window group's blocks are its own), slot_mapping and tables hold one
+// row per group, slot_stride and table_stride apart; a layer reads its group's row.
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
 void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                           float* logits, int nthreads, int n_lora_blocks, const int32_t* lora_blocks,
-                           const int32_t* lora_rows, const uint64_t* lora_ptrs, const int32_t* lora_ranks,
-                           const float* lora_scales) {
+                           float* logits, int nthreads, int slot_stride, int table_stride, int n_lora_blocks,
+                           const int32_t* lora_blocks, const int32_t* lora_rows, const uint64_t* lora_ptrs,
+                           const int32_t* lora_ranks, const float* lora_scales) {
     Model& m = *static_cast<Model*>(handle);
     const LoraStep ls{n_lora_blocks, lora_blocks, lora_rows, lora_ptrs, lora_ranks, lora_scales};
     const bool lora = n_lora_blocks > 0;
@@ -484,7 +492,7 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                     }
                     const float *c = L.rope_cos + size_t(pos[t]) * D, *s = L.rope_sin + size_t(pos[t]) * D;
                     for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
-                    const size_t slot = size_t(slot_mapping[t]);
+                    const size_t slot = size_t(slot_mapping[size_t(L.group) * slot_stride + t]);
                     if (m.kv_f16) {
                         store_kv(static_cast<uint16_t*>(L.k_cache) + slot * nkv, row + nq, nkv);
                         store_kv(static_cast<uint16_t*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
@@ -500,7 +508,8 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 const int t = m.tiles[it.tile];
                 const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
                                        attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
-                                       m.tiles[it.tile + 1] - t, pos[t], tables + row_table[t], L.window};
+                                       m.tiles[it.tile + 1] - t, pos[t],
+                                       tables + size_t(L.group) * table_stride + row_table[t], L.window};
                 if (m.kv_f16)
                     paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
                                        tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
@@ -560,9 +569,9 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
 
 void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                       const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                      float* logits, int nthreads) {
+                      float* logits, int nthreads, int slot_stride, int table_stride) {
     tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
-                          0, nullptr, nullptr, nullptr, nullptr, nullptr);
+                          slot_stride, table_stride, 0, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.

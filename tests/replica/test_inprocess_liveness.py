@@ -1,0 +1,95 @@
+"""The in-process replica's liveness, on a real engine and its real step thread (a tiny model): a
+step blocked past the bound releases its requests with `ReplicaStalledError` and makes the replica
+unhealthy, and the step's return recovers it; a step that is slow but no slower than the engine's
+normal steps of its size (3x) is work, not a stall, nor is a slow first step (one-time setup). The server-level behaviour is in
+tests/reliability/test_inprocess_stall.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from tests.engine.tiny_models import save_tiny
+
+from tokenpath.engine.async_engine import AsyncEngine
+from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.replica.base import ReplicaStalledError
+from tokenpath.replica.liveness import LivenessConfig
+from tokenpath.replica.local import InProcessReplica
+
+BOUND_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny"))
+
+
+class Gate:
+    """Wraps `runner.execute`: each step first sleeps `delay` seconds and waits for `open`."""
+
+    def __init__(self, execute) -> None:  # noqa: ANN001
+        self.execute, self.delay, self.open = execute, 0.0, threading.Event()
+        self.open.set()
+
+    def __call__(self, scheduled):  # noqa: ANN001, ANN204
+        time.sleep(self.delay)
+        self.open.wait(30)
+        return self.execute(scheduled)
+
+
+async def run(replica: InProcessReplica, rid: str, tokens: int = 4, prompt: tuple = (5, 6, 7, 8)) -> list:
+    req = GenerateRequest(rid, list(prompt), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    return [o async for o in replica.generate(req)]
+
+
+@pytest.fixture
+async def gated(tiny):
+    engine = AsyncEngine(model=str(tiny), dtype="float32", num_kv_blocks=32)
+    gate = engine.core.runner.execute = Gate(engine.core.runner.execute)
+    await engine.start()
+    replica = InProcessReplica(engine, name="local-tiny", deployment="tiny",
+                               liveness=LivenessConfig(stall_after_s=BOUND_S))
+    try:
+        yield replica, gate
+    finally:
+        gate.open.set()
+        await replica.close()
+
+
+async def test_a_blocked_step_releases_its_request_and_the_replica_recovers_when_it_returns(gated):
+    replica, gate = gated
+    assert (await run(replica, "before"))[-1].finished and replica.state().healthy
+    gate.open.clear()
+    started = time.monotonic()
+    with pytest.raises(ReplicaStalledError):
+        await asyncio.wait_for(run(replica, "hung", prompt=(9,)), 10)  # (a one-token step)
+    took = time.monotonic() - started
+    assert BOUND_S <= took < replica.liveness.bound + 1.5, (took, replica.liveness.bound)  # (3x a slow first step)
+    state = replica.state()
+    assert not state.healthy and "stalled" in (state.detail or "")
+    with pytest.raises(ReplicaStalledError):  # refused at once while stalled
+        await run(replica, "refused")
+    await asyncio.sleep(1.5)  # hung for 2 s in all: priced per token, that step would cost 2 s a token
+    gate.open.set()
+    deadline = time.monotonic() + 5
+    while not replica.state().healthy:
+        assert time.monotonic() < deadline, "not recovered"
+        await asyncio.sleep(0.02)
+    assert (await run(replica, "after"))[-1].finished
+    assert replica.liveness.ejections == 1
+    assert replica.engine.longest_step_s < 1.0  # the hung step (2 s) did not stretch the bound
+
+
+async def test_steps_as_slow_as_the_engine_normally_is_are_not_a_stall(gated):
+    replica, gate = gated
+    gate.delay = 1.0  # the first step ever: one-time setup, not priced yet
+    assert (await run(replica, "first", tokens=1))[-1].finished and replica.liveness.ejections == 0
+    gate.delay = 0.3  # every step: the engine's normal is 0.3 s
+    assert (await run(replica, "slow-normal", tokens=3))[-1].finished
+    assert replica.engine.longest_step_s >= 0.3 and replica.liveness.bound >= 0.9
+    gate.delay = 0.7  # past the 0.5 s bound, within 3x the normal step
+    outs = await asyncio.wait_for(run(replica, "slower", tokens=2), 10)
+    assert outs[-1].finished and replica.liveness.ejections == 0
