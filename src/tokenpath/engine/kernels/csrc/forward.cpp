@@ -154,7 +154,10 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
 void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, const Mat& w, int N, const QAct& a,
                int T, float* y, int ldy, const float* bias, bool acc) {
     const bool exact = (m.exact >> kind) & 1;
-    team_for(ph, pi, N, grain_for(N, nthreads, 16), [&](int n0, int n1) {
+    // Decode (a few rows): 16 chunks per thread rather than 4, so that the last chunks even out
+    // the threads' finishing times (a chunk is a few microseconds of weight streaming).
+    const int grain = grain_for(N, T <= kOwnRowsMax ? 4 * nthreads : nthreads, 16);
+    team_for(ph, pi, N, grain, [&](int n0, int n1) {
         for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
             const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
             if (lo < hi)

@@ -44,6 +44,10 @@ static inline VI vsll16(VI a, int n) { return _mm512_slli_epi16(a, n); }
 static inline VI vu8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 static inline VI vi8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 static inline VI kq_dot(VI acc, VI u, VI s) { return vdot(acc, u, s); }
+// (lo & 0x0F) | (hi & 0x30) per byte: (A & C) | B is ternlog 0xEC.
+static inline VI vsel_lo4_hi2(VI lo, VI hi) {
+    return _mm512_ternarylogic_epi32(lo, _mm512_and_si512(hi, vbyte(0x30)), vbyte(0x0F), 0xEC);
+}
 #else
 static inline VF vf16(const uint8_t* p) { return vhalf(p); }
 static inline VF vbf16(const uint8_t* p) {
@@ -56,13 +60,14 @@ static inline VI vu8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_e
 static inline VI vi8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 // |u| <= 63, so a maddubs pair is at most 2 * 63 * 127: no int16 saturation.
 static inline VI kq_dot(VI acc, VI u, VI s) { return vadd32(acc, dot_us(u, s)); }
+static inline VI vsel_lo4_hi2(VI lo, VI hi) { return vor(vand(lo, vbyte(0x0F)), vand(hi, vbyte(0x30))); }
 #endif
 
 // The 32-block's weights of chunk c (weights 4c..4c+3 of each lane's row), unsigned bytes.
 // g: the group-block (Q5X16) or super-block (K-quants), o: the lane half's byte offset, k: the
 // 32-block within the super-block.
-template <int WT>
-static inline VI kq_weights(const uint8_t* g, int o, int k, int c) {
+template <int WT, int k>
+static inline VI kq_weights(const uint8_t* g, int o, int c) {
     const VI m4 = vbyte(0x0F);
     if constexpr (WT == W_Q5X16) {
         const VI raw = vload(g + 128 + 64 * (c & 3) + o), hb = vload(g + 64 + o);
@@ -70,79 +75,122 @@ static inline VI kq_weights(const uint8_t* g, int o, int k, int c) {
         return vor(q, vsll16(vand(vsrl16(hb, 2 * (c & 3) + (c >> 2)), vbyte(1)), 4));
     } else if constexpr (WT == W_Q4KX16 || WT == W_Q5KX16) {
         const VI raw = vload(g + 320 + 512 * (k >> 1) + 64 * c + o);
-        VI q = vand(k & 1 ? vsrl4(raw) : raw, m4);
+        VI q = vand((k & 1) ? vsrl4(raw) : raw, m4);
         if constexpr (WT == W_Q5KX16) q = vor(q, vsll16(vand(vsrl16(vload(g + 2368 + 64 * c + o), k), vbyte(1)), 4));
         return q;
     } else {  // Q6KX16
-        const int h = k >> 2, j = k & 3;
-        const VI lo = vload(g + 320 + 1024 * h + 512 * (j & 1) + 64 * c + o);
-        const VI hi = vload(g + 2368 + 512 * h + 64 * c + o);
-        return vor(vand(vsrl16(lo, 4 * (j >> 1)), m4), vsll16(vand(vsrl16(hi, 2 * j), vbyte(3)), 4));
+        // Sub-block j's 2 high bits (bits 2j, 2j + 1 of the qh byte) go straight to bits 4-5 with
+        // one 16-bit shift (none for j = 2): (lo & 0x0F) | (hi' & 0x30), one ternlog on AVX-512.
+        constexpr int h = k >> 2, j = k & 3;
+        VI lo = vload(g + 320 + 1024 * h + 512 * (j & 1) + 64 * c + o);
+        VI hi = vload(g + 2368 + 512 * h + 64 * c + o);
+        if constexpr (j >= 2) lo = vsrl4(lo);
+        if constexpr (j == 0) hi = vsll16(hi, 4);
+        else if constexpr (j == 1) hi = vsll16(hi, 2);
+        else if constexpr (j == 3) hi = vsrl16(hi, 2);
+        return vsel_lo4_hi2(lo, hi);
     }
 }
 
 // Integer dots of MR activation rows with chunks [c0, c1) of one 32-block (the whole block, or a
 // half for Q6_K): isum[r] = dot (254 * dot + residual dot with RES).
-template <int WT, int MR, bool RES>
-static inline void kq_isum(const uint8_t* g, int o, int k, int c0, int c1, const int8_t* const* qa,
+template <int WT, int MR, bool RES, int k>
+static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
-    VI coarse[MR], fine[MR];
-    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+    // With few rows (decode) each sum runs as S interleaved chains, so that one chain of 8
+    // dependent vpdpbusd does not wait on its latency (not measured apart from the other
+    // changes). Integer sums: the same bits either way.
+    constexpr int S = MR <= 2 ? 2 : 1;
+    VI coarse[S][MR], fine[S][MR];
+    for (int i = 0; i < S; ++i)
+        for (int r = 0; r < MR; ++r) coarse[i][r] = fine[i][r] = vzero();
     for (int c = c0; c < c1; ++c) {
-        const VI w = kq_weights<WT>(g, o, k, c);
+        const VI w = kq_weights<WT, k>(g, o, c);
+        const int i = (c - c0) % S;
         for (int r = 0; r < MR; ++r) {
-            coarse[r] = kq_dot(coarse[r], w, bcast4(qa[r] + 4 * c));
-            if constexpr (RES) fine[r] = kq_dot(fine[r], w, bcast4(qb[r] + 4 * c));
+            coarse[i][r] = kq_dot(coarse[i][r], w, bcast4(qa[r] + 4 * c));
+            if constexpr (RES) fine[i][r] = kq_dot(fine[i][r], w, bcast4(qb[r] + 4 * c));
         }
     }
-    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[r], fine[r]) : coarse[r];
+    for (int i = 1; i < S; ++i)
+        for (int r = 0; r < MR; ++r) coarse[0][r] = vadd32(coarse[0][r], coarse[i][r]), fine[0][r] = vadd32(fine[0][r], fine[i][r]);
+    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[0][r], fine[0][r]) : coarse[0][r];
 }
 
-// Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
-// over all nb 32-blocks (see the formulas above).
-template <int WT, int MR, bool RES>
-static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
-    constexpr bool SUPER = WT != W_Q5X16;
-    constexpr size_t GB = WT == W_Q5X16 ? 384 : WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
+constexpr size_t kPrefetchAhead = 2;  // super-blocks
+
+// One 32-block b (sub-block k of its super-block, or k = 0 for Q5X16) of MR activation rows against
+// lanes [h * L, h * L + L) of one 16-row group, added into acc (see the formulas above). k is a
+// template argument so that every shift and offset of the weight unpacking is a constant.
+template <int WT, int MR, bool RES, int k>
+static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, VF dw, VF dm, VF* acc) {
     const int nb = a.nb, o = 4 * L * h;
-    VF acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    if constexpr (WT != W_Q5X16 && MR <= 2 && RES) {
+        // Decode streams the weights from memory once. Q6_K's super-block is read out of address
+        // order (low nibbles, high bits, then the next sub-block's planes), and the hardware
+        // prefetchers then fetched it at about a third of the bandwidth Q4_K got: each sub-block
+        // prefetches its eighth of the super-block kPrefetchAhead ahead (the next group's first
+        // ones at a group's end: a thread's groups are consecutive in memory). Measured on a Q6_K
+        // LM head, one thread: 6.5 -> 17-19 GB/s with residual bytes; the int8-only kernel got
+        // slower with it (7.5 -> 6 GB/s), so it keeps the hardware's prefetching alone.
+        constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392, LINES = (GB / 64 + 7) / 8;
+        const uint8_t* pf = g + kPrefetchAhead * GB + k * LINES * 64;
+        for (size_t i = 0; i < LINES; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * i), _MM_HINT_T0);
+    }
     const int8_t* qa[MR];
     const int8_t* qb[MR];
     VI isum[MR];
-    for (int b = 0; b < nb; ++b) {
-        const int k = SUPER ? b % kSuper : 0;
-        const uint8_t* g = wg + (SUPER ? size_t(b / kSuper) : size_t(b)) * GB;
-        for (int r = 0; r < MR; ++r) {
-            qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
-            qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
-        }
-        const VF dw = vhalf(g + 2 * L * h);
-        if constexpr (WT == W_Q6KX16) {
-            for (int half = 0; half < 2; ++half) {
-                kq_isum<WT, MR, RES>(g, o, k, 4 * half, 4 * half + 4, qa, qb, isum);
-                const VF dsc = vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h)));
-                for (int r = 0; r < MR; ++r) {
-                    const size_t ab = size_t(rows[r]) * nb + b;
-                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
-                    acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                }
-            }
-        } else {
-            kq_isum<WT, MR, RES>(g, o, k, 0, 8, qa, qb, isum);
-            VF dsc = dw, mw;
-            if constexpr (WT == W_Q5X16) {
-                mw = vhalf(g + 32 + 2 * L * h);
-            } else {
-                dsc = vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h)));
-                mw = vmul(vhalf(g + 32 + 2 * L * h), vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h))));
-            }
+    for (int r = 0; r < MR; ++r) {
+        qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
+        qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
+    }
+    if constexpr (WT == W_Q6KX16) {
+        for (int half = 0; half < 2; ++half) {
+            kq_isum<WT, MR, RES, k>(g, o, 4 * half, 4 * half + 4, qa, qb, isum);
+            const VF dsc = vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h)));
             for (int r = 0; r < MR; ++r) {
                 const size_t ab = size_t(rows[r]) * nb + b;
-                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+                const VI off = vset32(32 * a.qsum16[2 * ab + half]);
+                acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
             }
         }
+    } else {
+        kq_isum<WT, MR, RES, k>(g, o, 0, 8, qa, qb, isum);
+        VF dsc = dw, mw;
+        if constexpr (WT == W_Q5X16) {
+            mw = vhalf(g + 32 + 2 * L * h);
+        } else {
+            dsc = vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h)));
+            mw = vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h))));
+        }
+        for (int r = 0; r < MR; ++r) {
+            const size_t ab = size_t(rows[r]) * nb + b;
+            acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
+            acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+        }
+    }
+}
+
+// The 8 sub-blocks of super-block sb, in order.
+template <int WT, int MR, bool RES, int... K>
+static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* rows, int sb, VF* acc,
+                            std::integer_sequence<int, K...>) {
+    const VF dw = vhalf(g + 2 * L * h), dm = WT == W_Q6KX16 ? dw : vhalf(g + 32 + 2 * L * h);
+    (kq_block<WT, MR, RES, K>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
+}
+
+// Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
+// over all nb 32-blocks (a K-quant row is whole super-blocks: nb a multiple of 8).
+template <int WT, int MR, bool RES>
+static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+    VF acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    if constexpr (WT == W_Q5X16) {
+        for (int b = 0; b < a.nb; ++b, wg += 384) kq_block<WT, MR, RES, 0>(wg, h, a, rows, b, vhalf(wg + 2 * L * h), vfzero(), acc);
+    } else {
+        constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
+        for (int sb = 0; sb < a.nb / kSuper; ++sb, wg += GB)
+            kq_super<WT, MR, RES>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
     }
     for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
