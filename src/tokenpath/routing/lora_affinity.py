@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import ReplicaState
+from tokenpath.protocol.lora import LoraRef
 
 SPREAD_THRESHOLD = 0.5
 
@@ -29,12 +30,13 @@ def _has_slot(s: ReplicaState) -> bool:
     return not s.max_loras or len(set(s.running_loras)) < s.max_loras
 
 
-def lora_candidates(request: GenerateRequest, states: Sequence[ReplicaState],
+def lora_candidates(lora: LoraRef | None, states: Sequence[ReplicaState],
                     spread_threshold: float = SPREAD_THRESHOLD) -> tuple[list[ReplicaState], str | None]:
-    """(the replicas to choose among, the routing reason); (states, None) without an adapter."""
-    if request.lora is None or len(states) < 2:
-        return list(states), None if request.lora is None else "lora_only_replica"
-    name = request.lora.name
+    """(the replicas to choose among, the routing reason) for a request with this adapter;
+    (states, None) without one."""
+    if lora is None or len(states) < 2:
+        return list(states), None if lora is None else "lora_only_replica"
+    name = lora.name
     holders = [s for s in states if name in s.loras]
     least = min(_load(s) for s in states)
     roomy = [s for s in states if _has_slot(s)] or list(states)

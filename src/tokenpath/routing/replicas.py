@@ -165,8 +165,10 @@ class PrefixAwarePicker:
     def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         everyone = states
-        states, lora_reason = lora_candidates(request, states)
-        root = None if request.lora is None else lora_root(request.lora.name, request.lora.path)
+        # Embedding requests share this picker and carry no adapter.
+        lora = getattr(request, "lora", None)
+        states, lora_reason = lora_candidates(lora, states)
+        root = None if lora is None else lora_root(lora.name, lora.path)
         by_size: dict[int, list[int]] = {}
         scored: list[tuple[float, int, ReplicaState]] = []  # (cost in tokens, matched blocks, state)
         n = len(request.prompt_token_ids)
