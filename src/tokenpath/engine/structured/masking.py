@@ -141,7 +141,9 @@ def apply_grammar_masks(builder: MaskBuilder, logits: torch.Tensor, raw: torch.T
     the grammar together leave nothing, the row takes the grammar's mask over its raw logits,
     since the grammar is what the client asked to be guaranteed."""
     add = additive_mask(builder.fill(len(rows), states), logits.shape[-1])
-    if may_empty and logits is raw:
+    # The torch path's logits are inference tensors (made under inference_mode), which refuse an
+    # in-place update here; the native path's come from numpy and are masked in place.
+    if (may_empty and logits is raw) or logits.is_inference():
         logits = logits.clone()
     if len(rows) == logits.shape[0]:
         logits.add_(add)
