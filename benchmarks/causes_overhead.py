@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tracing_overhead import bench, serve, tree_cpu_s  # noqa: E402 - next to this script
+from tracing_overhead import bench, serve, tree_cpu_s, write_results  # noqa: E402 - next to this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("off", "on")
@@ -155,11 +155,7 @@ def main() -> int:
     meta = {"args": {k: v for k, v in vars(args).items() if k != "out"},
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "per_request": micro,
             "warm_up_discarded": warm, "pairs": pairs, "runtime_s": time.monotonic() - started}
-    md = report(meta)
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "causes_overhead.json").write_text(json.dumps(meta, indent=2))
-    (args.out / "causes_overhead.md").write_text(md)
+    write_results(args.out, "causes_overhead", meta, report(meta))
     return 0
 
 

@@ -275,12 +275,16 @@ def main() -> int:
         receiver.close()
     meta = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "receiver")}, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "span_cost": micro,
             "warm_up_discarded": warm, "pairs": pairs, "runtime_s": time.monotonic() - started}
-    md = report(meta)
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tracing_overhead.json").write_text(json.dumps(meta, indent=2))
-    (args.out / "tracing_overhead.md").write_text(md)
+    write_results(args.out, "tracing_overhead", meta, report(meta))
     return 0
+
+
+def write_results(out: Path, name: str, meta: dict, md: str) -> None:
+    """Print the table and keep it with its data: out/NAME.md and out/NAME.json (causes_overhead too)."""
+    print(md)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(meta, indent=2))
+    (out / f"{name}.md").write_text(md)
 
 
 if __name__ == "__main__":
