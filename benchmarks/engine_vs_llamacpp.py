@@ -181,7 +181,8 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
     lines = [
         "# tokenpath engine vs llama.cpp (same GGUF, same threads, same run)",
         "",
-        f"`python benchmarks/engine_vs_llamacpp.py --model {args.model} --rounds {args.rounds} --reps {args.reps} "
+        ("`TOKENPATH_KERNELS_FINE=" + os.environ["TOKENPATH_KERNELS_FINE"] + "` " if os.environ.get("TOKENPATH_KERNELS_FINE") else "")
+        + f"`python benchmarks/engine_vs_llamacpp.py --model {args.model} --rounds {args.rounds} --reps {args.reps} "
         f"--threads {args.threads}`"
         f" on {cpu} ({os.cpu_count()} cores, {isa}; {platform.python_version()}), "
         f"model {MODELS.get(args.model, Path(args.model).name)}.",
