@@ -17,9 +17,9 @@ The metrics mean what each tool means by them; the table lines them up as:
 - ITL: guidellm and aiperf report (e2e - TTFT) / (output tokens - 1) per request, which
   `tokenpath bench` calls TPOT; its own ITL (gaps between streamed chunks) is shown beside it.
 
-Writes `benchmarks/results/load_generators.md` and `.json`. guidellm and aiperf must be on PATH
-or next to this interpreter (`--guidellm`, `--aiperf` name other binaries); the README says how
-they were installed.
+Writes `benchmarks/results/load_generators.md` and `.json`. guidellm and aiperf are found next to
+this interpreter, in `.cache/loadgen-venv` (`benchmarks/loadgen_venv.sh` installs them there) or on
+PATH; `--guidellm` and `--aiperf` name other binaries.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ BIN = Path(sys.executable).parent
 
 
 def tool(name: str, given: str | None) -> str:
-    found = given or (str(BIN / name) if (BIN / name).exists() else shutil.which(name))
+    own = HERE.parent / ".cache" / "loadgen-venv" / "bin" / name  # benchmarks/loadgen_venv.sh puts them here
+    found = given or next((str(p) for p in (BIN / name, own) if p.exists()), None) or shutil.which(name)
     if not found:
-        raise SystemExit(f"load_generators: {name} not found; pip install {name} (see benchmarks/README.md)")
+        raise SystemExit(f"load_generators: {name} not found; run benchmarks/loadgen_venv.sh (or pass --{name})")
     return found
 
 
