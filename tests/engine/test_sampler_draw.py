@@ -70,3 +70,32 @@ def test_prefetched_mask_is_the_on_the_spot_mask(smol_llm):
     builder.prefetch(states)
     assert torch.equal(builder.fill(2, states), spot)
     assert [s.masked_steps for s in states] == [2, 2]
+
+
+def test_two_level_draw_is_the_one_level_inverse_cdf():
+    """`draw` against the plain inverse CDF over the whole row, for the same uniforms: blocks of
+    the vocabulary (a partial last one, empty blocks, trailing zeros) change no token."""
+    from tokenpath.engine.sampler import DRAW_BLOCK, draw
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 3 * DRAW_BLOCK + 77
+    probs = torch.rand(6, vocab, generator=gen) ** 8
+    probs[1, DRAW_BLOCK:2 * DRAW_BLOCK] = 0.0  # an empty block
+    probs[2, -500:] = 0.0  # zeros at the end of the row
+    probs[3, :] = 0.0
+    probs[3, 5] = 1.0  # one possible token
+    probs[4] = float("nan")  # not a distribution
+    probs[5, :] = 0.0  # nothing left
+    for k in range(200):
+        u = torch.rand(6, dtype=torch.float64, generator=gen)
+        if k == 0:
+            u[:] = 1.0 - 2.0 ** -53  # the largest uniform
+        tokens, ok = draw(probs, u)
+        assert ok == [True, True, True, True, False, False]
+        cdf = probs[:4].double().cumsum(-1)
+        expect = torch.searchsorted(cdf, (u[:4] * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]
+        for j in range(4):
+            want = min(int(expect[j]), int((probs[j] > 0).nonzero().max()))
+            assert tokens[j] == want
+            assert probs[j, tokens[j]] > 0
+        assert tokens[3] == 5
