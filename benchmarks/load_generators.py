@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,36 @@ def run(argv: list[str], log: Path, timeout: float = 1800) -> float:
         raise SystemExit(f"{argv[0] if argv[0] != 'taskset' else argv[3]} failed ({code}):\n"
                          f"{log.read_text(errors='replace')[-4000:]}")
     return time.monotonic() - t0
+
+
+def audit_high_water(work: Path) -> int:
+    """The last audit row's id so far (the server's own record of every request it served)."""
+    db = sqlite3.connect(work / "data" / "gateway.sqlite3")
+    try:
+        return int(db.execute("SELECT COALESCE(MAX(id), 0) FROM audit_log").fetchone()[0])
+    finally:
+        db.close()
+
+
+def server_side(work: Path, after_id: int, upto_id: int) -> dict:
+    """The server's own figures for one generator's requests (audit rows after_id < id <= upto_id):
+    mean TTFT (every stage before the first token) and TPOT (decode / (tokens - 1)), in ms. A
+    generator's figure that disagrees with the client-side one measures the client; one that
+    agrees while it differs from another generator's run means the server really ran slower."""
+    db = sqlite3.connect(work / "data" / "gateway.sqlite3")
+    try:
+        rows = db.execute("SELECT completion_tokens, timing FROM audit_log WHERE id > ? AND id <= ? AND status = 200",
+                          (after_id, upto_id)).fetchall()
+    finally:
+        db.close()
+    ttft, tpot = [], []
+    for tokens, timing in rows:
+        stages = json.loads(timing or "{}").get("stages_ms") or {}
+        if tokens and tokens > 1 and "decode" in stages:
+            tpot.append(stages["decode"] / (tokens - 1))
+            ttft.append(sum(stages.get(k, 0.0) for k in ("upload", "gateway", "queue", "engine_queue", "prefill")))
+    return {"server_requests": len(tpot), "server_ttft_mean": sum(ttft) / len(ttft) if ttft else None,
+            "server_tpot_mean": sum(tpot) / len(tpot) if tpot else None}
 
 
 # -- the three generators -------------------------------------------------------------------------
@@ -200,8 +231,8 @@ def report(a: argparse.Namespace, rows: list[dict], meta: dict) -> str:
              f"- machine load (1-minute load average) before/after each run: {meta['load']}.",
              f"- versions: {meta['versions']}.", "",
              "| round | generator | done/failed | in tok | out tok | output tok/s | ratio | TTFT mean ms | ratio | "
-             "TTFT p50 ms | ITL ms (TPOT) | ratio | chunk ITL ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT p50 ms | ITL ms (TPOT) | ratio | chunk ITL ms | server TTFT ms | server TPOT ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ref = next(r for r in rows if r["round"] == row["round"] and r["generator"] == "tokenpath bench")
         lines.append(
@@ -209,8 +240,12 @@ def report(a: argparse.Namespace, rows: list[dict], meta: dict) -> str:
             f"{fmt(row['in_tokens'])} | {fmt(row['out_tokens'])} | {fmt(row['output_tps'])} | "
             f"{ratio(row['output_tps'], ref['output_tps'])} | {fmt(row['ttft_mean'])} | "
             f"{ratio(row['ttft_mean'], ref['ttft_mean'])} | {fmt(row['ttft_p50'])} | {fmt(row['itl_mean'], 2)} | "
-            f"{ratio(row['itl_mean'], ref['itl_mean'])} | {fmt(row['chunk_itl_mean'], 2)} |")
-    lines += ["", "Ratios are against `tokenpath bench` in the same round; (!) marks one more than 10% off."]
+            f"{ratio(row['itl_mean'], ref['itl_mean'])} | {fmt(row['chunk_itl_mean'], 2)} | "
+            f"{fmt(row.get('server_ttft_mean'))} | {fmt(row.get('server_tpot_mean'), 2)} |")
+    lines += ["", "Ratios are against `tokenpath bench` in the same round; (!) marks one more than 10% off. "
+              "Server TTFT / TPOT: the server's own record of the same requests (its audit rows: every stage "
+              "before the first token; decode / (tokens - 1)), the reference each generator's figures are "
+              "checked against."]
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +296,10 @@ def main() -> None:
                 out = work / f"r{rnd}"
                 out.mkdir(exist_ok=True)
                 print(f"round {rnd}: {name} ...", flush=True)
+                first = audit_high_water(work)
                 row = {"round": rnd, "generator": name, **GENERATORS[name](a, url, tok, out)}
+                time.sleep(1.0)  # the audit writer's batch
+                row.update(server_side(work, first, audit_high_water(work)))
                 load.append(f"{name} r{rnd} {before:.2f}/{os.getloadavg()[0]:.2f}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
