@@ -43,7 +43,7 @@ def extensions() -> list[Extension]:
         "tokenpath.engine.kernels._native",
         sources=[f"{CSRC}/{f}" for f in ("quant.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "forward.cpp")],
         depends=[f"{CSRC}/tp_kernels.h", f"{CSRC}/dot_impl.h", f"{CSRC}/packed_impl.h", f"{CSRC}/attention.h",
-                 f"{CSRC}/vec_math.h", f"{CSRC}/kquant_impl.h"],
+                 f"{CSRC}/vec_math.h", f"{CSRC}/kquant_impl.h", f"{CSRC}/lora_delta.h"],
         # No -march: the ISA-specific files carry their own target pragmas and the library picks
         # at run time, so a wheel built here also runs on an AVX2-only machine.
         extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
