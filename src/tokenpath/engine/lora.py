@@ -181,7 +181,8 @@ def read_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
 
 
 def native_table(w: LoraWeights) -> NativeTable:
-    """The pointer table the native kernels read: A as is, B transposed ([r, out])."""
+    """The pointer table the native kernels read: A as is, B transposed ([r, out]), both in IEEE
+    half precision (csrc/lora_delta.h says why; the torch path keeps its float32 tensors)."""
     keep: list[np.ndarray] = []
     ptrs = np.zeros(len(w.layers) * len(LORA_TARGETS) * 2, dtype=np.uint64)
     for li, layer in enumerate(w.layers):
@@ -189,8 +190,9 @@ def native_table(w: LoraWeights) -> NativeTable:
             ab = layer.get(target)
             if ab is None:
                 continue
-            a = np.ascontiguousarray(ab[0].numpy(), dtype=np.float32)
-            bt = np.ascontiguousarray(ab[1].numpy().T, dtype=np.float32)
+            # (torch's conversion: F16C, several times numpy's astype on this CPU)
+            a = ab[0].to(torch.float16).contiguous().numpy()
+            bt = ab[1].to(torch.float16).t().contiguous().numpy()
             keep += [a, bt]
             base = (li * len(LORA_TARGETS) + ti) * 2
             ptrs[base], ptrs[base + 1] = a.ctypes.data, bt.ctypes.data

@@ -79,8 +79,8 @@ def _library_path() -> Path | None:
 
 
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
-# 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs).
-MODEL_ABI = 3
+# 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE halves).
+MODEL_ABI = 4
 
 
 @functools.cache

@@ -310,7 +310,7 @@ void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
 // (kernels/__init__.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
-int tp_model_abi() { return 3; }
+int tp_model_abi() { return 4; }
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
@@ -417,9 +417,9 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 const int32_t* blk = ls.blocks + 3 * (i0 / n);
                 const int sl = blk[0], g = i0 % n;
                 const uint64_t* p = ls.ptrs + ((size_t(sl) * m.n_layers + l) * kLoraTargets + tg0 + g) * 2;
-                const auto* A = reinterpret_cast<const float*>(p[0]);
+                const auto* A = reinterpret_cast<const uint16_t*>(p[0]);
                 if (A == nullptr) return;
-                lora_delta(A, reinterpret_cast<const float*>(p[1]), ls.ranks[sl], in, outs[g], ls.scales[sl],
+                lora_delta(A, reinterpret_cast<const uint16_t*>(p[1]), ls.ranks[sl], in, outs[g], ls.scales[sl],
                            ls.rows + blk[1], blk[2], xin, ldx, y + offs[g], ldy);
             });
         };
