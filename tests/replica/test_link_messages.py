@@ -32,6 +32,7 @@ from tokenpath.protocol.link import (
     Welcome,
 )
 from tokenpath.protocol.wire import FIELD_MESSAGES, FrameError, decode, encode, frame
+from tokenpath.telemetry.timeline import Timeline
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
 
@@ -67,6 +68,17 @@ def test_requests_and_embedding_outputs_round_trip():
     assert (emb.request_id, emb.inputs, emb.tenant) == ("e1", [[1, 2], [3]], "t")
     out = EmbeddingOutput("e1", [[0.5, -1.0]], 3, EngineEvents(1.0, 2.0, 3.0, 4.0))
     assert over_the_wire(out) == out
+
+
+def test_gateway_only_fields_stay_off_the_link():
+    """The engine never reads the Timeline, the prompt text or the session id: they stay out of
+    the `add` frame (the client keeps its own copy of the request)."""
+    req = GenerateRequest("g2", [1, 2], SamplingParams(), Timeline("g2"), session_id="alice", prompt="a prompt")
+    sent = encode(req)["req"]
+    assert not {"timeline", "prompt", "session", "session_id"} & set(sent), sorted(sent)
+    assert "alice" not in repr(sent) and "a prompt" not in repr(sent)
+    back = over_the_wire(req)
+    assert (back.timeline, back.session_id, back.prompt) == (None, None, None)
 
 
 def test_an_older_or_newer_peer_is_understood():

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest, ReplicaState, Routable
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.routing.replicas import (
     LeastLoadedPicker,
@@ -177,3 +177,16 @@ def test_prefix_aware_forgets_what_the_replica_cannot_hold():
         other = [t + 1000 for t in other]
     assert p.index.size(first.name) == 8
     assert p.pick(req(SYSTEM), small).reason == "cold"
+
+
+def test_an_embedding_is_routed_like_a_generation_of_its_tokens():
+    """Both request kinds are `Routable` (what a picker reads); an embedding has no adapter, and its
+    inputs hash like a generation's prompt, so identical inputs land on the replica holding them."""
+    emb = EmbeddingRequest("e", [SYSTEM[:64], SYSTEM[64:]], Timeline("e"), session_id="s1")
+    assert isinstance(emb, Routable) and isinstance(req([1]), Routable) and emb.lora is None
+    hs = block_hashes(SYSTEM, 16)
+    states = [st("a"), st("b", running=1, hashes=hs)]
+    pick = PrefixAwarePicker().pick(emb, states)
+    assert (pick.name, pick.reason, pick.matched_blocks) == ("b", "prefix_hit", 8)
+    home = SessionAffinityPicker().pick(req([1], session="s1"), states).name
+    assert SessionAffinityPicker().pick(emb, states).name == home

@@ -34,6 +34,8 @@ from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
 
 log = logging.getLogger("tokenpath.admission")
+# What a deployment admits: a generation, or an embedding down the same queue and picker.
+Request = GenerateRequest | EmbeddingRequest
 
 
 @dataclass
@@ -90,7 +92,7 @@ class FlowController:
             return deadline
         return received + self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
 
-    def deadline_for(self, request: GenerateRequest) -> float:
+    def deadline_for(self, request: Request) -> float:
         return self.queue_deadline(request.priority, request.timeline.stamps["received"], request.deadline)
 
     def predicted_wait(self, band: int) -> float:
@@ -155,7 +157,7 @@ class FlowController:
                 f"(predicted {expected:.1f}s, {max(left, 0):.1f}s left)",
                 retry_after=expected, code="deadline_unreachable"), record)
 
-    async def acquire(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Admission:
+    async def acquire(self, request: Request, exclude: frozenset[str] = frozenset()) -> Admission:
         """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
         now = time.monotonic()
         deadline = self.deadline_for(request)
@@ -178,7 +180,7 @@ class FlowController:
         self._changed()
         return await self._wait(ticket, request)
 
-    async def _wait(self, ticket: Ticket, request: GenerateRequest) -> Admission:
+    async def _wait(self, ticket: Ticket, request: Request) -> Admission:
         assert ticket.future is not None and ticket.deadline is not None
         try:
             timeout = max(0.0, ticket.deadline - time.monotonic())
@@ -210,7 +212,7 @@ class FlowController:
         room = self.pool.with_room()
         return [s for s in room if s.name not in exclude] or room
 
-    def _dispatch(self, request: GenerateRequest, room: list, queued_s: float) -> Admission:
+    def _dispatch(self, request: Request, room: list, queued_s: float) -> Admission:
         pick = self.picker.pick(request, room)
         handle = self.pool.handles[pick.name]
         handle.inflight += 1
@@ -227,9 +229,9 @@ class FlowController:
             other = pick.elsewhere.get("replica")
             holders = [a.request_id for a in self._holding.values() if a.handle.name == other][:8]
             request.timeline.attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
-        params = getattr(request, "params", None)
+        max_tokens = request.params.max_tokens if isinstance(request, GenerateRequest) else None
         admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
-                              tenant=request.tenant, max_tokens=getattr(params, "max_tokens", None))
+                              tenant=request.tenant, max_tokens=max_tokens)
         self._holding[id(admission)] = admission
         return admission
 
@@ -333,7 +335,7 @@ class FlowController:
                 "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
 
 
-def _cost(request: GenerateRequest | EmbeddingRequest) -> float:
+def _cost(request: Request) -> float:
     """Work estimate for fair queueing: prompt tokens plus the most it may generate."""
     if isinstance(request, EmbeddingRequest):
         return float(request.num_tokens)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import ReplicaState, Routable
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Pick:
 class ReplicaPicker(Protocol):
     policy: str
 
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick: ...
+    def pick(self, request: Routable, states: Sequence[ReplicaState]) -> Pick: ...
 
     def forget(self, replica: str) -> None:
         """A replica left (ejected or removed): drop what the picker remembers about it."""

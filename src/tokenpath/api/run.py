@@ -152,7 +152,11 @@ class RequestRun:
     async def admit(self, texts: list[str], tokens: int, prompt_tokens: int | None = None) -> None:
         """The policy hook on the prompt text, then the reservation re-sized to the exact count
         (re-decided when it grows, so token limits stay exact), then the audit row opened: a gateway
-        that dies from here on leaves a row the next start closes as `gateway_crash`."""
+        that dies from here on leaves a row the next start closes as `gateway_crash`.
+
+        It stamps `tokenized`, not `admitted`: admission (`FlowController.acquire`) owns that event
+        and stamps it when it admits or queues the request, so the `gateway` stage runs up to that
+        decision and a request admission refuses (429/503) ends in `gateway`."""
         assert self.principal is not None and self.deployment is not None
         self.timeline.stamp("tokenized")
         self.prompt_text = "\n".join(texts)
@@ -161,7 +165,6 @@ class RequestRun:
             self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
         else:
             await self.state.guard.adjust(self.reservation, tokens)
-        self.timeline.stamp("admitted")
         opened = self._audit_record(None, tokens if prompt_tokens is None else prompt_tokens, 0, {}, None)
         opened.status, opened.completion_text = OPEN_STATUS, None
         await self.state.guard.audit_open(opened, lambda: self.completion_tokens)

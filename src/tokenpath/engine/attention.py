@@ -43,7 +43,7 @@ class DecodeGroup:
     start: int
     slots: torch.Tensor  # [B, Lmax] context slots, padded (or [G, B, Lmax] per group)
     mask: torch.Tensor  # [B, 1, 1, Lmax] bool
-    ctx: torch.Tensor | None = None  # [B] context lengths (each query's position + 1)
+    ctx: torch.Tensor  # [B] context lengths (each query's position + 1): the sliding windows' masks
 
 
 @dataclass

@@ -21,7 +21,7 @@ from tokenpath.engine.loader import load_model
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
 from tokenpath.engine.runner import ModelRunner
-from tokenpath.engine.sampler import Sampler
+from tokenpath.engine.sampler import Sampler, SampleResult
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.structured import GrammarState
@@ -226,7 +226,7 @@ class EngineCore:
             self.blocks.commit_computed(seq)
             if seq.events.preempted:
                 self._note_recovered(seq)
-        result = self.sampler(logits, sampling) if sampling else None
+        result = self.sampler(logits, sampling) if sampling else SampleResult([], [])
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for i, seq in enumerate(sampling):
@@ -269,13 +269,15 @@ class EngineCore:
             chosen = block.gather(1, targets[:, None])
             ranks = (block > chosen).sum(dim=1) + 1
             k = seq.params.prompt_logprobs or 0
-            top_vals, top_ids = block.topk(k, dim=1) if k else (None, None)
+            tops: list[list[tuple[int, float]]] = [[] for _ in range(count)]
+            if k:
+                top_vals, top_ids = block.topk(k, dim=1)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
             for j, (token, value, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
                                                         strict=True)):
                 if req.prompt_logprobs[first + 1 + j] is not None:
                     continue
-                top = ([(t, text_of(t), v) for t, v in zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)]
-                       if k else [])
+                top = [(t, text_of(t), v) for t, v in tops[j]]
                 req.prompt_logprobs[first + 1 + j] = TokenLogprob(token, text_of(token), value, top, rank)
 
     def _note_stalls(self, sampling: list[Sequence], prefills: list[list], now: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from typing import cast
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
@@ -35,7 +36,7 @@ class LLM:
         prompts = list(prompts)
         params_list = self._expand(params, len(prompts))
         ids = []
-        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        loras: list[LoraRef | None] = [lora] * len(prompts) if lora is None or isinstance(lora, LoraRef) else list(lora)
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
@@ -47,7 +48,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # One conversation (its first item a message dict) or several; mypy cannot narrow a list
+        # by its first item, so the check is stated as a cast.
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast("list[list[dict]]", [messages] if one else messages)
         return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
 
     @staticmethod

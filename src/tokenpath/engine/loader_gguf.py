@@ -47,7 +47,9 @@ def _rope_scaling(reader, arch: str, tensors: dict, path: Path) -> RopeScaling |
     """GGUF `rope.scaling.*` keys, and llama.cpp's form of llama3 scaling: `rope_freqs.weight`."""
     kind = _field(reader, f"{arch}.rope.scaling.type", path, "none")
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", path, 1.0))
-    orig = _field(reader, f"{arch}.rope.scaling.original_context_length", path, 0) or None
+    # llama.cpp's default for yarn's original context: the context the model was trained with.
+    orig = _field(reader, f"{arch}.rope.scaling.original_context_length", path, 0) or \
+        _field(reader, f"{arch}.context_length", path)
     freqs = None
     if "rope_freqs.weight" in tensors:
         from gguf.quants import dequantize
@@ -59,7 +61,7 @@ def _rope_scaling(reader, arch: str, tensors: dict, path: Path) -> RopeScaling |
     if kind == "linear":
         return RopeScaling(rope_type="linear", factor=factor, freq_factors=freqs)
     if kind == "yarn" and freqs is None:
-        return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=orig and int(orig))
+        return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=int(orig))
     raise ModelLoadError(f"{path}: unsupported rope scaling '{kind}'" + (" with rope_freqs" if freqs else ""))
 
 

@@ -184,7 +184,7 @@ def native_table(w: LoraWeights) -> NativeTable:
     """The pointer table the native kernels read: A as is, B transposed ([r, out]), both in IEEE
     half precision (csrc/lora_delta.h says why; the torch path keeps its float32 tensors)."""
     keep: list[np.ndarray] = []
-    ptrs = np.zeros(len(w.layers) * len(LORA_TARGETS) * 2, dtype=np.uint64)
+    ptrs: np.ndarray = np.zeros(len(w.layers) * len(LORA_TARGETS) * 2, dtype=np.uint64)
     for li, layer in enumerate(w.layers):
         for ti, target in enumerate(LORA_TARGETS):
             ab = layer.get(target)

@@ -97,9 +97,11 @@ def native_step(row_adapters: list[tuple[int, LoraWeights | None]]):  # noqa: AN
         row += n
     if not adapters:
         return None
+    ptrs = []
     for w in adapters:
         if w.native is None or w.rank > MAX_NATIVE_RANK:
             raise RuntimeError(f"LoRA adapter {w.name} is not resident in native form")
+        ptrs.append(w.native.ptrs)
     blocks, start = [], 0
     for slot, r in enumerate(rows):
         for k in range(0, len(r), BLOCK_ROWS):
@@ -107,7 +109,7 @@ def native_step(row_adapters: list[tuple[int, LoraWeights | None]]):  # noqa: AN
         start += len(r)
     return NativeLoraStep(blocks=np.array(blocks, dtype=np.int32),
                           rows=np.array([i for r in rows for i in r], dtype=np.int32),
-                          ptrs=np.concatenate([w.native.ptrs for w in adapters]),  # type: ignore[union-attr]
+                          ptrs=np.concatenate(ptrs),
                           ranks=np.array([w.rank for w in adapters], dtype=np.int32),
                           scales=np.array([w.scaling for w in adapters], dtype=np.float32))
 

@@ -129,7 +129,7 @@ class ModelRunner:
         tokens reach the end of what they know (they sample; the rest were mid-prompt chunks), then
         the P prompt positions of `PromptRows`."""
         if self.native is not None:
-            return self._execute_native(scheduled)
+            return self._execute_native(self.native, scheduled)
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -176,13 +176,15 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.cache, meta, rows, lora)
         return logits.cpu(), sampling, prompt_rows
 
-    def _execute_native(self, scheduled: list[tuple[Sequence, int]]
+    def _execute_native(self, native: NativeLlama, scheduled: list[tuple[Sequence, int]]
                         ) -> tuple[torch.Tensor, list[Sequence], PromptRows]:
         """The same step on the native kernels: rows in any order, each row's context read in
         place through its sequence's block table (no padding, no gather, no masks)."""
         bs = self.block_size
         ids: list[int] = []
-        pos_chunks, table_chunks, row_tables = [], [], []
+        pos_chunks: list[np.ndarray] = []
+        table_chunks: list[np.ndarray] = []
+        row_tables: list[np.ndarray] = []
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
         adapters: list = []  # (rows, adapter or None) per sequence, in row order
@@ -207,7 +209,7 @@ class ModelRunner:
         tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
         rt = np.concatenate(row_tables)
         slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]
-        logits = self.native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
+        logits = native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
                                      np.asarray(logit_rows + extra, dtype=np.int32), native_step(adapters))
         return logits, sampling, prompt_rows
 
@@ -233,7 +235,7 @@ class ModelRunner:
         bs = self.block_size
         ctx = np.array([s.num_computed_tokens + 1 for s in seqs])
         max_blocks = int(-(-ctx.max() // bs))
-        tables = np.zeros((self.layout.num_groups, len(seqs), max_blocks), dtype=np.int64)
+        tables: np.ndarray = np.zeros((self.layout.num_groups, len(seqs), max_blocks), dtype=np.int64)
         for i, s in enumerate(seqs):
             t = self._tables(s, np.int64)[:, :max_blocks]
             tables[:, i, : t.shape[1]] = t

@@ -48,16 +48,16 @@ class Sampler:
         raw = logits
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._apply_penalties(logits, seqs)
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        grammars = [(i, g) for i, s in enumerate(seqs) if (g := s.grammar) is not None]
+        constrained = [i for i, _ in grammars]
         if constrained:
             if self._masks is None:
                 self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
             may_empty = [j for j, i in enumerate(constrained) if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
-            logits = apply_grammar_masks(self._masks, logits, raw, constrained,
-                                         [seqs[i].grammar for i in constrained], may_empty)  # type: ignore[misc]
+            logits = apply_grammar_masks(self._masks, logits, raw, constrained, [g for _, g in grammars], may_empty)
         tokens = self._sample(logits, seqs)
-        for i in constrained:
-            seqs[i].grammar.accept(tokens[i])  # type: ignore[union-attr]
+        for i, g in grammars:
+            g.accept(tokens[i])
         lp: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):

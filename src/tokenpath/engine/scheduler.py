@@ -29,6 +29,7 @@ from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.sequence import Sequence, Status
+from tokenpath.protocol.lora import LoraRef
 
 # Prompt tokens per step of a prompt_logprobs request: 256 rows of logits are 256 MiB at Gemma 3's
 # 262k vocabulary, 48 MiB at SmolLM2's.
@@ -126,7 +127,7 @@ class Scheduler:
         adapters = self.running_adapters()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.lora is not None and not self._lora_admissible(seq, adapters):
+            if seq.lora is not None and not self._lora_admissible(seq.lora, adapters):
                 i += 1  # its adapter is loading, or every slot is held by running requests
                 continue
             if seq.leader is not None and self._leader_prefilling(seq.leader):
@@ -155,11 +156,11 @@ class Scheduler:
         """The adapters (`lora_key`) of the running sequences: they hold their slots."""
         return {lora_key(s.lora) for s in self.running if s.lora is not None}
 
-    def _lora_admissible(self, seq: Sequence, adapters: set[str]) -> bool:
-        key = lora_key(seq.lora)  # type: ignore[arg-type]
+    def _lora_admissible(self, lora: LoraRef, adapters: set[str]) -> bool:
+        key = lora_key(lora)
         if self.loras is None or (key not in adapters and len(adapters) >= self.loras.max_loras):
             return False
-        if not self.loras.activate(seq.lora, adapters):  # type: ignore[arg-type]
+        if not self.loras.activate(lora, adapters):
             return False
         adapters.add(key)
         return True

@@ -4,7 +4,8 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 `tokenpath.telemetry.timeline` only). The engine link serializes exactly these types.
 
 - `SamplingParams` (`sampling_params.py`): how to sample, validated once at the edge;
-- `GenerateRequest` (`requests.py`): one prompt's request to a replica;
+- `GenerateRequest` (`requests.py`): one prompt's request to a replica, and `Routable`: what a
+  replica picker reads from it (or from an `EmbeddingRequest`);
 - `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
 - `EmbeddingRequest`, `EmbeddingOutput` (`embeddings.py`): the same trip for an embedding model;
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read;
@@ -21,8 +22,8 @@ from tokenpath.protocol.outputs import (
            TokenLogprob,
 )
 from tokenpath.protocol.replica_state import ReplicaState
-from tokenpath.protocol.requests import GenerateRequest
+from tokenpath.protocol.requests import GenerateRequest, Routable
 from tokenpath.protocol.sampling_params import SamplingParams
 
 __all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequest", "EngineEvents", "EngineState", "GenerateRequest", "ReplicaState",
-           "RequestOutput", "SamplingParams", "TokenLogprob"]
+           "RequestOutput", "Routable", "SamplingParams", "TokenLogprob"]

@@ -36,6 +36,12 @@ class EmbeddingRequest:
         return [t for ids in self.inputs for t in ids]
 
     @property
+    def lora(self) -> None:
+        """No adapter: an embedding runs on the base model (so `protocol.Routable`'s adapter
+        affinity never applies to it)."""
+        return None
+
+    @property
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.inputs)
 

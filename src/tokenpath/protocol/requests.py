@@ -2,15 +2,22 @@
 
 Built once by the API layer (already validated and tokenized) and passed whole through
 admission, routing and the replica to `EngineCore.add_request`; across the engine link its wire
-fields are serialized as they are. The `timeline` is the gateway's per-request record: it never
-crosses a process boundary (the replica boundary stamps engine events onto it, see
-`tokenpath.replica.events`), so the engine never touches it.
+fields are serialized as they are (`protocol.wire.encode_request`).
+
+Some fields are the gateway's alone and stay out of the engine link's `add` frame:
+- `timeline`, the gateway's per-request record: the replica boundary stamps engine events onto it
+  (`tokenpath.replica.events`), and an in-process engine gets a copy without it;
+- `session_id`: read by the session-affinity picker (`protocol.Routable`), never by an engine;
+- `prompt`: the text, echoed on outputs; over the link the client puts it back itself.
+`deadline` crosses the link (as seconds left) but no engine reads it yet: the gateway enforces
+it, in its queue and up to the first token (`routing.models.Deployment`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
@@ -25,9 +32,9 @@ class GenerateRequest:
     timeline: Timeline | None = field(default=None, repr=False, compare=False)  # gateway-local
     priority: int = 0  # lower is more urgent; the engine schedules and preempts by it
     tenant: str = "anonymous"
-    session_id: str | None = None
+    session_id: str | None = None  # gateway-only: session affinity
     # Monotonic seconds in the sender's clock. Across the link the client rewrites it as seconds
-    # *remaining* (`deadline_in`), so the engine needs no shared clock to honour it.
+    # *remaining* (`deadline_in`), so an engine would need no shared clock to honour it.
     deadline: float | None = None
     traceparent: str | None = None  # W3C trace context of the gateway's span
     # GenAI semconv's operation name (chat, text_completion): the engine's own span says which API
@@ -36,3 +43,24 @@ class GenerateRequest:
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
     prompt: str | None = field(default=None, repr=False)  # the text, when there was one (offline use)
     lora: LoraRef | None = None  # the LoRA adapter to run with (None: the base model)
+
+
+@runtime_checkable
+class Routable(Protocol):
+    """What a replica picker reads from a request, and all it may read.
+
+    The prompt's token ids (the prefix-aware picker hashes them), the LoRA adapter (its blocks
+    hash under the adapter's own root, and replicas that hold it are preferred) and the session id
+    (session affinity). Generations and embeddings share one picker per deployment, so both
+    `GenerateRequest` and `EmbeddingRequest` conform (an embedding runs on the base model: its
+    `lora` is always None) and a picker never asks which kind it holds. Read-only properties, so
+    a dataclass field and a computed property both satisfy it."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def lora(self) -> LoraRef | None: ...
+
+    @property
+    def session_id(self) -> str | None: ...

@@ -122,10 +122,12 @@ class FrameReader:
 
 # -- GenerateRequest ----------------------------------------------------------------------------
 def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
-    """The deadline travels as seconds remaining, so the engine needs no shared clock."""
+    """The deadline travels as seconds remaining, so the engine needs no shared clock. The
+    gateway-only fields stay behind in the client's own copy of the request: `timeline`, `prompt`
+    (put back on each decoded output) and `session_id` (read by the gateway's picker alone)."""
     now = time.monotonic() if now is None else now
     return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
-            "prio": req.priority, "tenant": req.tenant, "session": req.session_id,
+            "prio": req.priority, "tenant": req.tenant,
             "deadline_in": None if req.deadline is None else req.deadline - now,
             "trace": req.traceparent, "op": req.operation, "lora": None if req.lora is None else req.lora.wire()}
 
@@ -137,7 +139,7 @@ def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
     left = d.get("deadline_in")
     return GenerateRequest(request_id=str(d["id"]), prompt_token_ids=list(d["ids"]),
                            params=SamplingParams(**d["params"]), priority=int(d.get("prio", 0)),
-                           tenant=str(d.get("tenant") or "anonymous"), session_id=d.get("session"),
+                           tenant=str(d.get("tenant") or "anonymous"),
                            deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
                            operation=d.get("op"), arrival=now, lora=LoraRef.from_wire(d.get("lora")))
 

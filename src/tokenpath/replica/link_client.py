@@ -1,7 +1,7 @@
 """The gateway end of the engine link: a `Replica` backed by one of tokenpath's engine processes.
 
 One connection per engine, multiplexing every request: `add` frames carry a `GenerateRequest`
-(priority, deadline, tenant, request id and trace context included), `out` frames bring back
+(priority, deadline, tenant, request id, trace context and adapter), `out` frames bring back
 `RequestOutput` deltas (token ids, text, logprobs, event times), `abort` cancels, and the
 engine pushes its `state` every 100 ms. The gateway never re-tokenizes: text deltas come from
 the engine's detokenizer, which also applies the stop strings.

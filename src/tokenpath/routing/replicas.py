@@ -1,9 +1,11 @@
 """Replica pickers: which replica of a deployment serves this request?
 
 Every policy sits behind one interface, `pick(request, states) -> Pick(state, reason)`, where
-`states` are the replicas that are healthy *and* have room right now (the flow controller filters
-them, so a picker never has to think about saturation or ejection). The `reason` is recorded on
-the request's Timeline and counted on /metrics, so every routing decision can be explained later.
+`request` is a `protocol.Routable` (all a picker may read: prompt ids, adapter, session id; a
+generation and an embedding alike) and `states` are the replicas that are healthy *and* have room
+right now (the flow controller filters them, so a picker never has to think about saturation or
+ejection). The `reason` is recorded on the request's Timeline and counted on /metrics, so every
+routing decision can be explained later.
 
 Policies:
 - `round_robin`: the baseline; ignores load and caches.
@@ -36,11 +38,11 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.engine.block_hash import block_hashes, lora_root
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import ReplicaState, Routable
 from tokenpath.routing.lora_affinity import lora_candidates
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
@@ -69,7 +71,7 @@ class RoundRobinPicker:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+    def pick(self, request: Routable, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         ordered = sorted(states, key=lambda s: s.name)
         state = ordered[self._next % len(ordered)]
@@ -86,7 +88,7 @@ class LeastLoadedPicker:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+    def pick(self, request: Routable, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         if len(states) <= 2:
             return Pick(_least(states), "least")
@@ -132,7 +134,7 @@ class PrefixIndex:
 
     def matched(self, state: ReplicaState, hashes: Sequence[int]) -> int:
         """How many leading blocks of the prompt this replica holds (reported or routed)."""
-        known = self._blocks.get(state.name, {})
+        known: Container[int] = self._blocks.get(state.name, ())
         n = 0
         for h in hashes:
             if h in known or h in state.prefix_hashes:
@@ -162,11 +164,10 @@ class PrefixAwarePicker:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+    def pick(self, request: Routable, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         everyone = states
-        # Embedding requests share this picker and carry no adapter.
-        lora = getattr(request, "lora", None)
+        lora = request.lora  # (None for the base model, and always for an embedding)
         states, lora_reason = lora_candidates(lora, states)
         root = None if lora is None else lora_root(lora.name, lora.path)
         by_size: dict[int, list[int]] = {}
@@ -224,7 +225,7 @@ class SessionAffinityPicker:
     def __init__(self, load_threshold: float = 1.0) -> None:
         self.load_threshold = load_threshold
 
-    def pick(self, request: GenerateRequest, states: Sequence[ReplicaState]) -> Pick:
+    def pick(self, request: Routable, states: Sequence[ReplicaState]) -> Pick:
         _require(states)
         least = _least(states)
         if not request.session_id:

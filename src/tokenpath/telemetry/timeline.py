@@ -40,7 +40,7 @@ EVENTS = (
     "authenticated",
     "routed",
     "tokenized",
-    "admitted",
+    "admitted",  # admission (`FlowController.acquire`) alone: it admitted or queued the request
     "dequeued",
     "dispatched",
     "scheduled",

@@ -154,7 +154,7 @@ def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndar
 def _aligned_empty(shape: tuple[int, int], align: int = 64) -> np.ndarray:
     """uint8 array whose data starts on an `align`-byte boundary: the packed kernels' 512-bit loads
     then never split a cache line (numpy itself only guarantees 16)."""
-    raw = np.empty(shape[0] * shape[1] + align, dtype=np.uint8)
+    raw: np.ndarray = np.empty(shape[0] * shape[1] + align, dtype=np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + shape[0] * shape[1]].reshape(shape)
 
@@ -180,7 +180,7 @@ def output_rows(wtype: int, w: np.ndarray) -> int:
 
 def dequantize_packed(lib: NativeLibrary, wtype: int, w: np.ndarray, k: int) -> np.ndarray:
     n, nb = output_rows(wtype, w), -(-k // 32)
-    out = np.empty((n, k), dtype=np.float32)
+    out: np.ndarray = np.empty((n, k), dtype=np.float32)
     for i in range(n):
         lib.lib.tp_dequantize_packed_row(wtype, _ptr(w), nb, i, k, _ptr(out[i]))
     return out

@@ -124,8 +124,8 @@ def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int
             else:
                 runs.append((t, [b]))
         out = []
-        for t, blocks in runs:
-            pt, packed = repack(lib, t, np.concatenate(blocks))
+        for t, run in runs:
+            pt, packed = repack(lib, t, np.concatenate(run))
             out.append((pt, output_rows(pt, packed), packed))
         return out
     if len({t for t, _ in parts}) > 1 or any(t not in BLOCK_BYTES for t, _ in parts):
@@ -253,10 +253,10 @@ class NativeLlama:
                            optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
                            ptr(rope.cos.contiguous()), ptr(rope.sin.contiguous())]
             for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
-                parts = parts + [(0, 0, None)] * (MAX_PARTS - len(parts))
-                layer_ptrs += [ptr(b) for _, _, b in parts]
-                layer_types += [v for t, rows, _ in parts for v in (t, rows)]
-                used_types |= {t for t, rows, _ in parts if rows}
+                slots: list[tuple[int, int, np.ndarray | None]] = [*parts, *[(0, 0, None)] * (MAX_PARTS - len(parts))]
+                layer_ptrs += [ptr(b) for _, _, b in slots]
+                layer_types += [v for t, rows, _ in slots for v in (t, rows)]
+                used_types |= {t for t, rows, _ in slots if rows}
             layer_types += [cfg.window(i) or 0, cache.layer_group[i]]  # window, KV-cache group
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])

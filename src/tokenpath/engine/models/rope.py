@@ -30,6 +30,8 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
     if kind == "linear":
         return base / factor, 1.0
     orig = scaling.original_max_position_embeddings
+    if orig is None:  # (both loaders set it for llama3 and yarn, to the trained context by default)
+        raise ValueError(f"rope type {kind!r} needs original_max_position_embeddings")
     if kind == "llama3":
         low_wl, high_wl = orig / scaling.low_freq_factor, orig / scaling.high_freq_factor
         wavelen = 2 * math.pi / base
@@ -47,7 +49,7 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
             return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
 
         low = max(math.floor(corr(scaling.beta_fast)), 0)
-        high = min(math.ceil(corr(scaling.beta_slow)), head_dim - 1)
+        high: float = min(math.ceil(corr(scaling.beta_slow)), head_dim - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
