@@ -32,6 +32,7 @@ from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnava
 from tokenpath.protocol import EmbeddingRequest, GenerateRequest
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
+from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.admission")
 # What a deployment admits: a generation, or an embedding down the same queue and picker.
@@ -93,7 +94,7 @@ class FlowController:
         return received + self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
 
     def deadline_for(self, request: Request) -> float:
-        return self.queue_deadline(request.priority, request.timeline.stamps["received"], request.deadline)
+        return self.queue_deadline(request.priority, _timeline(request).stamps["received"], request.deadline)
 
     def predicted_wait(self, band: int) -> float:
         ahead = self.queue.ahead_of(band) + 1
@@ -165,7 +166,7 @@ class FlowController:
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
             if room:
-                request.timeline.stamp("admitted", deployment=self.deployment, admission="immediate")
+                _timeline(request).stamp("admitted", deployment=self.deployment, admission="immediate")
                 metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
                 return self._dispatch(request, room, 0.0)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
@@ -173,7 +174,7 @@ class FlowController:
         ticket.future = asyncio.get_running_loop().create_future()
         ahead = self.queue.ahead_of(request.priority)
         self.queue.push(ticket)
-        request.timeline.stamp("admitted", deployment=self.deployment, admission="queued",
+        _timeline(request).stamp("admitted", deployment=self.deployment, admission="queued",
                                predicted_wait_s=round(self.predicted_wait(request.priority), 3),
                                admission_ahead=ahead, admission_behind=self._holders())
         metrics.ADMISSIONS.labels(self.deployment, "queued").inc()
@@ -220,15 +221,15 @@ class FlowController:
         handle.pending_prefill += prefill
         metrics.ROUTING_DECISIONS.labels(self.deployment, self.picker.policy, pick.reason).inc()
         metrics.QUEUE_TIME.labels(self.deployment).observe(queued_s)
-        request.timeline.stamp("dequeued", queued_s=round(queued_s, 4))
-        request.timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
+        _timeline(request).stamp("dequeued", queued_s=round(queued_s, 4))
+        _timeline(request).stamp("dispatched", replica=pick.name, policy=self.picker.policy,
                                reason=pick.reason, matched_blocks=pick.matched_blocks)
         if queued_s > 0 and self._last_freed is not None:
-            request.timeline.attrs.setdefault("admission_freed_by", self._last_freed)
+            _timeline(request).attrs.setdefault("admission_freed_by", self._last_freed)
         if pick.elsewhere is not None:  # with the requests that held the replica it passed over
             other = pick.elsewhere.get("replica")
             holders = [a.request_id for a in self._holding.values() if a.handle.name == other][:8]
-            request.timeline.attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
+            _timeline(request).attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
         max_tokens = request.params.max_tokens if isinstance(request, GenerateRequest) else None
         admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
                               tenant=request.tenant, max_tokens=max_tokens)
@@ -333,6 +334,14 @@ class FlowController:
                 "service_s": round(self.capacity.service_s, 4),
                 "throughput_rps": round(self.capacity.throughput(), 3),
                 "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
+
+
+def _timeline(request: Request) -> Timeline:
+    """The request's record, which admission stamps: `Deployment.generate` gives every request one
+    before it gets here, so a request without one is a caller's bug, named as such."""
+    if request.timeline is None:
+        raise TypeError(f"request '{request.request_id}' reached admission without a Timeline")
+    return request.timeline
 
 
 def _cost(request: Request) -> float:
