@@ -146,7 +146,7 @@ async def disk_phase(run: Load, gw: Gateway, a, mnt: Path) -> dict:  # noqa: ANN
     counts = {k: int(float(m.group(1))) for k in ("spooled", "dropped")
               if (m := re.search(rf"^tokenpath:audit_rows_{k}_total (\S+)$", metrics, re.M))}
     # When the first write failed: SQLite commits into the WAL's already allocated pages while it
-    # can, so on a full disk writes go on succeeding (durably) for a while (README, "Audit log").
+    # can, so on a full disk writes go on succeeding (durably) for a while (README, "The audit log loses nothing").
     failed = next((t - wall_fail for line in gw.lines()
                    if str(line.get("msg")).startswith("audit store cannot be written")
                    and (t := dt.datetime.fromisoformat(line["time"]).timestamp()) >= wall_fail), None)

@@ -61,7 +61,7 @@ from tokenpath.protocol.link import (
     Welcome,
 )
 from tokenpath.protocol.wire import FrameError, decode, decode_request, frame, read_frame
-from tokenpath.replica.liveness import STALL_AFTER_S, hang_bound
+from tokenpath.replica.liveness import HEARD_EVERY_S, STALL_AFTER_S, hang_bound
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenpath.engine.link")
 
 STATE_INTERVAL_S = 0.1  # a changed state is pushed at most this long after the change
-STATE_HEARTBEAT_S = 1.0  # an unchanged one is repeated this often
+STATE_HEARTBEAT_S = HEARD_EVERY_S  # an unchanged one is repeated this often (what liveness counts on)
 HELLO_TIMEOUT_S = 5.0
 HELLO_MAX_BYTES = 4096  # a hello is a secret and a type: ~60 bytes
 REFUSAL_LOG_EVERY_S = 60.0

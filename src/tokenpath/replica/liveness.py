@@ -59,6 +59,7 @@ FIRST_TOKEN_S = 600.0
 NEXT_TOKEN_S = 300.0
 LATE_TICK_S = 0.5  # a tick this late means the gateway itself was held up: judge on the next one
 MAX_TICK_S = 0.1  # detection latency past the bound: at most this (one timer wake per replica)
+HEARD_EVERY_S = 1.0  # a healthy engine process is heard at least this often (`link_server`'s heartbeat)
 STEP_SLACK = 3.0  # a step is hung past this many times the most a normal step takes (and the bound)
 FIRST_STEP_S = 30.0  # an engine's first step (one-time setup, no price per token yet) is hung only past this
 
@@ -167,6 +168,8 @@ class Liveness:
         if silent > self.config.stall_after_s:
             return "silent", f"nothing from the engine for {silent:.1f}s", silent
         if self.step_at is not None and (running := now - self.step_at) > self.bound:
+            if silent > 2 * HEARD_EVERY_S:  # (its whole process went quiet too: a freeze, not one step)
+                return "silent", f"nothing from the engine for {silent:.1f}s", silent
             return "step", f"one step of the engine has run for {running:.1f}s (hung)", running
         return None
 
