@@ -13,11 +13,11 @@ process, from each state push over the engine link otherwise) reads `step_beat()
 step thread has been in its current turn of the loop (`beat`: when the turn began; 0 while it
 waits for work). A step that never returns (a native call stuck, a lock never released) leaves it
 growing while the event loop stays free (the kernels and torch release the GIL), so a hung step
-is noticed and its requests released instead of waiting for as long as it hangs. `step_allowance_s` is how long a
-normal step of this engine may take, for the step running now: the longest step so far, or its
-tokens at the costliest per-token price of a big step (>= `BIG_STEP_TOKENS`; before one, the first
-step's, which pays one-time setup too and so errs long), so a big model's long prefill chunk is
-not taken for a hang.
+is noticed and its requests released instead of waiting for as long as it hangs.
+`step_allowance_s` is how long a normal step of this engine may take, for the step running now:
+the longest step so far, or its tokens at the costliest per-token price of a big step
+(>= `BIG_STEP_TOKENS`; before one, the first step's, which pays one-time setup too and so errs
+long), so a big model's long prefill chunk is not taken for a hang.
 """
 
 from __future__ import annotations

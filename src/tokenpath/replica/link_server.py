@@ -16,16 +16,17 @@ The socket is bound to loopback by its launcher. With `exit_on_close`, the proce
 gateway's link closes, so an engine never outlives the gateway that started it.
 
 Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`), `Abort`,
-`Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it: `Welcome`, `Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's
-failure, as a typed error), `ResetDone`, and the `EngineState` (see `StatePush`); the messages
-are `protocol.link`'s, encoded by `protocol.wire`.
+`Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it: `Welcome`,
+`Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
+`ResetDone`, and the `EngineState` (see `StatePush`); the messages are `protocol.link`'s, encoded
+by `protocol.wire`.
 
 State: a changed state reaches the gateway within `STATE_INTERVAL_S`, an unchanged one is repeated
 every `STATE_HEARTBEAT_S` (liveness: the gateway marks an engine stalled after `--stall-timeout`,
 4 s). Each state says how long the step thread has been in its current step (`step_age_s`), since
 the event loop that pushes it goes on while a step hangs (a stuck kernel, a deadlock): the gateway
-judges that by the same rule as for an engine in its own process (`replica.liveness`). While the engine steps, the state rides in the same write as a step's outputs, so it
-costs neither process a wake-up of its own; an idle engine's timer wakes once per heartbeat, or
+judges that by the same rule as for an engine in its own process (`replica.liveness`). While the
+engine steps, the state rides in the same write as a step's outputs, so it costs neither process a wake-up of its own; an idle engine's timer wakes once per heartbeat, or
 at once when a frame arrives. A push on a timer of its own, 10 a second whatever happened, woke both processes for it:
 measured 3.5 ms CPU/s in the engine and 2.0 ms/s in the gateway on an idle link (a bare 10 Hz
 asyncio timer alone costs 1.4 ms/s here), about as much CPU as framing every output of a
