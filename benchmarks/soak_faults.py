@@ -27,41 +27,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import os
 import re
 import signal
-import socket
-import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from fault_load import Load, first, freeze, healthy, hello_flood, pct
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
-BIG = 63 * 1024 * 1024
 VICTIM, OTHER = "engine-0", "engine-1"
-
-
-@dataclass
-class Run:
-    records: list[dict] = field(default_factory=list)  # one per request: rid, start, dur, status, ok
-    health: list[tuple[float, int, bool, bool, str, int]] = field(default_factory=list)
-    # (t, http status, victim healthy, other healthy, audit state, spool rows)
-    stop: bool = False
-    paused: bool = False  # while the gateway is down and restarting
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
 
 class Gateway:
@@ -96,79 +79,33 @@ class Gateway:
     def engine_pid(self, name: str) -> int:
         return int(re.findall(r"started \(pid (\d+)\)", self.engine_log(name))[-1])
 
-    def events(self, event: str) -> list[dict]:
+    def lines(self) -> list[dict]:
+        """Every JSON line the gateway logged, over its restarts."""
         out = []
         for log in sorted(self.tmp.glob("server-*.log")):
-            out += [json.loads(x) for x in log.read_text(errors="replace").splitlines() if f'"event":"{event}"' in x]
+            for x in log.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    if isinstance(line := json.loads(x), dict):
+                        out.append(line)
         return out
 
-
-async def client_loop(run: Run, gw: Gateway, i: int, model: str) -> None:
-    n = 0
-    async with httpx.AsyncClient(timeout=120) as c:
-        while not run.stop:
-            if run.paused:
-                await asyncio.sleep(0.1)
-                continue
-            n += 1
-            rid, stream = f"c{i}-{n}", n % 2 == 0
-            body = {"model": model, "messages": [{"role": "user", "content": f"Client {i} request {n}: say hi."}],
-                    "max_tokens": 16, "temperature": 0, "stream": stream}
-            rec = {"rid": rid, "start": time.monotonic(), "status": 0, "ok": False, "stream": stream}
-            try:
-                async with c.stream("POST", f"{gw.url}/v1/chat/completions", json=body,
-                                    headers={"x-request-id": rid}) as r:
-                    rec["status"] = r.status_code
-                    text = (await r.aread()).decode()
-                    rec["ok"] = r.status_code == 200 and (not stream or ('"error"' not in text and "[DONE]" in text))
-            except httpx.HTTPError as exc:
-                rec["error"] = type(exc).__name__
-            rec["dur"] = time.monotonic() - rec["start"]
-            run.records.append(rec)
-            if not rec["ok"]:
-                await asyncio.sleep(0.2)  # (a refused client backs off a little, as a real one would)
+    def events(self, event: str) -> list[dict]:
+        return [line for line in self.lines() if line.get("event") == event]
 
 
-async def watch(run: Run, gw: Gateway) -> None:
-    async with httpx.AsyncClient(timeout=2) as c:
-        while not run.stop:
-            try:
-                r = await c.get(f"{gw.url}/health")
-                h = r.json()
-                reps = {k: v for d in h["replicas"].values() for k, v in d.items()}
-                audit = h.get("audit", {})
-                run.health.append((time.monotonic(), r.status_code, reps.get(VICTIM, {}).get("healthy", True),
-                                   reps.get(OTHER, {}).get("healthy", True), audit.get("state", "ok"),
-                                   int(audit.get("spool_rows", 0))))
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            await asyncio.sleep(0.05)
-
-
-def first(health: list, after: float, cond) -> float | None:  # noqa: ANN001
-    return next((round(h[0] - after, 3) for h in health if h[0] >= after and cond(h)), None)
-
-
-async def freeze_phase(run: Run, gw: Gateway, a) -> dict:  # noqa: ANN001
-    pid = gw.engine_pid(VICTIM)
-    os.kill(pid, signal.SIGSTOP)
-    frozen = time.monotonic()
-    try:
-        await asyncio.sleep(a.freeze)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    resumed = time.monotonic()
+async def freeze_phase(run: Load, gw: Gateway, a) -> dict:  # noqa: ANN001
+    frozen, resumed = await freeze(gw.engine_pid(VICTIM), a.freeze)
     await asyncio.sleep(a.gap)
+    normal = run.normal_s(frozen - 1)
     base = [r["dur"] for r in run.records if r["start"] < frozen - 1 and r["ok"]]
-    normal = statistics.median(base) if base else 0.0
     during = [r for r in run.records if frozen <= r["start"] < resumed]
     overlapping = [r for r in run.records if r["start"] < resumed and r["start"] + r["dur"] > frozen]
     late_ids = {r["rid"] for r in during if r["start"] > frozen + a.stall_timeout + 0.5}
     received = set(re.findall(r"request (c\d+-\d+) queued", gw.engine_log(VICTIM)))
     return {
         "freeze_s": a.freeze, "stall_timeout_s": a.stall_timeout,
-        "time_to_eject_s": first(run.health, frozen, lambda h: not h[2]),
-        "time_to_recover_s": first(run.health, resumed, lambda h: h[2]),
+        "time_to_eject_s": first(run.health, frozen, lambda h: not healthy(VICTIM)(h)),
+        "time_to_recover_s": first(run.health, resumed, healthy(VICTIM)),
         "ejections_logged": sum(e.get("reason") == "stalled" and e.get("replica") == VICTIM
                                 for e in gw.events("replica_ejected")),
         "sent_during_freeze": len(during), "succeeded_during_freeze": sum(r["ok"] for r in during),
@@ -180,7 +117,7 @@ async def freeze_phase(run: Run, gw: Gateway, a) -> dict:  # noqa: ANN001
     }
 
 
-async def disk_phase(run: Run, gw: Gateway, a, mnt: Path) -> dict:  # noqa: ANN001
+async def disk_phase(run: Load, gw: Gateway, a, mnt: Path) -> dict:  # noqa: ANN001
     filler = mnt / "filler"
 
     def fill() -> None:
@@ -192,8 +129,9 @@ async def disk_phase(run: Run, gw: Gateway, a, mnt: Path) -> dict:  # noqa: ANN0
                 except OSError:
                     pass
 
-    t_fail = time.monotonic()
+    t_fail, wall_fail = time.monotonic(), time.time()
     await asyncio.to_thread(fill)
+    filled = time.monotonic() - t_fail
     await asyncio.sleep(a.disk_full)
     t_repair = time.monotonic()
     filler.unlink()
@@ -201,50 +139,35 @@ async def disk_phase(run: Run, gw: Gateway, a, mnt: Path) -> dict:  # noqa: ANN0
     while time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         last = run.health[-1] if run.health else None
-        if last and last[0] > t_repair + 0.5 and last[4] == "ok" and last[5] == 0:
+        if last and last["t"] > t_repair + 0.5 and last["audit"] == "ok" and last["spool"] == 0:
             break
-    spool = [h[5] for h in run.health if t_fail <= h[0]]
+    spool = [h["spool"] for h in run.health if t_fail <= h["t"]]
     metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
     counts = {k: int(float(m.group(1))) for k in ("spooled", "dropped")
               if (m := re.search(rf"^tokenpath:audit_rows_{k}_total (\S+)$", metrics, re.M))}
-    return {"disk_full_s": a.disk_full, "time_to_degraded_s": first(run.health, t_fail, lambda h: h[4] != "ok"),
+    # When the first write failed: SQLite commits into the WAL's already allocated pages while it
+    # can, so on a full disk writes go on succeeding (durably) for a while (README, "The audit log loses nothing").
+    failed = next((t - wall_fail for line in gw.lines()
+                   if str(line.get("msg")).startswith("audit store cannot be written")
+                   and (t := dt.datetime.fromisoformat(line["time"]).timestamp()) >= wall_fail), None)
+    return {"disk_full_s": a.disk_full, "fill_s": round(filled, 3),
+            "first_failed_write_s": None if failed is None else round(failed, 3),
+            "time_to_degraded_s": first(run.health, t_fail, lambda h: h["audit"] != "ok"),
             "max_spool_rows": max(spool, default=0), "rows_spooled_total": counts.get("spooled"),
             "rows_dropped_total": counts.get("dropped"),
-            "drained_after_repair_s": first(run.health, t_repair + 0.5, lambda h: h[4] == "ok" and h[5] == 0)}
+            "drained_after_repair_s": first(run.health, t_repair + 0.5,
+                                            lambda h: h["audit"] == "ok" and h["spool"] == 0)}
 
 
-def _garbage(port: int) -> None:
-    chunk = b"\xa5" * (1 << 20)
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            s.sendall(struct.pack(">I", BIG))
-            for _ in range(BIG // len(chunk)):
-                s.sendall(chunk)
-    except OSError:
-        pass  # refused and closed under us: what should happen
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-async def port_phase(run: Run, gw: Gateway) -> dict:
+async def port_phase(run: Load, gw: Gateway) -> dict:
     import psutil
 
     pid = gw.engine_pid(OTHER)
     port = next(c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN)
-    before, peak = rss_kib(pid), 0
-    threads = [threading.Thread(target=_garbage, args=(port,), daemon=True) for _ in range(8)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, rss_kib(pid))
-        await asyncio.sleep(0.05)
     served = len(run.records)
+    growth = await hello_flood(pid, port)
     await asyncio.sleep(3)
-    return {"engine_rss_growth_mib": round((peak - before) / 1024, 1),
-            "requests_served_meanwhile": len(run.records) - served}
+    return {"engine_rss_growth_mib": growth, "requests_served_meanwhile": len(run.records) - served}
 
 
 async def browser_phase(gw: Gateway) -> dict:
@@ -258,7 +181,7 @@ async def browser_phase(gw: Gateway) -> dict:
             "dashboard_csp": bool(dash.headers.get("content-security-policy"))}
 
 
-async def crash_phase(run: Run, gw: Gateway, a) -> dict:  # noqa: ANN001
+async def crash_phase(run: Load, gw: Gateway, a) -> dict:  # noqa: ANN001
     assert gw.proc is not None
     killed = time.monotonic()
     gw.proc.kill()  # SIGKILL: no drain, no row closed by this process
@@ -272,10 +195,9 @@ async def crash_phase(run: Run, gw: Gateway, a) -> dict:  # noqa: ANN001
 
 
 async def drive(a, gw: Gateway, mnt: Path) -> dict:  # noqa: ANN001
-    run = Run()
+    run = Load(lambda: gw.url)
     model = httpx.get(f"{gw.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    tasks = [asyncio.create_task(client_loop(run, gw, i, model)) for i in range(a.clients)]
-    tasks.append(asyncio.create_task(watch(run, gw)))
+    tasks = run.start(model, a.clients)
     out: dict = {}
     try:
         await asyncio.sleep(a.warm)
@@ -354,7 +276,9 @@ def write(res: dict, name: str) -> None:
         f"(p99 {f['normal_p99_s']} s) |",
         f"| | >= 99% of those sent during it succeed | {f['succeeded_during_freeze']}/{f['sent_during_freeze']} "
         f"({100 * f['success_during_freeze']:.1f}%); {f['lost_overlapping_freeze']} failed of all that overlapped it |",
-        f"| store's disk full {d['disk_full_s']:g} s | `/health` degraded within 1 s | {d['time_to_degraded_s']} s |",
+        f"| store's disk full {d['disk_full_s']:g} s | `/health` degraded within 1 s | {d['time_to_degraded_s']} s "
+        f"after the filling began (filled in {d.get('fill_s')} s; the first write failed at "
+        f"{d.get('first_failed_write_s')} s: until then SQLite commits into the WAL's allocated pages) |",
         f"| | 0 rows lost | {d['rows_spooled_total']} spooled (at most {d['max_spool_rows']} at once), "
         f"{d['rows_dropped_total']} dropped, drained {d['drained_after_repair_s']} s after the repair |",
         f"| 8 x 63 MiB before the hello, engine-1's port | RSS < 10 MiB more | +{p['engine_rss_growth_mib']} MiB; "

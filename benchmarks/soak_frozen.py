@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,80 +27,36 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fault_load import Load, first, freeze, healthy, pct  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
-
-
-async def client_loop(c: httpx.AsyncClient, model: str, i: int, stop: float, log: list) -> None:
-    n = 0
-    while time.monotonic() < stop:
-        n += 1
-        stream = n % 2 == 0
-        body = {"model": model, "messages": [{"role": "user", "content": f"Client {i} request {n}: say hi."}],
-                "max_tokens": 16, "temperature": 0, "stream": stream}
-        start = time.monotonic()
-        ok = False
-        try:
-            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                text = (await r.aread()).decode()
-                ok = r.status_code == 200 and (not stream or ('"error"' not in text and "[DONE]" in text))
-        except httpx.HTTPError:
-            pass
-        log.append((start, time.monotonic() - start, ok))
-
-
-async def watch_health(url: str, victim: str, stop: float, out: list) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=5) as c:
-        while time.monotonic() < stop:
-            try:
-                h = (await c.get("/health")).json()
-                healthy = all(r.get(victim, {}).get("healthy", True) for r in h["replicas"].values())
-                out.append((time.monotonic(), healthy))
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            await asyncio.sleep(0.05)
-
-
 async def drive(args: argparse.Namespace, url: str, victim_pid: int, victim: str) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=args.freeze + 120) as c:
-        model = (await c.get("/v1/models")).json()["data"][0]["id"]
-        t0 = time.monotonic()
-        stop = t0 + args.before + args.freeze + args.after
-        log: list = []
-        health: list = []
-        tasks = [asyncio.create_task(client_loop(c, model, i, stop, log)) for i in range(args.concurrency)]
-        tasks.append(asyncio.create_task(watch_health(url, victim, stop + 5, health)))
-        await asyncio.sleep(args.before)
-        os.kill(victim_pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        try:
-            await asyncio.sleep(args.freeze)
-        finally:
-            os.kill(victim_pid, signal.SIGCONT)
-        resumed = time.monotonic()
-        await asyncio.gather(*tasks)
-    ejected = next((t for t, ok in health if t > frozen and not ok), None)
-    recovered = next((t for t, ok in health if t > resumed and ok), None)
-    base = [d for s, d, ok in log if s < frozen and ok]
-    during = [(d, ok) for s, d, ok in log if frozen <= s < resumed]
-    normal = statistics.median(base) if base else 0.0
+    load = Load(lambda: url)
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    tasks = load.start(model, args.concurrency)
+    await asyncio.sleep(args.before)
+    frozen, resumed = await freeze(victim_pid, args.freeze)
+    await asyncio.sleep(args.after)
+    load.stop = True
+    await asyncio.gather(*tasks)
+    log = load.records
+    base = [r["dur"] for r in log if r["start"] < frozen and r["ok"]]
+    during = [r for r in log if frozen <= r["start"] < resumed]
+    normal = load.normal_s(frozen)
     return {
-        "requests": len(log), "succeeded": sum(ok for *_, ok in log), "lost": sum(not ok for *_, ok in log),
-        "sent_during_freeze": len(during), "succeeded_during_freeze": sum(ok for _, ok in during),
-        "success_during_freeze": round(sum(ok for _, ok in during) / max(1, len(during)), 4),
-        "time_to_eject_s": round(ejected - frozen, 3) if ejected else None,
-        "time_to_recover_s": round(recovered - resumed, 3) if recovered else None,
+        "requests": len(log), "succeeded": sum(r["ok"] for r in log), "lost": sum(not r["ok"] for r in log),
+        "sent_during_freeze": len(during), "succeeded_during_freeze": sum(r["ok"] for r in during),
+        "success_during_freeze": round(sum(r["ok"] for r in during) / max(1, len(during)), 4),
+        "time_to_eject_s": first(load.health, frozen, lambda h: not healthy(victim)(h)),
+        "time_to_recover_s": first(load.health, resumed, healthy(victim)),
         "latency_before_s": {"p50": pct(base, 0.5), "p99": pct(base, 0.99), "max": pct(base, 1.0)},
-        "latency_during_s": {"p50": pct([d for d, _ in during], 0.5), "p99": pct([d for d, _ in during], 0.99),
-                             "max": pct([d for d, _ in during], 1.0)},
-        "worst_over_normal_s": round(max((d for d, _ in during), default=0.0) - normal, 3),
+        "latency_during_s": {"p50": pct([r["dur"] for r in during], 0.5), "p99": pct([r["dur"] for r in during], 0.99),
+                             "max": pct([r["dur"] for r in during], 1.0)},
+        "worst_over_normal_s": round(max((r["dur"] for r in during), default=0.0) - normal, 3),
     }
 
 

@@ -1,10 +1,14 @@
-"""A real `tokenpath serve` whose in-process engine can be made to hang in a step (test double).
+"""A real `tokenpath serve` or `tokenpath engine` whose engine can be made to hang in a step (test double).
 
-Run as `python <this file> serve ...`: the real entry point with every flag, but each engine's
-`runner.execute` is first wrapped so that, while the file `$FROZEN_STEP_DIR/freeze` exists, the
-next step blocks (the step thread waits, as in a native call that never returns) until the file
-`$FROZEN_STEP_DIR/thaw` appears. The hook lives only here: nothing in the package can trigger it.
-Each hang prints `FROZEN` and `THAWED` lines to the server's output, where a test can wait for them.
+Run as `python <this file> serve ...` (the in-process engine), or as a routing file's
+`engine_command: [python, <this file>, engine]` (engine processes, which inherit the gateway's
+environment): the real entry point with every flag, but each engine's `runner.execute` is first
+wrapped so that, while the file `$FROZEN_STEP_DIR/freeze` (any engine) or
+`$FROZEN_STEP_DIR/freeze.<pid>` (the engine of that process only) exists, the next step blocks
+(the step thread waits, as in a native call that never returns, while the process's event loop
+runs on) until the file `$FROZEN_STEP_DIR/thaw` appears. The hook lives only here: nothing in the
+package can trigger it. Each hang prints `FROZEN` and `THAWED` lines to the process's output (for
+an engine process, its log under the gateway's data dir), where a test can wait for them.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ class Hang:
     """Wraps `runner.execute`: blocks the step thread while the freeze file exists, until thawed."""
 
     def __init__(self, execute, control: Path) -> None:  # noqa: ANN001 - the runner's bound method
-        self.execute, self.freeze, self.thaw = execute, control / "freeze", control / "thaw"
+        self.execute, self.thaw = execute, control / "thaw"
+        self.freezes = (control / "freeze", control / f"freeze.{os.getpid()}")
 
     def __call__(self, scheduled):  # noqa: ANN001, ANN204 - whatever the runner takes and returns
-        if self.freeze.exists():
-            self.freeze.unlink()
+        if armed := next((f for f in self.freezes if f.exists()), None):
+            armed.unlink()
             print(f"{FROZEN} ({len(scheduled)} sequence(s))", flush=True)
             while not self.thaw.exists():
                 time.sleep(0.02)

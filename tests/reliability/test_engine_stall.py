@@ -1,5 +1,6 @@
-"""A frozen engine holds no request hostage (issue 23): `tokenpath serve --replicas 2` with a tiny
-model, one engine process SIGSTOPped for a few seconds under traffic, with a 3 s stall bound.
+"""A frozen engine holds no request hostage (issue 23): `tokenpath serve` with two engine processes
+of a tiny model (a routing file's `local: 2`), one SIGSTOPped for a few seconds under traffic,
+with a 3 s stall bound.
 
 Checked, each against the real processes: the frozen engine is ejected and logged
 (`replica_ejected`, reason `stalled`) within the bound; no request is routed to it after the bound;
@@ -7,13 +8,19 @@ its in-flight requests that had sent no token are retried on the other engine (s
 the retry on the audit row's timing) and succeed within a few seconds of normal; the stream that
 was already running ends with an SSE error event then `[DONE]`, and a non-streaming one already
 generating gets a 503 with Retry-After; the engine, once continued, is told to abort them, is
-recovered within moments and takes traffic again. Then shutdown with an engine frozen: the
-gateway exits within `--shutdown-timeout` plus 2 s.
+recovered within moments and takes traffic again.
+
+Then the same with only its step thread hung (a stuck kernel, a deadlock), its process and so its
+link alive: each engine is started through `tests/reliability/frozen_step_server.py` (the real
+`tokenpath engine`, whose step a test can block: `freeze.<pid>`; it behaves as the plain one
+otherwise). Its state pushes say how long the step has run (`EngineState.step_age_s`), so it is
+ejected for its step (`cause: step`), not for silence, with the same consequences, and recovered
+when the step returns. Last, shutdown with an engine frozen: the gateway exits within
+`--shutdown-timeout` plus 2 s.
 
 Routing is by session (`session_affinity`), so each request's replica is known in advance without
 reading the gateway's internals: the rendezvous hash is the router's own.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -21,15 +28,18 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.api.conftest import Server, start_server
 from tests.engine.tiny_models import save_tiny
+from tests.reliability import frozen_step_server
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.routing.replicas import _hrw
 
@@ -45,18 +55,31 @@ def session_for(replica: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
+def control(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a test asks an engine process to block its next step (`frozen_step_server`)."""
+    return tmp_path_factory.mktemp("control")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, control: Path):
     tmp = tmp_path_factory.mktemp("stall")
     model = save_tiny("llama", tmp / "tiny", max_position_embeddings=4096)
-    srv = start_server(tmp, "--model", str(model), "--replicas", "2", "--routing-policy", "session_affinity",
-                       "--stall-timeout", str(STALL_S), "--shutdown-timeout", str(SHUTDOWN_S),
-                       "--max-model-len", "4096", "--log-format", "json")
+    routing = tmp / "routing.yaml"
+    routing.write_text(yaml.safe_dump({"deployments": [{
+        "name": "tiny-stall", "model": str(model), "policy": "session_affinity",
+        "replicas": [{"local": 2, "engine": {"max_model_len": 4096},
+                      "engine_command": [sys.executable, frozen_step_server.__file__, "engine"]}],
+    }]}))
+    srv = start_server(tmp, "--model", str(model), "--routing", str(routing), "--stall-timeout", str(STALL_S),
+                       "--shutdown-timeout", str(SHUTDOWN_S), "--log-format", "json",
+                       env={**os.environ, "FROZEN_STEP_DIR": str(control)})
     log_dir = tmp / "data" / "logs" / "engines"
     pids = {p.stem: int(re.findall(r"started \(pid (\d+)\)", p.read_text())[-1]) for p in log_dir.glob("*.log")}
     name = httpx.get(srv.base_url + "/models", timeout=30).json()["data"][0]["id"]
     try:
         yield srv, pids, log_dir, name
     finally:
+        (control / "thaw").touch()  # never leave a step thread blocked
         for pid in pids.values():  # never leave an engine stopped
             with_signal(pid, signal.SIGCONT)
         if srv.proc.poll() is None:
@@ -182,7 +205,7 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
 
     # Ejected within the bound (plus a tick), logged once with its reason.
     ejected = [e for e in gateway_events(srv, "replica_ejected") if e.get("replica") == VICTIM]
-    assert len(ejected) == 1 and ejected[0]["reason"] == "stalled", ejected
+    assert len(ejected) == 1 and ejected[0]["reason"] == "stalled" and ejected[0]["cause"] == "silent", ejected
     assert ejected[0]["inflight"] >= 2
     assert not health["replicas"][name][VICTIM]["healthy"] and health["status"] == "degraded", health
     # The stream that was running: an SSE error event, then [DONE], soon after the bound.
@@ -223,6 +246,80 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
     print(f"normal {normal:.2f}s; retried requests {max(c.took for c in early):.2f}s; "
           f"stream cut {streaming.lines[-1][0] - frozen:.2f}s after the freeze; recovered {recovered:.2f}s "
           f"after SIGCONT ({time.monotonic() - resumed:.2f}s to traffic)")
+
+
+def hang(log_dir: Path, control: Path, pid: int) -> float:
+    """Block the next step of engine process `pid` (`frozen_step_server`); returns once it is blocked."""
+    log = log_dir / f"{VICTIM}.log"
+    seen = log.read_text().count(frozen_step_server.FROZEN)
+    (control / f"freeze.{pid}").touch()
+    wait_until(lambda: log.read_text().count(frozen_step_server.FROZEN) > seen, 30, "the step never blocked")
+    return time.monotonic()
+
+
+def test_a_hung_step_in_a_live_engine_process_is_ejected_its_requests_released_and_it_recovers(stack, control):
+    srv, pids, log_dir, name = stack
+    on_victim, on_other = session_for(VICTIM), session_for(OTHER)
+    warm = [Call(srv, body(name, 8), f"h-warm-{i}", s) for i, s in enumerate((on_victim, on_other))]
+    for c in warm:
+        c.start()
+        c.join()
+        assert c.status == 200, c.text
+    normal = max(c.took for c in warm)
+    streaming = Call(srv, body(name, 3500, stream=True), "h-stream", on_victim)
+    streaming.start()
+    wait_until(lambda: len(streaming.lines) >= 3, 60, "the long stream never started")
+    hung = hang(log_dir, control, pids[VICTIM])
+    try:
+        # Sent into the hung engine before the bound: no token yet, so retried on the other engine.
+        waiting = [Call(srv, body(name, 8), f"h-waiting-{i}", on_victim) for i in range(2)]
+        for c in waiting:
+            c.start()
+        for c in (streaming, *waiting):
+            c.join(timeout=STALL_S + 20)
+            assert not c.is_alive(), f"{c.rid} still waiting {time.monotonic() - hung:.1f}s after the hang"
+        health = httpx.get(srv.url + "/health", timeout=10).json()
+        late = Call(srv, body(name, 8), "h-late", on_victim)  # past the bound: to the other, at once
+        late.start()
+        late.join(30)
+        still_hung = frozen_step_server.THAWED not in (log_dir / f"{VICTIM}.log").read_text()
+    finally:
+        (control / "thaw").touch()
+    assert still_hung, "the step returned before the checks ran: they proved nothing"
+
+    # Ejected once, for its step: its link kept talking (state pushes), so not for silence.
+    ejected = [e for e in gateway_events(srv, "replica_ejected") if e.get("cause") == "step"]
+    assert [(e["replica"], e["reason"]) for e in ejected] == [(VICTIM, "stalled")], ejected
+    assert STALL_S <= ejected[0]["silent_s"] < STALL_S + 3 and ejected[0]["inflight"] >= 2, ejected
+    victim = health["replicas"][name][VICTIM]
+    assert health["status"] == "degraded" and not victim["healthy"], health
+    assert "one step of the engine has run" in victim["detail"], victim
+    # The stream it was generating: an SSE error event naming the stall, then [DONE], soon after the bound.
+    assert '"error"' in streaming.lines[-2][1] and "replica_stalled" in streaming.lines[-2][1], streaming.lines[-3:]
+    assert streaming.lines[-1][1] == "data: [DONE]" and streaming.lines[-1][0] - hung < STALL_S + 3
+    # Sent into the hung engine: retried on the other (same id, on the audit row), within 5 s of normal.
+    for c in waiting:
+        assert c.status == 200 and c.took < normal + STALL_S + 5, (c.rid, c.status, c.took, c.text)
+        assert queued_in(log_dir, OTHER, c.rid)
+        timing = audit_timing(srv, c.rid)
+        assert timing["retried_after"] == VICTIM and timing["replica"] == OTHER, timing
+    # After the bound: served by the other at once.
+    assert late.status == 200 and late.took < normal + 5, (late.status, late.took, late.text)
+    assert queued_in(log_dir, OTHER, "h-late") and not queued_in(log_dir, VICTIM, "h-late")
+
+    # The step returns: recovered (logged), its released stream aborted, serving again.
+    thawed = time.monotonic()
+    wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok", 10,
+               "the engine never recovered")
+    recovered = time.monotonic() - thawed
+    assert sum(e.get("replica") == VICTIM for e in gateway_events(srv, "replica_recovered")) == 2  # (and the freeze's)
+    assert "request h-stream aborted by the gateway" in (log_dir / f"{VICTIM}.log").read_text()
+    back = Call(srv, body(name, 8), "h-back", on_victim)
+    back.start()
+    back.join(60)
+    assert back.status == 200 and queued_in(log_dir, VICTIM, "h-back"), (back.status, back.text)
+    print(f"normal {normal:.2f}s; stream cut {streaming.lines[-1][0] - hung:.2f}s after the hang; retried "
+          f"requests {max(c.took for c in waiting):.2f}s; recovered {recovered:.2f}s after the step returned")
 
 
 def test_shutdown_with_a_frozen_engine_exits_within_the_timeout(stack):

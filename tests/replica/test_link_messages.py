@@ -29,6 +29,7 @@ from tokenpath.protocol.link import (
     Pong,
     Reset,
     ResetDone,
+    StallBound,
     Welcome,
 )
 from tokenpath.protocol.wire import FIELD_MESSAGES, FrameError, decode, encode, frame
@@ -38,7 +39,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
 
 MESSAGES = [
     Hello("s3cret"), Welcome(12.5, LinkInfo("m", 4096, 16, 100, 8, 42, "embedding", 384)), Denied("no"),
-    Ping(3), Pong(3, 1.25), Reset(4), ResetDone(4, 17), Abort("r1"),
+    Ping(3), Pong(3, 1.25), Reset(4), ResetDone(4, 17), Abort("r1"), StallBound(2.5),
     LinkError("r1", 400, "bad", "invalid_request_error", "top_p", "c", "SamplingParamsError"),
     EngineState(2, 3, 0.5, 100, 16, 10, 4, 1, 99, 7, True, 12, {"time": [[1, 2], 0.5]}),
 ]
@@ -53,6 +54,15 @@ def over_the_wire(msg: object) -> object:
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
     assert over_the_wire(msg) == msg
+
+
+def test_the_step_threads_liveness_fields_cross_the_link():
+    """Not compared by `==` (they move with the clock), so checked one by one."""
+    back = over_the_wire(EngineState(running=1, step_age_s=3.25, step_allowance_s=0.5))
+    assert (back.step_age_s, back.step_allowance_s) == (3.25, 0.5)
+    idle = over_the_wire(EngineState(step_age_s=0.0, step_allowance_s=None))  # before a first step ended
+    assert (idle.step_age_s, idle.step_allowance_s) == (0.0, None)
+    assert over_the_wire(EngineState()).step_age_s is None  # an engine that does not report its step loop
 
 
 def test_every_field_message_is_covered_here():

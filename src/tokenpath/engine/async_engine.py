@@ -8,15 +8,16 @@ before the next step, and its blocks are free by then. A step's outputs cross ba
 each request's sink: its asyncio queue (`generate`), or a callback (`submit`, for the engine link,
 which serves every request of a step from one place instead of one task per request).
 
-Whoever watches the engine's liveness (`replica.liveness`, through `replica.local`) reads `beat`:
-when the step thread last came round its loop (each step, and at least once a second when idle).
-A step that never returns (a native call stuck, a lock never released) leaves it behind while the
-event loop stays free (the kernels and torch release the GIL), so a hung step is noticed and its
-requests released instead of waiting for as long as it hangs. `step_allowance_s` is how long a
-normal step of this engine may take, for the step running now: the longest step so far, or its
-tokens at the costliest per-token price of a big step (>= `BIG_STEP_TOKENS`; before one, the first
-step's, which pays one-time setup too and so errs long), so a big model's long prefill chunk is
-not taken for a hang.
+Whoever watches the engine's liveness (`replica.liveness`: through `replica.local` in this
+process, from each state push over the engine link otherwise) reads `step_beat()`: how long the
+step thread has been in its current turn of the loop (`beat`: when the turn began; 0 while it
+waits for work). A step that never returns (a native call stuck, a lock never released) leaves it
+growing while the event loop stays free (the kernels and torch release the GIL), so a hung step
+is noticed and its requests released instead of waiting for as long as it hangs.
+`step_allowance_s` is how long a normal step of this engine may take, for the step running now:
+the longest step so far, or its tokens at the costliest per-token price of a big step
+(>= `BIG_STEP_TOKENS`; before one, the first step's, which pays one-time setup too and so errs
+long), so a big model's long prefill chunk is not taken for a hang.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.beat = time.monotonic()  # the step thread's last turn of its loop (see the module doc)
+        self.idle = True  # the step thread waits for work (no step runs, none can hang)
         # Of steps that ended within `step_ceiling_s`: the first one's price per token, then the
         # longest step and the costliest token of a big step among the later ones.
         self.first_step_s_per_token = 0.0
@@ -150,6 +152,13 @@ class AsyncEngine:
         price = self.step_s_per_token or self.first_step_s_per_token
         return max(self.longest_step_s, price * self.core.step_tokens)
 
+    def step_beat(self, now: float | None = None) -> tuple[float, float | None]:
+        """For the engine's watcher: how long the step thread has been in its current turn of the
+        loop (0 while it waits for work), and `step_allowance_s` (None before a first step has
+        ended: that one pays one-time setup, and there is no price yet)."""
+        age = 0.0 if self.idle else max(0.0, (time.monotonic() if now is None else now) - self.beat)
+        return age, self.step_allowance_s() if self.first_step_s_per_token else None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's /reset_prefix_cache); blocks forgotten. Safe from the
         loop while the step thread runs (see `BlockManager.reset_prefix_cache`)."""
@@ -158,6 +167,7 @@ class AsyncEngine:
     def state(self) -> EngineState:
         state = self.core.state()
         state.healthy = self.healthy
+        state.step_age_s, state.step_allowance_s = self.step_beat()
         return state
 
     # ------------------------------------------------------------ the loop thread
@@ -172,6 +182,7 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self.beat = started = time.monotonic()
+                self.idle = False
                 self._drain_inbox()
                 if self.core.has_work():
                     outs = self.core.step()
@@ -189,9 +200,11 @@ class AsyncEngine:
                         rid, exc = self.core.rejected.pop()
                         self._deliver(rid, exc)
                     if not self.core.last_scheduled:  # only requests waiting for an adapter: no spinning
+                        self.idle = True
                         self._wake.wait(timeout=0.05)
                         self._wake.clear()
                 else:
+                    self.idle = True
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
         except BaseException as exc:  # the engine is dead: fail every request, loudly

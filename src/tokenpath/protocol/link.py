@@ -6,8 +6,8 @@ The link carries these beside the request path's types, which cross it as they a
 frame is one of these classes, built and read through `protocol.wire` (the one codec); no end
 of the link writes a frame as a dict of its own.
 
-Gateway -> engine: `Hello` (first, with the launch secret), `Ping`, `Reset`, `Abort`, and the
-requests. Engine -> gateway: `Welcome` (with `LinkInfo`) or `Denied`, `Pong`, `ResetDone`,
+Gateway -> engine: `Hello` (first, with the launch secret), `Ping`, `Reset`, `Abort`,
+`StallBound`, and the requests. Engine -> gateway: `Welcome` (with `LinkInfo`) or `Denied`, `Pong`, `ResetDone`,
 `LinkError`, and the outputs and state.
 """
 
@@ -76,6 +76,16 @@ class ResetDone:
 @dataclass
 class Abort:
     id: str  # the request's id
+
+
+@dataclass
+class StallBound:
+    """The gateway's stall bound (`--stall-timeout`), sent once it is known: a step that runs past
+    the bound it judges by (`replica.liveness.hang_bound`) is not counted into what a normal step
+    of the engine takes (`AsyncEngine.step_ceiling_s`), as in the gateway's own process, so one
+    hang that ended does not stretch the bound for every later one."""
+
+    stall_after_s: float
 
 
 @dataclass

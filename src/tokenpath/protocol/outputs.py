@@ -147,6 +147,16 @@ class EngineState:
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
     max_loras: int = 0
+    # The step thread, for the replica's liveness (`replica.liveness`: one rule in the gateway for
+    # an engine in its process and one behind the link): how long it had been in its current step
+    # when this state was taken (0 while it waits for work), and how long a normal step of this
+    # engine may take (`AsyncEngine.step_beat`; None before its first step has ended). A step
+    # thread can hang (a stuck kernel, a deadlock) while the process, and so its link, lives on.
+    # `step_age_s` None: not reported (an embedding engine; an engine of an older version).
+    # Not compared: a state is pushed when it changed, and these move with the clock (the
+    # heartbeat carries them).
+    step_age_s: float | None = field(default=None, compare=False)
+    step_allowance_s: float | None = field(default=None, compare=False)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

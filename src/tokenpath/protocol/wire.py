@@ -37,6 +37,7 @@ from tokenpath.protocol.link import (
     Pong,
     Reset,
     ResetDone,
+    StallBound,
     Welcome,
 )
 from tokenpath.protocol.lora import LoraRef
@@ -251,7 +252,7 @@ def decode_embedding_output(d: dict) -> EmbeddingOutput:
 # The messages encoded field by field, by frame type.
 FIELD_MESSAGES: dict[str, type] = {
     "hello": Hello, "welcome": Welcome, "denied": Denied, "ping": Ping, "pong": Pong, "reset": Reset,
-    "reset_done": ResetDone, "abort": Abort, "err": LinkError, "state": EngineState,
+    "reset_done": ResetDone, "abort": Abort, "err": LinkError, "state": EngineState, "stall_bound": StallBound,
 }
 _TAGS = {cls: tag for tag, cls in FIELD_MESSAGES.items()}
 _NESTED = {LinkInfo}  # message classes that appear as a field of another

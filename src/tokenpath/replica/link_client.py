@@ -13,9 +13,11 @@ half that round trip (tens of microseconds on loopback). Engine event times are 
 receipt, and `replica.events.stamp_events` clamps them into what the gateway saw.
 
 Health: unhealthy the moment the link closes (a dead or killed engine: at once), or when nothing
-has arrived for the stall bound (an engine that is alive but frozen or wedged): then
-`replica.liveness` ejects it and releases its in-flight requests (retried elsewhere before their
-first token, a clean 503 after). The bound (`STALE_AFTER_S` by default) is not tighter on purpose:
+has arrived for the stall bound (an engine that is alive but frozen or wedged), or when its state
+pushes say one step has been running past the hang bound (a step thread stuck while the process's
+event loop, and so the link, lives on: `EngineState.step_age_s`, judged by the same rule as an
+in-process engine's). Then `replica.liveness` ejects it and releases its in-flight requests
+(retried elsewhere before their first token, a clean 503 after). The bound (`STALE_AFTER_S` by default) is not tighter on purpose:
 on a busy machine a push, or the gateway's own reading of it, can lag by over a second, and a 1 s
 limit then turned every replica "unhealthy" together and answered 503 no_healthy_replica (seen in
 the soak, benchmarks/results/soak_before.md).
@@ -34,7 +36,18 @@ from typing import Any
 from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
 from tokenpath.protocol import EmbeddingOutput, EngineState, GenerateRequest, ReplicaState, RequestOutput
-from tokenpath.protocol.link import Abort, Hello, LinkError, LinkInfo, Ping, Pong, Reset, ResetDone, Welcome
+from tokenpath.protocol.link import (
+    Abort,
+    Hello,
+    LinkError,
+    LinkInfo,
+    Ping,
+    Pong,
+    Reset,
+    ResetDone,
+    StallBound,
+    Welcome,
+)
 from tokenpath.protocol.wire import FrameError, FrameReader, decode, decode_output, frame, read_frame
 from tokenpath.replica.liveness import STALL_AFTER_S, Liveness, LivenessConfig, Progress
 
@@ -78,6 +91,7 @@ class EngineLinkReplica:
         self._state = EngineState()  # the engine's last state message
         self.liveness = Liveness(name, liveness)  # stall and per-request progress bounds
         self.liveness.active = False  # (judged while linked)
+        self._bound_sent = 0.0  # the stall bound the engine was last told (`StallBound`)
         self._down_reason: str | None = "not connected yet"
 
     # -- connection ------------------------------------------------------------------------------
@@ -97,6 +111,8 @@ class EngineLinkReplica:
         if self._reader_task is not None:
             self._reader_task.cancel()
         self._writer = writer
+        self._bound_sent = 0.0  # (a new engine: tell it with its first state)
+        self.liveness.forget_steps()  # (those of the engine before a restart say nothing of this one)
         self._reader_task = asyncio.create_task(self._read(reader, writer))
         await self._sync_clock()
         self._down_reason = None
@@ -147,6 +163,12 @@ class EngineLinkReplica:
         m = decode(msg)
         if isinstance(m, EngineState):
             self._state = m
+            if m.step_age_s is not None:  # (an engine that reports its step loop)
+                self.liveness.stepped(self.liveness.heard_at - m.step_age_s, m.step_allowance_s)
+            if self._bound_sent != (bound := self.liveness.config.stall_after_s):
+                self._bound_sent = bound  # (the serve command sets it after the engines are linked)
+                with contextlib.suppress(TokenpathError):
+                    self._send(StallBound(bound))
         elif isinstance(m, EmbeddingOutput):
             entry = self._streams.get(m.request_id)
             if entry is not None:

@@ -16,14 +16,17 @@ The socket is bound to loopback by its launcher. With `exit_on_close`, the proce
 gateway's link closes, so an engine never outlives the gateway that started it.
 
 Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`), `Abort`,
-`Reset`. To it: `Welcome`, `Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's
-failure, as a typed error), `ResetDone`, and the `EngineState` (see `StatePush`); the messages
-are `protocol.link`'s, encoded by `protocol.wire`.
+`Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it: `Welcome`,
+`Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
+`ResetDone`, and the `EngineState` (see `StatePush`); the messages are `protocol.link`'s, encoded
+by `protocol.wire`.
 
 State: a changed state reaches the gateway within `STATE_INTERVAL_S`, an unchanged one is repeated
 every `STATE_HEARTBEAT_S` (liveness: the gateway marks an engine stalled after `--stall-timeout`,
-4 s). While the engine steps, the state rides in the same write as a step's outputs, so it
-costs neither process a wake-up of its own; an idle engine's timer wakes once per heartbeat, or
+4 s). Each state says how long the step thread has been in its current step (`step_age_s`), since
+the event loop that pushes it goes on while a step hangs (a stuck kernel, a deadlock): the gateway
+judges that by the same rule as for an engine in its own process (`replica.liveness`). While the
+engine steps, the state rides in the same write as a step's outputs, so it costs neither process a wake-up of its own; an idle engine's timer wakes once per heartbeat, or
 at once when a frame arrives. A push on a timer of its own, 10 a second whatever happened, woke both processes for it:
 measured 3.5 ms CPU/s in the engine and 2.0 ms/s in the gateway on an idle link (a bare 10 Hz
 asyncio timer alone costs 1.4 ms/s here), about as much CPU as framing every output of a
@@ -55,9 +58,11 @@ from tokenpath.protocol.link import (
     Pong,
     Reset,
     ResetDone,
+    StallBound,
     Welcome,
 )
 from tokenpath.protocol.wire import FrameError, decode, decode_request, frame, read_frame
+from tokenpath.replica.liveness import HEARD_EVERY_S, STALL_AFTER_S, hang_bound
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
 
 if TYPE_CHECKING:
@@ -66,7 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenpath.engine.link")
 
 STATE_INTERVAL_S = 0.1  # a changed state is pushed at most this long after the change
-STATE_HEARTBEAT_S = 1.0  # an unchanged one is repeated this often
+STATE_HEARTBEAT_S = HEARD_EVERY_S  # an unchanged one is repeated this often (what liveness counts on)
 HELLO_TIMEOUT_S = 5.0
 HELLO_MAX_BYTES = 4096  # a hello is a secret and a type: ~60 bytes
 REFUSAL_LOG_EVERY_S = 60.0
@@ -117,6 +122,7 @@ class LinkServer:
         self._refusals_logged = 0  # `refused` as of the last log line
         self._refusal_logged_at = float("-inf")
         self._server: asyncio.Server | None = None
+        self.stall_after_s = STALL_AFTER_S  # the gateway's, once it says (`StallBound`)
 
     async def start(self, sock: socket.socket) -> None:
         self._server = await asyncio.start_server(self._handle, sock=sock)
@@ -136,6 +142,8 @@ class LinkServer:
     def _state(self) -> EngineState:
         s = self.engine.state()  # (a new object per call: ours to fill)
         s.step_stats = self.engine.step_stats.snapshot()
+        # What the gateway will judge a hang by: no step past it counts as normal (as in process).
+        self.engine.step_ceiling_s = hang_bound(self.stall_after_s, s.step_allowance_s)
         return s
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -204,6 +212,8 @@ class LinkServer:
                 task.cancel()  # a subclass's request (an embedding batch member)
         elif isinstance(msg, Reset):  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
             outbox.send(ResetDone(msg.id, self.engine.reset_prefix_cache()))
+        elif isinstance(msg, StallBound) and isinstance(msg.stall_after_s, int | float) and msg.stall_after_s > 0:
+            self.stall_after_s = float(msg.stall_after_s)
 
     def _refused(self, peer: object) -> None:
         """Count a refused connection; log the first, then one line per interval with the count."""

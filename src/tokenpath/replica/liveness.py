@@ -9,15 +9,24 @@ waited for as long as it was frozen (150 s for a 150 s freeze, issue 23) while a
 sat idle. A stall is a commoner fault than a crash, and it must cost a client no more than a crash.
 
 `Liveness` runs one timer per replica (every `tick_s`; per output it costs one attribute store):
-- **The replica.** Nothing heard from it (a state push, an output, a pong; for an engine in this
-  process, no turn of its step thread's loop: `local.py`) for the bound (`stall_after_s`, or longer
-  for an engine whose normal steps are long: `slack_s`):
-  it is *stalled*. It is ejected at once (its `state()` says unhealthy, so no picker can choose it,
-  whatever its prefix score), logged once as `replica_ejected` with reason `stalled`, and counted.
-  Every request in flight on it is failed with `ReplicaStalledError`: the router retries those
-  that sent no token yet on another replica (same request id) and ends the others with a clean
-  503. Their streams close, so the engine is sent `abort` for each; the socket holds the frames
-  and a frozen engine reads them when it wakes. The first frame heard again recovers it.
+- **The replica.** It is *stalled* when either of two things is late:
+  - *its process*: nothing heard from it (a state push, an output, a pong) for `stall_after_s`
+    (a SIGSTOPped or paused process; an engine in this process is always heard: `local.py`);
+  - *its engine's step loop*, for engines that report it (`stepped`: the in-process engine, read
+    by `local.py`; engine processes and Ray actors, in each state push over the link,
+    `EngineState.step_age_s`): one turn of the loop (a step) running longer than `hang_bound`,
+    the stall bound or `STEP_SLACK` times what a normal step of that engine takes if longer
+    (`FIRST_STEP_S` before its first step has ended: that one pays one-time setup). This is a
+    stuck kernel or a deadlock in a process whose event loop, and so its link, still runs: on the
+    link alone it looked alive, and its requests waited for as long as the step hung.
+  One rule for every kind of replica, judged here and nowhere else. A stalled replica is ejected
+  at once (its `state()` says unhealthy, so no picker can choose it, whatever its prefix score),
+  logged once as `replica_ejected` with reason `stalled` (and `cause`: `silent` or `step`), and
+  counted. Every request in flight on it is failed with `ReplicaStalledError`: the router retries
+  those that sent no token yet on another replica (same request id) and ends the others with a
+  clean 503. Their streams close, so the engine is sent `abort` for each; the socket holds the
+  frames and a frozen engine (or a hung step loop) takes them when it wakes. It is recovered once
+  neither is late any more: the first frame heard again, the first state saying the step ended.
 - **Each request.** No first output within `first_token_s` of dispatch, or no next output within
   `next_token_s` of the last: `ProgressTimeoutError` for that request only (a request stuck in a
   live engine). The defaults are minutes, far past what a healthy engine takes.
@@ -50,6 +59,19 @@ FIRST_TOKEN_S = 600.0
 NEXT_TOKEN_S = 300.0
 LATE_TICK_S = 0.5  # a tick this late means the gateway itself was held up: judge on the next one
 MAX_TICK_S = 0.1  # detection latency past the bound: at most this (one timer wake per replica)
+HEARD_EVERY_S = 1.0  # a healthy engine process is heard at least this often (`link_server`'s heartbeat)
+STEP_SLACK = 3.0  # a step is hung past this many times the most a normal step takes (and the bound)
+FIRST_STEP_S = 30.0  # an engine's first step (one-time setup, no price per token yet) is hung only past this
+
+
+def hang_bound(stall_after_s: float, step_allowance_s: float | None) -> float:
+    """How long one step of an engine may run before it is hung: the stall bound, or `STEP_SLACK`
+    times what a normal step of that engine takes (`AsyncEngine.step_allowance_s`; None before its
+    first step has ended) if longer, so a big model's long prefill chunk is work, not a hang. The
+    engine counts no step longer than this into what is normal (`AsyncEngine.step_ceiling_s`), so
+    a hang that ended does not stretch the bound for every later one."""
+    slack = FIRST_STEP_S if step_allowance_s is None else STEP_SLACK * step_allowance_s
+    return max(stall_after_s, slack)
 
 
 @dataclass
@@ -88,14 +110,15 @@ class Liveness:
         self.config = config or LivenessConfig()
         self.deployment = ""  # for the log line and the metric; set by whoever builds the deployment
         # An engine that cannot push (one in this process) is read instead: `poll(self)` runs before
-        # every judgement and calls `heard` with when the engine last moved (`local.py`).
+        # every judgement and calls `heard` and `stepped` (`local.py`).
         self.poll = poll
-        # Silence this long is not a stall either, where it exceeds `stall_after_s`: an engine whose
-        # normal steps are long (a big model on a slow CPU: a 10 s prefill chunk is work, not a
-        # stall). Set from the engine's own record of its steps (`local.py`).
-        self.slack_s = 0.0
         self.heard_at = time.monotonic()
+        # The engine's step loop, where it is reported (`stepped`): when the step running now began
+        # (or when the loop was last seen waiting for work), and what a normal step of it may take.
+        self.step_at: float | None = None
+        self.step_allowance_s: float | None = None
         self.stalled_since: float | None = None
+        self.reason = ""  # why it was ejected, while it is
         self.requests: dict[str, Progress] = {}
         self.ejections = 0
         self.active = True  # judged only while True (a link replica: while linked; a closed link is not a stall)
@@ -103,25 +126,61 @@ class Liveness:
 
     # -- what the replica tells it ----------------------------------------------------------------
     def heard(self, now: float) -> None:
-        """Anything arrived from the engine (once per read, not per frame), or the engine was last
-        seen moving at `now` (a polled engine; a time no later than one already heard changes nothing)."""
+        """Anything arrived from the engine (once per read, not per frame; a time no later than one
+        already heard changes nothing)."""
         if now <= self.heard_at:
             return
         self.heard_at = now
-        if self.stalled_since is not None:
-            log.info("replica %s: recovered: the engine answers again after %.1fs stalled; taking traffic",
-                     self.name, now - self.stalled_since,
-                     extra={"event": "replica_recovered", "replica": self.name, "deployment": self.deployment,
-                            "reason": "stalled", "stalled_s": round(now - self.stalled_since, 3)})
-            self.stalled_since = None
+        self._recover(now)
+
+    def stepped(self, at: float, allowance_s: float | None) -> None:
+        """The engine's step loop, as its engine reports it: the step running now began at `at` (a
+        loop waiting for work reports the time it was seen waiting), and a normal step of it takes
+        up to `allowance_s` (None: no step has ended yet)."""
+        self.step_allowance_s = allowance_s
+        if self.step_at is None or at > self.step_at:
+            self.step_at = at
+            self._recover(time.monotonic())
+
+    def forget_steps(self) -> None:
+        """A new engine behind the replica (a restarted process): its old step reports say nothing."""
+        self.step_at = self.step_allowance_s = None
 
     def silent_for(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.heard_at
 
+    def step_running_for(self, now: float | None = None) -> float:
+        """How long the engine's step running now has run (0 where steps are not reported)."""
+        return 0.0 if self.step_at is None else (time.monotonic() if now is None else now) - self.step_at
+
     @property
     def bound(self) -> float:
-        """Silence past this is a stall: the configured bound, or the engine's slack if longer."""
-        return max(self.config.stall_after_s, self.slack_s)
+        """A step running past this is hung (`hang_bound`); for a replica whose steps are not
+        reported, the stall bound."""
+        if self.step_at is None:
+            return self.config.stall_after_s
+        return hang_bound(self.config.stall_after_s, self.step_allowance_s)
+
+    def _why(self, now: float) -> tuple[str, str, float] | None:
+        """Why the replica counts as stalled at `now`, or None: (which of the two is late: `silent`
+        or `step`, the reason in words, how long it has been)."""
+        silent = now - self.heard_at
+        if silent > self.config.stall_after_s:
+            return "silent", f"nothing from the engine for {silent:.1f}s", silent
+        if self.step_at is not None and (running := now - self.step_at) > self.bound:
+            if silent > 2 * HEARD_EVERY_S:  # (its whole process went quiet too: a freeze, not one step)
+                return "silent", f"nothing from the engine for {silent:.1f}s", silent
+            return "step", f"one step of the engine has run for {running:.1f}s (hung)", running
+        return None
+
+    def _recover(self, now: float) -> None:
+        if self.stalled_since is None or self._why(now) is not None:
+            return
+        log.info("replica %s: recovered: the engine answers again after %.1fs stalled; taking traffic",
+                 self.name, now - self.stalled_since,
+                 extra={"event": "replica_recovered", "replica": self.name, "deployment": self.deployment,
+                        "reason": "stalled", "stalled_s": round(now - self.stalled_since, 3)})
+        self.stalled_since = None
 
     def _poll(self) -> None:
         if self.poll is not None:
@@ -134,10 +193,10 @@ class Liveness:
     def detail(self, now: float | None = None) -> str | None:
         """Why the replica is not healthy, as far as liveness goes (None: it is)."""
         self._poll()
-        silent = self.silent_for(now)
-        if self.stalled_since is not None or (self.active and silent > self.bound):
-            return f"stalled: nothing from the engine for {silent:.1f}s"
-        return None
+        why = self._why(time.monotonic() if now is None else now)
+        if why is not None and (self.active or self.stalled_since is not None):
+            return f"stalled: {why[1]}"
+        return None if self.stalled_since is None else f"stalled: {self.reason}"
 
     def track(self, request_id: str, fail: Callable[[BaseException], None]) -> Progress:
         """A request is being sent; refused at once while the replica is stalled."""
@@ -175,31 +234,30 @@ class Liveness:
                 due = now
                 continue
             self._poll()
-            if self.active and self.stalled_since is None and self.silent_for(now) > self.bound:
+            if self.active and self.stalled_since is None and self._why(now) is not None:
                 for _ in range(3):  # let the reader take what already arrived before judging
                     await asyncio.sleep(0)
                 self._poll()
                 now = time.monotonic()
-                if self.active and self.silent_for(now) > self.bound:
-                    self._stall(now)
+                why = self._why(now)
+                if self.active and why is not None:
+                    self._stall(now, *why)
             self._check_requests(now)
 
     def _stall_error(self, started: bool) -> ReplicaStalledError:
-        silent = self.silent_for()
         what = "its stream was cut" if started else "retry elsewhere"
-        return ReplicaStalledError(f"replica '{self.name}' stalled (nothing from its engine for {silent:.1f}s); "
-                                   f"{what}")
+        return ReplicaStalledError(f"replica '{self.name}' stalled ({self.reason}); {what}")
 
-    def _stall(self, now: float) -> None:
+    def _stall(self, now: float, cause: str, reason: str, late_s: float) -> None:
         self.stalled_since = now
+        self.reason = reason
         self.ejections += 1
         live = [p for p in self.requests.values() if not p.done]
-        log.warning("replica %s: ejected: stalled, nothing from the engine for %.1fs; %d in-flight request(s) "
-                    "released (%d to retry elsewhere)", self.name, self.silent_for(now), len(live),
-                    sum(not p.started for p in live),
+        log.warning("replica %s: ejected: stalled, %s; %d in-flight request(s) released (%d to retry elsewhere)",
+                    self.name, reason, len(live), sum(not p.started for p in live),
                     extra={"event": "replica_ejected", "replica": self.name, "deployment": self.deployment,
-                           "reason": "stalled", "silent_s": round(self.silent_for(now), 3),
-                           "inflight": len(live)})
+                           "reason": "stalled", "cause": cause,
+                           "silent_s": round(late_s, 3), "inflight": len(live)})
         metrics.REPLICA_EJECTIONS.labels(self.deployment, self.name).inc()
         for p in live:
             p.done = True

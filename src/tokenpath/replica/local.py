@@ -6,14 +6,14 @@ engine's step loop dies, the replica reports itself unhealthy at once (so the po
 new engine runs, state says healthy and the pool re-admits it.
 
 A step loop that hangs instead of dying (a native call that never returns, a blocked thread) is
-found by the same `replica.liveness` as a frozen engine process: its step thread has not come
-round its loop (`AsyncEngine.beat`) for the stall bound, or for `STEP_SLACK` times what a normal
-step of its size takes (`AsyncEngine.step_allowance_s`) if that is longer. Before its first step
-has ended there is no price yet, and that step pays the engine's one-time setup (a fresh server's
-first forward took over 2 s on a loaded machine): it is allowed `FIRST_STEP_S`. Then the replica is ejected (`state()` unhealthy, `/health` says
-why), its in-flight requests are released (retried elsewhere before their first token, else a
-clean 503 or an SSE error event), new ones are refused at once, and the engine is told to abort
-them; the first turn of the loop afterwards recovers it.
+found by the same `replica.liveness`, with the same rule, as one in an engine process: one step
+(`AsyncEngine.step_beat`) running past `liveness.hang_bound`, the stall bound or `STEP_SLACK`
+times what a normal step of its size takes if that is longer (`FIRST_STEP_S` before its first step
+has ended: that one pays the engine's one-time setup; a fresh server's first forward took over 2 s
+on a loaded machine). Here the engine is read on each judgement instead of pushing its state. Then
+the replica is ejected (`state()` unhealthy, `/health` says why), its in-flight requests are
+released (retried elsewhere before their first token, else a clean 503 or an SSE error event), new
+ones are refused at once, and the engine is told to abort them; the step's return recovers it.
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ from collections.abc import AsyncIterator
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
-from tokenpath.replica.liveness import Liveness, LivenessConfig
+from tokenpath.replica.liveness import Liveness, LivenessConfig, hang_bound
 from tokenpath.telemetry import series
 
 log = logging.getLogger("tokenpath.replica")
 
 RESTART_BASE_S = 1.0
 RESTART_MAX_S = 30.0
-STEP_SLACK = 3.0  # a step is hung past this many times the most a normal step takes (and the bound)
 STOP_WAIT_S = 30.0  # at close, how long a step that is still moving may take to end
-FIRST_STEP_S = 30.0  # an engine's first step (one-time setup, no price per token yet) is hung only past this
 
 
 class InProcessReplica:
@@ -50,12 +48,13 @@ class InProcessReplica:
         self.liveness.deployment = self.deployment
 
     def _poll_engine(self, liveness: Liveness) -> None:
-        """What the step thread last did, read (it cannot push): see the module docstring."""
-        engine = self.engine
+        """What the step thread is doing, read (it cannot push): see the module docstring."""
+        engine, now = self.engine, time.monotonic()
         liveness.active = engine.healthy  # (a dead loop is the restart's business, not a stall)
-        liveness.slack_s = STEP_SLACK * engine.step_allowance_s() if engine.first_step_s_per_token else FIRST_STEP_S
-        engine.step_ceiling_s = liveness.bound
-        liveness.heard(engine.beat)
+        liveness.heard(now)  # (the engine's process is this one: only its step loop can be late)
+        age, allowance = engine.step_beat(now)
+        liveness.stepped(now - age, allowance)
+        engine.step_ceiling_s = hang_bound(liveness.config.stall_after_s, allowance)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         engine, rid = self.engine, request.request_id
@@ -143,6 +142,6 @@ class InProcessReplica:
         if self._restarting is not None:
             self._restarting.cancel()
         lv = self.liveness
-        wait = 0.5 if lv.stalled or lv.detail() else min(STOP_WAIT_S, lv.bound - lv.silent_for() + 0.5)
+        wait = 0.5 if lv.stalled or lv.detail() else min(STOP_WAIT_S, lv.bound - lv.step_running_for() + 0.5)
         await lv.stop()
         await self.engine.shutdown(timeout=max(0.5, wait))
