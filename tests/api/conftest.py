@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.server_data import seed_tokenizers, served_models
 
 CHAT_MODEL = "smollm2-135m-instruct"
 EMBED_MODEL = "all-minilm-l6-v2"
@@ -50,10 +51,13 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, wait: float = 240, exe: str = TOKENPATH, command: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> Server:
+                 env: dict[str, str] | None = None, fresh_data_dir: bool = False) -> Server:
     """`exe serve --port 0 ARGS` (exe: another install's `tokenpath`; `command` replaces it with a
-    test double that wraps the real entry point), in `env` (default: ours)."""
+    test double that wraps the real entry point), in `env` (default: ours). Its data dir, TMP/data,
+    holds the GGUF models' tokenizers already (tests/server_data.py), unless `fresh_data_dir`."""
     log = tmp / "server.log"
+    if not fresh_data_dir:
+        seed_tokenizers(tmp / "data", served_models(args))
     env = {**(os.environ if env is None else env), "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen([*(command or [exe]), "serve", "--port", "0", *args], stdout=out,
@@ -111,8 +115,8 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Start extra servers with their own flags; all are stopped (SIGTERM, exit 0) at module end."""
     started: list[Server] = []
 
-    def make(*args: str) -> Server:
-        srv = start_server(tmp_path_factory.mktemp("serve"), *args)
+    def make(*args: str, fresh_data_dir: bool = False) -> Server:
+        srv = start_server(tmp_path_factory.mktemp("serve"), *args, fresh_data_dir=fresh_data_dir)
         started.append(srv)
         return srv
 

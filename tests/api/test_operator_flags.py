@@ -32,8 +32,9 @@ def test_version_matches_the_package():
 
 @pytest.fixture(scope="module")
 def keyed(server_factory):
+    # A data dir the server makes itself: test_store_is_private reads the mode it gave it.
     return server_factory("--model", CHAT, "--api-key", "k1", "--served-model-name", "my-alias", "my-other",
-                          "--served-model-name", "gpt-4o-mini")
+                          "--served-model-name", "gpt-4o-mini", fresh_data_dir=True)
 
 
 @pytest.fixture(scope="module")

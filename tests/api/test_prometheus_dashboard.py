@@ -115,14 +115,36 @@ def scraped(server_factory, tmp_path_factory):
 
         worker = threading.Thread(target=load, daemon=True)
         worker.start()
-        time.sleep(12)  # a dozen scrapes with traffic between them
+        url = f"http://127.0.0.1:{port}/api/v1/query"
+        # Scrapes with traffic between them, until every query the tests make has data (a few
+        # seconds: rates need two scrapes, the rules one evaluation after them), or a minute:
+        # then the tests fail naming the empty ones.
+        deadline = time.monotonic() + 60
+        while _empty(url, _all_exprs()) and time.monotonic() < deadline:
+            time.sleep(1)
         stop.set()
         worker.join(120)
-        time.sleep(3)
-        yield f"http://127.0.0.1:{port}/api/v1/query"
+        yield url
     finally:
         prom.send_signal(signal.SIGTERM)
         prom.wait(30)
+
+
+def _vllm_exprs() -> list[str]:
+    return [e.replace("{M}", '{model_name="$model_name"}').replace("[R]", "[$__rate_interval]")
+            for e in VLLM_DASHBOARD]
+
+
+RECORDING_RULES = ("tokenpath:time_to_first_token_seconds:p99_5m", "tokenpath:generation_tokens:rate5m",
+                   "tokenpath:request_stage_seconds:p99_5m", "tokenpath:error_ratio:rate5m")
+
+
+def _all_exprs() -> list[str]:
+    return [*_dashboard_exprs(), *_vllm_exprs(), *RECORDING_RULES, 'up{job="tokenpath"} == 1']
+
+
+def _empty(url: str, exprs: list[str]) -> list[str]:
+    return [e for e in exprs if not _query(url, e)]
 
 
 def _query(url: str, expr: str) -> list:
@@ -133,19 +155,16 @@ def _query(url: str, expr: str) -> list:
 
 
 def test_every_dashboard_panel_has_data(scraped):
-    empty = [e for e in _dashboard_exprs() if not _query(scraped, e)]
+    empty = _empty(scraped, _dashboard_exprs())
     assert not empty, empty
 
 
 def test_every_query_of_vllms_dashboard_has_data_with_the_prefix_swapped(scraped):
-    exprs = [e.replace("{M}", '{model_name="$model_name"}').replace("[R]", "[$__rate_interval]")
-             for e in VLLM_DASHBOARD]
-    empty = [e for e in exprs if not _query(scraped, e)]
+    empty = _empty(scraped, _vllm_exprs())
     assert not empty, empty
 
 
 def test_recording_rules_evaluate(scraped):
-    for record in ("tokenpath:time_to_first_token_seconds:p99_5m", "tokenpath:generation_tokens:rate5m",
-                   "tokenpath:request_stage_seconds:p99_5m", "tokenpath:error_ratio:rate5m"):
+    for record in RECORDING_RULES:
         assert _query(scraped, record), record
     assert _query(scraped, 'up{job="tokenpath"} == 1')

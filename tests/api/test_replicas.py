@@ -33,7 +33,10 @@ LONG = "Here is a long shared context about the history of tea. " * 12
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    return server_factory(*FLAGS), server_factory(*FLAGS, "--replicas", "2")
+    # The replicated one starts from an empty data dir, as a user's first start does: its two
+    # engine processes build SmolLM2's tokenizer from the GGUF at once, and one publishes it
+    # (the other test servers find it built: tests/server_data.py).
+    return server_factory(*FLAGS), server_factory(*FLAGS, "--replicas", "2", fresh_data_dir=True)
 
 
 def chat(srv: Server, content: str, **headers: str) -> httpx.Response:

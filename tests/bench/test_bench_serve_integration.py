@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from stub_server import free_port
+from tests.server_data import seed_tokenizers
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,7 @@ def served(tmp_path_factory):
     pytest.importorskip("tokenpath.server.cli", reason="`tokenpath serve` is not in this checkout")
     port = free_port()
     data = tmp_path_factory.mktemp("serve-data")
+    seed_tokenizers(data, ["smollm2-135m-instruct"])  # as a second start finds it (tests/server_data.py)
     log = (data / "serve.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenpath.cli", "serve", "--host", "127.0.0.1", "--port", str(port),

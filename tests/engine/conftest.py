@@ -1,8 +1,12 @@
-"""Shared fixtures: the real SmolLM2 weights, loaded once per session, and HF references."""
+"""Shared fixtures: the real SmolLM2 and Gemma 3 270M engines, loaded once per session, and HF
+references."""
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,6 +51,77 @@ def hf_smol():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@dataclass
+class LoadedLLM:
+    """An engine and what its load logged (INFO and up of `tokenpath.engine.kernels`): a
+    session-scoped engine is built before any one test's caplog could see that."""
+
+    llm: LLM
+    load_log: str
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _load_logged(**kwargs: object) -> LoadedLLM:
+    logger = logging.getLogger("tokenpath.engine.kernels")
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        llm = LLM(**kwargs)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return LoadedLLM(llm, "\n".join(handler.lines))
+
+
+# Gemma 3 270M as tests/engine/test_gemma3_270m.py, test_gemma3_native.py and test_kv_window.py
+# run it: loading it takes tens of seconds under load, so each form is loaded once per session.
+# 256-token steps: a 560-token prompt (past the 512 window) is prefilled in three chunks.
+GEMMA3_270M = dict(model="gemma-3-270m", dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
+                   max_num_batched_tokens=256)
+
+
+def _fresh(loaded: LoadedLLM) -> Iterator[LoadedLLM]:
+    """Each test starts from an idle engine with no cached prefix (an earlier test's prefixes, or
+    its blocks written by hand, must not reach it), and leaves every block free."""
+    blocks = loaded.llm.engine.blocks
+    blocks.reset_prefix_cache()
+    assert blocks.num_free_blocks == blocks.num_blocks and not loaded.llm.engine.has_work()
+    yield loaded
+    blocks.reset_prefix_cache()
+
+
+@pytest.fixture(scope="session")
+def _gemma3_270m_hybrid() -> LoadedLLM:
+    return _load_logged(**GEMMA3_270M)
+
+
+@pytest.fixture(scope="session")
+def _gemma3_270m_flat() -> LoadedLLM:
+    return _load_logged(**GEMMA3_270M, disable_hybrid_kv_cache_manager=True)
+
+
+@pytest.fixture
+def gemma3_270m(_gemma3_270m_hybrid: LoadedLLM) -> Iterator[LoadedLLM]:
+    """The default engine: native kernels on the GGUF's blocks, window layers in their own KV
+    group (only their window's blocks kept)."""
+    yield from _fresh(_gemma3_270m_hybrid)
+
+
+@pytest.fixture
+def gemma3_270m_flat(_gemma3_270m_flat: LoadedLLM) -> Iterator[LoadedLLM]:
+    """The same with one block table for every layer (--disable-hybrid-kv-cache-manager)."""
+    yield from _fresh(_gemma3_270m_flat)
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import LoadedLLM, hf_greedy
 from tests.engine.tiny_models import cached_json
 from tokenpath import LLM, SamplingParams
 from tokenpath.config import resolve_data_dir
@@ -33,9 +33,9 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
 NEW = 16
 
 
-@pytest.fixture(scope="module")
-def gemma() -> LLM:
-    return LLM("gemma-3-270m", dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+@pytest.fixture
+def gemma(gemma3_270m: LoadedLLM) -> LLM:
+    return gemma3_270m.llm  # loaded once per session (tests/engine/conftest.py)
 
 
 def test_config_is_gemma3(gemma):

@@ -8,13 +8,13 @@ transformers): at least 6 of 8 prompts keep the first 16 greedy tokens, perplexi
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.engine.conftest import GEMMA3_270M, LoadedLLM
 from tests.engine.test_quantized_quality import all_logits
 from tokenpath import LLM, SamplingParams
 from tokenpath.engine.kernels import native_library
@@ -28,16 +28,13 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
            "A good way to learn to cook is", "The compiler reads the source code and"]
 
 
-def run(quantization: str, ids: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-    # One block table for every layer: `all_logits` prefills by hand into blocks 0..n/16. The 400
-    # tokens sit inside the 512-token window, so the windows change nothing here; the window-bounded
-    # KV groups on this model are tests/engine/test_kv_window.py's.
-    llm = LLM("gemma-3-270m", quantization=quantization, dtype="float32", kv_cache_memory="64MiB",
-              disable_hybrid_kv_cache_manager=True)
-    assert (llm.engine.runner.native is not None) == (quantization == "auto")
+def run(llm: LLM, ids: list[int]) -> tuple[list[list[int]], torch.Tensor]:
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)]
-    return greedy, all_logits(llm.engine.runner, ids)
+    try:
+        return greedy, all_logits(llm.engine.runner, ids)
+    finally:  # blocks 0..n/16 written by hand: whatever prefix they held is gone
+        llm.engine.blocks.reset_prefix_cache()
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -45,17 +42,20 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item())
 
 
-def test_gemma3_270m_native_matches_float32(caplog):
-    from tokenpath.engine.loader import load_model
-    from tokenpath.engine.tokenizer import Tokenizer
-
-    ids = Tokenizer(load_model("gemma-3-270m").tokenizer_source).encode(TEXT.read_text())[:400]
-    with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
-        native, native_logits = run("auto", ids)
-    assert "quantized to Q8_0" not in caplog.text
-    assert "Q4KX16/Q5X16/Q6KX16/Q8X16" in caplog.text  # the file's four block types, repacked
-    ref, ref_logits = run("none", ids)
-    same = sum(a == b for a, b in zip(native, ref, strict=True))
+def test_gemma3_270m_native_matches_float32(gemma3_270m_flat: LoadedLLM):
+    # One block table for every layer (the flat engine): `all_logits` prefills by hand into blocks
+    # 0..n/16. The 400 tokens sit inside the 512-token window, so the windows change nothing here;
+    # the window-bounded KV groups on this model are tests/engine/test_kv_window.py's.
+    native = gemma3_270m_flat.llm
+    assert native.engine.runner.native is not None
+    assert "quantized to Q8_0" not in gemma3_270m_flat.load_log
+    assert "Q4KX16/Q5X16/Q6KX16/Q8X16" in gemma3_270m_flat.load_log  # the file's four block types, repacked
+    ids = native.tokenizer.encode(TEXT.read_text())[:400]
+    native_tokens, native_logits = run(native, ids)
+    fp32 = LLM(**{**GEMMA3_270M, "quantization": "none"}, disable_hybrid_kv_cache_manager=True)
+    assert fp32.engine.runner.native is None
+    ref, ref_logits = run(fp32, ids)
+    same = sum(a == b for a, b in zip(native_tokens, ref, strict=True))
     pn, pr = perplexity(native_logits, ids), perplexity(ref_logits, ids)
     print(f"gemma-3-270m: {same}/8 prompts share 16 greedy tokens; perplexity native {pn:.3f}, "
           f"float32 {pr:.3f} ({pn / pr - 1:+.2%})")

@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.server_data import seed_tokenizers, served_models
 from tests.telemetry.otlp_receiver import OtlpReceiver
 from tokenpath.gateway.admin import create_key
 from tokenpath.gateway.base import Limits
@@ -86,6 +87,7 @@ def launch(tmp: Path, receiver: OtlpReceiver, *args: str, env: dict[str, str] | 
     data_dir = tmp / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     keys = make_keys(data_dir)
+    seed_tokenizers(data_dir, served_models(["--model", CHAT_MODEL, *args]))
     log = tmp / "server.log"
     full_env = {**os.environ, "TOKENPATH_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1",
                 "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "300", **(env or {})}

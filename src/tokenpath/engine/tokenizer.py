@@ -113,14 +113,20 @@ def _cache_dir() -> Path:
     return data_subdir("tokenizers")  # 0700, as the data dir (save_pretrained would make it 0755)
 
 
+def gguf_tokenizer_cache(source: Path) -> Path:
+    """Where the tokenizer built from the GGUF file `source` is kept: the data dir's tokenizers/,
+    under a key of the file's path, size and mtime (a replaced file is built again)."""
+    st = source.stat()
+    return _cache_dir() / hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def _load_hf_tokenizer(source: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
-            st = source.stat()
-            key = hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-            cached = _cache_dir() / key
+            cached = gguf_tokenizer_cache(source)
+            key = cached.name
             if (cached / "tokenizer.json").is_file():
                 return PreTrainedTokenizerFast.from_pretrained(str(cached))
             with warnings.catch_warnings():

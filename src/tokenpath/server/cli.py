@@ -25,7 +25,6 @@ from tokenpath.config import EngineConfig, add_model_flags, engine_flag_names, e
 from tokenpath.errors import EngineDeadError, ModelLoadError, TokenpathError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.server.config import ServerConfig, build_config
-from tokenpath.server.lora_modules import register_lora_modules
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.otel_metrics import setup_metrics
 from tokenpath.telemetry.request_log import configure_logging, log_event
@@ -254,6 +253,7 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
     from tokenpath.api.app import create_app
+    from tokenpath.server.lora_modules import register_lora_modules  # imports the API: only `serve` needs it
 
     router, closers = await _load(config, args)
     _add_served_names(router, args.served_model_names)

@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch as llt
 import numpy as np
 import torch
 
@@ -76,12 +75,18 @@ class MaskBuilder:
 
     def _compute(self, states: list[GrammarState], mask: torch.Tensor, rows: list[int]) -> float:
         """Fill `mask`'s `rows` from `states`; returns the seconds it took per row."""
+        # What llguidance.torch's fill_next_token_bitmask(_par) do, called directly: importing that
+        # module imports torch.compile's machinery (dynamo, inductor: seconds in every process
+        # that imports this one, the gateway and the CLI included) for its unused mask kernel.
+        # The matchers write whole rows through the pointer: `mask` is one of this class's
+        # buffers, int32, on the CPU, its rows contiguous.
         start = time.perf_counter()
         if len(states) == 1:
-            llt.fill_next_token_bitmask(states[0].matcher, mask, rows[0])
+            row = mask[rows[0]]
+            states[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         else:
-            llt.fill_next_token_bitmask_par(self.executor, [(s.matcher, i) for i, s in zip(rows, states, strict=True)],
-                                            mask)
+            self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in zip(rows, states, strict=True)],
+                                                  mask.data_ptr(), mask.shape[1] * mask.element_size(), mask.shape[0])
         return (time.perf_counter() - start) / len(states)
 
     def prefetch(self, states: list[GrammarState]) -> None:
