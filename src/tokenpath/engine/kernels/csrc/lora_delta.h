@@ -37,9 +37,11 @@ inline float fdot(const uint16_t* a, const float* b, int n) {
 
 // Y[row] += scale * B (A X[row]) for the rows of one block: each row of A and of B^T (stored
 // transposed, so both loops stream contiguous memory) is read once for all the block's rows.
-// A and B^T are IEEE halves (engine/lora.py native_table): a decode step reads every resident
-// adapter whole, and in float32 4 rank-16 adapters on SmolLM2 were ~75 MiB a step beside its
-// ~85 MiB of Q4_1 base weights; halves read half that. The sums stay float32.
+// A and B^T are IEEE halves (engine/lora.py native_table): each resident adapter's native copy is
+// half the memory of float32. Made to halve the bytes a mixed decode step reads (4 rank-16
+// adapters on SmolLM2: ~75 MiB in float32 beside ~85 MiB of Q4_1 base weights), but on a quiet
+// machine the mixed/base throughput did not move measurably (0.84x float32, 0.82x halves;
+// benchmarks/README.md): the memory is the gain. The sums stay float32.
 inline void lora_delta(const uint16_t* A, const uint16_t* Bt, int r, int in, int out, float scale, const int32_t* rows,
                        int nrows, const float* x, int ldx, float* y, int ldy) {
     float u[kLoraBlockRows][kLoraMaxRank];
