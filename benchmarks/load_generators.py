@@ -313,7 +313,8 @@ def main() -> None:
 
 def write(a: argparse.Namespace, rows: list[dict], meta: dict) -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps({"meta": meta, "args": vars(a), "rows": rows}, indent=1) + "\n")
+    args = {**vars(a), "out": os.path.relpath(a.out, HERE.parent)}  # (no path of this machine in the results)
+    Path(a.out + ".json").write_text(json.dumps({"meta": meta, "args": args, "rows": rows}, indent=1) + "\n")
     Path(a.out + ".md").write_text(report(a, rows, meta))
     print(Path(a.out + ".md").read_text())
 
