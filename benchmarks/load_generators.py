@@ -102,6 +102,20 @@ def audit_high_water(work: Path) -> int:
         db.close()
 
 
+def settled_high_water(work: Path, quiet_s: float = 0.3, limit_s: float = 5.0) -> int:
+    """The last audit row's id once the audit writer has caught up (no new row for `quiet_s`),
+    instead of sleeping a fixed time and hoping its batch is written."""
+    last, since, deadline = audit_high_water(work), time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = audit_high_water(work)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
 def server_side(work: Path, after_id: int, upto_id: int) -> dict:
     """The server's own figures for one generator's requests (audit rows after_id < id <= upto_id):
     mean TTFT (every stage before the first token) and TPOT (decode / (tokens - 1)), in ms. A
@@ -298,8 +312,7 @@ def main() -> None:
                 print(f"round {rnd}: {name} ...", flush=True)
                 first = audit_high_water(work)
                 row = {"round": rnd, "generator": name, **GENERATORS[name](a, url, tok, out)}
-                time.sleep(1.0)  # the audit writer's batch
-                row.update(server_side(work, first, audit_high_water(work)))
+                row.update(server_side(work, first, settled_high_water(work)))
                 load.append(f"{name} r{rnd} {before:.2f}/{os.getloadavg()[0]:.2f}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
