@@ -4,6 +4,8 @@ the sampler (issue 14), through the real `openai` client."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -90,6 +92,7 @@ def test_slow_clients_are_cut_off_within_15_seconds(server):
     }
     out: dict = {}
     threads = [threading.Thread(target=_probe, args=(server.port, p, out, k)) for k, p in probes.items()]
+    threads += [threading.Thread(target=_kept_alive, args=(server.port, out))]
     for t in threads:
         t.start()
     for t in threads:
@@ -98,6 +101,36 @@ def test_slow_clients_are_cut_off_within_15_seconds(server):
         took, data = out[key]
         assert took < 15, (key, took)
     assert out["body"][1].startswith(b"HTTP/1.1 408"), out["body"][1][:200]
+    # A kept-alive connection idle past the clients' own 5 s expiry still serves (uvicorn's
+    # default closed it at 5 s, racing httpx's pool: "Connection error." in the OpenAI SDK); one
+    # that then sends half a header is cut like a new one.
+    assert out["idle_then_served"] == 200, out
+    assert out["kept_alive_headers"][0] < 15, out
+
+
+def _kept_alive(port: int, out: dict) -> None:
+    """One connection: a request, 6 s idle, a second request on the same socket (its status), then
+    half a header and nothing more (how long until the server closes it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=40)
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        out["idle_then_served"] = resp.status if conn.sock is sock else "reconnected"
+        t0 = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while sock.recv(65536):
+                pass
+        out["kept_alive_headers"] = (time.monotonic() - t0,)
+    except (OSError, http.client.HTTPException) as exc:
+        out["idle_then_served"] = repr(exc)
+    finally:
+        conn.close()
 
 
 @pytest.fixture(scope="module")

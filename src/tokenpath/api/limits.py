@@ -117,8 +117,10 @@ class BodyLimitMiddleware:
 
 def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a deadline for each request's headers: armed when the
-    connection opens and after each response, disarmed when the headers are complete. A client
-    that sends nothing, or its headers a byte at a time, is disconnected after `timeout` seconds."""
+    connection opens and when an idle kept-alive connection receives its next bytes, disarmed when
+    the headers are complete. A client that sends nothing on a new connection, or its headers a
+    byte at a time, is disconnected after `timeout` seconds. An idle kept-alive connection is
+    uvicorn's keep-alive timeout's to close (`timeout_keep_alive`), not this one's."""
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -132,23 +134,26 @@ def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
         def _headers_too_slow(self) -> None:
             self._header_timer = None
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            if self._idle() and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # noqa: ANN001
             super().connection_made(transport)
             self._arm()
 
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self._idle():
+                self._arm()  # the next request's first bytes: its headers are on the clock
+            super().data_received(data)
+
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -40,6 +40,11 @@ class ApiSettings(BaseModel):
     # within these many seconds, or it is closed (headers) or answered 408 (body).
     header_timeout: float = Field(10.0, gt=0)
     body_timeout: float = Field(10.0, gt=0)
+    # How long an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive). Longer
+    # than the clients' own expiry (httpx, hence the OpenAI SDK and LiteLLM: 5 s), so the client
+    # always closes first: at uvicorn's default of 5 s both sides time out together, and a request
+    # sent on a connection the server is closing fails with a connection error, never seen here.
+    timeout_keep_alive: float = Field(65.0, gt=0)
     # Browser-facing safety (`tokenpath.api.browser`): Host names beyond localhost/127.0.0.1/[::1],
     # origins whose pages may call the API (CORS, default none; "*" for any), docs without a key.
     allowed_hosts: list[str] = Field(default_factory=list)

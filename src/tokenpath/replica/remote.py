@@ -103,8 +103,12 @@ class RemoteReplica(PolledState):
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"
         timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+        # Idle connections are dropped after 4 s, before a uvicorn server's default keep-alive of
+        # 5 s (vLLM's, SGLang's) closes them: at equal timeouts a request sent as the server closes
+        # fails with a connection error, which would eject a healthy replica.
         self._client = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=timeout,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                             keepalive_expiry=4.0))
         self._state = ReplicaState(name=name, healthy=False, detail="not polled yet",
                                    max_num_seqs=config.max_num_seqs, block_size=config.block_size or 16)
         self._poll_failures = 0

@@ -280,6 +280,7 @@ async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Names
                                # (abort_all fires at shutdown_timeout; a stream needs a moment after it)
                                timeout_graceful_shutdown=config.shutdown_timeout + 1, access_log=False,
                                http=header_timeout_protocol(config.header_timeout),
+                               timeout_keep_alive=config.timeout_keep_alive,
                                log_config=None,  # keep our handler and format
                                **_tls_options(config))
     server = _Server(uv_config, app.state.tokenpath, config.shutdown_timeout, banner)
