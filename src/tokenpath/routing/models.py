@@ -198,13 +198,16 @@ class Deployment:
         A request dispatched into an engine's own queue is still waiting, so the `timeout` its
         client set still holds there: past it the client has given up, and the work is waste.
         A band's default deadline only bounds the gateway's queue: an operator sets it as a queue
-        budget, and aborting a started prefill would waste it. Once tokens flow, neither applies."""
+        budget, and aborting a started prefill would waste it. Once tokens flow, neither applies.
+        The engine holds the same deadline (in its own clock): one that passes while the request
+        still waits in the engine's queue ends it there, unprefilled, with `DeadlineExceededError`,
+        answered here exactly as the gateway's own timer would."""
         if request.deadline is not None:
             try:
                 first = await asyncio.wait_for(anext(stream), max(0.0, request.deadline - time.monotonic()))
             except StopAsyncIteration:
                 return
-            except TimeoutError:
+            except (TimeoutError, DeadlineExceededError):
                 metrics.REJECTIONS.labels(self.name, "deadline").inc()
                 waited = time.monotonic() - request.timeline.stamps["received"]
                 raise DeadlineExceededError(
