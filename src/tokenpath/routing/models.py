@@ -41,7 +41,7 @@ from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.replica.base import ProgressTimeoutError, Replica, ReplicaBusyError, ReplicaStalledError
 from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
-from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
+from tokenpath.routing.replicas import DEFAULT_POLICY, PickerOptions, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
 from tokenpath.telemetry.timeline import Timeline
 
@@ -64,7 +64,7 @@ class Deployment:
     policy: str = DEFAULT_POLICY
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     pool_config: PoolConfig = field(default_factory=PoolConfig)
-    picker_options: dict[str, float] = field(default_factory=dict)
+    picker_options: PickerOptions = field(default_factory=PickerOptions)
     fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
     processes: list[Any] = field(default_factory=list)  # local engine processes it owns (EngineProcess)
     # What a LoRA adapter is checked against before it is registered: the base model's
