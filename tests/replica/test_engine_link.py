@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from tests.api.conftest import TOKENPATH, start_server
 
-from tokenpath.errors import ServiceUnavailableError
+from tokenpath.errors import DeadlineExceededError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, SamplingParams
 from tokenpath.protocol.wire import FrameReader, encode_request, pack, read_frame
 from tokenpath.replica.link_client import EngineLinkReplica, LinkRefusedError
@@ -90,6 +90,25 @@ async def test_priority_crosses_the_link(engine):
     # The engine's log names the gateway's request ids and priorities.
     text = engine.log_path.read_text()
     assert re.search(r"request low queued: .* priority 5", text) and re.search(r"request high queued: .* priority 0", text)
+
+
+@in_module_loop
+async def test_the_engine_drops_a_request_whose_deadline_passes_in_its_queue(engine):
+    """The deadline crosses the link (as seconds left) and the engine process enforces it: a
+    request still waiting behind a long one when it passes is never prefilled, and its stream
+    ends with the gateway's own deadline error (no gateway timer here: the replica alone)."""
+    replica = engine.replica
+    running = asyncio.create_task(drain(replica, req("busy-deadline", max_tokens=400)))
+    while replica.state().running == 0:
+        await asyncio.sleep(0.02)
+    late = req("late")
+    late.deadline = time.monotonic() + 0.3
+    with pytest.raises(DeadlineExceededError) as raised:
+        await asyncio.wait_for(drain(replica, late), 60)
+    assert raised.value.code == "deadline_exceeded" and raised.value.status_code == 504
+    assert "engine's queue" in raised.value.message
+    assert not running.done()  # dropped while the long one still ran, not prefilled after it
+    assert (await running)[-1].finished
 
 
 @in_module_loop

@@ -10,7 +10,13 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError, ServiceUnavailableError
+from tokenpath.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+    ServiceUnavailableError,
+)
 from tokenpath.protocol import (
     EmbeddingOutput,
     EmbeddingRequest,
@@ -32,7 +38,15 @@ from tokenpath.protocol.link import (
     StallBound,
     Welcome,
 )
-from tokenpath.protocol.wire import FIELD_MESSAGES, FrameError, decode, encode, frame
+from tokenpath.protocol.wire import (
+    FIELD_MESSAGES,
+    FrameError,
+    decode,
+    decode_request,
+    encode,
+    encode_request,
+    frame,
+)
 from tokenpath.telemetry.timeline import Timeline
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
@@ -78,6 +92,18 @@ def test_requests_and_embedding_outputs_round_trip():
     assert (emb.request_id, emb.inputs, emb.tenant) == ("e1", [[1, 2], [3]], "t")
     out = EmbeddingOutput("e1", [[0.5, -1.0]], 3, EngineEvents(1.0, 2.0, 3.0, 4.0))
     assert over_the_wire(out) == out
+
+
+def test_the_deadline_crosses_as_seconds_left_into_the_engines_clock():
+    """Two processes' monotonic clocks share no origin: the engine rebuilds the deadline as its
+    own now plus what was left when the gateway sent it."""
+    req = GenerateRequest("g3", [1, 2], SamplingParams(), deadline=100.5)
+    sent = encode_request(req, now=100.0)
+    assert decode_request(sent, now=7000.0).deadline == 7000.5
+    assert decode_request(encode_request(GenerateRequest("g4", [1], SamplingParams()), now=1.0)).deadline is None
+    # The engine's deadline error comes back as the same error, code and status (a 504).
+    back = over_the_wire(LinkError.of("g3", DeadlineExceededError("late", code="deadline_exceeded"))).exception("r")
+    assert isinstance(back, DeadlineExceededError) and (back.code, back.status_code) == ("deadline_exceeded", 504)
 
 
 def test_gateway_only_fields_stay_off_the_link():

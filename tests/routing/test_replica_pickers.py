@@ -135,6 +135,10 @@ def test_load_score_and_factory():
     assert load_score(st("a", waiting=4, running=4, kv=0.5, max_num_seqs=8)) == pytest.approx(1.5)
     assert make_picker("round_robin").policy == "round_robin"
     assert make_picker("prefix_aware", load_threshold=2.0).load_threshold == 2.0
+    assert make_picker("session_affinity", load_threshold=3.0).load_threshold == 3.0
+    assert make_picker("session_affinity").load_threshold == 1.0
+    with pytest.raises(ValueError, match="cache_weight"):  # a prefix_aware option, not its own
+        make_picker("session_affinity", cache_weight=1.0)
     with pytest.raises(ValueError):
         make_picker("random")
     with pytest.raises(ValueError):

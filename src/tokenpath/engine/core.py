@@ -26,7 +26,7 @@ from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
-from tokenpath.errors import ContextLengthError, InvalidRequestError
+from tokenpath.errors import ContextLengthError, DeadlineExceededError, InvalidRequestError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
@@ -52,8 +52,8 @@ class EngineCore:
         self.loras = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                  native=self.runner.native is not None)
         self.runner.loras = self.loras
-        # Requests that failed outside a step (their adapter did not load): (request id, error),
-        # taken by the driver (AsyncEngine) after each step.
+        # Requests that failed outside a step (their adapter did not load, their deadline passed
+        # while they waited): (request id, error), taken by the driver (AsyncEngine) after each step.
         self.rejected: list[tuple[str, Exception]] = []
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    windows=self.runner.layout.windows,
@@ -94,7 +94,8 @@ class EngineCore:
         return params if params.max_tokens is not None else replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: GenerateRequest) -> None:
-        """Queue one request (all its choices). Its `arrival` is this process's clock."""
+        """Queue one request (all its choices). Its `arrival` and `deadline` are this process's
+        clock (the engine link rebuilds them so, `protocol.wire.decode_request`)."""
         request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already running")
@@ -114,7 +115,7 @@ class EngineCore:
                            num_prompt_tokens=len(prompt_token_ids), params=params, priority=request.priority,
                            tenant=request.tenant, arrival_time=arrival, events=events,
                            leader=leader if self.config.enable_prefix_caching else None)
-            seq.lora, seq.hash_root = lora, root
+            seq.lora, seq.hash_root, seq.deadline = lora, root, request.deadline
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
             if params.structured is not None:
@@ -164,6 +165,8 @@ class EngineCore:
         started = self._step_started = time.monotonic()
         if self.loras.failed:
             self._fail_lora_waiters()
+        if late := self.scheduler.expired(started):
+            self._expire(late)
         sched = self.scheduler.schedule()
         self.last_scheduled = len(sched.scheduled)
         if not sched.scheduled:
@@ -189,6 +192,20 @@ class EngineCore:
             if error is not None:
                 self.abort(rid, reason="error")
                 self.rejected.append((rid, error))
+
+    def _expire(self, request_ids: list[str]) -> None:
+        """Requests whose deadline passed before any step scheduled them leave the queue now,
+        before they cost a prefill (they hold no KV blocks yet), with the gateway's own deadline
+        error (through `rejected`): their client has given up on them."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            waited = time.monotonic() - (req.events.queued or 0.0)
+            self.abort(rid)
+            self.rejected.append((rid, DeadlineExceededError(
+                f"request passed its deadline after {waited:.1f}s in the engine's queue, before it was scheduled",
+                code="deadline_exceeded")))
 
     def _note_lora_loads(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """A request that waited for its adapter keeps that load's times (its trace shows them)."""

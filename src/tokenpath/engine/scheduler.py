@@ -17,11 +17,17 @@ prefix cache instead of computing them a second time; later prompts may go ahead
 LoRA: a waiting sequence whose adapter is still loading (off the step loop), or would be one
 adapter more than the `max_loras` the running ones already hold, is passed over (later ones may
 go ahead of it) until its adapter is in memory and a slot is free.
+
+Deadlines: a request that has never been scheduled and whose client deadline has passed is taken
+out of the waiting queue before it costs a prefill (`expired`; the engine ends it with the
+gateway's deadline error). Once scheduled it is never cut by its deadline: its tokens flow, and a
+preempted sequence back in the queue has been paid for already.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -58,11 +64,34 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.last_freed: str | None = None  # the request whose end last gave a slot back
+        # (deadline, seq id, seq) of never-scheduled sequences with a deadline; entries of ones
+        # scheduled or finished since are dropped lazily, when their deadline comes up.
+        self._deadlines: list[tuple[float, int, Sequence]] = []
 
     # ------------------------------------------------------------ membership
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=self._wait_key)
+        if seq.deadline is not None and seq.events.scheduled is None:  # (not a preempted one)
+            if len(self._deadlines) > 2 * len(self.waiting) + 64:  # mostly stale: keep it bounded
+                self._deadlines = [e for e in self._deadlines if self._expirable(e[2])]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
+
+    @staticmethod
+    def _expirable(seq: Sequence) -> bool:
+        return seq.status is Status.WAITING and seq.events.scheduled is None
+
+    def expired(self, now: float) -> list[str]:
+        """The requests past their deadline that no step has scheduled yet (no choice of them):
+        the caller ends them before this step's schedule, so they never cost a prefill. Costs
+        nothing while no deadline has passed (one heap peek)."""
+        late: dict[str, None] = {}
+        while self._deadlines and self._deadlines[0][0] <= now:
+            seq = heapq.heappop(self._deadlines)[2]
+            if self._expirable(seq):
+                late[seq.request_id] = None
+        return list(late)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is and give back its blocks (finish, abort, error)."""

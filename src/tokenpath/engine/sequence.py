@@ -57,6 +57,9 @@ class Sequence:
     grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
     lora: LoraRef | None = None  # the LoRA adapter it runs with
     hash_root: int | None = None  # its block hash chain's root (block_hash.lora_root; None: base)
+    # The client's deadline in this process's clock (None: none): past it, a request never
+    # scheduled yet leaves the waiting queue unprefilled (`Scheduler.expired`).
+    deadline: float | None = None
 
     @property
     def block_table(self) -> list[int]:

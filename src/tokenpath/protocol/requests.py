@@ -9,8 +9,11 @@ Some fields are the gateway's alone and stay out of the engine link's `add` fram
   (`tokenpath.replica.events`), and an in-process engine gets a copy without it;
 - `session_id`: read by the session-affinity picker (`protocol.Routable`), never by an engine;
 - `prompt`: the text, echoed on outputs; over the link the client puts it back itself.
-`deadline` crosses the link (as seconds left) but no engine reads it yet: the gateway enforces
-it, in its queue and up to the first token (`routing.models.Deployment`).
+`deadline` is enforced twice: by the gateway, in its queue and up to the first token
+(`routing.models.Deployment`), and by the engine, which drops a request still waiting for its
+first schedule once it has passed (`engine.scheduler.Scheduler.expired`), before it costs a
+prefill. It crosses the link as seconds left (`deadline_in`) and is rebuilt in the engine's
+clock on arrival: never earlier than the gateway's, since the transit only makes it later.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class GenerateRequest:
     tenant: str = "anonymous"
     session_id: str | None = None  # gateway-only: session affinity
     # Monotonic seconds in the sender's clock. Across the link the client rewrites it as seconds
-    # *remaining* (`deadline_in`), so an engine would need no shared clock to honour it.
+    # *remaining* (`deadline_in`), so the engine needs no shared clock to honour it.
     deadline: float | None = None
     traceparent: str | None = None  # W3C trace context of the gateway's span
     # GenAI semconv's operation name (chat, text_completion): the engine's own span says which API

@@ -41,7 +41,7 @@ from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.replica.base import ProgressTimeoutError, Replica, ReplicaBusyError, ReplicaStalledError
 from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
-from tokenpath.routing.replicas import DEFAULT_POLICY, ReplicaPicker, make_picker
+from tokenpath.routing.replicas import DEFAULT_POLICY, PickerOptions, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
 from tokenpath.telemetry.timeline import Timeline
 
@@ -64,7 +64,7 @@ class Deployment:
     policy: str = DEFAULT_POLICY
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     pool_config: PoolConfig = field(default_factory=PoolConfig)
-    picker_options: dict[str, float] = field(default_factory=dict)
+    picker_options: PickerOptions = field(default_factory=PickerOptions)
     fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
     processes: list[Any] = field(default_factory=list)  # local engine processes it owns (EngineProcess)
     # What a LoRA adapter is checked against before it is registered: the base model's
@@ -198,13 +198,16 @@ class Deployment:
         A request dispatched into an engine's own queue is still waiting, so the `timeout` its
         client set still holds there: past it the client has given up, and the work is waste.
         A band's default deadline only bounds the gateway's queue: an operator sets it as a queue
-        budget, and aborting a started prefill would waste it. Once tokens flow, neither applies."""
+        budget, and aborting a started prefill would waste it. Once tokens flow, neither applies.
+        The engine holds the same deadline (in its own clock): one that passes while the request
+        still waits in the engine's queue ends it there, unprefilled, with `DeadlineExceededError`,
+        answered here exactly as the gateway's own timer would."""
         if request.deadline is not None:
             try:
                 first = await asyncio.wait_for(anext(stream), max(0.0, request.deadline - time.monotonic()))
             except StopAsyncIteration:
                 return
-            except TimeoutError:
+            except (TimeoutError, DeadlineExceededError):
                 metrics.REJECTIONS.labels(self.name, "deadline").inc()
                 waited = time.monotonic() - request.timeline.stamps["received"]
                 raise DeadlineExceededError(

@@ -39,6 +39,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from typing import TypedDict, Unpack
 
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.engine.block_hash import block_hashes, lora_root
@@ -48,6 +49,16 @@ from tokenpath.routing.lora_affinity import lora_candidates
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_POLICY = "prefix_aware"
 _DEFAULT_BATCH = 8  # normaliser when a replica does not report max_num_seqs
+
+
+class PickerOptions(TypedDict, total=False):
+    """A deployment's picker tunables (`Deployment.picker_options`; the routing YAML sets
+    `load_threshold`), named as the pickers' constructor arguments, so `make_picker` passes them
+    on checked. Each left out keeps its picker's default."""
+
+    load_threshold: float  # prefix_aware, session_affinity: load gap that overrides locality
+    min_match_blocks: int  # prefix_aware: fewer cached blocks than this do not count as a hit
+    cache_weight: float  # prefix_aware: how much one cached block outweighs load
 
 
 def load_score(state: ReplicaState) -> float:
@@ -239,14 +250,19 @@ class SessionAffinityPicker:
         pass
 
 
-def make_picker(policy: str = DEFAULT_POLICY, **options: float) -> ReplicaPicker:
-    """Build a picker by policy name; `options` go to its constructor (e.g. load_threshold)."""
+def make_picker(policy: str = DEFAULT_POLICY, **options: Unpack[PickerOptions]) -> ReplicaPicker:
+    """Build a picker by policy name; `options` go to its constructor (the round-robin and
+    least-loaded pickers have none, and ignore them). Session affinity takes `load_threshold`
+    only: another option for it is a mistake in the configuration, and raises."""
     if policy == "round_robin":
         return RoundRobinPicker()
     if policy == "least_loaded":
         return LeastLoadedPicker()
     if policy == "prefix_aware":
-        return PrefixAwarePicker(**options)  # type: ignore[arg-type]
+        return PrefixAwarePicker(**options)
     if policy == "session_affinity":
-        return SessionAffinityPicker(**options)
+        if unused := sorted(options.keys() - {"load_threshold"}):
+            raise ValueError(f"routing policy 'session_affinity' takes no {', '.join(unused)}")
+        threshold = options.get("load_threshold")
+        return SessionAffinityPicker() if threshold is None else SessionAffinityPicker(threshold)
     raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -39,7 +39,7 @@ from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
 from tokenpath.routing.models import Deployment, ModelRouter
-from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES
+from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES, PickerOptions
 from tokenpath.server.embedding_deployments import embedding_deployments, embedding_process_deployment
 
 Closer = Callable[[], Awaitable[None]]
@@ -194,7 +194,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
     max_len = spec.max_model_len or next(
         (m for r in replicas if (m := getattr(r, "max_model_len", None))),
         next((r.info.max_model_len for r in replicas if isinstance(r, EngineLinkReplica)), 2048))
-    options = {"load_threshold": spec.load_threshold} if spec.load_threshold is not None else {}
+    options = PickerOptions() if spec.load_threshold is None else PickerOptions(load_threshold=spec.load_threshold)
     dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
                      policy=spec.policy, admission=AdmissionConfig(**spec.admission),
                      pool_config=PoolConfig(**spec.pool), picker_options=options)
