@@ -83,6 +83,25 @@ def test_a_waiting_request_past_its_deadline_is_never_prefilled(tiny):
     assert sum(1 for g in grants if "long" in g) == LONG.max_tokens  # every token of the running one
 
 
+def test_a_request_one_of_whose_choices_runs_is_never_cut(tiny):
+    """n=2 on one slot: the first choice runs while the second waits past the deadline. The
+    request has started (tokens flow), so neither choice is dropped."""
+    core = EngineCore(_config(tiny))
+    prompt = core.tokenizer.encode("a b c d e f g")
+    core.add_request(GenerateRequest("two", prompt, replace(SHORT, n=2), deadline=time.monotonic() + 0.02))
+    outs = list(core.step())
+    time.sleep(0.03)
+    while core.has_work():
+        outs.extend(core.step())
+    assert core.rejected == []
+    assert len(core.requests) == 0 and any(o.finished for o in outs)
+    tokens = [0, 0]
+    for o in outs:
+        for c in o.outputs:
+            tokens[c.index] += len(c.token_ids)  # (deltas)
+    assert tokens == [4, 4]
+
+
 async def test_the_async_engine_ends_it_with_the_deadline_error(tiny):
     engine = AsyncEngine(_config(tiny))
     await engine.start()
