@@ -229,3 +229,30 @@ def test_engine_command_refuses_to_run_without_a_secret():
     out = subprocess.run([TOKENPATH, "engine", "--port", "0"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "TOKENPATH_ENGINE_SECRET" in out.stderr
+
+
+async def test_the_gateway_reads_the_engines_settings_from_its_welcome(tmp_path):
+    """Issue 27: a routing YAML's `engine_args` reach the engine as flags once; the gateway learns
+    the batch size, LoRA rank and chat template from the EngineConfig the engine reports in its
+    welcome (typed), not by parsing those flags back."""
+    from tests.engine.tiny_models import save_tiny
+    from tokenpath.server.routing_config import DeploymentSpec, build_deployment
+
+    model = save_tiny("llama", tmp_path / "tiny")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    spec = DeploymentSpec.model_validate({"name": "tiny", "model": str(model), "replicas": [{
+        "local": 1, "engine": {"dtype": "float32", "num_kv_blocks": 32},
+        "engine_args": ["--max-num-seqs=3", "--max-lora-rank", "8", "--chat-template", str(template)]}]})
+    dep, closers = await build_deployment(spec, log_dir=tmp_path / "logs")
+    try:
+        (replica,) = dep.replicas
+        cfg = replica.info.engine
+        assert cfg is not None and (cfg.max_num_seqs, cfg.max_lora_rank) == (3, 8)
+        assert cfg.dtype == "float32" and cfg.num_kv_blocks == 32 and cfg.chat_template == str(template)
+        assert replica.state().max_num_seqs == 3 and dep.max_lora_rank == 8
+        ids = dep.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert dep.tokenizer.decode(ids) == "<<hi>>"
+    finally:
+        for close in closers:
+            await close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from tokenpath.config import EngineConfig
 from tokenpath.errors import (
     DeadlineExceededError,
     EngineDeadError,
@@ -53,6 +54,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "tokenpath"
 
 MESSAGES = [
     Hello("s3cret"), Welcome(12.5, LinkInfo("m", 4096, 16, 100, 8, 42, "embedding", 384)), Denied("no"),
+    Welcome(1.0, LinkInfo("m", engine=EngineConfig(model="m", max_num_seqs=3, max_lora_rank=8, chat_template="t.jinja",
+                                                   kv_cache_dtype="float16"))),
     Ping(3), Pong(3, 1.25), Reset(4), ResetDone(4, 17), Abort("r1"), StallBound(2.5),
     LinkError("r1", 400, "bad", "invalid_request_error", "top_p", "c", "SamplingParamsError"),
     EngineState(2, 3, 0.5, 100, 16, 10, 4, 1, 99, 7, True, 12, {"time": [[1, 2], 0.5]}),
@@ -127,6 +130,7 @@ def test_an_older_or_newer_peer_is_understood():
 
 
 @pytest.mark.parametrize("d", [{"t": "pong", "id": 1}, {"t": "welcome", "now": 1.0, "info": "x"},
+                               {"t": "welcome", "now": 1.0, "info": {"engine": {"max_num_seqs": "many"}}},
                                {"t": "ping"}, {"t": "add", "req": {}}])
 def test_a_malformed_frame_is_a_frame_error(d):
     with pytest.raises(FrameError):

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from tokenpath.config import EngineConfig
-from tokenpath.server.routing_config import RoutingConfig, _max_num_seqs, engine_flags
+from tokenpath.server.routing_config import RoutingConfig, engine_flags
 
 
 def test_config_validates_replicas_and_policy(tmp_path):
@@ -39,5 +39,3 @@ def test_engine_flags_carry_only_changed_settings():
     flags = engine_flags(EngineConfig(num_kv_blocks=64, max_num_seqs=4, enable_prefix_caching=False))
     assert flags == ["--num-kv-blocks", "64", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
     assert engine_flags(EngineConfig(kv_cache_dtype="float16")) == ["--kv-cache-dtype", "float16"]
-    assert _max_num_seqs(flags) == 4 and _max_num_seqs(["--max-num-seqs=3"]) == 3
-    assert _max_num_seqs([]) == EngineConfig().max_num_seqs

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenpath import errors
+from tokenpath.config import EngineConfig
 from tokenpath.errors import ServiceUnavailableError, TokenpathError
 
 
@@ -36,6 +37,10 @@ class LinkInfo:
     pid: int = 0
     task: str = "generate"  # or "embedding"
     dimensions: int = 0  # an embedding model's vector size
+    # The settings the engine runs with, typed (a generation engine's; None for an encoder): the
+    # gateway reads its chat template, batch size and LoRA rank here, never from the flags it
+    # launched the engine with, and a Ray actor's or a custom `engine_command`'s are as exact.
+    engine: EngineConfig | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 import msgpack
+from pydantic import BaseModel, ValidationError
 
 from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest
 from tokenpath.protocol.link import (
@@ -299,17 +300,48 @@ def decode(d: dict) -> Any:
 
 
 def _fields_of(msg: object) -> dict:
-    return {name: _fields_of(v) if type(v) in _NESTED else v
-            for name in _NAMES[type(msg)] for v in (getattr(msg, name),)}
+    return {name: _field(v) for name in _NAMES[type(msg)] for v in (getattr(msg, name),)}
+
+
+def _field(v: object) -> object:
+    if type(v) in _NESTED:
+        return _fields_of(v)
+    if isinstance(v, BaseModel):  # a settings model (LinkInfo.engine): its JSON-safe fields
+        return v.model_dump(mode="json")
+    return v
 
 
 def _build(cls: type, d: dict) -> Any:
     if not isinstance(d, dict):
         raise FrameError(f"{cls.__name__} must be a map")
-    nested, names = _NESTED_FIELDS[cls], _NAMES[cls]
-    return cls(**{k: _build(nested[k], v) if k in nested else v for k, v in d.items() if k in names})
+    nested, models, names = _NESTED_FIELDS[cls], _MODEL_FIELDS[cls], _NAMES[cls]
+    out = {}
+    for k, v in d.items():
+        if k not in names:
+            continue
+        if k in nested:
+            v = _build(nested[k], v)
+        elif k in models and v is not None:
+            try:
+                v = models[k].model_validate(v)
+            except ValidationError as exc:
+                raise FrameError(f"malformed {cls.__name__}.{k}: {exc.errors()[0].get('msg')}") from None
+        out[k] = v
+    return cls(**out)
 
 
-# Each message class's fields, and those that hold another message (read once, at import).
+def _model_of(hint: object) -> type[BaseModel] | None:
+    """`M` for a field typed `M` or `M | None`, M a pydantic model; else None."""
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+# Each message class's fields, those that hold another message, and those that hold a pydantic
+# settings model (read once, at import).
 _NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*FIELD_MESSAGES.values(), *_NESTED)}
-_NESTED_FIELDS = {cls: {name: t for name, t in typing.get_type_hints(cls).items() if t in _NESTED} for cls in _NAMES}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in _NAMES}
+_NESTED_FIELDS = {cls: {name: t for name, t in hints.items() if t in _NESTED} for cls, hints in _HINTS.items()}
+_MODEL_FIELDS = {cls: {name: m for name, t in hints.items() if (m := _model_of(t)) is not None}
+                 for cls, hints in _HINTS.items()}

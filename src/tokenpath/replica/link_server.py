@@ -137,7 +137,8 @@ class LinkServer:
         e = self.engine
         s = e.state()
         return LinkInfo(model=e.model_name, max_model_len=e.max_model_len, block_size=s.block_size,
-                        num_blocks=s.num_blocks, max_num_seqs=e.config.max_num_seqs, pid=os.getpid())
+                        num_blocks=s.num_blocks, max_num_seqs=e.config.max_num_seqs, pid=os.getpid(),
+                        engine=e.config)
 
     def _state(self) -> EngineState:
         s = self.engine.state()  # (a new object per call: ours to fill)

@@ -121,25 +121,6 @@ class RoutingConfig(BaseModel):
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
 
-def _max_num_seqs(engine_args: list[str]) -> int:
-    """The batch size a local engine process will run with (its flag, else the engine default)."""
-    for i, a in enumerate(engine_args):
-        if a == "--max-num-seqs" and i + 1 < len(engine_args):
-            return int(engine_args[i + 1])
-        if a.startswith("--max-num-seqs="):
-            return int(a.split("=", 1)[1])
-    return EngineConfig().max_num_seqs
-
-
-def _flag(engine_args: list[str], flag: str) -> str | None:
-    for i, a in enumerate(engine_args):
-        if a == flag and i + 1 < len(engine_args):
-            return engine_args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def load_tokenizer(model: str, chat_template: str | None = None) -> Any:
     """The gateway tokenizes for remote replicas too: same ids, so prefix hashes match the engine's
     (and the same --chat-template as its local engines)."""
@@ -171,7 +152,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
             elif r.local:
                 ps = await spawn_engines(r.local, model, r.engine_argv, log_dir=log_dir,
                                          name_prefix="engine" if i == 0 else f"engine{i}", deployment=spec.name,
-                                         max_num_seqs=r.max_num_seqs or _max_num_seqs(r.engine_argv),
+                                         max_num_seqs=r.max_num_seqs,  # (0: the engine's own, from its welcome)
                                          command=r.engine_command or None)
                 procs += ps
                 replicas += [p.replica for p in ps]
@@ -180,8 +161,11 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                     url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs))
                 await rep.start()
                 replicas.append(rep)
-        if tokenizer is None:
-            template = next((t for r in spec.replicas if (t := _flag(r.engine_argv, "--chat-template"))), None)
+        engines = [c for r in replicas if isinstance(r, EngineLinkReplica) and (c := r.info.engine) is not None]
+        if tokenizer is None:  # the chat template its local engines run with, as they report it
+            # (a Ray actor's may name a file on its own node)
+            local = [c for p in procs if (c := p.replica.info.engine) is not None]
+            template = next((c.chat_template for c in local if c.chat_template), None)
             tokenizer = await asyncio.to_thread(load_tokenizer, model, template)
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
@@ -203,11 +187,8 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
         from tokenpath.engine.lora import base_model_config
 
         dep.model_config = await asyncio.to_thread(base_model_config, model)
-        rank = next((v for r in spec.replicas if (v := _flag(r.engine_argv, "--max-lora-rank"))), None)
-        if rank is None and any(r.ray is not None for r in spec.replicas):
-            rank = next((r.ray.get("engine", {}).get("max_lora_rank") for r in spec.replicas if r.ray), None)
-        if rank is not None:
-            dep.max_lora_rank = int(rank)
+        if engines:  # (local processes and Ray actors alike report theirs)
+            dep.max_lora_rank = min(c.max_lora_rank for c in engines)
     return dep, closers
 
 
