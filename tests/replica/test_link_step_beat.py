@@ -95,3 +95,17 @@ async def test_the_step_beat_crosses_the_link_and_a_hung_step_is_judged_by_it(li
     await until(lambda: replica.state().healthy, "not recovered when the step returned")
     assert [o async for o in replica.generate(request("after"))][-1].finished
     assert engine.longest_step_s < BOUND_S  # the hung step was not counted as a normal one
+
+
+async def test_an_engine_that_stops_ends_its_gateways_link_and_leaves_no_handler_behind(linked):
+    """`LinkServer.close` with a gateway still linked (an engine told to stop: SIGTERM, or its Ray
+    actor's shutdown) ends the link itself: the gateway sees it close at once, and no connection
+    handler is left for the loop to cancel at exit (on Python 3.11 that cancellation logged
+    "Exception in callback ... CancelledError" from asyncio's own done callback at every stop)."""
+    engine, server, replica, _ = linked
+    assert [o async for o in replica.generate(request("before-stop"))][-1].finished
+    await asyncio.wait_for(server.close(), 5)
+    handlers = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__name__", "") == "_handle"]
+    assert handlers == [], handlers
+    await until(lambda: not replica.state().healthy, "the gateway never saw the link close", timeout=3)
+    assert "link closed" in (replica.state().detail or ""), replica.state().detail

@@ -2,12 +2,17 @@
 own auth token and temp dir), a real `tokenpath serve --ray ADDRESS --replicas 2` in front of two
 engine actors (a tiny random-weight Llama with SmolLM2's tokenizer, so the test spends its time
 on the path, not on a model), the real `openai` client, and `tokenpath status --ray` to watch.
+
+Routing is by session (`session_affinity`): a request without a session goes to the less loaded
+actor, as `least_loaded` sends it, and one with a session goes to the actor a test chose for it.
+The stall bound is short (`STALL_S`), for the test of a frozen actor (issue 23).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -16,8 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -25,8 +30,10 @@ import jsonschema
 import openai
 import pytest
 from tests.engine.tiny_models import save_tiny
-from tests.process_logs import free_port, wait_for_log
+from tests.process_logs import audit_timing, free_port, wait_for_log
 from tests.replica.ray_cluster import private_ray_env
+
+from tokenpath.routing.replicas import _hrw
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,8 +42,7 @@ pytestmark = [
 ]
 
 BIN = Path(sys.executable).parent
-
-
+STALL_S = 3.0  # the gateway's --stall-timeout
 
 
 @dataclass
@@ -45,6 +51,7 @@ class RayGateway:
     env: dict[str, str]
     base_url: str
     log: Path
+    data: Path  # the gateway's data dir (its audit rows)
 
     def status(self) -> dict[str, dict]:
         out = subprocess.run([str(BIN / "tokenpath"), "status", "--ray", self.address, "--json"], env=self.env,
@@ -55,13 +62,15 @@ class RayGateway:
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=120)
 
-
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
 
 
 @pytest.fixture(scope="module")
 def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway]:
     tmp = tmp_path_factory.mktemp("ray")
-    model = save_tiny("llama", tmp / "tiny")
+    model = save_tiny("llama", tmp / "tiny", max_position_embeddings=4096)  # (room for a long request)
     ray_tmp, env = private_ray_env()
     port = free_port()
     head_log, serve_log = tmp / "head.log", tmp / "serve.log"
@@ -81,18 +90,24 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
         with serve_log.open("wb") as out:
             serve = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--ray", address,
                                       "--replicas", "2", "--model", str(model), "--num-kv-blocks", "256",
-                                      "--max-num-seqs", "8", "--routing-policy", "least_loaded"],
+                                      "--max-num-seqs", "8", "--routing-policy", "session_affinity",
+                                      "--stall-timeout", str(STALL_S), "--data-dir", str(tmp / "data")],
                                      stdout=out, stderr=subprocess.STDOUT, env=env)
         m = wait_for_log(serve_log, r"listening on (http://127\.0\.0\.1:\d+/v1)", serve, 240)
-        yield RayGateway(address, env, m.group(1), serve_log)
+        yield RayGateway(address, env, m.group(1), serve_log, tmp / "data")
     finally:
         if serve is not None:
             serve.send_signal(signal.SIGTERM)
             code = serve.wait(60)
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         head.wait(60)
+        # What the engine actors wrote (Ray's worker logs): no traceback, at shutdown or before.
+        actor_logs = {p.name: p.read_text(errors="replace") for p in Path(ray_tmp).glob("session_*/logs/worker-*")}
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0, serve_log.read_text()[-3000:]
+    assert actor_logs, "no engine actor log found"
+    for name, text in actor_logs.items():
+        assert "Traceback" not in text and "Exception in callback" not in text, (name, text[-3000:])
 
 
 async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
@@ -120,7 +135,7 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
 async def test_structured_output_is_enforced_inside_the_actors(ray_gateway: RayGateway) -> None:
     """Issue 22: the grammar runs where the tokenizer and sampler are, in each engine actor. The
     tiny model has random weights, so only the grammar can make its replies valid; six requests
-    at once reach both actors (least_loaded), a JSON schema and a choice side by side."""
+    at once reach both actors (no session: the less loaded one), a JSON schema and a choice side by side."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
@@ -186,3 +201,153 @@ async def test_two_actors_serve_40_requests_and_a_killed_one_comes_back(ray_gate
     assert routed_again, f"not routed to the restarted actor within 30 s:\n{ray_gateway.log.read_text()[-2000:]}"
     log = ray_gateway.log.read_text()
     assert "Ray replica tiny-0 is down" in log and "Ray replica tiny-0 restarted" in log
+
+
+@dataclass
+class Sent:
+    """One request of the freeze test and how it ended: status, error code, Retry-After, the raw SSE
+    lines of a stream (with arrival times), when it was sent and when it ended."""
+
+    rid: str
+    session: str
+    max_tokens: int
+    stream: bool = False
+    status: int = 0
+    code: str | None = None
+    retry_after: str | None = None
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+    async def send(self, client: openai.AsyncOpenAI) -> Sent:
+        kw = dict(model="tiny", max_tokens=self.max_tokens, temperature=0, extra_body={"ignore_eos": True},
+                  messages=[{"role": "user", "content": f"{self.rid}: tell me a story"}],
+                  extra_headers={"x-request-id": self.rid, "x-session-id": self.session})
+        self.started = time.monotonic()
+        try:
+            if self.stream:  # (the raw lines, to see the error event and [DONE] as they came)
+                async with client.chat.completions.with_streaming_response.create(stream=True, **kw) as r:
+                    self.status = r.status_code
+                    async for line in r.iter_lines():
+                        if line:
+                            self.lines.append((time.monotonic(), line))
+            else:
+                await client.chat.completions.create(**kw)
+                self.status = 200
+        except openai.APIStatusError as exc:
+            self.status, self.retry_after = exc.status_code, exc.response.headers.get("retry-after")
+            self.code = exc.body.get("code") if isinstance(exc.body, dict) else None
+        finally:
+            self.ended = time.monotonic()
+        return self
+
+    @property
+    def took(self) -> float:
+        return self.ended - self.started
+
+
+def session_for(replica: str) -> str:
+    """A session id whose home actor (rendezvous hash, as the router computes it) is `replica`."""
+    return next(s for i in range(1000) if (s := f"s{i}")
+                and max(("tiny-0", "tiny-1"), key=lambda r: _hrw(s, r)) == replica)
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what: str) -> float:
+    """Seconds until `cond()` (awaited if it must be) holds; fails after `timeout`."""
+    start = time.monotonic()
+    while not ((await ok) if inspect.isawaitable(ok := cond()) else ok):
+        assert time.monotonic() - start < timeout, what
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def replica_is(http: httpx.AsyncClient, name: str, **want: object) -> bool:
+    """Whether the gateway's live view of a replica (/dashboard/data: healthy, running...) says `want`."""
+    rows = {r["name"]: r for d in (await http.get("/dashboard/data")).json()["deployments"] for r in d["replicas"]}
+    return all(rows[name][k] == v for k, v in want.items())
+
+
+async def test_a_frozen_actor_is_ejected_its_requests_retried_or_cut_cleanly_and_it_recovers(
+        ray_gateway: RayGateway) -> None:
+    """Issue 23 for Ray actors: SIGSTOP one engine actor's process under traffic. It is ejected
+    within the stall bound (logged `replica_ejected`, reason stalled); its requests that had sent
+    no token are retried on the other actor and succeed; the stream and the non-streaming request
+    it was generating end cleanly (an SSE error event then [DONE]; a 503 with Retry-After) soon
+    after the bound, never hanging for the freeze; nothing new is routed to it while frozen; after
+    SIGCONT it takes the aborts it was sent, is recovered and serves again. (tiny-1: the kill test
+    before this one restarted tiny-0.)"""
+    victim, other = "tiny-1", "tiny-0"
+    pid = (await asyncio.to_thread(ray_gateway.status))[victim]["pid"]
+    on_victim, on_other = session_for(victim), session_for(other)
+    client = ray_gateway.client()
+    http = httpx.AsyncClient(base_url=ray_gateway.root, timeout=10)
+    warm = [await Sent(f"f-warm-{i}", s, 8).send(client) for i, s in enumerate((on_victim, on_other) * 2)]
+    assert [w.status for w in warm] == [200] * 4
+    normal = max(w.took for w in warm[2:])
+    # A stream and a non-streaming request generating on the victim (long: cut by the freeze).
+    stream = Sent("f-stream", on_victim, 3000, stream=True)
+    tasks = [asyncio.ensure_future(stream.send(client))]
+    await until(lambda: len(stream.lines) >= 3, 60, "the long stream never started")
+    whole = Sent("f-whole", on_victim, 3000)
+    tasks.append(asyncio.ensure_future(whole.send(client)))
+    sent = len(stream.lines)  # (the two share the victim's batch: more of the stream means `whole` runs too)
+    await until(lambda: len(stream.lines) >= sent + 30, 60, "the long stream stopped")
+    assert not any(t.done() for t in tasks), "the long requests finished before the freeze"
+
+    os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        # Sent at once, before the bound: routed to the victim, no token there, to be retried.
+        early = [Sent(f"f-early-{i}", on_victim, 8) for i in range(3)] + [Sent("f-early-s", on_victim, 8, True)]
+        control = Sent("f-control", on_other, 8)
+        tasks += [asyncio.ensure_future(c.send(client)) for c in (*early, control)]
+        ejected = await until(lambda: replica_is(http, victim, healthy=False), STALL_S + 5,
+                              "the frozen actor was never ejected")
+        late = [Sent(f"f-late-{i}", on_victim, 8) for i in range(3)]  # past the bound: never to the victim
+        tasks += [asyncio.ensure_future(c.send(client)) for c in late]
+        _, pending = await asyncio.wait(tasks, timeout=STALL_S + 10)
+        assert not pending, [c.rid for c in (stream, whole, *early, control, *late) if not c.ended]
+        health = (await http.get("/health")).json()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thawed = time.monotonic()
+
+    # Ejected at the bound (counted from its last frame, just before the freeze) plus a tick and the
+    # poll of /dashboard/data, logged once, with its reason.
+    assert STALL_S - 0.5 <= ejected < STALL_S + 1.5, ejected
+    log = ray_gateway.log.read_text()
+    assert log.count(f"replica {victim}: ejected: stalled") == 1, log[-3000:]
+    assert not health["replicas"]["tiny"][victim]["healthy"] and health["status"] == "degraded", health
+    # The stream it was generating: an SSE error event naming the stall, then [DONE], soon after the bound.
+    assert stream.status == 200 and '"error"' in stream.lines[-2][1] and "replica_stalled" in stream.lines[-2][1], \
+        stream.lines[-3:]
+    assert stream.lines[-1][1] == "data: [DONE]" and stream.lines[-1][0] - frozen < STALL_S + 5
+    # The non-streaming one it was generating: a 503 with Retry-After, as soon.
+    assert (whole.status, whole.code) == (503, "replica_stalled") and whole.retry_after, vars(whole)
+    assert whole.ended - frozen < STALL_S + 5
+    # Sent to the victim and not started there: retried on the other actor (same id), within 5 s of normal.
+    for c in early:
+        assert c.status == 200 and c.took < normal + STALL_S + 5, (c.rid, c.status, c.code, c.took, normal)
+        timing = await asyncio.to_thread(audit_timing, ray_gateway.data, c.rid)
+        assert (timing.get("retried_after"), timing["replica"]) == (victim, other), (c.rid, timing)
+    assert early[-1].lines[-1][1] == "data: [DONE]" and not any('"error"' in x for _, x in early[-1].lines)
+    # Sent past the bound, or to the other actor: served at once by the other, never tried on the victim.
+    for c in (control, *late):
+        assert c.status == 200 and c.took < normal + 5, (c.rid, c.status, c.code, c.took)
+        timing = await asyncio.to_thread(audit_timing, ray_gateway.data, c.rid)
+        assert (timing.get("retried_after"), timing["replica"]) == (None, other), (c.rid, timing)
+
+    # Continued: recovered (logged), the aborts taken (its engine stops the long requests at once,
+    # not 3000 tokens later), and it serves again.
+    recovered = await until(lambda: replica_is(http, victim, healthy=True), 10, "the actor never recovered")
+    assert f"replica {victim}: recovered" in ray_gateway.log.read_text()
+    await until(lambda: replica_is(http, victim, running=0), 5,
+                "the actor went on generating what it was told to abort")
+    back = await Sent("f-back", on_victim, 8).send(client)
+    assert back.status == 200, vars(back)
+    assert (await asyncio.to_thread(audit_timing, ray_gateway.data, "f-back"))["replica"] == victim
+    await client.close()
+    await http.aclose()
+    print(f"normal {normal:.2f}s; ejected {ejected:.2f}s after the freeze; retried requests "
+          f"{max(c.took for c in early):.2f}s; stream cut {stream.lines[-1][0] - frozen:.2f}s after the freeze; "
+          f"recovered {recovered:.2f}s after SIGCONT ({time.monotonic() - thawed:.2f}s to traffic)")

@@ -73,6 +73,7 @@ log = logging.getLogger("tokenpath.engine.link")
 STATE_INTERVAL_S = 0.1  # a changed state is pushed at most this long after the change
 STATE_HEARTBEAT_S = HEARD_EVERY_S  # an unchanged one is repeated this often (what liveness counts on)
 HELLO_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 2.0  # how long `close` lets each connection's handler wind down before cancelling it
 HELLO_MAX_BYTES = 4096  # a hello is a secret and a type: ~60 bytes
 REFUSAL_LOG_EVERY_S = 60.0
 
@@ -122,14 +123,46 @@ class LinkServer:
         self._refusals_logged = 0  # `refused` as of the last log line
         self._refusal_logged_at = float("-inf")
         self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}  # each handler and its socket
+        self._closing = False
         self.stall_after_s = STALL_AFTER_S  # the gateway's, once it says (`StallBound`)
 
     async def start(self, sock: socket.socket) -> None:
-        self._server = await asyncio.start_server(self._handle, sock=sock)
+        self._server = await asyncio.start_server(self._accept, sock=sock)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection: its handler runs as a task of this server's, not as the task `start_server`
+        makes of a coroutine callback. That one's done callback calls `task.exception()`, which
+        raises on Python 3.11 when the task was cancelled, so an engine that stopped with a gateway
+        still linked (its loop cancels what is left at exit) logged "Exception in callback ...
+        CancelledError" from `_handle`. Owning the tasks also lets `close` end them itself."""
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        self._connections[task] = writer
+        task.add_done_callback(self._handled)
+
+    def _handled(self, task: asyncio.Task) -> None:
+        writer = self._connections.pop(task, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:  # (a bug: say so, once)
+            log.error("engine link: a connection's handler failed", exc_info=exc)
+        if writer is not None:
+            writer.close()
 
     async def close(self) -> None:
+        """Stop listening and end every gateway's link: each handler reads its socket's close and
+        winds down through its own `finally` (its requests detached from the engine), so nothing
+        is left for the loop to cancel when the process exits, and the gateway sees the link close
+        at once. A handler still busy after `CLOSE_TIMEOUT_S` is cancelled and awaited."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
+        for writer in list(self._connections.values()):
+            writer.close()
+        if handlers := list(self._connections):
+            _, late = await asyncio.wait(handlers, timeout=CLOSE_TIMEOUT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
@@ -156,7 +189,8 @@ class LinkServer:
             hello = None
         secret = hello.secret if isinstance(hello, Hello) else None
         if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self.secret):
-            self._refused(peer)
+            if not self._closing:  # (a hello cut short by `close` is no refusal)
+                self._refused(peer)
             with contextlib.suppress(Exception):
                 writer.write(frame(Denied("the engine link requires its launch secret")))
                 await writer.drain()
@@ -181,7 +215,10 @@ class LinkServer:
                 else:
                     self._on_message(decode(msg), outbox, live, tasks)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
-            log.info("engine link: gateway link closed (%s)", type(exc).__name__)
+            if self._closing:
+                log.info("engine link: closed the gateway's link (the engine is stopping)")
+            else:
+                log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
             pusher.cancel()
             for rid in list(live):  # the gateway is gone: nobody will read these
