@@ -236,6 +236,7 @@ async def test_the_gateway_reads_the_engines_settings_from_its_welcome(tmp_path)
     the batch size, LoRA rank and chat template from the EngineConfig the engine reports in its
     welcome (typed), not by parsing those flags back."""
     from tests.engine.tiny_models import save_tiny
+
     from tokenpath.server.routing_config import DeploymentSpec, build_deployment
 
     model = save_tiny("llama", tmp_path / "tiny")
