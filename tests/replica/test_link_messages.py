@@ -19,11 +19,13 @@ from tokenpath.errors import (
     ServiceUnavailableError,
 )
 from tokenpath.protocol import (
+    CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequest,
     EngineEvents,
     EngineState,
     GenerateRequest,
+    RequestOutput,
     SamplingParams,
 )
 from tokenpath.protocol.link import (
@@ -42,11 +44,14 @@ from tokenpath.protocol.link import (
 from tokenpath.protocol.wire import (
     FIELD_MESSAGES,
     FrameError,
+    OutputFrames,
     decode,
+    decode_output,
     decode_request,
     encode,
     encode_request,
     frame,
+    pack,
 )
 from tokenpath.telemetry.timeline import Timeline
 
@@ -158,3 +163,32 @@ def test_no_frame_is_built_as_a_dict_outside_the_codec():
     offenders = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py") if p.name != "wire.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\{\s*\"t\"\s*:", line)]
     assert not offenders, offenders
+
+
+def test_an_outputs_engine_events_go_out_only_when_they_change():
+    """Every decode step's frame carried the request's whole events (at c=32 its `behind` list of
+    up to 32 holders and its stalls), which doubled the gateway's CPU per token on the link. Now
+    an unchanged `ev` is None and the receiver keeps the events it decoded last."""
+    req = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+    events = EngineEvents(queued=1.0, scheduled=2.0, first_token=3.0)
+    events.behind = [["r0", "t", 5, "running"]] * 32
+    frames = OutputFrames()
+
+    def step(token: int, finished: bool = False) -> dict:
+        out = RequestOutput("r1", [CompletionOutput(0, "x", [token])], [1, 2, 3], 0, finished, events=events)
+        return msgpack.unpackb(pack(frames.encode(out))[4:], raw=False)
+
+    first, second = step(7), step(8)
+    assert first["ev"] is not None and second["ev"] is None
+    kept = decode_output(first, req)
+    assert decode_output(second, req, kept.events).events is kept.events
+    with pytest.raises(FrameError):
+        decode_output(second, req)  # no events, and none before it
+    events.stalls.append([4.0, 0.02, [["r9", 64]]])  # appended in place by the engine: sent again
+    third = step(9)
+    assert decode_output(third, req).events.stalls == [[4.0, 0.02, [["r9", 64]]]]
+    events.finished = 5.0
+    last = step(10, finished=True)
+    assert decode_output(last, req).events.finished == 5.0
+    assert len(pack(frames.encode(RequestOutput("r1", [], [1], 0, True, events=events)))) < len(pack(encode(
+        RequestOutput("r1", [], [1], 0, True, events=events)))) / 4  # (the 32 holders are not resent)

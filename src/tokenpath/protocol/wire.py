@@ -154,10 +154,12 @@ def _lp(x: TokenLogprob) -> list:
 def encode_output(out: RequestOutput) -> dict:
     """Without the prompt ids and text: the receiver has them (it sent the request)."""
     ev = out.events
+    # (the event lists are copied: the engine appends to them in place, and `OutputFrames`
+    # compares what it sent last with what there is now)
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
-                                               [list(c) for c in ev.prefill_chunks], ev.behind, ev.freed_by,
-                                               ev.stalls, ev.preempted, ev.traced, ev.lora_load],
+                                               [list(c) for c in ev.prefill_chunks], list(ev.behind), ev.freed_by,
+                                               list(ev.stalls), list(ev.preempted), ev.traced, ev.lora_load],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
@@ -167,16 +169,45 @@ def encode_output(out: RequestOutput) -> dict:
             [None if x is None else [*_lp(x), x.rank] for x in out.prompt_logprobs]}
 
 
-def decode_output(d: dict, request: GenerateRequest) -> RequestOutput:
-    """Event times stay in the sender's clock; the link client shifts them."""
+class OutputFrames:
+    """One request's output frames, with its engine events only when they changed.
+
+    Most decode steps change none of a request's events, but they were sent with every token:
+    at c=32 the `behind` list (who a request queued behind, up to the whole batch) and the
+    `stalls` went out and were decoded 32 times a step, which doubled the gateway's CPU per
+    token on the link (benchmarks/README.md, engine_link). An unchanged `ev` is sent as None,
+    and the receiver keeps the events it decoded last (`decode_output`'s `events`)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: list | None = None
+
+    def encode(self, out: RequestOutput) -> dict:
+        d = encode_output(out)
+        if d["ev"] == self._last:
+            d["ev"] = None
+        else:
+            self._last = d["ev"]
+        return d
+
+
+def decode_output(d: dict, request: GenerateRequest, events: EngineEvents | None = None) -> RequestOutput:
+    """Event times stay in the sender's clock; the link client shifts them. `events`: the ones
+    to use when the frame carries none (unchanged since the request's last frame, `OutputFrames`)."""
     outs = [CompletionOutput(index=i, text=text, token_ids=list(ids),
                              logprobs=None if lps is None else
                              [TokenLogprob(a, b, c, [tuple(t) for t in top]) for a, b, c, top in lps],
                              finish_reason=reason, stop_reason=stop)
             for i, text, ids, lps, reason, stop in d["outs"]]
+    ev = d["ev"]
+    if ev is not None:
+        events = _events(ev)
+    elif events is None:
+        raise FrameError(f"output frame for {request.request_id!r} without events, and none before it")
     return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
                          num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
-                         events=_events(d["ev"]), num_preemptions=int(d.get("pre", 0)),
+                         events=events, num_preemptions=int(d.get("pre", 0)),
                          prompt=request.prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]),
                          prompt_logprobs=None if d.get("plp") is None else
                          [None if x is None else TokenLogprob(x[0], x[1], x[2], [tuple(t) for t in x[3]], x[4])

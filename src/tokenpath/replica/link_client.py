@@ -48,6 +48,7 @@ from tokenpath.protocol.link import (
     StallBound,
     Welcome,
 )
+from tokenpath.protocol.outputs import EngineEvents
 from tokenpath.protocol.wire import FrameError, FrameReader, decode, decode_output, frame, read_frame
 from tokenpath.replica.liveness import STALL_AFTER_S, Liveness, LivenessConfig, Progress
 
@@ -68,10 +69,11 @@ class LinkRefusedError(ServiceUnavailableError):
 class _Stream:
     """One request in flight on the link: what `_dispatch` needs to hand it its outputs."""
 
-    __slots__ = ("progress", "queue", "request")
+    __slots__ = ("events", "progress", "queue", "request")
 
     def __init__(self, request: Any, queue: asyncio.Queue, progress: Progress) -> None:
         self.request, self.queue, self.progress = request, queue, progress
+        self.events: EngineEvents | None = None  # its last engine events, in this clock (`OutputFrames`)
 
 
 class EngineLinkReplica:
@@ -156,8 +158,11 @@ class EngineLinkReplica:
         if msg["t"] == "out":  # (most frames: decoded against the request they answer)
             entry = self._streams.get(msg["id"])
             if entry is not None:
-                out = decode_output(msg, entry.request)
-                out.events = out.events.shifted(-self.offset)
+                if msg["ev"] is None:  # unchanged since its last frame: the same (shifted) events
+                    out = decode_output(msg, entry.request, entry.events)
+                else:
+                    out = decode_output(msg, entry.request)
+                    out.events = entry.events = out.events.shifted(-self.offset)
                 self._deliver(entry, out)
             return
         m = decode(msg)

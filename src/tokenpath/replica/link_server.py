@@ -61,7 +61,16 @@ from tokenpath.protocol.link import (
     StallBound,
     Welcome,
 )
-from tokenpath.protocol.wire import FrameError, decode, decode_request, frame, read_frame
+from tokenpath.protocol.wire import (
+    FrameError,
+    OutputFrames,
+    decode,
+    decode_request,
+    encode,
+    frame,
+    pack,
+    read_frame,
+)
 from tokenpath.replica.liveness import HEARD_EVERY_S, STALL_AFTER_S, hang_bound
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
 
@@ -90,7 +99,11 @@ class Outbox:
 
     def send(self, msg: object) -> None:
         """Queue one message of the link (`protocol.wire.encode` says which are)."""
-        self._buf += frame(msg)
+        self.send_encoded(encode(msg))
+
+    def send_encoded(self, msg: dict) -> None:
+        """Queue one message already encoded (a request's output, by its `OutputFrames`)."""
+        self._buf += pack(msg)
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -350,6 +363,7 @@ class _LinkRequest:
         # last output says so, and the gateway does not build them a second time.
         self.traced = will_export(server.tracer_provider, request.traceparent)
         self.token_times: list[float] = []  # when choice 0's tokens left, for the decode span's ITL
+        self.frames = OutputFrames()  # (its engine events go out only when they change)
 
     def __call__(self, out: RequestOutput | BaseException) -> None:
         rid = self.request.request_id
@@ -362,7 +376,7 @@ class _LinkRequest:
             return
         if out.finished and self.traced:
             out.events.traced = True
-        self.outbox.send(out)
+        self.outbox.send_encoded(self.frames.encode(out))
         self.completion += sum(len(c.token_ids) for c in out.outputs)
         if self.traced and any(c.token_ids for c in out.outputs if c.index == 0):
             self.token_times.append(time.monotonic())
