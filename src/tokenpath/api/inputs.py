@@ -11,6 +11,7 @@ token cap).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from tokenpath.api import tools as tool_calls
@@ -75,6 +76,18 @@ def max_token_bytes(tok) -> int:  # noqa: ANN001
             cached = 64
         tok._tokenpath_max_token_bytes = cached
     return cached
+
+
+def warm_tokenizers(tokenizers: list) -> None:
+    """Compute each tokenizer's `max_token_bytes` and compile its chat template now (at start-up,
+    in a thread) rather than inside the first request, where every request behind it waits."""
+    for tok in tokenizers:
+        if tok is None:
+            continue
+        max_token_bytes(tok)
+        if getattr(tok, "chat_template", None):
+            with contextlib.suppress(Exception):  # (a template that cannot render this fails its requests clearly)
+                tok.apply_chat_template([{"role": "user", "content": "warm-up"}])
 
 
 @dataclass(frozen=True)
