@@ -82,3 +82,20 @@ def test_a_prompt_waits_for_its_prefix_being_prefilled_instead_of_computing_it_t
     assert "twin" not in granted[1] and "twin" not in granted[2]  # first's blocks still in flight
     assert twin.num_cached_tokens == 512  # served from the cache, not computed again
     assert blocks.prefix_hits == 512
+
+
+def test_a_request_preempted_by_its_own_growth_names_the_one_holding_the_pool():
+    """Five blocks: `big` (40 tokens, 3 blocks, room for 8 more) and `late` (32 tokens, 2 full
+    blocks). `late` needs a third block for its first decode token, none is free, and it is the
+    latest arrival: it is the victim of its own growth, and its record names `big`, whose blocks it
+    waited for (the cause's culprit), not nobody."""
+    sched = Scheduler(BlockManager(5, 16), max_num_batched_tokens=1024, max_num_seqs=8)
+    big, late = _seq("big", 40, 0.0), _seq("late", 32, 1.0)
+    sched.add(big)
+    sched.add(late)
+    _advance(sched.schedule())
+    for seq in (big, late):
+        seq.token_ids.append(7)  # (each sampled its first token)
+    out = sched.schedule()
+    assert out.preempted == [late] and [s.request_id for s, _ in out.scheduled] == ["big"]
+    assert [r[1] for r in late.events.preempted] == ["big"]

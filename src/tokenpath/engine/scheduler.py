@@ -235,12 +235,23 @@ class Scheduler:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
             victim = max(self.running, key=Sequence.sort_key)  # lowest priority, latest arrival
-            victim.events.preempted.append([time.monotonic(), "" if victim is seq else seq.request_id,
+            victim.events.preempted.append([time.monotonic(), self._forced_by(seq, victim),
                                             victim.num_computed_tokens, None])
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _forced_by(self, seq: Sequence, victim: Sequence) -> str:
+        """Whose blocks a preemption is owed to (its cause's culprit): the request that needed room,
+        or, when the victim is that request itself (it could not grow and is the latest arrival),
+        the other request holding the most of the pool. Which of two growing requests crosses a
+        block boundary first in a step is timing; the pool they share is not. "": nobody else."""
+        if victim is not seq:
+            return seq.request_id
+        holder = max((s for s in self.running if s.request_id != seq.request_id),
+                     key=lambda s: len(s.block_table), default=None)
+        return "" if holder is None else holder.request_id
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
