@@ -187,6 +187,10 @@ def test_an_outputs_engine_events_go_out_only_when_they_change():
     events.stalls.append([4.0, 0.02, [["r9", 64]]])  # appended in place by the engine: sent again
     third = step(9)
     assert decode_output(third, req).events.stalls == [[4.0, 0.02, [["r9", 64]]]]
+    events.preempted.append([4.5, "r8", 16, None])
+    assert decode_output(step(10), req).events.preempted == [[4.5, "r8", 16, None]]
+    events.preempted[-1][3] = 4.8  # its record closed in place when it has recomputed what it lost
+    assert decode_output(step(11), req).events.preempted == [[4.5, "r8", 16, 4.8]]
     events.finished = 5.0
     last = step(10, finished=True)
     assert decode_output(last, req).events.finished == 5.0

@@ -154,12 +154,13 @@ def _lp(x: TokenLogprob) -> list:
 def encode_output(out: RequestOutput) -> dict:
     """Without the prompt ids and text: the receiver has them (it sent the request)."""
     ev = out.events
-    # (the event lists are copied: the engine appends to them in place, and `OutputFrames`
-    # compares what it sent last with what there is now)
+    # (the event lists are copied: the engine appends to them in place, and closes a preemption
+    # record in place, `EngineCore._note_recovered`; `OutputFrames` compares what it sent last
+    # with what there is now)
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
                                                [list(c) for c in ev.prefill_chunks], list(ev.behind), ev.freed_by,
-                                               list(ev.stalls), list(ev.preempted), ev.traced, ev.lora_load],
+                                               list(ev.stalls), [list(p) for p in ev.preempted], ev.traced, ev.lora_load],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
