@@ -8,7 +8,8 @@ socket stays open, so nothing closes and nothing fails; before this module its i
 waited for as long as it was frozen (150 s for a 150 s freeze, issue 23) while a healthy sibling
 sat idle. A stall is a commoner fault than a crash, and it must cost a client no more than a crash.
 
-`Liveness` runs one timer per replica (every `tick_s`; per output it costs one attribute store):
+`Liveness` runs one timer per replica, which sleeps until something can first be late (about once a
+second on a healthy replica; per output it costs one attribute store):
 - **The replica.** It is *stalled* when either of two things is late:
   - *its process*: nothing heard from it (a state push, an output, a pong) for `stall_after_s`
     (a SIGSTOPped or paused process; an engine in this process is always heard: `local.py`);
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,8 +59,10 @@ log = logging.getLogger("tokenpath.replica")
 STALL_AFTER_S = 4.0
 FIRST_TOKEN_S = 600.0
 NEXT_TOKEN_S = 300.0
-LATE_TICK_S = 0.5  # a tick this late means the gateway itself was held up: judge on the next one
-MAX_TICK_S = 0.1  # detection latency past the bound: at most this (one timer wake per replica)
+LATE_TICK_S = 0.5  # a wake this late means the gateway itself was held up: judge after one more tick
+MAX_TICK_S = 0.1  # after such a late wake, the wait before judging (the reader's catch-up)
+MAX_SLEEP_S = 1.0  # the timer's longest sleep: a bound changed from outside is honoured within it
+DUE_SLACK_S = 0.005  # wake just past a due time, so the bound it ends is exceeded, not met
 HEARD_EVERY_S = 1.0  # a healthy engine process is heard at least this often (`link_server`'s heartbeat)
 STEP_SLACK = 3.0  # a step is hung past this many times the most a normal step takes (and the bound)
 FIRST_STEP_S = 30.0  # an engine's first step (one-time setup, no price per token yet) is hung only past this
@@ -107,7 +111,7 @@ class Liveness:
     def __init__(self, name: str, config: LivenessConfig | None = None,
                  poll: Callable[[Liveness], None] | None = None) -> None:
         self.name = name
-        self.config = config or LivenessConfig()
+        self._config = config or LivenessConfig()
         self.deployment = ""  # for the log line and the metric; set by whoever builds the deployment
         # An engine that cannot push (one in this process) is read instead: `poll(self)` runs before
         # every judgement and calls `heard` and `stepped` (`local.py`).
@@ -123,6 +127,17 @@ class Liveness:
         self.ejections = 0
         self.active = True  # judged only while True (a link replica: while linked; a closed link is not a stall)
         self._task: asyncio.Task | None = None
+        self._due = math.inf  # when the timer wakes next (-inf while it is awake)
+
+    @property
+    def config(self) -> LivenessConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: LivenessConfig) -> None:
+        """New bounds (set once the serve command knows them): judged by them from now on."""
+        self._config = config
+        self._sooner(time.monotonic())
 
     # -- what the replica tells it ----------------------------------------------------------------
     def heard(self, now: float) -> None:
@@ -141,6 +156,7 @@ class Liveness:
         if self.step_at is None or at > self.step_at:
             self.step_at = at
             self._recover(time.monotonic())
+        self._sooner(self.step_at + self.bound)  # (a first allowance can shorten the bound)
 
     def forget_steps(self) -> None:
         """A new engine behind the replica (a restarted process): its old step reports say nothing."""
@@ -204,6 +220,7 @@ class Liveness:
             raise self._stall_error(started=False)
         p = self.requests[request_id] = Progress(fail, time.monotonic())
         self.start()
+        self._sooner(p.dispatched + self.config.first_token_s)
         return p
 
     def untrack(self, request_id: str) -> None:
@@ -215,6 +232,7 @@ class Liveness:
         if self._task is None or self._task.done():
             with contextlib.suppress(RuntimeError):
                 self._task = asyncio.get_running_loop().create_task(self._watch())
+                self._due = -math.inf  # (it computes its first due time when it runs)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -223,15 +241,44 @@ class Liveness:
                 await self._task
             self._task = None
 
+    def _sooner(self, when: float) -> None:
+        """Something may now fall due before the timer wakes (a new request with a short bound, a
+        shorter bound, a step allowance learned): restart it, so it sleeps to the new due time."""
+        if when < self._due and self._task is not None and not self._task.done():
+            self._task.cancel()
+            self._task = None
+            self.start()
+
+    def _next_due(self, now: float) -> float:
+        """When the next judgement can first find something late: the silence bound from the last
+        frame heard, the hang bound from the step running now, each request's own bound. Nothing
+        can be late before then, so the timer sleeps until it (at most `MAX_SLEEP_S`)."""
+        c = self.config
+        due = now + MAX_SLEEP_S
+        if self.active and self.stalled_since is None:
+            due = min(due, self.heard_at + c.stall_after_s)
+            if self.step_at is not None:
+                due = min(due, self.step_at + self.bound)
+        for p in self.requests.values():
+            if not p.done:
+                due = min(due, p.last + c.next_token_s if p.started else p.dispatched + c.first_token_s)
+        return due + DUE_SLACK_S
+
     async def _watch(self) -> None:
-        due = time.monotonic()
+        """Wakes when something can first be late (`_next_due`), not on a fixed tick: a 10 Hz tick
+        per replica cost the gateway's event loop a wake-up per tick, and on a loaded machine that
+        doubled its CPU per streamed token (`benchmarks/link_cpu.py`). Frames heard meanwhile only
+        move the due time later, so a healthy replica is judged about once a second."""
         while True:
-            tick = self.config.tick_s
-            due += tick
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            self._due = -math.inf  # (awake: what `_sooner` would wake it for is judged below anyway)
+            self._poll()
             now = time.monotonic()
-            if now - due > LATE_TICK_S:  # the gateway was held up, not (necessarily) the engine
-                due = now
+            due = self._due = self._next_due(now)
+            await asyncio.sleep(max(0.0, due - now))
+            self._due = -math.inf
+            now = time.monotonic()
+            if now - due > LATE_TICK_S:  # the gateway was held up, not (necessarily) the engine:
+                await asyncio.sleep(self.config.tick_s)  # let its reader catch up, then judge
                 continue
             self._poll()
             if self.active and self.stalled_since is None and self._why(now) is not None:
