@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.errors import EngineDeadError
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState, Submission
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
 
@@ -80,7 +80,8 @@ class SimulatedReplica:
         if rid in self._aborted:
             raise asyncio.CancelledError
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncIterator[RequestOutput]:
+        request = submission.request
         rid = request.request_id
         if not self.healthy:
             raise EngineDeadError(f"replica '{self.name}' is dead")
