@@ -72,6 +72,14 @@ async def test_a_connection_without_the_secret_is_refused(engine):
 
 
 @in_module_loop
+async def test_the_prompt_text_is_echoed_by_the_gateway_end(engine):
+    """The engine never gets the prompt's text (a `GenerateRequest` has none): the link client
+    puts its submission's back on every output, as an in-process replica does."""
+    outs = [o async for o in engine.replica.generate(Submission(req("echo"), prompt="the text"))]
+    assert outs[-1].finished and all(o.prompt == "the text" for o in outs)
+
+
+@in_module_loop
 async def test_priority_crosses_the_link(engine):
     replica = engine.replica
     # Long enough to still be running when `high` arrives, however fast the engine's kernels are.

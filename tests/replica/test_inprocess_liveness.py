@@ -42,7 +42,10 @@ class Gate:
 
 async def run(replica: InProcessReplica, rid: str, tokens: int = 4, prompt: tuple = (5, 6, 7, 8)) -> list:
     req = GenerateRequest(rid, list(prompt), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    return [o async for o in replica.generate(Submission(req))]
+    outs = [o async for o in replica.generate(Submission(req, prompt=f"text of {rid}"))]
+    # The engine sees ids only: the replica puts its submission's text back on every output.
+    assert all(o.prompt == f"text of {rid}" for o in outs)
+    return outs
 
 
 @pytest.fixture

@@ -15,9 +15,11 @@ closed; refusals are counted (`LinkServer.refused`) and logged at most once per
 The socket is bound to loopback by its launcher. With `exit_on_close`, the process ends when its
 gateway's link closes, so an engine never outlives the gateway that started it.
 
-Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`), `Abort`,
-`Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it: `Welcome`,
-`Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
+What every engine kind shares (the handshake, connections, pings, aborts, the state push) is
+`LinkEndpoint[E]`; `LinkServer` is the generation kind (`embedding_link.EmbeddingLinkServer` the
+encoder's). Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`),
+`Abort`, `Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it:
+`Welcome`, `Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
 `ResetDone`, and the `EngineState` (see `StatePush`); the messages are `protocol.link`'s, encoded
 by `protocol.wire`.
 
