@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from tokenpath.engine.block_hash import block_hashes
@@ -80,7 +80,7 @@ class SimulatedReplica:
         if rid in self._aborted:
             raise asyncio.CancelledError
 
-    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
         request = submission.request
         rid = request.request_id
         if not self.healthy:

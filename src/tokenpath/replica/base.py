@@ -21,7 +21,7 @@ pickers and Timeline stamping serve both, each typed for its own pair; implement
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol, TypeVar
 
 from tokenpath.errors import ServiceUnavailableError
@@ -66,7 +66,9 @@ class ProgressTimeoutError(ServiceUnavailableError):
 class Replica(Protocol[ReqT_contra, OutT_co]):
     name: str
 
-    def generate(self, submission: Submission[ReqT_contra]) -> AsyncIterator[OutT_co]: ...
+    def generate(self, submission: Submission[ReqT_contra]) -> AsyncGenerator[OutT_co, None]:
+        """The request's outputs, as they come. An async generator: closing it (`aclose`) before
+        the last output stops the request on its engine."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -32,7 +32,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Generic
 
 from tokenpath import errors
@@ -230,7 +230,7 @@ class LinkReplica(Generic[ReqT, OutT]):
                 await self._reader_task
 
     # -- the Replica interface --------------------------------------------------------------------
-    async def generate(self, submission: Submission[ReqT]) -> AsyncIterator[OutT]:
+    async def generate(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
         """One request over the link: send the bare request, yield what `_dispatch` queues for it
         until one is `finished` (an embedding's one output always is), raise an error it queues,
         and abort it on the engine if the caller stops early."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
@@ -57,7 +57,7 @@ class InProcessReplica:
         liveness.stepped(now - age, allowance)
         engine.step_ceiling_s = hang_bound(liveness.config.stall_after_s, allowance)
 
-    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
         """The bare request goes to the engine; each output it yields is new and this stream's
         alone, so the prompt's text (which the engine never had) is set on it here."""
         engine, rid, prompt = self.engine, submission.request_id, submission.prompt

@@ -9,7 +9,7 @@ event times pass as they are.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tokenpath.engine.embedding import EmbeddingEngine
 from tokenpath.errors import EngineDeadError
@@ -22,7 +22,7 @@ class InProcessEmbeddingReplica:
         self.engine = engine
         self.name = name
 
-    async def generate(self, submission: Submission[EmbeddingRequest]) -> AsyncIterator[EmbeddingOutput]:
+    async def generate(self, submission: Submission[EmbeddingRequest]) -> AsyncGenerator[EmbeddingOutput, None]:
         if not self.engine.healthy:
             raise EngineDeadError(f"the embedding engine of replica '{self.name}' failed a forward pass")
         yield await self.engine.run(submission.request)

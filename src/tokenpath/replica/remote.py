@@ -24,7 +24,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -228,7 +228,7 @@ class RemoteReplica(PolledState):
             body["user"] = submission.session_id
         return body
 
-    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
         request, timeline = submission.request, submission.timeline
         events = EngineEvents(queued=time.monotonic())  # receipt times: an OpenAI server sends none
         headers = {"X-Request-Id": request.request_id}

@@ -8,9 +8,9 @@ The task check in `resolve` is what keeps an embedding request away from a chat 
 `Deployment.generate` is the middle of the path (`Deployment.embed` takes it too, for an
 `EmbeddingRequest` on an embedding model's replicas). It takes the gateway's `Submission`, stamps
 its Timeline, and hands it to the replica, which sends the bare request on. A deployment is typed
-by what its replicas serve (`Deployment[GenerateRequest, RequestOutput]`, or the embedding pair):
-admission (admit / queue / reject with
-Retry-After) -> fair queue -> replica pick (policy + reason on the Timeline) -> replica stream.
+by what its replicas serve (`Deployment[GenerateRequest, RequestOutput]`, or the embedding pair).
+Admission (admit / queue / reject with Retry-After) -> fair queue -> replica pick (policy +
+reason on the Timeline) -> replica stream.
 A request that fails before its first token is retried once on another replica (the failed one
 is ejected); after the first token a failure ends the stream with a 503, because tokens already
 sent cannot be taken back. A stalled replica (`replica.liveness`) releases its requests the same
@@ -187,9 +187,8 @@ class Deployment(Generic[ReqT, OutT]):
                         f"replica '{replica.name}' of model '{self.name}' failed: {exc}",
                         code="replica_failed") from exc
             finally:
-                if (aclose := getattr(stream, "aclose", None)) is not None:  # (every replica's is a generator)
-                    with contextlib.suppress(Exception):
-                        await aclose()
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
                 if not finished:
                     with contextlib.suppress(Exception):
                         await replica.abort(submission.request_id)
