@@ -41,7 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from engine_link_report import render  # noqa: E402
 from routing_common import pct, rand_tokens  # noqa: E402
 
-from tokenpath.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission  # noqa: E402
 from tokenpath.routing.models import Deployment  # noqa: E402
 from tokenpath.telemetry.timeline import Timeline  # noqa: E402
 
@@ -51,8 +51,8 @@ MODES = ("in_process", "link")
 
 async def one(dep: Deployment, tokens: list[int], max_tokens: int, tag: str, i: int) -> dict:
     rid = f"{tag}-{i}-{time.monotonic_ns()}"
-    req = GenerateRequest(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                          Timeline(rid))
+    req = Submission(GenerateRequest(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                  ignore_eos=True)), Timeline(rid))
     gaps: list[float] = []
     delivery: list[float] = []  # engine event -> consumer receipt (both in this process's clock)
     last = None

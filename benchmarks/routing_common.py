@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.processes import EngineProcess, spawn_engines
@@ -52,16 +52,16 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def make_request(tokens: list[int], max_tokens: int, tenant: str = "bench",
-                 deadline_s: float | None = None) -> GenerateRequest:
+                 deadline_s: float | None = None) -> Submission[GenerateRequest]:
     rid = f"bench-{next(_ids)}"
-    r = GenerateRequest(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                        Timeline(rid), tenant=tenant)
+    r = Submission(GenerateRequest(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True), tenant=tenant), Timeline(rid))
     if deadline_s is not None:
-        r.deadline = r.timeline.stamps["received"] + deadline_s
+        r.request.deadline = r.timeline.stamps["received"] + deadline_s
     return r
 
 
-async def timed(dep: Deployment, r: GenerateRequest) -> Record:
+async def timed(dep: Deployment, r: Submission[GenerateRequest]) -> Record:
     from tokenpath.errors import TokenpathError
 
     rec = Record(prompt=len(r.prompt_token_ids))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.errors import EngineDeadError
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState, Submission
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
 
@@ -80,7 +80,8 @@ class SimulatedReplica:
         if rid in self._aborted:
             raise asyncio.CancelledError
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
+        request = submission.request
         rid = request.request_id
         if not self.healthy:
             raise EngineDeadError(f"replica '{self.name}' is dead")

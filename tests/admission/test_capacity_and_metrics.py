@@ -7,7 +7,7 @@ from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 from tokenpath.admission.capacity import CapacityEstimator
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import RateLimitError
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig, ReplicaHandle
 from tokenpath.routing.models import Deployment
@@ -49,7 +49,7 @@ class StaticReplica:
 
     async def abort(self, request_id: str) -> None: ...
 
-    def generate(self, request):  # pragma: no cover - not used here
+    def generate(self, submission):  # pragma: no cover - not used here
         raise NotImplementedError
 
 
@@ -96,7 +96,7 @@ async def test_rejections_routing_decisions_and_queue_depth_are_exported():
                      admission=AdmissionConfig(max_queue=1), pool_config=PoolConfig(max_engine_waiting=0))
 
     def req(rid, tenant="t"):
-        return GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=5), Timeline(rid), tenant=tenant)
+        return Submission(GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=5), tenant=tenant), Timeline(rid))
 
     async def run(r):
         return [o async for o in dep.generate(r)]

@@ -8,7 +8,7 @@ from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.routing.models import Deployment
@@ -19,11 +19,10 @@ _ids = iter(range(10**9))
 
 def req(tokens=(1, 2, 3), max_tokens=4, tenant="anonymous", priority=0, deadline_s=None):
     rid = f"req-{next(_ids)}"
-    r = GenerateRequest(rid, list(tokens), SamplingParams(max_tokens=max_tokens), Timeline(rid),
-                        priority=priority, tenant=tenant)
+    r = GenerateRequest(rid, list(tokens), SamplingParams(max_tokens=max_tokens), priority=priority, tenant=tenant)
     if deadline_s is not None:
         r.deadline = time.monotonic() + deadline_s
-    return r
+    return Submission(r, Timeline(rid))
 
 
 def deployment(n=1, seqs=2, interval=0.01, policy="least_loaded", engine_waiting=0, **admission):

@@ -23,6 +23,12 @@ def test_seeded_sampling_is_reproducible_even_when_batched(smol_llm):
     assert different_seed[0].outputs[0].token_ids != alone
 
 
+def test_each_result_echoes_its_text_prompt(smol_llm):
+    """The engine sees token ids only; the offline LLM puts each text prompt back on its result."""
+    outs = smol_llm.generate(["Hello there", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+    assert outs[0].prompt == "Hello there" and outs[1].prompt is None
+
+
 def test_top_k_1_equals_greedy(smol_llm):
     greedy = smol_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20))
     top1 = smol_llm.generate([PROMPT], SamplingParams(temperature=1.3, top_k=1, max_tokens=20, seed=5))

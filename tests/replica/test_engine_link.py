@@ -23,7 +23,7 @@ import pytest_asyncio
 from tests.api.conftest import TOKENPATH, start_server
 
 from tokenpath.errors import DeadlineExceededError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.protocol.wire import FrameReader, encode_request, pack, read_frame
 from tokenpath.replica.link_client import EngineLinkReplica, LinkRefusedError
 from tokenpath.replica.link_server import STATE_HEARTBEAT_S, STATE_INTERVAL_S
@@ -52,7 +52,7 @@ def req(rid: str, max_tokens: int = 4, priority: int = 0, prompt_len: int = 24) 
 
 
 async def drain(replica, r: GenerateRequest):
-    return [o async for o in replica.generate(r)]
+    return [o async for o in replica.generate(Submission(r))]
 
 
 @in_module_loop
@@ -69,6 +69,14 @@ async def test_a_connection_without_the_secret_is_refused(engine):
     # The real link is unaffected.
     outs = await drain(engine.replica, req("after-intruder"))
     assert outs[-1].finished
+
+
+@in_module_loop
+async def test_the_prompt_text_is_echoed_by_the_gateway_end(engine):
+    """The engine never gets the prompt's text (a `GenerateRequest` has none): the link client
+    puts its submission's back on every output, as an in-process replica does."""
+    outs = [o async for o in engine.replica.generate(Submission(req("echo"), prompt="the text"))]
+    assert outs[-1].finished and all(o.prompt == "the text" for o in outs)
 
 
 @in_module_loop
@@ -175,7 +183,7 @@ async def test_sigkill_fails_streams_at_once_then_restart_and_back(engine):
     replica = engine.replica
     before = series.REPLICA_RESTARTS.labels("link-test", engine.name)._value.get()
     old_pid = engine.proc.pid
-    stream = replica.generate(req("doomed", max_tokens=400))
+    stream = replica.generate(Submission(req("doomed", max_tokens=400)))
     first = await stream.__anext__()
     assert not first.finished
     killed_at = time.monotonic()

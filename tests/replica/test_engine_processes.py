@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from tokenpath.config import EngineConfig
 from tokenpath.errors import ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.processes import ENGINE_NICE
 from tokenpath.routing.models import Deployment
@@ -51,8 +51,8 @@ async def engines(tmp_path_factory):
 def req(max_tokens=4):
     rid = f"proc-{next(_ids)}"
     ids = [_rng.randrange(1000, 40000) for _ in range(30)]
-    return GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           Timeline(rid))
+    return Submission(GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True)), Timeline(rid))
 
 
 async def drain(d, r):

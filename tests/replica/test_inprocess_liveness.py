@@ -14,7 +14,7 @@ import pytest
 from tests.engine.tiny_models import save_tiny
 
 from tokenpath.engine.async_engine import AsyncEngine
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.replica.base import ReplicaStalledError
 from tokenpath.replica.liveness import LivenessConfig
 from tokenpath.replica.local import InProcessReplica
@@ -42,7 +42,10 @@ class Gate:
 
 async def run(replica: InProcessReplica, rid: str, tokens: int = 4, prompt: tuple = (5, 6, 7, 8)) -> list:
     req = GenerateRequest(rid, list(prompt), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    return [o async for o in replica.generate(req)]
+    outs = [o async for o in replica.generate(Submission(req, prompt=f"text of {rid}"))]
+    # The engine sees ids only: the replica puts its submission's text back on every output.
+    assert all(o.prompt == f"text of {rid}" for o in outs)
+    return outs
 
 
 @pytest.fixture

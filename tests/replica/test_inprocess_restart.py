@@ -10,7 +10,7 @@ import pytest
 from tests.engine.tiny_models import save_tiny
 
 from tokenpath.engine.async_engine import AsyncEngine
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.replica.local import InProcessReplica
 from tokenpath.telemetry import series
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 async def drain(replica: InProcessReplica, rid: str) -> list:
     req = GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    return [o async for o in replica.generate(req)]
+    return [o async for o in replica.generate(Submission(req))]
 
 
 async def test_a_dead_step_loop_is_restarted(tiny):

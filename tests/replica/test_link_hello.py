@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from tests.engine.tiny_models import save_tiny
 
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.replica.processes import spawn_engines
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -55,7 +55,7 @@ def send_big_garbage(port: int, done: list) -> None:
 async def generate_ok(engine, rid: str) -> None:
     request = GenerateRequest(rid, [1000 + i for i in range(8)],
                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    outs = [o async for o in engine.replica.generate(request)]
+    outs = [o async for o in engine.replica.generate(Submission(request))]
     assert outs[-1].finished
 
 

@@ -4,6 +4,7 @@ know is ignored, and no module outside the codec builds a frame as a dict of its
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tokenpath.protocol import (
     GenerateRequest,
     RequestOutput,
     SamplingParams,
+    Submission,
 )
 from tokenpath.protocol.link import (
     Abort,
@@ -115,14 +117,20 @@ def test_the_deadline_crosses_as_seconds_left_into_the_engines_clock():
 
 
 def test_gateway_only_fields_stay_off_the_link():
-    """The engine never reads the Timeline, the prompt text or the session id: they stay out of
-    the `add` frame (the client keeps its own copy of the request)."""
-    req = GenerateRequest("g2", [1, 2], SamplingParams(), Timeline("g2"), session_id="alice", prompt="a prompt")
-    sent = encode(req)["req"]
+    """The engine never reads the Timeline, the prompt text or the session id: they are the
+    gateway's `Submission`'s, not the request's, so the `add` frame cannot carry them (and a
+    submission itself is no message of the link). The client puts the prompt back on outputs."""
+    sub = Submission(GenerateRequest("g2", [1, 2], SamplingParams()), Timeline("g2"), session_id="alice",
+                     prompt="a prompt")
+    assert not {"timeline", "prompt", "session_id"} & {f.name for f in dataclasses.fields(GenerateRequest)}
+    sent = encode(sub.request)["req"]
     assert not {"timeline", "prompt", "session", "session_id"} & set(sent), sorted(sent)
     assert "alice" not in repr(sent) and "a prompt" not in repr(sent)
-    back = over_the_wire(req)
-    assert (back.timeline, back.session_id, back.prompt) == (None, None, None)
+    with pytest.raises(TypeError):
+        encode(sub)
+    out = RequestOutput("g2", [CompletionOutput(0, "x", [7])], [1, 2], 0, True, events=EngineEvents(1.0))
+    back = decode_output(encode(out), sub.request, prompt=sub.prompt)
+    assert back.prompt == "a prompt" and decode_output(encode(out), sub.request).prompt is None
 
 
 def test_an_older_or_newer_peer_is_understood():

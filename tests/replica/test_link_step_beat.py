@@ -20,7 +20,7 @@ import pytest
 from tests.engine.tiny_models import save_tiny
 
 from tokenpath.engine.async_engine import AsyncEngine
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.replica.base import ReplicaStalledError
 from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.link_server import LinkServer
@@ -48,8 +48,9 @@ async def until(cond, what: str, timeout: float = 10.0) -> None:  # noqa: ANN001
         await asyncio.sleep(0.02)
 
 
-def request(rid: str, tokens: int = 4) -> GenerateRequest:
-    return GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+def request(rid: str, tokens: int = 4) -> Submission[GenerateRequest]:
+    return Submission(GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=tokens,
+                                                                        ignore_eos=True)))
 
 
 @pytest.fixture

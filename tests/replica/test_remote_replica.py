@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.base import ReplicaBusyError
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics
@@ -114,8 +114,8 @@ async def serve(app):
 
 
 def req(rid="abc", max_tokens=3, session=None):
-    return GenerateRequest(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["x"]),
-                           Timeline(rid), session_id=session)
+    return Submission(GenerateRequest(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                      stop=["x"])), Timeline(rid), session_id=session)
 
 
 async def test_stream_state_and_body():

@@ -8,7 +8,7 @@ import time
 
 from tokenpath.admission.controller import FlowController
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol import EngineState, GenerateRequest, SamplingParams
+from tokenpath.protocol import EngineState, GenerateRequest, SamplingParams, Submission
 from tokenpath.replica.link_client import EngineLinkReplica
 from tokenpath.replica.liveness import LivenessConfig
 from tokenpath.replica.pool import ReplicaPool
@@ -24,8 +24,8 @@ def linked(name: str) -> EngineLinkReplica:
     return rep
 
 
-def request(rid: str, ids: list[int]) -> GenerateRequest:
-    return GenerateRequest(rid, ids, SamplingParams(max_tokens=4), Timeline(rid))
+def request(rid: str, ids: list[int]) -> Submission[GenerateRequest]:
+    return Submission(GenerateRequest(rid, ids, SamplingParams(max_tokens=4)), Timeline(rid))
 
 
 async def test_prefix_hit_on_a_stalled_replica_goes_elsewhere():

@@ -11,7 +11,7 @@ import pytest_asyncio
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.config import EngineConfig
 from tokenpath.errors import DeadlineExceededError, InvalidRequestError, RateLimitError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.routing.models import Deployment, ModelRouter
@@ -45,10 +45,10 @@ def tokens(n):
 def req(prompt=None, max_tokens=4, tenant="t", deadline_s=None):
     rid = f"e2e-{next(_ids)}"
     r = GenerateRequest(rid, prompt or tokens(24), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), Timeline(rid), tenant=tenant)
+                                                                   ignore_eos=True), tenant=tenant)
     if deadline_s is not None:
         r.deadline = time.monotonic() + deadline_s
-    return r
+    return Submission(r, Timeline(rid))
 
 
 def dep(name, reps, inflight=1, policy="least_loaded", **adm):

@@ -5,7 +5,7 @@ second replica instead of pinned (`lora_spread`), a cold one to a replica with a
 from __future__ import annotations
 
 from tokenpath.engine.block_hash import block_hashes, lora_root
-from tokenpath.protocol import GenerateRequest, ReplicaState
+from tokenpath.protocol import GenerateRequest, ReplicaState, Submission
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.routing.replicas import PrefixAwarePicker, RoundRobinPicker
@@ -15,7 +15,7 @@ SQL = LoraRef("sql", "/adapters/sql")
 
 
 def req(tokens, lora=None, rid="r"):
-    return GenerateRequest(rid, list(tokens), SamplingParams(), Timeline(rid), lora=lora)
+    return Submission(GenerateRequest(rid, list(tokens), SamplingParams(), lora=lora), Timeline(rid))
 
 
 def st(name, running=0, loras=(), running_loras=(), hashes=(), max_loras=2):

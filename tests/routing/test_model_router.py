@@ -5,7 +5,7 @@ from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest
+from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.routing.models import Deployment, ModelRouter
@@ -13,7 +13,7 @@ from tokenpath.telemetry.timeline import Timeline
 
 
 def req(rid, max_tokens=3):
-    return GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), Timeline(rid))
+    return Submission(GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens)), Timeline(rid))
 
 
 def dep(name, task="chat", n=1, seqs=2, **adm):

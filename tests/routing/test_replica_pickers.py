@@ -3,7 +3,7 @@ import random
 import pytest
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.protocol import EmbeddingRequest, GenerateRequest, ReplicaState, Routable
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest, ReplicaState, Routable, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.routing.replicas import (
     LeastLoadedPicker,
@@ -18,7 +18,7 @@ from tokenpath.telemetry.timeline import Timeline
 
 
 def req(tokens, session=None, rid="r"):
-    return GenerateRequest(rid, list(tokens), SamplingParams(), Timeline(rid), session_id=session)
+    return Submission(GenerateRequest(rid, list(tokens), SamplingParams()), Timeline(rid), session_id=session)
 
 
 def st(name, waiting=0, running=0, kv=0.0, hashes=(), block_size=16, max_num_seqs=8):
@@ -184,9 +184,10 @@ def test_prefix_aware_forgets_what_the_replica_cannot_hold():
 
 
 def test_an_embedding_is_routed_like_a_generation_of_its_tokens():
-    """Both request kinds are `Routable` (what a picker reads); an embedding has no adapter, and its
-    inputs hash like a generation's prompt, so identical inputs land on the replica holding them."""
-    emb = EmbeddingRequest("e", [SYSTEM[:64], SYSTEM[64:]], Timeline("e"), session_id="s1")
+    """A submission of either request kind is `Routable` (what a picker reads); an embedding has no
+    adapter, and its inputs hash like a generation's prompt, so identical inputs land on the
+    replica holding them."""
+    emb = Submission(EmbeddingRequest("e", [SYSTEM[:64], SYSTEM[64:]]), Timeline("e"), session_id="s1")
     assert isinstance(emb, Routable) and isinstance(req([1]), Routable) and emb.lora is None
     hs = block_hashes(SYSTEM, 16)
     states = [st("a"), st("b", running=1, hashes=hs)]

@@ -29,14 +29,15 @@ from tokenpath.admission.capacity import CapacityEstimator
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import EmbeddingRequest, GenerateRequest
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest, Submission
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
-from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.admission")
-# What a deployment admits: a generation, or an embedding down the same queue and picker.
-Request = GenerateRequest | EmbeddingRequest
+# What a deployment admits: the gateway's submission of a generation, or of an embedding down the
+# same queue and picker. Admission reads the request's priority, tenant, deadline and size, stamps
+# the submission's Timeline, and hands the submission itself to the picker.
+Request = Submission[GenerateRequest | EmbeddingRequest]
 
 
 @dataclass
@@ -93,8 +94,9 @@ class FlowController:
             return deadline
         return received + self.config.default_deadline_s.get(priority, self.config.fallback_deadline_s)
 
-    def deadline_for(self, request: Request) -> float:
-        return self.queue_deadline(request.priority, _timeline(request).stamps["received"], request.deadline)
+    def deadline_for(self, submission: Request) -> float:
+        request = submission.request
+        return self.queue_deadline(request.priority, submission.timeline.stamps["received"], request.deadline)
 
     def predicted_wait(self, band: int) -> float:
         ahead = self.queue.ahead_of(band) + 1
@@ -158,30 +160,31 @@ class FlowController:
                 f"(predicted {expected:.1f}s, {max(left, 0):.1f}s left)",
                 retry_after=expected, code="deadline_unreachable"), record)
 
-    async def acquire(self, request: Request, exclude: frozenset[str] = frozenset()) -> Admission:
+    async def acquire(self, submission: Request, exclude: frozenset[str] = frozenset()) -> Admission:
         """Admit and wait for a dispatch slot; raises 503/429 at once, 504 at the deadline."""
         now = time.monotonic()
-        deadline = self.deadline_for(request)
+        request, timeline = submission.request, submission.timeline
+        deadline = self.deadline_for(submission)
         self.check(request.priority, request.tenant, deadline, now, first_token_by=request.deadline)
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
             if room:
-                _timeline(request).stamp("admitted", deployment=self.deployment, admission="immediate")
+                timeline.stamp("admitted", deployment=self.deployment, admission="immediate")
                 metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
-                return self._dispatch(request, room, 0.0)
+                return self._dispatch(submission, room, 0.0)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
-                        cost=_cost(request), deadline=deadline, payload=(request, exclude))
+                        cost=_cost(request), deadline=deadline, payload=(submission, exclude))
         ticket.future = asyncio.get_running_loop().create_future()
         ahead = self.queue.ahead_of(request.priority)
         self.queue.push(ticket)
-        _timeline(request).stamp("admitted", deployment=self.deployment, admission="queued",
-                               predicted_wait_s=round(self.predicted_wait(request.priority), 3),
-                               admission_ahead=ahead, admission_behind=self._holders())
+        timeline.stamp("admitted", deployment=self.deployment, admission="queued",
+                       predicted_wait_s=round(self.predicted_wait(request.priority), 3),
+                       admission_ahead=ahead, admission_behind=self._holders())
         metrics.ADMISSIONS.labels(self.deployment, "queued").inc()
         self._changed()
-        return await self._wait(ticket, request)
+        return await self._wait(ticket)
 
-    async def _wait(self, ticket: Ticket, request: Request) -> Admission:
+    async def _wait(self, ticket: Ticket) -> Admission:
         assert ticket.future is not None and ticket.deadline is not None
         try:
             timeout = max(0.0, ticket.deadline - time.monotonic())
@@ -213,23 +216,24 @@ class FlowController:
         room = self.pool.with_room()
         return [s for s in room if s.name not in exclude] or room
 
-    def _dispatch(self, request: Request, room: list, queued_s: float) -> Admission:
-        pick = self.picker.pick(request, room)
+    def _dispatch(self, submission: Request, room: list, queued_s: float) -> Admission:
+        request, timeline = submission.request, submission.timeline
+        pick = self.picker.pick(submission, room)
         handle = self.pool.handles[pick.name]
         handle.inflight += 1
         prefill = max(1, len(request.prompt_token_ids) - pick.matched_blocks * pick.state.block_size)
         handle.pending_prefill += prefill
         metrics.ROUTING_DECISIONS.labels(self.deployment, self.picker.policy, pick.reason).inc()
         metrics.QUEUE_TIME.labels(self.deployment).observe(queued_s)
-        _timeline(request).stamp("dequeued", queued_s=round(queued_s, 4))
-        _timeline(request).stamp("dispatched", replica=pick.name, policy=self.picker.policy,
-                               reason=pick.reason, matched_blocks=pick.matched_blocks)
+        timeline.stamp("dequeued", queued_s=round(queued_s, 4))
+        timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
+                       reason=pick.reason, matched_blocks=pick.matched_blocks)
         if queued_s > 0 and self._last_freed is not None:
-            _timeline(request).attrs.setdefault("admission_freed_by", self._last_freed)
+            timeline.attrs.setdefault("admission_freed_by", self._last_freed)
         if pick.elsewhere is not None:  # with the requests that held the replica it passed over
             other = pick.elsewhere.get("replica")
             holders = [a.request_id for a in self._holding.values() if a.handle.name == other][:8]
-            _timeline(request).attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
+            timeline.attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
         max_tokens = request.params.max_tokens if isinstance(request, GenerateRequest) else None
         admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
                               tenant=request.tenant, max_tokens=max_tokens)
@@ -242,7 +246,7 @@ class FlowController:
             head = self.queue.peek()
             if head is None:
                 break
-            request, exclude = head.payload
+            submission, exclude = head.payload
             room = self._room(exclude)
             if not room:
                 break
@@ -250,7 +254,7 @@ class FlowController:
             assert head.future is not None
             if head.future.done():
                 continue
-            head.future.set_result(self._dispatch(request, room, time.monotonic() - head.enqueued_at))
+            head.future.set_result(self._dispatch(submission, room, time.monotonic() - head.enqueued_at))
 
     def _changed(self) -> None:
         self._pump()
@@ -336,15 +340,7 @@ class FlowController:
                 "predicted_wait_s": round(self.capacity.predicted_wait(len(self.queue) + 1, slots), 3)}
 
 
-def _timeline(request: Request) -> Timeline:
-    """The request's record, which admission stamps: `Deployment.generate` gives every request one
-    before it gets here, so a request without one is a caller's bug, named as such."""
-    if request.timeline is None:
-        raise TypeError(f"request '{request.request_id}' reached admission without a Timeline")
-    return request.timeline
-
-
-def _cost(request: Request) -> float:
+def _cost(request: GenerateRequest | EmbeddingRequest) -> float:
     """Work estimate for fair queueing: prompt tokens plus the most it may generate."""
     if isinstance(request, EmbeddingRequest):
         return float(request.num_tokens)

@@ -1,9 +1,10 @@
 """POST /v1/embeddings: guard -> router -> admission -> an embedding replica, like chat.
 
-The body becomes one `EmbeddingRequest` (tokenized and validated in `api.inputs`), which the
-deployment admits, queues or refuses (429 + Retry-After under overload, 503 with no healthy
-replica) and dispatches to a replica: the in-process encoder, or an engine process over the
-engine link (`serve --embedding-replicas N`). Its Timeline gets the same stages as a generation.
+The body becomes one `EmbeddingRequest` (tokenized and validated in `api.inputs`), in the
+gateway's `Submission` with the run's Timeline and session id, which the deployment admits,
+queues or refuses (429 + Retry-After under overload, 503 with no healthy replica) and dispatches
+to a replica: the in-process encoder, or an engine process over the engine link
+(`serve --embedding-replicas N`). Its Timeline gets the same stages as a generation.
 """
 
 from __future__ import annotations

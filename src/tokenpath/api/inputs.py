@@ -1,6 +1,8 @@
 """A body -> what the engine is asked. Chat and completions: token ids, `SamplingParams`, one
 `GenerateRequest` per prompt; embeddings: one `EmbeddingRequest` of token-id inputs. Validated
-once, here; the engines trust what they are given.
+once, here; the engines trust what they are given. Each goes down the path in the gateway's
+`Submission`, with what the gateway keeps for itself: the run's Timeline, the prompt's text and
+the session id.
 
 Split in the order the handler needs it: `check_caps` is pure arithmetic on the body (run before
 the rate limits are charged, so a refusal costs nothing), `prompt_ids` tokenizes (off the event
@@ -20,32 +22,37 @@ from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, Embe
 from tokenpath.api.state import AppState
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import EmbeddingRequest as EmbeddingJob
-from tokenpath.protocol import GenerateRequest, SamplingParams
+from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.routing.models import Deployment
 
 Body = ChatCompletionRequest | CompletionRequest
 
 
+def _session_id(run: RequestRun) -> str | None:
+    """Session affinity: an explicit x-session-id, else OpenAI's `user` field."""
+    return run.request.headers.get("x-session-id") or run.user
+
+
 def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
-                      texts: list[str], priority: int, deadline: float | None) -> GenerateRequest:
+                      texts: list[str], priority: int, deadline: float | None) -> Submission[GenerateRequest]:
+    """Prompt `i` of `parts`: its `GenerateRequest`, in a submission with the run's Timeline (one
+    record for every prompt of the run), the prompt's text and the session id."""
     assert run.principal is not None
-    return GenerateRequest(
+    request = GenerateRequest(
         request_id=run.id if parts == 1 else f"{run.id}-{i}",
         prompt_token_ids=ids,
         params=params,
-        timeline=run.timeline,
         priority=priority,
         tenant=run.principal.tenant,
-        # Session affinity: an explicit x-session-id, else OpenAI's `user` field.
-        session_id=run.request.headers.get("x-session-id") or run.user,
-        prompt=texts[i] if i < len(texts) else None,
         deadline=deadline,
         # The trace context the engine continues (the gateway's dispatch span, when tracing is on).
         traceparent=str(run.timeline.attrs["traceparent"]) if run.timeline.attrs.get("traceparent") else None,
         operation="chat" if "chat" in run.endpoint else "text_completion",
         lora=run.lora,
     )
+    return Submission(request, run.timeline, prompt=texts[i] if i < len(texts) else None,
+                      session_id=_session_id(run))
 
 
 # -- caps and prompts --------------------------------------------------------------------------
@@ -304,9 +311,10 @@ async def embedding_ids(dep: Deployment, raw: EmbeddingInputs) -> tuple[list[lis
     return ids, texts
 
 
-def embedding_request(run: RequestRun, ids: list[list[int]], priority: int) -> EmbeddingJob:
+def embedding_request(run: RequestRun, ids: list[list[int]], priority: int) -> Submission[EmbeddingJob]:
+    """The run's `EmbeddingRequest`, in a submission with its Timeline and session id."""
     assert run.principal is not None
     traceparent = run.timeline.attrs.get("traceparent")
-    return EmbeddingJob(request_id=run.id, inputs=ids, timeline=run.timeline, priority=priority,
-                        tenant=run.principal.tenant, session_id=run.request.headers.get("x-session-id") or run.user,
-                        traceparent=str(traceparent) if traceparent else None)
+    request = EmbeddingJob(request_id=run.id, inputs=ids, priority=priority, tenant=run.principal.tenant,
+                           traceparent=str(traceparent) if traceparent else None)
+    return Submission(request, run.timeline, session_id=_session_id(run))

@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
@@ -130,8 +129,9 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         self._streams[request_id] = sink
         # Validated at the edge; a request this engine could never run fails in `add_request`,
-        # and that error reaches the sink like any other.
-        self._send(("add", replace(request, timeline=None)))
+        # and that error reaches the sink like any other. The request holds nothing of the
+        # gateway's (that stays in its `Submission`), so the step thread gets it as it is.
+        self._send(("add", request))
 
     def detach(self, request_id: str) -> None:
         """Stop delivering to a submitted request's sink and abort it in the engine."""

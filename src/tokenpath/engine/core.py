@@ -124,8 +124,7 @@ class EngineCore:
             choices.append(ChoiceState(seq=seq, detok=self.tokenizer.detokenizer(params.skip_special_tokens)))
             self.scheduler.add(seq)
         self.prompt_tokens += len(prompt_token_ids)
-        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events,
-                                                 request.prompt)
+        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events)
         if waits:
             self._lora_waiters.add(request_id)
         if params.prompt_logprobs is not None:

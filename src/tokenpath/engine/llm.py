@@ -1,7 +1,9 @@
 """Offline inference: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages, params)`.
 
 Drives the same `EngineCore` as the server, synchronously: every prompt is submitted at once and
-continuous batching does the rest.
+continuous batching does the rest. The engine sees token ids only, so each result's `prompt` (the
+text, for a prompt given as text) is put on here, from the prompts this class was handed, as the
+server's replica boundary does from the gateway's `Submission`.
 """
 
 from __future__ import annotations
@@ -35,16 +37,18 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._expand(params, len(prompts))
-        ids = []
+        ids: list[str] = []
+        texts: dict[str, str] = {}
         loras: list[LoraRef | None] = [lora] * len(prompts) if lora is None or isinstance(lora, LoraRef) else list(lora)
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(GenerateRequest(rid, token_ids, p, priority=priority[i] if priority else 0,
-                                                    prompt=prompt if isinstance(prompt, str) else None,
                                                     lora=loras[i]))
             ids.append(rid)
-        return self._run(ids)
+            if isinstance(prompt, str):
+                texts[rid] = prompt
+        return self._run(ids, texts)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -64,8 +68,9 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return list(params)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        """Step until every request finishes; accumulate deltas into whole completions."""
+    def _run(self, ids: list[str], texts: dict[str, str]) -> list[RequestOutput]:
+        """Step until every request finishes; accumulate deltas into whole completions, each with
+        its prompt's text (`texts`, by request id) when it was given as text."""
         results: dict[str, RequestOutput] = {}
         while self.engine.has_work():
             deltas = self.engine.step()
@@ -78,7 +83,7 @@ class LLM:
                 if acc is None:
                     acc = results[delta.request_id] = RequestOutput(
                         delta.request_id, [], delta.prompt_token_ids, delta.num_cached_tokens, False,
-                        delta.events, delta.num_preemptions, delta.prompt)
+                        delta.events, delta.num_preemptions, texts.get(delta.request_id))
                 _merge(acc, delta)
         return [results[i] for i in ids]
 

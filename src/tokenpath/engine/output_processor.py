@@ -41,7 +41,6 @@ class RequestState:
     params: SamplingParams
     choices: list[ChoiceState]
     events: EngineEvents
-    prompt: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by EngineCore._score_prompts
     sent_prompt_logprobs: bool = False
 
@@ -137,5 +136,5 @@ class OutputProcessor:
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
                              finished=req.finished, events=req.events.snapshot(),
-                             num_preemptions=sum(c.seq.num_preemptions for c in req.choices), prompt=req.prompt,
+                             num_preemptions=sum(c.seq.num_preemptions for c in req.choices),
                              grammar=stats, prompt_logprobs=prompt_logprobs)

@@ -4,8 +4,10 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 `tokenpath.telemetry.timeline` only). The engine link serializes exactly these types.
 
 - `SamplingParams` (`sampling_params.py`): how to sample, validated once at the edge;
-- `GenerateRequest` (`requests.py`): one prompt's request to a replica, and `Routable`: what a
-  replica picker reads from it (or from an `EmbeddingRequest`);
+- `GenerateRequest` (`requests.py`): one prompt's request to an engine, and `Routable`: what a
+  replica picker reads;
+- `Submission` (`submission.py`): a request of either kind as the gateway holds it, with the
+  gateway's own Timeline, prompt text and session id (what a picker reads; never sent to an engine);
 - `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
 - `EmbeddingRequest`, `EmbeddingOutput` (`embeddings.py`): the same trip for an embedding model;
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read;
@@ -24,6 +26,7 @@ from tokenpath.protocol.outputs import (
 from tokenpath.protocol.replica_state import ReplicaState
 from tokenpath.protocol.requests import GenerateRequest, Routable
 from tokenpath.protocol.sampling_params import SamplingParams
+from tokenpath.protocol.submission import Submission
 
 __all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequest", "EngineEvents", "EngineState", "GenerateRequest", "ReplicaState",
-           "RequestOutput", "Routable", "SamplingParams", "TokenLogprob"]
+           "RequestOutput", "Routable", "SamplingParams", "Submission", "TokenLogprob"]

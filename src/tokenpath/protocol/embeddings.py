@@ -1,9 +1,10 @@
 """`EmbeddingRequest` and `EmbeddingOutput`: an embedding request's trip to a replica and back.
 
 The twin of `GenerateRequest` / `RequestOutput` for pooling models. Built once by the API layer
-(tokenized and validated there), passed whole through admission, routing and the replica to the
-embedding engine; across the engine link its wire fields travel as they are
-(`protocol.wire`). It answers in one `EmbeddingOutput` (vectors + the engine's event
+(tokenized and validated there), passed through admission, routing and the replica to the
+embedding engine; across the engine link its fields travel as they are (`protocol.wire`). Like
+a `GenerateRequest` it holds only what the engine needs: the gateway carries it in a
+`protocol.submission.Submission`, with its Timeline and session id. It answers in one `EmbeddingOutput` (vectors + the engine's event
 times), which the replica boundary stamps on the request's Timeline like a generation's last
 delta: `scheduled` when its encoder batch started, `first_token` when the vectors were ready.
 """
@@ -14,17 +15,14 @@ import time
 from dataclasses import dataclass, field
 
 from tokenpath.protocol.outputs import EngineEvents
-from tokenpath.telemetry.timeline import Timeline
 
 
 @dataclass
 class EmbeddingRequest:
     request_id: str
     inputs: list[list[int]]  # one token-id sequence per input, already validated
-    timeline: Timeline | None = field(default=None, repr=False, compare=False)  # gateway-local
     priority: int = 0
     tenant: str = "anonymous"
-    session_id: str | None = None
     deadline: float | None = None  # monotonic, sender's clock (crosses the link as seconds left)
     traceparent: str | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -37,8 +35,8 @@ class EmbeddingRequest:
 
     @property
     def lora(self) -> None:
-        """No adapter: an embedding runs on the base model (so `protocol.Routable`'s adapter
-        affinity never applies to it)."""
+        """No adapter: an embedding runs on the base model (so the pickers' adapter affinity
+        never applies to it)."""
         return None
 
     @property

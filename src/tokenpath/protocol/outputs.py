@@ -105,6 +105,9 @@ class RequestOutput:
     finished: bool
     events: EngineEvents = field(default_factory=EngineEvents)
     num_preemptions: int = 0
+    # The prompt's text, echoed for the caller. An engine sees token ids only and leaves it None;
+    # whoever holds the text sets it: the replica boundary from the gateway's `Submission`, the
+    # offline `LLM` from its own prompts.
     prompt: str | None = None
     # Set when the engine failed this request (a step raised): the request ends here, on this
     # replica, and must not be retried elsewhere, since it may be what broke the step.

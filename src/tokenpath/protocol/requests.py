@@ -1,14 +1,12 @@
-"""`GenerateRequest`: one prompt's request, as it goes from the gateway to an engine.
+"""`GenerateRequest`: one prompt's request, as an engine receives it.
 
-Built once by the API layer (already validated and tokenized) and passed whole through
-admission, routing and the replica to `EngineCore.add_request`; across the engine link its wire
-fields are serialized as they are (`protocol.wire.encode_request`).
+Built once by the API layer (already validated and tokenized) and passed through admission,
+routing and the replica to `EngineCore.add_request`; across the engine link its fields are
+serialized as they are (`protocol.wire.encode_request`). It holds what an engine acts on and
+nothing else: the gateway's own per-request state (its Timeline, the prompt text it echoes, the
+session id its picker reads) travels beside it in a `protocol.submission.Submission`, which the
+gateway keeps and an engine never sees.
 
-Some fields are the gateway's alone and stay out of the engine link's `add` frame:
-- `timeline`, the gateway's per-request record: the replica boundary stamps engine events onto it
-  (`tokenpath.replica.events`), and an in-process engine gets a copy without it;
-- `session_id`: read by the session-affinity picker (`protocol.Routable`), never by an engine;
-- `prompt`: the text, echoed on outputs; over the link the client puts it back itself.
 `deadline` is enforced twice: by the gateway, in its queue and up to the first token
 (`routing.models.Deployment`), and by the engine, which drops a request still waiting for its
 first schedule once it has passed (`engine.scheduler.Scheduler.expired`), before it costs a
@@ -24,7 +22,6 @@ from typing import Protocol, runtime_checkable
 
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
-from tokenpath.telemetry.timeline import Timeline
 
 
 @dataclass
@@ -32,10 +29,8 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    timeline: Timeline | None = field(default=None, repr=False, compare=False)  # gateway-local
     priority: int = 0  # lower is more urgent; the engine schedules and preempts by it
     tenant: str = "anonymous"
-    session_id: str | None = None  # gateway-only: session affinity
     # Monotonic seconds in the sender's clock. Across the link the client rewrites it as seconds
     # *remaining* (`deadline_in`), so the engine needs no shared clock to honour it.
     deadline: float | None = None
@@ -44,7 +39,6 @@ class GenerateRequest:
     # call it served, which it cannot tell from token ids.
     operation: str | None = None
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
-    prompt: str | None = field(default=None, repr=False)  # the text, when there was one (offline use)
     lora: LoraRef | None = None  # the LoRA adapter to run with (None: the base model)
 
 
@@ -54,10 +48,11 @@ class Routable(Protocol):
 
     The prompt's token ids (the prefix-aware picker hashes them), the LoRA adapter (its blocks
     hash under the adapter's own root, and replicas that hold it are preferred) and the session id
-    (session affinity). Generations and embeddings share one picker per deployment, so both
-    `GenerateRequest` and `EmbeddingRequest` conform (an embedding runs on the base model: its
-    `lora` is always None) and a picker never asks which kind it holds. Read-only properties, so
-    a dataclass field and a computed property both satisfy it."""
+    (session affinity). Generations and embeddings share one picker per deployment, and what a
+    picker is handed is the gateway's `protocol.submission.Submission` of either kind: its ids and
+    adapter come from the request (an embedding runs on the base model: its `lora` is always
+    None), its session id is the gateway's own. So a picker never asks which kind it holds.
+    Read-only properties, so a field, a slot and a computed property all satisfy it."""
 
     @property
     def prompt_token_ids(self) -> list[int]: ...

@@ -124,9 +124,9 @@ class FrameReader:
 
 # -- GenerateRequest ----------------------------------------------------------------------------
 def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
-    """The deadline travels as seconds remaining, so the engine needs no shared clock. The
-    gateway-only fields stay behind in the client's own copy of the request: `timeline`, `prompt`
-    (put back on each decoded output) and `session_id` (read by the gateway's picker alone)."""
+    """The deadline travels as seconds remaining, so the engine needs no shared clock. Every other
+    field travels as it is: the gateway's own state (Timeline, prompt text, session id) is not in
+    a `GenerateRequest` but in the `protocol.submission.Submission` the link client keeps."""
     now = time.monotonic() if now is None else now
     return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
             "prio": req.priority, "tenant": req.tenant,
@@ -193,9 +193,11 @@ class OutputFrames:
         return d
 
 
-def decode_output(d: dict, request: GenerateRequest, events: EngineEvents | None = None) -> RequestOutput:
+def decode_output(d: dict, request: GenerateRequest, events: EngineEvents | None = None,
+                  prompt: str | None = None) -> RequestOutput:
     """Event times stay in the sender's clock; the link client shifts them. `events`: the ones
-    to use when the frame carries none (unchanged since the request's last frame, `OutputFrames`)."""
+    to use when the frame carries none (unchanged since the request's last frame, `OutputFrames`).
+    `prompt`: the text to echo on the output, which only the receiver has (an engine sees ids)."""
     outs = [CompletionOutput(index=i, text=text, token_ids=list(ids),
                              logprobs=None if lps is None else
                              [TokenLogprob(a, b, c, [tuple(t) for t in top]) for a, b, c, top in lps],
@@ -209,7 +211,7 @@ def decode_output(d: dict, request: GenerateRequest, events: EngineEvents | None
     return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
                          num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
                          events=events, num_preemptions=int(d.get("pre", 0)),
-                         prompt=request.prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]),
+                         prompt=prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]),
                          prompt_logprobs=None if d.get("plp") is None else
                          [None if x is None else TokenLogprob(x[0], x[1], x[2], [tuple(t) for t in x[3]], x[4])
                           for x in d["plp"]])

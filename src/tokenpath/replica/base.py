@@ -5,22 +5,34 @@ becomes `abort()`. Implementations: the in-process engine (`local.py`), tokenpat
 processes over the engine link (`link_client.py`), a remote OpenAI-compatible endpoint such as
 vLLM, SGLang or llama.cpp (`remote.py`); the simulated replica for tests is `tests/simulated_replica.py`.
 
-Every implementation yields `RequestOutput` deltas whose `events` are already in this process's
-monotonic clock; `tokenpath.replica.events.stamp_events` puts them on the request's Timeline.
+`Replica[ReqT, OutT]` is generic over the request and output it serves. A generation replica is
+a `Replica[GenerateRequest, RequestOutput]`: `generate` takes the gateway's `Submission` of a
+`GenerateRequest` and yields `RequestOutput` deltas whose `events` are already in this process's
+monotonic clock; `tokenpath.replica.events.stamp_events` puts them on the submission's Timeline.
+What crosses to the engine (in process, over the link, to a Ray actor) is `submission.request`
+alone; the replica keeps the rest, and echoes the submission's prompt text on each output (the
+engine never had it).
 
-An embedding model's replicas implement the same interface with the pooling pair of types:
-`generate(EmbeddingRequest)` yields one `EmbeddingOutput` (vectors + event times). So the same
-`Deployment`, admission, pool, pickers and Timeline stamping serve both; implementations:
+An embedding model's replica is a `Replica[EmbeddingRequest, EmbeddingOutput]`: `generate`
+yields one `EmbeddingOutput` (vectors + event times). So the same `Deployment`, admission, pool,
+pickers and Timeline stamping serve both, each typed for its own pair; implementations:
 `local_embedding.py` (in-process) and `embedding_link.py` (engine processes over the link).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator
+from typing import Protocol, TypeVar
 
 from tokenpath.errors import ServiceUnavailableError
-from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.protocol.submission import Submission
+
+# What a replica takes and what it yields: a generation's pair or an embedding's.
+ReqT = TypeVar("ReqT", bound=GenerateRequest | EmbeddingRequest)
+OutT = TypeVar("OutT", bound=RequestOutput | EmbeddingOutput)
+ReqT_contra = TypeVar("ReqT_contra", bound=GenerateRequest | EmbeddingRequest, contravariant=True)
+OutT_co = TypeVar("OutT_co", bound=RequestOutput | EmbeddingOutput, covariant=True)
 
 
 class ReplicaBusyError(ServiceUnavailableError):
@@ -51,10 +63,12 @@ class ProgressTimeoutError(ServiceUnavailableError):
         self.headers.setdefault("Retry-After", "1")
 
 
-class Replica(Protocol):
+class Replica(Protocol[ReqT_contra, OutT_co]):
     name: str
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, submission: Submission[ReqT_contra]) -> AsyncGenerator[OutT_co, None]:
+        """The request's outputs, as they come. An async generator: closing it (`aclose`) before
+        the last output stops the request on its engine."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -17,41 +17,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
 
 from tokenpath.engine.embedding import EmbeddingEngine
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, EngineState
 from tokenpath.protocol.link import LinkError, LinkInfo
 from tokenpath.protocol.wire import decode_embedding_request
-from tokenpath.replica.link_client import EngineLinkReplica
-from tokenpath.replica.link_server import LinkServer, Outbox
+from tokenpath.replica.link_client import LinkReplica
+from tokenpath.replica.link_server import InFlight, LinkEndpoint, Outbox
 
 log = logging.getLogger("tokenpath.engine.link")
 
 
-class EmbeddingLinkReplica(EngineLinkReplica):
-    """The gateway end: a `Replica` whose `generate` takes an `EmbeddingRequest`."""
+class EmbeddingLinkReplica(LinkReplica[EmbeddingRequest, EmbeddingOutput]):
+    """The gateway end: a `Replica[EmbeddingRequest, EmbeddingOutput]` (`generate` is the link's
+    own: it sends the `embed` frame and yields the one `vec` that answers it)."""
 
     @property
     def dimensions(self) -> int:
         return self.info.dimensions
 
-    def generate(self, request: EmbeddingRequest) -> AsyncIterator[EmbeddingOutput]:  # type: ignore[override]
-        return self._stream(request, lambda _: True)
-
     async def reset_prefix_cache(self) -> int:
         return 0  # an encoder keeps no prefix cache
 
 
-class EmbeddingLinkServer(LinkServer):
+class EmbeddingLinkServer(LinkEndpoint[EmbeddingEngine]):
     """The engine end: an `EmbeddingEngine` served over the link."""
 
-    engine: EmbeddingEngine  # type: ignore[assignment]
     REQUEST_FRAMES = ("embed",)
 
     def __init__(self, engine: EmbeddingEngine, secret: str, model_name: str, exit_on_close: bool = False) -> None:
-        super().__init__(engine, secret, exit_on_close=exit_on_close)  # type: ignore[arg-type]
+        super().__init__(engine, secret, exit_on_close=exit_on_close)
         self.model_name = model_name
 
     def _info(self) -> LinkInfo:
@@ -64,7 +60,7 @@ class EmbeddingLinkServer(LinkServer):
         return EngineState(waiting=s.waiting, running=s.running, healthy=s.healthy, steps=self.engine.num_batches,
                            block_size=16)
 
-    def _on_request(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
+    def _on_request(self, kind: str, d: dict, outbox: Outbox, live: dict[str, InFlight]) -> None:
         try:
             request = decode_embedding_request(d)
         except Exception as exc:  # a malformed frame from a trusted peer: this request's problem only
@@ -72,8 +68,8 @@ class EmbeddingLinkServer(LinkServer):
             return
         task = asyncio.create_task(self._embed(request, outbox))
         rid = request.request_id
-        tasks[rid] = task
-        task.add_done_callback(lambda _t: tasks.pop(rid, None))
+        live[rid] = task  # (an abort cancels it: the batcher skips it if its batch has not started)
+        task.add_done_callback(lambda _t: live.pop(rid, None))
 
     async def _embed(self, request: EmbeddingRequest, outbox: Outbox) -> None:
         try:

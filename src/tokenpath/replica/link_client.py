@@ -1,10 +1,12 @@
 """The gateway end of the engine link: a `Replica` backed by one of tokenpath's engine processes.
 
-One connection per engine, multiplexing every request: `add` frames carry a `GenerateRequest`
-(priority, deadline, tenant, request id, trace context and adapter), `out` frames bring back
-`RequestOutput` deltas (token ids, text, logprobs, event times), `abort` cancels, and the
-engine pushes its `state` every 100 ms. The gateway never re-tokenizes: text deltas come from
-the engine's detokenizer, which also applies the stop strings.
+One connection per engine, multiplexing every request: `add` frames carry the `GenerateRequest`
+of the gateway's `Submission` (priority, deadline, tenant, request id, trace context and
+adapter; the submission's Timeline, prompt text and session id stay here, and the prompt is put
+on each decoded output, as an in-process replica does), `out` frames bring back `RequestOutput`
+deltas (token ids, text, logprobs, event times), `abort` cancels, and the engine pushes its
+`state` every 100 ms. The gateway never re-tokenizes: text deltas come from the engine's
+detokenizer, which also applies the stop strings.
 
 Clocks: each process has its own monotonic clock (the same one on Linux today, but the link does
 not rely on it). At connect the client sends a few pings and keeps the offset from the one with
@@ -30,8 +32,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, Generic
 
 from tokenpath import errors
 from tokenpath.errors import EngineDeadError, ServiceUnavailableError, TokenpathError
@@ -49,7 +51,9 @@ from tokenpath.protocol.link import (
     Welcome,
 )
 from tokenpath.protocol.outputs import EngineEvents
+from tokenpath.protocol.submission import Submission
 from tokenpath.protocol.wire import FrameError, FrameReader, decode, decode_output, frame, read_frame
+from tokenpath.replica.base import OutT, ReqT
 from tokenpath.replica.liveness import STALL_AFTER_S, Liveness, LivenessConfig, Progress
 
 log = logging.getLogger("tokenpath.replica")
@@ -69,14 +73,19 @@ class LinkRefusedError(ServiceUnavailableError):
 class _Stream:
     """One request in flight on the link: what `_dispatch` needs to hand it its outputs."""
 
-    __slots__ = ("events", "progress", "queue", "request")
+    __slots__ = ("events", "progress", "prompt", "queue", "request")
 
-    def __init__(self, request: Any, queue: asyncio.Queue, progress: Progress) -> None:
-        self.request, self.queue, self.progress = request, queue, progress
+    def __init__(self, request: Any, prompt: str | None, queue: asyncio.Queue, progress: Progress) -> None:
+        self.request, self.prompt, self.queue, self.progress = request, prompt, queue, progress
         self.events: EngineEvents | None = None  # its last engine events, in this clock (`OutputFrames`)
 
 
-class EngineLinkReplica:
+class LinkReplica(Generic[ReqT, OutT]):
+    """The link's gateway end for one request kind: `Replica[ReqT, OutT]`. The connection, clock
+    sync, state, liveness and streams are the same for every kind; `generate` sends the bare
+    request (its frame type chosen by `protocol.wire.encode`) and yields the outputs that answer it
+    (`EngineLinkReplica`: generations; `embedding_link.EmbeddingLinkReplica`: embeddings)."""
+
     def __init__(self, name: str, secret: str, max_num_seqs: int = 0,
                  liveness: LivenessConfig | None = None) -> None:
         self.name = name
@@ -159,9 +168,9 @@ class EngineLinkReplica:
             entry = self._streams.get(msg["id"])
             if entry is not None:
                 if msg["ev"] is None:  # unchanged since its last frame: the same (shifted) events
-                    out = decode_output(msg, entry.request, entry.events)
+                    out = decode_output(msg, entry.request, entry.events, entry.prompt)
                 else:
-                    out = decode_output(msg, entry.request)
+                    out = decode_output(msg, entry.request, None, entry.prompt)
                     out.events = entry.events = out.events.shifted(-self.offset)
                 self._deliver(entry, out)
             return
@@ -221,13 +230,11 @@ class EngineLinkReplica:
                 await self._reader_task
 
     # -- the Replica interface --------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        return self._stream(request, lambda out: out.finished)
-
-    async def _stream(self, request: Any, last: Callable[[Any], bool]) -> AsyncIterator[Any]:
-        """One request over the link: send it, yield what `_dispatch` queues for it until
-        `last(item)`, raise an error it queues, and abort it on the engine if the caller stops
-        early. Subclasses send their own request kinds through it (`embedding_link.py`)."""
+    async def generate(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
+        """One request over the link: send the bare request, yield what `_dispatch` queues for it
+        until one is `finished` (an embedding's one output always is), raise an error it queues,
+        and abort it on the engine if the caller stops early."""
+        request = submission.request
         rid = request.request_id
         if rid in self._streams:
             raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
@@ -238,14 +245,14 @@ class EngineLinkReplica:
         except BaseException:
             self.liveness.untrack(rid)
             raise
-        self._streams[rid] = _Stream(request, queue, progress)
+        self._streams[rid] = _Stream(request, submission.prompt, queue, progress)
         done = False
         try:
             while not done:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                done = last(item)
+                done = item.finished
                 yield item
         finally:
             self._streams.pop(rid, None)
@@ -287,3 +294,6 @@ class EngineLinkReplica:
             loras=frozenset(map(str, s.loras)), running_loras=tuple(map(str, s.running_loras)),
             waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras))
 
+
+class EngineLinkReplica(LinkReplica[GenerateRequest, RequestOutput]):
+    """A generation engine over the link (`tokenpath engine`, or a Ray actor's: `ray_replica`)."""

@@ -15,9 +15,11 @@ closed; refusals are counted (`LinkServer.refused`) and logged at most once per
 The socket is bound to loopback by its launcher. With `exit_on_close`, the process ends when its
 gateway's link closes, so an engine never outlives the gateway that started it.
 
-Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`), `Abort`,
-`Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it: `Welcome`,
-`Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
+What every engine kind shares (the handshake, connections, pings, aborts, the state push) is
+`LinkEndpoint[E]`; `LinkServer` is the generation kind (`embedding_link.EmbeddingLinkServer` the
+encoder's). Frames from the gateway: `Hello`, `Ping` (clock sync), `add` (a `GenerateRequest`),
+`Abort`, `Reset`, `StallBound` (its `--stall-timeout`, for `AsyncEngine.step_ceiling_s`). To it:
+`Welcome`, `Pong`, `out` (`RequestOutput` deltas), `LinkError` (one request's failure, as a typed error),
 `ResetDone`, and the `EngineState` (see `StatePush`); the messages are `protocol.link`'s, encoded
 by `protocol.wire`.
 
@@ -43,7 +45,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.errors import RequestFailedError, TokenpathError
@@ -121,8 +123,25 @@ class Outbox:
             await self.writer.drain()
 
 
-class LinkServer:
-    def __init__(self, engine: AsyncEngine, secret: str, exit_on_close: bool = False,
+E = TypeVar("E")
+
+
+class InFlight(Protocol):
+    """One request a connection has in flight: what an `Abort`, or the gateway going away, ends."""
+
+    def cancel(self) -> object: ...
+
+
+class LinkEndpoint(Generic[E]):
+    """The engine end of the link for one kind of engine `E`: the handshake, the connections,
+    clock pings, aborts, the stall bound and the state push are the same for every kind. A
+    subclass serves its `REQUEST_FRAMES` (`_on_request`) and says what it is (`_info`, `_state`,
+    `_reset`): `LinkServer` for an `AsyncEngine`, `embedding_link.EmbeddingLinkServer` for an
+    encoder."""
+
+    REQUEST_FRAMES: tuple[str, ...] = ()  # the request frame kinds the subclass serves
+
+    def __init__(self, engine: E, secret: str, exit_on_close: bool = False,
                  tracer_provider: TracerProvider | None = None) -> None:
         if not secret:
             raise ValueError("the engine link needs a secret")
@@ -180,18 +199,21 @@ class LinkServer:
                 await self._server.wait_closed()
 
     def _info(self) -> LinkInfo:
-        e = self.engine
-        s = e.state()
-        return LinkInfo(model=e.model_name, max_model_len=e.max_model_len, block_size=s.block_size,
-                        num_blocks=s.num_blocks, max_num_seqs=e.config.max_num_seqs, pid=os.getpid(),
-                        engine=e.config)
+        """What the `Welcome` says about this engine."""
+        raise NotImplementedError
 
     def _state(self) -> EngineState:
-        s = self.engine.state()  # (a new object per call: ours to fill)
-        s.step_stats = self.engine.step_stats.snapshot()
-        # What the gateway will judge a hang by: no step past it counts as normal (as in process).
-        self.engine.step_ceiling_s = hang_bound(self.stall_after_s, s.step_allowance_s)
-        return s
+        """The engine's state, as pushed to the gateway (a new object per call)."""
+        raise NotImplementedError
+
+    def _reset(self) -> int:
+        """Forget the engine's prefix cache (`Reset`): the blocks freed."""
+        return 0
+
+    def _on_request(self, kind: str, d: dict, outbox: Outbox, live: dict[str, InFlight]) -> None:
+        """A request frame of one of `REQUEST_FRAMES`, still encoded: start it, and keep it in
+        `live` under its id while it runs (it removes itself when done)."""
+        raise NotImplementedError
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -212,8 +234,7 @@ class LinkServer:
         log.info("engine link: gateway connected from %s", peer)
         writer.write(frame(Welcome(time.monotonic(), self._info())))
         outbox = Outbox(writer)
-        live: dict[str, _LinkRequest] = {}
-        tasks: dict[str, asyncio.Task] = {}  # requests of the frame kinds a subclass adds
+        live: dict[str, InFlight] = {}  # this connection's requests in flight, by id
         push = StatePush(self._state, outbox)
         pusher = asyncio.create_task(self._push_state(push))
         try:
@@ -221,12 +242,10 @@ class LinkServer:
                 msg = await read_frame(reader)
                 kind = msg["t"]
                 push.kick()  # (work may follow: back to pushing changes within STATE_INTERVAL_S)
-                if kind == "add":  # (decoded by `_add`: a request that does not decode fails alone)
-                    self._add(msg.get("req") or {}, outbox, live)
-                elif kind in self.REQUEST_FRAMES:
-                    self._on_request(msg.get("req") or {}, outbox, tasks)
+                if kind in self.REQUEST_FRAMES:  # (decoded by the subclass: one that does not decode fails alone)
+                    self._on_request(kind, msg.get("req") or {}, outbox, live)
                 else:
-                    self._on_message(decode(msg), outbox, live, tasks)
+                    self._on_message(decode(msg), outbox, live)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
             if self._closing:
                 log.info("engine link: closed the gateway's link (the engine is stopping)")
@@ -234,35 +253,30 @@ class LinkServer:
                 log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
             pusher.cancel()
-            for rid in list(live):  # the gateway is gone: nobody will read these
-                self.engine.detach(rid)
+            for entry in list(live.values()):  # the gateway is gone: nobody will read these
+                entry.cancel()
             live.clear()
-            for task in list(tasks.values()):
-                task.cancel()
             await asyncio.gather(pusher, return_exceptions=True)
             writer.close()
             if self.exit_on_close:
                 self.done.set()
 
-    REQUEST_FRAMES: tuple[str, ...] = ()  # request kinds a subclass serves (`embedding_link.py`)
+    async def _push_state(self, push: StatePush) -> None:
+        while True:
+            push.on_timer()
+            await push.outbox.drain()
+            await push.wait()
 
-    def _on_request(self, d: dict, outbox: Outbox, tasks: dict[str, asyncio.Task]) -> None:
-        """A request of one of the `REQUEST_FRAMES`, still encoded; subclasses serve them."""
-
-    def _on_message(self, msg: object, outbox: Outbox, live: dict[str, _LinkRequest],
-                    tasks: dict[str, asyncio.Task]) -> None:
+    def _on_message(self, msg: object, outbox: Outbox, live: dict[str, InFlight]) -> None:
         if isinstance(msg, Ping):
             outbox.send(Pong(msg.id, time.monotonic()))
         elif isinstance(msg, Abort):
             gone = live.pop(str(msg.id), None)
             if gone is not None:
-                log.info("request %s aborted by the gateway", gone.request.request_id)
-                self.engine.detach(gone.request.request_id)
-            task = tasks.pop(str(msg.id), None)
-            if task is not None:
-                task.cancel()  # a subclass's request (an embedding batch member)
+                log.info("request %s aborted by the gateway", msg.id)
+                gone.cancel()
         elif isinstance(msg, Reset):  # vLLM's /reset_prefix_cache, for benchmarks that must start cold
-            outbox.send(ResetDone(msg.id, self.engine.reset_prefix_cache()))
+            outbox.send(ResetDone(msg.id, self._reset()))
         elif isinstance(msg, StallBound) and isinstance(msg.stall_after_s, int | float) and msg.stall_after_s > 0:
             self.stall_after_s = float(msg.stall_after_s)
 
@@ -278,7 +292,31 @@ class LinkServer:
                     extra={"event": "link_refused", "refused": since, "refused_total": self.refused})
         self._refusals_logged, self._refusal_logged_at = self.refused, now
 
-    def _add(self, d: dict, outbox: Outbox, live: dict[str, _LinkRequest]) -> None:
+
+class LinkServer(LinkEndpoint[AsyncEngine]):
+    """An `AsyncEngine` served over the link: `add` frames (a `GenerateRequest`) in, `out` frames
+    (its `RequestOutput` deltas) back."""
+
+    REQUEST_FRAMES = ("add",)
+
+    def _info(self) -> LinkInfo:
+        e = self.engine
+        s = e.state()
+        return LinkInfo(model=e.model_name, max_model_len=e.max_model_len, block_size=s.block_size,
+                        num_blocks=s.num_blocks, max_num_seqs=e.config.max_num_seqs, pid=os.getpid(),
+                        engine=e.config)
+
+    def _state(self) -> EngineState:
+        s = self.engine.state()  # (a new object per call: ours to fill)
+        s.step_stats = self.engine.step_stats.snapshot()
+        # What the gateway will judge a hang by: no step past it counts as normal (as in process).
+        self.engine.step_ceiling_s = hang_bound(self.stall_after_s, s.step_allowance_s)
+        return s
+
+    def _reset(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def _on_request(self, kind: str, d: dict, outbox: Outbox, live: dict[str, InFlight]) -> None:
         try:
             request = decode_request(d)
         except TokenpathError as exc:
@@ -297,12 +335,6 @@ class LinkServer:
             return
         live[request.request_id] = entry
         self.served += 1
-
-    async def _push_state(self, push: StatePush) -> None:
-        while True:
-            push.on_timer()
-            await push.outbox.drain()
-            await push.wait()
 
 
 class StatePush:
@@ -356,7 +388,7 @@ class _LinkRequest:
     output, or the exception that ended it), which frames it for the gateway."""
 
     def __init__(self, server: LinkServer, request: GenerateRequest, outbox: Outbox,
-                 live: dict[str, _LinkRequest]) -> None:
+                 live: dict[str, InFlight]) -> None:
         self.server, self.request, self.outbox, self.live = server, request, outbox, live
         self.completion = 0
         # This process exports the request's engine spans (tracing on, a trace to join): the
@@ -364,6 +396,10 @@ class _LinkRequest:
         self.traced = will_export(server.tracer_provider, request.traceparent)
         self.token_times: list[float] = []  # when choice 0's tokens left, for the decode span's ITL
         self.frames = OutputFrames()  # (its engine events go out only when they change)
+
+    def cancel(self) -> None:
+        """Aborted by the gateway, or the gateway is gone: the engine stops it and stops delivering."""
+        self.server.engine.detach(self.request.request_id)
 
     def __call__(self, out: RequestOutput | BaseException) -> None:
         rid = self.request.request_id

@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tokenpath.engine.async_engine import AsyncEngine
 from tokenpath.protocol import GenerateRequest, ReplicaState, RequestOutput
+from tokenpath.protocol.submission import Submission
 from tokenpath.replica.liveness import Liveness, LivenessConfig, hang_bound
 from tokenpath.telemetry import series
 
@@ -56,12 +57,15 @@ class InProcessReplica:
         liveness.stepped(now - age, allowance)
         engine.step_ceiling_s = hang_bound(liveness.config.stall_after_s, allowance)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        engine, rid = self.engine, request.request_id
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
+        """The bare request goes to the engine; each output it yields is new and this stream's
+        alone, so the prompt's text (which the engine never had) is set on it here."""
+        engine, rid, prompt = self.engine, submission.request_id, submission.prompt
         progress = self.liveness.track(rid, lambda exc: engine.fail(rid, exc))  # (refused at once while stalled)
         try:
-            async for out in engine.generate(request):
+            async for out in engine.generate(submission.request):
                 progress.advance(time.monotonic())
+                out.prompt = prompt
                 yield out
         finally:
             self.liveness.untrack(rid)

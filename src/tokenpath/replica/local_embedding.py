@@ -9,11 +9,12 @@ event times pass as they are.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tokenpath.engine.embedding import EmbeddingEngine
 from tokenpath.errors import EngineDeadError
 from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, ReplicaState
+from tokenpath.protocol.submission import Submission
 
 
 class InProcessEmbeddingReplica:
@@ -21,10 +22,10 @@ class InProcessEmbeddingReplica:
         self.engine = engine
         self.name = name
 
-    async def generate(self, request: EmbeddingRequest) -> AsyncIterator[EmbeddingOutput]:
+    async def generate(self, submission: Submission[EmbeddingRequest]) -> AsyncGenerator[EmbeddingOutput, None]:
         if not self.engine.healthy:
             raise EngineDeadError(f"the embedding engine of replica '{self.name}' failed a forward pass")
-        yield await self.engine.run(request)
+        yield await self.engine.run(submission.request)
 
     async def abort(self, request_id: str) -> None:
         """Nothing to do: closing `generate` cancels the caller's batch items, which the batcher

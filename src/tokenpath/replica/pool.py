@@ -16,9 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from tokenpath.protocol import ReplicaState
 from tokenpath.replica.base import Replica
+
+# The pool reads a replica's name and state only, whatever it serves (a generation's or an
+# embedding's pair): the deployment that owns it knows which, and calls `generate` itself.
+AnyReplica = Replica[Any, Any]
 
 log = logging.getLogger("tokenpath.replica")
 
@@ -36,7 +41,7 @@ class PoolConfig:
 
 
 class ReplicaHandle:
-    def __init__(self, replica: Replica, config: PoolConfig) -> None:
+    def __init__(self, replica: AnyReplica, config: PoolConfig) -> None:
         self.replica = replica
         self.config = config
         self.inflight = 0
@@ -120,7 +125,7 @@ class ReplicaHandle:
 
 
 class ReplicaPool:
-    def __init__(self, replicas: list[Replica], config: PoolConfig | None = None) -> None:
+    def __init__(self, replicas: list[AnyReplica], config: PoolConfig | None = None) -> None:
         self.config = config or PoolConfig()
         self.handles = {r.name: ReplicaHandle(r, self.config) for r in replicas}
         if len(self.handles) != len(replicas):

@@ -40,9 +40,10 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenpath.errors import ModelLoadError
-from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.replica.link_client import EngineLinkReplica, LinkReplica
 from tokenpath.telemetry import series
 
 log = logging.getLogger("tokenpath.replica")
@@ -65,7 +66,7 @@ THREADS_ENV = "TOKENPATH_NUM_THREADS"
 class EngineProcess:
     def __init__(self, name: str, model: str | None, engine_args: list[str], log_dir: Path,
                  deployment: str = "", nice: int = ENGINE_NICE, max_num_seqs: int = 0,
-                 link: type[EngineLinkReplica] = EngineLinkReplica, command: list[str] | None = None) -> None:
+                 link: type[LinkReplica[Any, Any]] = EngineLinkReplica, command: list[str] | None = None) -> None:
         self.name = name
         self.command = list(command) if command else default_engine_command()
         self.model = model
@@ -228,7 +229,7 @@ def _rotating_logger(name: str, log_dir: Path) -> logging.Logger:
 async def spawn_engines(n: int, model: str | None = None, engine_args: list[str] | None = None,
                         log_dir: Path | None = None, startup_timeout: float = 600.0, name_prefix: str = "engine",
                         deployment: str = "", nice: int = ENGINE_NICE,
-                        max_num_seqs: int = 0, link: type[EngineLinkReplica] = EngineLinkReplica,
+                        max_num_seqs: int = 0, link: type[LinkReplica[Any, Any]] = EngineLinkReplica,
                         command: list[str] | None = None) -> list[EngineProcess]:
     """Start `n` supervised engine processes (loading in parallel) and link to each. `command`
     replaces `default_engine_command()`; the engine's flags are appended to it."""

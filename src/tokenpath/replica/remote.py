@@ -24,7 +24,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
+from tokenpath.protocol.submission import Submission
 from tokenpath.replica.base import ReplicaBusyError
 from tokenpath.replica.liveness import Liveness
 from tokenpath.replica.polled import PolledState
@@ -201,7 +202,10 @@ class RemoteReplica(PolledState):
         await self._client.aclose()
 
     # -- generation ------------------------------------------------------------------------------
-    def _body(self, request: GenerateRequest) -> dict:
+    def _body(self, submission: Submission[GenerateRequest]) -> dict:
+        """The completions request: the engine's request, plus the gateway's session id as OpenAI's
+        `user` (a server that routes or accounts by user sees ours)."""
+        request = submission.request
         p = request.params
         if p.prompt_logprobs is not None:  # the stream read below carries no prompt logprobs: refuse, not drop
             raise InvalidRequestError(f"prompt_logprobs is not supported through remote replica '{self.name}'",
@@ -220,21 +224,22 @@ class RemoteReplica(PolledState):
                     "logit_bias": (getattr(p, "logit_bias", None), None),
                     "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
         body.update({k: v for k, (v, default) in optional.items() if v != default})
-        if request.session_id:
-            body["user"] = request.session_id
+        if submission.session_id:
+            body["user"] = submission.session_id
         return body
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
+        request, timeline = submission.request, submission.timeline
         events = EngineEvents(queued=time.monotonic())  # receipt times: an OpenAI server sends none
         headers = {"X-Request-Id": request.request_id}
-        if request.timeline.attrs.get("traceparent"):  # the replica (vLLM, tokenpath) continues our trace
-            headers["traceparent"] = str(request.timeline.attrs["traceparent"])
+        if timeline.attrs.get("traceparent"):  # the replica (vLLM, tokenpath) continues our trace
+            headers["traceparent"] = str(timeline.attrs["traceparent"])
         finished: set[int] = set()
         rid = request.request_id
         progress = self.liveness.track(rid, lambda exc: self._release(rid, exc))
         reader = self._readers[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
-            async with self._client.stream("POST", "/v1/completions", json=self._body(request),
+            async with self._client.stream("POST", "/v1/completions", json=self._body(submission),
                                            headers=headers) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
@@ -247,7 +252,7 @@ class RemoteReplica(PolledState):
                     progress.advance(now)
                     if last is not None and data.get("usage"):
                         last.num_cached_tokens = _cached_tokens(data)
-                    out = self._to_output(request, data, events, finished)
+                    out = self._to_output(request, data, events, finished, submission.prompt)
                     if out is None:
                         continue
                     if out.finished:
@@ -282,7 +287,7 @@ class RemoteReplica(PolledState):
             raise ServiceUnavailableError(f"replica '{self.name}' ended the stream before finishing")
 
     def _to_output(self, request: GenerateRequest, data: dict, events: EngineEvents,
-                   finished: set[int]) -> RequestOutput | None:
+                   finished: set[int], prompt: str | None) -> RequestOutput | None:
         now = time.monotonic()
         outs = []
         for choice in data.get("choices") or []:
@@ -302,7 +307,7 @@ class RemoteReplica(PolledState):
             events.finished = now
         return RequestOutput(request_id=request.request_id, outputs=outs,
                              prompt_token_ids=request.prompt_token_ids, num_cached_tokens=_cached_tokens(data),
-                             finished=done, events=replace(events), prompt=request.prompt)
+                             finished=done, events=replace(events), prompt=prompt)
 
     def _token_ids(self, text: str) -> list[int]:
         """OpenAI streams carry text, not ids. Servers that send `token_ids` (vLLM's

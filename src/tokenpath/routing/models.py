@@ -6,8 +6,11 @@ fallbacks name other deployments to try, in order, when one is down (503) or sat
 The task check in `resolve` is what keeps an embedding request away from a chat engine.
 
 `Deployment.generate` is the middle of the path (`Deployment.embed` takes it too, for an
-`EmbeddingRequest` on an embedding model's replicas): admission (admit / queue / reject with
-Retry-After) -> fair queue -> replica pick (policy + reason on the Timeline) -> replica stream.
+`EmbeddingRequest` on an embedding model's replicas). It takes the gateway's `Submission`, stamps
+its Timeline, and hands it to the replica, which sends the bare request on. A deployment is typed
+by what its replicas serve (`Deployment[GenerateRequest, RequestOutput]`, or the embedding pair).
+Admission (admit / queue / reject with Retry-After) -> fair queue -> replica pick (policy +
+reason on the Timeline) -> replica stream.
 A request that fails before its first token is retried once on another replica (the failed one
 is ejected); after the first token a failure ends the stream with a 503, because tokens already
 sent cannot be taken back. A stalled replica (`replica.liveness`) releases its requests the same
@@ -21,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal
 
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
 from tokenpath.errors import (
@@ -35,15 +38,20 @@ from tokenpath.errors import (
     ServiceUnavailableError,
     TokenpathError,
 )
-from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, ReplicaState
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, ReplicaState, Submission
 from tokenpath.protocol.lora import LoraRef
-from tokenpath.protocol.outputs import RequestOutput
-from tokenpath.replica.base import ProgressTimeoutError, Replica, ReplicaBusyError, ReplicaStalledError
+from tokenpath.replica.base import (
+    OutT,
+    ProgressTimeoutError,
+    Replica,
+    ReplicaBusyError,
+    ReplicaStalledError,
+    ReqT,
+)
 from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, PickerOptions, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
-from tokenpath.telemetry.timeline import Timeline
 
 Task = Literal["chat", "completion", "embedding"]
 # A chat deployment also serves /v1/completions (same engine, no chat template).
@@ -53,10 +61,10 @@ MAX_ATTEMPTS = 2  # the first try plus one retry on another replica, before the 
 
 
 @dataclass
-class Deployment:
+class Deployment(Generic[ReqT, OutT]):
     name: str
     task: Task
-    replicas: list[Replica] = field(default_factory=list)
+    replicas: list[Replica[ReqT, OutT]] = field(default_factory=list)
     tokenizer: Any = None  # tokenpath.engine.tokenizer.Tokenizer (chat/completion) or the embedder's
     max_model_len: int = 2048
     dimensions: int = 0  # an embedding model's vector size (what `dimensions` in a request must equal)
@@ -65,7 +73,7 @@ class Deployment:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     pool_config: PoolConfig = field(default_factory=PoolConfig)
     picker_options: PickerOptions = field(default_factory=PickerOptions)
-    fallbacks: list[Deployment] = field(default_factory=list)  # filled in by ModelRouter
+    fallbacks: list[Deployment[ReqT, OutT]] = field(default_factory=list)  # filled in by ModelRouter
     processes: list[Any] = field(default_factory=list)  # local engine processes it owns (EngineProcess)
     # What a LoRA adapter is checked against before it is registered: the base model's
     # ModelConfig (None: unknown, e.g. a URL replica; the engine then checks shapes on first use)
@@ -90,22 +98,21 @@ class Deployment:
         """Each replica's own report (not the pool's ejection view): what `/health` shows."""
         return [h.raw_state() for h in self.flow.pool.handles.values()]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Closing the iterator aborts the request wherever it is."""
-        if request.timeline is None:  # (a caller without an HTTP request: its record starts here)
-            request.timeline = Timeline(request.request_id)
-        request.timeline.stamp("routed", deployment=self.name, policy=self.policy)
-        deployment, admission = await self._admit(request)
-        async for out in deployment._run(request, admission):
+    async def generate(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
+        """Stream outputs for one request. Closing the iterator aborts the request wherever it is."""
+        submission.timeline.stamp("routed", deployment=self.name, policy=self.policy)
+        deployment, admission = await self._admit(submission)
+        async for out in deployment._run(submission, admission):
             yield out
 
-    async def embed(self, request: EmbeddingRequest) -> EmbeddingOutput:
+    async def embed(self: Deployment[EmbeddingRequest, EmbeddingOutput],
+                    submission: Submission[EmbeddingRequest]) -> EmbeddingOutput:
         """An embedding request down the same path as a generation (admission, queue, picker,
         retry, Timeline): one output. Cancelling it aborts the request wherever it is."""
-        async with contextlib.aclosing(self.generate(request)) as outputs:  # type: ignore[arg-type]
+        async with contextlib.aclosing(self.generate(submission)) as outputs:
             async for out in outputs:
                 if out.finished:
-                    return out  # type: ignore[return-value]
+                    return out
         raise ServiceUnavailableError(f"model '{self.name}' returned no vectors", code="replica_failed")
 
     def precheck(self, priority: int, tenant: str, received: float, deadline: float | None = None) -> None:
@@ -124,34 +131,35 @@ class Deployment:
         metrics.REJECTIONS.labels(self.name, first_error.code or "rejected").inc()
         raise first_error
 
-    async def _admit(self, request: GenerateRequest) -> tuple[Deployment, Admission]:
+    async def _admit(self, submission: Submission[ReqT]) -> tuple[Deployment[ReqT, OutT], Admission]:
         """Admission on this deployment, then on each fallback in order, on 503/429 only."""
         first_error: TokenpathError | None = None
         for dep in (self, *self.fallbacks):
             try:
-                admission = await dep.flow.acquire(request)
+                admission = await dep.flow.acquire(submission)
             except (ServiceUnavailableError, RateLimitError) as exc:
                 first_error = first_error or exc
                 continue
             if dep is not self:
-                request.timeline.attrs.update(deployment=dep.name, fallback_from=self.name,
-                                              fallback_reason=first_error.code if first_error else None)
+                submission.timeline.attrs.update(deployment=dep.name, fallback_from=self.name,
+                                                 fallback_reason=first_error.code if first_error else None)
             return dep, admission
         assert first_error is not None
         raise first_error
 
-    async def _run(self, request: GenerateRequest, admission: Admission) -> AsyncIterator[RequestOutput]:
+    async def _run(self, submission: Submission[ReqT], admission: Admission) -> AsyncIterator[OutT]:
+        timeline = submission.timeline
         tried: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            replica = admission.handle.replica
+            replica: Replica[ReqT, OutT] = admission.handle.replica
             tried.add(replica.name)
-            stream = replica.generate(request)
+            stream = replica.generate(submission)
             started = finished = False
             failure: str | None = None
             retry_reason = "busy"
             try:
-                async for out in self._started_by(stream, request, replica.name):
-                    stamp_events(request.timeline, out)  # the one place engine events reach the Timeline
+                async for out in self._started_by(stream, submission, replica.name):
+                    stamp_events(timeline, out)  # the one place engine events reach the Timeline
                     if not started:
                         self.flow.started(admission)
                     started = True
@@ -169,9 +177,9 @@ class Deployment:
                     raise  # it broke an engine step: retrying it would break the next replica too
                 # A busy replica is retried elsewhere but not ejected; a stalled one has ejected itself
                 # (and recovers the moment it is heard, with no backoff); anything else ejects it.
-                released = isinstance(exc, (ReplicaStalledError, ProgressTimeoutError))
+                released = exc if isinstance(exc, (ReplicaStalledError, ProgressTimeoutError)) else None
                 failure = None if released or isinstance(exc, ReplicaBusyError) else f"{type(exc).__name__}: {exc}"
-                retry_reason = (exc.code if released else None) or failure or "busy"
+                retry_reason = (released.code if released else None) or failure or "busy"
                 if started or attempt == MAX_ATTEMPTS:
                     if isinstance(exc, ServiceUnavailableError):
                         raise
@@ -180,19 +188,19 @@ class Deployment:
                         code="replica_failed") from exc
             finally:
                 with contextlib.suppress(Exception):
-                    await stream.aclose()  # type: ignore[attr-defined]
+                    await stream.aclose()
                 if not finished:
                     with contextlib.suppress(Exception):
-                        await replica.abort(request.request_id)
+                        await replica.abort(submission.request_id)
                 self.flow.release(admission, ok=finished, failure=failure)
             # Failed before the first token: once more, elsewhere.
             metrics.RETRIES.labels(self.name).inc()
-            request.timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason,
-                                          retry_lost_s=round(time.monotonic() - admission.dispatched_at, 4))
-            admission = await self.flow.acquire(request, exclude=frozenset(tried))
+            timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason,
+                                  retry_lost_s=round(time.monotonic() - admission.dispatched_at, 4))
+            admission = await self.flow.acquire(submission, exclude=frozenset(tried))
 
-    async def _started_by(self, stream: AsyncIterator[RequestOutput], request: GenerateRequest,
-                          replica: str) -> AsyncIterator[RequestOutput]:
+    async def _started_by(self, stream: AsyncIterator[OutT], submission: Submission[ReqT],
+                          replica: str) -> AsyncIterator[OutT]:
         """The replica's stream, whose first output must come before the client's deadline.
 
         A request dispatched into an engine's own queue is still waiting, so the `timeout` its
@@ -202,14 +210,15 @@ class Deployment:
         The engine holds the same deadline (in its own clock): one that passes while the request
         still waits in the engine's queue ends it there, unprefilled, with `DeadlineExceededError`,
         answered here exactly as the gateway's own timer would."""
-        if request.deadline is not None:
+        deadline = submission.request.deadline
+        if deadline is not None:
             try:
-                first = await asyncio.wait_for(anext(stream), max(0.0, request.deadline - time.monotonic()))
+                first = await asyncio.wait_for(anext(stream), max(0.0, deadline - time.monotonic()))
             except StopAsyncIteration:
                 return
             except (TimeoutError, DeadlineExceededError):
                 metrics.REJECTIONS.labels(self.name, "deadline").inc()
-                waited = time.monotonic() - request.timeline.stamps["received"]
+                waited = time.monotonic() - submission.timeline.stamps["received"]
                 raise DeadlineExceededError(
                     f"request passed its deadline after {waited:.1f}s, before its first token on "
                     f"replica '{replica}' of model '{self.name}'", code="deadline_exceeded") from None
@@ -221,7 +230,7 @@ class Deployment:
 class ModelRouter:
     def __init__(
         self,
-        deployments: Sequence[Deployment],
+        deployments: Sequence[Deployment[Any, Any]],
         aliases: dict[str, str] | None = None,
         fallbacks: dict[str, list[str]] | None = None,
     ) -> None:
@@ -242,12 +251,12 @@ class ModelRouter:
                 raise ValueError(f"fallbacks given for unknown deployment '{name}'")
             resolved = []
             for fb in chain:
-                target = self.deployments.get(self.aliases.get(fb, fb))
-                if target is None:
+                fallback = self.deployments.get(self.aliases.get(fb, fb))
+                if fallback is None:
                     raise ValueError(f"fallback '{fb}' of '{name}' is not a deployment")
-                if target is dep or target.task != dep.task:
+                if fallback is dep or fallback.task != dep.task:
                     raise ValueError(f"fallback '{fb}' of '{name}' must be another {dep.task} deployment")
-                resolved.append(target)
+                resolved.append(fallback)
             dep.fallbacks = resolved
 
     def names(self) -> list[str]:
@@ -277,7 +286,7 @@ class ModelRouter:
     def adapter(self, model: str) -> LoraRef | None:
         return self.adapters.get(model)
 
-    def resolve(self, model: str, task: str) -> Deployment:
+    def resolve(self, model: str, task: str) -> Deployment[Any, Any]:
         """Name (or alias, or LoRA adapter: its base) -> deployment; 404 for an unknown name, 400
         when it cannot do the task."""
         ref = self.adapters.get(model)

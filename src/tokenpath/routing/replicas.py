@@ -1,8 +1,8 @@
 """Replica pickers: which replica of a deployment serves this request?
 
 Every policy sits behind one interface, `pick(request, states) -> Pick(state, reason)`, where
-`request` is a `protocol.Routable` (all a picker may read: prompt ids, adapter, session id; a
-generation and an embedding alike) and `states` are the replicas that are healthy *and* have room
+`request` is a `protocol.Routable` (all a picker may read: prompt ids, adapter, session id; the
+gateway's `protocol.Submission` of a generation or an embedding alike) and `states` are the replicas that are healthy *and* have room
 right now (the flow controller filters them, so a picker never has to think about saturation or
 ejection). The `reason` is recorded on the request's Timeline and counted on /metrics, so every
 routing decision can be explained later.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenpath.config import DEFAULT_EMBEDDING_MODEL
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest, GenerateRequest, RequestOutput
 from tokenpath.routing.models import Deployment
 from tokenpath.server.config import ServerConfig, is_embedding_model
 
@@ -30,17 +31,19 @@ def embedding_served_name(name: str) -> str:
     return name if name == DEFAULT_EMBEDDING_MODEL else Path(name).name
 
 
-def load_embedding(name: str) -> Deployment:
-    """The in-process default: one `InProcessEmbeddingReplica`, behind admission like chat."""
+def load_embedding(name: str) -> tuple[Deployment[EmbeddingRequest, EmbeddingOutput], Closer]:
+    """The in-process default: one `InProcessEmbeddingReplica`, behind admission like chat; and
+    what stops it."""
     from tokenpath.replica.local_embedding import InProcessEmbeddingReplica
 
     served, engine = load_embedding_engine(name)
     replica = InProcessEmbeddingReplica(engine, name=f"local:{served}")
-    return Deployment(name=served, task="embedding", replicas=[replica], tokenizer=engine.tokenizer,
-                      max_model_len=engine.max_seq_len, dimensions=engine.dimensions, policy="least_loaded")
+    dep = Deployment(name=served, task="embedding", replicas=[replica], tokenizer=engine.tokenizer,
+                     max_model_len=engine.max_seq_len, dimensions=engine.dimensions, policy="least_loaded")
+    return dep, replica.close
 
 
-async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer]:
+async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment[GenerateRequest, RequestOutput], Closer]:
     from tokenpath.engine.async_engine import AsyncEngine
     from tokenpath.replica.local import InProcessReplica
 
@@ -54,15 +57,15 @@ async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment, Closer
     return dep, replica.close
 
 
-async def load_deployments(config: ServerConfig) -> tuple[list[Deployment], list[Closer]]:
-    deployments: list[Deployment] = []
+async def load_deployments(config: ServerConfig) -> tuple[list[Deployment[Any, Any]], list[Closer]]:
+    deployments: list[Deployment[Any, Any]] = []
     closers: list[Closer] = []
     for name in config.models:
+        dep: Deployment[Any, Any]
         if is_embedding_model(name):
-            dep = await asyncio.to_thread(load_embedding, name)
-            closers += [r.close for r in dep.replicas]  # type: ignore[attr-defined]
+            dep, closer = await asyncio.to_thread(load_embedding, name)
         else:
             dep, closer = await load_chat(name, config)
-            closers.append(closer)
+        closers.append(closer)
         deployments.append(dep)
     return deployments, closers

@@ -16,10 +16,13 @@ from typing import Any
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.config import DEFAULT_EMBEDDING_MODEL
+from tokenpath.protocol import EmbeddingOutput, EmbeddingRequest
 from tokenpath.replica.embedding_link import EmbeddingLinkReplica
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.processes import spawn_engines
 from tokenpath.routing.models import Deployment
+
+EmbeddingDeployment = Deployment[EmbeddingRequest, EmbeddingOutput]
 
 Closer = Callable[[], Awaitable[None]]
 EMBEDDING_POLICY = "least_loaded"  # an encoder caches nothing, so prefix affinity buys nothing
@@ -34,7 +37,7 @@ def embedding_tokenizer(model: str) -> Any:
 
 async def embedding_process_deployment(name: str, model: str, n: int, log_dir: Path | None = None,
                                        policy: str = EMBEDDING_POLICY, admission: dict | None = None,
-                                       pool: dict | None = None) -> tuple[Deployment, list[Closer]]:
+                                       pool: dict | None = None) -> tuple[EmbeddingDeployment, list[Closer]]:
     """`n` supervised embedding engine processes of `model`, served as deployment `name`."""
     procs = await spawn_engines(n, model, [], log_dir=log_dir, name_prefix="embed", deployment=name,
                                 link=EmbeddingLinkReplica)
@@ -43,22 +46,22 @@ async def embedding_process_deployment(name: str, model: str, n: int, log_dir: P
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         raise
-    first: EmbeddingLinkReplica = procs[0].replica  # type: ignore[assignment]
+    info = procs[0].replica.info  # (what the first engine said in its `Welcome`: they all run `model`)
     dep = Deployment(name, "embedding", [p.replica for p in procs], tokenizer=tokenizer,
-                     max_model_len=first.info.max_model_len, dimensions=first.dimensions, policy=policy,
+                     max_model_len=info.max_model_len, dimensions=info.dimensions, policy=policy,
                      admission=AdmissionConfig(**(admission or {})), pool_config=PoolConfig(**(pool or {})))
     dep.processes = procs
     return dep, [p.stop for p in procs]
 
 
 async def embedding_deployments(models: list[str], replicas: int, skip: set[str],
-                                log_dir: Path | None = None) -> tuple[list[Deployment], list[Closer]]:
+                                log_dir: Path | None = None) -> tuple[list[EmbeddingDeployment], list[Closer]]:
     """The embedding models among `models` (but those named in `skip`, which a routing file
     configures itself): in-process, or `replicas` engine processes each when `replicas > 1`."""
     from tokenpath.server.config import is_embedding_model
     from tokenpath.server.deployments import embedding_served_name, load_embedding
 
-    deployments: list[Deployment] = []
+    deployments: list[EmbeddingDeployment] = []
     closers: list[Closer] = []
     try:
         for m in models:
@@ -67,8 +70,8 @@ async def embedding_deployments(models: list[str], replicas: int, skip: set[str]
             if replicas > 1:
                 dep, more = await embedding_process_deployment(embedding_served_name(m), m, replicas, log_dir)
             else:
-                dep = await asyncio.to_thread(load_embedding, m)
-                more = [r.close for r in dep.replicas]  # type: ignore[attr-defined]
+                dep, closer = await asyncio.to_thread(load_embedding, m)
+                more = [closer]
             deployments.append(dep)
             closers += more
     except BaseException:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.config import EngineConfig, engine_flag_names, model_argv
 from tokenpath.replica.base import Replica
-from tokenpath.replica.link_client import EngineLinkReplica
+from tokenpath.replica.link_client import LinkReplica
 from tokenpath.replica.liveness import Liveness, LivenessConfig
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.processes import EngineProcess, spawn_engines
@@ -161,7 +161,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                     url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs))
                 await rep.start()
                 replicas.append(rep)
-        engines = [c for r in replicas if isinstance(r, EngineLinkReplica) and (c := r.info.engine) is not None]
+        engines = [c for r in replicas if isinstance(r, LinkReplica) and (c := r.info.engine) is not None]
         if tokenizer is None:  # the chat template its local engines run with, as they report it
             # (a Ray actor's may name a file on its own node)
             local = [c for p in procs if (c := p.replica.info.engine) is not None]
@@ -177,7 +177,7 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
     closers += [p.stop for p in procs]
     max_len = spec.max_model_len or next(
         (m for r in replicas if (m := getattr(r, "max_model_len", None))),
-        next((r.info.max_model_len for r in replicas if isinstance(r, EngineLinkReplica)), 2048))
+        next((r.info.max_model_len for r in replicas if isinstance(r, LinkReplica)), 2048))
     options = PickerOptions() if spec.load_threshold is None else PickerOptions(load_threshold=spec.load_threshold)
     dep = Deployment(spec.name, spec.task, replicas, tokenizer=tokenizer, max_model_len=max_len,
                      policy=spec.policy, admission=AdmissionConfig(**spec.admission),
@@ -221,7 +221,7 @@ async def replicated_deployment(model: str, n: int, engine_args: list[str] | Non
     spec = DeploymentSpec(name=model, model=model, policy=policy,
                           replicas=[ReplicaSpec(local=n, engine_args=list(engine_args or []))])
     dep, closers = await build_deployment(spec, log_dir=log_dir)
-    served = next((r.info.model for r in dep.replicas if isinstance(r, EngineLinkReplica) and r.info.model), model)
+    served = next((r.info.model for r in dep.replicas if isinstance(r, LinkReplica) and r.info.model), model)
     dep.name = served
     for p in dep.processes:
         p.deployment = served
