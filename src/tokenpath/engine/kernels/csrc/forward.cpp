@@ -345,7 +345,7 @@ int tp_kernel_isas() {
 void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handle)->phase_cap = cap; }
 
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
-// (kernels/__init__.py MODEL_ABI): a library built from older sources is refused, not misread.
+// (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*).
 int tp_model_abi() { return 5; }
