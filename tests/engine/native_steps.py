@@ -17,10 +17,11 @@ class NativeSteps:
     """One ModelRunner on the native kernels (GGUF: its own blocks; safetensors: q8_0), with every
     KV slot a step wrote remembered in `slots`."""
 
-    def __init__(self, loaded: LoadedModel, kv: str, num_blocks: int = 16, max_len: int = 256) -> None:
+    def __init__(self, loaded: LoadedModel, kv: str, num_blocks: int = 16, max_len: int = 256, **config) -> None:
         # One block table for every layer (the tests pick it), windows in the kernels' masks only.
+        # `config`: more EngineConfig fields (the kernel knobs).
         config = EngineConfig(kv_cache_dtype=kv, num_kv_blocks=num_blocks, disable_hybrid_kv_cache_manager=True,
-                              quantization="q8_0" if loaded.gguf is None else "auto")
+                              quantization="q8_0" if loaded.gguf is None else "auto", **config)
         self.runner = ModelRunner(loaded, config, max_len)
         assert self.runner.native is not None
         self.slots: list[int] = []

@@ -15,7 +15,7 @@ import torch
 from tokenpath.config import EngineConfig
 from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from tokenpath.engine.kernels import NativeLibrary
-from tokenpath.engine.kernels.model import NativeLlama, select_native
+from tokenpath.engine.kernels.model import DEFAULT_EXACT, DEFAULT_FINE, NativeLlama, select_native
 from tokenpath.engine.kv_groups import KVLayout
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.lora import LoraManager
@@ -120,7 +120,12 @@ class ModelRunner:
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.kv_dtype, self.device, zeroed=lib is None, layout=self.layout)
         if lib is not None:
-            self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len)
+            # The config's kernel knobs (their environment variables were its defaults); a mask
+            # left None is the kernels' default.
+            self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len,
+                                      isa=config.kernels_isa,
+                                      fine=DEFAULT_FINE if config.kernels_fine is None else config.kernels_fine,
+                                      exact=DEFAULT_EXACT if config.kernels_exact is None else config.kernels_exact)
         if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENPATH_NUM_THREADS"]))
 

@@ -1,28 +1,34 @@
 """tokenpath's native CPU kernels: quantized GEMV/GEMM on GGUF blocks and a fused decoder forward.
 
-The C++ library (csrc/) is built by the package's own setup.py and loaded here with ctypes: no
+The C++ library (csrc/) is built by the package's own setup.py and loaded with ctypes: no
 Python or PyTorch C++ API, tensors cross as raw pointers. One ctypes call costs a few
 microseconds, and the engine makes one per step (the whole forward pass), so a binding layer
-would buy nothing. `native_library()` returns None (and says why, once) when the library was not
-built (TOKENPATH_NO_KERNELS=1 at install, no compiler) or the CPU lacks AVX2+FMA; the engine then
-runs on torch float32.
+would buy nothing. Its functions are declared once for ctypes in `abi.py` (and for the compiler
+in csrc/tp_api.h). `native_library()` (library.py) returns None (and says why, once) when no
+kernel object was built (TOKENPATH_NO_KERNELS=1 at install, no compiler) or the CPU lacks
+AVX2+FMA; the engine then runs on torch float32.
 
-ISA: AVX-512 VNNI when the CPU has it, else AVX2; TOKENPATH_KERNELS_ISA=avx2 forces the AVX2
-kernels (the tests run both where the CPU allows).
+ISA: AVX-512 VNNI when the CPU has it and its object was built, else AVX2; `--kernels-isa avx2`
+(EngineConfig.kernels_isa, default TOKENPATH_KERNELS_ISA) forces the AVX2 kernels (the tests run
+both where the CPU allows).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
-log = logging.getLogger("tokenpath.engine.kernels")
+from tokenpath.engine.kernels.abi import MODEL_ABI
+from tokenpath.engine.kernels.library import (
+    FEATURE_AVX2,
+    FEATURE_AVX512_VNNI,
+    FEATURE_F16C,
+    ISA_AVX2,
+    ISA_AVX512,
+    ISA_NAMES,
+    NativeLibrary,
+    load_library,
+    native_library,
+)
 
 # ggml's GGMLQuantizationType numbers
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
@@ -45,84 +51,6 @@ GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 36
 TYPE_NAMES = {F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
               Q6_K: "Q6_K", Q4X16: "Q4X16", Q5X16: "Q5X16", Q8X16: "Q8X16", Q4KX16: "Q4KX16", Q5KX16: "Q5KX16",
               Q6KX16: "Q6KX16"}
-ISA_AVX2, ISA_AVX512 = 1, 2
-FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C = 1, 2, 4  # bits of tp_cpu_features()
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-
-
-@dataclass(frozen=True)
-class NativeLibrary:
-    lib: ctypes.CDLL
-    features: int  # FEATURE_* bits: AVX2+FMA, AVX-512 VNNI, F16C (float16 KV cache)
-
-    def isa(self, requested: str | None = None) -> int:
-        """The kernel set to run: TOKENPATH_KERNELS_ISA (avx2 | avx512 | auto) within what the CPU has."""
-        want = (requested or os.environ.get("TOKENPATH_KERNELS_ISA", "auto")).lower()
-        if want == "avx2" or not self.features & 2:
-            return ISA_AVX2
-        return ISA_AVX512
-
-    @property
-    def has_f16c(self) -> bool:
-        """Whether a float16 KV cache can run: its conversions are F16C instructions."""
-        return bool(self.features & FEATURE_F16C)
-
-    def available_isas(self) -> list[int]:
-        return [ISA_AVX2] + ([ISA_AVX512] if self.features & 2 else [])
-
-
-def _library_path() -> Path | None:
-    found = sorted(Path(__file__).parent.glob("_native*.so"))
-    return found[0] if found else None
-
-
-# csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
-# 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE halves).
-MODEL_ABI = 4
-
-
-@functools.cache
-def native_library() -> NativeLibrary | None:
-    """The loaded kernels, or None with one log line saying why the engine falls back."""
-    if os.environ.get("TOKENPATH_NO_KERNELS") == "1":
-        log.warning("native kernels switched off (TOKENPATH_NO_KERNELS=1): using the torch float32 path")
-        return None
-    path = _library_path()
-    if path is None:
-        log.warning("native kernels are not built (reinstall without TOKENPATH_NO_KERNELS, with g++): "
-                    "using the torch float32 path")
-        return None
-    import torch  # noqa: F401  -- load torch's OpenMP runtime first so both share one thread pool
-
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.warning("native kernels failed to load (%s): using the torch float32 path", exc)
-        return None
-    lib.tp_cpu_features.restype = _I
-    abi = lib.tp_model_abi() if hasattr(lib, "tp_model_abi") else 1
-    if abi != MODEL_ABI:
-        log.warning("native kernels at %s are stale (model ABI %d, this code needs %d; rebuild: python setup.py "
-                    "build_ext --inplace): using the torch float32 path", path, abi, MODEL_ABI)
-        return None
-    lib.tp_quantize.argtypes = [_I, _P, _I, _I, _P]
-    lib.tp_dequantize_row.argtypes = [_I, _P, _I, _P]
-    lib.tp_gemm.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
-    lib.tp_repack.restype = _I
-    lib.tp_repack.argtypes = [_I, _P, _I, _I, _P]
-    lib.tp_dequantize_packed_row.argtypes = [_I, _P, _I, _I, _I, _P]
-    lib.tp_model_create.restype = _P
-    lib.tp_model_create.argtypes = [_P, ctypes.c_float, _I, _P, _P, _P, _P]
-    lib.tp_model_free.argtypes = [_P]
-    lib.tp_model_forward.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
-    lib.tp_model_forward_lora.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
-    features = lib.tp_cpu_features()
-    if not features & 1:
-        log.warning("this CPU lacks AVX2+FMA: using the torch float32 path")
-        return None
-    return NativeLibrary(lib=lib, features=features)
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -204,3 +132,7 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     y = np.empty((m, n), dtype=np.float32)
     lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, 1 if exact else 2 if fine else 0)
     return y
+
+
+__all__ = ["FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
+           "NativeLibrary", "load_library", "native_library"]

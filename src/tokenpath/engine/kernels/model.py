@@ -16,18 +16,19 @@ in place, converting float16 in registers.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tokenpath.config import KERNEL_MASK_ALL, kernel_mask_from_env
 from tokenpath.engine.attention import KVCache
 from tokenpath.engine.kernels import (
     BLOCK_BYTES,
     FLOAT_PACKED,
     GGUF_BLOCKS,
     GROUP_ROWS,
+    ISA_NAMES,
     Q8_0,
     TYPE_NAMES,
     NativeLibrary,
@@ -36,6 +37,7 @@ from tokenpath.engine.kernels import (
     quantize,
     repack,
 )
+from tokenpath.engine.kernels.abi import check_forward
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.models.rope import LayerRopes
@@ -147,7 +149,8 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
 
 MAX_PARTS = 3  # row ranges of their own type per matrix (csrc/forward.cpp kMaxParts)
 
-# Bits of TOKENPATH_KERNELS_EXACT and TOKENPATH_KERNELS_FINE, in the order forward.cpp numbers the matmuls.
+# Bits of the kernels_exact and kernels_fine masks (EngineConfig; TOKENPATH_KERNELS_EXACT and
+# TOKENPATH_KERNELS_FINE by default), in the order forward.cpp numbers the matmuls.
 EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # Activations per matmul: int8 per 32-block (llama.cpp's q8 scheme), "fine" (int8 plus a second
 # int8 pass over the rounding error, ~15 bits; csrc/tp_kernels.h QAct::q2), or float ("exact",
@@ -159,34 +162,22 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # a coin toss at the float32 path's near-ties (top two log-probabilities 0.01-0.09 apart), which
 # any change of summation order flips. So fine everywhere is the default: it meets the quality bar
 # with margin, for about 1.8x the integer work of int8 (GEMM time at M >= 32; 1.25x at M = 1, where
-# reading the weights dominates). TOKENPATH_KERNELS_FINE=0 selects llama.cpp's all-int8 scheme.
+# reading the weights dominates). --kernels-fine 0 (TOKENPATH_KERNELS_FINE=0) selects llama.cpp's
+# all-int8 scheme.
 DEFAULT_EXACT = 0
-DEFAULT_FINE = 0b11111
-
-
-def _mask_from_env(name: str, default: int) -> int:
-    """A bit mask over qkv, o, gate_up, down, head from `name`: 1/all/true = all, 0 = none, or a
-    number such as 0x8; unset means `default`."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "all", "true"):
-        return 0b11111
-    try:
-        return int(value, 0) & 0b11111
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected 1, all, 0 or a bit mask such as 0x8 "
-                         "(bits: qkv, o, gate_up, down, head)") from None
+DEFAULT_FINE = KERNEL_MASK_ALL
 
 
 def fine_mask() -> int:
     """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE)."""
-    return _mask_from_env("TOKENPATH_KERNELS_FINE", DEFAULT_FINE)
+    mask = kernel_mask_from_env("TOKENPATH_KERNELS_FINE")
+    return DEFAULT_FINE if mask is None else mask
 
 
 def exact_mask() -> int:
     """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT)."""
-    return _mask_from_env("TOKENPATH_KERNELS_EXACT", DEFAULT_EXACT)
+    mask = kernel_mask_from_env("TOKENPATH_KERNELS_EXACT")
+    return DEFAULT_EXACT if mask is None else mask
 
 
 @dataclass
@@ -205,7 +196,10 @@ class NativeLoraStep:
 
 class NativeLlama:
     def __init__(self, lib: NativeLibrary, loaded: LoadedModel, quantization: str, cache: KVCache,
-                 block_size: int, max_positions: int) -> None:
+                 block_size: int, max_positions: int, *, isa: str | None = None, fine: int | None = None,
+                 exact: int | None = None) -> None:
+        """isa (auto | avx2 | avx512), fine and exact (bit masks): EngineConfig's kernels_* fields;
+        None: their environment variables, else the defaults (for callers without a config)."""
         cfg = loaded.config
         self.lib, self.vocab = lib, cfg.vocab_size
         want = Q8_0 if quantization == "q8_0" else None
@@ -217,7 +211,8 @@ class NativeLlama:
             keep.append(a)
             return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
-        exact = exact_mask()
+        exact = exact_mask() if exact is None else exact
+        fine = fine_mask() if fine is None else fine
         requantized: set[str] = set()
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
@@ -271,7 +266,7 @@ class NativeLlama:
                         ", ".join(sorted(requantized)))
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact, int(cache.k[0].dtype == torch.float16), fine_mask() & ~exact,
+                         exact, int(cache.k[0].dtype == torch.float16), fine & ~exact,
                          int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
@@ -281,7 +276,8 @@ class NativeLlama:
         if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
                                                                       and not lib.has_f16c):
             raise ValueError(f"the native kernels cannot use a {cache.k[0].dtype} KV cache on this CPU")
-        self.isa = lib.isa()
+        self.isa = lib.isa(isa)
+        self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
         self.kv_dtype = cache.k[0].dtype
         self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
                                                *(a.ctypes.data for a in arrays))
@@ -290,7 +286,7 @@ class NativeLlama:
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
-                 "for [%s], int8 for the rest, %s KV cache", "AVX-512 VNNI" if self.isa == 2 else "AVX2",
+                 "for [%s], int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
                  "/".join(sorted({TYPE_NAMES[t] for t in used_types | {head_t}})), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
@@ -313,11 +309,12 @@ class NativeLlama:
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
                 logits.data_ptr(), torch.get_num_threads(), slot_mapping.shape[-1], tables.shape[-1])
         if lora is None:
-            self.lib.lib.tp_model_forward(*args)
+            status = self.lib.lib.tp_model_forward(*args)
         else:
-            self.lib.lib.tp_model_forward_lora(*args, len(lora.blocks) // 3, lora.blocks.ctypes.data,
-                                               lora.rows.ctypes.data, lora.ptrs.ctypes.data, lora.ranks.ctypes.data,
-                                               lora.scales.ctypes.data)
+            status = self.lib.lib.tp_model_forward_lora(*args, len(lora.blocks) // 3, lora.blocks.ctypes.data,
+                                                        lora.rows.ctypes.data, lora.ptrs.ctypes.data,
+                                                        lora.ranks.ctypes.data, lora.scales.ctypes.data)
+        check_forward(status)
         return logits
 
     def __del__(self) -> None:

@@ -24,12 +24,11 @@
 #include <vector>
 
 #include "attention.h"
+#include "tp_api.h"
 #include "vec_math.h"
 #include "tp_kernels.h"
 
 using namespace tp;
-
-extern "C" void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst);
 
 namespace {
 
@@ -44,9 +43,26 @@ struct alignas(64) Phase {
     alignas(64) std::atomic<int> done{0};
 };
 
+// One thread's walk through a step's phases. Every thread walks the same sequence, so each
+// claims phase `idx` in turn; `n` is how many were allocated (phases_for_step). Should a walk ever
+// go past them (a phase added to the forward without being counted), every thread skips the
+// surplus alike (no write past the array, no thread left waiting) and flags `overflow`, which the
+// forward returns as TP_STATUS_PHASES: Python raises rather than using the step's logits.
+struct PhaseCursor {
+    Phase* phases;
+    int n;
+    std::atomic<int>* overflow;
+    int idx = 0;
+};
+
 template <class F>
-inline void team_for(Phase* phases, int& idx, int n, int grain, F&& fn) {
-    Phase& p = phases[idx++];
+inline void team_for(PhaseCursor& pc, int n, int grain, F&& fn) {
+    if (pc.idx >= pc.n) {
+        ++pc.idx;
+        pc.overflow->store(1, std::memory_order_relaxed);
+        return;
+    }
+    Phase& p = pc.phases[pc.idx++];
     const int chunks = (n + grain - 1) / grain;
     for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
         fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n);
@@ -123,7 +139,16 @@ struct Model {
     std::vector<QAct> act_views;  // this step's QAct over each of them
     std::unique_ptr<Phase[]> phases;
     size_t n_phases = 0;
+    int phase_cap = 0;  // tests only (tp_model_debug_phase_cap): fewer phases than a step needs
 };
+
+// The most work phases one step walks: the embedding lookup, the head's norm and GEMM, and per
+// layer at most 16: 4 per-row phases (norm + quantize for qkv, quantize attn for o, norm +
+// quantize for gate_up, SiLU/GELU + quantize for down; run whole by each thread when rows are
+// few), 4 GEMMs, RoPE + cache write, attention, 2 sandwich-norm adds (Gemma 3) and 4 LoRA delta
+// phases (qkv, o, gate_up, down). team_for checks the walk against it.
+constexpr int kPhasesPerLayer = 16, kPhasesPerStep = 3;
+inline size_t phases_for_step(const Model& m) { return kPhasesPerStep + size_t(m.n_layers) * kPhasesPerLayer; }
 
 QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     const int nb = (K + QK - 1) / QK;
@@ -151,13 +176,13 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
 // Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
-void gemm_team(const Model& m, Phase* ph, int& pi, int nthreads, int kind, const Mat& w, int N, const QAct& a,
+void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Mat& w, int N, const QAct& a,
                int T, float* y, int ldy, const float* bias, bool acc) {
     const bool exact = (m.exact >> kind) & 1;
     // Decode (a few rows): 16 chunks per thread rather than 4, so that the last chunks even out
     // the threads' finishing times (a chunk is a few microseconds of weight streaming).
     const int grain = grain_for(N, T <= kOwnRowsMax ? 4 * nthreads : nthreads, 16);
-    team_for(ph, pi, N, grain, [&](int n0, int n1) {
+    team_for(pc, N, grain, [&](int n0, int n1) {
         for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
             const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
             if (lo < hi)
@@ -269,8 +294,8 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->gelu = dims[14], m->float_w = dims[15];
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
-    m->gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
-    m->quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
+    m->gemm = gemm_rows_for(isa);
+    m->quant = quantize_row_for(isa);
     m->embed = reinterpret_cast<const uint8_t*>(glob[0]);
     m->head = reinterpret_cast<const uint8_t*>(glob[1]);
     m->out_norm = reinterpret_cast<const float*>(glob[2]);
@@ -307,10 +332,23 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
 
 void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 
+// The kernel sets this object carries (setup.py: _native_avx2 compiles forward_avx2.cpp, which
+// defines TP_NO_AVX512).
+int tp_kernel_isas() {
+#ifdef TP_NO_AVX512
+    return 1;
+#else
+    return 1 | 2;
+#endif
+}
+
+void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handle)->phase_cap = cap; }
+
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
-// (kernels/__init__.py MODEL_ABI): a library built from older sources is refused, not misread.
+// (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
-int tp_model_abi() { return 4; }
+// 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*).
+int tp_model_abi() { return 5; }
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
@@ -321,7 +359,7 @@ int tp_model_abi() { return 4; }
 // With KV-cache groups (a window group's blocks are its own), slot_mapping and tables hold one
 // row per group, slot_stride and table_stride apart; a layer reads its group's row.
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
-void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
                            float* logits, int nthreads, int slot_stride, int table_stride, int n_lora_blocks,
                            const int32_t* lora_blocks, const int32_t* lora_rows, const uint64_t* lora_ptrs,
@@ -377,20 +415,21 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
     float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
     const float scale = m.attn_scale;
 
-    const size_t need_phases = 3 + size_t(m.n_layers) * 16;
+    size_t need_phases = phases_for_step(m);
+    if (m.phase_cap > 0) need_phases = std::min(need_phases, size_t(m.phase_cap));
     if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
     for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
-    Phase* ph = m.phases.get();
+    std::atomic<int> overflow{0};
     const int rg = grain_for(T, nthreads, 1);  // rows per item for the per-row phases
 
 #pragma omp parallel num_threads(nthreads)
     {
-        int pi = 0;  // this thread's phase index: every thread walks the same sequence
+        PhaseCursor pc{m.phases.get(), int(need_phases), &overflow};  // this thread's walk (the same for all)
         float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
         float* tmp = scratch + attn_floats;
         const int enb = (H + QK - 1) / QK;
         const size_t eb = size_t(enb) * (is_packed(m.embed_t) ? 0 : block_bytes(m.embed_t));
-        team_for(ph, pi, T, rg, [&](int t0, int t1) {
+        team_for(pc, T, rg, [&](int t0, int t1) {
             for (int t = t0; t < t1; ++t) {
                 if (is_packed(m.embed_t))  // a tied embedding shares the LM head's repacked rows
                     dequantize_packed_row(m.embed_t, m.embed, enb, ids[t], H, x + size_t(t) * H);
@@ -404,7 +443,7 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
         // A per-row phase: shared among the threads, or (own_rows) done whole by each of them.
         auto row_phase = [&](int n, auto&& fn) {
             if (own_rows) fn(0, n);
-            else team_for(ph, pi, n, grain_for(n, nthreads, 1), fn);
+            else team_for(pc, n, grain_for(n, nthreads, 1), fn);
         };
         QAct ah = a, aq = a, ai = a;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
@@ -413,7 +452,7 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
         // target). Input rows xin (stride ldx, `in` wide), outputs y (stride ldy) at offs[g], outs[g] wide.
         auto lora_phase = [&](int l, int tg0, int n, const float* xin, int ldx, int in, float* y, int ldy,
                               const int* offs, const int* outs) {
-            team_for(ph, pi, ls.n_blocks * n, 1, [&](int i0, int) {
+            team_for(pc, ls.n_blocks * n, 1, [&](int i0, int) {
                 const int32_t* blk = ls.blocks + 3 * (i0 / n);
                 const int sl = blk[0], g = i0 % n;
                 const uint64_t* p = ls.ptrs + ((size_t(sl) * m.n_layers + l) * kLoraTargets + tg0 + g) * 2;
@@ -432,10 +471,10 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 for (int t = t0; t < t1; ++t)
                     norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            gemm_team(m, pc, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
             if (lora) lora_phase(l, 0, 3, lin, kmax, H, qkv, W, qkv_offs, qkv_outs);
             // (QK-norm,) RoPE on q and k, then write k and v into their cache slots.
-            team_for(ph, pi, T, rg, [&](int t0, int t1) {
+            team_for(pc, T, rg, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
                     float* row = qkv + size_t(t) * W;
                     if (L.q_norm) {
@@ -456,7 +495,7 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 }
             });
             // Attention over the work items above; K/V read in place from the block pool.
-            team_for(ph, pi, nitems, 1, [&](int i0, int) {
+            team_for(pc, nitems, 1, [&](int i0, int) {
                 const AttnItem it = m.items[i0];
                 const int t = m.tiles[it.tile];
                 const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
@@ -474,13 +513,13 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
             });
             if (L.attn_out_norm) {  // x += RMSNorm(o(attn))
-                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
+                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
                 if (lora) lora_phase(l, 3, 1, attn, nq, nq, sub, H, h_off, h_out);
-                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                team_for(pc, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.attn_out_norm, H, m.eps);
                 });
             } else {
-                gemm_team(m, ph, pi, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
                 if (lora) lora_phase(l, 3, 1, attn, nq, nq, x, H, h_off, h_out);
             }
             use_fine(m, ah, a, 2);  // gate_up
@@ -488,7 +527,7 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 for (int t = t0; t < t1; ++t)
                     norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
             });
-            gemm_team(m, ph, pi, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            gemm_team(m, pc, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
             if (lora) lora_phase(l, 4, 2, lin, kmax, H, gu, 2 * I, gu_offs, gu_outs);
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
@@ -500,13 +539,13 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
                 }
             });
             if (L.ffn_out_norm) {  // x += RMSNorm(down(act))
-                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
+                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
                 if (lora) lora_phase(l, 6, 1, lin, kmax, I, sub, H, h_off, h_out);
-                team_for(ph, pi, T, rg, [&](int t0, int t1) {
+                team_for(pc, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.ffn_out_norm, H, m.eps);
                 });
             } else {
-                gemm_team(m, ph, pi, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
                 if (lora) lora_phase(l, 6, 1, lin, kmax, I, x, H, h_off, h_out);
             }
         }
@@ -516,14 +555,15 @@ void tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_
         });
         Mat head;
         head.parts = 1, head.type[0] = m.head_t, head.rows[0] = m.vocab, head.w[0] = m.head;
-        gemm_team(m, ph, pi, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        gemm_team(m, pc, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
     }
+    return overflow.load() ? TP_STATUS_PHASES : TP_STATUS_OK;
 }
 
-void tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                       const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
                       float* logits, int nthreads, int slot_stride, int table_stride) {
-    tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
+    return tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
                           slot_stride, table_stride, 0, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
@@ -539,8 +579,8 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     std::vector<int8_t> q2(mode == 2 ? q.size() : 0);
     QAct a{q.data(), d.data(), s.data(), nb, qsum.data(), exact ? f.data() : nullptr, exact ? fs.data() : nullptr,
            mode == 2 ? q2.data() : nullptr, qsum16.data()};
-    const GemmRowsFn gemm = isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
-    const QuantRowFn quant = isa == 2 ? avx512::quantize_row : avx2::quantize_row;
+    const GemmRowsFn gemm = gemm_rows_for(isa);
+    const QuantRowFn quant = quantize_row_for(isa);
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)

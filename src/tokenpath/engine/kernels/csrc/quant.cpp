@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tp_api.h"
 #include "tp_kernels.h"
 
 namespace tp {

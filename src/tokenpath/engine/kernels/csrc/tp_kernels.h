@@ -7,7 +7,11 @@
 // integer multiply-add instruction sequence plus one float FMA, as in llama.cpp's
 // vec_dot_q4_1_q8_1. The ISA-specific parts (dot_avx2.cpp, dot_avx512.cpp) are compiled with
 // GCC target pragmas so one library carries both and picks at run time (tp_cpu_features in
-// quant.cpp says what the CPU has; NativeLibrary.isa in kernels/__init__.py chooses).
+// quant.cpp says what the CPU has; NativeLibrary.isa in kernels/library.py chooses).
+// setup.py builds two objects: _native_avx512 with both kernel sets, and _native_avx2 without
+// dot_avx512.cpp and with forward_avx2.cpp (forward.cpp with TP_NO_AVX512 defined), so a compiler
+// that cannot build the AVX-512 file still leaves the AVX2 kernels. With TP_NO_AVX512 the avx512
+// namespace is not even declared: a call into it is a compile error, not a link error at load.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -91,10 +95,31 @@ namespace avx2 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx2
+#ifndef TP_NO_AVX512
 namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx512
+#endif
+
+// The kernels of `isa` (2: AVX-512 VNNI, else AVX2). An object built without them
+// (TP_NO_AVX512) answers AVX2 for either: tp_kernel_isas tells Python not to ask.
+inline GemmRowsFn gemm_rows_for(int isa) {
+#ifdef TP_NO_AVX512
+    (void)isa;
+    return avx2::gemm_rows;
+#else
+    return isa == 2 ? avx512::gemm_rows : avx2::gemm_rows;
+#endif
+}
+inline QuantRowFn quantize_row_for(int isa) {
+#ifdef TP_NO_AVX512
+    (void)isa;
+    return avx2::quantize_row;
+#else
+    return isa == 2 ? avx512::quantize_row : avx2::quantize_row;
+#endif
+}
 
 // Row n (of a matrix with nb blocks per row) of a repacked matrix -> K floats.
 void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst);

@@ -1,0 +1,59 @@
+"""The native library's exported functions as ctypes sees them, declared once.
+
+csrc/tp_api.h declares the same functions for the compiler (every .cpp defining one includes it);
+tests/engine/test_kernel_abi.py parses that header and checks it against `SIGNATURES` here: the
+same names, argument counts and kinds (int, float, pointer) and return types. ctypes itself
+checks nothing against the C side, so without the test a changed signature would pass the wrong
+arguments silently. `apply` sets every restype and argtypes at load; callers then pass ints for
+pointers (`array.ctypes.data`, `tensor.data_ptr()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+# tp_model_forward's arguments; tp_model_forward_lora takes these, then the step's adapters.
+FORWARD_ARGS: list[type] = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+
+# name -> (restype, argtypes); restype None: void.
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "tp_cpu_features": (_I, []),
+    "tp_kernel_isas": (_I, []),
+    "tp_quantize": (None, [_I, _P, _I, _I, _P]),
+    "tp_dequantize_row": (None, [_I, _P, _I, _P]),
+    "tp_repack": (_I, [_I, _P, _I, _I, _P]),
+    "tp_dequantize_packed_row": (None, [_I, _P, _I, _I, _I, _P]),
+    "tp_model_create": (_P, [_P, _F, _I, _P, _P, _P, _P]),
+    "tp_model_free": (None, [_P]),
+    "tp_model_abi": (_I, []),
+    "tp_model_forward": (_I, FORWARD_ARGS),
+    "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
+    "tp_model_debug_phase_cap": (None, [_P, _I]),
+    "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
+}
+
+# csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
+# 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
+# halves; 5: the forwards return a status). A library reporting another is refused at load.
+MODEL_ABI = 5
+
+# tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
+FORWARD_STATUS = {
+    1: "the step walked more work phases than the kernels allocated for it (csrc/forward.cpp "
+       "phases_for_step miscounts them): a kernel bug; this step's logits were not used",
+}
+
+
+def apply(lib: ctypes.CDLL) -> None:
+    """Sets restype and argtypes of every function in `SIGNATURES` (AttributeError if one is missing)."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+def check_forward(status: int) -> None:
+    """Raises for a nonzero status of tp_model_forward(_lora)."""
+    if status:
+        raise RuntimeError("native forward failed: " + FORWARD_STATUS.get(status, f"unknown status {status}"))

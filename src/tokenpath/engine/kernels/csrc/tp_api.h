@@ -1,0 +1,42 @@
+// The functions the library exports, declared once. Every .cpp that defines one includes this
+// header, so the compiler rejects a definition that differs from its declaration (two C functions
+// of one name); kernels/abi.py is the same table for ctypes, and tests/engine/test_kernel_abi.py
+// checks the two against each other (argument count and kinds: int, float, pointer).
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// quant.cpp
+int tp_cpu_features();  // bits: 1 AVX2+FMA, 2 AVX-512 F/BW/VL/VNNI, 4 F16C (what the CPU has)
+void tp_quantize(int wtype, const float* src, int N, int K, uint8_t* dst);
+void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst);
+int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst);
+void tp_dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst);
+
+// forward.cpp
+int tp_kernel_isas();  // bits: 1 AVX2 kernels, 2 AVX-512 VNNI kernels (what this object carries)
+void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
+                      const int32_t* layer_types, const float* fparams);
+void tp_model_free(void* handle);
+int tp_model_abi();
+// Both return a status: 0, or one of the TP_STATUS_* codes below (kernels/abi.py names them).
+int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+                     const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
+                     float* logits, int nthreads, int slot_stride, int table_stride);
+int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
+                          const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
+                          float* logits, int nthreads, int slot_stride, int table_stride, int n_lora_blocks,
+                          const int32_t* lora_blocks, const int32_t* lora_rows, const uint64_t* lora_ptrs,
+                          const int32_t* lora_ranks, const float* lora_scales);
+// Tests only: at most `cap` work phases per step (0: as many as the step needs), to exercise the
+// overflow check (TP_STATUS_PHASES) that a miscounted phase would trip.
+void tp_model_debug_phase_cap(void* handle, int cap);
+void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
+             int mode);
+
+}  // extern "C"
+
+// tp_model_forward's statuses
+#define TP_STATUS_OK 0
+#define TP_STATUS_PHASES 1  // the step walked more work phases than were allocated (a kernel bug)
