@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +30,9 @@ from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger("tokenpath.api")
+
+# A request's outputs as the handler reads them: (prompt index, delta), closed with `aclose`.
+Deltas = AsyncGenerator[tuple[int, RequestOutput], None]
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -121,18 +124,18 @@ def observe_structured(state: AppState, plan: tool_calls.ToolPlan | None, spec: 
         counter.labels(kind=spec.kind).inc()
 
 
-async def _merge(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(sources: list[AsyncGenerator[RequestOutput, None]]) -> Deltas:
     """(prompt index, delta) from several concurrent generations; closing it closes them all."""
     if len(sources) == 1:
         try:
             async for out in sources[0]:
                 yield 0, out
         finally:
-            await sources[0].aclose()  # type: ignore[attr-defined]
+            await sources[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, src: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, src: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in src:
                 await queue.put((i, out, None))
@@ -140,7 +143,7 @@ async def _merge(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         except Exception as exc:
             await queue.put((i, None, exc))
         finally:
-            await src.aclose()  # type: ignore[attr-defined]
+            await src.aclose()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
     try:
@@ -186,7 +189,7 @@ class Generation:
             self.run.token_times.append(time.monotonic())
         return touched
 
-    async def first(self, stream: AsyncIterator) -> tuple[int, RequestOutput] | None:
+    async def first(self, stream: Deltas) -> tuple[int, RequestOutput] | None:
         """Wait for the first delta before sending headers: submission errors stay real HTTP errors."""
         async with watch_disconnect(self.run.request, self.run.stop):
             try:
@@ -194,7 +197,7 @@ class Generation:
             except StopAsyncIteration:
                 return None
 
-    async def collect(self, stream: AsyncIterator) -> Response:
+    async def collect(self, stream: Deltas) -> Response:
         run = self.run
         try:
             async with watch_disconnect(run.request, run.stop):
@@ -243,14 +246,14 @@ class Generation:
         chunks[-1]["tokenpath"] = fmt.timing_extension(self.run.timeline)
         return chunks
 
-    async def events(self, first: tuple[int, RequestOutput] | None, stream: AsyncIterator) -> AsyncIterator[bytes]:
+    async def events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncGenerator[bytes, None]:
         try:
             async for event in self._events(first, stream):
                 yield event
         finally:  # closed early (client gone): close the generation now, not at garbage collection
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
-    async def _events(self, first: tuple[int, RequestOutput] | None, stream: AsyncIterator) -> AsyncIterator[bytes]:
+    async def _events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncIterator[bytes]:
         run = self.run
         try:
             if first is not None:

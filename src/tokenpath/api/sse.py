@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -55,7 +55,7 @@ class Interrupted(Exception):
         self.reason = reason
 
 
-async def until_stopped(source: AsyncIterator[T], stop: StopSignal) -> AsyncIterator[T]:
+async def until_stopped(source: AsyncGenerator[T, None], stop: StopSignal) -> AsyncGenerator[T, None]:
     """Yield from `source` until it ends or `stop` is set (then raise `Interrupted`).
 
     The source is always closed on the way out, which is what aborts the request in the engine.
@@ -77,7 +77,7 @@ async def until_stopped(source: AsyncIterator[T], stop: StopSignal) -> AsyncIter
     finally:
         stop_wait.cancel()
         with contextlib.suppress(Exception):
-            await source.aclose()  # type: ignore[attr-defined]
+            await source.aclose()
 
 
 async def race_stop(coro: Awaitable[T], stop: StopSignal) -> T:
@@ -124,7 +124,7 @@ class SSEResponse(Response):
 
     def __init__(
         self,
-        events: AsyncIterator[bytes],
+        events: AsyncGenerator[bytes, None],
         stop: StopSignal,
         on_close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str] | None = None,
@@ -168,5 +168,5 @@ class SSEResponse(Response):
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
+                await self.events.aclose()
             await self.on_close()
