@@ -10,10 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 from tokenpath.protocol import ReplicaState
 
 log = logging.getLogger("tokenpath.replica")
+
+
+class PollSettings(Protocol):
+    """What the poll loop reads of a replica's settings."""
+
+    poll_interval_s: float
 
 
 class PolledState:
@@ -22,6 +29,7 @@ class PolledState:
 
     _state: ReplicaState
     _poller: asyncio.Task | None
+    config: PollSettings
 
     async def poll(self) -> ReplicaState:
         raise NotImplementedError
@@ -45,7 +53,7 @@ class PolledState:
                 else:
                     log.info("replica %s: healthy again", name, extra={"event": "replica_healthy", "replica": name})
                 was_healthy = state.healthy
-            await asyncio.sleep(self.config.poll_interval_s)  # type: ignore[attr-defined]
+            await asyncio.sleep(self.config.poll_interval_s)
 
     def state(self) -> ReplicaState:
         self._ensure_poller()

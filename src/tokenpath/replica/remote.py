@@ -92,6 +92,8 @@ class RemoteReplicaConfig:
 
 
 class RemoteReplica(PolledState):
+    config: RemoteReplicaConfig
+
     def __init__(self, name: str, config: RemoteReplicaConfig, model: str | None = None) -> None:
         self.name = name
         self.config = config
@@ -120,7 +122,7 @@ class RemoteReplica(PolledState):
         self._released: dict[str, BaseException] = {}  # streams liveness let go of, and why
         # The task a stream is awaiting the server in (absent while it is parked at a `yield`,
         # where a cancel would hit its consumer instead): what `_release` interrupts.
-        self._readers: dict[str, asyncio.Task] = {}
+        self._readers: dict[str, asyncio.Task | None] = {}  # (None only outside a task: never under asyncio)
 
     # -- state ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -185,7 +187,7 @@ class RemoteReplica(PolledState):
         the task it now runs in (its consumer's; after a `wait_for` it may be another one)."""
         if rid in self._released:
             raise self._released[rid]
-        task = self._readers[rid] = asyncio.current_task()  # type: ignore[assignment]
+        task = self._readers[rid] = asyncio.current_task()
         return task
 
     def _set(self, state: ReplicaState) -> None:
@@ -216,13 +218,14 @@ class RemoteReplica(PolledState):
                       "stream_options": {"include_usage": True}, "n": p.n, "max_tokens": p.max_tokens,
                       "temperature": p.temperature, "top_p": p.top_p,
                       "skip_special_tokens": p.skip_special_tokens}
-        optional = {"seed": (p.seed, None), "stop": (p.stop, []), "stop_token_ids": (p.stop_token_ids, []),
-                    "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0), "ignore_eos": (p.ignore_eos, False),
-                    "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
-                    "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
-                    "repetition_penalty": (p.repetition_penalty, 1.0),
-                    "logit_bias": (getattr(p, "logit_bias", None), None),
-                    "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
+        optional: dict[str, tuple[object, object]] = {  # field: (value, the server's default)
+            "seed": (p.seed, None), "stop": (p.stop, []), "stop_token_ids": (p.stop_token_ids, []),
+            "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0), "ignore_eos": (p.ignore_eos, False),
+            "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
+            "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
+            "repetition_penalty": (p.repetition_penalty, 1.0),
+            "logit_bias": (getattr(p, "logit_bias", None), None),
+            "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
         body.update({k: v for k, (v, default) in optional.items() if v != default})
         if submission.session_id:
             body["user"] = submission.session_id
@@ -237,7 +240,7 @@ class RemoteReplica(PolledState):
         finished: set[int] = set()
         rid = request.request_id
         progress = self.liveness.track(rid, lambda exc: self._release(rid, exc))
-        reader = self._readers[rid] = asyncio.current_task()  # type: ignore[assignment]
+        reader = self._readers[rid] = asyncio.current_task()
         try:
             async with self._client.stream("POST", "/v1/completions", json=self._body(submission),
                                            headers=headers) as resp:
@@ -258,11 +261,13 @@ class RemoteReplica(PolledState):
                     if out.finished:
                         last = out
                     else:
-                        reader = self._yield_point(rid)
+                        self._yield_point(rid)
+                        reader = None
                         yield out
                         reader = self._resumed(rid)
                 if last is not None:
-                    reader = self._yield_point(rid)
+                    self._yield_point(rid)
+                    reader = None
                     yield last
         except asyncio.CancelledError:
             if rid in self._released and reader is not None and reader.uncancel() == 0:
