@@ -224,7 +224,7 @@ class RemoteReplica(PolledState):
             "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
             "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
             "repetition_penalty": (p.repetition_penalty, 1.0),
-            "logit_bias": (getattr(p, "logit_bias", None), None),
+            "logit_bias": (p.logit_bias, None),
             "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
         body.update({k: v for k, (v, default) in optional.items() if v != default})
         if submission.session_id:
