@@ -41,6 +41,7 @@ class SimulatedReplica:
         self.served: list[str] = []  # request ids in the order they started
         self.fail_before_first = 0  # fail this many next requests before their first token
         self.busy_next = 0  # refuse this many next requests as busy (like a remote 429)
+        self.raise_for: dict[str, BaseException] = {}  # request id -> what its own value makes it raise
         self.kv_per_seq = 0.5 / self.config.max_num_seqs  # a full batch uses half the KV cache
         self._slot_freed = asyncio.Event()
         self._aborted: set[str] = set()
@@ -99,6 +100,8 @@ class SimulatedReplica:
         try:
             events.scheduled = time.monotonic()
             self.served.append(rid)
+            if rid in self.raise_for:  # one request's own bad value (the engine link's OverflowError)
+                raise self.raise_for.pop(rid)
             if self.fail_before_first > 0:
                 self.fail_before_first -= 1
                 raise EngineDeadError(f"replica '{self.name}' failed before the first token")

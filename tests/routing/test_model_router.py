@@ -4,7 +4,13 @@ import pytest
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
+from tokenpath.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    RequestFailedError,
+    ServiceUnavailableError,
+)
 from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
@@ -91,3 +97,24 @@ async def test_all_fallbacks_failing_raises_the_primary_error():
 
 async def _drain(deployment, r):
     return [o async for o in deployment.generate(r)]
+
+
+async def test_a_request_s_own_exception_fails_it_alone_and_ejects_nothing():
+    """An exception raised for one request (here the OverflowError a 2**64 value raised in the
+    engine link's codec) is that request's 500 `request_failed`: not retried elsewhere, and no
+    replica ejected (issue 41: 19 such requests once ejected both engines)."""
+    d = dep("m", n=2)
+    first, second = d.replicas
+    for replica in d.replicas:
+        replica.raise_for["bad"] = OverflowError("Integer value out of range")
+    with pytest.raises(RequestFailedError) as err:
+        _ = [o async for o in d.generate(req("bad"))]
+    assert err.value.code == "request_failed" and "bad" in str(err.value)
+    assert len(first.served) + len(second.served) == 1  # not retried on the other replica
+    handles = d.flow.pool.handles.values()
+    assert all(h.ejected_until == 0.0 and h.failures == 0 for h in handles)
+    for i in range(4):  # both replicas keep serving
+        outs = [o async for o in d.generate(req(f"ok{i}"))]
+        assert outs[-1].finished
+    assert all(h.ejected_until == 0.0 and h.failures == 0 for h in handles)
+    assert len(first.served) + len(second.served) == 5

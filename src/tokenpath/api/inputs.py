@@ -246,6 +246,12 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
     def pick(value, default):  # noqa: ANN001, ANN202 - None means "the default"
         return default if value is None else value
 
+    vocab = dep.tokenizer.vocab_size
+    bad = next((t for t in body.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"stop_token_ids has token id {bad}, outside this model's vocabulary [0, {vocab}); "
+                                  "use ids its tokenizer produces", param="stop_token_ids")
+
     return SamplingParams(
         n=body.n,
         temperature=pick(body.temperature, 1.0),

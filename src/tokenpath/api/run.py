@@ -26,6 +26,7 @@ from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
 from tokenpath.protocol.lora import LoraRef
+from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY, check_priority
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
@@ -136,10 +137,13 @@ class RequestRun:
             value = self.principal.priority
         else:
             try:
-                asked = int(raw)
+                asked = int(raw) if len(raw) <= 16 else None  # (no int() of a megabyte of digits)
             except ValueError:
-                raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
-            value = max(asked, self.principal.max_priority)
+                asked = None
+            if asked is None:
+                raise InvalidRequestError(f"x-priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got "
+                                          f"{raw[:32]!r}", param="x-priority")
+            value = max(check_priority(asked, "x-priority"), self.principal.max_priority)
         self.timeline.attrs["priority"] = value
         return value
 

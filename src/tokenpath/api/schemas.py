@@ -151,7 +151,8 @@ class _SamplingFields(_Body):
     max_tokens: int | None = None
     n: int = 1
     stop: Stop = None
-    seed: int | None = None
+    # OpenAI's and vLLM's bound: a signed 64-bit integer (the engine link carries nothing wider).
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None

@@ -7,6 +7,7 @@ import time
 from tokenpath.gateway.base import Limits
 from tokenpath.gateway.keys import generate_key
 from tokenpath.gateway.store import GatewayStore, KeyRecord
+from tokenpath.protocol.requests import check_priority
 
 
 def create_key(
@@ -24,6 +25,7 @@ def create_key(
     """Create a key (and its tenant, with no limits, when new). Returns the secret, to be shown
     once, and the stored record; the secret itself is not kept anywhere. An `admin` key may also
     call the operator endpoints (/metrics, /reset_prefix_cache)."""
+    check_priority(priority)  # (every request of the key carries it across the engine link)
     now = time.time() if now is None else now
     store.put_tenant(tenant, None, None, now, update=False)
     for _ in range(5):  # a prefix collision (48 random bits) is astronomically rare; retry anyway

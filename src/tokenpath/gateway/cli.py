@@ -22,9 +22,22 @@ from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
 from tokenpath.gateway.base import OPEN_STATUS, Limits
 from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _priority(text: str) -> int:
+    """A key's priority: a 32-bit signed integer, as every request's is (a larger one could not
+    cross the engine link, so each of the key's requests would be refused)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"{value} is outside [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _store_args(create)
     create.add_argument("--tenant", required=True)
     _limit_args(create)
-    create.add_argument("--priority", type=int, default=0, help="scheduling priority (lower runs first)")
+    create.add_argument("--priority", type=_priority, default=0,
+                        help=f"scheduling priority (lower runs first; {MIN_PRIORITY}..{MAX_PRIORITY})")
     create.add_argument("--expires", type=lambda t: parse_time(t, future=True),
                         help="ISO 8601 time (UTC if no offset), or a duration from now such as 30d")
     create.add_argument("--name", help="a label for the key")

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenpath.protocol.outputs import EngineEvents
+from tokenpath.protocol.requests import check_priority
 
 
 @dataclass
@@ -26,6 +27,9 @@ class EmbeddingRequest:
     deadline: float | None = None  # monotonic, sender's clock (crosses the link as seconds left)
     traceparent: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)
 
     @property
     def prompt_token_ids(self) -> list[int]:

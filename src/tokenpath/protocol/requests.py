@@ -20,8 +20,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
+
+# Priorities are 32-bit signed integers (lower is more urgent). Every integer that crosses the
+# engine link is range-checked before it leaves the gateway: a value the codec cannot carry
+# (2**64 raised OverflowError while sending) was once taken for the replica's fault and ejected it.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
+def check_priority(value: int, param: str = "priority") -> int:
+    """`value` if it is a priority in range, else a 400 naming `param`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise InvalidRequestError(f"{param} must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value!r}",
+                                  param=param)
+    return value
 
 
 @dataclass
@@ -40,6 +54,9 @@ class GenerateRequest:
     operation: str | None = None
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
     lora: LoraRef | None = None  # the LoRA adapter to run with (None: the base model)
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)  # (token ids: the API checks them against the vocabulary)
 
 
 @runtime_checkable

@@ -21,6 +21,12 @@ SAMPLING_EPS = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 # top_k becomes a tensor element (int64): anything larger than the vocabulary is "disabled".
 MAX_TOP_K = 2**31 - 1
+# Token ids are int32 wherever they are computed (tensors, the native kernels); the API checks them
+# against the model's vocabulary, this bound holds for any caller (the offline LLM, the link).
+MAX_TOKEN_ID = 2**31 - 1
+# A seed: any 64-bit integer, signed or not (what the engine link's msgpack carries; the engine
+# seeds each choice's generator with it modulo 2**64).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC = 256 * 1024  # characters of one schema / regex / grammar (the API caps it lower)
 
@@ -123,8 +129,8 @@ class SamplingParams:
                       f"must be between {MIN_REPETITION_PENALTY} and 2, got {self.repetition_penalty}")
         if self.seed is not None:
             integer("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**64:
-                raise bad("seed", "is out of range")
+            if not MIN_SEED <= self.seed <= MAX_SEED:
+                raise bad("seed", f"must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
@@ -137,13 +143,13 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "entries must be non-empty strings")
         for t in self.stop_token_ids:
-            if integer("stop_token_ids", t) < 0:
-                raise bad("stop_token_ids", f"must be non-negative token ids, got {t}")
+            if not 0 <= integer("stop_token_ids", t) <= MAX_TOKEN_ID:
+                raise bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}], got {t}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs", self.prompt_logprobs) \
                 <= MAX_TOP_LOGPROBS:
             raise bad("prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
         for token, bias in (self.logit_bias or {}).items():  # ids against the vocabulary: at the API edge
-            if integer("logit_bias", token) < 0 or not -100.0 <= finite("logit_bias", bias) <= 100.0:
+            if not 0 <= integer("logit_bias", token) <= MAX_TOKEN_ID or not -100.0 <= finite("logit_bias", bias) <= 100.0:
                 raise bad("logit_bias", f"needs token ids >= 0 and values in [-100, 100], got {token}: {bias}")

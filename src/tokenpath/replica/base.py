@@ -63,6 +63,18 @@ class ProgressTimeoutError(ServiceUnavailableError):
         self.headers.setdefault("Retry-After", "1")
 
 
+def replica_fault(exc: BaseException) -> bool:
+    """Whether an exception out of a replica's `generate` is the replica's own fault.
+
+    Only these eject a replica: the engine or its link gone (`EngineDeadError` and every other
+    503 a replica raises, a broken connection or pipe, an end of stream). Anything else raised
+    for one request (a value the engine or a codec could not take, a bug on one request's path)
+    is that request's: it fails alone, and the replica keeps serving. A replica broken for
+    every request is still caught, by what only a broken replica shows: its process exits, its
+    link drops, or its step loop stops (`replica.liveness`)."""
+    return isinstance(exc, ServiceUnavailableError | OSError | EOFError)
+
+
 class Replica(Protocol[ReqT_contra, OutT_co]):
     name: str
 

@@ -216,9 +216,12 @@ class LinkReplica(Generic[ReqT, OutT]):
             entry.queue.put_nowait(dead)
 
     def _send(self, msg: object) -> None:
+        self._write(frame(msg))
+
+    def _write(self, data: bytes) -> None:
         if self._writer is None:
             raise EngineDeadError(f"replica '{self.name}' is down: {self._down_reason}")
-        self._writer.write(frame(msg))
+        self._writer.write(data)
 
     async def close(self) -> None:
         self._down_reason = self._down_reason or "closed by the gateway"  # (expected: not a warning)
@@ -238,10 +241,15 @@ class LinkReplica(Generic[ReqT, OutT]):
         rid = request.request_id
         if rid in self._streams:
             raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
+        try:  # encoded before anything is tracked or sent: a value the codec cannot carry is this
+            data = frame(request)  # request's fault, a 400, never the replica's (it once ejected it)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise errors.InvalidRequestError(f"request '{rid}' holds a value the engine link cannot carry: {exc}",
+                                             code="value_out_of_range") from None
         queue: asyncio.Queue = asyncio.Queue()
         progress = self.liveness.track(rid, queue.put_nowait)  # (refused at once while stalled)
         try:
-            self._send(request)
+            self._write(data)
         except BaseException:
             self.liveness.untrack(rid)
             raise

@@ -12,7 +12,9 @@ by what its replicas serve (`Deployment[GenerateRequest, RequestOutput]`, or the
 Admission (admit / queue / reject with Retry-After) -> fair queue -> replica pick (policy +
 reason on the Timeline) -> replica stream.
 A request that fails before its first token is retried once on another replica (the failed one
-is ejected); after the first token a failure ends the stream with a 503, because tokens already
+is ejected) when the failure is the replica's (`replica.base.replica_fault`: the engine or its
+link gone); one raised for this request alone is a 500 `request_failed`, never retried and never
+ejecting anything; after the first token a failure ends the stream with a 503, because tokens already
 sent cannot be taken back. A stalled replica (`replica.liveness`) releases its requests the same
 way, with the same request id; the Timeline keeps the first `dispatched` and records the retry
 (`retried_after`, `retry_reason`, the replica that finished it). Closing the iterator aborts the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -47,11 +50,14 @@ from tokenpath.replica.base import (
     ReplicaBusyError,
     ReplicaStalledError,
     ReqT,
+    replica_fault,
 )
 from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, PickerOptions, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
+
+log = logging.getLogger("tokenpath.routing")
 
 Task = Literal["chat", "completion", "embedding"]
 # A chat deployment also serves /v1/completions (same engine, no chat template).
@@ -175,6 +181,12 @@ class Deployment(Generic[ReqT, OutT]):
                     raise  # out of time, not a replica fault: no retry, no ejection
                 if isinstance(exc, RequestFailedError):
                     raise  # it broke an engine step: retrying it would break the next replica too
+                if not replica_fault(exc):  # raised for this request alone: its fault, never the replica's
+                    log.error("request %s failed on replica %s: %s: %s", submission.request_id, replica.name,
+                              type(exc).__name__, exc, exc_info=exc, extra={"event": "request_failed"})
+                    raise RequestFailedError(f"request '{submission.request_id}' failed on replica '{replica.name}' "
+                                             f"of model '{self.name}': {type(exc).__name__}: {exc}",
+                                             code="request_failed") from exc
                 # A busy replica is retried elsewhere but not ejected; a stalled one has ejected itself
                 # (and recovers the moment it is heard, with no backoff); anything else ejects it.
                 released = exc if isinstance(exc, (ReplicaStalledError, ProgressTimeoutError)) else None
