@@ -83,6 +83,7 @@ class AuditWriter:
         self._writing_since: float | None = None
         self._spooled_total = self._dropped_total = self._written_total = 0
         self._closing = False
+        self._spent_by: str | None = None  # the error that made the store give its reserve back
 
     # -- callers ------------------------------------------------------------------------------------
     async def open(self, record: AuditRecord, progress: Callable[[], int]) -> None:
@@ -97,6 +98,8 @@ class AuditWriter:
 
     def health(self) -> AuditHealth:
         reason = self._error
+        if reason is None and self.store.reserve_spent:  # rows are written, into the last room held back
+            reason = f"disk full: the audit store's reserve is spent ({self._spent_by or 'no room'})"
         since = self._writing_since
         if reason is None and since is not None and time.monotonic() - since > SLOW_WRITE_S:
             reason = f"audit store write pending for {time.monotonic() - since:.1f} s"
@@ -154,6 +157,9 @@ class AuditWriter:
                 next_progress = now + self.progress_s
                 if self._error is None:
                     await self._write_progress()
+                if self.store.reserve_spent:  # (off the event loop: it writes a file)
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(self.store.keep_reserve)
             if now >= next_recover and self._error is None:
                 next_recover = now + RECOVER_EVERY_S
                 await self._recover_others()
@@ -171,6 +177,9 @@ class AuditWriter:
             await asyncio.to_thread(self.store.write_audit_batch, ops, self.instance, self.clock())
         except Exception as exc:  # noqa: BLE001 - every store error is a reason to spool, not to lose rows
             self._failed(exc)
+            if await asyncio.to_thread(self.store.reclaim_space):  # room made: try again now, not later
+                self._retry_at = time.monotonic()
+                self._spent_by = describe_error(exc)
             return
         finally:
             self._writing_since = None
@@ -249,6 +258,10 @@ class AuditWriter:
         """Write what is spooled (for up to `timeout`; 1 s while the store fails, so a dead store does
         not hold the shutdown), then stop; what is left is counted as dropped and logged."""
         self._closing = True
+        if self._error is not None and self._pending:  # a last chance: whatever room can be made
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.store.reclaim_space)
+            self._retry_at = time.monotonic()
         deadline = time.monotonic() + (min(timeout, 1.0) if self._error is not None else timeout)
         while self._pending and time.monotonic() < deadline and self._task is not None and not self._task.done():
             self._retry_at = min(self._retry_at, time.monotonic() + 0.05)

@@ -15,6 +15,7 @@ lock on PostgreSQL), so two processes starting together do not both apply them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -73,6 +74,8 @@ MIGRATIONS: list[list[str]] = [
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+WAL_LIMIT_BYTES = 1 << 20  # the WAL file is truncated back to this after a checkpoint
+RESERVE_BYTES = 1 << 20  # disk held back for the audit spool's rows when the disk fills (SQLite)
 
 
 class Tx(Protocol):
@@ -102,6 +105,50 @@ class SqliteDatabase:
         self._conn.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.execute("PRAGMA busy_timeout=60000")
+        # A small disk: the WAL is checkpointed every 256 pages (1 MiB; SQLite's default is 1000,
+        # ~4 MiB, more than a 3 MiB disk holds) and truncated back to 1 MiB after a checkpoint, so
+        # once space returns the WAL alone cannot fill the disk again.
+        self._conn.execute("PRAGMA wal_autocheckpoint=256")
+        self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
+        self.reserve = path.with_name(path.name + ".reserve")
+        self.reserve_spent = False  # given back for a full disk, and not made again yet
+        self.keep_reserve()
+
+    def keep_reserve(self) -> None:
+        """Hold `RESERVE_BYTES` of the disk in a file beside the database, while there is room for it.
+
+        When the disk fills, `reclaim_space` gives it back: the room the rows spooled meanwhile
+        (and a checkpoint that truncates the WAL) need to be written, even if the space never
+        comes back by itself. Made again, later, once the disk has room for it twice over."""
+        try:
+            if self.reserve.exists():
+                self.reserve_spent = False
+                return
+            free = os.statvfs(self.path.parent)
+            if free.f_bavail * free.f_frsize < 2 * RESERVE_BYTES:
+                return
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"\0" * RESERVE_BYTES)  # written, not sparse: the blocks are really held
+            finally:
+                os.close(fd)
+            self.reserve_spent = False
+        except OSError:
+            with contextlib.suppress(OSError):
+                self.reserve.unlink()
+
+    def reclaim_space(self) -> bool:
+        """After a write failed for space: give back the reserve and truncate the WAL (a checkpoint
+        copies its pages into the database, which needs less room than the WAL held). Whether
+        anything was freed."""
+        freed = False
+        with contextlib.suppress(OSError):
+            self.reserve.unlink()
+            freed = self.reserve_spent = True
+        with self._lock, contextlib.suppress(sqlite3.Error):
+            busy, _, _ = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            freed = freed or not busy
+        return freed
 
     @contextmanager
     def transaction(self, lock_tenant: str | None = None) -> Iterator[_SqliteTx]:
@@ -168,6 +215,14 @@ class PostgresDatabase:
                 if lock_tenant is not None:
                     tx.q("SELECT name FROM tenants WHERE name = ? FOR UPDATE", (lock_tenant,))
                 yield tx
+
+    reserve_spent = False  # the server's disk is PostgreSQL's to manage: nothing held here
+
+    def keep_reserve(self) -> None:
+        pass
+
+    def reclaim_space(self) -> bool:
+        return False
 
     def migrate(self) -> None:
         with self.transaction() as tx:

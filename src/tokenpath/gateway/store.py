@@ -271,6 +271,23 @@ class GatewayStore:
         with self.db.transaction() as tx:
             audit_store.write_batch(tx, ops, instance, now)
 
+    def reclaim_space(self) -> bool:
+        """A write failed (perhaps for space): free what the database holds back (its reserve, a
+        WAL to truncate). Whether anything was freed; never raises."""
+        try:
+            return self.db.reclaim_space()
+        except Exception:  # noqa: BLE001 - a best effort before the next retry
+            return False
+
+    def keep_reserve(self) -> None:
+        """Hold the store's reserve of disk once more, if there is room (a best effort)."""
+        self.db.keep_reserve()
+
+    @property
+    def reserve_spent(self) -> bool:
+        """The disk filled and the reserve was given back; not made again yet (no room)."""
+        return self.db.reserve_spent
+
     def write_audit_progress(self, updates: Sequence[tuple[str, int]], instance: Instance, now: float) -> None:
         with self.db.transaction() as tx:
             audit_store.write_progress(tx, updates, instance, now)
