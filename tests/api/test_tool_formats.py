@@ -11,6 +11,7 @@ import pytest
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api import tools
+from tokenpath.api.grammar_worker import GrammarWorkers
 from tokenpath.api.inputs import chat_messages
 from tokenpath.api.schemas import ChatCompletionRequest
 from tokenpath.api.structured import compile_checked
@@ -120,12 +121,22 @@ def test_compile_over_the_time_bound_is_a_400_and_a_hit_is_free(cache):
     _, tok = cache
     spec = StructuredOutput("json", json.dumps({"type": "object", "properties": {
         f"bound_{i}": {"type": "string", "pattern": "^[a-z]{3,9}-[0-9]+$"} for i in range(40)}}))
-    with pytest.raises(InvalidRequestError) as err:
-        asyncio.run(compile_checked(tok, spec, "response_format", timeout=1e-6))
-    assert err.value.code == "grammar_too_complex" and err.value.param == "response_format"
     small = StructuredOutput("regex", "[0-9]{2}")
-    first = asyncio.run(compile_checked(tok, small, "guided_regex"))
-    again = asyncio.run(compile_checked(tok, small, "guided_regex"))
+
+    async def go() -> tuple:
+        slow, workers = GrammarWorkers(size=1, timeout=1e-6), GrammarWorkers(size=1)
+        try:
+            with pytest.raises(InvalidRequestError) as err:
+                await compile_checked(slow, tok, spec, "response_format")
+            first = await compile_checked(workers, tok, small, "guided_regex")
+            again = await compile_checked(workers, tok, small, "guided_regex")
+            return err, first, again
+        finally:
+            await slow.close()
+            await workers.close()
+
+    err, first, again = asyncio.run(go())
+    assert err.value.code == "grammar_too_complex" and err.value.param == "response_format"
     assert not first.cache_hit and again.cache_hit and again.compile_ms == 0.0
 
 
