@@ -169,3 +169,17 @@ def test_constrained_calls_stream_arguments_while_generated(template):
     _, parsed = tools.parse_calls(text, plan)
     assert [(c["name"], json.loads(c["args"])) for c in calls.values()] == \
         [(p.name, json.loads(p.arguments)) for p in parsed]
+
+
+def test_an_engine_error_finish_reason_never_reaches_the_client():
+    """finish_reason "error" (a grammar failure in the engine) is no OpenAI value: it fails the
+    request (an SSE error event or a 500) instead of appearing in a choice."""
+    from tokenpath.errors import RequestFailedError
+    from tokenpath.protocol.outputs import CompletionOutput, RequestOutput
+
+    acc = fmt.Accumulator(n=1)
+    out = RequestOutput(request_id="r", outputs=[CompletionOutput(index=0, text="a", token_ids=[1],
+                                                                  finish_reason="error")],
+                        prompt_token_ids=[1], num_cached_tokens=0, finished=True)
+    with pytest.raises(RequestFailedError):
+        acc.add(0, out)

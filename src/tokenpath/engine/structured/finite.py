@@ -53,12 +53,16 @@ def _finite(schema: Any, refs: dict[str, bool]) -> bool:
         return True  # no type, no structure: a number will do
     options = []
     if allowed is None or "object" in allowed:
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        props: dict = schema.get("properties") or {}
+        required: list = schema.get("required") or []
+        if not isinstance(props, dict) or not isinstance(required, list):
+            return True
         options.append(all(_finite(props.get(r, True), refs) for r in required if isinstance(r, str)))
     if allowed is None or "array" in allowed:
         min_items = schema.get("minItems", 0)
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        prefix: list = schema.get("prefixItems") or []
+        if not isinstance(prefix, list):
+            return True
         items = schema.get("items", True)
         need = [*prefix[:min_items]] if isinstance(min_items, int) else []
         if isinstance(min_items, int) and min_items > len(prefix):

@@ -90,7 +90,7 @@ def warm_up(matcher: llguidance.LLMatcher, vocab_size: int) -> None:
     holds the GIL for as long as it runs (2.2 s for the regex `(a{1000}){2000}` here, freezing every
     thread of the process), where mask computation releases it (2.2 s, no other thread paused over
     20 ms) and the constructor does too."""
-    buf = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    buf: np.ndarray = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
     matcher.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
 
 
