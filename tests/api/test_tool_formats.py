@@ -11,6 +11,7 @@ import pytest
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api import tools
+from tokenpath.api.grammar_worker import GrammarWorkers
 from tokenpath.api.inputs import chat_messages
 from tokenpath.api.schemas import ChatCompletionRequest
 from tokenpath.api.structured import compile_checked
@@ -120,12 +121,22 @@ def test_compile_over_the_time_bound_is_a_400_and_a_hit_is_free(cache):
     _, tok = cache
     spec = StructuredOutput("json", json.dumps({"type": "object", "properties": {
         f"bound_{i}": {"type": "string", "pattern": "^[a-z]{3,9}-[0-9]+$"} for i in range(40)}}))
-    with pytest.raises(InvalidRequestError) as err:
-        asyncio.run(compile_checked(tok, spec, "response_format", timeout=1e-6))
-    assert err.value.code == "grammar_too_complex" and err.value.param == "response_format"
     small = StructuredOutput("regex", "[0-9]{2}")
-    first = asyncio.run(compile_checked(tok, small, "guided_regex"))
-    again = asyncio.run(compile_checked(tok, small, "guided_regex"))
+
+    async def go() -> tuple:
+        slow, workers = GrammarWorkers(size=1, timeout=1e-6), GrammarWorkers(size=1)
+        try:
+            with pytest.raises(InvalidRequestError) as err:
+                await compile_checked(slow, tok, spec, "response_format")
+            first = await compile_checked(workers, tok, small, "guided_regex")
+            again = await compile_checked(workers, tok, small, "guided_regex")
+            return err, first, again
+        finally:
+            await slow.close()
+            await workers.close()
+
+    err, first, again = asyncio.run(go())
+    assert err.value.code == "grammar_too_complex" and err.value.param == "response_format"
     assert not first.cache_hit and again.cache_hit and again.compile_ms == 0.0
 
 
@@ -158,3 +169,17 @@ def test_constrained_calls_stream_arguments_while_generated(template):
     _, parsed = tools.parse_calls(text, plan)
     assert [(c["name"], json.loads(c["args"])) for c in calls.values()] == \
         [(p.name, json.loads(p.arguments)) for p in parsed]
+
+
+def test_an_engine_error_finish_reason_never_reaches_the_client():
+    """finish_reason "error" (a grammar failure in the engine) is no OpenAI value: it fails the
+    request (an SSE error event or a 500) instead of appearing in a choice."""
+    from tokenpath.errors import RequestFailedError
+    from tokenpath.protocol.outputs import CompletionOutput, RequestOutput
+
+    acc = fmt.Accumulator(n=1)
+    out = RequestOutput(request_id="r", outputs=[CompletionOutput(index=0, text="a", token_ids=[1],
+                                                                  finish_reason="error")],
+                        prompt_token_ids=[1], num_cached_tokens=0, finished=True)
+    with pytest.raises(RequestFailedError):
+        acc.add(0, out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, streamed_calls
+from tokenpath.errors import RequestFailedError
 from tokenpath.protocol.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenpath.telemetry.timeline import Timeline
 
@@ -53,6 +54,8 @@ class Accumulator:
             ch.text += c.text
             ch.num_tokens += len(c.token_ids)
             ch.logprobs.extend(c.logprobs or ())
+            if c.finish_reason == "error":  # not an OpenAI finish reason: the request failed
+                raise RequestFailedError(f"choice {idx} failed in the engine")
             if c.finish_reason is not None:
                 ch.finish_reason = c.finish_reason
             touched.append((ch, c))

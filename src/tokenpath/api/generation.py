@@ -52,11 +52,14 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         dep = run.route(body.model, "chat" if chat else "completion")
         floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
-        plan, spec = _constraint(body, getattr(dep.tokenizer, "chat_template", None))
-        if spec is not None:
-            info = await structured.compile_checked(dep.tokenizer, spec, _spec_param(body, spec))
-            run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,
-                                             "compile_ms": info.compile_ms, "cache_hit": info.cache_hit}
+        checks: list[tuple[str, str]] = []
+        plan, spec = _constraint(body, getattr(dep.tokenizer, "chat_template", None), checks)
+        if spec is not None or checks:
+            info = await structured.compile_checked(state.grammar_workers, dep.tokenizer, spec,
+                                                    "tools" if spec is None else _spec_param(body, spec), checks)
+            if spec is not None and info is not None:
+                run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,
+                                                 "compile_ms": info.compile_ms, "cache_hit": info.cache_hit}
         observe_structured(state, plan, spec)
         priority = run.priority()
         received = run.timeline.stamps["received"]
@@ -89,12 +92,16 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
             await run.finish()
 
 
-def _constraint(body: Body, chat_template: str | None) -> tuple[tool_calls.ToolPlan | None, StructuredOutput | None]:
-    """The request's tool plan (chat only) and the one grammar its output must follow, if any."""
-    spec = structured.requested(body)
+def _constraint(body: Body, chat_template: str | None,
+                checks: list[tuple[str, str]]) -> tuple[tool_calls.ToolPlan | None, StructuredOutput | None]:
+    """The request's tool plan (chat only) and the one grammar its output must follow, if any; the
+    JSON schemas to meta-validate (off the loop, in `compile_checked`) go into `checks`."""
+    spec = structured.requested(body, checks)
     plan = None
     if isinstance(body, ChatCompletionRequest):
         plan = tool_calls.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, chat_template)
+        if plan is not None:
+            checks.extend(plan.checks)
     if plan is not None and plan.parses and spec is not None:
         raise InvalidRequestError("response_format (or structured_outputs) together with tools is not supported: a "
                                   "reply cannot follow both; set tool_choice to 'none' or drop response_format",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tokenpath.api.grammar_worker import GrammarWorkers
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.sse import StopSignal
 from tokenpath.gateway.base import RequestGuard
@@ -32,6 +33,7 @@ class AppState:
     started: int = field(default_factory=lambda: int(time.time()))
     live: LiveRequests = field(default_factory=LiveRequests)  # what the dashboard shows
     engine_history: EngineHistory = field(default_factory=EngineHistory)  # /diagnose's engine figures
+    grammar_workers: GrammarWorkers = field(default_factory=GrammarWorkers)  # schema checks, compiles
 
     def abort_all(self, reason: str = "shutdown") -> int:
         """Stop every in-flight generation; each one ends with finish_reason `abort`."""
@@ -43,7 +45,7 @@ class AppState:
         return list(self.router.deployments.values())
 
     async def close(self) -> None:
-        for fn in self.on_shutdown:
+        for fn in [*self.on_shutdown, self.grammar_workers.close]:
             try:
                 await fn()
             except Exception:

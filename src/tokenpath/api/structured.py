@@ -8,6 +8,12 @@ Every constraint is enforced, `strict` or not: a JSON-schema feature the grammar
 enforce is a 400 naming it, never dropped (OpenAI's non-strict mode guarantees nothing; here it
 guarantees the same as strict). The schema must be valid JSON Schema (checked against the 2020-12
 metaschema), and the compile is bounded in time: a grammar that takes longer is a 400.
+
+Cheapest first: on the event loop only linear, bounded checks (api/spec_limits.py: depth, size,
+enums, regexes); the meta-validation, the finite-instance check and the compile run in a worker
+process (api/grammar_worker.py) that is killed at the bound. Only a spec the worker compiled within
+it is then compiled here for the gateway's grammar cache (which an in-process engine shares), on a
+thread: llguidance's constructor and mask computation release the GIL.
 """
 
 from __future__ import annotations
@@ -18,33 +24,34 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
+from tokenpath.api.grammar_worker import COMPILE_TIMEOUT_S, GrammarWorkers
+from tokenpath.api.spec_limits import check_json_shape, check_regex
 from tokenpath.engine.structured import GrammarCache, GrammarError
 from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 MAX_SPEC_CHARS = 64 * 1024  # one schema, regex or grammar, serialized
 MAX_CHOICES = 256
-COMPILE_TIMEOUT_S = 5.0  # generous: the bound is for pathological grammars, not 2 busy cores
+__all__ = ["COMPILE_TIMEOUT_S", "CompileInfo", "check_schema", "compile_checked", "requested"]
 
 
 def _bad(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-def check_schema(schema: Any, param: str) -> str:
-    """The schema serialized, after checking it is a JSON Schema and under the size cap."""
+def check_schema(schema: Any, param: str, checks: list[tuple[str, str]] | None = None) -> str:
+    """The schema serialized, after the cheap checks (shape, depth, enums, regexes, size). Whether
+    it is valid JSON Schema is the grammar worker's to say (`compile_checked`): jsonschema's check
+    can take seconds of pure Python: `checks` collects (param, text) for it."""
     if not isinstance(schema, dict | bool):
         raise _bad(param, f"{param} must be a JSON Schema object")
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise _bad(param, f"{param} is not a valid JSON Schema: at {where}: {exc.message}") from None
+    check_json_shape(schema, param)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(text) > MAX_SPEC_CHARS:
-        raise _bad(param, f"{param} is {len(text)} characters, over the limit of {MAX_SPEC_CHARS}; send a smaller schema")
+    if len(text.encode()) > MAX_SPEC_CHARS:
+        raise _bad(param, f"{param} is {len(text.encode())} bytes, over the limit of {MAX_SPEC_CHARS}; send a "
+                   "smaller schema")
+    if checks is not None:
+        checks.append((param, text))
     return text
 
 
@@ -56,6 +63,12 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
+def _regex(value: Any, param: str) -> str:
+    text = _text(value, param)
+    check_regex(text, param)
+    return text
+
+
 def _choice(value: Any, param: str) -> str:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise _bad(param, f"{param} must be a non-empty list of non-empty strings")
@@ -64,16 +77,16 @@ def _choice(value: Any, param: str) -> str:
     return _text(json.dumps(value, ensure_ascii=False), param)
 
 
-def _schema_value(value: Any, param: str) -> str:
+def _schema_value(value: Any, param: str, checks: list[tuple[str, str]] | None) -> str:
     if isinstance(value, str):  # vLLM accepts the schema as a JSON string too
         try:
             value = json.loads(value)
         except ValueError:
             raise _bad(param, f"{param} is a string that is not JSON; send the schema as an object") from None
-    return check_schema(value, param)
+    return check_schema(value, param, checks)
 
 
-def from_response_format(rf: dict[str, Any]) -> StructuredOutput | None:
+def from_response_format(rf: dict[str, Any], checks: list[tuple[str, str]] | None = None) -> StructuredOutput | None:
     kind = rf.get("type", "text")
     if kind == "text":
         return None
@@ -87,7 +100,7 @@ def from_response_format(rf: dict[str, Any]) -> StructuredOutput | None:
         if not isinstance(js.get("strict", False), bool | None):
             raise _bad("response_format.json_schema.strict", "strict must be a boolean")
         return StructuredOutput("json", check_schema(js.get("schema", js.get("json_schema")),
-                                                     "response_format.json_schema.schema"))
+                                                     "response_format.json_schema.schema", checks))
     raise _bad("response_format.type", f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                f"got {kind!r}")
 
@@ -95,7 +108,7 @@ def from_response_format(rf: dict[str, Any]) -> StructuredOutput | None:
 _VLLM_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
-def from_vllm(so: dict[str, Any]) -> StructuredOutput | None:
+def from_vllm(so: dict[str, Any], checks: list[tuple[str, str]] | None = None) -> StructuredOutput | None:
     given = {k: v for k, v in so.items() if v is not None}
     unknown = sorted(set(given) - set(_VLLM_KEYS) - {"json_object", "disable_fallback", "disable_any_whitespace",
                                                       "disable_additional_properties", "whitespace_pattern"})
@@ -114,28 +127,31 @@ def from_vllm(so: dict[str, Any]) -> StructuredOutput | None:
     if k == "json_object":
         return StructuredOutput("json", '{"type":"object"}')
     if k == "json":
-        return StructuredOutput("json", _schema_value(given[k], param))
+        return StructuredOutput("json", _schema_value(given[k], param, checks))
     if k == "choice":
         return StructuredOutput("choice", _choice(given[k], param))
+    if k == "regex":
+        return StructuredOutput(k, _regex(given[k], param))
     return StructuredOutput(k, _text(given[k], param))
 
 
-def requested(body: Any) -> StructuredOutput | None:
-    """The one constraint a body asks for, or None. Two ways of asking at once is a 400."""
+def requested(body: Any, checks: list[tuple[str, str]] | None = None) -> StructuredOutput | None:
+    """The one constraint a body asks for, or None. Two ways of asking at once is a 400. Its JSON
+    schema, if any, goes into `checks` with its parameter, for the worker's meta-validation."""
     found: list[tuple[str, StructuredOutput]] = []
     rf = getattr(body, "response_format", None)
     if rf:
-        spec = from_response_format(rf)
+        spec = from_response_format(rf, checks)
         if spec is not None:
             found.append(("response_format", spec))
     if body.structured_outputs:
-        spec = from_vllm(body.structured_outputs)
+        spec = from_vllm(body.structured_outputs, checks)
         if spec is not None:
             found.append(("structured_outputs", spec))
     if body.guided_json is not None:
-        found.append(("guided_json", StructuredOutput("json", _schema_value(body.guided_json, "guided_json"))))
+        found.append(("guided_json", StructuredOutput("json", _schema_value(body.guided_json, "guided_json", checks))))
     if body.guided_regex is not None:
-        found.append(("guided_regex", StructuredOutput("regex", _text(body.guided_regex, "guided_regex"))))
+        found.append(("guided_regex", StructuredOutput("regex", _regex(body.guided_regex, "guided_regex"))))
     if body.guided_choice is not None:
         found.append(("guided_choice", StructuredOutput("choice", _choice(body.guided_choice, "guided_choice"))))
     if body.guided_grammar is not None:
@@ -154,16 +170,29 @@ class CompileInfo:
     cache_hit: bool
 
 
-async def compile_checked(tokenizer: Any, spec: StructuredOutput, param: str,
-                          timeout: float = COMPILE_TIMEOUT_S) -> CompileInfo:
-    """Compile off the event loop, bounded; what the library refuses becomes a 400 naming it."""
+async def compile_checked(workers: GrammarWorkers, tokenizer: Any, spec: StructuredOutput | None, param: str,
+                          schemas: list[tuple[str, str]] | None = None) -> CompileInfo | None:
+    """Meta-validate `schemas` and compile `spec` in a grammar worker, bounded; then, for a spec that
+    passed, compile it here too, for the gateway's cache. What the library refuses, or a job over
+    the bound, becomes a 400 naming the parameter."""
+    source = await asyncio.to_thread(tokenizer.grammar_source)  # serialized once per tokenizer
+    reply = await workers.check(source, list(schemas or []), spec, param)
+    if reply[0] in ("timeout", "died"):
+        how = (f"took longer than {workers.timeout:g} s" if reply[0] == "timeout"
+               else "exhausted the compiler (its worker process died)")
+        raise InvalidRequestError(f"{param}: compiling this constraint {how}; simplify it", param=param,
+                                  code="grammar_too_complex")
+    if reply[0] == "bad":
+        _, where, message, code = reply
+        if code == "invalid_grammar":
+            raise GrammarError(message, param=where)
+        raise InvalidRequestError(message, param=where)
+    if spec is None:
+        return None
     cache: GrammarCache = await asyncio.to_thread(lambda: tokenizer.grammars)  # first use: ~1 s, once
     start = time.perf_counter()
     try:
-        found = await asyncio.wait_for(asyncio.to_thread(cache.get, spec), timeout)
-    except TimeoutError:
-        raise InvalidRequestError(f"{param}: compiling this constraint took longer than {timeout:g} s; simplify "
-                                  "it", param=param, code="grammar_too_complex") from None
+        found = await asyncio.to_thread(cache.get, spec)
     except GrammarError as exc:
         raise GrammarError(f"{param}: {exc.message}", param=param) from None
     return CompileInfo(spec.kind, round(1000 * (time.perf_counter() - start), 3) if not found.hit else 0.0,

@@ -57,6 +57,7 @@ class ToolPlan:
     named: str | None
     parallel: bool
     fmt: str  # "hermes" | "llama3" | "tagged"
+    checks: tuple[tuple[str, str], ...] = ()  # (param, schema text): for the grammar worker's meta-validation
 
     @property
     def parses(self) -> bool:
@@ -90,6 +91,7 @@ def parse_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | Non
         raise _bad("tools", f"tools is {size} characters, over the limit of {MAX_TOOLS_CHARS}; send fewer or "
                    "smaller tool definitions")
     parsed: list[Tool] = []
+    checks: list[tuple[str, str]] = []
     for i, t in enumerate(tools):
         where = f"tools.{i}"
         fn = t.get("function") if isinstance(t, dict) else None
@@ -102,7 +104,7 @@ def parse_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | Non
         if any(p.name == name for p in parsed):
             raise _bad(f"{where}.function.name", f"tool name {name!r} is defined twice")
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        check_schema(params, f"{where}.function.parameters")
+        check_schema(params, f"{where}.function.parameters", checks)
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise _bad(f"{where}.function.description", f"{where}.function.description must be a string")
@@ -122,7 +124,7 @@ def parse_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | Non
             raise _bad("tool_choice", f"tool_choice names the function {name!r}, which is not in tools (known: "
                        f"{', '.join(t.name for t in parsed)})")
         choice, named = "named", name
-    return ToolPlan(parsed, choice, named, parallel is not False, template_format(chat_template))
+    return ToolPlan(parsed, choice, named, parallel is not False, template_format(chat_template), tuple(checks))
 
 
 # -- constraint ---------------------------------------------------------------------------------

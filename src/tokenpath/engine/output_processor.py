@@ -133,8 +133,13 @@ class OutputProcessor:
         if req.prompt_logprobs is not None and not req.sent_prompt_logprobs and (first.num_output_tokens > 0
                                                                                  or first.is_finished):
             prompt_logprobs, req.sent_prompt_logprobs = req.prompt_logprobs, True
+        # A matcher in its error state ends its choice with "error", which is no OpenAI finish reason:
+        # the request fails with the library's message instead (an SSE error event, or a 500).
+        failed = next((g.failed for o in outs if o.finish_reason == "error"
+                       for g in [req.choices[o.index].seq.grammar] if g is not None and g.failed), None)
         return RequestOutput(request_id=req.request_id, outputs=outs, prompt_token_ids=req.prompt_token_ids,
                              num_cached_tokens=max(0, req.choices[0].seq.num_cached_tokens),
                              finished=req.finished, events=req.events.snapshot(),
                              num_preemptions=sum(c.seq.num_preemptions for c in req.choices),
-                             grammar=stats, prompt_logprobs=prompt_logprobs)
+                             grammar=stats, prompt_logprobs=prompt_logprobs,
+                             error=None if failed is None else f"the output constraint failed in the engine: {failed}")

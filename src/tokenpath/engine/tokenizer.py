@@ -9,6 +9,7 @@ user owns: in the data dir, keyed by the GGUF file's size and mtime.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 import shutil
@@ -44,6 +45,7 @@ class Tokenizer:
         self.all_special_ids = set(self._hf.all_special_ids)
         self._grammars: GrammarCache | None = None
         self._grammar_lock = threading.Lock()
+        self._grammar_source: tuple[str, tuple[str, int, int]] | None = None
 
     @property
     def grammars(self) -> GrammarCache:
@@ -55,6 +57,20 @@ class Tokenizer:
             if self._grammars is None:
                 self._grammars = GrammarCache(self._hf, self.vocab_size)
             return self._grammars
+
+    def grammar_source(self) -> tuple[str, tuple[str, int, int]]:
+        """(a key, (tokenizer.json text, vocabulary size, EOS id)): what a grammar worker process
+        needs to build this tokenizer for llguidance without transformers (what
+        `llguidance.hf.from_tokenizer` does). Serialized once; the key is its digest."""
+        with self._grammar_lock:
+            if self._grammar_source is None:
+                backend = copy.copy(self._hf.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                text = backend.to_str()
+                key = hashlib.sha256(text.encode()).hexdigest()[:16]
+                self._grammar_source = (key, (text, self.vocab_size, self.eos_token_id))
+            return self._grammar_source
 
     @property
     def hf(self):  # noqa: ANN201 - the transformers tokenizer, for libraries that build on it (llguidance)

@@ -1,0 +1,148 @@
+"""Schema validation and grammar compiles off the event loop, in worker processes, with a bound
+that is really enforced.
+
+Why processes: jsonschema's meta-validation is pure Python (its draft-4 enum uniqueness check is
+quadratic: a 2,000-entry enum of objects took 7 s), and llguidance's `compute_ff_tokens` holds the
+GIL, so in a thread either one froze the event loop and every stream with it, and no timer could
+fire to end it. A worker process can be killed: a job over its bound (`COMPILE_TIMEOUT_S`) kills
+the worker, the request gets a 400 `grammar_too_complex`, and a fresh worker is started for the
+next job. The gateway meanwhile only waits on a pipe.
+
+The pool is small (two workers by default), started lazily on the first structured request (spawn:
+about a second, plus a fraction of one to load each tokenizer's vocabulary into llguidance, once per
+worker; neither counts against the bound) and owned by the app's state. Verdicts are cached by spec,
+refusals too, so a repeated spec, or a repeated bomb, costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from tokenpath.api import grammar_child
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+log = logging.getLogger("tokenpath.api")
+
+COMPILE_TIMEOUT_S = 5.0  # generous: the bound is for pathological grammars, not 2 busy cores
+START_TIMEOUT_S = 120.0  # a fresh worker: spawn, imports, one tokenizer (seconds on a loaded machine)
+VERDICTS = 512
+
+# (tokenizer key, the tokenizer as llguidance reads it: (tokenizer.json text, vocabulary size, EOS id))
+TokenizerSource = tuple[str, tuple[str, int, int]]
+Reply = tuple[Any, ...]
+
+
+class WorkerTimeout(Exception):
+    """A job ran past its bound; its worker was killed."""
+
+
+class WorkerDied(Exception):
+    """The worker exited in the middle of a job (out of memory, a crash in the library)."""
+
+
+class _Worker:
+    """One process and its pipe; every method blocks, so each runs on a thread, never on the loop."""
+
+    def __init__(self) -> None:
+        self.proc: BaseProcess | None = None
+        self.conn: Connection | None = None
+        self.tokenizers: set[str] = set()
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=grammar_child.serve, args=(child,), name="tokenpath-grammar", daemon=True)
+        proc.start()
+        child.close()
+        self.proc, self.conn, self.tokenizers = proc, parent, set()
+
+    def _call(self, msg: tuple, timeout: float) -> Reply:
+        if self.conn is None:
+            raise WorkerDied
+        try:
+            self.conn.send(msg)
+            if not self.conn.poll(timeout):
+                self.kill()
+                raise WorkerTimeout
+            reply: Reply = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.kill()
+            raise WorkerDied from exc
+        return reply
+
+    def run(self, tokenizer: TokenizerSource, job: tuple, timeout: float) -> Reply:
+        """Start the worker and load the tokenizer if needed (not counted), then the job, bounded."""
+        if self.proc is None or not self.proc.is_alive():
+            self.kill()
+            self._start()
+        key, source = tokenizer
+        if key not in self.tokenizers:
+            text, n_vocab, eos = source
+            self._call(("tokenizer", key, text, n_vocab, eos), START_TIMEOUT_S)
+            self.tokenizers.add(key)
+        return self._call(("check", key, *job), timeout)
+
+    def kill(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        self.proc, self.conn, self.tokenizers = None, None, set()
+
+
+class GrammarWorkers:
+    """The pool: `check` waits for a free worker, runs one job on it off the loop, and returns its
+    reply; a worker whose job ran late is killed and replaced on its next use."""
+
+    def __init__(self, size: int = 2, timeout: float = COMPILE_TIMEOUT_S) -> None:
+        self.timeout = timeout
+        self._workers = [_Worker() for _ in range(size)]
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        for w in self._workers:
+            self._idle.put_nowait(w)
+        self._verdicts: OrderedDict[tuple, Reply] = OrderedDict()
+
+    async def check(self, tokenizer: TokenizerSource, schemas: list[tuple[str, str]], spec: StructuredOutput | None,
+                    param: str) -> Reply:
+        """("ok", seconds) or ("bad", param, message, code); ("timeout",) or ("died",) when the job
+        killed its worker. A client that leaves does not return the worker early: the job's thread
+        does, when it is done."""
+        key = (tokenizer[0], tuple(schemas), None if spec is None else (spec.kind, spec.spec, spec.tools), param)
+        found = self._verdicts.get(key)
+        if found is not None:
+            self._verdicts.move_to_end(key)
+            return found
+        worker = await self._idle.get()
+        loop = asyncio.get_running_loop()
+        job = (schemas, spec, param)
+        fut = loop.run_in_executor(None, self._run, worker, tokenizer, job)
+        fut.add_done_callback(lambda _: self._idle.put_nowait(worker))
+        reply = await asyncio.shield(fut)
+        if reply[0] == "died":  # perhaps not the spec's doing: the next try gets a fresh worker
+            return reply
+        self._verdicts[key] = reply
+        while len(self._verdicts) > VERDICTS:
+            self._verdicts.popitem(last=False)
+        return reply
+
+    def _run(self, worker: _Worker, tokenizer: TokenizerSource, job: tuple) -> Reply:
+        try:
+            return worker.run(tokenizer, job, self.timeout)
+        except WorkerTimeout:
+            log.warning("a grammar job ran past %.1f s; its worker was killed", self.timeout)
+            return ("timeout",)
+        except WorkerDied:
+            log.warning("the grammar worker died during a job; a fresh one will be started")
+            return ("died",)
+
+    async def close(self) -> None:
+        for w in self._workers:
+            await asyncio.to_thread(w.kill)
