@@ -26,6 +26,8 @@ from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
 from tokenpath.protocol.lora import LoraRef
+from tokenpath.protocol.names import MODEL, check_name
+from tokenpath.protocol.requests import PRIORITY_MAX, PRIORITY_MIN
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
@@ -118,7 +120,8 @@ class RequestRun:
 
     def route(self, model: str, task: str) -> Deployment:
         assert self.principal is not None
-        self.model = model
+        self.model = model[:_MODEL_CHARS]
+        check_name(model, MODEL, "model")  # no served name holds a control character: a 400, not a 404 echoing it
         self.state.guard.check_model(self.principal, model)
         self.deployment = self.state.router.resolve(model, task)
         self.lora = self.state.router.adapter(model)
@@ -138,7 +141,10 @@ class RequestRun:
             try:
                 asked = int(raw)
             except ValueError:
-                raise InvalidRequestError(f"x-priority must be an integer, got {raw!r}", param="x-priority") from None
+                raise InvalidRequestError(f"x-priority must be an integer, got {raw[:40]!r}", param="x-priority") from None
+            if not PRIORITY_MIN <= asked <= PRIORITY_MAX:  # (2**64 would overflow the engine link's codec)
+                raise InvalidRequestError(f"x-priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got "
+                                          f"{raw[:40]!r}", param="x-priority")
             value = max(asked, self.principal.max_priority)
         self.timeline.attrs["priority"] = value
         return value

@@ -22,6 +22,8 @@ from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
 from tokenpath.gateway.base import OPEN_STATUS, Limits
 from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+from tokenpath.protocol.names import MODEL, TENANT, NameKind, name_problem
+from tokenpath.protocol.requests import PRIORITY_MAX, PRIORITY_MIN
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -33,9 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     create = keys_sub.add_parser("create", help="create a key and print it once")
     _store_args(create)
-    create.add_argument("--tenant", required=True)
+    create.add_argument("--tenant", required=True, type=_tenant_name)
     _limit_args(create)
-    create.add_argument("--priority", type=int, default=0, help="scheduling priority (lower runs first)")
+    create.add_argument("--priority", type=_priority, default=0,
+                        help=f"scheduling priority (lower runs first; {PRIORITY_MIN}..{PRIORITY_MAX})")
     create.add_argument("--expires", type=lambda t: parse_time(t, future=True),
                         help="ISO 8601 time (UTC if no offset), or a duration from now such as 30d")
     create.add_argument("--name", help="a label for the key")
@@ -58,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tenant", help="show, create or update a tenant's default limits and models",
         description="Flags given are changed, others kept; 'none' removes a limit or the model list.")
     _store_args(tenant)
-    tenant.add_argument("name")
+    tenant.add_argument("name", type=_tenant_name)
     _limit_args(tenant, clearable=True)
     tenant.set_defaults(func=cmd_keys_tenant)
 
@@ -113,10 +116,33 @@ def _positive_or_none(text: str) -> int | str:
 
 
 def _model_set(text: str) -> frozenset[str]:
-    models = frozenset(m.strip() for m in text.split(",") if m.strip())
+    models = frozenset(_safe_name(m.strip(), MODEL) for m in text.split(",") if m.strip())
     if not models:
         raise argparse.ArgumentTypeError("name at least one model")
     return models
+
+
+def _safe_name(text: str, kind: NameKind) -> str:
+    """A name as `protocol.names` allows it (printable, no control or bidi characters, bounded):
+    the tenant shows up in every audit row, log line and dashboard."""
+    problem = name_problem(text, kind)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def _tenant_name(text: str) -> str:
+    return _safe_name(text, TENANT)
+
+
+def _priority(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise argparse.ArgumentTypeError(f"must be between {PRIORITY_MIN} and {PRIORITY_MAX}")
+    return value
 
 
 def _model_set_or_none(text: str) -> frozenset[str] | str:

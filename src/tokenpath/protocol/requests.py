@@ -23,6 +23,12 @@ from typing import Protocol, runtime_checkable
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
 
+# The declared range of a priority (a key's `--priority`, a request's `x-priority`): 32-bit signed,
+# so every codec on the engine link and every store column holds it. Checked where a priority enters
+# (`api.run.RequestRun.priority`, `tokenpath keys create`); 2**64 once overflowed the link's codec
+# inside the engine process and got a healthy replica ejected.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
 
 @dataclass
 class GenerateRequest:
