@@ -24,6 +24,7 @@ from tokenpath.api.state import AppState, get_state
 from tokenpath.engine.lora import check_adapter
 from tokenpath.errors import InvalidRequestError, NotFoundError
 from tokenpath.protocol.lora import LoraRef
+from tokenpath.protocol.names import ADAPTER, MODEL, check_name, check_path
 from tokenpath.routing.models import ModelRouter
 
 router = APIRouter()
@@ -47,7 +48,15 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 async def register_adapter(models: ModelRouter, name: str, path: str, base: str | None = None,
                            replace: bool = False) -> LoraRef:
-    """Check an adapter against its base model and register it; LoraError (400) if it cannot run."""
+    """Check an adapter against its base model and register it; LoraError (400) if it cannot run.
+
+    The name and the path are checked first (`protocol.names`: printable, no control or bidi
+    characters, no path separators in the name), so `a\\x00b` or `../../x` is never registered and
+    a NUL in the path is a 400 naming `lora_path`, not the ValueError the OS layer raises."""
+    check_name(name, ADAPTER, "lora_name")
+    check_path(path, "lora_path")
+    if base is not None:
+        check_name(base, MODEL, "base_model_name")
     if base is None:
         dep = next((d for d in models.deployments.values() if d.task != "embedding"), None)
         if dep is None:

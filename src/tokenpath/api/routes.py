@@ -11,6 +11,7 @@ from tokenpath.api.embeddings import handle_embeddings
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import NotFoundError, PermissionDeniedError, TokenpathError
+from tokenpath.protocol.names import MODEL, check_name
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -67,6 +68,7 @@ async def list_models(request: Request, state: AppState = Depends(get_state)) ->
 
 @router.get("/v1/models/{model_id:path}", responses={404: {"description": "Unknown model"}})
 async def get_model(model_id: str, request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    check_name(model_id, MODEL, "model")
     if model_id not in await _visible(state, request):
         raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_model_card(state, model_id))

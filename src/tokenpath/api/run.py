@@ -26,6 +26,7 @@ from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
 from tokenpath.protocol.lora import LoraRef
+from tokenpath.protocol.names import MODEL, check_name
 from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY, check_priority
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
@@ -119,7 +120,8 @@ class RequestRun:
 
     def route(self, model: str, task: str) -> Deployment:
         assert self.principal is not None
-        self.model = model
+        self.model = model[:_MODEL_CHARS]
+        check_name(model, MODEL, "model")  # no served name holds a control character: a 400, not a 404 echoing it
         self.state.guard.check_model(self.principal, model)
         self.deployment = self.state.router.resolve(model, task)
         self.lora = self.state.router.adapter(model)

@@ -22,6 +22,7 @@ from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
 from tokenpath.gateway.base import OPEN_STATUS, Limits
 from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+from tokenpath.protocol.names import MODEL, TENANT, NameKind, name_problem
 from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -46,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     create = keys_sub.add_parser("create", help="create a key and print it once")
     _store_args(create)
-    create.add_argument("--tenant", required=True)
+    create.add_argument("--tenant", required=True, type=_tenant_name)
     _limit_args(create)
     create.add_argument("--priority", type=_priority, default=0,
                         help=f"scheduling priority (lower runs first; {MIN_PRIORITY}..{MAX_PRIORITY})")
@@ -72,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tenant", help="show, create or update a tenant's default limits and models",
         description="Flags given are changed, others kept; 'none' removes a limit or the model list.")
     _store_args(tenant)
-    tenant.add_argument("name")
+    tenant.add_argument("name", type=_tenant_name)
     _limit_args(tenant, clearable=True)
     tenant.set_defaults(func=cmd_keys_tenant)
 
@@ -127,10 +128,23 @@ def _positive_or_none(text: str) -> int | str:
 
 
 def _model_set(text: str) -> frozenset[str]:
-    models = frozenset(m.strip() for m in text.split(",") if m.strip())
+    models = frozenset(_safe_name(m.strip(), MODEL) for m in text.split(",") if m.strip())
     if not models:
         raise argparse.ArgumentTypeError("name at least one model")
     return models
+
+
+def _safe_name(text: str, kind: NameKind) -> str:
+    """A name as `protocol.names` allows it (printable, no control or bidi characters, bounded):
+    the tenant shows up in every audit row, log line and dashboard."""
+    problem = name_problem(text, kind)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def _tenant_name(text: str) -> str:
+    return _safe_name(text, TENANT)
 
 
 def _model_set_or_none(text: str) -> frozenset[str] | str:

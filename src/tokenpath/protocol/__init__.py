@@ -11,6 +11,7 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 - `RequestOutput` deltas with `EngineEvents` (`outputs.py`): what an engine hands back;
 - `EmbeddingRequest`, `EmbeddingOutput` (`embeddings.py`): the same trip for an embedding model;
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read;
+- `names.py`: the safe set for names and paths clients and operators give (checked at each edge);
 - the engine link's own messages (`link.py`: hello/welcome, ping/pong, abort, reset, errors);
 - `wire.py`: the engine link's one codec, for every message above that crosses a process.
 """

@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
 from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig, engine_flag_names
+from tokenpath.protocol.names import MODEL, name_problem
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
 
@@ -66,6 +67,14 @@ class ServerConfig(ApiSettings):
                 raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
         return self
 
+    @model_validator(mode="after")
+    def _alias_names(self) -> ServerConfig:
+        for alias in self.aliases:  # what clients send as `model`: the same safe set the API checks
+            problem = name_problem(alias, MODEL)
+            if problem is not None:
+                raise ValueError(f"aliases: {alias!r}: {problem}")
+        return self
+
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
@@ -90,6 +99,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     """The `--config` file (or the defaults), with every flag that was given laid over it. A bare
     `tokenpath engine` serves the default chat model alone. Flags a subcommand lacks count as not given."""
     cfg = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
+    for name in getattr(args, "served_model_names", None) or ():  # checked before any model loads
+        problem = name_problem(name, MODEL)
+        if problem is not None:
+            raise ValueError(f"--served-model-name {name!r}: {problem}")
     if not args.gateway and not args.models and not args.config:
         cfg.models = [DEFAULT_CHAT_MODEL]
     # A flag's dest is its field's name (`--model` gathers `models`), so the fields are the list of flags.

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.config import EngineConfig, engine_flag_names, model_argv
+from tokenpath.protocol.names import MODEL, name_problem
 from tokenpath.replica.base import Replica
 from tokenpath.replica.link_client import LinkReplica
 from tokenpath.replica.liveness import Liveness, LivenessConfig
@@ -95,6 +96,14 @@ class DeploymentSpec(BaseModel):
     replicas: list[ReplicaSpec] = Field(min_length=1)
     admission: dict[str, Any] = Field(default_factory=dict)  # AdmissionConfig fields
     pool: dict[str, Any] = Field(default_factory=dict)  # PoolConfig fields
+
+    @model_validator(mode="after")
+    def _names(self) -> DeploymentSpec:
+        for name in (self.name, *self.aliases):  # what clients send as `model` (`protocol.names`)
+            problem = name_problem(name, MODEL)
+            if problem is not None:
+                raise ValueError(f"{name!r}: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _policy(self) -> DeploymentSpec:
