@@ -143,7 +143,7 @@ class RequestRun:
             except ValueError:
                 asked = None
             if asked is None:
-                raise InvalidRequestError(f"x-priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got "
+                raise InvalidRequestError(f"x-priority must be an integer between {MIN_PRIORITY} and {MAX_PRIORITY}, got "
                                           f"{raw[:32]!r}", param="x-priority")
             value = max(check_priority(asked, "x-priority"), self.principal.max_priority)
         self.timeline.attrs["priority"] = value

@@ -33,7 +33,7 @@ MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 def check_priority(value: int, param: str = "priority") -> int:
     """`value` if it is a priority in range, else a 400 naming `param`."""
     if isinstance(value, bool) or not isinstance(value, int) or not MIN_PRIORITY <= value <= MAX_PRIORITY:
-        raise InvalidRequestError(f"{param} must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value!r}",
+        raise InvalidRequestError(f"{param} must be an integer between {MIN_PRIORITY} and {MAX_PRIORITY}, got {value!r}",
                                   param=param)
     return value
 
