@@ -17,6 +17,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -117,6 +118,15 @@ def test_non_reading_streams_are_aborted_and_free_their_slots(small_server: Serv
     assert "ASGI callable returned without completing response" not in srv.output()
 
 
+def read_stream(srv: Server) -> int:
+    """A normal client of the same stream, reading all of it (shorter)."""
+    with httpx.stream("POST", srv.base_url + "/chat/completions", json={**STREAM, "max_tokens": 40},
+                      timeout=300) as r:
+        for _ in r.iter_bytes():
+            pass
+        return r.status_code
+
+
 def wait_stalled(srv: Server, ids: list[str], within: float = 300) -> None:
     """Every one of `ids` has its closed audit row, and it says the client stalled."""
     store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
@@ -141,11 +151,18 @@ def test_a_flood_of_non_readers_gives_the_memory_back(tmp_path_factory: pytest.T
     gone the gateway's RSS is back within 10% of what it was before the flood. Before, the outputs
     of each piled up in the gateway while the engine kept generating for nobody (565 -> 1,122 MiB
     with 200 such clients in the probe, and it stayed there)."""
-    with running_server(tmp_path_factory.mktemp("flood"), "--model", CHAT_MODEL,
+    # Engine processes (--replicas 2), so the RSS measured is the gateway's alone: with the engine
+    # in-process the same flood left ~70 MiB more after it (582 -> 650 MiB), while this gateway's
+    # own RSS stayed flat (346 -> 349 peak -> 347 MiB).
+    with running_server(tmp_path_factory.mktemp("flood"), "--model", CHAT_MODEL, "--replicas", "2",
                         "--stream-stall-timeout", str(STALL_S)) as srv:
-        # One small flood first: what the server allocates once (its first stalls' code paths, the
-        # engine's batch buffers at this width) belongs to the baseline, not to the flood.
-        warm = [f"warm-{i}-{time.monotonic_ns()}" for i in range(8)]
+        # Warm-up first: what the server allocates once belongs to the baseline, not to the flood:
+        # the engine's buffers for a batch this wide with logprobs (FLOOD reading streams at once),
+        # and the stall path's (a few non-readers).
+        with ThreadPoolExecutor(FLOOD) as pool:
+            codes = list(pool.map(lambda _: read_stream(srv), range(FLOOD)))
+        assert codes == [200] * FLOOD
+        warm = [f"warm-{i}-{time.monotonic_ns()}" for i in range(4)]
         socks = [non_reader(srv.port, rid) for rid in warm]
         wait_stalled(srv, warm)
         for s in socks:
