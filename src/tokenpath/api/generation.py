@@ -23,7 +23,15 @@ from tokenpath.api.errors import error_body
 from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
-from tokenpath.api.sse import DONE, Interrupted, SSEResponse, sse_event, until_stopped, watch_disconnect
+from tokenpath.api.sse import (
+    DONE,
+    STALLED,
+    Interrupted,
+    SSEResponse,
+    sse_event,
+    until_stopped,
+    watch_disconnect,
+)
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
@@ -83,7 +91,8 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
             first = await gen.first(stream)
             handed_off = True
             return SSEResponse(gen.events(first, stream), run.stop, run.finish, headers=run.headers(),
-                               timeline=run.timeline)
+                               timeline=run.timeline, stall_timeout=state.config.stream_stall_timeout,
+                               max_unsent=state.config.stream_max_unsent_bytes)
         return await gen.collect(stream)
     except Exception as exc:
         return run.respond_to(exc)
@@ -272,6 +281,8 @@ class Generation:
         except Interrupted as exc:
             if exc.reason == "disconnect":
                 run.disconnected()
+                return
+            if exc.reason == STALLED:  # nobody reads: no abort chunks (`finish` records the stall)
                 return
             make = fmt.chat_chunk_choice if self.chat else fmt.completion_chunk_choice
             aborted = self.acc.abort_unfinished(self.parts)

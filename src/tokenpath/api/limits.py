@@ -24,6 +24,7 @@ from tokenpath.api.errors import error_body
 from tokenpath.errors import TokenpathError
 
 UPLOAD_KEY = "tokenpath.upload"  # ASGI scope key: (started, body read, body bytes), monotonic seconds
+TRANSPORT_KEY = "tokenpath.transport"  # ASGI scope key: the connection's asyncio transport (uvicorn httptools)
 # How a refusal here is still recorded like any other ending (audit row, log line, metrics).
 Refuse = Callable[[Request, TokenpathError], Awaitable[Response]]
 
@@ -154,6 +155,10 @@ def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            # The connection's transport, for `SSEResponse`: how much output it still holds for
+            # a client that stopped reading, and `abort()` to drop it (the same scope dict the
+            # request's cycle runs with; the app starts only on the next loop turn).
+            self.scope[TRANSPORT_KEY] = self.transport  # type: ignore[index]
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from tokenpath.api.errors import error_response
 from tokenpath.api.formatting import Accumulator
 from tokenpath.api.limits import UPLOAD_KEY
-from tokenpath.api.sse import Interrupted, StopSignal
+from tokenpath.api.sse import STALLED, Interrupted, StopSignal
 from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
@@ -185,6 +185,12 @@ class RequestRun:
         self.status = CLIENT_CLOSED
         self.error_type = self.error_code = "client_disconnected"
 
+    def stalled(self) -> None:
+        """The client stopped reading its stream and the server ended it (`SSEResponse`): recorded
+        like a disconnect (499, nginx's client-closed), with a reason of its own."""
+        self.status = CLIENT_CLOSED
+        self.error_type = self.error_code = STALLED
+
     def respond_to(self, exc: Exception) -> Response:
         """The response for whatever ended the request early, recorded for `finish`: a client that
         left gets nothing, a typed error its OpenAI body, anything else is re-raised as a 500."""
@@ -219,9 +225,11 @@ class RequestRun:
         self._finished = True
         self.state.inflight.pop(self.id, None)
         self.timeline.stamp("finished")
+        if self.stop.reason == STALLED:
+            self.stalled()
         finish_reason = self.acc.finish_reason() if self.acc else None
         if self.status == CLIENT_CLOSED:
-            finish_reason = "abort"
+            finish_reason = STALLED if self.error_type == STALLED else "abort"
         prompt, completion = self.total_prompt_tokens, self.completion_tokens
         guard = self.state.guard
         if self.reservation is not None:

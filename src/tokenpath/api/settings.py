@@ -3,7 +3,7 @@ fields. `tokenpath.server.config.ServerConfig` extends it with where to listen a
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenpath.config import parse_bytes
 
@@ -53,6 +53,29 @@ class ApiSettings(BaseModel):
     # Causes for every request and per-window engine figures for /diagnose (`telemetry.causes`,
     # `telemetry.engine_window`); off only to measure what they cost (`serve --no-causes`).
     causes: bool = True
+    # Streaming clients that stop reading (`api.sse.SSEResponse`): a stream whose client has taken
+    # nothing for `stream_stall_timeout` seconds (one send to it waited that long on a full socket),
+    # or whose output waiting in the gateway for it passes `stream_max_unsent`, is ended at once:
+    # its engine slot, KV blocks and admission slot are freed, its connection is dropped, and its
+    # audit row says `client_stalled` (status 499). Without it a client that never reads holds
+    # all three for as long as it keeps the connection open.
+    stream_stall_timeout: float = Field(
+        30.0, gt=0, description="seconds a streaming client may go without reading before its stream is "
+        "aborted and its slot freed (30)")
+    stream_max_unsent: str | int = Field(
+        "1MiB", description="output waiting in the gateway for one streaming client beyond which it is "
+        "aborted as stalled, e.g. 1MiB (1MiB)")
+
+    @field_validator("stream_max_unsent")
+    @classmethod
+    def _check_unsent(cls, v: str | int) -> str | int:
+        if parse_bytes(v) < 1024:
+            raise ValueError("stream_max_unsent must be at least 1KiB")
+        return v
+
+    @property
+    def stream_max_unsent_bytes(self) -> int:
+        return parse_bytes(self.stream_max_unsent)
 
     @property
     def max_body_bytes(self) -> int:

@@ -1,9 +1,11 @@
 """Server-sent events, and the watchers that stop a generation when its client goes away.
 
 `SSEResponse` is a small ASGI response rather than Starlette's `StreamingResponse` so that the
-three ways a stream can end are explicit and all close the generation (which aborts it in the
-engine and frees its KV blocks): the events run out, the client disconnects (seen on the ASGI
-receive channel), or the send fails. `watch_disconnect` does the same for non-streaming requests.
+ways a stream can end are explicit and all close the generation (which aborts it in the engine
+and frees its KV blocks): the events run out, the client disconnects (seen on the ASGI receive
+channel), the send fails, or the client stops reading (a send waits past the stall bound, or too
+much output waits for it: `client_stalled`). `watch_disconnect` does the same for non-streaming
+requests.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from tokenpath.api.limits import TRANSPORT_KEY
 from tokenpath.telemetry.timeline import Timeline
 
 DONE = "[DONE]"
 SEND_BLOCKED_S = 0.02  # one send longer than this waited on the client (see SSEResponse)
+STALLED = "client_stalled"  # the StopSignal reason (and finish reason) of a client that stopped reading
+STALL_TIMEOUT_S = 30.0  # the defaults of ApiSettings.stream_stall_timeout and stream_max_unsent
+MAX_UNSENT_BYTES = 1 << 20
 T = TypeVar("T")
 
 
@@ -61,6 +67,7 @@ async def until_stopped(source: AsyncGenerator[T, None], stop: StopSignal) -> As
     The source is always closed on the way out, which is what aborts the request in the engine.
     """
     stop_wait = asyncio.ensure_future(stop.event.wait())
+    nxt: asyncio.Future[T] | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(anext(source))
@@ -76,6 +83,9 @@ async def until_stopped(source: AsyncGenerator[T, None], stop: StopSignal) -> As
             yield item
     finally:
         stop_wait.cancel()
+        if nxt is not None and not nxt.done():  # cancelled mid-wait (the SSE pump, on a stall): the
+            nxt.cancel()  # source cannot be closed while its anext runs, and must be (the abort)
+            await asyncio.gather(nxt, return_exceptions=True)
         with contextlib.suppress(Exception):
             await source.aclose()
 
@@ -119,7 +129,46 @@ async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[
         await asyncio.gather(task, return_exceptions=True)
 
 
+class ClientStalled(Exception):
+    """The client took nothing for the stall bound, or left more than the cap unsent."""
+
+
+class _Outbox:
+    """The stream's output the client has not taken yet: one growing buffer (one allocation,
+    returned whole when freed, where many small chunks would pin Python's small-object arenas)."""
+
+    __slots__ = ("buf", "done", "overflow", "ready", "sending")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.ready = asyncio.Event()  # set when buf grows or the events end
+        self.done = False  # the events ran out (or failed: the pump task holds the error)
+        self.overflow = False  # more than the cap waited for the client
+        self.sending: asyncio.Timeout | None = None  # the send in progress, its stall timer
+
+
+def _buffered(transport: asyncio.WriteTransport | None) -> int:
+    """Bytes the connection's transport holds that the socket has not taken (0 if unknown)."""
+    if transport is None:
+        return 0
+    try:
+        return transport.get_write_buffer_size()
+    except Exception:  # a transport closing under us, or one that does not count
+        return 0
+
+
 class SSEResponse(Response):
+    """A stream that ends whichever way its client goes: disconnects, or stops reading.
+
+    Two loops share an `_Outbox`. The pump pulls events as the generation makes them (so outputs
+    never pile up as objects in the queues between engine and here) and appends their bytes; the
+    writer sends whatever has gathered, in one send when the client fell behind. A client that stops
+    reading makes a send wait on the full socket; one that waited `stall_timeout` seconds, or an
+    outbox plus transport buffer past `max_unsent` bytes while a send waits, ends the stream as
+    `client_stalled`: the generation is closed (the engine aborts it and frees its KV blocks and
+    slot; admission gets its slot back) and the connection is dropped with what it still held.
+    """
+
     media_type = "text/event-stream"
 
     def __init__(
@@ -129,11 +178,16 @@ class SSEResponse(Response):
         on_close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str] | None = None,
         timeline: Timeline | None = None,
+        stall_timeout: float = STALL_TIMEOUT_S,
+        max_unsent: int = MAX_UNSENT_BYTES,
     ) -> None:
         self.events = events
         self.timeline = timeline
         self.stop = stop
         self.on_close = on_close
+        self.stall_timeout = stall_timeout
+        self.max_unsent = max_unsent
+        self.blocked = 0.0
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
@@ -144,29 +198,77 @@ class SSEResponse(Response):
             self.stop.set("disconnect")
 
         watcher = asyncio.create_task(watch())
-        blocked = 0.0
+        transport = scope.get(TRANSPORT_KEY)
+        out = _Outbox()
+        pump: asyncio.Task | None = None
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            # A send that waits is the client's socket pushing back (the server's write buffer is
-            # full until the client reads): the request's slow_client cause. Only sends over
-            # SEND_BLOCKED_S count: a send also gives up the GIL for its syscall and can wait a
-            # switch interval (5 ms) or two to get it back from the engine thread, which is not
-            # the client's doing. Two clock reads per event.
-            clock = time.monotonic
-            async for chunk in self.events:
-                t0 = clock()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                took = clock() - t0
-                if took > SEND_BLOCKED_S:
-                    blocked += took
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(send, out, {"type": "http.response.start", "status": self.status_code,
+                                         "headers": self.raw_headers})
+            pump = asyncio.create_task(self._pump(out, transport))
+            while True:
+                if out.overflow:
+                    raise ClientStalled
+                if not out.buf:
+                    if out.done:
+                        break
+                    out.ready.clear()
+                    await out.ready.wait()
+                    continue
+                body = bytes(out.buf)
+                out.buf.clear()
+                await self._send(send, out, {"type": "http.response.body", "body": body, "more_body": True})
+            await pump  # (the events' own error, if they failed, goes on up as before)
+            await self._send(send, out, {"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientStalled:
+            self.stop.set(STALLED)
+            if transport is not None:
+                transport.abort()  # drop what it holds now: close() would keep it until the client reads
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
-            if self.timeline is not None and blocked:
-                self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
+            out.buf = bytearray()
+            if self.timeline is not None and self.blocked:
+                self.timeline.attrs["client_blocked_s"] = round(self.blocked, 6)
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            tasks = [watcher]
+            if pump is not None and not pump.done():
+                pump.cancel()  # (mid-stream: until_stopped aborts the generation on its way out)
+                tasks.append(pump)
+            await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.events.aclose()
             await self.on_close()
+
+    async def _pump(self, out: _Outbox, transport: asyncio.WriteTransport | None) -> None:
+        """Pull every event as it comes into the outbox; past the cap while a send waits, expire
+        that send's timer now (the writer then ends the stream as stalled) and pull no more."""
+        try:
+            async for chunk in self.events:
+                out.buf += chunk
+                out.ready.set()
+                sending = out.sending
+                if sending is not None and len(out.buf) + _buffered(transport) > self.max_unsent:
+                    out.overflow = True
+                    sending.reschedule(asyncio.get_running_loop().time())
+                    return
+        finally:
+            out.done = True
+            out.ready.set()
+
+    async def _send(self, send: Send, out: _Outbox, message: Message) -> None:
+        """One send, timed. A send that waits is the client's socket pushing back (the server's
+        write buffer is full until the client reads): the request's slow_client cause, and past
+        `stall_timeout` a stalled client. Only sends over SEND_BLOCKED_S count as blocked: a send
+        also gives up the GIL for its syscall and can wait a switch interval (5 ms) or two to get
+        it back from the engine thread, which is not the client's doing."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.stall_timeout) as out.sending:
+                await send(message)
+        except TimeoutError:
+            raise ClientStalled from None
+        finally:
+            out.sending = None
+        took = time.monotonic() - t0
+        if took > SEND_BLOCKED_S:
+            self.blocked += took

@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="a request with no first token this long after dispatch is released (600)")
     live.add_argument("--token-timeout", type=float, metavar="S",
                       help="a request with no next token for this long is released (300)")
+    # (each flag made from its ServerConfig field: declared, typed and described there once)
+    add_model_flags(serve.add_argument_group("slow streaming clients"), ServerConfig,
+                    ("stream_stall_timeout", "stream_max_unsent"))
     serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
                        help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
                        "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
