@@ -237,7 +237,7 @@ class LinkReplica(Generic[ReqT, OutT]):
         request = submission.request
         rid = request.request_id
         if rid in self._streams:
-            raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
+            raise errors.DuplicateRequestIdError(f"request id '{rid}' is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         progress = self.liveness.track(rid, queue.put_nowait)  # (refused at once while stalled)
         try:
@@ -250,6 +250,8 @@ class LinkReplica(Generic[ReqT, OutT]):
         try:
             while not done:
                 item = await queue.get()
+                if isinstance(item, errors.DuplicateRequestIdError):  # the engine refused it before
+                    done = True  # taking it on: an abort would stop the other request holding the id
                 if isinstance(item, BaseException):
                     raise item
                 done = item.finished
