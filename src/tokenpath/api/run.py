@@ -94,7 +94,7 @@ class RequestRun:
         self.endpoint = endpoint
         self.id = new_request_id(id_prefix)
         self.client_id = client_request_id_of(request)
-        self.timeline = Timeline(self.id)
+        self.timeline = Timeline(self.id, client_request_id=self.client_id)
         upload = request.scope.get(UPLOAD_KEY)
         if upload is not None:  # the request began when its headers were in, not once its body was
             began, read, size = upload
@@ -254,7 +254,7 @@ class RequestRun:
             derive_causes=self.state.config.causes,
             model=self.deployment.name if self.deployment else None, error_type=self.error_type,
             error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
-            client_request_id=self.client_id,
+            client_request_id=self.timeline.client_request_id,
             priority=self.timeline.attrs.get("priority"),  # type: ignore[arg-type]
             prompt_tokens=prompt, completion_tokens=completion,
             cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
