@@ -9,7 +9,9 @@ R as its client id; and `tokenpath trace R` lists them all with their tenants.
 
 Before: R was the server's id. The engine refused A's duplicate, and the gateway then sent
 `abort(R)`, which ended B's stream (in-process) or left it hanging, with no tokens and no end
-(over `--replicas 2` engine processes). Both server kinds run here, as users start them.
+(over `--replicas 2` engine processes). Both server kinds run here, as users start them; with two
+replicas every request carries one session id under `session_affinity` routing, so A's requests
+land on the engine process running B's.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me a long story about a lighthouse."
 LONG = 300  # B's tokens: long enough that A's requests all run while it streams
+SESSION = {"x-session-id": "one-home"}  # (every request to the same replica)
 
 
-@pytest.fixture(scope="module", params=[(), ("--replicas", "2")], ids=["in-process", "replicas"])
+@pytest.fixture(scope="module", params=[(), ("--replicas", "2", "--routing-policy", "session_affinity")],
+                ids=["in-process", "replicas"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         tuple[Server, dict[str, str]]]:
     tmp = tmp_path_factory.mktemp("request-ids")
@@ -68,7 +72,7 @@ class Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        headers = {"authorization": f"Bearer {self.key}", "x-request-id": self.client_id}
+        headers = {"authorization": f"Bearer {self.key}", "x-request-id": self.client_id, **SESSION}
         try:
             # A read timeout well under the test's: a stream left hanging fails as such.
             with httpx.Client(base_url=self.srv.base_url, timeout=60) as c, \
@@ -133,14 +137,14 @@ def test_another_tenant_sending_the_same_request_id_changes_nothing(served):
         time.sleep(0.02)
 
     # Tenant A, the same client id: streamed, not streamed, and both at once.
-    a_headers = {"authorization": f"Bearer {keys['tenant-a']}", "x-request-id": shared}
+    a_headers = {"authorization": f"Bearer {keys['tenant-a']}", "x-request-id": shared, **SESSION}
     with httpx.Client(base_url=srv.base_url, timeout=120) as c:
         plain = c.post("/completions", json=_body(8, False), headers=a_headers)
         other = Stream(srv, keys["tenant-a"], shared, 8)
         other.start()
         plain2 = c.post("/completions", json=_body(8, False), headers=a_headers)
     _finished(other)
-    assert victim.is_alive(), "B's stream ended before A's requests ran: the test proved nothing"
+    overlapped = victim.is_alive()  # (checked last: a B cut short fails its own checks first)
 
     for r in (plain, plain2):
         assert r.status_code == 200, r.text
@@ -153,6 +157,7 @@ def test_another_tenant_sending_the_same_request_id_changes_nothing(served):
     assert victim.status == 200 and victim.done, (victim.status, victim.chunks)
     assert victim.finish == "length" and victim.usage["completion_tokens"] == LONG, (victim.finish, victim.usage)
     assert victim.text == alone.text
+    assert overlapped, "B's stream ended before A's requests ran: the test proved nothing"
 
     # Four requests, four server ids, none of them R; the tenants tell B's from A's.
     ids = {victim.headers["x-request-id"], other.headers["x-request-id"], *(r.headers["x-request-id"]
