@@ -4,7 +4,13 @@ import pytest
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
-from tokenpath.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceUnavailableError
+from tokenpath.errors import (
+    DuplicateRequestIdError,
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
 from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.pool import PoolConfig
@@ -91,3 +97,18 @@ async def test_all_fallbacks_failing_raises_the_primary_error():
 
 async def _drain(deployment, r):
     return [o async for o in deployment.generate(r)]
+
+
+async def test_a_refused_duplicate_id_aborts_nothing_it_did_not_start():
+    """A replica that refuses an id already running took nothing on: the deployment must not follow
+    the refusal with `abort(id)`, which would stop the request holding the id (issue 41; the
+    gateway mints unique ids, so this is defense in depth)."""
+    d = dep("m", seqs=2)
+    replica = d.replicas[0]
+    holder = asyncio.create_task(_drain(d, req("same", max_tokens=30)))
+    while "same" not in replica.running:
+        await asyncio.sleep(0.005)
+    with pytest.raises(DuplicateRequestIdError):
+        await _drain(d, req("same", max_tokens=3))
+    outs = await holder
+    assert len(outs) == 30 and outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
