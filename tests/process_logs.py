@@ -35,16 +35,20 @@ def wait_for_log(path: Path, pattern: str, proc: subprocess.Popen, timeout: floa
 
 def audit_timing(data_dir: Path, request_id: str, timeout: float = 20.0) -> dict:
     """The timing of a request's audit row in the gateway's store under `data_dir` (which replica
-    served it, `retried_after` when another one was tried first), once the writer has stored it."""
+    served it, `retried_after` when another one was tried first), once the writer has stored it.
+    `request_id`: the server's id, or the client's own (`x-request-id` sent) when only one request
+    sent it, as `tokenpath trace` takes either."""
     from tokenpath.gateway.store import GatewayStore, resolve_store_location
 
     store = GatewayStore(resolve_store_location(data_dir))
     try:
         deadline = time.monotonic() + timeout
-        while not (rows := store.query_audit(request_id=request_id)):
+        while not (rows := store.query_audit(request_id=request_id)
+                   or store.query_audit(client_request_id=request_id)):
             if time.monotonic() > deadline:
                 raise AssertionError(f"no audit row for {request_id} within {timeout}s")
             time.sleep(0.1)
+        assert len(rows) == 1, [r.request_id for r in rows]
         return json.loads(rows[0].timing)
     finally:
         store.close()

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from tokenpath.engine.block_hash import block_hashes
-from tokenpath.errors import EngineDeadError
+from tokenpath.errors import DuplicateRequestIdError, EngineDeadError
 from tokenpath.protocol import GenerateRequest, ReplicaState, Submission
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.replica.base import ReplicaBusyError
@@ -89,6 +89,8 @@ class SimulatedReplica:
         if self.busy_next > 0:
             self.busy_next -= 1
             raise ReplicaBusyError(f"replica '{self.name}' is busy")
+        if rid in self.running or rid in self.waiting:  # as an engine refuses an id in use
+            raise DuplicateRequestIdError(f"request id '{rid}' is already in use")
         events = EngineEvents(queued=time.monotonic())
         try:
             await self._wait_for_slot(rid)

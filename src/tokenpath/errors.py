@@ -54,6 +54,16 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message, **kw)
 
 
+class DuplicateRequestIdError(InvalidRequestError):
+    """An engine or replica already runs a request under this id, so it refused this one *before*
+    taking it on: nothing was started, and the caller must not abort the id (that would stop the
+    other request). The gateway mints a unique id per request, so this is defense in depth."""
+
+    def __init__(self, message: str, **kw) -> None:
+        kw.setdefault("code", "duplicate_request_id")
+        super().__init__(message, **kw)
+
+
 class AuthenticationError(TokenpathError):
     status_code = 401
     error_type = "authentication_error"

@@ -16,6 +16,8 @@ from tests.engine.lora_adapters import make_peft_adapter, q_proj_tensors, write_
 from tests.engine.tiny_models import cached_tiny
 
 from tokenpath import LLM, SamplingParams
+from tokenpath.gateway.admin import create_key
+from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.protocol.lora import LoraRef
 
 PROMPTS = [[1, 504, 2240, 314, 253, 1345, 30], [1, 2135, 15, 1345, 416, 11, 8701, 2240, 2098, 253, 31]]
@@ -168,3 +170,27 @@ def test_two_engine_processes_with_auth(setup, server_factory):
         assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
         assert [_complete(client, "b", p).json()["choices"][0]["text"] for p in PROMPTS] == want["b"]
         assert _lora_info(client.get("/metrics").text)["max_lora"] == "4"
+
+
+def test_tenant_keys_see_adapter_names_not_server_paths(setup, server_factory):
+    """/v1/models shows an adapter's path (`root`, as vLLM) only to an operator: a tenant's key with
+    no model list sees every adapter, by name only (issue 41: it saw each absolute path)."""
+    base, ad, _ = setup
+    srv = server_factory("--model", str(base), "--quantization", "none", "--dtype", "float32",
+                         "--num-kv-blocks", "64", "--api-key", "sekret", "--lora-modules", f"a={ad['a']}")
+    store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
+    try:
+        tenant_key = create_key(store, "acme")[0]
+    finally:
+        store.close()
+    as_tenant = {"Authorization": f"Bearer {tenant_key}"}
+    listed = httpx.get(srv.url + "/v1/models", headers=as_tenant)
+    assert listed.status_code == 200, listed.text
+    cards = {m["id"]: m for m in listed.json()["data"]}
+    assert (cards["a"]["root"], cards["a"]["parent"]) == ("a", "hf"), cards["a"]
+    one = httpx.get(srv.url + "/v1/models/a", headers=as_tenant).json()
+    assert one["root"] == "a", one
+    for text in (listed.text, json.dumps(one)):
+        assert str(ad["a"]) not in text and str(ad["a"].parent) not in text, text
+    admin = httpx.get(srv.url + "/v1/models/a", headers={"Authorization": "Bearer sekret"}).json()
+    assert admin["root"] == str(ad["a"])  # the operator still sees where it is loaded from

@@ -52,11 +52,13 @@ def test_schema_refusal_is_logged_audited_and_counted(server, http, rid, path, b
     assert r.json()["error"]["type"] == "invalid_request_error"
     if param is not None:
         assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
-    assert r.headers["x-request-id"] == rid and "server-timing" in r.headers
+    assert r.headers["x-client-request-id"] == rid and "server-timing" in r.headers
+    sid = r.headers["x-request-id"]  # the server's own id; the client's is kept beside it
 
-    row = audit_row(server, rid)
+    row = audit_row(server, sid)
     assert (row.status, row.endpoint, row.model, row.error_type) == (400, path, model, "invalid_request_error")
-    line = _log_line(server, rid)
+    assert row.client_request_id == rid
+    line = _log_line(server, sid)
     assert path in line and "400" in line, line
     assert requests_total(http, path, label) == before + 1
 
@@ -79,8 +81,9 @@ def test_body_over_the_limit_is_logged_audited_and_counted(server, http, chunked
     r = http.post("/v1/chat/completions", content=content,
                   headers={"content-type": "application/json", "x-request-id": rid})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
-    assert r.headers["x-request-id"] == rid and r.headers["connection"] == "close"
-    row = audit_row(server, rid)
-    assert (row.status, row.endpoint, row.model) == (413, "/v1/chat/completions", None)
-    assert _log_line(server, rid)
+    assert r.headers["x-client-request-id"] == rid and r.headers["connection"] == "close"
+    sid = r.headers["x-request-id"]
+    row = audit_row(server, sid)
+    assert (row.status, row.endpoint, row.model, row.client_request_id) == (413, "/v1/chat/completions", None, rid)
+    assert _log_line(server, sid)
     assert requests_total(http, "/v1/chat/completions", "unknown", status="413") == before + 1

@@ -3,8 +3,9 @@
 The same greedy requests against `tokenpath serve` (engine in-process) and `tokenpath serve
 --replicas 2` (two engine processes on the engine link): the same Timeline stages in Server-Timing,
 the body and the audit row; every stage >= 0 and summing to `total`; token-identical text; the
-gateway's per-stage histograms counting every request; prefix-cache hits reported back; a client's
-x-request-id kept in the response, the audit row and the engine process's log; an engine SIGKILL
+gateway's per-stage histograms counting every request; prefix-cache hits reported back; the server's
+own request id in the response, the audit row and the engine process's log, with the client's
+x-request-id kept beside it (`client_request_id`, `x-client-request-id`); an engine SIGKILL
 failing its stream cleanly, /health degraded then ok, and the restart counted. Slow: loads the
 model three times (gateway tokenizer aside).
 """
@@ -77,10 +78,11 @@ def test_same_stages_same_tokens_in_process_and_over_the_link(servers):
         for i, prompt in enumerate(PROMPTS):
             rid = f"same-{srv.port}-{i}"
             r = chat(srv, prompt, **{"x-request-id": rid})
-            assert r.headers["x-request-id"] == rid
+            assert r.headers["x-client-request-id"] == rid and r.headers["x-request-id"] != rid
             header = server_timing(r)
             body = r.json()["tokenpath"]["timing"]
-            row = audit_row(srv, rid)
+            row = audit_row(srv, r.headers["x-request-id"])
+            assert row.client_request_id == rid
             audited = {k: v / 1000 for k, v in json.loads(row.timing)["stages_ms"].items()}  # (0.1 ms steps)
             assert (row.queue_s, row.prefill_s, row.decode_s, row.total_s) == pytest.approx(tuple(
                 body[k] for k in ("queue", "prefill", "decode", "total")))
@@ -146,21 +148,28 @@ def test_prefix_cache_hits_come_back_over_the_link(servers):
     assert hits(httpx.get(replicas.url + "/metrics").text) - hits(text) >= 96
 
 
-def test_client_request_id_reaches_the_engine_process(servers):
+def test_server_request_id_reaches_the_engine_process_with_the_client_id_beside_it(servers):
+    """The engine runs the request under the server's id (unique: a client's id is not), and
+    the client's id is kept beside it in the audit row and echoed in `x-client-request-id`."""
     _, replicas = servers
-    rid = "client-trace-7f3a9c"
-    r = chat(replicas, "Hi!", **{"x-request-id": rid})
-    assert r.headers["x-request-id"] == rid and r.json()["id"] == rid
-    assert audit_row(replicas, rid).status == 200
+    client_id = "client-trace-7f3a9c"
+    r = chat(replicas, "Hi!", **{"x-request-id": client_id})
+    rid = r.headers["x-request-id"]
+    assert rid.startswith("chatcmpl-") and r.json()["id"] == rid
+    assert r.headers["x-client-request-id"] == client_id
+    row = audit_row(replicas, rid)
+    assert row.status == 200 and row.client_request_id == client_id
     log_dir = replicas.log.parent / "data" / "logs" / "engines"
     deadline = time.monotonic() + 10  # (the engine's log line may trail its last output by a moment)
     while f"request {rid} finished" not in (logs := "".join(p.read_text() for p in log_dir.glob("*.log"))):
         assert time.monotonic() < deadline, logs[-2000:]
         time.sleep(0.1)
     assert f"request {rid} queued" in logs
-    # A malformed one is not echoed: a fresh id is minted instead.
+    assert client_id not in logs  # (the engine never sees the client's id)
+    # A malformed client id is neither echoed nor kept.
     bad = chat(replicas, "Hi!", **{"x-request-id": "bad id with spaces"})
-    assert bad.headers["x-request-id"].startswith("chatcmpl-")
+    assert bad.headers["x-request-id"].startswith("chatcmpl-") and "x-client-request-id" not in bad.headers
+    assert audit_row(replicas, bad.headers["x-request-id"]).client_request_id is None
 
 
 def test_engine_sigkill_mid_stream_then_health_and_traffic_come_back(servers):
@@ -174,11 +183,12 @@ def test_engine_sigkill_mid_stream_then_health_and_traffic_come_back(servers):
     body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=replicas.base_url, timeout=60) as client, \
-            client.stream("POST", "/chat/completions", json=body, headers={"x-request-id": "doomed-stream"}) as r:
+            client.stream("POST", "/chat/completions", json=body) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data:"))
+        doomed = r.headers["x-request-id"]  # (the id its engine logged it under)
         victim = next(name for name, _ in sorted(pids.items())
-                      if "doomed-stream" in (log_dir / f"{name}.log").read_text())
+                      if doomed in (log_dir / f"{name}.log").read_text())
         killed = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
         rest = [line for line in lines if line]  # must end, not hang

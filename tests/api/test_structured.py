@@ -238,12 +238,12 @@ def test_bad_constraints_are_400_naming_the_problem(server, extra, param, words)
 
 
 def test_metrics_and_audit_row_carry_the_grammar(server, client):
-    client.chat.completions.create(model=CHAT, messages=ASK, response_format={"type": "json_object"}, max_tokens=5,
-                                   extra_headers={"x-request-id": "structured-audit-1"})
+    raw = client.chat.completions.with_raw_response.create(
+        model=CHAT, messages=ASK, response_format={"type": "json_object"}, max_tokens=5)
     text = httpx.get(server.url + "/metrics").text
     kinds = dict(re.findall(r'^tokenpath:structured_requests_total\{kind="(\w+)"\} (\S+)$', text, re.M))
     assert float(kinds.get("json", 0)) >= 1, kinds
-    grammar = json.loads(audit_row(server, "structured-audit-1").timing)["grammar"]
+    grammar = json.loads(audit_row(server, raw.headers["x-request-id"]).timing)["grammar"]
     assert grammar["kind"] == "json" and isinstance(grammar["cache_hit"], bool) and grammar["compile_ms"] >= 0
     assert grammar["mask_us_per_token"] > 0 and "engine_cache_hit" in grammar
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psycopg
 import pytest
 
 from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
-from tokenpath.gateway.db import SCHEMA_VERSION
+from tokenpath.gateway.base import AuditRecord
+from tokenpath.gateway.db import MIGRATIONS, SCHEMA_VERSION, PostgresDatabase, SqliteDatabase
 
 
 def _schema_version(store: GatewayStore) -> int:
@@ -71,3 +74,32 @@ def test_postgres_store_reconnects_after_the_connection_is_killed(store_location
         assert s.has_keys()  # the next call reconnects
     finally:
         s.close()
+
+
+def test_a_v4_store_gains_the_client_request_id_column(store_location):
+    """A store written before migration 5 (no `client_request_id`) is migrated on open: its old
+    rows read back with no client id, new rows keep theirs, and either id finds a row."""
+    raw = PostgresDatabase(store_location) if store_location.startswith("postgres") else \
+        SqliteDatabase(Path(store_location))
+    with raw.transaction() as tx:
+        tx.q("CREATE TABLE tokenpath_gateway_schema (version INTEGER NOT NULL)")
+        for statement in (s for m in MIGRATIONS[:4] for s in m):
+            tx.q(statement.format(**raw.words))
+        tx.q("INSERT INTO tokenpath_gateway_schema (version) VALUES (4)")
+        tx.q("INSERT INTO audit_log (request_id, time, day, tenant, endpoint, status) VALUES (?, ?, ?, ?, ?, ?)",
+             ("old-client-id", 1.0, 0, "acme", "/v1/completions", 200))
+    raw.close()
+    store = GatewayStore(store_location)
+    try:
+        assert _schema_version(store) == SCHEMA_VERSION
+        (old,) = store.query_audit(request_id="old-client-id")
+        assert old.client_request_id is None
+        store.write_audit(AuditRecord(request_id="cmpl-1", time=2.0, tenant="acme", key_prefix=None, model=None,
+                                      endpoint="/v1/completions", status=200, client_request_id="mine"))
+        store.write_audit(AuditRecord(request_id="cmpl-2", time=3.0, tenant="other", key_prefix=None, model=None,
+                                      endpoint="/v1/completions", status=200, client_request_id="mine"))
+        assert [(r.request_id, r.tenant) for r in store.query_audit(client_request_id="mine")] == \
+            [("cmpl-1", "acme"), ("cmpl-2", "other")]
+        assert store.query_audit(request_id="cmpl-2")[0].client_request_id == "mine"
+    finally:
+        store.close()

@@ -2,8 +2,9 @@
 
 Started by a test's routing file as `engine_command: [python, <this file>]`: it runs the real
 `tokenpath engine` entry point with every flag the gateway passes, but first wraps each engine's
-runner so that a step whose batch holds a request whose id contains `POISON_MARK` raises, as a
-kernel fault would. Each injected fault is printed, so it lands in the engine's log under the
+runner so that a step whose batch holds a request with seed `POISON_SEED` raises, as a kernel
+fault would (the seed, because it reaches the engine as the client sent it; request ids are the
+gateway's own). Each injected fault is printed, so it lands in the engine's log under the
 gateway's data dir, where the test counts them (a retry on another replica would print twice).
 """
 
@@ -14,7 +15,7 @@ import sys
 from tokenpath.cli import main
 from tokenpath.engine.async_engine import AsyncEngine
 
-POISON_MARK = "poison"
+POISON_SEED = 24_680_135  # the `seed` that marks a request to fail
 FAULT_LINE = "injected kernel fault"  # the exception's message, which the client must see
 INJECTED = "poisoned_engine: raising in a step"  # printed once per injected fault, counted by tests
 
@@ -26,7 +27,7 @@ class Poison:
         self.execute = execute
 
     def __call__(self, scheduled):  # noqa: ANN001, ANN204 - whatever the runner takes and returns
-        if any(POISON_MARK in seq.request_id for seq, _ in scheduled):
+        if any(seq.params.seed == POISON_SEED for seq, _ in scheduled):
             print(f"{INJECTED} of {len(scheduled)} sequence(s)", flush=True)
             raise RuntimeError(FAULT_LINE)
         return self.execute(scheduled)

@@ -6,8 +6,8 @@ answers it 503 with a Retry-After (on main before this test: no Retry-After).
 `tests/engine/test_step_faults.py` checks the engine itself; this checks what a client of
 `tokenpath serve` sees when the fault happens in an engine process behind the gateway. Two engine
 processes are started by a routing file whose `engine_command` runs the real engine through
-`tests/reliability/poisoned_engine.py`, which makes any step holding a request whose id contains
-"poison" raise. The poisoned request must get a clean 500 `engine_failed` OpenAI error (streamed
+`tests/reliability/poisoned_engine.py`, which makes any step holding a request with its poison
+`seed` raise. The poisoned request must get a clean 500 `engine_failed` OpenAI error (streamed
 or not), must not be retried on the other replica (the fault is injected exactly once per
 request: counted in the engine logs under the data dir), no replica is ejected or restarted,
 /health stays 200, and the next request is 200 and token-identical to one made before the fault.
@@ -61,9 +61,9 @@ def counter(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^tokenpath:{name}(?:_total)?\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-def greedy(client: openai.OpenAI, request_id: str, stream: bool = False) -> str:
+def greedy(client: openai.OpenAI, request_id: str, stream: bool = False, poison: bool = False) -> str:
     kwargs = dict(model=CHAT_MODEL, messages=PROMPT, max_tokens=16, temperature=0,
-                  extra_headers={"x-request-id": request_id})
+                  extra_headers={"x-request-id": request_id}, **({"seed": poisoned_engine.POISON_SEED} if poison else {}))
     if not stream:
         return client.chat.completions.create(**kwargs).choices[0].message.content or ""
     return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
@@ -80,7 +80,7 @@ def test_a_poisoned_step_fails_its_request_only_with_engine_failed(poisoned: Ser
 
     started = time.monotonic()
     with pytest.raises(openai.APIError) as err:
-        greedy(client, f"poison-{stream}", stream=stream)
+        greedy(client, f"poison-{stream}", stream=stream, poison=True)
     assert time.monotonic() - started < 30  # failed at once: no hang, no retry loop
     assert isinstance(err.value, openai.APIStatusError), err.value  # failed before the stream began
     assert err.value.status_code == 500
@@ -125,7 +125,13 @@ def test_a_non_streaming_request_cut_by_an_engine_death_is_503_with_retry_after(
     caller = threading.Thread(target=call)
     caller.start()
     deadline = time.monotonic() + 60
-    while not (on := [p for p in log_dir.glob("*.log") if "request cut-short" in p.read_text(errors="replace")]):
+    sid = None  # the server's id, which its engine logs it under (the dashboard pairs it with ours)
+    while sid is None:
+        assert time.monotonic() < deadline and caller.is_alive(), "the request never reached the gateway"
+        inflight = httpx.get(poisoned.url + "/dashboard/data", timeout=10).json()["inflight"]
+        sid = next((r["request_id"] for r in inflight if r["client_request_id"] == "cut-short"), None)
+        time.sleep(0.05)
+    while not (on := [p for p in log_dir.glob("*.log") if f"request {sid}" in p.read_text(errors="replace")]):
         assert time.monotonic() < deadline and caller.is_alive(), "the request never reached an engine"
         time.sleep(0.05)
     pid = int(re.findall(r"started \(pid (\d+)\)", on[0].read_text())[-1])

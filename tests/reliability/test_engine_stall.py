@@ -104,6 +104,7 @@ class Call(threading.Thread):
         super().__init__(daemon=True)
         self.srv, self.payload, self.rid, self.session = srv, payload, rid, session
         self.lines: list[tuple[float, str]] = []
+        self.sid = ""  # the server's id of the request (its engine logs it under that; `rid` is the client's)
         self.status = 0
         self.retry_after: str | None = None
         self.text = ""
@@ -115,6 +116,7 @@ class Call(threading.Thread):
         with httpx.Client(base_url=self.srv.base_url, timeout=120) as c, \
                 c.stream("POST", "/chat/completions", json=self.payload, headers=headers) as r:
             self.status, self.retry_after = r.status_code, r.headers.get("retry-after")
+            self.sid = r.headers["x-request-id"]
             if self.payload["stream"] and r.status_code == 200:
                 for line in r.iter_lines():
                     if line:
@@ -157,7 +159,7 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
         c.join()
         assert c.status == 200, c.text
     normal = max(c.took for c in warm[2:])
-    assert queued_in(log_dir, VICTIM, "warm-0") and queued_in(log_dir, OTHER, "warm-1")
+    assert queued_in(log_dir, VICTIM, warm[0].sid) and queued_in(log_dir, OTHER, warm[1].sid)
 
     # Two long requests generating on the victim: one streaming, one not.
     streaming = Call(srv, body(name, 3500, stream=True), "long-stream", on_victim)
@@ -208,29 +210,29 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
     for c in early:
         assert c.status == 200, (c.rid, c.status, c.text)
         assert c.took < normal + STALL_S + 5, (c.rid, c.took, normal)
-        assert queued_in(log_dir, OTHER, c.rid)
-        timing = audit_timing(srv.log.parent / "data", c.rid)
+        assert queued_in(log_dir, OTHER, c.sid)
+        timing = audit_timing(srv.log.parent / "data", c.sid)
         assert timing["retried_after"] == VICTIM and timing["replica"] == OTHER, timing
     assert early[-1].lines[-1][1] == "data: [DONE]" and not any('"error"' in x for _, x in early[-1].lines)
     assert control.status == 200 and control.took < normal + 5
     # After the bound, nothing reaches the victim: served at once by the other.
     for c in late:
         assert c.status == 200 and c.took < normal + 5, (c.rid, c.status, c.took)
-        assert queued_in(log_dir, OTHER, c.rid)
-    assert "request late-" not in victim_log
+        assert queued_in(log_dir, OTHER, c.sid)
+    assert not any(f"request {c.sid} " in victim_log for c in late)
 
     # Continued: it reads the aborts it was sent, is recovered, and takes traffic again.
     recovered = wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok", 10,
                            "the victim never recovered")
     assert any(e.get("replica") == VICTIM for e in gateway_events(srv, "replica_recovered"))
     wait_until(lambda: all(f"request {rid} aborted by the gateway" in (log_dir / f"{VICTIM}.log").read_text()
-                           for rid in ("long-stream", "long-whole", "early-0")), 10,
+                           for rid in (streaming.sid, whole.sid, early[0].sid)), 10,
                "the victim was not told to abort its released requests")
     back = Call(srv, body(name, 8), "back-0", on_victim)
     back.start()
     back.join(60)
-    assert back.status == 200 and queued_in(log_dir, VICTIM, "back-0")
-    assert not any(queued_in(log_dir, VICTIM, f"late-{i}") for i in range(3))
+    assert back.status == 200 and queued_in(log_dir, VICTIM, back.sid)
+    assert not any(queued_in(log_dir, VICTIM, c.sid) for c in late)
     print(f"normal {normal:.2f}s; retried requests {max(c.took for c in early):.2f}s; "
           f"stream cut {streaming.lines[-1][0] - frozen:.2f}s after the freeze; recovered {recovered:.2f}s "
           f"after SIGCONT ({time.monotonic() - resumed:.2f}s to traffic)")
@@ -288,12 +290,12 @@ def test_a_hung_step_in_a_live_engine_process_is_ejected_its_requests_released_a
     # Sent into the hung engine: retried on the other (same id, on the audit row), within 5 s of normal.
     for c in waiting:
         assert c.status == 200 and c.took < normal + STALL_S + 5, (c.rid, c.status, c.took, c.text)
-        assert queued_in(log_dir, OTHER, c.rid)
-        timing = audit_timing(srv.log.parent / "data", c.rid)
+        assert queued_in(log_dir, OTHER, c.sid)
+        timing = audit_timing(srv.log.parent / "data", c.sid)
         assert timing["retried_after"] == VICTIM and timing["replica"] == OTHER, timing
     # After the bound: served by the other at once.
     assert late.status == 200 and late.took < normal + 5, (late.status, late.took, late.text)
-    assert queued_in(log_dir, OTHER, "h-late") and not queued_in(log_dir, VICTIM, "h-late")
+    assert queued_in(log_dir, OTHER, late.sid) and not queued_in(log_dir, VICTIM, late.sid)
 
     # The step returns: recovered (logged), its released stream aborted, serving again.
     thawed = time.monotonic()
@@ -301,11 +303,11 @@ def test_a_hung_step_in_a_live_engine_process_is_ejected_its_requests_released_a
                "the engine never recovered")
     recovered = time.monotonic() - thawed
     assert sum(e.get("replica") == VICTIM for e in gateway_events(srv, "replica_recovered")) == 2  # (and the freeze's)
-    assert "request h-stream aborted by the gateway" in (log_dir / f"{VICTIM}.log").read_text()
+    assert f"request {streaming.sid} aborted by the gateway" in (log_dir / f"{VICTIM}.log").read_text()
     back = Call(srv, body(name, 8), "h-back", on_victim)
     back.start()
     back.join(60)
-    assert back.status == 200 and queued_in(log_dir, VICTIM, "h-back"), (back.status, back.text)
+    assert back.status == 200 and queued_in(log_dir, VICTIM, back.sid), (back.status, back.text)
     print(f"normal {normal:.2f}s; stream cut {streaming.lines[-1][0] - hung:.2f}s after the hang; retried "
           f"requests {max(c.took for c in waiting):.2f}s; recovered {recovered:.2f}s after the step returned")
 

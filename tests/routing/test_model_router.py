@@ -5,6 +5,7 @@ from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 
 from tokenpath.admission.controller import AdmissionConfig
 from tokenpath.errors import (
+    DuplicateRequestIdError,
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
@@ -118,3 +119,18 @@ async def test_a_request_s_own_exception_fails_it_alone_and_ejects_nothing():
         assert outs[-1].finished
     assert all(h.ejected_until == 0.0 and h.failures == 0 for h in handles)
     assert len(first.served) + len(second.served) == 5
+
+
+async def test_a_refused_duplicate_id_aborts_nothing_it_did_not_start():
+    """A replica that refuses an id already running took nothing on: the deployment must not follow
+    the refusal with `abort(id)`, which would stop the request holding the id (issue 41; the
+    gateway mints unique ids, so this is defense in depth)."""
+    d = dep("m", seqs=2)
+    replica = d.replicas[0]
+    holder = asyncio.create_task(_drain(d, req("same", max_tokens=30)))
+    while "same" not in replica.running:
+        await asyncio.sleep(0.005)
+    with pytest.raises(DuplicateRequestIdError):
+        await _drain(d, req("same", max_tokens=3))
+    outs = await holder
+    assert len(outs) == 30 and outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"

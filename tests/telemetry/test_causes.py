@@ -11,6 +11,9 @@ them (the console script, `--port 0`):
   stream, and a preemption forced by another request's growth;
 - `--replicas 2` engine processes, `--max-num-seqs 1`: a shared prefix routed away under load,
   and a request queued in an engine process's own queue (the facts cross the engine link).
+
+Each request is sent with its own `x-request-id` (the client's id, kept beside the server's):
+`tokenpath trace` finds it by that, and a cause names its culprit by the server's id (`_sid`).
 """
 
 from __future__ import annotations
@@ -90,7 +93,13 @@ def two_replicas(tmp_path_factory, tiny) -> Iterator[Served]:
 
 
 def _rid(tag: str) -> str:
+    """A client's id for one request (unique here, so `tokenpath trace` finds that one request)."""
     return f"{tag}-{uuid.uuid4().hex[:10]}"
+
+
+def _sid(srv: Served, client_id: str) -> str:
+    """The server's id of the (finished) request sent with this client id: what causes name."""
+    return _trace(srv, client_id)["request_id"]
 
 
 def _complete(srv: Served, rid: str, prompt: str, max_tokens: int, **extra: object) -> httpx.Response:
@@ -128,11 +137,12 @@ def _stage_ms(s: dict, stage: str) -> float:
 
 
 def _wait_running(srv: Served, rid: str, stage: str = "decode", timeout: float = 60) -> None:
-    """Until the request is in `stage` (decode: it has produced a token and holds its slot)."""
+    """Until the request sent with client id `rid` is in `stage` (decode: it has produced a token
+    and holds its slot)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         data = httpx.get(f"{srv.url}/dashboard/data", headers=srv.headers("admin"), timeout=10).json()
-        if any(r["request_id"] == rid and r["stage"] == stage for r in data["inflight"]):
+        if any(r["client_request_id"] == rid and r["stage"] == stage for r in data["inflight"]):
             return
         time.sleep(0.05)
     raise AssertionError(f"{rid} never reached {stage}")
@@ -152,10 +162,10 @@ def test_a_short_request_behind_a_long_one_names_it(one_seq: Served):
     _wait_running(one_seq, long_id)
     assert _complete(one_seq, short_id, "Hi", 2).status_code == 200
     t.join()
-    s = _trace(one_seq, short_id)
+    s, long_sid = _trace(one_seq, short_id), _sid(one_seq, long_id)
     c = s["causes"][0]
-    assert c["kind"] == "queued_behind" and c["request_ids"][0] == long_id, s["causes"]
-    assert c["detail"]["where"] == "engine" and c["detail"]["freed_by"] == long_id
+    assert c["kind"] == "queued_behind" and c["request_ids"][0] == long_sid, s["causes"]
+    assert c["detail"]["where"] == "engine" and c["detail"]["freed_by"] == long_sid
     stage = _stage_ms(s, c["detail"]["stage"])
     assert stage > 50 and c["ms"] >= 0.9 * stage, (c, s["stages"])
 
@@ -172,11 +182,11 @@ def test_a_request_queued_at_the_gateway_names_the_slot_holders_and_who_freed_on
     assert _complete(one_seq, waiter, "Hi", 2).status_code == 200
     for t in threads:
         t.join()
-    s = _trace(one_seq, waiter)
+    s, sids = _trace(one_seq, waiter), [_sid(one_seq, rid) for rid in ids]
     c = _cause(s, "queued_behind")
     assert c["detail"]["where"] == "admission", s["causes"]
-    assert c["detail"]["freed_by"] == ids[0] and c["request_ids"][0] == ids[0]
-    assert set(ids) <= {h["request_id"] for h in c["detail"]["holders"]}
+    assert c["detail"]["freed_by"] == sids[0] and c["request_ids"][0] == sids[0]
+    assert set(sids) <= {h["request_id"] for h in c["detail"]["holders"]}
     assert c["ms"] >= 0.9 * _stage_ms(s, "queue")
 
 
@@ -250,7 +260,7 @@ def test_a_long_prompt_stalling_a_decoding_stream_is_named(small_kv: Served):
     t.join()
     s = _trace(small_kv, stream_id)
     c = _cause(s, "decode_stalled_by_prefill")
-    assert c["request_ids"][0] == long_id and c["detail"]["slow_steps"] >= 1, c
+    assert c["request_ids"][0] == _sid(small_kv, long_id) and c["detail"]["slow_steps"] >= 1, c
     assert c["detail"]["prefills"][0]["tokens"] >= 900
     # It covers most of the stall the client saw: its longest gap beyond its usual one.
     gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
@@ -271,7 +281,7 @@ def test_a_small_kv_pool_names_the_request_that_forced_a_preemption(small_kv: Se
     t.join()
     s = _trace(small_kv, second)
     c = _cause(s, "preempted")
-    assert c["request_ids"] == [first] and c["detail"]["times"] >= 1, c
+    assert c["request_ids"] == [_sid(small_kv, first)] and c["detail"]["times"] >= 1, c
     assert c["detail"]["recomputed_tokens"] >= 200
     stage = _stage_ms(s, c["detail"]["stage"])
     assert c["ms"] >= 0.5 * stage, (c, s["stages"])
@@ -289,7 +299,8 @@ def test_diagnose_finds_the_stall_and_the_kv_pressure(small_kv: Served):
     assert {"ttft", "decode_stalled_by_prefill", "preempted", "kv_pressure", "engine_busy"} <= set(kinds), kinds
     assert kinds["kv_pressure"]["evidence"]["preemptions"] >= 1
     assert kinds["decode_stalled_by_prefill"]["share"] > 0
-    assert any(i.startswith("longprompt-") for i in kinds["decode_stalled_by_prefill"]["evidence"]["culprits"])
+    assert any((_trace(small_kv, i)["client_request_id"] or "").startswith("longprompt-")
+               for i in kinds["decode_stalled_by_prefill"]["evidence"]["culprits"])
     assert 0 < kinds["engine_busy"]["evidence"]["busy_fraction"] <= 1
     # The engine figures are the window's (step time, batch, preemptions, KV usage mean and max).
     busy = kinds["engine_busy"]["evidence"]
@@ -320,12 +331,12 @@ def test_a_shared_prefix_routed_away_under_load_names_the_replica_that_held_it(t
     c = _cause(s, "prefix_elsewhere")
     assert c["detail"]["replica"] == held["replica"] != s["replica"], (c, held["replica"], s["replica"])
     assert c["detail"]["why"] == "load_threshold" and c["detail"]["blocks"] >= 10
-    assert c["request_ids"] == [holder]
+    assert c["request_ids"] == [held["request_id"]]
     assert c["ms"] >= 0.7 * _stage_ms(s, "prefill"), (c, s["stages"])
     report = _diagnose(two_replicas, "--url", two_replicas.url)
     lost = next(f for f in report["findings"] if f["kind"] == "prefix_benefit_lost")
     assert lost["evidence"]["achievable_hit_rate"] > lost["evidence"]["achieved_hit_rate"]
-    assert routed in [d["request_id"] for d in lost["evidence"]["decisions"]]
+    assert s["request_id"] in [d["request_id"] for d in lost["evidence"]["decisions"]]
 
 
 def test_queued_in_an_engine_process_names_the_request_on_that_replica(two_replicas: Served):
@@ -340,7 +351,7 @@ def test_queued_in_an_engine_process_names_the_request_on_that_replica(two_repli
     s = _trace(two_replicas, short)
     c = s["causes"][0]
     assert c["kind"] == "queued_behind" and c["detail"]["where"] == "engine", s["causes"]
-    on_replica = {_trace(two_replicas, x)["replica"]: x for x in (a, b)}
+    on_replica = {t["replica"]: t["request_id"] for t in (_trace(two_replicas, x) for x in (a, b))}
     assert c["request_ids"][0] == on_replica[s["replica"]], (c, on_replica, s["replica"])
     assert c["ms"] >= 0.9 * _stage_ms(s, "engine_queue")
 

@@ -35,14 +35,16 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: AppState =
     return await handle_embeddings(state, request, body)
 
 
-def _model_card(state: AppState, name: str) -> dict:
+def _model_card(state: AppState, name: str, paths: bool) -> dict:
     """vLLM's ModelCard: one entry per name a client may send, an alias (`--served-model-name`)
     included, each keeping the name asked for as `id`; `root` is the model that serves it and
-    `parent` is null, except for a LoRA adapter (as in vLLM): `root` its path, `parent` the base."""
+    `parent` is null, except for a LoRA adapter (as in vLLM): `root` its path, `parent` the base.
+    The path is the server's filesystem: only an operator (`paths`: an admin key, or auth off)
+    sees it; a tenant's key sees the adapter's name there."""
     ref = state.router.adapter(name)
     if ref is not None:
         dep = state.router.deployments[ref.base]
-        root, parent = ref.path, ref.base
+        root, parent = (ref.path if paths else ref.name), ref.base
     else:
         dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
         root, parent = dep.name, None
@@ -55,23 +57,26 @@ def _model_card(state: AppState, name: str) -> dict:
             "task": dep.task}
 
 
-async def _visible(state: AppState, request: Request) -> list[str]:
+async def _visible(state: AppState, request: Request) -> tuple[list[str], bool]:
+    """The names this caller may use, and whether it may see server paths (an operator)."""
     principal = await state.guard.authenticate(request.headers)
     names = state.router.names() + list(state.router.aliases) + list(state.router.adapters)
-    return state.guard.visible_models(principal, names)
+    return state.guard.visible_models(principal, names), principal.admin or not state.guard.auth_enabled
 
 
 @router.get("/v1/models")
 async def list_models(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in await _visible(state, request)]})
+    names, paths = await _visible(state, request)
+    return JSONResponse({"object": "list", "data": [_model_card(state, n, paths) for n in names]})
 
 
 @router.get("/v1/models/{model_id:path}", responses={404: {"description": "Unknown model"}})
 async def get_model(model_id: str, request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
     check_name(model_id, MODEL, "model")
-    if model_id not in await _visible(state, request):
+    names, paths = await _visible(state, request)
+    if model_id not in names:
         raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return JSONResponse(_model_card(state, model_id))
+    return JSONResponse(_model_card(state, model_id, paths))
 
 
 @router.get("/health")

@@ -37,9 +37,12 @@ from tokenpath.telemetry.timeline import Timeline
 log = logging.getLogger("tokenpath.api")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the audit log
-# A client's x-request-id is kept end to end when it looks like an id (what nginx, Envoy and
-# OpenAI's SDKs send); anything else is replaced by a minted one rather than logged as is.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+# A client's own id (`x-request-id`, as nginx and Envoy send it, or OpenAI's `X-Client-Request-Id`,
+# which its SDKs let users set) is kept beside the server's as `client_request_id` when it looks like
+# an id; anything else is dropped rather than logged as is. It is never the server's id: clients
+# choose it, so two tenants (or one client reusing it) may send the same one.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+CLIENT_ID_HEADERS = ("x-client-request-id", "x-request-id")
 
 
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
@@ -70,12 +73,20 @@ async def refuse_early(state: AppState, request: Request, error: TokenpathError,
         await run.finish()
 
 
-def request_id_of(request: Request, prefix: str) -> str:
-    """The client's well-formed `x-request-id`, else a fresh `<prefix>-<uuid>`."""
-    given = request.headers.get("x-request-id")
-    if given is not None and _REQUEST_ID.fullmatch(given):
-        return given
+def new_request_id(prefix: str) -> str:
+    """The server's id of one request, `<prefix>-<uuid hex>`: unique, whatever clients send, so an
+    engine, an abort, an audit row or a trace by this id is this request's and no other's."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def client_request_id_of(request: Request) -> str | None:
+    """The client's own id for the request: `X-Client-Request-Id` (OpenAI's), else `x-request-id`,
+    when well formed; None otherwise."""
+    for header in CLIENT_ID_HEADERS:
+        given = request.headers.get(header)
+        if given is not None and _CLIENT_ID.fullmatch(given):
+            return given
+    return None
 
 
 class RequestRun:
@@ -83,8 +94,9 @@ class RequestRun:
         self.state = state
         self.request = request
         self.endpoint = endpoint
-        self.id = request_id_of(request, id_prefix)
-        self.timeline = Timeline(self.id)
+        self.id = new_request_id(id_prefix)
+        self.client_id = client_request_id_of(request)
+        self.timeline = Timeline(self.id, client_request_id=self.client_id)
         upload = request.scope.get(UPLOAD_KEY)
         if upload is not None:  # the request began when its headers were in, not once its body was
             began, read, size = upload
@@ -206,7 +218,9 @@ class RequestRun:
 
     def headers(self, *, timing: bool = False) -> dict[str, str]:
         out = dict(self.reservation.headers) if self.reservation else {}
-        out["x-request-id"] = self.id
+        out["x-request-id"] = self.id  # the server's id, as OpenAI's API answers
+        if self.client_id is not None:
+            out["x-client-request-id"] = self.client_id
         if timing:
             out["server-timing"] = self.timeline.server_timing()
         return out
@@ -248,14 +262,13 @@ class RequestRun:
     def _finished_record(self, finish_reason: str | None, prompt: int, completion: int) -> FinishedRequest:
         """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
         p, sp, url = self.principal, self.sampling, self.request.url
-        client_id = self.request.headers.get("x-request-id")
         text = audit_text_enabled()
         return FinishedRequest(
             timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
             derive_causes=self.state.config.causes,
             model=self.deployment.name if self.deployment else None, error_type=self.error_type,
             error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
-            client_request_id=client_id[:128] if client_id else None,
+            client_request_id=self.timeline.client_request_id,
             priority=self.timeline.attrs.get("priority"),  # type: ignore[arg-type]
             prompt_tokens=prompt, completion_tokens=completion,
             cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
@@ -295,4 +308,5 @@ class RequestRun:
             completion_text="\n".join(c.text for c in self.acc.sorted()) if self.acc else None,
             timing=json.dumps(record.timing_summary()) if record is not None else None,
             audit_key=self.audit_key,
+            client_request_id=self.client_id,
         )

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
-from tokenpath.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from tokenpath.errors import DuplicateRequestIdError, EngineDeadError, RequestFailedError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import EngineState, RequestOutput
 from tokenpath.telemetry.engine_steps import StepStats
@@ -104,6 +104,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, DuplicateRequestIdError):  # the core refused it: nothing to abort
+                    finished = True  # (an abort would stop the other request that holds the id)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -126,7 +128,7 @@ class AsyncEngine:
         if self.error is not None or self._thread is None:
             raise EngineDeadError(f"the engine for '{self.model_name}' is not running")
         if request_id in self._streams:
-            raise InvalidRequestError(f"request id '{request_id}' is already in use")
+            raise DuplicateRequestIdError(f"request id '{request_id}' is already in use")
         self._streams[request_id] = sink
         # Validated at the edge; a request this engine could never run fails in `add_request`,
         # and that error reaches the sink like any other. The request holds nothing of the

@@ -26,7 +26,7 @@ from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
-from tokenpath.errors import ContextLengthError, DeadlineExceededError, InvalidRequestError
+from tokenpath.errors import ContextLengthError, DeadlineExceededError, DuplicateRequestIdError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
@@ -98,7 +98,7 @@ class EngineCore:
         clock (the engine link rebuilds them so, `protocol.wire.decode_request`)."""
         request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         if request_id in self.requests:
-            raise InvalidRequestError(f"request id '{request_id}' is already running")
+            raise DuplicateRequestIdError(f"request id '{request_id}' is already running")
         params = self._runnable_params(request)
         arrival = request.arrival
         events = EngineEvents(queued=time.monotonic())

@@ -86,6 +86,9 @@ class AuditRecord:
     timing: str | None = None
     # Ties the row opened at admission to its close (unique); None: a row written once, at the end.
     audit_key: str | None = None
+    # The client's own id for the request (`x-request-id` / `X-Client-Request-Id`), when it sent a
+    # well-formed one. Clients choose it, so it is not unique: `request_id` is the server's own.
+    client_request_id: str | None = None
 
 
 OPEN_STATUS = 0  # the status of a row opened at admission and not yet closed

@@ -82,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     audit.add_argument("--tenant")
     audit.add_argument("--since", type=parse_time, help="ISO 8601 time, or a duration back from now: 1h, 7d")
     audit.add_argument("--until", type=parse_time)
-    audit.add_argument("--request-id")
+    audit.add_argument("--request-id", help="the server's id (the response's x-request-id)")
+    audit.add_argument("--client-request-id", help="the client's own id (the x-request-id it sent)")
     audit.add_argument("--limit", type=int, default=1000)
     audit.add_argument("--json", action="store_true", help="one JSON object per line")
     audit.set_defaults(func=cmd_audit)
@@ -243,7 +244,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     store = _open(args)
     try:
         records = store.query_audit(tenant=args.tenant, since=args.since, until=args.until,
-                                    request_id=args.request_id, limit=args.limit)
+                                    request_id=args.request_id, client_request_id=args.client_request_id,
+                                    limit=args.limit)
     finally:
         store.close()
     if args.json:

@@ -72,6 +72,10 @@ MIGRATIONS: list[list[str]] = [
             id TEXT PRIMARY KEY, host TEXT NOT NULL, pid {int} NOT NULL, pid_start TEXT,
             started_at {float} NOT NULL, seen_at {float} NOT NULL)""",
     ],
+    [  # 5: the client's own id beside the server's (`tokenpath trace` finds a request by either)
+        "ALTER TABLE audit_log ADD COLUMN client_request_id TEXT",
+        "CREATE INDEX audit_log_client_request ON audit_log (client_request_id)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 WAL_LIMIT_BYTES = 1 << 20  # the WAL file is truncated back to this after a checkpoint

@@ -302,8 +302,9 @@ class GatewayStore:
             audit_store.forget_instance(tx, instance)
 
     def query_audit(self, *, tenant: str | None = None, since: float | None = None, until: float | None = None,
-                    request_id: str | None = None, limit: int | None = 1000) -> list[AuditRecord]:
-        where, params = self._audit_filter(tenant, since, until, request_id)
+                    request_id: str | None = None, client_request_id: str | None = None,
+                    limit: int | None = 1000) -> list[AuditRecord]:
+        where, params = self._audit_filter(tenant, since, until, request_id, client_request_id)
         sql = f"SELECT {', '.join(AUDIT_COLUMNS)} FROM audit_log {where} ORDER BY time, id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
@@ -314,7 +315,7 @@ class GatewayStore:
     def usage(self, *, tenant: str | None = None, since: float | None = None,
               until: float | None = None) -> list[UsageRow]:
         """Tokens summed by UTC day and model, from the audit log (what was actually used)."""
-        where, params = self._audit_filter(tenant, since, until, None)
+        where, params = self._audit_filter(tenant, since, until)
         sql = (f"SELECT day, model, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens) "
                f"FROM audit_log {where} GROUP BY day, model ORDER BY day, model")
         with self.db.transaction() as tx:
@@ -324,11 +325,12 @@ class GatewayStore:
 
     @staticmethod
     def _audit_filter(tenant: str | None, since: float | None, until: float | None,
-                      request_id: str | None) -> tuple[str, Sequence[Any]]:
+                      request_id: str | None = None, client_request_id: str | None = None,
+                      ) -> tuple[str, Sequence[Any]]:
         clauses: list[str] = []
         params: list[Any] = []
         for clause, value in (("tenant = ?", tenant), ("time >= ?", since), ("time < ?", until),
-                              ("request_id = ?", request_id)):
+                              ("request_id = ?", request_id), ("client_request_id = ?", client_request_id)):
             if value is not None:
                 clauses.append(clause)
                 params.append(value)

@@ -240,7 +240,7 @@ class LinkReplica(Generic[ReqT, OutT]):
         request = submission.request
         rid = request.request_id
         if rid in self._streams:
-            raise errors.InvalidRequestError(f"request id '{rid}' is already in use")
+            raise errors.DuplicateRequestIdError(f"request id '{rid}' is already in use")
         try:  # encoded before anything is tracked or sent: a value the codec cannot carry is this
             data = frame(request)  # request's fault, a 400, never the replica's (it once ejected it)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -258,6 +258,8 @@ class LinkReplica(Generic[ReqT, OutT]):
         try:
             while not done:
                 item = await queue.get()
+                if isinstance(item, errors.DuplicateRequestIdError):  # the engine refused it before
+                    done = True  # taking it on: an abort would stop the other request holding the id
                 if isinstance(item, BaseException):
                     raise item
                 done = item.finished

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenpath.errors import DuplicateRequestIdError
 from tokenpath.replica.base import ProgressTimeoutError, ReplicaStalledError
 from tokenpath.telemetry import series as metrics
 
@@ -215,9 +216,12 @@ class Liveness:
         return None if self.stalled_since is None else f"stalled: {self.reason}"
 
     def track(self, request_id: str, fail: Callable[[BaseException], None]) -> Progress:
-        """A request is being sent; refused at once while the replica is stalled."""
+        """A request is being sent; refused at once while the replica is stalled, or while another
+        request holds the id (tracking it would replace, then untrack, the other one's progress)."""
         if self.stalled_since is not None:
             raise self._stall_error(started=False)
+        if request_id in self.requests:
+            raise DuplicateRequestIdError(f"request id '{request_id}' is already in use")
         p = self.requests[request_id] = Progress(fail, time.monotonic())
         self.start()
         self._sooner(p.dispatched + self.config.first_token_s)

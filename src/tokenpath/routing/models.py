@@ -34,6 +34,7 @@ from typing import Any, Generic, Literal
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
 from tokenpath.errors import (
     DeadlineExceededError,
+    DuplicateRequestIdError,
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
@@ -161,6 +162,10 @@ class Deployment(Generic[ReqT, OutT]):
             tried.add(replica.name)
             stream = replica.generate(submission)
             started = finished = False
+            # Whether the replica took this attempt on, so there is something of ours to abort. The
+            # stream submits on its first step; a replica that refuses the id as already running
+            # took nothing, and an abort by that id would stop the request that holds it.
+            submitted = True
             failure: str | None = None
             retry_reason = "busy"
             try:
@@ -174,6 +179,9 @@ class Deployment(Generic[ReqT, OutT]):
                 if not finished:
                     raise ServiceUnavailableError(f"replica '{replica.name}' ended the stream early")
                 return
+            except DuplicateRequestIdError:
+                submitted = False
+                raise  # the request's own fault (a 400): no retry, no ejection
             except Exception as exc:
                 if isinstance(exc, TokenpathError) and exc.status_code < 500:
                     raise  # the request's own fault: no retry, no ejection
@@ -201,7 +209,7 @@ class Deployment(Generic[ReqT, OutT]):
             finally:
                 with contextlib.suppress(Exception):
                     await stream.aclose()
-                if not finished:
+                if submitted and not finished:
                     with contextlib.suppress(Exception):
                         await replica.abort(submission.request_id)
                 self.flow.release(admission, ok=finished, failure=failure)

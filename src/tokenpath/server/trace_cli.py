@@ -1,5 +1,10 @@
 """`tokenpath trace REQUEST_ID` and `tokenpath trace --slowest N --since 10m`.
 
+REQUEST_ID is the server's id (the response's `x-request-id`) or the client's own (the
+`x-request-id` it sent, kept as `client_request_id`). A server id is unique; a client id may name
+several requests (two tenants sending the same one, or a client reusing it): then each is listed
+with its tenant and server id, or, with `--json`, each one's summary.
+
 Reads the audit rows of the gateway's store (the same `--data-dir` / `--database-url` as
 `tokenpath audit`) and prints where each request's time went: the stages as a waterfall, the
 replica, cached tokens and the routing reason. `--json` prints the same as JSON. This command
@@ -20,12 +25,15 @@ from tokenpath.gateway.cli import parse_time
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.telemetry.diagnose import diagnose
 from tokenpath.telemetry.diagnose import render as render_findings
-from tokenpath.telemetry.waterfall import render, render_slowest, summary
+from tokenpath.telemetry.waterfall import render, render_matches, render_slowest, summary
+
+_MATCHES = 100  # the most requests one client id lists
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("trace", help="one request's stages as a waterfall, or the slowest recent requests")
-    p.add_argument("request_id", nargs="?", help="a request id (x-request-id of the response)")
+    p.add_argument("request_id", nargs="?", help="a request id: the server's (x-request-id of the response) "
+                   "or the client's own (the x-request-id it sent)")
     p.add_argument("--slowest", type=int, metavar="N", help="list the N slowest requests instead")
     p.add_argument("--since", type=parse_time, default=None, help="with --slowest: ISO time or duration (10m)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
@@ -53,13 +61,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     store = GatewayStore(resolve_store_location(resolve_data_dir(args.data_dir), args.database_url))
     try:
         if args.request_id is not None:
-            rows = store.query_audit(request_id=args.request_id, limit=10)
-            if not rows:
-                print(f"tokenpath trace: no request {args.request_id!r} in the audit log", file=sys.stderr)
-                return 1
-            s = summary(asdict(rows[-1]))
-            print(json.dumps(s, indent=2) if args.json else render(s))
-            return 0
+            return _trace_one(store, args.request_id, args.json)
         if args.slowest < 1:
             print("tokenpath trace: --slowest must be at least 1", file=sys.stderr)
             return 2
@@ -70,6 +72,22 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 0
     finally:
         store.close()
+
+
+def _trace_one(store: GatewayStore, rid: str, as_json: bool) -> int:
+    """The request with this server id; else those the client named so (one: its waterfall)."""
+    rows = store.query_audit(request_id=rid, limit=_MATCHES)  # (rows from before server ids were
+    if not rows:  # always minted may share one: then they are listed like a client id's)
+        rows = store.query_audit(client_request_id=rid, limit=_MATCHES)
+    if not rows:
+        print(f"tokenpath trace: no request {rid!r} in the audit log (by server or client id)", file=sys.stderr)
+        return 1
+    found = [summary(asdict(r)) for r in rows]
+    if len(found) == 1:
+        print(json.dumps(found[0], indent=2) if as_json else render(found[0]))
+    else:
+        print(json.dumps(found, indent=2) if as_json else render_matches(rid, found))
+    return 0
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:

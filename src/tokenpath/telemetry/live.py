@@ -63,7 +63,7 @@ class LiveRequests:
             if stage in PATH_STAGES:  # the stage it is in now, up to this moment
                 so_far[stage] = round(max(0.0, so_far["total"] - sum(v for k, v in so_far.items() if k != "total")), 1)
             inflight.append({
-                "request_id": rid, "endpoint": live.endpoint, "stage": stage,
+                "request_id": rid, "client_request_id": t.client_request_id, "endpoint": live.endpoint, "stage": stage,
                 "model": t.attrs.get("deployment"), "tenant": t.attrs.get("tenant"),
                 "replica": t.attrs.get("replica"), "age_ms": round((now - t.stamps["received"]) * 1000, 1),
                 "tokens": len(live.token_times), "stages_ms": so_far,

@@ -40,7 +40,7 @@ class FinishedRequest:
     error_code: str | None = None
     tenant: str = "anonymous"
     key_prefix: str | None = None
-    client_request_id: str | None = None  # the client's x-request-id, when it sent one
+    client_request_id: str | None = None  # the client's own id (x-request-id / X-Client-Request-Id), if sent
     priority: int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

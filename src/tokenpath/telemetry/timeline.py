@@ -68,6 +68,8 @@ class Timeline:
     stamps: dict[str, float] = field(default_factory=dict)
     # Free-form facts about decisions (deployment, replica, routing policy and reason, tenant...).
     attrs: dict[str, object] = field(default_factory=dict)
+    # The client's own id for the request, when it sent one (`request_id` is the server's, unique).
+    client_request_id: str | None = None
 
     def __post_init__(self) -> None:
         self.stamps.setdefault("received", time.monotonic())

@@ -7,6 +7,7 @@ starts where the previous one ended, to scale with the total, with its ms and sh
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tokenpath.telemetry.stages import dominant_stage
@@ -32,7 +33,8 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
     total = stages.get("total") or sum(v for k, v in stages.items() if k != "total")
     dominant = dominant_stage(stages)
     return {
-        "request_id": row["request_id"], "time": row["time"], "model": row.get("model"), "status": row["status"],
+        "request_id": row["request_id"], "client_request_id": row.get("client_request_id"), "time": row["time"],
+        "model": row.get("model"), "status": row["status"],
         "endpoint": row.get("endpoint"), "tenant": row.get("tenant"), "finish_reason": row.get("finish_reason"),
         "error_type": row.get("error_type"), "prompt_tokens": row.get("prompt_tokens"),
         "cached_tokens": row.get("cached_tokens"), "completion_tokens": row.get("completion_tokens"),
@@ -52,11 +54,13 @@ def render(s: dict[str, Any]) -> str:
     head = (f"{s['request_id']}  {s['model'] or '-'}  status {s['status']}"
             f"{'  ' + s['finish_reason'] if s.get('finish_reason') else ''}"
             f"{'  error ' + s['error_type'] if s.get('error_type') else ''}")
-    facts = [f"replica {s['replica'] or '-'}",
+    facts = [f"tenant {s.get('tenant') or '-'}", f"replica {s['replica'] or '-'}",
              f"tokens {s['prompt_tokens'] or 0} prompt ({s['cached_tokens'] or 0} cached) + "
              f"{s['completion_tokens'] or 0} completion"]
     if s.get("routing_policy") or s.get("routing_reason"):
         facts.append(f"routing {s.get('routing_policy') or '-'}: {s.get('routing_reason') or '-'}")
+    if s.get("client_request_id"):
+        facts.append(f"client id {s['client_request_id']}")
     if s.get("trace_id"):
         facts.append(f"trace {s['trace_id']}")
     lines = [head, "  " + "  |  ".join(facts), f"  {'stage':<13}{'ms':>10}{'%':>7}  0{'':{WIDTH - 6}}{total:.0f} ms"]
@@ -95,6 +99,18 @@ def render_causes(causes: list[dict[str, Any]], total: float) -> list[str]:
 def _short(v: Any) -> str:
     text = v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def render_matches(client_id: str, rows: list[dict[str, Any]]) -> str:
+    """The requests one client id names (clients choose it: several tenants, or one reusing it)."""
+    lines = [f"{len(rows)} requests sent client id {client_id!r}; `tokenpath trace ID` with a server id for one:",
+             f"  {'time (UTC)':<21}{'tenant':<20}{'status':>6}  {'total ms':>10}  {'model':<24}server id"]
+    for s in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s["time"]))
+        total = f"{s['total_ms']:.1f}" if s["total_ms"] is not None else "-"
+        lines.append(f"  {when:<21}{(s.get('tenant') or '-')[:19]:<20}{s['status']:>6}  {total:>10}  "
+                     f"{(s['model'] or '-')[:23]:<24}{s['request_id']}")
+    return "\n".join(lines)
 
 
 def render_slowest(rows: list[dict[str, Any]]) -> str:
