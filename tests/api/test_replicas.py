@@ -52,12 +52,14 @@ def server_timing(r: httpx.Response) -> dict[str, float]:
     return {k: float(v) / 1000 for k, v in re.findall(r"(\w+);dur=([0-9.]+)", r.headers["server-timing"])}
 
 
-def audit_row(srv: Server, request_id: str):
+def audit_row(srv: Server, request_id: str, *, client: bool = False):
+    """The closed audit row of a request, by its server id (or by the client's id, `client`)."""
     store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
+    key = {"client_request_id" if client else "request_id": request_id}
     try:
         deadline = time.monotonic() + 30
         # (a row is opened at admission with status 0 and closed when the request ends)
-        while (not (rows := store.query_audit(request_id=request_id)) or rows[0].status == 0) \
+        while (not (rows := store.query_audit(**key)) or rows[0].status == 0) \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         (row,) = rows

@@ -101,7 +101,7 @@ def test_non_reading_streams_are_aborted_and_free_their_slots(small_server: Serv
         assert r.status_code == 200, r.text
         assert waited < 120, waited
         for rid in ids:
-            row = audit_row(srv, rid)
+            row = audit_row(srv, rid, client=True)  # (sent as its x-request-id)
             assert (row.status, row.finish_reason, row.error_type) == (499, "client_stalled", "client_stalled"), row
             assert 0 < row.completion_tokens < STREAM["max_tokens"], row  # cut off, not run out
         deadline = time.monotonic() + 30
@@ -128,12 +128,12 @@ def read_stream(srv: Server) -> int:
 
 
 def wait_stalled(srv: Server, ids: list[str], within: float = 300) -> None:
-    """Every one of `ids` has its closed audit row, and it says the client stalled."""
+    """Every one of `ids` (client request ids) has its closed audit row, saying the client stalled."""
     store = GatewayStore(resolve_store_location(srv.log.parent / "data"))
     try:
         deadline = time.monotonic() + within
         while True:
-            rows = {r.request_id: r for r in store.query_audit(limit=None) if r.request_id in ids}
+            rows = {r.client_request_id: r for r in store.query_audit(limit=None) if r.client_request_id in ids}
             if (len(rows) == len(ids) and all(r.status != OPEN_STATUS for r in rows.values())) \
                     or time.monotonic() > deadline:
                 break

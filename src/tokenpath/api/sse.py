@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from tokenpath.api.limits import TRANSPORT_KEY
 from tokenpath.telemetry.timeline import Timeline
@@ -133,20 +133,6 @@ class ClientStalled(Exception):
     """The client took nothing for the stall bound, or left more than the cap unsent."""
 
 
-class _Outbox:
-    """The stream's output the client has not taken yet: one growing buffer (one allocation,
-    returned whole when freed, where many small chunks would pin Python's small-object arenas)."""
-
-    __slots__ = ("buf", "done", "overflow", "ready", "sending")
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.ready = asyncio.Event()  # set when buf grows or the events end
-        self.done = False  # the events ran out (or failed: the pump task holds the error)
-        self.overflow = False  # more than the cap waited for the client
-        self.sending: asyncio.Timeout | None = None  # the send in progress, its stall timer
-
-
 def _buffered(transport: asyncio.WriteTransport | None) -> int:
     """Bytes the connection's transport holds that the socket has not taken (0 if unknown)."""
     if transport is None:
@@ -160,13 +146,18 @@ def _buffered(transport: asyncio.WriteTransport | None) -> int:
 class SSEResponse(Response):
     """A stream that ends whichever way its client goes: disconnects, or stops reading.
 
-    Two loops share an `_Outbox`. The pump pulls events as the generation makes them (so outputs
-    never pile up as objects in the queues between engine and here) and appends their bytes; the
-    writer sends whatever has gathered, in one send when the client fell behind. A client that stops
-    reading makes a send wait on the full socket; one that waited `stall_timeout` seconds, or an
-    outbox plus transport buffer past `max_unsent` bytes while a send waits, ends the stream as
-    `client_stalled`: the generation is closed (the engine aborts it and frees its KV blocks and
-    slot; admission gets its slot back) and the connection is dropped with what it still held.
+    One loop pulls each event as the generation makes it and sends it. A client that stops reading
+    makes a send wait on the full socket (the server's flow control holds the writer until the
+    client reads): while the writer waits nothing more is pulled, so what waits for the client is
+    bounded by the transport's buffer, and the rest stays unmade in the engine. A send that waited
+    `stall_timeout` seconds, or a transport holding over `max_unsent` bytes before a send, ends the
+    stream as `client_stalled`: the generation is closed (the engine aborts it and frees its KV
+    blocks and slot; admission gets its slot back) and the connection is dropped with what it held.
+
+    The stall bound is kept by one watchdog task per stream that wakes every quarter of the bound
+    (so a stall is seen within 1.25x of it) and looks at when the send in progress began: per event
+    the writer only notes that time, two attribute writes, where a timer per send cost ~5x the
+    whole event's CPU (`benchmarks/sse_cpu.py`).
     """
 
     media_type = "text/event-stream"
@@ -187,10 +178,11 @@ class SSEResponse(Response):
         self.on_close = on_close
         self.stall_timeout = stall_timeout
         self.max_unsent = max_unsent
-        self.blocked = 0.0
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+        self._sending_since: float | None = None  # monotonic start of the send in progress
+        self._stalled = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
@@ -198,77 +190,57 @@ class SSEResponse(Response):
             self.stop.set("disconnect")
 
         watcher = asyncio.create_task(watch())
+        writer = asyncio.current_task()
+        dog = asyncio.create_task(self._watchdog(writer)) if writer is not None else None
         transport = scope.get(TRANSPORT_KEY)
-        out = _Outbox()
-        pump: asyncio.Task | None = None
+        blocked = 0.0
         try:
-            await self._send(send, out, {"type": "http.response.start", "status": self.status_code,
-                                         "headers": self.raw_headers})
-            pump = asyncio.create_task(self._pump(out, transport))
-            while True:
-                if out.overflow:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # A send that waits is the client's socket pushing back (the server's write buffer is
+            # full until the client reads): the request's slow_client cause. Only sends over
+            # SEND_BLOCKED_S count: a send also gives up the GIL for its syscall and can wait a
+            # switch interval (5 ms) or two to get it back from the engine thread, which is not
+            # the client's doing. Two clock reads per event.
+            clock = time.monotonic
+            async for chunk in self.events:
+                if transport is not None and _buffered(transport) > self.max_unsent:
                     raise ClientStalled
-                if not out.buf:
-                    if out.done:
-                        break
-                    out.ready.clear()
-                    await out.ready.wait()
-                    continue
-                body = bytes(out.buf)
-                out.buf.clear()
-                await self._send(send, out, {"type": "http.response.body", "body": body, "more_body": True})
-            await pump  # (the events' own error, if they failed, goes on up as before)
-            await self._send(send, out, {"type": "http.response.body", "body": b"", "more_body": False})
-        except ClientStalled:
+                self._sending_since = t0 = clock()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._sending_since = None
+                took = clock() - t0
+                if took > SEND_BLOCKED_S:
+                    blocked += took
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientStalled, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if not self._stalled or writer is None:
+                    raise  # (the server's own cancel: a shutdown)
+                writer.uncancel()  # (the watchdog's: consumed here)
             self.stop.set(STALLED)
             if transport is not None:
                 transport.abort()  # drop what it holds now: close() would keep it until the client reads
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
-            out.buf = bytearray()
-            if self.timeline is not None and self.blocked:
-                self.timeline.attrs["client_blocked_s"] = round(self.blocked, 6)
-            watcher.cancel()
-            tasks = [watcher]
-            if pump is not None and not pump.done():
-                pump.cancel()  # (mid-stream: until_stopped aborts the generation on its way out)
-                tasks.append(pump)
+            self._sending_since = None
+            if self.timeline is not None and blocked:
+                self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
+            tasks = [watcher] + ([dog] if dog is not None else [])
+            for task in tasks:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.events.aclose()
             await self.on_close()
 
-    async def _pump(self, out: _Outbox, transport: asyncio.WriteTransport | None) -> None:
-        """Pull every event as it comes into the outbox; past the cap while a send waits, expire
-        that send's timer now (the writer then ends the stream as stalled) and pull no more."""
-        try:
-            async for chunk in self.events:
-                out.buf += chunk
-                out.ready.set()
-                sending = out.sending
-                if sending is not None and len(out.buf) + _buffered(transport) > self.max_unsent:
-                    out.overflow = True
-                    sending.reschedule(asyncio.get_running_loop().time())
-                    return
-        finally:
-            out.done = True
-            out.ready.set()
-
-    async def _send(self, send: Send, out: _Outbox, message: Message) -> None:
-        """One send, timed. A send that waits is the client's socket pushing back (the server's
-        write buffer is full until the client reads): the request's slow_client cause, and past
-        `stall_timeout` a stalled client. Only sends over SEND_BLOCKED_S count as blocked: a send
-        also gives up the GIL for its syscall and can wait a switch interval (5 ms) or two to get
-        it back from the engine thread, which is not the client's doing."""
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.stall_timeout) as out.sending:
-                await send(message)
-        except TimeoutError:
-            raise ClientStalled from None
-        finally:
-            out.sending = None
-        took = time.monotonic() - t0
-        if took > SEND_BLOCKED_S:
-            self.blocked += took
+    async def _watchdog(self, writer: asyncio.Task) -> None:
+        """Cancel the writer once a send has waited past the stall bound (checked every quarter of it)."""
+        every = max(0.05, self.stall_timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            since = self._sending_since
+            if since is not None and time.monotonic() - since >= self.stall_timeout:
+                self._stalled = True
+                writer.cancel()
+                return
