@@ -4,6 +4,7 @@ removes the request before the next step and frees its blocks."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -67,3 +68,42 @@ async def test_stream_abort_and_close_free_blocks(tiny):
     assert all(texts)
     assert engine.state().kv_usage == 0.0
     await engine.shutdown()
+
+
+# Most of a second or more to compile (the API caps an enum at 500 entries; an engine takes any).
+BOMB = json.dumps({"enum": [{"id": i, "name": f"item number {i}", "tags": [i, i + 1]} for i in range(1900)]})
+
+
+async def test_a_grammar_compile_never_stalls_the_step_loop(tiny):
+    """A grammar the engine has not compiled yet (an engine process: the gateway compiled it in its
+    own cache) is compiled on a worker thread, and the request queued when it is ready: the other
+    streams keep stepping meanwhile (issue 41: one compile stalled every stream for seconds)."""
+    from tokenpath.protocol.sampling_params import StructuredOutput
+
+    engine = AsyncEngine(model=str(tiny), dtype="float32", num_kv_blocks=64)
+    await engine.start()
+    engine.tokenizer.grammars  # noqa: B018 - the vocabulary read once, as a warm engine has it
+    prompt = engine.tokenizer.encode("a b c d e f g")
+    times: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def stream() -> None:
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        async for _ in engine.generate(GenerateRequest("steady", prompt, params)):
+            times.append(loop.time())
+
+    steady = asyncio.create_task(stream())
+    while len(times) < 5 and not steady.done():
+        await asyncio.sleep(0.01)
+    t0 = loop.time()
+    bomb = SamplingParams(temperature=0, max_tokens=2, structured=StructuredOutput("json", BOMB))
+    outs = [o async for o in engine.generate(GenerateRequest("bomb", prompt, bomb))]
+    took = loop.time() - t0
+    during = [t for t in times if t >= t0]
+    gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+    steady.cancel()
+    await asyncio.gather(steady, return_exceptions=True)
+    await engine.shutdown()
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert took > 0.5, f"the compile took only {took:.2f} s: not a test of anything"
+    assert len(during) > 5 and max(gaps) < took / 2, (took, max(gaps), len(during))

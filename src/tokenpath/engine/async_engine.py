@@ -59,6 +59,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, Sink] = {}  # request id -> where its outputs go, on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._compiling: dict[str, bool] = {}  # requests whose grammar compiles off the step thread: aborted?
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
@@ -133,7 +134,34 @@ class AsyncEngine:
         # Validated at the edge; a request this engine could never run fails in `add_request`,
         # and that error reaches the sink like any other. The request holds nothing of the
         # gateway's (that stays in its `Submission`), so the step thread gets it as it is.
+        spec = request.params.structured
+        if spec is not None and self._loop is not None and not self.core.tokenizer.grammar_cached(spec):
+            # A grammar not compiled here yet (an engine process: the gateway compiled it in its
+            # own) is compiled on a worker thread, which llguidance lets run beside the step thread
+            # (it releases the GIL), and the request queued once it is: the step loop never waits
+            # for one request's compile (up to the API's 5 s bound), so every other stream goes on.
+            grammars = self.core.tokenizer
+            self._compiling[request_id] = False
+            fut = self._loop.run_in_executor(None, lambda: grammars.grammars.get(spec))
+            fut.add_done_callback(lambda done: self._compiled(request, done))
+            return
         self._send(("add", request))
+
+    def _compiled(self, request: GenerateRequest, done: asyncio.Future) -> None:
+        """On the loop: a request's grammar is compiled (and cached: `add_request` gets a copy), so
+        it goes to the step thread now; a compile error fails it alone. One aborted meanwhile is
+        still added, then aborted, in that order on the step thread: its stream ends as any abort's."""
+        aborted = self._compiling.pop(request.request_id, False)
+        exc = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            sink = self._streams.pop(request.request_id, None)
+            if sink is not None:
+                sink(exc)
+            return
+        if request.request_id in self._streams:
+            self._send(("add", request))
+            if aborted:
+                self._send(("abort", request.request_id))
 
     def detach(self, request_id: str) -> None:
         """Stop delivering to a submitted request's sink and abort it in the engine."""
@@ -141,6 +169,8 @@ class AsyncEngine:
             self._send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._compiling:  # not on the step thread yet: aborted once it is
+            self._compiling[request_id] = True
         self._send(("abort", request_id))
 
     def fail(self, request_id: str, exc: BaseException) -> None:

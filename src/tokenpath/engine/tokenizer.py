@@ -21,6 +21,7 @@ from tokenizers.decoders import DecodeStream
 
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
+from tokenpath.protocol.sampling_params import StructuredOutput
 
 
 def read_chat_template(path: str | Path) -> str:
@@ -57,6 +58,13 @@ class Tokenizer:
             if self._grammars is None:
                 self._grammars = GrammarCache(self._hf, self.vocab_size)
             return self._grammars
+
+    def grammar_cached(self, spec: StructuredOutput) -> bool:
+        """Whether `spec` is compiled already (False before the cache is built: building it reads
+        the vocabulary, which is for a worker thread, not for the caller of this check)."""
+        with self._grammar_lock:
+            cache = self._grammars
+        return cache is not None and cache.cached(spec)
 
     def grammar_source(self) -> tuple[str, tuple[str, int, int]]:
         """(a key, (tokenizer.json text, vocabulary size, EOS id)): what a grammar worker process

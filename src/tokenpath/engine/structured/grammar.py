@@ -126,6 +126,11 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, Compiled] = OrderedDict()
 
+    def cached(self, spec: StructuredOutput) -> bool:
+        """Whether `get` would be a cache hit (a copy, microseconds) rather than a compile."""
+        with self._lock:
+            return StructuredOutput(spec.kind, spec.spec) in self._cache
+
     def get(self, spec: StructuredOutput) -> Lookup:
         key = StructuredOutput(spec.kind, spec.spec)  # the `tools` flag does not change the grammar
         with self._lock:
