@@ -44,7 +44,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
-               "/tokenize": "tok", "/detokenize": "tok"}
+               "/tokenize": "tok", "/detokenize": "tok", "/v1/messages": "msg_", "/v1/messages/count_tokens": "msg_"}
 _MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 
@@ -71,11 +71,12 @@ async def refuse_early(state: AppState, request: Request, error: TokenpathError,
 
 
 def request_id_of(request: Request, prefix: str) -> str:
-    """The client's well-formed `x-request-id`, else a fresh `<prefix>-<uuid>`."""
+    """The client's well-formed `x-request-id`, else a fresh `<prefix>-<uuid>` (`<prefix><uuid>` for a
+    prefix ending in '_', as Anthropic's `msg_` ids)."""
     given = request.headers.get("x-request-id")
     if given is not None and _REQUEST_ID.fullmatch(given):
         return given
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}{uuid.uuid4().hex}" if prefix.endswith("_") else f"{prefix}-{uuid.uuid4().hex}"
 
 
 class RequestRun:
