@@ -169,6 +169,11 @@ def _error(exc: anthropic.APIStatusError) -> dict:
     ({"max_tokens": 5, "messages": HELLO, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools.0.type"),
     ({"max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"max_tokens": 5, "messages": HELLO, "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]},
+     "tools.0.name"),
+    ({"max_tokens": 5, "messages": HELLO, "tools": [{"name": "x", "input_schema": {"type": "objekt"}}]},
+     "tools.0.input_schema"),
+    ({"max_tokens": 5, "messages": HELLO, "mcp_servers": []}, "mcp_servers"),
     ({"max_tokens": 5, "messages": HELLO, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"max_tokens": 5, "messages": HELLO, "temperature": 1.5}, "temperature"),
 ])
@@ -192,6 +197,18 @@ def test_sdk_sees_typed_errors(client):
     r = httpx.post(str(client.base_url).rstrip("/") + "/v1/messages", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_limits_and_unknown_paths_in_anthropic_shape(server):
+    """Refusals made before the route runs (body size, an unknown path) keep Anthropic's shape here."""
+    big = {"model": CHAT_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    r = httpx.post(server.url + "/v1/messages", json=big, timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(server.url + "/v1/messages/nope", json={}, timeout=60)
+    assert r.status_code == 404 and r.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                                           "message": "Not Found"}}
+    r = httpx.post(server.url + "/v1/messages", content=b"", timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
 def test_x_api_key_auth(server_factory):
@@ -218,3 +235,34 @@ def test_langchain_chat_anthropic(server):
 
     llm = ChatAnthropic(model=CHAT_MODEL, base_url=server.url, api_key="unused", max_tokens=8, max_retries=0)
     assert llm.invoke("Name three colours.").content
+
+
+TIGHT = f"""
+deployments:
+  - name: {CHAT_MODEL}
+    task: chat
+    replicas: [{{local: 1}}]
+    pool: {{max_inflight: 1}}
+    admission: {{max_queue: 0}}
+"""
+
+
+def test_full_server_is_529_overloaded_with_retry_after(server_factory, tmp_path_factory):
+    """One slot and no queue: while an endless chat stream holds the slot (its admission seen on
+    /metrics), a Messages request is refused at once as Anthropic refuses when it is full: 529
+    `overloaded_error` with `retry-after` (429 `queue_full` on the OpenAI routes)."""
+    routing = tmp_path_factory.mktemp("routing") / "tight.yaml"
+    routing.write_text(TIGHT)
+    srv = server_factory("--model", CHAT_MODEL, "--routing", str(routing))
+    hold = {"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=hold, timeout=120) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # (kept: a dropped iterator closes the stream)
+        assert next(lines).startswith("data: ")  # generating: the slot is taken
+        r = httpx.post(srv.url + "/v1/messages", json={"model": CHAT_MODEL, "max_tokens": 5, "messages": HELLO},
+                       timeout=120)
+    assert r.status_code == 529, r.text
+    assert r.json()["error"]["type"] == "overloaded_error" and int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-request-id"].startswith("msg_")
+    ok = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=3, timeout=120)
+    assert ok.messages.create(model=CHAT_MODEL, max_tokens=2, messages=HELLO).content  # (after the abort)

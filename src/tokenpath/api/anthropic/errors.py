@@ -24,13 +24,27 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billi
           500: "api_error", 504: "timeout_error", OVERLOADED: "overloaded_error"}
 
 
+# The chat pipeline names the fields of the chat request a Messages body became; these are the
+# Messages body's own names for them (tool checks run on the translated `tools`).
+_FIELD_NAMES = ((".function.parameters", ".input_schema"), (".function.name", ".name"),
+                (".function.description", ".description"), ("stop has ", "stop_sequences has "),
+                )
+
+
+def _messages_names(text: str) -> str:
+    for chat, anthropic in _FIELD_NAMES:
+        text = text.replace(chat, anthropic)
+    return text
+
+
 def anthropic_error(status: int, error: dict) -> tuple[int, dict]:
     """(status, body) of an OpenAI-shaped `error` object answered with `status`."""
     code = error.get("code")
     if status == 503 or (status == 429 and code in _OVERLOADED_CODES):
         status = OVERLOADED
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": str(error.get("message", ""))}}
+    message = _messages_names(str(error.get("message", "")))
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def stream_error(body: dict) -> dict:
