@@ -9,6 +9,7 @@ field. LangChain's ChatAnthropic is tried only when `langchain-anthropic` is ins
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -144,6 +145,22 @@ def test_thinking_accepted_and_named_as_ignored(server):
     r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
     assert r.status_code == 200 and r.headers["x-tokenpath-ignored"] == "thinking"
     assert [b["type"] for b in r.json()["content"]] == ["text"]
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+        assert r.headers["x-tokenpath-ignored"] == "thinking" and "event: message_stop" in r.read().decode()
+
+
+def test_same_path_metrics_and_request_log(server):
+    """A Messages request is counted and logged like any other, under its own endpoint."""
+    def count(status: str) -> float:
+        text = httpx.get(server.url + "/metrics").text
+        pattern = rf'^tokenpath:requests_total\{{(?=.*endpoint="/v1/messages")(?=.*status="{status}").*\}} (\S+)$'
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+    ok, bad = count("200"), count("400")
+    httpx.post(server.url + "/v1/messages", json={"model": CHAT_MODEL, "max_tokens": 2, "messages": HELLO},
+               headers={"x-request-id": "msg-metrics-1"}, timeout=120)
+    httpx.post(server.url + "/v1/messages", json={"model": CHAT_MODEL, "messages": HELLO}, timeout=120)
+    assert (count("200") - ok, count("400") - bad) == (1, 1)
+    assert '"request_id":"msg-metrics-1"' in server.output() and '"endpoint":"/v1/messages"' in server.output()
 
 
 def _error(exc: anthropic.APIStatusError) -> dict:
