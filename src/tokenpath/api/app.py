@@ -12,8 +12,11 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
+from tokenpath.api.anthropic.errors import reshape_for
+from tokenpath.api.anthropic.routes import router as anthropic_routes
 from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
 from tokenpath.api.dashboard import page_headers, sample_engines
 from tokenpath.api.dashboard import router as dashboard_routes
@@ -26,6 +29,7 @@ from tokenpath.api.run import refuse_early
 from tokenpath.api.settings import ApiSettings
 from tokenpath.api.state import AppState
 from tokenpath.api.tokenize import router as tokenize_routes
+from tokenpath.errors import TokenpathError
 from tokenpath.gateway.audit_metrics import AuditCollector
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
@@ -63,15 +67,16 @@ def create_app(
     app = FastAPI(title="tokenpath", version="0.1.0", lifespan=lifespan,
                   summary="OpenAI-compatible LLM serving that says where every millisecond went.", **native)
     app.state.tokenpath = state
-    install_error_handlers(app, lambda request, error, body: refuse_early(state, request, error, body))
+    install_error_handlers(app, lambda request, error, body: refuse_early(state, request, error, body), reshape_for)
     app.include_router(api_routes)
+    app.include_router(anthropic_routes)
     app.include_router(dashboard_routes)
     app.include_router(tokenize_routes)
     app.include_router(lora_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout,
-                       refuse=lambda request, error: refuse_early(state, request, error))
+                       refuse=lambda request, error: _refused(state, request, error))
     # Outermost (added last): a page in a browser is refused before any body is read.
     bind = getattr(config, "host", None)  # ServerConfig's; an app built by a test is on loopback
     app.add_middleware(BrowserGuardMiddleware, guard=lambda: state.guard,
@@ -79,6 +84,11 @@ def create_app(
                        allowed_hosts=config.allowed_hosts, allowed_origins=config.allowed_origins,
                        public_docs=config.public_docs, page_headers=page_headers)
     return app
+
+
+async def _refused(state: AppState, request: Request, error: TokenpathError) -> Response:
+    """A body or header refused by its limits, recorded, in the shape of the API its path belongs to."""
+    return reshape_for(request, await refuse_early(state, request, error))
 
 
 def _has_native_telemetry() -> bool:

@@ -34,7 +34,8 @@ def error_response(exc: TokenpathError, extra_headers: dict[str, str] | None = N
 
 # The fields a body must have, per route: named when the body is empty.
 _REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/completions": ("model", "prompt"),
-             "/v1/embeddings": ("model", "input")}
+             "/v1/embeddings": ("model", "input"), "/v1/messages": ("model", "messages", "max_tokens"),
+             "/v1/messages/count_tokens": ("model", "messages")}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -90,30 +91,37 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
 
 # How a request refused by the schema (before its route ran) is still recorded: (request, error, raw body).
 Refusal = Callable[[Request, TokenpathError, object], Awaitable[Response]]
+# Another API's error shape on its own paths (`api.anthropic.errors.reshape_for`): the OpenAI
+# response in, that API's out.
+Reshape = Callable[[Request, Response], Response]
 
 
-def install_error_handlers(app: FastAPI, refuse: Refusal | None = None) -> None:
+def install_error_handlers(app: FastAPI, refuse: Refusal | None = None, reshape: Reshape | None = None) -> None:
     """`refuse` records schema refusals like any other ending (audit row, log line, metrics); without
-    it (an app built without request bookkeeping) they are only answered."""
+    it (an app built without request bookkeeping) they are only answered. `reshape` gives every
+    error answered here another API's shape where the path is that API's."""
+
+    def shaped(request: Request, response: Response) -> Response:
+        return response if reshape is None else reshape(request, response)
 
     @app.exception_handler(TokenpathError)
-    async def _typed(request: Request, exc: TokenpathError) -> JSONResponse:
-        return error_response(exc)
+    async def _typed(request: Request, exc: TokenpathError) -> Response:
+        return shaped(request, error_response(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         error = validation_error(exc, request)
         if refuse is not None:
-            return await refuse(request, error, exc.body)
-        return error_response(error)
+            return shaped(request, await refuse(request, error, exc.body))
+        return shaped(request, error_response(error))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "api_error")
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return shaped(request, JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                                            headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error", "internal_error"), status_code=500)
+        return shaped(request, JSONResponse(error_body("internal server error", "internal_error"), status_code=500))

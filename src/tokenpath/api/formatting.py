@@ -22,6 +22,7 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it (Anthropic's stop_sequence)
     started: bool = False  # for streaming chat: the first delta carries the role
     content_sent: int = 0  # streaming with tools: characters of `text` already sent as content
     call_ids: list[str] = field(default_factory=list)  # streaming constrained calls: ids sent so far
@@ -58,6 +59,7 @@ class Accumulator:
                 raise RequestFailedError(f"choice {idx} failed in the engine")
             if c.finish_reason is not None:
                 ch.finish_reason = c.finish_reason
+                ch.stop_reason = c.stop_reason
             touched.append((ch, c))
         if out.finished:
             self.finished_parts.add(part)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -43,15 +44,33 @@ log = logging.getLogger("tokenpath.api")
 Deltas = AsyncGenerator[tuple[int, RequestOutput], None]
 
 Body = ChatCompletionRequest | CompletionRequest
+# What the chat stream is before encoding: OpenAI chunk dicts, error bodies and DONE.
+Items = AsyncGenerator[dict | str, None]
 
 
-async def handle(state: AppState, request: Request, body: Body) -> Response:
+@dataclass(frozen=True)
+class Edge:
+    """Another API's shape over this same pipeline (`api/anthropic`): the endpoint it is recorded
+    under, the prefix of its ids, and how the finished chat completion body (`body`) and the chat
+    stream's items (`stream`) are reshaped; both get the run's accumulator (finish details)."""
+
+    endpoint: str
+    prefix: str
+    body: Callable[[dict, fmt.Accumulator], dict]
+    stream: Callable[[Items, fmt.Accumulator], AsyncIterator[bytes]]
+
+
+async def handle(state: AppState, request: Request, body: Body, edge: Edge | None = None) -> Response:
     """Cheapest refusals first: the body's size and time (middleware) and shape (schema), then the
     key, the request's own caps, admission, the rate limits on an estimate, and only then the
-    tokenizer; the reservation is made exact once the prompt is tokenized."""
+    tokenizer; the reservation is made exact once the prompt is tokenized. `edge`: another API's
+    shape (the body is then its translation to a chat request)."""
     chat = isinstance(body, ChatCompletionRequest)
-    run = RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
-                     "chatcmpl" if chat else "cmpl")
+    if edge is not None:
+        run = RequestRun(state, request, edge.endpoint, edge.prefix)
+    else:
+        run = RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
+                         "chatcmpl" if chat else "cmpl")
     handed_off = False
     try:
         await run.authenticate()
@@ -86,7 +105,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
-        gen = Generation(run, body, chat, len(prompts), plan)
+        gen = Generation(run, body, chat, len(prompts), plan, edge)
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
@@ -182,8 +201,9 @@ class Generation:
     """Turns the merged delta stream into a JSON body or SSE chunks."""
 
     def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int,
-                 plan: tool_calls.ToolPlan | None = None) -> None:
+                 plan: tool_calls.ToolPlan | None = None, edge: Edge | None = None) -> None:
         self.run = run
+        self.edge = edge
         self.plan = plan if plan is not None and plan.parses else None
         self.body = body
         self.chat = chat
@@ -229,6 +249,8 @@ class Generation:
         else:
             body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline,
                                        getattr(self.body, "prompt_logprobs", None) is not None)
+        if self.edge is not None:
+            body = self.edge.body(body, self.acc)
         return JSONResponse(body, headers=run.headers(timing=True))
 
     # -- streaming ------------------------------------------------------------------------------
@@ -263,21 +285,27 @@ class Generation:
         return chunks
 
     async def events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncGenerator[bytes, None]:
+        items = self._events(first, stream)
         try:
-            async for event in self._events(first, stream):
-                yield event
+            if self.edge is not None:
+                async for event in self.edge.stream(items, self.acc):
+                    yield event
+            else:
+                async for item in items:
+                    yield sse_event(item)
         finally:  # closed early (client gone): close the generation now, not at garbage collection
+            await items.aclose()
             await stream.aclose()
 
-    async def _events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncIterator[bytes]:
+    async def _events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> Items:
         run = self.run
         try:
             if first is not None:
                 for c in self._last(self._chunks(*first)):
-                    yield sse_event(c)
+                    yield c
             async for part, out in stream:
                 for c in self._last(self._chunks(part, out)):
-                    yield sse_event(c)
+                    yield c
         except Interrupted as exc:
             if exc.reason == "disconnect":
                 run.disconnected()
@@ -289,22 +317,22 @@ class Generation:
             self.acc.finished_parts.update(range(self.parts))
             chunks = [self._chunk([make(ch, "", None, "abort", False)]) for ch in aborted]
             for c in self._last(chunks):
-                yield sse_event(c)
+                yield c
         except TokenpathError as exc:
             run.fail(exc)
-            yield sse_event(exc.to_body())
-            yield sse_event(DONE)
+            yield exc.to_body()
+            yield DONE
             return
         except Exception:
             log.exception("error while streaming %s", run.id)
             run.status, run.error_type = 500, "internal_error"
-            yield sse_event(error_body("internal server error while streaming", "internal_error"))
-            yield sse_event(DONE)
+            yield error_body("internal server error while streaming", "internal_error")
+            yield DONE
             return
         if self.body.include_usage:
             run.timeline.stamp("finished")
             usage = self._chunk([])
             usage["usage"] = self.acc.usage()
             usage["tokenpath"] = fmt.timing_extension(run.timeline)
-            yield sse_event(usage)
-        yield sse_event(DONE)
+            yield usage
+        yield DONE

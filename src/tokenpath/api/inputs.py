@@ -48,7 +48,7 @@ def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params
         deadline=deadline,
         # The trace context the engine continues (the gateway's dispatch span, when tracing is on).
         traceparent=str(run.timeline.attrs["traceparent"]) if run.timeline.attrs.get("traceparent") else None,
-        operation="chat" if "chat" in run.endpoint else "text_completion",
+        operation="text_completion" if run.endpoint == "/v1/completions" else "chat",
         lora=run.lora,
     )
     return Submission(request, run.timeline, prompt=texts[i] if i < len(texts) else None,

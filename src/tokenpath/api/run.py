@@ -47,7 +47,7 @@ CLIENT_ID_HEADERS = ("x-client-request-id", "x-request-id")
 
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
-               "/tokenize": "tok", "/detokenize": "tok"}
+               "/tokenize": "tok", "/detokenize": "tok", "/v1/messages": "msg_", "/v1/messages/count_tokens": "msg_"}
 _MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 
@@ -74,9 +74,10 @@ async def refuse_early(state: AppState, request: Request, error: TokenpathError,
 
 
 def new_request_id(prefix: str) -> str:
-    """The server's id of one request, `<prefix>-<uuid hex>`: unique, whatever clients send, so an
-    engine, an abort, an audit row or a trace by this id is this request's and no other's."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The server's id of one request, `<prefix>-<uuid hex>` (`<prefix><uuid hex>` for a prefix
+    ending in '_', as Anthropic's `msg_` ids): unique, whatever clients send, so an engine, an
+    abort, an audit row or a trace by this id is this request's and no other's."""
+    return f"{prefix}{uuid.uuid4().hex}" if prefix.endswith("_") else f"{prefix}-{uuid.uuid4().hex}"
 
 
 def client_request_id_of(request: Request) -> str | None:

@@ -38,7 +38,7 @@ log = logging.getLogger("tokenpath.gateway")
 
 Clock = Callable[[], float]  # wall-clock seconds since the epoch; injectable for windows and days
 TOUCH_EVERY_S = 60.0  # `last used` is refreshed at most this often per key (one write, not one per request)
-_HOW = "Pass a tokenpath key as 'Authorization: Bearer <key>' or in an 'api-key' header."
+_HOW = "Pass a tokenpath key as 'Authorization: Bearer <key>' or in an 'api-key' or 'x-api-key' header."
 _MISSING = "Missing API key. " + _HOW
 _INVALID = "Invalid API key. " + _HOW
 _DUMMY_SALT, _DUMMY_DIGEST = "00" * 16, "0" * 64  # no key hashes to this digest
@@ -53,29 +53,39 @@ def _header_values(headers: Mapping[str, str], name: str) -> list[str]:
     return [v for k, v in headers.items() if k.lower() == name]
 
 
+# The headers a key may come in besides `Authorization: Bearer`: Azure OpenAI's `api-key`, and
+# `x-api-key`, what Anthropic's SDKs and Claude Code send (/v1/messages).
+KEY_HEADERS = ("api-key", "x-api-key")
+
+
 def credential_from(headers: Mapping[str, str]) -> str | None:
-    """The key from `Authorization: Bearer <key>`, else from `api-key`; header names case-insensitive.
+    """The key from `Authorization: Bearer <key>`, else from `api-key` or `x-api-key`; header names
+    case-insensitive.
 
     Ambiguous credentials are a 400, never resolved by order: with two `Authorization` headers (or
-    two different keys in `Authorization` and `api-key`) a proxy and this server could each pick a
-    different one, so whichever "wins" would be a silent choice of identity.
+    two different keys in `Authorization`, `api-key` and `x-api-key`) a proxy and this server could
+    each pick a different one, so whichever "wins" would be a silent choice of identity. The same key
+    sent twice (an Anthropic client given a bearer token and the key) is one key.
     """
     auths = [v.strip() for v in _header_values(headers, "authorization")]
-    api_keys = [v.strip() for v in _header_values(headers, "api-key")]
-    if len(auths) > 1 or len(api_keys) > 1:
-        name = "Authorization" if len(auths) > 1 else "api-key"
-        raise InvalidRequestError(
-            f"The request has {max(len(auths), len(api_keys))} '{name}' headers; send exactly one.",
-            param=name, code="ambiguous_credentials")
-    bearer: str | None = None
+    if len(auths) > 1:
+        raise InvalidRequestError(f"The request has {len(auths)} 'Authorization' headers; send exactly one.",
+                                  param="Authorization", code="ambiguous_credentials")
+    given: list[tuple[str, str]] = []  # (header, key)
     if auths and auths[0]:
         scheme, _, value = auths[0].partition(" ")
-        bearer = value.strip() if scheme.lower() == "bearer" else ""
-    api_key = api_keys[0] if api_keys else None
-    if bearer is not None and api_key is not None and bearer != api_key:
-        raise InvalidRequestError("The request carries different keys in 'Authorization' and 'api-key'; "
-                                  "send one of them.", param="Authorization", code="ambiguous_credentials")
-    return bearer if bearer is not None else api_key
+        given.append(("Authorization", value.strip() if scheme.lower() == "bearer" else ""))
+    for name in KEY_HEADERS:
+        values = [v.strip() for v in _header_values(headers, name)]
+        if len(values) > 1:
+            raise InvalidRequestError(f"The request has {len(values)} '{name}' headers; send exactly one.",
+                                      param=name, code="ambiguous_credentials")
+        given.extend((name, v) for v in values)
+    if len({key for _, key in given}) > 1:
+        names = " and ".join(f"'{name}'" for name, _ in given)
+        raise InvalidRequestError(f"The request carries different keys in {names}; send one of them.",
+                                  param=given[0][0], code="ambiguous_credentials")
+    return given[0][1] if given else None
 
 
 def store_unavailable(exc: Exception, what: str) -> ServiceUnavailableError:

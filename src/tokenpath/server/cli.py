@@ -350,7 +350,7 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
         lines.append(f"  model: {d.name} ({d.task}, {len(d.replicas) or 1} replica(s){also})")
     for name, ref in router.adapters.items():
         lines.append(f"  lora adapter: {name} (on {ref.base}, {ref.path})")
-    lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/embeddings /reset_prefix_cache; "
+    lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/messages /v1/embeddings /reset_prefix_cache; "
                  "GET /v1/models /health /metrics")
     data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"
     store = " (keys and audit in PostgreSQL)" if config.database_url or os.environ.get("TOKENPATH_DATABASE_URL") else ""

@@ -1,0 +1,59 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's shape over the chat pipeline."""
+
+from __future__ import annotations
+
+import functools
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenpath.api import generation
+from tokenpath.api import tools as tool_calls
+from tokenpath.api.anthropic.errors import reshape
+from tokenpath.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from tokenpath.api.anthropic.stream import message_events
+from tokenpath.api.anthropic.translate import message_body, thinking_ignored, to_chat
+from tokenpath.api.inputs import prompt_ids
+from tokenpath.api.run import RequestRun, refuse_early
+from tokenpath.api.state import AppState, get_state
+from tokenpath.errors import TokenpathError
+
+router = APIRouter()
+IGNORED_HEADER = "x-tokenpath-ignored"  # names request fields accepted but without effect here
+_ERRORS = {400: {"description": "Invalid request (Anthropic error body)"},
+           404: {"description": "Unknown model"}, 529: {"description": "Overloaded"}}
+
+
+@router.post("/v1/messages", responses=_ERRORS)
+async def messages(body: MessagesRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
+    try:
+        chat = to_chat(body)
+    except TokenpathError as exc:  # a malformed block or tool: refused and recorded like a schema error
+        return reshape(await refuse_early(state, request, exc, {"model": body.model}))
+    stops = body.stop_sequences
+    edge = generation.Edge("/v1/messages", "msg_", functools.partial(message_body, stops=stops),
+                           functools.partial(message_events, stops=stops))
+    response = reshape(await generation.handle(state, request, chat, edge))
+    if thinking_ignored(body):
+        response.headers[IGNORED_HEADER] = "thinking"
+    return response
+
+
+@router.post("/v1/messages/count_tokens", responses=_ERRORS)
+async def count_tokens(body: CountTokensRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
+    """The prompt's tokens as `/v1/messages` would count them: the same translation, tool
+    rendering and chat template (`inputs.prompt_ids`), so it is the `input_tokens` a request gets."""
+    run = RequestRun(state, request, "/v1/messages/count_tokens", "msg_")
+    try:
+        await run.authenticate()
+        chat = to_chat(body)
+        chat.reject_unsupported()
+        dep = run.route(body.model, "chat")
+        plan = tool_calls.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                                      getattr(dep.tokenizer, "chat_template", None))
+        ids = (await prompt_ids(state, dep, chat, plan))[0][0]
+        return JSONResponse({"input_tokens": len(ids)}, headers=run.headers())
+    except Exception as exc:
+        return reshape(run.respond_to(exc))
+    finally:
+        await run.finish()

@@ -1,0 +1,101 @@
+"""The chat stream's items -> Anthropic's Messages events, with SSE `event:` lines as Anthropic sends them.
+
+`message_start` (the message with empty content and the prompt's token count) and a `ping`, then
+per content block `content_block_start`, its deltas (`text_delta`, or `input_json_delta` for a
+tool call's input as it is generated), `content_block_stop`; then `message_delta` (stop_reason,
+stop_sequence, usage.output_tokens) and `message_stop`. A failure mid-stream is an `error` event.
+The chat stream already holds tool markup back and streams parsed calls (`formatting`), so text
+and tool_use blocks map one to one onto its content and tool_call deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from tokenpath.api.anthropic.errors import stream_error
+from tokenpath.api.anthropic.translate import stop_reason, tool_use_id, usage
+from tokenpath.api.formatting import Accumulator
+from tokenpath.api.generation import Items
+
+
+def event(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n".encode()
+
+
+class _Blocks:
+    """The open content block and the next block's index."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" | "tool_use"
+        self.tools: dict[int, int] = {}  # chat tool-call index -> block index
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def start(self, kind: str, block: dict) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        return out + [event("content_block_start", {"index": self.index, "content_block": block})]
+
+
+async def message_events(items: Items, acc: Accumulator, stops: list[str] | None) -> AsyncIterator[bytes]:
+    blocks = _Blocks()
+    started = False
+    finish: str | None = None
+
+    def start(chunk: dict) -> list[bytes]:
+        message = {"id": chunk.get("id"), "type": "message", "role": "assistant", "model": chunk.get("model"),
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {**usage(acc), "output_tokens": 0}}
+        return [event("message_start", {"message": message}), event("ping", {})]
+
+    async for item in items:
+        if isinstance(item, str):  # DONE
+            continue
+        if "error" in item and "choices" not in item:
+            if started:
+                for b in blocks.close():
+                    yield b
+            yield event("error", {k: v for k, v in stream_error(item).items() if k != "type"})
+            return
+        if not started:
+            started = True
+            for b in start(item):
+                yield b
+        for choice in item.get("choices", ()):
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if blocks.open != "text":
+                    for b in blocks.start("text", {"type": "text", "text": ""}):
+                        yield b
+                yield event("content_block_delta", {"index": blocks.index,
+                                                    "delta": {"type": "text_delta", "text": delta["content"]}})
+            for call in delta.get("tool_calls") or ():
+                if "id" in call:
+                    fn = call.get("function") or {}
+                    for b in blocks.start("tool_use", {"type": "tool_use", "id": tool_use_id(call["id"]),
+                                                       "name": fn.get("name"), "input": {}}):
+                        yield b
+                    blocks.tools[call.get("index", 0)] = blocks.index
+                args = (call.get("function") or {}).get("arguments")
+                if args:
+                    yield event("content_block_delta", {"index": blocks.tools.get(call.get("index", 0), blocks.index),
+                                                        "delta": {"type": "input_json_delta", "partial_json": args}})
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+    if not started:
+        for b in start({"id": f"msg_{uuid.uuid4().hex}", "model": ""}):  # (no chunk at all: never seen)
+            yield b
+    for b in blocks.close():
+        yield b
+    reason, sequence = stop_reason(finish, acc, stops)
+    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                  "usage": {"output_tokens": acc.completion_tokens}})
+    yield event("message_stop", {})
