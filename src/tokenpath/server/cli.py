@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="a request with no first token this long after dispatch is released (600)")
     live.add_argument("--token-timeout", type=float, metavar="S",
                       help="a request with no next token for this long is released (300)")
+    serve.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default=None,
+                       help="split a reasoning model's <think> block off chat replies into reasoning_content "
+                       "(vLLM's flag); auto (default): where the chat template mentions <think>")
     serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
                        help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
                        "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
