@@ -133,3 +133,16 @@ def test_ping_is_liveness(server):
     with httpx.Client(base_url=server.url, timeout=60) as h:
         assert h.get("/ping").status_code == 200
         assert h.post("/ping").status_code == 200
+
+
+def test_required_reply_cut_by_max_tokens_keeps_whole_calls(client):
+    """SmolLM2 under `required` writes a second call that 60 tokens cut short: the first is kept and
+    no markup reaches content (before: no tool_calls, the raw `<tool_call>` text as content)."""
+    resp = client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Add 2 and 3."}],
+                                          tools=[ADD], tool_choice="required", max_tokens=60, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length", choice
+    assert not choice.message.content or "tool_call" not in choice.message.content
+    assert choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}

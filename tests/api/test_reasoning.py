@@ -1,0 +1,104 @@
+"""Reasoning output on chat completions (issue 35 item 3), end to end: a real server with the real
+Qwen3 chat template (tests/fixtures/chat_templates: it mentions <think>, so the parser is chosen
+from it), and a model made to write a think block by structured output (random or small weights
+would not write one of their own). The block arrives as `reasoning_content` / `reasoning`, streamed
+as deltas, never in `content`, and is counted in `usage.completion_tokens_details`.
+`chat_template_kwargs` and `reasoning_effort` reach the template as Qwen3's `enable_thinking`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+from tokenpath.api.reasoning import ReasoningParser
+
+CHAT_MODEL = "smollm2-135m-instruct"
+QWEN3 = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
+THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,20}"
+ASK = [{"role": "user", "content": "Think, then answer: what colour is the sky?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3(server_factory) -> openai.OpenAI:
+    srv = server_factory("--model", CHAT_MODEL, "--chat-template", str(QWEN3))
+    return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _forced(**kw):  # noqa: ANN202
+    return {"model": CHAT_MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, "seed": 3,
+            "extra_body": {"guided_regex": THINK}, **kw}
+
+
+def test_think_block_is_reasoning_content_not_content(qwen3):
+    resp = qwen3.chat.completions.create(**_forced())
+    msg = resp.choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    assert reasoning and re.fullmatch(r"[a-z ]{1,20}", reasoning), msg
+    assert msg.model_extra["reasoning"] == reasoning
+    assert "<think>" not in msg.content and "</think>" not in msg.content
+    assert re.fullmatch(r"[a-z ]{1,20}", msg.content), msg.content
+    used = resp.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < used < resp.usage.completion_tokens, resp.usage
+
+
+def test_streamed_reasoning_deltas_add_up_to_the_same_split(qwen3):
+    whole = qwen3.chat.completions.create(**_forced()).choices[0].message
+    reasoning, content, usage = "", "", None
+    for chunk in qwen3.chat.completions.create(**_forced(stream=True, stream_options={"include_usage": True})):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                assert extra["reasoning"] == extra["reasoning_content"]
+                assert not content, "reasoning after content"
+                reasoning += extra["reasoning_content"]
+            content += c.delta.content or ""
+    assert reasoning == whole.model_extra["reasoning_content"] and content == whole.content
+    assert "<" not in content
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_enable_thinking_and_reasoning_effort_reach_the_template(qwen3):
+    """Qwen3's template writes an empty think block into the prompt when enable_thinking is false;
+    reasoning_effort 'none' means the same there, and 'high' leaves thinking on."""
+    def prompt_tokens(**extra) -> int:  # noqa: ANN003
+        return qwen3.chat.completions.create(model=CHAT_MODEL, messages=ASK, max_tokens=1, **extra).usage.prompt_tokens
+
+    on = prompt_tokens()
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off > on
+    assert prompt_tokens(reasoning_effort="none") == off
+    assert prompt_tokens(reasoning_effort="high") == on
+
+
+def test_history_reasoning_is_rendered_by_the_template(qwen3):
+    """A past turn's reasoning_content (the SDK's model_dump of a reply) goes back to a template that
+    renders it: the prompt grows by it."""
+    reply = {"role": "assistant", "content": "Blue."}
+    history = [*ASK, reply]
+    plain = qwen3.chat.completions.create(model=CHAT_MODEL, messages=history, max_tokens=1).usage.prompt_tokens
+    history = [*ASK, {**reply, "reasoning_content": "the sky scatters blue light more than red light"}]
+    thought = qwen3.chat.completions.create(model=CHAT_MODEL, messages=history, max_tokens=1).usage.prompt_tokens
+    assert thought > plain + 5
+
+
+@pytest.mark.parametrize("text", ["<think>\nabc def\n</think>\n\nHello there", "no think at all", "<think>cut sh",
+                                  "  <think>x</think>y"])
+def test_split_grows_monotonically(text):
+    """What streaming sends (the split of every prefix) is always a prefix of the final split."""
+    p = ReasoningParser()
+    final = p.split(text, True)
+    for i in range(len(text) + 1):
+        s = p.split(text[:i], False)
+        assert final.reasoning.startswith(s.reasoning) and final.content.startswith(s.content), (i, s, final)
+
+
+def test_prompt_that_opens_the_block():
+    """DeepSeek-R1's templates end the prompt with <think>: the reply starts in reasoning."""
+    s = ReasoningParser(starts_open=True).split("step one</think>\n\nanswer", True)
+    assert (s.reasoning, s.content) == ("step one", "answer")
+    assert ReasoningParser(starts_open=True).split("cut by max_tokens", True).reasoning == "cut by max_tokens"
