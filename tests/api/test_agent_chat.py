@@ -5,6 +5,7 @@ OpenAI request field's fate (api/openai_fields.py); `GET /ping`."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -146,3 +147,27 @@ def test_required_reply_cut_by_max_tokens_keeps_whole_calls(client):
     assert choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
         assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+
+
+def _decisions(text: str, outcome: str) -> float:
+    pattern = rf'^tokenpath:routing_decisions_total\{{[^}}]*outcome="{outcome}"[^}}]*policy="session_affinity"[^}}]*\}} (\S+)$'
+    found = re.findall(pattern, text, re.M) or re.findall(
+        rf'^tokenpath:routing_decisions_total\{{[^}}]*policy="session_affinity"[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)$',
+        text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_prompt_cache_key_is_the_session_affinity_key(server_factory):
+    """Under the session_affinity policy, a request with only `prompt_cache_key` routes by it (an
+    `affinity` decision), as one with x-session-id does; one with neither has no session."""
+    srv = server_factory("--model", CHAT_MODEL, "--routing-policy", "session_affinity")
+    with httpx.Client(base_url=srv.url, timeout=120) as h:
+        def count(outcome: str) -> float:
+            return _decisions(h.get("/metrics").text, outcome)
+
+        body = {"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 1}
+        before = count("affinity"), count("no_session")
+        assert h.post("/v1/chat/completions", json={**body, "prompt_cache_key": "conversation-7"}).status_code == 200
+        assert (count("affinity"), count("no_session")) == (before[0] + 1, before[1])
+        assert h.post("/v1/chat/completions", json=body).status_code == 200
+        assert (count("affinity"), count("no_session")) == (before[0] + 1, before[1] + 1)
