@@ -150,11 +150,10 @@ def test_required_reply_cut_by_max_tokens_keeps_whole_calls(client):
 
 
 def _decisions(text: str, outcome: str) -> float:
-    pattern = rf'^tokenpath:routing_decisions_total\{{[^}}]*outcome="{outcome}"[^}}]*policy="session_affinity"[^}}]*\}} (\S+)$'
-    found = re.findall(pattern, text, re.M) or re.findall(
-        rf'^tokenpath:routing_decisions_total\{{[^}}]*policy="session_affinity"[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)$',
-        text, re.M)
-    return sum(float(v) for v in found)
+    """`tokenpath:routing_decisions_total` of the session_affinity policy with this outcome."""
+    line = re.compile(r'^tokenpath:routing_decisions_total\{(?=[^}]*policy="session_affinity")'
+                      rf'(?=[^}}]*outcome="{outcome}")[^}}]*\}} (\S+)$', re.M)
+    return sum(float(v) for v in line.findall(text))
 
 
 def test_prompt_cache_key_is_the_session_affinity_key(server_factory):

@@ -1,29 +1,36 @@
-"""Reasoning output on chat completions (issue 35 item 3), end to end: a real server with the real
-Qwen3 chat template (tests/fixtures/chat_templates: it mentions <think>, so the parser is chosen
-from it), and a model made to write a think block by structured output (random or small weights
-would not write one of their own). The block arrives as `reasoning_content` / `reasoning`, streamed
+"""Reasoning output on chat completions (issue 35 item 3), end to end: a real server serving a tiny
+Qwen3 checkpoint made by transformers (tests/engine/tiny_models.py) whose own chat template is the
+real Qwen3 one (tests/fixtures/chat_templates: it mentions <think>, so the parser is chosen from
+it), made to write a think block by structured output (random weights would not write one). The block arrives as `reasoning_content` / `reasoning`, streamed
 as deltas, never in `content`, and is counted in `usage.completion_tokens_details`.
 `chat_template_kwargs` and `reasoning_effort` reach the template as Qwen3's `enable_thinking`."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import openai
 import pytest
+from tests.engine.tiny_models import save_tiny
 
 from tokenpath.api.reasoning import ReasoningParser
 
-CHAT_MODEL = "smollm2-135m-instruct"
+CHAT_MODEL = "tiny-qwen3"
 QWEN3 = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
 THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,20}"
 ASK = [{"role": "user", "content": "Think, then answer: what colour is the sky?"}]
 
 
 @pytest.fixture(scope="module")
-def qwen3(server_factory) -> openai.OpenAI:
-    srv = server_factory("--model", CHAT_MODEL, "--chat-template", str(QWEN3))
+def qwen3(server_factory, tmp_path_factory) -> openai.OpenAI:
+    path = save_tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3")
+    (path / "chat_template.jinja").write_text(QWEN3.read_text())  # the checkpoint's own template
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    srv = server_factory("--model", str(path), "--served-model-name", CHAT_MODEL)
     return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
