@@ -23,13 +23,19 @@ THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,20}"
 ASK = [{"role": "user", "content": "Think, then answer: what colour is the sky?"}]
 
 
-@pytest.fixture(scope="module")
-def qwen3(server_factory, tmp_path_factory) -> openai.OpenAI:
-    path = save_tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3")
-    (path / "chat_template.jinja").write_text(QWEN3.read_text())  # the checkpoint's own template
+def _tiny_qwen3(folder: Path) -> Path:
+    """A tiny random Qwen3 checkpoint whose own chat template is the real Qwen3 one."""
+    path = save_tiny("qwen3", folder / "tiny-qwen3")
+    (path / "chat_template.jinja").write_text(QWEN3.read_text())
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3(server_factory, tmp_path_factory) -> openai.OpenAI:
+    path = _tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
     srv = server_factory("--model", str(path), "--served-model-name", CHAT_MODEL)
     return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
 
@@ -109,3 +115,61 @@ def test_prompt_that_opens_the_block():
     s = ReasoningParser(starts_open=True).split("step one</think>\n\nanswer", True)
     assert (s.reasoning, s.content) == ("step one", "answer")
     assert ReasoningParser(starts_open=True).split("cut by max_tokens", True).reasoning == "cut by max_tokens"
+
+
+def test_reasoning_parser_flag():
+    """`serve --reasoning-parser` (vLLM's flag) is a setting of the server config; auto by default."""
+    from tokenpath.cli import build_parser
+    from tokenpath.server.config import build_config
+
+    assert build_config(build_parser().parse_args(["serve"])).reasoning_parser == "auto"
+    for value in ("none", "qwen3", "deepseek_r1"):
+        assert build_config(build_parser().parse_args(["serve", "--reasoning-parser", value])).reasoning_parser == value
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "bogus"])
+
+
+def test_reasoning_parser_none_leaves_the_block_in_content(server_factory, tmp_path_factory):
+    path = _tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-none"))
+    srv = server_factory("--model", str(path), "--served-model-name", CHAT_MODEL, "--reasoning-parser", "none")
+    client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+    resp = client.chat.completions.create(**_forced())
+    assert resp.choices[0].message.content.startswith("<think>")
+    assert "reasoning_content" not in (resp.choices[0].message.model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_a_tool_call(stream):
+    """Qwen3 thinks, then calls a tool: the block is reasoning, the call parses from the content."""
+    from tokenpath.api import formatting as fmt
+    from tokenpath.api import tools
+    from tokenpath.protocol.outputs import CompletionOutput, RequestOutput
+    from tokenpath.telemetry.timeline import Timeline
+
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    plan = tools.parse_tools([add], "auto", None, QWEN3.read_text())
+    text = '<think>\nI should add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    acc = fmt.Accumulator(n=1, reasoning=ReasoningParser())
+    reasoning, content, calls, reasons = "", "", [], []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", [CompletionOutput(0, p, [i], finish_reason="stop" if last else None)], [1], 0, last)
+        for ch, c in acc.add(0, out):
+            if stream:
+                for x in fmt.chat_reasoning_chunk_choices(ch, None, c.finish_reason, False, plan):
+                    reasoning += x["delta"].get("reasoning_content") or ""
+                    content += x["delta"].get("content") or ""
+                    calls += [tc for tc in x["delta"].get("tool_calls", ()) if "id" in tc]
+                    reasons.append(x["finish_reason"])
+    if stream:
+        assert (reasoning, content, [tc["function"]["name"] for tc in calls]) == ("I should add.\n", "", ["add"])
+        assert reasons[-1] == "tool_calls"
+    else:
+        (choice,) = fmt.chat_body("id", 0, "m", acc, False, Timeline("id"), plan)["choices"]
+        msg = choice["message"]
+        assert msg["reasoning_content"] == "I should add.\n" and msg["content"] is None
+        assert choice["finish_reason"] == "tool_calls" and msg["tool_calls"][0]["function"]["name"] == "add"
+    used = acc.usage()["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < used < len(pieces)
