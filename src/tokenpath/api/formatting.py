@@ -37,6 +37,20 @@ class Choice:
     pending_tokens: int = 0  # tokens written while it was not yet known whether a block opens
 
 
+def _split(parser: ReasoningParser, ch: Choice, c: CompletionOutput) -> None:
+    """Reasoning and content of a reasoning model's reply so far; the delta's tokens count as
+    reasoning while the block is open, its closing tag's included."""
+    ch.raw += c.text
+    split = parser.split(ch.raw, c.finish_reason is not None)
+    if not ch.reasoning_done:
+        if split.thought:
+            ch.reasoning_tokens += ch.pending_tokens + len(c.token_ids)
+            ch.pending_tokens = 0
+        elif not split.done:
+            ch.pending_tokens += len(c.token_ids)
+    ch.reasoning, ch.text, ch.reasoning_done = split.reasoning, split.content, split.done
+
+
 @dataclass
 class Accumulator:
     """Whole choices from deltas. `part` numbers the prompts of a batched completions request."""
@@ -64,7 +78,7 @@ class Accumulator:
             if self.reasoning is None:
                 ch.text += c.text
             else:
-                self._split(ch, c)
+                _split(self.reasoning, ch, c)
             ch.num_tokens += len(c.token_ids)
             ch.logprobs.extend(c.logprobs or ())
             if c.finish_reason == "error":  # not an OpenAI finish reason: the request failed
@@ -75,20 +89,6 @@ class Accumulator:
         if out.finished:
             self.finished_parts.add(part)
         return touched
-
-    def _split(self, ch: Choice, c: CompletionOutput) -> None:
-        """Reasoning and content of a reasoning model's reply so far; the delta's tokens count as
-        reasoning while the block is open, its closing tag's included."""
-        assert self.reasoning is not None
-        ch.raw += c.text
-        split = self.reasoning.split(ch.raw, c.finish_reason is not None)
-        if not ch.reasoning_done:
-            if split.thought:
-                ch.reasoning_tokens += ch.pending_tokens + len(c.token_ids)
-                ch.pending_tokens = 0
-            elif not split.done:
-                ch.pending_tokens += len(c.token_ids)
-        ch.reasoning, ch.text, ch.reasoning_done = split.reasoning, split.content, split.done
 
     def abort_unfinished(self, parts: int) -> list[Choice]:
         """Mark every choice that has not finished as aborted (server shutdown)."""
