@@ -98,6 +98,8 @@ class Accumulator:
                 ch = self.choices.setdefault(self.index(part, i), Choice(self.index(part, i)))
                 if ch.finish_reason is None:
                     ch.finish_reason = "abort"
+                    if self.reasoning is not None:  # (what was held back as a possible tag is the reply's)
+                        _split(self.reasoning, ch, CompletionOutput(ch.index, finish_reason="abort"))
                     aborted.append(ch)
         return aborted
 
