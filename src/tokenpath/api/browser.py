@@ -106,7 +106,8 @@ class BrowserGuardMiddleware:
 
     def _cors_headers(self, origin: str) -> dict[str, str]:
         return {"access-control-allow-origin": "*" if self.any_origin else origin, "vary": "Origin",
-                "access-control-expose-headers": "x-request-id, x-client-request-id, server-timing, retry-after"}
+                "access-control-expose-headers": "x-request-id, x-client-request-id, server-timing, retry-after, "
+                                                 "x-tokenpath-ignored-fields"}
 
     async def _preflight(self, send: Send, origin: str, allowed: bool, headers: Headers) -> None:
         if not allowed:

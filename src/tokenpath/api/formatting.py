@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, streamed_calls
+from tokenpath.api.reasoning import ReasoningParser
+from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, parse_cut_calls, streamed_calls
 from tokenpath.errors import RequestFailedError
 from tokenpath.protocol.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenpath.telemetry.timeline import Timeline
@@ -27,6 +28,28 @@ class Choice:
     content_sent: int = 0  # streaming with tools: characters of `text` already sent as content
     call_ids: list[str] = field(default_factory=list)  # streaming constrained calls: ids sent so far
     args_sent: list[int] = field(default_factory=list)  # ... and characters of arguments sent per call
+    # With a reasoning parser (api/reasoning.py): `raw` is the reply as written, `text` its content
+    # and `reasoning` its think block, each as much as is safe to send so far.
+    raw: str = ""
+    reasoning: str = ""
+    reasoning_sent: int = 0
+    reasoning_done: bool = False
+    reasoning_tokens: int = 0
+    pending_tokens: int = 0  # tokens written while it was not yet known whether a block opens
+
+
+def _split(parser: ReasoningParser, ch: Choice, c: CompletionOutput) -> None:
+    """Reasoning and content of a reasoning model's reply so far; the delta's tokens count as
+    reasoning while the block is open, its closing tag's included."""
+    ch.raw += c.text
+    split = parser.split(ch.raw, c.finish_reason is not None)
+    if not ch.reasoning_done:
+        if split.thought:
+            ch.reasoning_tokens += ch.pending_tokens + len(c.token_ids)
+            ch.pending_tokens = 0
+        elif not split.done:
+            ch.pending_tokens += len(c.token_ids)
+    ch.reasoning, ch.text, ch.reasoning_done = split.reasoning, split.content, split.done
 
 
 @dataclass
@@ -39,6 +62,7 @@ class Accumulator:
     cached_tokens: dict[int, int] = field(default_factory=dict)
     finished_parts: set[int] = field(default_factory=set)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)  # per part
+    reasoning: ReasoningParser | None = None  # chat replies of a reasoning model
 
     def index(self, part: int, choice: int) -> int:
         return part * self.n + choice
@@ -52,7 +76,10 @@ class Accumulator:
         for c in out.outputs:
             idx = self.index(part, c.index)
             ch = self.choices.setdefault(idx, Choice(idx))
-            ch.text += c.text
+            if self.reasoning is None:
+                ch.text += c.text
+            else:
+                _split(self.reasoning, ch, c)
             ch.num_tokens += len(c.token_ids)
             ch.logprobs.extend(c.logprobs or ())
             if c.finish_reason == "error":  # not an OpenAI finish reason: the request failed
@@ -73,6 +100,8 @@ class Accumulator:
                 ch = self.choices.setdefault(self.index(part, i), Choice(self.index(part, i)))
                 if ch.finish_reason is None:
                     ch.finish_reason = "abort"
+                    if self.reasoning is not None:  # (what was held back as a possible tag is the reply's)
+                        _split(self.reasoning, ch, CompletionOutput(ch.index, finish_reason="abort"))
                     aborted.append(ch)
         return aborted
 
@@ -82,12 +111,16 @@ class Accumulator:
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
-        return {
+        out = {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
         }
+        if self.reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens
+                                                                        for c in self.choices.values())}
+        return out
 
     def finish_reason(self) -> str | None:
         reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason]
@@ -151,12 +184,22 @@ def prompt_logprobs(items: list[TokenLogprob | None]) -> list[dict | None]:
 
 
 # -- whole responses ---------------------------------------------------------------------------
-def _message(c: Choice, plan: ToolPlan | None) -> tuple[dict, str | None]:
+def _message(c: Choice, plan: ToolPlan | None, reasoning: bool = False) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, and its finish reason: a reply that parses as
-    tool calls carries them (`content` null when there is no other text) and ends "tool_calls"."""
+    tool calls carries them (`content` null when there is no other text) and ends "tool_calls".
+    A reply cut by max_tokens keeps the calls written whole and ends "length". A reasoning
+    model's think block is `reasoning_content` (and vLLM's newer name, `reasoning`)."""
     message: dict = {"role": "assistant", "content": c.text, "refusal": None}
-    if plan is None or not plan.parses or c.finish_reason != "stop":
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = c.reasoning or None
+    if plan is None or not plan.parses or c.finish_reason not in ("stop", "length"):
         return message, c.finish_reason
+    if c.finish_reason == "length":
+        content, calls = parse_cut_calls(c.text, plan)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return message, "length"
     content, calls = parse_calls(c.text, plan)
     if not calls:
         return message, c.finish_reason
@@ -169,7 +212,7 @@ def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprob
               plan: ToolPlan | None = None) -> dict:
     choices = []
     for c in acc.sorted():
-        message, reason = _message(c, plan)
+        message, reason = _message(c, plan, acc.reasoning is not None)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None, "finish_reason": reason})
     return {
@@ -250,9 +293,10 @@ def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, fin
         _stream_constrained(ch, finish_reason, plan, emit)
         return out
     start = call_start(ch.text, plan)
-    safe = len(ch.text) if start == -1 or finish_reason is not None and finish_reason != "stop" else start
-    calls = parse_calls(ch.text, plan)[1] if finish_reason == "stop" else []
-    if not calls and finish_reason is not None:
+    cut = finish_reason == "length"  # (the calls written whole are kept; the markup never becomes content)
+    calls = parse_calls(ch.text, plan)[1] if finish_reason == "stop" else parse_cut_calls(ch.text, plan)[1] if cut else []
+    safe = len(ch.text) if start == -1 else start
+    if not calls and finish_reason is not None and not cut:
         safe = len(ch.text)
     if safe > ch.content_sent:
         emit({"content": ch.text[ch.content_sent:safe]})
@@ -263,7 +307,7 @@ def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, fin
         for j in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
             emit({"tool_calls": [{"index": k, "function": {"arguments": call.arguments[j:j + ARGUMENT_FRAGMENT]}}]})
     if finish_reason is not None:
-        emit({}, "tool_calls" if calls else finish_reason)
+        emit({}, "tool_calls" if calls and not cut else finish_reason)
     elif not out and (lp is not None or not ch.started):
         emit({})
     return out
@@ -272,7 +316,8 @@ def chat_tool_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, fin
 def _stream_constrained(ch: Choice, finish_reason: str | None, plan: ToolPlan, emit) -> None:  # noqa: ANN001
     """`required` / named calls: the grammar guarantees their shape, so each call's first delta
     goes out as soon as its name is written and its arguments stream while they are generated."""
-    calls = streamed_calls(ch.text, plan, finished=finish_reason is not None)
+    # (a call cut by max_tokens is not finished: its held-back tail is not sent as if it were)
+    calls = streamed_calls(ch.text, plan, finished=finish_reason is not None and finish_reason != "length")
     for k, (name, args) in enumerate(calls):
         if k == len(ch.call_ids):
             ch.call_ids.append(ParsedCall(name, "").id)
@@ -286,6 +331,30 @@ def _stream_constrained(ch: Choice, finish_reason: str | None, plan: ToolPlan, e
         emit({}, "tool_calls" if finish_reason == "stop" and calls else finish_reason)
     elif not ch.started:
         emit({})
+
+
+def chat_reasoning_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                                 want_logprobs: bool, plan: ToolPlan | None) -> list[dict]:
+    """A reasoning model's reply streamed: the think block as `reasoning_content` (and `reasoning`)
+    deltas while it is written, then its content (or tool calls) as any other reply's."""
+    out: list[dict] = []
+    new = ch.reasoning[ch.reasoning_sent:]
+    if new:
+        delta: dict = {"reasoning_content": new, "reasoning": new}
+        if not ch.started:
+            delta = {"role": "assistant", **delta}
+            ch.started = True
+        lp = chat_logprobs(logprobs or []) if want_logprobs and logprobs else None
+        out.append({"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+        ch.reasoning_sent = len(ch.reasoning)
+        logprobs = None  # (sent with the reasoning)
+    if plan is not None:
+        return out + chat_tool_chunk_choices(ch, logprobs, finish_reason, want_logprobs, plan)
+    text = ch.text[ch.content_sent:]
+    ch.content_sent = len(ch.text)
+    if text or finish_reason or (want_logprobs and logprobs) or not ch.started:
+        out.append(chat_chunk_choice(ch, text, logprobs, finish_reason, want_logprobs))
+    return out
 
 
 def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,

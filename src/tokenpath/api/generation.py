@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api import structured
+from tokenpath.api import openai_fields, reasoning, structured
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.errors import error_body
 from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
@@ -37,6 +37,7 @@ from tokenpath.api.state import AppState
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.protocol.sampling_params import StructuredOutput
+from tokenpath.routing.models import Deployment
 
 log = logging.getLogger("tokenpath.api")
 
@@ -75,8 +76,15 @@ async def handle(state: AppState, request: Request, body: Body, edge: Edge | Non
     try:
         await run.authenticate()
         body.reject_unsupported()
+        ignored = openai_fields.check_chat(body) if chat else []
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
+        variables: dict = {}
+        if isinstance(body, ChatCompletionRequest):
+            run.session_key = body.prompt_cache_key
+            variables, unread = reasoning.template_variables(getattr(dep.tokenizer, "chat_template", None),
+                                                             body.chat_template_kwargs, body.reasoning_effort)
+            run.extra_headers.update(openai_fields.ignored_header(ignored + unread))
         floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
         checks: list[tuple[str, str]] = []
@@ -95,12 +103,12 @@ async def handle(state: AppState, request: Request, body: Body, edge: Edge | Non
         dep.precheck(priority, run.principal.tenant, received, deadline)
         await run.reserve(floor.tokens)
         floor.check_context(dep.max_model_len)
-        prompts, texts = await prompt_ids(state, dep, body, plan)
+        prompts, texts = await prompt_ids(state, dep, body, plan, variables)
         params = sampling_params(state, dep, body, prompts, bias, spec)
         run.sampling = params
         prompt_tokens = sum(len(p) for p in prompts)
         await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
-        run.acc = fmt.Accumulator(n=params.n)
+        run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None)
         state.inflight[run.id] = run.stop
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
@@ -118,6 +126,16 @@ async def handle(state: AppState, request: Request, body: Body, edge: Edge | Non
     finally:
         if not handed_off:
             await run.finish()
+
+
+def _reasoning_parser(state: AppState, dep: Deployment, prompts: list[list[int]]) -> reasoning.ReasoningParser | None:
+    """The think-block parser of a reasoning model's chat replies (`serve --reasoning-parser`, else
+    the chat template's), knowing whether the prompt itself opened the block."""
+    tok = dep.tokenizer
+    if not reasoning.uses_reasoning(state.config.reasoning_parser, getattr(tok, "chat_template", None)):
+        return None
+    tail = tok.decode(prompts[0][-8:], skip_special_tokens=False)
+    return reasoning.ReasoningParser(starts_open=reasoning.prompt_opens_block(tail))
 
 
 def _constraint(body: Body, chat_template: str | None,
@@ -265,6 +283,10 @@ class Generation:
         make = fmt.chat_chunk_choice if self.chat else fmt.completion_chunk_choice
         chunks = []
         for ch, c in self._add(part, out):
+            if self.acc.reasoning is not None:
+                chunks.extend(self._chunk([x]) for x in fmt.chat_reasoning_chunk_choices(
+                    ch, c.logprobs, c.finish_reason, self.want_logprobs, self.plan))
+                continue
             if self.plan is not None:
                 chunks.extend(self._chunk([x]) for x in fmt.chat_tool_chunk_choices(
                     ch, c.logprobs, c.finish_reason, self.want_logprobs, self.plan))

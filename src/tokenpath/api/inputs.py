@@ -30,8 +30,9 @@ Body = ChatCompletionRequest | CompletionRequest
 
 
 def _session_id(run: RequestRun) -> str | None:
-    """Session affinity: an explicit x-session-id, else OpenAI's `user` field."""
-    return run.request.headers.get("x-session-id") or run.user
+    """Session affinity: an explicit x-session-id, else OpenAI's `prompt_cache_key` (what OpenAI
+    routes its own prompt cache by), else its `user` field."""
+    return run.request.headers.get("x-session-id") or run.session_key or run.user
 
 
 def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
@@ -179,6 +180,9 @@ def chat_messages(body: ChatCompletionRequest, plan: tool_calls.ToolPlan | None,
                 d["tool_calls"] = calls
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning_content or m.reasoning
+        if m.role == "assistant" and thought:  # (a template that knows it renders it; others ignore it)
+            d["reasoning_content"] = thought
         messages.append(d)
     if plan is None:
         return messages, None
@@ -194,13 +198,15 @@ def chat_messages(body: ChatCompletionRequest, plan: tool_calls.ToolPlan | None,
     return messages, None
 
 
-async def prompt_ids(state: AppState, dep: Deployment, body: Body,
-                     plan: tool_calls.ToolPlan | None = None) -> tuple[list[list[int]], list[str]]:
-    """Token ids per prompt (tokenized off the event loop) and the texts the policy hook sees."""
+async def prompt_ids(state: AppState, dep: Deployment, body: Body, plan: tool_calls.ToolPlan | None = None,
+                     variables: dict | None = None) -> tuple[list[list[int]], list[str]]:
+    """Token ids per prompt (tokenized off the event loop) and the texts the policy hook sees.
+    `variables`: more chat template variables (`api.reasoning.template_variables`)."""
     tok = dep.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages, tools = chat_messages(body, plan, tok.chat_template)
-        ids = await asyncio.to_thread(tok.apply_chat_template, messages, True, tools)
+        extra = (variables,) if variables else ()  # (a tokenizer without variables needs none passed)
+        ids = await asyncio.to_thread(tok.apply_chat_template, messages, True, tools, *extra)
         return [list(ids)], [m["content"] for m in messages]
     out: list[list[int]] = []
     texts: list[str] = []

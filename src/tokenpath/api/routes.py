@@ -111,6 +111,13 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
     return JSONResponse({"status": status, **body}, status_code=200 if ok else 503)
 
 
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(state: AppState = Depends(get_state)) -> Response:
+    """vLLM's liveness probe (and SageMaker's): /health's status code (200 while every model can
+    answer, 503 when one cannot), with no body."""
+    return Response(status_code=(await health(state)).status_code)
+
+
 async def require_admin(state: AppState, request: Request, endpoint: str) -> None:
     """With auth on, operator endpoints need an admin key: `serve --api-key` keys, or stored keys made
     with `tokenpath keys create --admin`. With auth off (loopback only) they are open."""

@@ -115,6 +115,8 @@ class RequestRun:
         self.acc: Accumulator | None = None
         self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
         self.user: str | None = None  # OpenAI's `user` field
+        self.session_key: str | None = None  # OpenAI's `prompt_cache_key`: session affinity (api/inputs.py)
+        self.extra_headers: dict[str, str] = {}  # e.g. the fields accepted as no-ops (api/openai_fields.py)
         self.prompt_text: str | None = None  # the gateway keeps it only when text logging is on
         self.token_times: list[float] = []
         self.stop = StopSignal()
@@ -219,6 +221,7 @@ class RequestRun:
 
     def headers(self, *, timing: bool = False) -> dict[str, str]:
         out = dict(self.reservation.headers) if self.reservation else {}
+        out.update(self.extra_headers)
         out["x-request-id"] = self.id  # the server's id, as OpenAI's API answers
         if self.client_id is not None:
             out["x-client-request-id"] = self.client_id

@@ -87,6 +87,13 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
+    # What OpenAI's own replies carry, so the SDK's `message.model_dump()` is valid history: ignored
+    # (no audio or annotations are ever produced here), except the reasoning of a past turn, which
+    # templates that know it (Qwen3) render (`api.inputs.chat_messages`).
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -133,6 +140,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     # vLLM's extra (guidellm always sends it): with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
+    # OpenAI's: random padding against length side channels. Accepted, a no-op (api/openai_fields.py).
+    include_obfuscation: bool | None = None
 
 
 # No length bound here: a bound inside the union would make 1,000 strings fail as "Input should be a
@@ -241,6 +250,15 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # Newer OpenAI fields and vLLM's chat_template_kwargs: each field's fate is in api/openai_fields.py.
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
         if not self.messages:
@@ -251,12 +269,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise _unsupported("functions", "(the legacy functions API) is not supported by this server; send tools")
         if self.function_call not in (None, "none", "auto"):
             raise _unsupported("function_call", "(the legacy functions API) is not supported; send tool_choice")
-        if self.modalities not in (None, ["text"]) or self.audio:
-            raise _unsupported("modalities", "other than ['text'] are not supported by this server")
+        if self.modalities not in (None, ["text"]):
+            raise _unsupported("modalities", "other than ['text'] (audio output) are not supported by this server")
+        if self.audio:
+            raise _unsupported("audio", "(audio output) is not supported by this server")
         if self.prediction:
             raise _unsupported("prediction")
-        if self.reasoning_effort is not None:
-            raise _unsupported("reasoning_effort")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true; set \"logprobs\": true",
                                       param="top_logprobs")

@@ -3,6 +3,8 @@ fields. `tokenpath.server.config.ServerConfig` extends it with where to listen a
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenpath.config import parse_bytes
@@ -76,6 +78,10 @@ class ApiSettings(BaseModel):
     @property
     def stream_max_unsent_bytes(self) -> int:
         return parse_bytes(self.stream_max_unsent)
+    # vLLM's --reasoning-parser (api/reasoning.py): split a reasoning model's <think> block off its
+    # chat replies. auto: where the chat template mentions <think>; none: never; qwen3 and
+    # deepseek_r1 (one parser: both write the same tags): always.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
 
     @property
     def max_body_bytes(self) -> int:

@@ -269,6 +269,22 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]
     return content or None, calls
 
 
+def parse_cut_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of a reply cut short (max_tokens): the calls written whole are kept, the
+    one cut off is dropped, and no call markup, whole or cut, is ever left in the content: the
+    content is the text before the first call."""
+    start = call_start(text, plan)
+    if start == -1:
+        return text, []
+    content = text[:start].strip() or None
+    if plan.fmt == "llama3":
+        return content, []  # (one JSON object: cut, it is no call)
+    head = text[start:]
+    whole = head[:head.rfind(CLOSE) + len(CLOSE)] if CLOSE in head else ""
+    calls = parse_calls(whole, plan)[1] if whole else []
+    return content, calls
+
+
 def call_start(text: str, plan: ToolPlan) -> int:
     """Where a (possible) call starts in streamed text, or -1: text before it can be sent as
     content; from there on it is held back until the call parses. A trailing prefix of the open

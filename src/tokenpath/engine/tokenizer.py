@@ -95,13 +95,14 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
         """`tools` (OpenAI tool definitions) go to templates that render them (Qwen, Llama 3.1);
-        the API renders tools itself for templates that know none (`api/tools.py`)."""
+        the API renders tools itself for templates that know none (`api/tools.py`). `variables`:
+        more template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template (a base model): use /v1/completions, "
                                       "or start the server with --chat-template FILE", param="messages")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
         try:
             text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                 tokenize=False, **extra)

@@ -88,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     # (each flag made from its ServerConfig field: declared, typed and described there once)
     add_model_flags(serve.add_argument_group("slow streaming clients"), ServerConfig,
                     ("stream_stall_timeout", "stream_max_unsent"))
+    serve.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default=None,
+                       help="split a reasoning model's <think> block off chat replies into reasoning_content "
+                       "(vLLM's flag); auto (default): where the chat template mentions <think>")
     serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
                        help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
                        "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
