@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -37,16 +38,33 @@ Deltas = AsyncGenerator[tuple[int, RequestOutput], None]
 Body = ChatCompletionRequest | CompletionRequest
 
 
-async def handle(state: AppState, request: Request, body: Body) -> Response:
+@dataclass(frozen=True)
+class Edge:
+    """Another API's shape over this pipeline (the Responses API): its endpoint and id prefix, the
+    chat request it means (built once the key is known: stored turns are per tenant), the
+    Generation that writes its replies, and how pipeline errors name its own fields."""
+
+    endpoint: str
+    id_prefix: str
+    prepare: Callable[[RequestRun], Awaitable[ChatCompletionRequest]]
+    make: Callable[..., Generation]  # (run, body, chat, parts, plan) -> a Generation
+    rename: Callable[[Exception], Exception]
+
+
+async def handle(state: AppState, request: Request, body: Body | None, edge: Edge | None = None) -> Response:
     """Cheapest refusals first: the body's size and time (middleware) and shape (schema), then the
     key, the request's own caps, admission, the rate limits on an estimate, and only then the
     tokenizer; the reservation is made exact once the prompt is tokenized."""
-    chat = isinstance(body, ChatCompletionRequest)
-    run = RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
-                     "chatcmpl" if chat else "cmpl")
+    chat = edge is not None or isinstance(body, ChatCompletionRequest)
+    run = (RequestRun(state, request, edge.endpoint, edge.id_prefix) if edge is not None else
+           RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
+                      "chatcmpl" if chat else "cmpl"))
     handed_off = False
     try:
         await run.authenticate()
+        if edge is not None:
+            body = await edge.prepare(run)
+        assert body is not None
         body.reject_unsupported()
         run.user = body.user
         dep = run.route(body.model, "chat" if chat else "completion")
@@ -78,7 +96,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
-        gen = Generation(run, body, chat, len(prompts), plan)
+        gen = (edge.make if edge is not None else Generation)(run, body, chat, len(prompts), plan)
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
@@ -86,7 +104,7 @@ async def handle(state: AppState, request: Request, body: Body) -> Response:
                                timeline=run.timeline)
         return await gen.collect(stream)
     except Exception as exc:
-        return run.respond_to(exc)
+        return run.respond_to(edge.rename(exc) if edge is not None else exc)
     finally:
         if not handed_off:
             await run.finish()

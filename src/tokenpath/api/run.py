@@ -44,7 +44,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
-               "/tokenize": "tok", "/detokenize": "tok"}
+               "/tokenize": "tok", "/detokenize": "tok", "/v1/responses": "resp"}
 _MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 
