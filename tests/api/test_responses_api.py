@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -24,6 +27,7 @@ from tests.api.conftest import CHAT_MODEL, Server
 
 from tokenpath.gateway import GatewayStore
 from tokenpath.gateway.admin import create_key
+from tokenpath.gateway.base import OPEN_STATUS
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +61,30 @@ def client(srv: Server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=300)
 
 
-def test_create_non_streaming(keyed):
+def audit_row(data_dir: Path, request_id: str):
+    """The request's closed audit row (written by the server's `finally`: waited for, bounded)."""
+    store = GatewayStore(data_dir / "gateway.sqlite3")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            rows = store.query_audit(request_id=request_id)
+            if (rows and rows[0].status != OPEN_STATUS) or time.monotonic() > deadline:
+                return rows[0] if rows else None
+            time.sleep(0.1)
+    finally:
+        store.close()
+
+
+def test_create_non_streaming_is_audited_like_chat(keyed):
     srv, alpha, _ = keyed
-    r = client(srv, alpha).responses.create(model=CHAT_MODEL, input="Say hello.", instructions="Be brief.",
-                                            max_output_tokens=12, temperature=0, metadata={"run": "t1"})
+    raw = client(srv, alpha).responses.with_raw_response.create(
+        model=CHAT_MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=12, temperature=0,
+        metadata={"run": "t1"})
+    r = raw.parse()
+    assert "server-timing" in raw.headers
+    row = audit_row(srv.log.parent / "data", raw.headers["x-request-id"])
+    assert row is not None and row.endpoint == "/v1/responses" and row.tenant == "alpha" and row.status == 200
+    assert row.model == CHAT_MODEL and row.completion_tokens == r.usage.output_tokens
     assert r.id.startswith("resp_") and r.object == "response"
     assert r.status in ("completed", "incomplete")
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
@@ -144,6 +168,25 @@ def test_previous_response_id_chain_retrieve_and_delete(keyed):
         c.responses.retrieve(unstored.id)
 
 
+def test_concurrent_chains_lose_no_turn(keyed):
+    srv, alpha, _ = keyed
+    c = client(srv, alpha)
+
+    def chain(k: int) -> list[str]:
+        prev = None
+        for turn in range(3):
+            r = c.responses.create(model=CHAT_MODEL, input=f"chain {k} turn {turn}", previous_response_id=prev,
+                                   max_output_tokens=1)
+            prev = r.id
+        return [json.dumps(i.model_dump()) for i in c.responses.input_items.list(prev, order="asc").data]
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(chain, range(12)))
+    for k, items in enumerate(results):
+        mine = [i for i in items if f"chain {k} turn" in i]
+        assert len(items) == 5 and len(mine) == 3, items  # 3 inputs + 2 outputs, none from another chain
+
+
 def test_another_tenants_response_is_the_same_404_as_an_unknown_one(keyed):
     srv, alpha, beta = keyed
     mine = client(srv, alpha).responses.create(model=CHAT_MODEL, input="Secret plan.", max_output_tokens=4)
@@ -217,7 +260,7 @@ def test_openai_agents_two_tool_loop(keyed):
     model = OpenAIResponsesModel(CHAT_MODEL, openai.AsyncOpenAI(base_url=srv.base_url, api_key=alpha,
                                                                    max_retries=0, timeout=300))
     agent = Agent(name="helper", instructions="Answer using the tools.", model=model, tools=[get_weather, get_time],
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=60),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=400, temperature=0),
                   reset_tool_choice=True)
     result = asyncio.run(Runner.run(agent, "What are the weather and the time in Paris?", max_turns=6))
     assert used, "no tool ran"

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenpath.api import generation
 from tokenpath.api.responses.schemas import ResponsesRequest
 from tokenpath.api.responses.stream import ResponsesGeneration
-from tokenpath.api.responses.translate import chat_messages, chat_request, input_items, new_id, rename
+from tokenpath.api.responses.translate import chat_messages, chat_request, input_items, rename, stored_item
 from tokenpath.api.responses.turn import Turn, conversation_bytes
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
@@ -64,8 +64,7 @@ class _Create:
         assert run.principal is not None
         req.reject_unsupported()
         run.user = req.user
-        items = [it if "id" in it else {"id": new_id("msg" if it.get("type", "message") == "message" else "item"),
-                                        **it} for it in input_items(req.input)]
+        items = [stored_item(it) for it in input_items(req.input)]
         store = _store(self.request, self.state)
         prior: list[dict] = []
         if req.previous_response_id is not None:

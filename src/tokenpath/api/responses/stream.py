@@ -85,17 +85,21 @@ class ResponsesGeneration(Generation):
         self.output.append(done)
         return out
 
+    def _open_message(self) -> list[bytes]:
+        out = self._close()
+        self.open = {**message_item("", "in_progress"), "content": []}
+        self.text = ""
+        i = len(self.output)
+        out.append(self._emit("response.output_item.added", output_index=i, item=self.open))
+        out.append(self._emit("response.content_part.added", item_id=self.open["id"], output_index=i,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                     "logprobs": []}))
+        return out
+
     def _text(self, delta: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "message":
-            out.extend(self._close())
-            self.open = {**message_item("", "in_progress"), "content": []}
-            self.text = ""
-            i = len(self.output)
-            out.append(self._emit("response.output_item.added", output_index=i, item=self.open))
-            out.append(self._emit("response.content_part.added", item_id=self.open["id"], output_index=i,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                         "logprobs": []}))
+            out.extend(self._open_message())
         self.text += delta
         out.append(self._emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
                               content_index=0, delta=delta, logprobs=[]))
@@ -159,6 +163,9 @@ class ResponsesGeneration(Generation):
             run.status, run.error_type = 500, "internal_error"
             yield self._failed("server_error", "internal server error while streaming")
             return
+        if self.open is None and not self.output:  # an empty reply is still one (empty) message
+            for e in self._open_message():
+                yield e
         for e in self._close():
             yield e
         run.timeline.stamp("finished")

@@ -39,10 +39,24 @@ def _bad(param: str, message: str) -> InvalidRequestError:
 def input_items(value: str | list[dict[str, Any]]) -> list[dict]:
     """`input` as a list of items (a string is one user message), each checked."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
     for i, item in enumerate(value):
         _check_item(item, f"input.{i}")
     return [dict(item) for item in value]
+
+
+def stored_item(item: dict) -> dict:
+    """An input item as OpenAI lists it (`input_items`): an id, a type, and a message's content as
+    parts (`input_text`; `output_text` for an assistant's)."""
+    kind = item.get("type", "message")
+    out = {"id": item.get("id") or new_id("msg" if kind == "message" else "item"), "type": kind, **item}
+    if kind == "message" and isinstance(out["content"], str):
+        part = "output_text" if out["role"] == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": out["content"], **({"annotations": []} if part == "output_text"
+                                                                    else {})}]
+    if kind in ("message", "function_call", "function_call_output"):
+        out.setdefault("status", "completed")
+    return out
 
 
 def _part_text(part: Any, at: str) -> str:

@@ -50,7 +50,7 @@ def output_of(message: dict) -> list[dict]:
         out.append(message_item(message["content"]))
     for c in message.get("tool_calls") or ():
         out.append(call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
-    return out
+    return out or [message_item("")]  # (an empty reply is still one message, as OpenAI answers it)
 
 
 def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
