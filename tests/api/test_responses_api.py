@@ -266,7 +266,15 @@ def test_openai_agents_two_tool_loop(keyed):
     agent = Agent(name="helper", instructions="Answer using the tools.", model=model, tools=[get_weather, get_time],
                   model_settings=ModelSettings(tool_choice="required", max_tokens=400, temperature=0),
                   reset_tool_choice=True)
-    result = asyncio.run(Runner.run(agent, "What are the weather and the time in Paris?", max_turns=6))
-    assert used, "no tool ran"
+    async def both() -> tuple[object, list[str], object, set[str]]:  # (one loop: the client's pool is bound to it)
+        result = await Runner.run(agent, "What are the weather and the time in Paris?", max_turns=6)
+        first = list(used)
+        run = Runner.run_streamed(agent, "What are the weather and the time in Paris?", max_turns=6)  # the SDK's stream parser
+        return result, first, run, {event.type async for event in run.stream_events()}
+
+    result, first, run, kinds = asyncio.run(both())
+    assert first, "no tool ran"
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert outputs and isinstance(result.final_output, str)
+    assert len(used) > len(first) and "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    assert any(i.type == "tool_call_output_item" for i in run.new_items)
