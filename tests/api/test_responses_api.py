@@ -217,6 +217,9 @@ def test_bad_input_is_a_400_naming_the_field(keyed):
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"instructions": "Be brief.", "input": [  # a pipeline check, named by the item it came from
+            {"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                "arguments": "{not json"}]}, "input.1.arguments"),
         ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"input": "x" * 5000}, "input"),  # over the 4 KiB cap per stored conversation

@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from tokenpath.api import generation
 from tokenpath.api.responses.schemas import ResponsesRequest
 from tokenpath.api.responses.stream import ResponsesGeneration
-from tokenpath.api.responses.translate import chat_messages, chat_request, input_items, rename, stored_item
+from tokenpath.api.responses.translate import (
+    Origins,
+    chat_messages,
+    chat_request,
+    input_items,
+    rename,
+    stored_item,
+)
 from tokenpath.api.responses.turn import Turn, conversation_bytes
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
@@ -58,6 +65,7 @@ class _Create:
     def __init__(self, state: AppState, request: Request, req: ResponsesRequest) -> None:
         self.state, self.request, self.req = state, request, req
         self.turn: Turn | None = None
+        self.origins = Origins()
 
     async def prepare(self, run: RequestRun) -> ChatCompletionRequest:
         req, config = self.req, self.state.config
@@ -67,6 +75,7 @@ class _Create:
         items = [stored_item(it) for it in input_items(req.input)]
         store = _store(self.request, self.state)
         prior: list[dict] = []
+        names = [f"input.{i}" for i in range(len(items))] if isinstance(req.input, list) else ["input"]
         if req.previous_response_id is not None:
             record = await _load(store, req.previous_response_id, run.principal.tenant, "previous_response_id")
             prior = record["input"] + record["response"]["output"]
@@ -80,7 +89,11 @@ class _Create:
                     "per stored response (responses_max_bytes); start a new chain, or send \"store\": false",
                     param="previous_response_id" if prior else "input", code="conversation_too_large")
         self.turn = Turn(req, conversation, store if keep else None, run.principal.tenant)
-        return chat_request(req, chat_messages(conversation, req.instructions))
+        names = ["previous_response_id"] * len(prior) + names
+        return chat_request(req, chat_messages(conversation, req.instructions, names, self.origins))
+
+    def rename(self, exc: Exception) -> Exception:
+        return rename(exc, self.origins)
 
     def make(self, *args: object) -> ResponsesGeneration:
         assert self.turn is not None
@@ -90,7 +103,7 @@ class _Create:
 @router.post("/v1/responses", responses=_ERRORS)
 async def create_response(body: ResponsesRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     call = _Create(state, request, body)
-    edge = generation.Edge("/v1/responses", "resp", call.prepare, call.make, rename)
+    edge = generation.Edge("/v1/responses", "resp", call.prepare, call.make, call.rename)
     return await generation.handle(state, request, None, edge)
 
 

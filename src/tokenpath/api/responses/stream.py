@@ -57,7 +57,7 @@ class ResponsesGeneration(Generation):
         status, incomplete = status_of(choice["finish_reason"])
         body = self.turn.response(self.model, status, output_of(choice["message"]), chat["usage"], incomplete)
         await self.turn.save(body)
-        return JSONResponse(body, headers={**run.headers(timing=True), "x-request-id": run.id})
+        return JSONResponse(body, headers=run.headers(timing=True))
 
     # -- streaming ------------------------------------------------------------------------------
     def _emit(self, kind: str, **data: object) -> bytes:

@@ -113,13 +113,34 @@ def _check_item(item: Any, at: str) -> None:
                    "or 'function_call_output'")
 
 
-def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
-    """The conversation as chat messages (items already checked by `input_items`)."""
-    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
-    for item in items:
+class Origins:
+    """Where each chat message (and each of its tool calls) came from in the Responses request, so a
+    pipeline error about `messages.4.tool_calls.1.function.arguments` names `input.6.arguments`."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.calls: list[list[str]] = []
+
+    def add(self, where: str) -> None:
+        self.messages.append(where)
+        self.calls.append([])
+
+
+def chat_messages(items: list[dict], instructions: str | None, names: list[str] | None = None,
+                  origins: Origins | None = None) -> list[dict]:
+    """The conversation as chat messages (items already checked by `input_items`). `names`: each
+    item's parameter path (default `input.N`), recorded per message into `origins`."""
+    origins = origins if origins is not None else Origins()
+    names = names or [f"input.{i}" for i in range(len(items))]
+    messages: list[dict] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        origins.add("instructions")
+    for item, where in zip(items, names, strict=True):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item["role"], "content": _content_text(item["content"], "input")})
+            messages.append({"role": item["role"], "content": _content_text(item["content"], where)})
+            origins.add(where)
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}
@@ -130,9 +151,12 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.add(where)
+            origins.calls[-1].append(where)
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _content_text(item["output"], "input")})
+                             "content": _content_text(item["output"], where)})
+            origins.add(where)
     return messages
 
 
@@ -216,15 +240,34 @@ _RENAMES = [(re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_outpu
             (re.compile(r"\bresponse_format\b"), "text.format"),
             (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
             (re.compile(r"\bmessages\b"), "input")]
+_CALL = re.compile(r"\bmessages\.(\d+)\.tool_calls\.(\d+)(?:\.function)?(?:\.(\w+))?")
+_MESSAGE = re.compile(r"\bmessages\.(\d+)")
 
 
-def rename(exc: Exception) -> Exception:
-    """A pipeline error that names a chat field (`max_tokens`, `response_format`) names the
-    Responses field instead (`max_output_tokens`, `text.format`)."""
-    if isinstance(exc, TokenpathError):
+def rename(exc: Exception, origins: Origins | None = None) -> Exception:
+    """A pipeline error that names a chat field (`max_tokens`, `response_format`, `messages.3`)
+    names the Responses field instead (`max_output_tokens`, `text.format`, `input.5`)."""
+    if not isinstance(exc, TokenpathError):
+        return exc
+
+    def call(m: re.Match) -> str:
+        n, k = int(m.group(1)), int(m.group(2))
+        if origins is None or n >= len(origins.calls) or k >= len(origins.calls[n]):
+            return m.group(0)
+        return origins.calls[n][k] + ("." + m.group(3) if m.group(3) else "")
+
+    def message(m: re.Match) -> str:
+        n = int(m.group(1))
+        return origins.messages[n] if origins is not None and n < len(origins.messages) else "input"
+
+    for text in ("message", "param"):
+        value = getattr(exc, text)
+        if not value:
+            continue
+        value = _CALL.sub(call, value)
+        value = _MESSAGE.sub(message, value)
         for pattern, to in _RENAMES:
-            exc.message = pattern.sub(to, exc.message)
-            if exc.param:
-                exc.param = pattern.sub(to, exc.param)
-        exc.args = (exc.message,)
+            value = pattern.sub(to, value)
+        setattr(exc, text, value)
+    exc.args = (exc.message,)
     return exc
