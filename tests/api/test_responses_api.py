@@ -281,3 +281,16 @@ def test_openai_agents_two_tool_loop(keyed):
     assert outputs and isinstance(result.final_output, str)
     assert len(used) > len(first) and "raw_response_event" in kinds and "run_item_stream_event" in kinds
     assert any(i.type == "tool_call_output_item" for i in run.new_items)
+
+
+def test_the_operator_can_turn_storing_off(tmp_path_factory: pytest.TempPathFactory, server_factory):
+    cfg = tmp_path_factory.mktemp("cfg") / "server.yaml"
+    cfg.write_text(f"models: [{CHAT_MODEL}]\nresponses_store: false\n")
+    srv = server_factory("--config", str(cfg))
+    c = client(srv, "none")
+    r = c.responses.create(model=CHAT_MODEL, input="Hi", max_output_tokens=2)  # store defaults to true...
+    assert r.store is False  # ...but nothing is kept
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model=CHAT_MODEL, input="Go on", previous_response_id=r.id, max_output_tokens=2)

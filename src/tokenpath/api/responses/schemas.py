@@ -58,9 +58,6 @@ class ResponsesRequest(_Body):
         if self.conversation is not None:
             raise unsupported("conversation", "(the Conversations API) is not supported; chain turns with "
                               "previous_response_id")
-        if self.conversation is not None and self.previous_response_id is not None:
-            raise InvalidRequestError("send conversation or previous_response_id, not both",
-                                      param="previous_response_id")
         if self.prompt is not None:
             raise unsupported("prompt", "(stored prompt templates) is not supported by this server")
         if self.top_logprobs:
