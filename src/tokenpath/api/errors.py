@@ -35,7 +35,8 @@ def error_response(exc: TokenpathError, extra_headers: dict[str, str] | None = N
 # The fields a body must have, per route: named when the body is empty.
 _REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/completions": ("model", "prompt"),
              "/v1/embeddings": ("model", "input"), "/v1/messages": ("model", "messages", "max_tokens"),
-             "/v1/messages/count_tokens": ("model", "messages")}
+             "/v1/messages/count_tokens": ("model", "messages"),
+             "/v1/responses": ("model", "input")}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

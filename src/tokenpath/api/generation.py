@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -51,30 +51,40 @@ Items = AsyncGenerator[dict | str, None]
 
 @dataclass(frozen=True)
 class Edge:
-    """Another API's shape over this same pipeline (`api/anthropic`): the endpoint it is recorded
-    under, the prefix of its ids, and how the finished chat completion body (`body`) and the chat
-    stream's items (`stream`) are reshaped; both get the run's accumulator (finish details)."""
+    """Another API's shape over this same pipeline: the endpoint it is recorded under and the
+    prefix of its ids, and what it changes, each optional:
+    - `body`, `stream` (Anthropic's Messages): reshape the finished chat completion body, and the
+      chat stream's items into its events; both get the run's accumulator (finish details);
+    - `prepare` (the Responses API): the chat request it means, built once the key is known (stored
+      turns are per tenant), in place of a body given up front;
+    - `make`: the Generation that writes its replies, `(run, body, chat, parts, plan)`;
+    - `rename`: how a pipeline error names its own fields."""
 
     endpoint: str
     prefix: str
-    body: Callable[[dict, fmt.Accumulator], dict]
-    stream: Callable[[Items, fmt.Accumulator], AsyncIterator[bytes]]
+    body: Callable[[dict, fmt.Accumulator], dict] | None = None
+    stream: Callable[[Items, fmt.Accumulator], AsyncIterator[bytes]] | None = None
+    prepare: Callable[[RequestRun], Awaitable[ChatCompletionRequest]] | None = None
+    make: Callable[..., Generation] | None = None
+    rename: Callable[[Exception], Exception] | None = None
 
 
-async def handle(state: AppState, request: Request, body: Body, edge: Edge | None = None) -> Response:
+async def handle(state: AppState, request: Request, body: Body | None, edge: Edge | None = None) -> Response:
     """Cheapest refusals first: the body's size and time (middleware) and shape (schema), then the
     key, the request's own caps, admission, the rate limits on an estimate, and only then the
     tokenizer; the reservation is made exact once the prompt is tokenized. `edge`: another API's
-    shape (the body is then its translation to a chat request)."""
-    chat = isinstance(body, ChatCompletionRequest)
-    if edge is not None:
-        run = RequestRun(state, request, edge.endpoint, edge.prefix)
-    else:
-        run = RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
-                         "chatcmpl" if chat else "cmpl")
+    shape (the body is then its translation to a chat request, or `edge.prepare` makes it)."""
+    chat = (edge is not None and edge.prepare is not None) or isinstance(body, ChatCompletionRequest)
+    run = (RequestRun(state, request, edge.endpoint, edge.prefix) if edge is not None else
+           RequestRun(state, request, "/v1/chat/completions" if chat else "/v1/completions",
+                      "chatcmpl" if chat else "cmpl"))
     handed_off = False
     try:
         await run.authenticate()
+        if edge is not None and edge.prepare is not None:
+            body = await edge.prepare(run)
+        if body is None:
+            raise TypeError("handle: no body, and no edge to prepare one")
         body.reject_unsupported()
         ignored = openai_fields.check_chat(body) if chat else []
         run.user = body.user
@@ -113,7 +123,10 @@ async def handle(state: AppState, request: Request, body: Body, edge: Edge | Non
         sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
                    for i, ids in enumerate(prompts)]
         stream = until_stopped(_merge(sources), run.stop)
-        gen = Generation(run, body, chat, len(prompts), plan, edge)
+        if edge is not None and edge.make is not None:
+            gen = edge.make(run, body, chat, len(prompts), plan)
+        else:
+            gen = Generation(run, body, chat, len(prompts), plan, edge)
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
@@ -122,7 +135,7 @@ async def handle(state: AppState, request: Request, body: Body, edge: Edge | Non
                                max_unsent=state.config.stream_max_unsent_bytes)
         return await gen.collect(stream)
     except Exception as exc:
-        return run.respond_to(exc)
+        return run.respond_to(edge.rename(exc) if edge is not None and edge.rename is not None else exc)
     finally:
         if not handed_off:
             await run.finish()
@@ -267,7 +280,7 @@ class Generation:
         else:
             body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline,
                                        getattr(self.body, "prompt_logprobs", None) is not None)
-        if self.edge is not None:
+        if self.edge is not None and self.edge.body is not None:
             body = self.edge.body(body, self.acc)
         return JSONResponse(body, headers=run.headers(timing=True))
 
@@ -309,7 +322,7 @@ class Generation:
     async def events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncGenerator[bytes, None]:
         items = self._events(first, stream)
         try:
-            if self.edge is not None:
+            if self.edge is not None and self.edge.stream is not None:
                 async for event in self.edge.stream(items, self.acc):
                     yield event
             else:

@@ -82,6 +82,12 @@ class ApiSettings(BaseModel):
     # chat replies. auto: where the chat template mentions <think>; none: never; qwen3 and
     # deepseek_r1 (one parser: both write the same tags): always.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    # The Responses API (`api/responses`): `store` is honoured (default true, as OpenAI has it) unless
+    # the operator turns it off; a stored response is kept this many seconds, and a conversation
+    # (a `previous_response_id` chain with its new input) over this many bytes is refused.
+    responses_store: bool = True
+    responses_retention_s: float = Field(30 * 86400.0, gt=0)
+    responses_max_bytes: int = Field(1 << 20, ge=1024)
 
     @property
     def max_body_bytes(self) -> int:

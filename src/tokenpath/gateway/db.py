@@ -76,6 +76,12 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE audit_log ADD COLUMN client_request_id TEXT",
         "CREATE INDEX audit_log_client_request ON audit_log (client_request_id)",
     ],
+    [  # 6: stored Responses API responses (`previous_response_id` chains), per tenant
+        """CREATE TABLE stored_responses (
+            id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at {float} NOT NULL, size {int} NOT NULL,
+            body TEXT NOT NULL)""",
+        "CREATE INDEX stored_responses_created ON stored_responses (created_at)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 WAL_LIMIT_BYTES = 1 << 20  # the WAL file is truncated back to this after a checkpoint
