@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -90,12 +91,11 @@ def _fault_run(location: str, fail, repair, url: str, cause: str) -> None:  # no
     print(f"degraded after {waited * 1000:.0f} ms; {len(ids) - 3} requests during the fault, 0 rows lost")
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 16 MiB tmpfs (the test runs as root here and in CI)."""
-    mnt = tmp_path / "data"
+@contextlib.contextmanager
+def _mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` at `mnt` (the tests run as root here and in CI), unmounted after."""
     mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mnt)],
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
                          capture_output=True, text=True)
     if out.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}")
@@ -103,6 +103,13 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 16 MiB tmpfs."""
+    with _mounted_tmpfs(tmp_path / "data", "16m") as mnt:
+        yield mnt
 
 
 def test_full_disk_spools_and_writes_every_row_later(tmpfs: Path):
@@ -226,16 +233,8 @@ def _fill(path: Path, filler: Path) -> None:
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 3 MiB tmpfs: smaller than SQLite's WAL grows before its automatic checkpoint (1000
     pages, ~4 MiB), so once space returns the WAL alone can fill it again."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}")
-    try:
+    with _mounted_tmpfs(tmp_path / "tiny", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_3_mib_disk_filled_and_freed_twice_loses_no_row(tiny_tmpfs: Path):
