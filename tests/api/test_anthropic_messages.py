@@ -160,7 +160,7 @@ def test_same_path_metrics_and_request_log(server):
                headers={"x-request-id": "msg-metrics-1"}, timeout=120)
     httpx.post(server.url + "/v1/messages", json={"model": CHAT_MODEL, "messages": HELLO}, timeout=120)
     assert (count("200") - ok, count("400") - bad) == (1, 1)
-    assert '"request_id":"msg-metrics-1"' in server.output() and '"endpoint":"/v1/messages"' in server.output()
+    assert '"client_request_id":"msg-metrics-1"' in server.output() and '"endpoint":"/v1/messages"' in server.output()
 
 
 def _error(exc: anthropic.APIStatusError) -> dict:
