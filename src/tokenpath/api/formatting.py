@@ -42,6 +42,9 @@ def _split(parser: ReasoningParser, ch: Choice, c: CompletionOutput) -> None:
     """Reasoning and content of a reasoning model's reply so far; the delta's tokens count as
     reasoning while the block is open, its closing tag's included."""
     ch.raw += c.text
+    if ch.reasoning_done and ch.text:  # past the block, content is the rest of the reply as written:
+        ch.text += c.text  # append, rather than re-split the whole reply each token
+        return
     split = parser.split(ch.raw, c.finish_reason is not None)
     if not ch.reasoning_done:
         if split.thought:

@@ -264,7 +264,9 @@ class Generation:
             except StopAsyncIteration:
                 return None
 
-    async def collect(self, stream: Deltas) -> Response:
+    async def drain(self, stream: Deltas) -> None:
+        """Take the whole stream into the accumulator (a client that left raises; a shutdown ends
+        the unfinished choices as `abort`), then stamp `finished`: what every whole reply needs."""
         run = self.run
         try:
             async with watch_disconnect(run.request, run.stop):
@@ -275,6 +277,10 @@ class Generation:
                 raise
             self.acc.abort_unfinished(self.parts)
         run.timeline.stamp("finished")
+
+    async def collect(self, stream: Deltas) -> Response:
+        run = self.run
+        await self.drain(stream)
         if self.chat:
             body = fmt.chat_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline, self.plan)
         else:

@@ -20,7 +20,7 @@ from tokenpath.api import formatting as fmt
 from tokenpath.api.generation import Deltas, Generation
 from tokenpath.api.responses.translate import new_id
 from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, status_of
-from tokenpath.api.sse import Interrupted, watch_disconnect
+from tokenpath.api.sse import Interrupted
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
 
@@ -43,15 +43,7 @@ class ResponsesGeneration(Generation):
 
     async def collect(self, stream: Deltas) -> Response:
         run = self.run
-        try:
-            async with watch_disconnect(run.request, run.stop):
-                async for part, out in stream:
-                    self._add(part, out)
-        except Interrupted as exc:
-            if exc.reason == "disconnect":
-                raise
-            self.acc.abort_unfinished(self.parts)
-        run.timeline.stamp("finished")
+        await self.drain(stream)
         chat = fmt.chat_body(run.id, run.created, self.model, self.acc, False, run.timeline, self.plan)
         choice = chat["choices"][0]
         status, incomplete = status_of(choice["finish_reason"])
