@@ -10,6 +10,7 @@ checkpoint never exists as a second float32 copy beside the model's own paramete
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -118,32 +119,72 @@ _RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.", ""), ("inp
             ("pre_feedforward_layernorm.", "post_norm."), ("post_feedforward_layernorm.", "ffn_out_norm.")]
 
 
-def load_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor under our names, in the checkpoint's own dtype (memory-mapped by safetensors)."""
+class HFWeights(Mapping):
+    """The checkpoint's tensors under our names, read from the memory-mapped files on access.
+
+    Nothing is held: the torch path copies each tensor into its parameters and the native path
+    repacks each into its kernel layout, so at most one tensor beside the model exists at a time
+    (peak RSS near the file's size, never twice it)."""
+
+    def __init__(self, index: dict[str, tuple[Path, str]], dtypes: dict[str, str]) -> None:
+        self._index, self.dtypes = index, dtypes  # dtypes: our name -> safetensors dtype ("BF16", ...)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        f, key = self._index[name]
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                return st.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{f}: cannot read tensor {key} ({exc})") from exc
+
+    def __delitem__(self, name: str) -> None:
+        del self._index[name]
+        self.dtypes.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def _our_name(name: str, post_attn: str) -> str:
+    n = name.removeprefix("model.")
+    for a, b in _RENAMES:
+        n = n.replace(a, b)
+    return n.replace("post_attention_layernorm.", post_attn)
+
+
+def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
+    """Every tensor under our names, in the checkpoint's own dtype, read lazily (HFWeights).
+
+    Each file is opened here, at load, and safetensors checks its header against the file then: a
+    truncated shard or a header whose offsets or sizes lie fails now, naming the file."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     post_attn = "attn_out_norm." if config.sandwich_norms else "post_norm."
-    weights: dict[str, torch.Tensor] = {}
+    index: dict[str, tuple[Path, str]] = {}
+    dtypes: dict[str, str] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    n = name.removeprefix("model.")
-                    if "rotary_emb" in n:
+                    if "rotary_emb" in name:
                         continue
-                    for a, b in _RENAMES:
-                        n = n.replace(a, b)
-                    n = n.replace("post_attention_layernorm.", post_attn)
-                    weights[n] = st.get_tensor(name)
+                    sl = st.get_slice(name)
+                    n = _our_name(name, post_attn)
+                    index[n], dtypes[n] = (f, name), sl.get_dtype()
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f}: cannot read safetensors ({exc})") from exc
-    return weights
+    return HFWeights(index, dtypes)
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
     need = ["embed.weight", "norm.weight"]
     per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm", "gate_proj", "up_proj", "down_proj"]
     per_layer += ["q_norm", "k_norm"] if config.qk_norm else []

@@ -87,7 +87,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
         self.device = pick_device(config.device)
         # The native kernels compute in float32 on quantized weights (KV cache: pick_kv_dtype).
-        lib = select_native(loaded, config.quantization, self.device)
+        lib = select_native(loaded, config.quantization, self.device, config.dtype)
         self.dtype = torch.float32 if lib is not None else pick_dtype(config.dtype, self.device)
         cfg = loaded.config
         self.model_config = cfg

@@ -6,9 +6,10 @@ norm offset, per-layer sliding windows and rope tables).
 What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
 which keeps their blocks intact), the output and down projections, the norms; the embedding
 (also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
-F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time); other types (F32,
-Q2_K, Q3_K, ...), a matrix of those types whose rows are not a multiple of 16, and safetensors
-checkpoints under `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
+F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), and so do bf16/fp16
+safetensors checkpoints (their values are BF16/F16 rows); other types (F32, Q2_K, Q3_K, ...), a
+matrix of those types whose rows are not a multiple of 16, and any checkpoint under
+`--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
 The KV cache stays the engine's own block pool, float32 or float16: the kernels read and write it
 in place, converting float16 in registers.
 """
@@ -24,7 +25,9 @@ import torch
 from tokenpath.config import KERNEL_MASK_ALL, kernel_mask_from_env
 from tokenpath.engine.attention import KVCache
 from tokenpath.engine.kernels import (
+    BF16,
     BLOCK_BYTES,
+    F16,
     FLOAT_PACKED,
     GGUF_BLOCKS,
     GROUP_ROWS,
@@ -56,11 +59,26 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     return [name for name, hit in checks.items() if hit]
 
 
-def select_native(loaded: LoadedModel, quantization: str, device: torch.device) -> NativeLibrary | None:
+
+
+def checkpoint_float_type(loaded: LoadedModel) -> str | None:
+    """The float type of a safetensors checkpoint's matrices ("BF16", "F16", "F32", or "mixed"), None for GGUF."""
+    dtypes = getattr(loaded.weights, "dtypes", None)
+    if loaded.gguf is not None or not dtypes:
+        return None
+    kinds = {d for n, d in dtypes.items() if n.endswith("proj.weight")}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def select_native(loaded: LoadedModel, quantization: str, device: torch.device,
+                  dtype: str = "auto") -> NativeLibrary | None:
     """The kernels to run this model with, or None for the torch path (saying why in one line).
 
-    auto: GGUF checkpoints run natively on their own blocks; safetensors ones stay on torch
-    (their float weights are what the user asked for). q8_0: any checkpoint, every matrix Q8_0.
+    auto: GGUF checkpoints run natively on their own blocks; bf16 and fp16 safetensors run
+    natively on their own values (the kernels' BF16/F16 matrices times float32 activations: the
+    arithmetic of `--dtype float32` on those weights, so `dtype` may be auto, float32 or the file's
+    own). A float32 checkpoint, or a 16-bit dtype other than the file's, stays on torch, which
+    computes exactly the dtype asked for. q8_0: any checkpoint, every matrix Q8_0. none: torch.
     """
     if quantization == "none":
         return None
@@ -75,16 +93,24 @@ def select_native(loaded: LoadedModel, quantization: str, device: torch.device) 
                 "the native kernels do not compute %s yet: torch path", ", ".join(missing))
         return None
     if quantization == "auto" and loaded.gguf is None:
-        log.info("safetensors checkpoint: torch float path (--quantization q8_0 runs it on the native kernels)")
-        return None
+        kind = checkpoint_float_type(loaded)
+        own = {"BF16": "bfloat16", "F16": "float16"}.get(kind or "")
+        if own is None or dtype not in ("auto", "float32", own):
+            log.info("safetensors checkpoint (%s matrices, --dtype %s): torch path (the native kernels run bf16 and "
+                     "fp16 checkpoints in their own dtype; --quantization q8_0 runs any natively)", kind, dtype)
+            return None
+        lib = native_library()
+        if lib is not None:
+            log.info("safetensors checkpoint: native kernels on its own %s matrices (--quantization none: torch)", kind)
+        return lib
     return native_library()
 
 
 def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | None,
                requantized: set[str]) -> tuple[int, np.ndarray]:
-    """(ggml type, [rows, bytes]) of one matrix: the GGUF's own blocks when the kernels read that
-    type (and `want` allows it), else quantized here to Q8_0 (the type's name goes to
-    `requantized`, for the load's log line)."""
+    """(ggml type, [rows, bytes]) of one matrix: the file's own blocks (GGUF) or bf16/fp16 values
+    (safetensors) when the kernels read that type (and `want` allows it), else quantized here to
+    Q8_0 (the type's name goes to `requantized`, for the load's log line)."""
     if loaded.gguf is not None:
         raw = loaded.gguf.raw(name)
         if raw.ggml_type in GGUF_BLOCKS and want in (None, raw.ggml_type):
@@ -93,7 +119,11 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             requantized.add(_type_name(raw.ggml_type))
         dense = loaded.gguf.dequantized(name)
     else:
-        dense = loaded.weights[name].numpy()
+        t = loaded.weights[name]
+        ftype = {torch.bfloat16: BF16, torch.float16: F16}.get(t.dtype)
+        if ftype is not None and want in (None, ftype) and t.ndim == 2:
+            return ftype, t.contiguous().view(torch.uint8).numpy()  # [N, 2K] bytes, as GGUF stores them
+        dense = t.float().numpy()
     return Q8_0, quantize(lib, Q8_0, dense)
 
 
@@ -144,7 +174,7 @@ def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int
 def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
     if loaded.gguf is not None:
         return np.ascontiguousarray(loaded.gguf.dequantized(name), dtype=np.float32).reshape(-1)
-    return np.ascontiguousarray(loaded.weights[name].numpy(), dtype=np.float32).reshape(-1)
+    return np.ascontiguousarray(loaded.weights[name].float().numpy(), dtype=np.float32).reshape(-1)
 
 
 MAX_PARTS = 3  # row ranges of their own type per matrix (csrc/forward.cpp kMaxParts)
@@ -284,10 +314,11 @@ class NativeLlama:
         self._keep = keep
         self.num_groups = max(cache.layer_group) + 1
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
+        self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
                  "for [%s], int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
-                 "/".join(sorted({TYPE_NAMES[t] for t in used_types | {head_t}})), self.weight_bytes / 2**20,
+                 "/".join(self.weight_types), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
 

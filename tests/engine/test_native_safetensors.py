@@ -1,0 +1,75 @@
+"""bf16 and fp16 safetensors checkpoints run on the native kernels by default, on their own values.
+
+What users bring are HF safetensors in bf16: they used to go to the torch path (0.38x vLLM's CPU
+build on the same file). Under `--quantization auto` they now run natively: the kernels' BF16/F16
+matrices keep the file's exact values and multiply float32 activations, which is `--dtype float32`'s
+arithmetic on those weights. So the reference is the torch path in float32 on the same checkpoint,
+and the two agree to float32 rounding (summation order only). A float32 checkpoint stays on torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.engine.test_native_families import VOCAB, save_family
+from tests.engine.test_quantized_quality import WINDOW, all_logits
+from tokenpath.config import EngineConfig
+from tokenpath.engine import kernels as K
+from tokenpath.engine.loader import load_model
+from tokenpath.engine.loader_hf import HFWeights
+from tokenpath.engine.runner import ModelRunner
+
+lib = K.native_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+
+
+def runner(loaded, quantization: str = "auto", dtype: str = "auto") -> ModelRunner:
+    cfg = EngineConfig(quantization=quantization, dtype=dtype, num_kv_blocks=WINDOW // 16, kv_cache_dtype="float32",
+                       disable_hybrid_kv_cache_manager=True)
+    return ModelRunner(loaded, cfg, WINDOW)
+
+
+def checkpoint(kind: str, dtype: torch.dtype, path) -> str:
+    import transformers
+
+    d = save_family(kind, path / "f32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
+    model.save_pretrained(str(path / str(dtype)), safe_serialization=True)
+    return str(path / str(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen3", "gemma3"])
+def test_16_bit_checkpoints_run_natively_on_their_own_values(kind, dtype, tmp_path, caplog):
+    loaded = load_model(checkpoint(kind, dtype, tmp_path))
+    assert isinstance(loaded.weights, HFWeights)  # read lazily: no copy of the checkpoint held beside the model
+    with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
+        native = runner(loaded)
+    assert native.native is not None
+    stored = K.BF16X16 if dtype == torch.bfloat16 else K.F16X16
+    assert f"own {'BF16' if dtype == torch.bfloat16 else 'F16'} matrices" in caplog.text
+    assert native.native.weight_types == (K.TYPE_NAMES[stored],)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = all_logits(native, ids)
+    ref = all_logits(runner(loaded, "none", "float32"), ids)  # torch, the same bf16/fp16 values in float32
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    print(f"{kind} {dtype}: max |native - torch float32| / max |torch| = {err:.2e}")
+    assert err <= 1e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_dtype_choices(tmp_path):
+    """auto and float32 (the kernels' arithmetic) and the file's own dtype run natively; another
+    16-bit dtype, quantization none, and a float32 file stay on torch; q8_0 quantizes any."""
+    bf16 = load_model(checkpoint("llama3-rope", torch.bfloat16, tmp_path))
+    assert runner(bf16, dtype="float32").native is not None
+    assert runner(bf16, dtype="bfloat16").native is not None
+    assert runner(bf16, dtype="float16").native is None
+    assert runner(bf16, quantization="none").native is None
+    q8 = runner(bf16, quantization="q8_0").native
+    assert q8 is not None and q8.weight_types == ("Q8X16",)
+    f32 = load_model(str(tmp_path / "f32"))
+    assert runner(f32).native is None
