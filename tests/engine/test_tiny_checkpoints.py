@@ -78,3 +78,46 @@ def test_truncated_gguf(tmp_path):
 def test_unknown_name():
     with pytest.raises(ModelLoadError, match="known model"):
         load_model("no-such-model-anywhere")
+
+
+def test_a_header_that_lies_about_a_tensor_is_refused_at_load(tiny_dir, tmp_path):
+    """Offsets that disagree with the tensor's shape: refused when the file is opened (the
+    tensors are read lazily later, so the check must not wait for the read)."""
+    import struct
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [2 * header[name]["shape"][0], *header[name]["shape"][1:]]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(str(d))
+
+
+def test_a_dtype_neither_path_computes_is_refused_naming_the_tensor(tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"{name} is F8_E4M3"):
+        load_model(str(d))
+
+
+def test_a_quantized_checkpoint_is_refused_not_run_without_its_scales(tiny_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quantization_config 'fp8'"):
+        load_model(str(d))

@@ -59,6 +59,10 @@ def read_hf_config(path: Path) -> ModelConfig:
     if arch is None:
         raise ModelLoadError(f"{cfg_file}: unsupported architecture {archs or cfg.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHS)})")
+    quant = cfg.get("quantization_config")
+    if quant:  # FP8/GPTQ/AWQ/bitsandbytes weights come with scales this loader would ignore: refuse
+        raise ModelLoadError(f"{cfg_file}: quantization_config {quant.get('quant_method', quant)!r} is not supported "
+                             "(bf16, fp16 and fp32 safetensors are; GGUF files for quantized weights)")
     for key in ("use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key):
             raise ModelLoadError(f"{cfg_file}: '{key}' = {cfg[key]!r} is not supported")
@@ -181,7 +185,15 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
                     index[n], dtypes[n] = (f, name), sl.get_dtype()
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f}: cannot read safetensors ({exc})") from exc
+    odd = {n: d for n, d in dtypes.items() if d not in FLOAT_DTYPES}
+    if odd:
+        name, dtype = next(iter(odd.items()))
+        raise ModelLoadError(f"{index[name][0]}: tensor {index[name][1]} is {dtype} (supported: "
+                             f"{', '.join(FLOAT_DTYPES)})" + (f", and {len(odd) - 1} more" if len(odd) > 1 else ""))
     return HFWeights(index, dtypes)
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes both paths compute
 
 
 def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
