@@ -127,7 +127,25 @@ def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> N
         tg.append(128 / (time.perf_counter() - t))
         assert len(out[0].outputs[0].token_ids) == 129
     res["tg128"] = statistics.mean(tg)
+    native = llm.engine.runner.native
+    res["weight_mib"] = native.weight_bytes / 2**20 if native is not None else float("nan")
     print(json.dumps(res))
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a STREAM-like read (a sum over 1 GiB of float32, `threads` threads, best of 5): the
+    bound on decode, which reads every weight byte once per token."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def run_tokenpath(threads: int, quantization: str, reps: int, model: str) -> dict:
@@ -170,10 +188,11 @@ def main() -> None:
             print(f"round {r + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
     best = {k: {m: (min if m == "rss_mib" else max)(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-    write_table(Path(args.out), med, best, runs, args, loads)
+    write_table(Path(args.out), med, best, runs, args, loads, read_bandwidth(args.threads))
 
 
-def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Namespace, loads: list[float]) -> None:
+def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Namespace, loads: list[float],
+                gbps: float) -> None:
     flags = Path("/proc/cpuinfo").read_text()
     cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
     isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2"
@@ -202,8 +221,16 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
     ]
     lb, tb = best["llama.cpp"], best["tokenpath (native)"]
     for m, unit in (("tg128", "tok/s"), ("pp256", "tok/s"), ("pp512", "tok/s"), ("rss_mib", "MiB")):
+        if m not in lc:
+            continue
         lines.append(f"| {m} ({unit}) | " + " | ".join(f"{med[k][m]:.1f}" for k in med) + f" | {tp[m] / lc[m]:.2f}x | "
                      + " | ".join(f"{best[k][m]:.1f}" for k in best) + f" | {tb[m] / lb[m]:.2f}x |")
+    weight_mb = tp["weight_mib"] * 2**20 / 1e6
+    bound = gbps * 1e3 / weight_mb
+    lines += ["", f"Bandwidth bound: a STREAM-like read here does {gbps:.1f} GB/s with {args.threads} threads; "
+              f"tokenpath's decode reads {weight_mb:.0f} MB of weights per token, so at most {bound:.0f} tok/s. "
+              f"tg128 median: tokenpath {tp['tg128'] / bound:.0%} of that bound, llama.cpp "
+              f"{lc['tg128'] / bound:.0%} (its own bytes are the same file's, give or take the F32 tensors)."]
     lines += ["", "Per round (tok/s): " + "; ".join(
         f"{k}: " + ", ".join(f"tg {x['tg128']:.0f} / pp256 {x['pp256']:.0f}" for x in v) for k, v in runs.items()), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
