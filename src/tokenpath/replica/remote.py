@@ -32,7 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, ReplicaState
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
+from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.protocol.submission import Submission
 from tokenpath.replica.base import ReplicaBusyError
 from tokenpath.replica.liveness import Liveness
@@ -227,6 +228,8 @@ class RemoteReplica(PolledState):
             "logit_bias": (p.logit_bias, None),
             "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
         body.update({k: v for k, (v, default) in optional.items() if v != default})
+        if p.structured is not None:  # vLLM's spelling (tokenpath serve reads it too): never dropped
+            body["structured_outputs"] = structured_body(p.structured)
         if submission.session_id:
             body["user"] = submission.session_id
         return body
@@ -302,7 +305,9 @@ class RemoteReplica(PolledState):
                 finished.add(idx)
             text = choice.get("text") or ""
             ids = choice.get("token_ids") or self._token_ids(text)
-            outs.append(CompletionOutput(index=idx, text=text, token_ids=list(ids), finish_reason=reason))
+            logprobs = _logprobs(choice.get("logprobs"), ids) if request.params.logprobs is not None else None
+            outs.append(CompletionOutput(index=idx, text=text, token_ids=list(ids), finish_reason=reason,
+                                         logprobs=logprobs))
         if not outs:
             return None  # the usage-only chunk
         if events.first_token is None:
@@ -337,6 +342,37 @@ class RemoteReplica(PolledState):
         if r.status_code >= 400:
             raise ServiceUnavailableError(f"replica '{self.name}' could not reset its prefix cache ({r.status_code})")
         return 0
+
+
+def structured_body(spec: StructuredOutput) -> dict:
+    """A constraint as vLLM's `structured_outputs` spells it ({json: schema}, {regex: str},
+    {choice: [..]}, {grammar: str}); the JSON kinds travel parsed, as vLLM expects them."""
+    value = json.loads(spec.spec) if spec.kind in ("json", "choice") else spec.spec
+    return {spec.kind: value}
+
+
+def _token_id(token: str, fallback: int) -> int:
+    """vLLM's `return_tokens_as_token_ids` spells tokens "token_id:N"; other tokens' ids are unknown."""
+    if token.startswith("token_id:"):
+        with contextlib.suppress(ValueError):
+            return int(token[9:])
+    return fallback
+
+
+def _logprobs(lp: dict | None, ids: list[int]) -> list[TokenLogprob]:
+    """A completions choice's `logprobs` ({tokens, token_logprobs, top_logprobs}) -> ours, one entry
+    per token of the chunk; the sampled tokens' ids from the chunk where the server sent them."""
+    if not lp:
+        return []
+    tokens, values = lp.get("tokens") or [], lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or [None] * len(tokens)
+    out = []
+    for i, (tok, value, top) in enumerate(zip(tokens, values, tops, strict=False)):
+        tid = _token_id(tok, ids[i] if i < len(ids) else -1)
+        alts = [(_token_id(t, -1), t, float(v)) for t, v in (top or {}).items()]
+        alts.sort(key=lambda a: -a[2])
+        out.append(TokenLogprob(token_id=tid, token=tok, logprob=float(value if value is not None else 0.0), top=alts))
+    return out
 
 
 def _cached_tokens(data: dict) -> int:

@@ -1,0 +1,66 @@
+"""Through a URL replica, a request keeps what it asked for: its constraint and its logprobs.
+
+A gateway (`tokenpath serve --routing`, a `url:` replica) in front of a real OpenAI-compatible
+backend, here another `tokenpath serve` (it reads vLLM's `structured_outputs` spelling, which the
+replica now sends; vLLM's CPU build is the benchmark's backend, `benchmarks/`). Before: the replica's
+request body had no constraint, so `structured_outputs: {choice: [...]}` came back as free text with
+a 200, and `logprobs` as an empty list.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.api.conftest import Server, running_server
+from tokenpath.config import DEFAULT_CHAT_MODEL
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("remote-constraints")
+    with running_server(tmp / "backend", "--model", DEFAULT_CHAT_MODEL) as backend:
+        routes = tmp / "routes.yaml"
+        routes.write_text(f"deployments:\n  - name: {DEFAULT_CHAT_MODEL}\n    replicas:\n"
+                          f"      - url: {backend.url}\n        max_num_seqs: 8\n")
+        with running_server(tmp / "gateway", "--model", DEFAULT_CHAT_MODEL, "--routing", str(routes)) as gw:
+            yield gw
+
+
+def chat(gw: Server, **extra) -> dict:
+    body = {"model": DEFAULT_CHAT_MODEL, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about your day."}], **extra}
+    r = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("constraint", [
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": {
+        "type": "object", "properties": {"mood": {"type": "string", "enum": ["good", "bad"]}},
+        "required": ["mood"], "additionalProperties": False}}}},
+], ids=["choice", "regex", "json_schema"])
+def test_the_constraint_reaches_the_backend(gateway, constraint):
+    text = chat(gateway, **constraint)["choices"][0]["message"]["content"]
+    if "structured_outputs" in constraint and "choice" in constraint["structured_outputs"]:
+        assert text in ("yes", "no"), text
+    elif "structured_outputs" in constraint:
+        import re
+
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
+    else:
+        assert json.loads(text)["mood"] in ("good", "bad"), text
+
+
+def test_logprobs_come_back_in_full(gateway):
+    reply = chat(gateway, logprobs=True, top_logprobs=3, max_tokens=8)
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply["usage"]["completion_tokens"] == 8
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        assert max(t["logprob"] for t in entry["top_logprobs"]) >= entry["logprob"] - 1e-4
