@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from tests.api.conftest import Server, running_server
+
 from tokenpath.config import DEFAULT_CHAT_MODEL
 
 
