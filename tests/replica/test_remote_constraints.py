@@ -10,6 +10,7 @@ a 200, and `logprobs` as an empty list.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -50,8 +51,6 @@ def test_the_constraint_reaches_the_backend(gateway, constraint):
     if "structured_outputs" in constraint and "choice" in constraint["structured_outputs"]:
         assert text in ("yes", "no"), text
     elif "structured_outputs" in constraint:
-        import re
-
         assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
     else:
         assert json.loads(text)["mood"] in ("good", "bad"), text
