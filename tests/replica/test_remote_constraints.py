@@ -21,14 +21,20 @@ from tokenpath.config import DEFAULT_CHAT_MODEL
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    """(gateway, backend)."""
     tmp = tmp_path_factory.mktemp("remote-constraints")
     with running_server(tmp / "backend", "--model", DEFAULT_CHAT_MODEL) as backend:
         routes = tmp / "routes.yaml"
         routes.write_text(f"deployments:\n  - name: {DEFAULT_CHAT_MODEL}\n    replicas:\n"
                           f"      - url: {backend.url}\n        max_num_seqs: 8\n")
         with running_server(tmp / "gateway", "--model", DEFAULT_CHAT_MODEL, "--routing", str(routes)) as gw:
-            yield gw
+            yield gw, backend
+
+
+@pytest.fixture
+def gateway(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
 
 
 def chat(gw: Server, **extra) -> dict:
@@ -63,3 +69,35 @@ def test_logprobs_come_back_in_full(gateway):
     for entry in content:
         assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
         assert max(t["logprob"] for t in entry["top_logprobs"]) >= entry["logprob"] - 1e-4
+
+
+def test_usage_counts_what_the_backend_generated(gateway):
+    """Token ids come from the backend (`return_token_ids`), not from re-encoding its text: text
+    re-encoded merges tokens at chunk boundaries, which billed 63 of vLLM's 64 tokens."""
+    body = {"model": DEFAULT_CHAT_MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.9,
+            "seed": 3, "ignore_eos": True}
+    r = httpx.post(gateway.base_url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 64
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_on_completions(servers, stream):
+    """vLLM's `return_token_ids`, served by tokenpath too (what a gateway in front of it asks for)."""
+    backend = servers[1]
+    body = {"model": DEFAULT_CHAT_MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    if not stream:
+        r = httpx.post(backend.base_url + "/completions", json=body, timeout=300).json()
+        ids = r["choices"][0]["token_ids"]
+        assert len(ids) == r["usage"]["completion_tokens"] == 12
+        return
+    ids = []
+    with httpx.stream("POST", backend.base_url + "/completions", json=body, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice["token_ids"]
+    assert len(ids) == 12 and all(isinstance(i, int) and i >= 0 for i in ids)
+    bad = httpx.post(backend.base_url + "/completions", json={**body, "return_token_ids": "yes"}, timeout=60)
+    assert bad.status_code == 400 and "return_token_ids" in bad.text

@@ -21,6 +21,7 @@ class Choice:
     index: int
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # vLLM's return_token_ids
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it (Anthropic's stop_sequence)
@@ -84,6 +85,7 @@ class Accumulator:
             else:
                 _split(self.reasoning, ch, c)
             ch.num_tokens += len(c.token_ids)
+            ch.token_ids.extend(c.token_ids)
             ch.logprobs.extend(c.logprobs or ())
             if c.finish_reason == "error":  # not an OpenAI finish reason: the request failed
                 raise RequestFailedError(f"choice {idx} failed in the engine")
@@ -231,7 +233,7 @@ def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprob
 
 
 def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
-                    timeline: Timeline, want_prompt_logprobs: bool = False) -> dict:
+                    timeline: Timeline, want_prompt_logprobs: bool = False, token_ids: bool = False) -> dict:
     choices = [
         {
             "index": c.index,
@@ -241,6 +243,9 @@ def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_l
         }
         for c in acc.sorted()
     ]
+    if token_ids:  # vLLM's return_token_ids: the generated ids, so a gateway in front counts exactly
+        for c, ch in zip(choices, acc.sorted(), strict=True):
+            c["token_ids"] = ch.token_ids
     if want_prompt_logprobs:
         for c in choices:
             part = acc.prompt_logprobs.get(c["index"] // acc.n)
@@ -361,14 +366,17 @@ def chat_reasoning_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None
 
 
 def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,
-                            finish_reason: str | None, want_logprobs: bool) -> dict:
+                            finish_reason: str | None, want_logprobs: bool, token_ids: list[int] | None = None) -> dict:
     offset = len(ch.text) - len(text)
-    return {
+    out = {
         "index": ch.index,
         "text": text,
         "logprobs": completion_logprobs(logprobs or [], offset) if want_logprobs and logprobs else None,
         "finish_reason": finish_reason,
     }
+    if token_ids is not None:  # vLLM's return_token_ids: this chunk's ids
+        out["token_ids"] = token_ids
+    return out
 
 
 def chunk(rid: str, created: int, model: str, chat: bool, choices: list[dict], *,

@@ -240,6 +240,7 @@ class Generation:
         self.chat = chat
         self.parts = parts
         self.want_logprobs = body.logprobs_count is not None
+        self.token_ids: bool = getattr(body, "return_token_ids", False)  # completions only (vLLM's extra)
         # (a LoRA adapter answers under its own name, as vLLM's do)
         self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
         assert run.acc is not None
@@ -285,7 +286,8 @@ class Generation:
             body = fmt.chat_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline, self.plan)
         else:
             body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline,
-                                       getattr(self.body, "prompt_logprobs", None) is not None)
+                                       getattr(self.body, "prompt_logprobs", None) is not None,
+                                       token_ids=getattr(self.body, "return_token_ids", False))
         if self.edge is not None and self.edge.body is not None:
             body = self.edge.body(body, self.acc)
         return JSONResponse(body, headers=run.headers(timing=True))
@@ -310,8 +312,13 @@ class Generation:
                 chunks.extend(self._chunk([x]) for x in fmt.chat_tool_chunk_choices(
                     ch, c.logprobs, c.finish_reason, self.want_logprobs, self.plan))
                 continue
-            if c.text or c.finish_reason or c.logprobs or (self.chat and not ch.started):
-                chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
+            if self.chat:
+                if c.text or c.finish_reason or c.logprobs or not ch.started:
+                    chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
+            elif c.text or c.finish_reason or c.logprobs or (c.token_ids and self.token_ids):
+                chunks.append(self._chunk([fmt.completion_chunk_choice(
+                    ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs,
+                    c.token_ids if self.token_ids else None)]))
         return chunks
 
     def _last(self, chunks: list[dict]) -> list[dict]:

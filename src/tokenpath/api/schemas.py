@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from tokenpath.errors import InvalidRequestError
@@ -302,6 +302,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     # vLLM's extra: each prompt token's logprob (and this many top ones), for perplexity.
     prompt_logprobs: StrictInt | None = None  # strict: true or 1.5 is a 400, not 1
+    # vLLM's extra: each choice (and each streamed chunk) carries its generated token ids, so a
+    # gateway in front (a tokenpath URL replica) counts tokens exactly instead of re-encoding text.
+    return_token_ids: StrictBool = False
 
     def reject_unsupported(self) -> None:
         if self.prompt_logprobs is not None:

@@ -207,7 +207,9 @@ class RemoteReplica(PolledState):
     # -- generation ------------------------------------------------------------------------------
     def _body(self, submission: Submission[GenerateRequest]) -> dict:
         """The completions request: the engine's request, plus the gateway's session id as OpenAI's
-        `user` (a server that routes or accounts by user sees ours)."""
+        `user` (a server that routes or accounts by user sees ours). `return_token_ids` (vLLM's,
+        and tokenpath's) makes each chunk carry its token ids: usage and quotas count what the
+        backend generated, not a re-encoding of its text."""
         request = submission.request
         p = request.params
         if p.prompt_logprobs is not None:  # the stream read below carries no prompt logprobs: refuse, not drop
@@ -216,7 +218,8 @@ class RemoteReplica(PolledState):
         # A LoRA adapter by its name: the remote server (vLLM, another tokenpath) must serve it as such.
         model = request.lora.name if request.lora is not None else self.model
         body: dict = {"model": model, "prompt": request.prompt_token_ids, "stream": True,
-                      "stream_options": {"include_usage": True}, "n": p.n, "max_tokens": p.max_tokens,
+                      "stream_options": {"include_usage": True}, "return_token_ids": True,
+                      "n": p.n, "max_tokens": p.max_tokens,
                       "temperature": p.temperature, "top_p": p.top_p,
                       "skip_special_tokens": p.skip_special_tokens}
         optional: dict[str, tuple[object, object]] = {  # field: (value, the server's default)
