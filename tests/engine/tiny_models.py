@@ -43,6 +43,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma3-scalar": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                       {"num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
                        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Mixtures of experts: 8 experts, top-2. Qwen3-MoE with a dense layer between sparse ones
+    # (mlp_only_layers), with and without renormalized top-k weights; Mixtral (always renormalized).
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3moe-unnorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                         "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
 }
 
 

@@ -55,6 +55,7 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     scaling: they are built here by the torch path's own LayerRopes), and any head_dim."""
     checks = {
         f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
+        f"mixture-of-experts MLPs ({cfg.num_experts} experts, top-{cfg.num_experts_per_tok})": cfg.num_experts > 0,
     }
     return [name for name, hit in checks.items() if hit]
 
