@@ -247,12 +247,12 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path
     if fused is not None:  # transformers 5's in-memory form; save_pretrained writes one tensor per expert
         raise ModelLoadError(f"{path}: tensor {fused} holds all experts fused in one 3D tensor; expected "
                              "one tensor per expert (mlp.experts.N.gate_proj/up_proj/down_proj.weight)")
+    if config.num_experts:  # before the missing names: a wrong expert count shows first in the router's shape
+        _check_experts(config, weights, path)
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
-    if config.num_experts:
-        _check_experts(config, weights, path)
 
 
 def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -269,7 +269,7 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _check_experts(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Every sparse layer's router and experts have the config's count and shapes, and no layer
+    """Every sparse layer's router and experts present have the config's count and shapes, and no layer
     holds an expert past the config's count (a config that undercounts the checkpoint's experts)."""
     shapes = getattr(weights, "shapes", {})
     source = getattr(weights, "source", lambda n: n)
@@ -278,6 +278,8 @@ def _check_experts(config: ModelConfig, weights: Mapping[str, torch.Tensor], pat
             continue
         for rel, want in expert_shapes(config, i).items():
             name = f"layers.{i}.{rel}"
+            if name not in weights:
+                continue  # reported with the other missing tensors
             got = tuple(shapes[name]) if name in shapes else tuple(weights[name].shape)
             if got != want:
                 raise ModelLoadError(f"{path}: tensor {source(name)} has shape {list(got)}, expected {list(want)} "
