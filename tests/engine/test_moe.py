@@ -4,7 +4,8 @@ Tiny random checkpoints made by transformers (tests/engine/tiny_models.py: 8 exp
 Qwen3-MoE with a dense layer between sparse ones, one without renormalized top-k weights, and a
 Mixtral). Greedy tokens equal `model.generate`'s, logits equal transformers' to 1e-5, routing ties
 go where torch.topk sends them (transformers' choice), and a checkpoint whose experts disagree with
-its config is refused at load naming the tensor.
+its config is refused at load naming the tensor. The same checkpoints as GGUF files (experts
+stacked as llama.cpp's converter writes them) give the same tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from tests.engine.conftest import hf_greedy, make_prompts
 from tests.engine.test_quantized_quality import all_logits, runner
-from tests.engine.tiny_models import cached_tiny, save_tiny
+from tests.engine.tiny_models import cached_tiny, save_gguf, save_tiny
 from tokenpath import LLM, SamplingParams
 from tokenpath.engine.kernels.model import native_unsupported
 from tokenpath.engine.loader import load_model
@@ -97,15 +98,18 @@ def test_routing_ties_broken_as_transformers(tmp_path):
     assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
-def _copy_with(tmp_path: Path, kind: str, config: dict | None = None, shapes: dict | None = None) -> Path:
-    """A copy of the tiny checkpoint with config.json entries or tensors replaced by other shapes."""
+def _copy_with(tmp_path: Path, kind: str, config: dict | None = None, shapes: dict | None = None,
+               drop: list[str] | tuple[str, ...] = ()) -> Path:
+    """A copy of the tiny checkpoint with config.json entries replaced (or dropped), or tensors
+    replaced by zeros of other shapes."""
     from safetensors.torch import load_file, save_file
 
     d = tmp_path / "bad"
     shutil.copytree(cached_tiny(kind), d)
-    if config:
+    if config or drop:
         cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps(cfg | config))
+        cfg = {k: v for k, v in cfg.items() if k not in drop} | (config or {})
+        (d / "config.json").write_text(json.dumps(cfg))
     if shapes:
         tensors = load_file(str(d / "model.safetensors"))
         for name, shape in shapes.items():
@@ -114,10 +118,12 @@ def _copy_with(tmp_path: Path, kind: str, config: dict | None = None, shapes: di
     return d
 
 
-@pytest.mark.parametrize(("kind", "field"), [("qwen3moe", "num_experts"), ("mixtral", "num_local_experts")])
+@pytest.mark.parametrize(("kind", "field"), [("qwen3moe", "num_experts"), ("qwen3moe", "num_local_experts"),
+                                           ("mixtral", "num_local_experts")])
 @pytest.mark.parametrize("count", [6, 16])
 def test_expert_count_disagreeing_with_config(kind, field, count, tmp_path):
-    d = _copy_with(tmp_path, kind, config={field: count})
+    """Both spellings: transformers 5 writes num_local_experts, older Qwen3-MoE configs num_experts."""
+    d = _copy_with(tmp_path, kind, config={field: count}, drop=["num_local_experts"] if field == "num_experts" else [])
     gate = "mlp.gate" if kind == "qwen3moe" else "block_sparse_moe.gate"
     with pytest.raises(ModelLoadError, match=rf"model\.layers\.0\.{gate}\.weight has shape \[8, 64\], "
                                              rf"expected \[{count}, 64\]"):
@@ -159,3 +165,38 @@ def test_lora_refused_on_moe_models(tmp_path):
     cfg = load_model(str(cached_tiny("mixtral"))).config
     with pytest.raises(LoraError, match="mixture of experts"):
         check_adapter(tmp_path, cfg, 16)
+
+
+# ---------------------------------------------------------------- GGUF, as llama.cpp's converter stacks experts
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_gguf_greedy_matches_transformers(kind):
+    """The same checkpoint as a float32 GGUF (experts stacked into ffn_{gate,up,down}_exps, the
+    router as ffn_gate_inp; Mixtral as llama with experts): transformers' greedy tokens, and the
+    safetensors load's logits exactly."""
+    hf_dir = cached_tiny(kind)
+    gguf = save_gguf(kind, hf_dir, hf_dir.parent / "model.gguf")
+    loaded = load_model(str(gguf))
+    assert loaded.config.num_experts == 8 and loaded.config.moe_layers == load_model(str(hf_dir)).config.moe_layers
+    ids = np.random.default_rng(0).integers(3, loaded.config.vocab_size, 40).tolist()
+    assert torch.equal(all_logits(runner(loaded, "none"), ids), all_logits(runner(load_model(str(hf_dir)), "none"), ids))
+    llm = LLM(str(gguf), dtype="float32", max_num_batched_tokens=48)
+    assert llm.engine.runner.native is None
+    prompts = make_prompts(llm.tokenizer, [9, 40, 75], seed=5)
+    ref = hf_greedy(_hf(hf_dir), prompts, 12, None)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    ({"num_local_experts": 6}, r"'blk\.0\.ffn_gate_inp\.weight' has shape \[64, 8\], expected \[64, 6\]"),
+    ({"moe_intermediate_size": 48}, r"'blk\.0\.ffn_gate_exps\.weight' has shape \[64, 32, 8\], expected \[64, 48, 8\]"),
+    ({"num_experts_per_tok": 9}, r"'qwen3moe\.expert_used_count' is 9, expected 1\.\.8"),
+])
+def test_gguf_experts_disagreeing_with_metadata(config, match, tmp_path):
+    """A GGUF whose expert count, expert feed-forward length or top-k disagree with its tensors."""
+    d = _copy_with(tmp_path, "qwen3moe", config=config)
+    gguf = save_gguf("qwen3moe", d, tmp_path / "bad.gguf")
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(gguf))

@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
                     layer.qkv.bias.copy_(torch.cat([w("q_proj.bias"), w("k_proj.bias"), w("v_proj.bias")]))
                 layer.o_proj.weight.copy_(w("o_proj.weight"))
                 if layer.moe is not None:
-                    layer.moe.load(w)
+                    layer.moe.load(w, stacked=f"layers.{i}.experts.gate_proj.weight" in weights)
                     continue
                 cast(nn.Linear, layer.gate_up).weight.copy_(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]))
                 cast(nn.Linear, layer.down).weight.copy_(w("down_proj.weight"))

@@ -63,12 +63,18 @@ class MoEBlock(nn.Module):
             start += n
         return out
 
-    def load(self, w: Callable[[str], torch.Tensor]) -> None:
+    def load(self, w: Callable[[str], torch.Tensor], stacked: bool = False) -> None:
         """Copy in `router.weight` and `experts.{e}.{gate,up,down}_proj.weight` (our names, one
-        layer's), each cast as it is copied."""
+        layer's; `stacked`: `experts.{gate,up,down}_proj.weight` [E, rows, cols], GGUF's form),
+        each cast as it is copied."""
         self.router.copy_(w("router.weight"))
+        i = self.down.shape[2]
+        if stacked:
+            self.gate_up[:, :i].copy_(w("experts.gate_proj.weight"))
+            self.gate_up[:, i:].copy_(w("experts.up_proj.weight"))
+            self.down.copy_(w("experts.down_proj.weight"))
+            return
         for e in range(self.gate_up.shape[0]):
-            i = self.down.shape[2]
             self.gate_up[e, :i].copy_(w(f"experts.{e}.gate_proj.weight"))
             self.gate_up[e, i:].copy_(w(f"experts.{e}.up_proj.weight"))
             self.down[e].copy_(w(f"experts.{e}.down_proj.weight"))
