@@ -43,6 +43,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma3-scalar": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                       {"num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
                        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Mixtures of experts: 8 experts, top-2. Qwen3-MoE with a dense layer between sparse ones
+    # (mlp_only_layers), with and without renormalized top-k weights; Mixtral (always renormalized).
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3moe-unnorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                         "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
 }
 
 
@@ -114,7 +123,7 @@ def save_tiny(kind: str, path: Path, tie: bool = True, seed: int = 0, **config) 
 # ---------------------------------------------------------------- GGUF, as llama.cpp writes it
 
 _GGUF_ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-              "gemma3": "gemma3"}
+              "gemma3": "gemma3", "qwen3moe": "qwen3moe", "mixtral": "llama"}
 _TENSOR_NAMES = [("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"),
                  ("lm_head.weight", "output.weight")]
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -122,6 +131,27 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "input_layernorm": "attn_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+_EXPERT_MATS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _stack_experts(tensors: dict, n_exp: int, names: dict) -> dict:
+    """Qwen3-MoE / Mixtral expert tensors -> llama.cpp's stacked [experts, rows, cols] ones, and
+    the router to ffn_gate_inp (their GGUF names added to `names`)."""
+    out = {}
+    for name, t in tensors.items():
+        if ".experts.0." in name:
+            prefix, rest = name.split(".experts.0.")
+            mat = rest.removesuffix(".weight")
+            out[name] = torch.stack([tensors[f"{prefix}.experts.{e}.{rest}"] for e in range(n_exp)])
+            names[name] = f"blk.{name.split('.')[2]}.{_EXPERT_MATS[mat]}.weight"
+        elif ".experts." not in name:
+            if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                names[name] = f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"
+            out[name] = t
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -197,6 +227,12 @@ def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
                 names[f"model.layers.{i}.{hf}.{suffix}"] = f"blk.{i}.{ours}.{suffix}"
         post = "post_attention_norm" if arch == "gemma3" else "ffn_norm"
         names[f"model.layers.{i}.post_attention_layernorm.weight"] = f"blk.{i}.{post}.weight"
+    if getattr(cfg, "num_experts_per_tok", None):  # experts stacked into one 3D tensor each, as llama.cpp does
+        n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+        tensors = _stack_experts(tensors, n_exp, names)
     for name, t in tensors.items():
         a = t.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -3,7 +3,8 @@
 Two formats: a GGUF file (`loader_gguf`: hyperparameters, tokenizer and chat template from its
 metadata; the GGUF's own blocks for the native kernels, dequantized for torch) and a Hugging Face
 directory (`loader_hf`: config.json, *.safetensors, tokenizer files). Families: Llama (rope
-scaling llama3/linear/yarn), Mistral (sliding window), Qwen2, Qwen3, Gemma 3 text. Every failure
+scaling llama3/linear/yarn), Mistral (sliding window), Qwen2, Qwen3, Gemma 3 text, and the
+mixtures of experts Qwen3-MoE and Mixtral. Every failure
 names the file and the problem. Weights come back in this project's own names (see
 `tokenpath.engine.models.llama`).
 """

@@ -20,7 +20,7 @@ import torch
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: layers i % 6 < 5 are windowed, every 6th is global
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 
@@ -31,6 +31,12 @@ _LAYER_NAMES = {
     "up_proj.weight": "ffn_up.weight", "down_proj.weight": "ffn_down.weight",
 }
 _QK_NORM_NAMES = {"q_norm.weight": "attn_q_norm.weight", "k_norm.weight": "attn_k_norm.weight"}
+# A sparse layer's router and experts. llama.cpp's converter stacks each expert matrix into one 3D
+# tensor [experts, rows, cols] (numpy order): our names for the stacked forms, which the torch
+# MoEBlock copies in whole.
+_MOE_NAMES = {"router.weight": "ffn_gate_inp.weight", "experts.gate_proj.weight": "ffn_gate_exps.weight",
+              "experts.up_proj.weight": "ffn_up_exps.weight", "experts.down_proj.weight": "ffn_down_exps.weight"}
+_DENSE_MLP = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 _SANDWICH_NAMES = {"attn_out_norm.weight": "post_attention_norm.weight", "ffn_out_norm.weight": "post_ffw_norm.weight"}
 
 
@@ -63,6 +69,26 @@ def _rope_scaling(reader, arch: str, tensors: dict, path: Path) -> RopeScaling |
     if kind == "yarn" and freqs is None:
         return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=int(orig))
     raise ModelLoadError(f"{path}: unsupported rope scaling '{kind}'" + (" with rope_freqs" if freqs else ""))
+
+
+def _moe_fields(reader, arch: str, n_layers: int, tensors: dict, path: Path) -> dict:
+    """Mixture-of-experts fields from `{arch}.expert_count` / `expert_used_count` /
+    `expert_feed_forward_length` (Mixtral: llama with experts). A layer is sparse when it has a
+    router (`ffn_gate_inp`). Top-k weights are renormalized, as llama.cpp's qwen3moe and llama
+    graphs always do (its norm_w argument is hard-coded true for both)."""
+    n = int(_field(reader, f"{arch}.expert_count", path, 0))
+    if n == 0:
+        if arch == "qwen3moe":
+            raise ModelLoadError(f"{path}: qwen3moe GGUF without '{arch}.expert_count'")
+        return {}
+    k = int(_field(reader, f"{arch}.expert_used_count", path))
+    if not 0 < k <= n:
+        raise ModelLoadError(f"{path}: '{arch}.expert_used_count' is {k}, expected 1..{n} ('{arch}.expert_count')")
+    ff = int(_field(reader, f"{arch}.expert_feed_forward_length", path, 0)) or \
+        int(_field(reader, f"{arch}.feed_forward_length", path))
+    layers = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
+    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ff, norm_topk_prob=True,
+                moe_layers=layers)
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
@@ -99,13 +125,15 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
             norm_offset=1.0)
     elif window is not None:
         extra = dict(layer_windows=(int(window),) * n_layers)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    extra.update(_moe_fields(reader, arch, n_layers, tensors, path))
     config = ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", path)),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", path,
+                                     extra.get("moe_intermediate_size"))),
         num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
@@ -116,8 +144,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         rope_scaling=_rope_scaling(reader, arch, tensors, path),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", path, arch != "qwen2"
-                                  and arch != "qwen3")),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", path, arch not in
+                                  ("qwen2", "qwen3", "qwen3moe"))),
         **extra,
     )
     return config, GGUFTensors(path, tensors, config)
@@ -158,8 +186,10 @@ class GGUFTensors:
         if config.sandwich_norms:
             layer_names.update(_SANDWICH_NAMES)
         for i in range(config.num_layers):
-            for ours, theirs in layer_names.items():
-                self.names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+            moe = config.is_moe_layer(i)
+            for ours, theirs in (layer_names | (_MOE_NAMES if moe else {})).items():
+                if not (moe and ours in _DENSE_MLP):
+                    self.names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
             if config.attention_bias:
                 for p in "qkv":
                     self.names[f"layers.{i}.{p}_proj.bias"] = f"blk.{i}.attn_{p}.bias"
@@ -173,6 +203,23 @@ class GGUFTensors:
             t = tensors[theirs]
             if t.tensor_type not in plain and t.tensor_type not in _type_traits:
                 raise ModelLoadError(f"{path}: tensor '{theirs}' has unsupported type {t.tensor_type.name}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Each sparse layer's router and stacked experts have the metadata's expert count and
+        feed-forward length (shapes in GGUF's order, fastest dimension first, as gguf-dump prints)."""
+        c = self.config
+        e, h, ff = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        want = {"router.weight": [h, e], "experts.gate_proj.weight": [h, ff, e],
+                "experts.up_proj.weight": [h, ff, e], "experts.down_proj.weight": [ff, h, e]}
+        for i in c.moe_layers:
+            for ours, shape in want.items():
+                theirs = self.names[f"layers.{i}.{ours}"]
+                got = [int(d) for d in self._tensors[theirs].shape]
+                if got != shape:
+                    raise ModelLoadError(
+                        f"{self.path}: tensor '{theirs}' has shape {got}, expected {shape} ({e} experts from "
+                        f"'{c.architecture}.expert_count', expert feed-forward length {ff}, hidden {h})")
 
     def raw(self, name: str) -> RawTensor:
         t = self._tensors[self.names[name]]

@@ -10,6 +10,7 @@ checkpoint never exists as a second float32 copy beside the model's own paramete
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
+            "MixtralForCausalLM": "mixtral"}
 _ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -44,6 +46,25 @@ def _rope(params: dict, cfg_file: Path, max_pos: int) -> tuple[float, RopeScalin
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=params.get("attention_factor"))
+
+
+def _moe_fields(cfg: dict, arch: str, n_layers: int, cfg_file: Path) -> dict:
+    """The mixture-of-experts fields of ModelConfig: Qwen3-MoE's sparse layers are those not in
+    `mlp_only_layers` whose (index + 1) is a multiple of `decoder_sparse_step`; Mixtral's are all,
+    each with `intermediate_size` experts and renormalized top-k weights."""
+    if arch not in ("qwen3moe", "mixtral"):
+        return {}
+    n = cfg.get("num_experts", cfg.get("num_local_experts"))
+    k = cfg.get("num_experts_per_tok")
+    if not isinstance(n, int) or not isinstance(k, int) or not 0 < k <= n:
+        raise ModelLoadError(f"{cfg_file}: num_experts {n!r} / num_experts_per_tok {k!r}: expected 1 <= top-k <= experts")
+    if arch == "mixtral":
+        return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=cfg["intermediate_size"],
+                    norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
+    step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0))
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -92,9 +113,10 @@ def read_hf_config(path: Path) -> ModelConfig:
                          norm_offset=1.0)
         else:
             theta, scaling = _rope(rope, cfg_file, max_pos)
-            if arch == "mistral" and window:
+            if arch in ("mistral", "mixtral") and window:
                 extra = dict(layer_windows=(int(window),) * n_layers)
-            extra["qk_norm"] = arch == "qwen3"
+            extra["qk_norm"] = arch in ("qwen3", "qwen3moe")
+            extra.update(_moe_fields(cfg, arch, n_layers, cfg_file))
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -119,7 +141,8 @@ def read_hf_config(path: Path) -> ModelConfig:
 
 # HF module names -> ours. Gemma's post_attention_layernorm is a sandwich norm (the attention
 # output's), while in Llama/Qwen it is the norm before the MLP (ours: post_norm).
-_RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."),
+_RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.gate.", "router."),
+            ("block_sparse_moe.gate.", "router."), ("block_sparse_moe.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."),
             ("pre_feedforward_layernorm.", "post_norm."), ("post_feedforward_layernorm.", "ffn_out_norm.")]
 
 
@@ -130,8 +153,14 @@ class HFWeights(Mapping):
     repacks each into its kernel layout, so at most one tensor beside the model exists at a time
     (peak RSS near the file's size, never twice it)."""
 
-    def __init__(self, index: dict[str, tuple[Path, str]], dtypes: dict[str, str]) -> None:
+    def __init__(self, index: dict[str, tuple[Path, str]], dtypes: dict[str, str],
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self._index, self.dtypes = index, dtypes  # dtypes: our name -> safetensors dtype ("BF16", ...)
+        self.shapes = shapes or {}  # our name -> shape, from the headers: checked without reading
+
+    def source(self, name: str) -> str:
+        """The checkpoint's own name of one tensor, for messages."""
+        return self._index[name][1]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
@@ -146,6 +175,7 @@ class HFWeights(Mapping):
     def __delitem__(self, name: str) -> None:
         del self._index[name]
         self.dtypes.pop(name, None)
+        self.shapes.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -154,10 +184,16 @@ class HFWeights(Mapping):
         return len(self._index)
 
 
+_MIXTRAL_EXPERTS = {".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
+
+
 def _our_name(name: str, post_attn: str) -> str:
     n = name.removeprefix("model.")
     for a, b in _RENAMES:
         n = n.replace(a, b)
+    if ".experts." in n:  # Mixtral's w1/w2/w3 are gate/down/up
+        for a, b in _MIXTRAL_EXPERTS.items():
+            n = n.replace(a, b)
     return n.replace("post_attention_layernorm.", post_attn)
 
 
@@ -174,6 +210,7 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
     post_attn = "attn_out_norm." if config.sandwich_norms else "post_norm."
     index: dict[str, tuple[Path, str]] = {}
     dtypes: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
@@ -182,7 +219,7 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
                         continue
                     sl = st.get_slice(name)
                     n = _our_name(name, post_attn)
-                    index[n], dtypes[n] = (f, name), sl.get_dtype()
+                    index[n], dtypes[n], shapes[n] = (f, name), sl.get_dtype(), tuple(sl.get_shape())
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f}: cannot read safetensors ({exc})") from exc
     odd = {n: d for n, d in dtypes.items() if d not in FLOAT_DTYPES}
@@ -190,7 +227,7 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
         name, dtype = next(iter(odd.items()))
         raise ModelLoadError(f"{index[name][0]}: tensor {index[name][1]} is {dtype} (supported: "
                              f"{', '.join(FLOAT_DTYPES)})" + (f", and {len(odd) - 1} more" if len(odd) > 1 else ""))
-    return HFWeights(index, dtypes)
+    return HFWeights(index, dtypes, shapes)
 
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes both paths compute
@@ -198,12 +235,57 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes both paths compu
 
 def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
     need = ["embed.weight", "norm.weight"]
-    per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm", "gate_proj", "up_proj", "down_proj"]
+    per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm"]
     per_layer += ["q_norm", "k_norm"] if config.qk_norm else []
     per_layer += ["attn_out_norm", "ffn_out_norm"] if config.sandwich_norms else []
     for i in range(config.num_layers):
         need += [f"layers.{i}.{n}.weight" for n in per_layer]
+        mlp = expert_shapes(config, i) if config.is_moe_layer(i) else \
+            {f"{n}.weight": () for n in ("gate_proj", "up_proj", "down_proj")}
+        need += [f"layers.{i}.{n}" for n in mlp]
+    fused = next((n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))), None)
+    if fused is not None:  # transformers 5's in-memory form; save_pretrained writes one tensor per expert
+        raise ModelLoadError(f"{path}: tensor {fused} holds all experts fused in one 3D tensor; expected "
+                             "one tensor per expert (mlp.experts.N.gate_proj/up_proj/down_proj.weight)")
+    if config.num_experts:  # before the missing names: a wrong expert count shows first in the router's shape
+        _check_experts(config, weights, path)
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+
+def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's router and expert matrices (our names, relative to the layer) -> shape."""
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"router.weight": (e, h)}
+    for x in range(e):
+        shapes |= {f"experts.{x}.gate_proj.weight": (i, h), f"experts.{x}.up_proj.weight": (i, h),
+                   f"experts.{x}.down_proj.weight": (h, i)}
+    return shapes
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _check_experts(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Every sparse layer's router and experts present have the config's count and shapes, and no layer
+    holds an expert past the config's count (a config that undercounts the checkpoint's experts)."""
+    shapes = getattr(weights, "shapes", {})
+    source = getattr(weights, "source", lambda n: n)
+    for i in range(config.num_layers):
+        if not config.is_moe_layer(i):
+            continue
+        for rel, want in expert_shapes(config, i).items():
+            name = f"layers.{i}.{rel}"
+            if name not in weights:
+                continue  # reported with the other missing tensors
+            got = tuple(shapes[name]) if name in shapes else tuple(weights[name].shape)
+            if got != want:
+                raise ModelLoadError(f"{path}: tensor {source(name)} has shape {list(got)}, expected {list(want)} "
+                                     f"({config.num_experts} experts, hidden {config.hidden_size}, expert "
+                                     f"intermediate {config.moe_intermediate_size} in config.json)")
+    extra = next((n for n in weights if (m := _EXPERT.search(n)) and int(m[1]) >= config.num_experts), None)
+    if extra is not None:
+        raise ModelLoadError(f"{path}: tensor {source(extra)} is an expert past config.json's num_experts "
+                             f"{config.num_experts}")

@@ -133,6 +133,9 @@ def check_adapter(path: str | Path, model: ModelConfig | None, max_rank: int) ->
 
 def read_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraWeights:
     """Parse and check one PEFT adapter against this model (LoraError if it cannot run here)."""
+    if model.num_experts:  # the torch path applies no deltas inside experts: refuse, never ignore
+        raise LoraError(f"LoRA adapter '{path}': this model is a mixture of experts ({model.num_experts} experts), "
+                        "and LoRA adapters on mixture-of-experts models are not supported yet", "lora_unsupported")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -1,7 +1,8 @@
 """Hyperparameters of a decoder, read from GGUF metadata or a HF config.json.
 
 One typed record for every decoder family the engine runs (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
-the torch path (`engine/models/`), the native kernels (`engine/kernels/model.py`) and the KV cache
+Qwen3-MoE and Mixtral add mixture-of-experts MLPs (`num_experts` > 0); dense models keep 0. The
+torch path (`engine/models/`), the native kernels (`engine/kernels/model.py`) and the KV cache
 manager all read the same fields, so a feature a path lacks is refused where that path is chosen
 (`unsupported_by`), never silently ignored. Defaults are the Llama ones: a config that names none
 of the newer fields computes exactly what it did before they existed.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -67,6 +68,17 @@ class ModelConfig:
     # hand weights over in this form (GGUF's gemma3 norms already hold 1 + w: the loader subtracts).
     norm_offset: float = 0.0
     add_bos_token: bool = True
+    # Mixture of experts (Qwen3-MoE, Mixtral). 0 experts = every MLP dense. A sparse layer routes
+    # each token to `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`,
+    # weighted by the softmax over all router logits, renormalized over the chosen ones when
+    # `norm_topk_prob` (Mixtral always: its softmax over the top-k logits is the same numbers).
+    # `moe_layers` lists the sparse layers (Qwen3-MoE's decoder_sparse_step / mlp_only_layers
+    # leave some dense, with `intermediate_size`); Mixtral: all of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
@@ -77,6 +89,10 @@ class ModelConfig:
         if self.rope_local_theta is not None and self.window(layer) is not None:
             return self.rope_local_theta
         return self.rope_theta
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts (else the dense gated MLP)."""
+        return self.num_experts > 0 and layer in self.moe_layers
 
     @property
     def has_windows(self) -> bool:

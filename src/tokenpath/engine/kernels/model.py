@@ -52,9 +52,11 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     """The features of `cfg` the native forward does not compute: such a model runs on torch
     rather than natively and wrong. It computes QK-norm, sandwich norms, SwiGLU and GeGLU, embedding
     and attention scales, norm offsets, per-layer sliding windows and rope tables (any base and
-    scaling: they are built here by the torch path's own LayerRopes), and any head_dim."""
+    scaling: they are built here by the torch path's own LayerRopes), and any head_dim. Not
+    mixture-of-experts MLPs: Qwen3-MoE and Mixtral run on torch until expert kernels exist."""
     checks = {
         f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
+        f"mixture-of-experts MLPs ({cfg.num_experts} experts, top-{cfg.num_experts_per_tok})": cfg.num_experts > 0,
     }
     return [name for name, hit in checks.items() if hit]
 

@@ -3,7 +3,8 @@
 Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Gemma 3 differ only in switches the ModelConfig carries:
 QK-norm (Qwen3, Gemma 3), sandwich norms around attention and MLP outputs, GeGLU instead of SwiGLU,
 embedding scale, attention scale, per-layer sliding windows and rope bases (Gemma 3), Gemma's
-(1 + w) norms. One module with those switches, rather than a copy per family, keeps the paged
+(1 + w) norms. Qwen3-MoE and Mixtral are the same decoder with a mixture-of-experts MLP
+(`models/moe.py`) in their sparse layers. One module with those switches, rather than a copy per family, keeps the paged
 attention and fused projections in one place.
 
 Input is a flat batch of tokens from many sequences (prefill chunks and decode steps mixed); the
@@ -15,6 +16,7 @@ model's decode step on CPU.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from torch import nn
 from tokenpath.engine.attention import AttentionMetadata, KVCache, paged_attention
 from tokenpath.engine.lora_batch import TorchLoraBatch
 from tokenpath.engine.model_config import ModelConfig
+from tokenpath.engine.models.moe import MoEBlock
 from tokenpath.engine.models.rope import LayerRopes, Rope
 
 __all__ = ["DecoderLayer", "LlamaModel", "Rope"]
@@ -33,7 +36,8 @@ def _norm_param(n: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, layer: int = 0) -> None:
+        """`layer`: this layer's index, which decides a dense or mixture-of-experts MLP."""
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
@@ -46,12 +50,17 @@ class DecoderLayer(nn.Module):
         self.ffn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
-        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        self.moe = MoEBlock(cfg, dtype) if cfg.is_moe_layer(layer) else None
+        dense = self.moe is None
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype) if dense else None
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype) if dense else None
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else d**-0.5
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 meta: AttentionMetadata, lora: TorchLoraBatch | None = None) -> torch.Tensor:
@@ -75,13 +84,16 @@ class DecoderLayer(nn.Module):
             lora.add(idx, "o", attn, a)
         x = x + (a if self.attn_out_norm is None else self._rms(a, self.attn_out_norm))
         h = self._rms(x, self.post_norm)
-        gu = self.gate_up(h)
+        if self.moe is not None:  # LoRA never reaches here: adapters are refused on MoE models
+            m = self.moe(h, self._act)
+            return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
+        gate_up, down = cast(nn.Linear, self.gate_up), cast(nn.Linear, self.down)  # a dense layer: both set
+        gu = gate_up(h)
         if lora is not None:
             lora.add(idx, "gate_up", h, gu)
         gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) if cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        act = act * up
-        m = self.down(act)
+        act = self._act(gate) * up
+        m = down(act)
         if lora is not None:
             lora.add(idx, "down", act, m)
         return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
@@ -94,7 +106,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = _norm_param(cfg.hidden_size, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
@@ -141,5 +153,8 @@ class LlamaModel(nn.Module):
                 if layer.qkv.bias is not None:
                     layer.qkv.bias.copy_(torch.cat([w("q_proj.bias"), w("k_proj.bias"), w("v_proj.bias")]))
                 layer.o_proj.weight.copy_(w("o_proj.weight"))
-                layer.gate_up.weight.copy_(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]))
-                layer.down.weight.copy_(w("down_proj.weight"))
+                if layer.moe is not None:
+                    layer.moe.load(w, stacked=f"layers.{i}.experts.gate_proj.weight" in weights)
+                    continue
+                cast(nn.Linear, layer.gate_up).weight.copy_(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]))
+                cast(nn.Linear, layer.down).weight.copy_(w("down_proj.weight"))
