@@ -13,6 +13,10 @@ so every reply starts inside its think block. Random weights never close it: the
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import anthropic
@@ -44,10 +48,14 @@ def _thinker(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_url(server_factory, tmp_path_factory) -> str:
+def server(server_factory, tmp_path_factory):  # noqa: ANN201
     path = _thinker(tmp_path_factory.mktemp("thinker"))
-    srv = server_factory("--model", str(path), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
-    return srv.base_url
+    return server_factory("--model", str(path), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
+
+
+@pytest.fixture(scope="module")
+def base_url(server) -> str:
+    return server.base_url
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +159,45 @@ def test_messages_without_thinking_turn_the_template_off(claude, base_url):
     r = httpx.post(base_url.removesuffix("/v1") + "/v1/messages", json={
         "model": MODEL, "max_tokens": 2, "messages": ask, "thinking": {"type": "enabled", "budget_tokens": 5}})
     assert r.status_code == 200 and "x-tokenpath-ignored" not in r.headers  # (this model reasons)
+
+
+# -- reasoning as a Timeline stage ------------------------------------------------------------------
+def _timing(header: str) -> dict[str, float]:
+    return {k: float(v) for k, v in re.findall(r"(\w+);dur=([\d.]+)", header)}
+
+
+def test_reasoning_is_a_stage_of_its_own(server, oai, claude):
+    """A reply that thought: `reasoning` (first token -> first answer token) apart from `decode` in
+    Server-Timing, the audit row (`tokenpath trace`) and /metrics' time to first answer token; a
+    reply that never thought has no reasoning stage."""
+    raw = oai.responses.with_raw_response.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
+    timing = _timing(raw.headers["server-timing"])
+    assert timing["reasoning"] > 0 and "decode" in timing, timing
+    stages = sum(v for k, v in timing.items() if k != "total")
+    assert abs(stages - timing["total"]) < 1.0, timing  # (ms: each rounded to 0.1)
+
+    plain = claude.messages.with_raw_response.create(model=MODEL, max_tokens=8, messages=[{"role": "user",
+                                                                                            "content": ASK}])
+    timing = _timing(plain.headers["server-timing"])
+    assert "reasoning" not in timing and "decode" in timing, timing
+
+    rid = raw.headers["x-request-id"]
+    tokenpath = str(Path(sys.executable).parent / "tokenpath")
+    deadline = time.monotonic() + 30
+    while True:  # the audit row is written as the request finishes
+        out = subprocess.run([tokenpath, "trace", rid, "--json", "--data-dir", str(server.log.parent / "data")],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert [st["stage"] for st in s["stages"]][-2:] == ["reasoning", "decode"]
+    assert 0 < s["time_to_first_reasoning_ms"] < s["time_to_first_answer_ms"] <= s["total_ms"]
+
+    metrics = httpx.get(server.url + "/metrics").text
+    count = re.search(r'^tokenpath:time_to_first_answer_token_seconds_count\{model_name="tiny-thinker"\} (\S+)',
+                      metrics, re.M)
+    assert count and float(count.group(1)) >= 1, metrics[-2000:]
+    assert re.search(r'^tokenpath:request_stage_seconds_count\{model_name="tiny-thinker",stage="reasoning"\} [1-9]',
+                     metrics, re.M), metrics[-2000:]

@@ -264,6 +264,7 @@ class Generation:
         self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
         assert run.acc is not None
         self.acc: fmt.Accumulator = run.acc
+        self.answered = False  # the first choice is past its think block (or never had one)
 
     def _add(self, part: int, out: RequestOutput) -> list:
         touched = self.acc.add(part, out)
@@ -274,7 +275,24 @@ class Generation:
                           "mask_us_per_token": out.grammar.mask_us_per_token})
         if part == 0 and any(c.index == 0 and c.token_ids for _, c in touched):
             self.run.token_times.append(time.monotonic())
+            if self.acc.reasoning is not None and not self.answered:
+                self._stamp_reasoning()
         return touched
+
+    def _stamp_reasoning(self) -> None:
+        """The Timeline's `first_reasoning` and `first_answer` (the `reasoning` stage) from the first
+        choice's split; once it answered, nothing more is looked at per token."""
+        ch = self.acc.choices.get(0)
+        if ch is None:
+            return
+        stamps = self.run.timeline.stamps
+        if ch.reasoning_tokens and "first_reasoning" not in stamps:
+            self.run.timeline.stamp("first_reasoning")
+        if ch.reasoning_done and "first_reasoning" not in stamps:
+            self.answered = True  # (a reply that never thought: no reasoning stage, decode from first_token)
+        elif ch.reasoning_done and ch.text:
+            self.run.timeline.stamp("first_answer")
+            self.answered = True
 
     async def first(self, stream: Deltas) -> tuple[int, RequestOutput] | None:
         """Wait for the first delta before sending headers: submission errors stay real HTTP errors."""

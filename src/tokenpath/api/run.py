@@ -32,6 +32,7 @@ from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
 from tokenpath.telemetry.record import FinishedRequest, audit_text_enabled
+from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.api")
@@ -305,7 +306,7 @@ class RequestRun:
             completion_tokens=completion,
             queue_s=durations.get("queue"),
             prefill_s=durations.get("prefill"),
-            decode_s=durations.get("decode"),
+            decode_s=after_first_token(durations),
             total_s=durations.get("total"),
             client=client.host if client else None,
             error_type=self.error_type,

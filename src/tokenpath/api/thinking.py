@@ -53,7 +53,9 @@ async def budgeted(dep: Deployment, submission: Submission[GenerateRequest], bud
     """The outputs of `submission` with its reasoning held to `budget` tokens (see the module)."""
     request = submission.request
     params = request.params
-    first = dataclasses.replace(request, params=dataclasses.replace(params, max_tokens=budget))
+    # (Ids of their own, as a batched prompt's: the gateway, not the first half's end, stamps `finished`.)
+    first = dataclasses.replace(request, request_id=f"{request.request_id}-think",
+                                params=dataclasses.replace(params, max_tokens=budget))
     text: list[str] = []
     ids: list[int] = []
     last: RequestOutput | None = None

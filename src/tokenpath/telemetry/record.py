@@ -107,6 +107,10 @@ class FinishedRequest:
         decisions that explain them."""
         a = self.timeline.attrs
         out: dict[str, object] = {"stages_ms": self.stage_ms()}
+        for event in ("first_reasoning", "first_answer"):  # a reasoning model's: time to its first of each
+            at = self.timeline.between("received", event)
+            if at is not None:
+                out[f"time_to_{event}_ms"] = round(at * 1000, 1)
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
                     "retried_after", "preemptions", "grammar", "predicted_wait_s"):
             if a.get(key) is not None:
