@@ -270,7 +270,7 @@ class ServerMetrics:
         for stage in PATH_STAGES:
             if stage in stages:
                 self.stage.labels(model, stage).observe(stages[stage])
-        if rec.endpoint == "/v1/embeddings":  # no first token, no decode: series of their own
+        if rec.operation == "embeddings":  # (and score, rerank) no first token, no decode: series of their own
             self.embed_tokens.labels(model).inc(rec.prompt_tokens)
             self.embed_latency.labels(model).observe(rec.timeline.durations()["total"])
             return

@@ -32,7 +32,7 @@ def audit_text_enabled() -> bool:
 @dataclass
 class FinishedRequest:
     timeline: Timeline
-    endpoint: str  # "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+    endpoint: str  # "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank"...
     status: int
     requested_model: str | None = None
     model: str | None = None  # the deployment that served it
@@ -68,7 +68,7 @@ class FinishedRequest:
     @property
     def operation(self) -> str:
         """GenAI semconv's operation name."""
-        if self.endpoint.endswith("embeddings"):
+        if self.endpoint.endswith(("embeddings", "/score", "/rerank")):  # (score and rerank: embeddings)
             return "embeddings"
         return "chat" if "chat" in self.endpoint else "text_completion"
 
