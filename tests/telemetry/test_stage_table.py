@@ -69,5 +69,28 @@ def test_current_stage_walks_the_table():
     seen = [current_stage(t)]
     for _, _, end in STAGE_BOUNDS:
         t.stamp(end)
+        if end == "first_token":
+            t.stamp("first_reasoning")  # (a reply that thinks: the reasoning stage is its own)
         seen.append(current_stage(t))
     assert seen == [*PATH_STAGES, "done"]
+
+
+def test_a_reply_that_never_thought_has_no_reasoning_stage():
+    """Without `first_reasoning`, decode runs from first_token; a reply that thought and was cut
+    before answering is all reasoning; one that answered splits at first_answer."""
+    def timeline(*events: str) -> Timeline:
+        t = Timeline("r")
+        at = t.stamps["received"]
+        for i, e in enumerate(("body_read", "admitted", "dispatched", "scheduled", "first_token", *events)):
+            t.stamp(e, at=at + i + 1)
+        return t
+
+    plain = timeline("finished")
+    assert current_stage(timeline()) == "decode"
+    assert "reasoning" not in plain.durations() and plain.durations()["decode"] == 1
+    cut = timeline("first_reasoning", "finished")
+    assert "decode" not in cut.durations() and cut.durations()["reasoning"] == 2
+    assert current_stage(timeline("first_reasoning")) == "reasoning"
+    both = timeline("first_reasoning", "first_answer", "finished").durations()
+    assert (both["reasoning"], both["decode"]) == (2, 1)
+    assert sum(v for k, v in both.items() if k != "total") == both["total"]

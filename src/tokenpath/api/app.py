@@ -24,6 +24,7 @@ from tokenpath.api.errors import install_error_handlers
 from tokenpath.api.inputs import warm_tokenizers
 from tokenpath.api.limits import BodyLimitMiddleware
 from tokenpath.api.lora import router as lora_routes
+from tokenpath.api.rerank import router as rerank_routes
 from tokenpath.api.responses.handler import router as responses_routes
 from tokenpath.api.routes import router as api_routes
 from tokenpath.api.run import refuse_early
@@ -75,6 +76,7 @@ def create_app(
     app.include_router(tokenize_routes)
     app.include_router(lora_routes)
     app.include_router(responses_routes)
+    app.include_router(rerank_routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout,

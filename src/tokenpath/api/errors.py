@@ -36,7 +36,8 @@ def error_response(exc: TokenpathError, extra_headers: dict[str, str] | None = N
 _REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/completions": ("model", "prompt"),
              "/v1/embeddings": ("model", "input"), "/v1/messages": ("model", "messages", "max_tokens"),
              "/v1/messages/count_tokens": ("model", "messages"),
-             "/v1/responses": ("model", "input")}
+             "/v1/responses": ("model", "input"), "/v1/score": ("model", "text_1", "text_2"),
+             "/v1/rerank": ("model", "query", "documents")}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

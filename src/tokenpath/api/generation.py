@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api import openai_fields, reasoning, structured
+from tokenpath.api import openai_fields, reasoning, structured, thinking
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.errors import error_body
 from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
@@ -58,7 +58,11 @@ class Edge:
     - `prepare` (the Responses API): the chat request it means, built once the key is known (stored
       turns are per tenant), in place of a body given up front;
     - `make`: the Generation that writes its replies, `(run, body, chat, parts, plan)`;
-    - `rename`: how a pipeline error names its own fields."""
+    - `rename`: how a pipeline error names its own fields;
+    - `thinking` (Anthropic's `thinking`): the request field that asks for reasoning output, named
+      in `x-tokenpath-ignored` when the model has no reasoning parser; `budget`: its thinking
+      budget in tokens (`api/thinking.py`; else the server's `--reasoning-budget`); `variables`:
+      chat template variables set where the template reads them, silently (`enable_thinking`)."""
 
     endpoint: str
     prefix: str
@@ -67,6 +71,9 @@ class Edge:
     prepare: Callable[[RequestRun], Awaitable[ChatCompletionRequest]] | None = None
     make: Callable[..., Generation] | None = None
     rename: Callable[[Exception], Exception] | None = None
+    thinking: str | None = None
+    budget: int | None = None
+    variables: dict | None = None
 
 
 async def handle(state: AppState, request: Request, body: Body | None, edge: Edge | None = None) -> Response:
@@ -92,8 +99,14 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         variables: dict = {}
         if isinstance(body, ChatCompletionRequest):
             run.session_key = body.prompt_cache_key
-            variables, unread = reasoning.template_variables(getattr(dep.tokenizer, "chat_template", None),
-                                                             body.chat_template_kwargs, body.reasoning_effort)
+            template = getattr(dep.tokenizer, "chat_template", None)
+            variables, unread = reasoning.template_variables(template, body.chat_template_kwargs,
+                                                             body.reasoning_effort)
+            if edge is not None and edge.variables:
+                variables = {**reasoning.known_variables(template, edge.variables), **variables}
+            if edge is not None and edge.thinking and not reasoning.uses_reasoning(state.config.reasoning_parser,
+                                                                                    template):
+                unread.append(edge.thinking)
             run.extra_headers.update(openai_fields.ignored_header(ignored + unread))
         floor = check_caps(state, dep, body)
         bias = body.token_bias(dep.tokenizer.vocab_size)
@@ -120,8 +133,15 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
         run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None)
         state.inflight[run.id] = run.stop
-        sources = [dep.generate(generate_request(run, i, len(prompts), ids, params, texts, priority, deadline))
-                   for i, ids in enumerate(prompts)]
+        submissions = [generate_request(run, i, len(prompts), ids, params, texts, priority, deadline)
+                       for i, ids in enumerate(prompts)]
+        budget = edge.budget if edge is not None and edge.budget is not None else state.config.reasoning_budget
+        parser = run.acc.reasoning
+        if chat and parser is not None and thinking.applies(budget, submissions[0], parser):
+            assert budget is not None
+            sources = [thinking.budgeted(dep, submissions[0], budget, parser)]
+        else:
+            sources = [dep.generate(s) for s in submissions]
         stream = until_stopped(_merge(sources), run.stop)
         if edge is not None and edge.make is not None:
             gen = edge.make(run, body, chat, len(prompts), plan)
@@ -245,6 +265,7 @@ class Generation:
         self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
         assert run.acc is not None
         self.acc: fmt.Accumulator = run.acc
+        self.answered = False  # the first choice is past its think block (or never had one)
 
     def _add(self, part: int, out: RequestOutput) -> list:
         touched = self.acc.add(part, out)
@@ -255,7 +276,24 @@ class Generation:
                           "mask_us_per_token": out.grammar.mask_us_per_token})
         if part == 0 and any(c.index == 0 and c.token_ids for _, c in touched):
             self.run.token_times.append(time.monotonic())
+            if self.acc.reasoning is not None and not self.answered:
+                self._stamp_reasoning()
         return touched
+
+    def _stamp_reasoning(self) -> None:
+        """The Timeline's `first_reasoning` and `first_answer` (the `reasoning` stage) from the first
+        choice's split; once it answered, nothing more is looked at per token."""
+        ch = self.acc.choices.get(0)
+        if ch is None:
+            return
+        stamps = self.run.timeline.stamps
+        if ch.reasoning_tokens and "first_reasoning" not in stamps:
+            self.run.timeline.stamp("first_reasoning")
+        if ch.reasoning_done and "first_reasoning" not in stamps:
+            self.answered = True  # (a reply that never thought: no reasoning stage, decode from first_token)
+        elif ch.reasoning_done and ch.text:
+            self.run.timeline.stamp("first_answer")
+            self.answered = True
 
     async def first(self, stream: Deltas) -> tuple[int, RequestOutput] | None:
         """Wait for the first delta before sending headers: submission errors stay real HTTP errors."""

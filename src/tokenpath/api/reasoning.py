@@ -80,6 +80,13 @@ def prompt_opens_block(prompt_tail: str) -> bool:
     return tail.endswith(OPEN)
 
 
+def known_variables(chat_template: str | None, variables: dict[str, Any]) -> dict[str, Any]:
+    """Those of `variables` the template reads (an API's own switch, such as Anthropic's thinking
+    off as Qwen3's `enable_thinking: false`, applied where it means something, silently)."""
+    template = chat_template or ""
+    return {k: v for k, v in variables.items() if re.search(rf"\b{re.escape(k)}\b", template)}
+
+
 def template_variables(chat_template: str | None, kwargs: dict[str, Any] | None,
                        effort: str | None) -> tuple[dict[str, Any], list[str]]:
     """The variables to render the template with, from `chat_template_kwargs` and

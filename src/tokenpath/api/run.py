@@ -32,6 +32,7 @@ from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
 from tokenpath.telemetry.record import FinishedRequest, audit_text_enabled
+from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.api")
@@ -48,7 +49,7 @@ CLIENT_ID_HEADERS = ("x-client-request-id", "x-request-id")
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
                "/tokenize": "tok", "/detokenize": "tok", "/v1/messages": "msg_", "/v1/messages/count_tokens": "msg_",
-               "/v1/responses": "resp"}
+               "/v1/responses": "resp", "/v1/score": "score", "/v1/rerank": "rerank"}
 _MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 
@@ -305,7 +306,7 @@ class RequestRun:
             completion_tokens=completion,
             queue_s=durations.get("queue"),
             prefill_s=durations.get("prefill"),
-            decode_s=durations.get("decode"),
+            decode_s=after_first_token(durations),
             total_s=durations.get("total"),
             client=client.host if client else None,
             error_type=self.error_type,

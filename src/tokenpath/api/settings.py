@@ -82,6 +82,9 @@ class ApiSettings(BaseModel):
     # chat replies. auto: where the chat template mentions <think>; none: never; qwen3 and
     # deepseek_r1 (one parser: both write the same tags): always.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    # llama.cpp's --reasoning-budget (api/thinking.py): a reasoning model's think block is closed
+    # for it after this many tokens, unless the request sets its own (Anthropic's budget_tokens).
+    reasoning_budget: int | None = Field(None, ge=1)
     # The Responses API (`api/responses`): `store` is honoured (default true, as OpenAI has it) unless
     # the operator turns it off; a stored response is kept this many seconds, and a conversation
     # (a `previous_response_id` chain with its new input) over this many bytes is refused.

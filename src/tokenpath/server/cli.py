@@ -91,6 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default=None,
                        help="split a reasoning model's <think> block off chat replies into reasoning_content "
                        "(vLLM's flag); auto (default): where the chat template mentions <think>")
+    serve.add_argument("--reasoning-budget", type=int, metavar="N", default=None,
+                       help="close a reasoning model's think block after N tokens (llama.cpp's flag), unless "
+                       "the request sets its own budget (Anthropic's thinking.budget_tokens); default: none")
     serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
                        help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
                        "/diagnose's windows: what benchmarks/causes_overhead.py compares against")

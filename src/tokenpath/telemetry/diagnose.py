@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenpath.telemetry.timeline import PATH_STAGES
 
-TTFT_STAGES = PATH_STAGES[:PATH_STAGES.index("decode")]  # every stage before the first token
+TTFT_STAGES = PATH_STAGES[:PATH_STAGES.index("prefill") + 1]  # every stage up to the first token
 
 
 @dataclass

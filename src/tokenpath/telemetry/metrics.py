@@ -32,6 +32,7 @@ from tokenpath.telemetry.engine_steps import SERIES as STEP_SERIES
 from tokenpath.telemetry.engine_steps import prometheus_buckets
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.series import RoutingMetricsCollector
+from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.timeline import PATH_STAGES, Timeline
 from tokenpath.telemetry.tracing import annotate_step
 
@@ -158,6 +159,9 @@ class ServerMetrics:
                                        m + ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram(PREFIX + "time_to_first_answer_token_seconds",
+                              "Histogram of time to the first answer token of a reply that reasoned first (after "
+                              "its think block), in seconds.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              m, buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
@@ -201,7 +205,7 @@ class ServerMetrics:
         self.embed_tokens = Counter(PREFIX + "embedding_input_tokens", "Number of embedding input tokens encoded.",
                                     m, registry=r)
         self.stage = Histogram(PREFIX + "request_stage_seconds",
-                               "Time per request stage (gateway, queue, engine_queue, prefill, decode), from "
+                               "Time per request stage (gateway, queue, engine_queue, prefill, reasoning, decode), from "
                                "the request's Timeline: the same numbers as Server-Timing.",
                                m + ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by HTTP status and error code "
@@ -266,11 +270,11 @@ class ServerMetrics:
         for stage in PATH_STAGES:
             if stage in stages:
                 self.stage.labels(model, stage).observe(stages[stage])
-        if rec.endpoint == "/v1/embeddings":  # no first token, no decode: series of their own
+        if rec.operation == "embeddings":  # (and score, rerank) no first token, no decode: series of their own
             self.embed_tokens.labels(model).inc(rec.prompt_tokens)
             self.embed_latency.labels(model).observe(rec.timeline.durations()["total"])
             return
-        decode = stages.get("decode")
+        decode = after_first_token(stages)
         if decode is not None and rec.completion_tokens > 1:
             self.tpot.labels(model).observe(decode / (rec.completion_tokens - 1))
         self.req_prompt_tokens.labels(model).observe(rec.prompt_tokens)
@@ -292,14 +296,20 @@ class ServerMetrics:
         ttft = timeline.between("received", "first_token")
         if ttft is not None:
             self.ttft.labels(model).observe(ttft)
+        ttfa = timeline.between("received", "first_answer")  # (a reply that thought, then answered)
+        if ttfa is not None:
+            self.ttfa.labels(model).observe(ttfa)
         d = timeline.durations()
         self.e2e.labels(model).observe(d["total"])
         for name, hist in (("gateway", self.gateway), ("queue", self.gateway_queue), ("engine_queue", self.queue),
-                           ("prefill", self.prefill), ("decode", self.decode)):
+                           ("prefill", self.prefill)):
             if name in d:
                 hist.labels(model).observe(d[name])
+        decode = after_first_token(d)
+        if decode is not None:
+            self.decode.labels(model).observe(decode)
         if "prefill" in d:
-            self.inference.labels(model).observe(d["prefill"] + d.get("decode", 0.0))
+            self.inference.labels(model).observe(d["prefill"] + (decode or 0.0))
         for a, b in zip(token_times, token_times[1:], strict=False):
             gap = max(0.0, b - a)
             self.itl.labels(model).observe(gap)

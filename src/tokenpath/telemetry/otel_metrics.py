@@ -37,6 +37,7 @@ from opentelemetry.sdk.resources import Resource
 
 from tokenpath.telemetry.otel import otlp_exporter
 from tokenpath.telemetry.record import FinishedRequest
+from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.tracing import PROVIDER_NAME
 
 log = logging.getLogger("tokenpath.telemetry")
@@ -127,7 +128,7 @@ def record_genai_metrics(rec: FinishedRequest, model: str, provider: MeterProvid
         meter.create_histogram("gen_ai.server.time_to_first_token", unit="s",
                                description="Time to generate the first token",
                                explicit_bucket_boundaries_advisory=TTFT_BUCKETS).record(ttft, attrs)
-    decode = rec.stages().get("decode")
+    decode = after_first_token(rec.stages())
     if decode is not None and rec.completion_tokens > 1:
         meter.create_histogram("gen_ai.server.time_per_output_token", unit="s",
                                description="Time per output token generated after the first",

@@ -32,7 +32,7 @@ def audit_text_enabled() -> bool:
 @dataclass
 class FinishedRequest:
     timeline: Timeline
-    endpoint: str  # "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+    endpoint: str  # "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank"...
     status: int
     requested_model: str | None = None
     model: str | None = None  # the deployment that served it
@@ -68,7 +68,7 @@ class FinishedRequest:
     @property
     def operation(self) -> str:
         """GenAI semconv's operation name."""
-        if self.endpoint.endswith("embeddings"):
+        if self.endpoint.endswith(("embeddings", "/score", "/rerank")):  # (score and rerank: embeddings)
             return "embeddings"
         return "chat" if "chat" in self.endpoint else "text_completion"
 
@@ -107,6 +107,10 @@ class FinishedRequest:
         decisions that explain them."""
         a = self.timeline.attrs
         out: dict[str, object] = {"stages_ms": self.stage_ms()}
+        for event in ("first_reasoning", "first_answer"):  # a reasoning model's: time to its first of each
+            at = self.timeline.between("received", event)
+            if at is not None:
+                out[f"time_to_{event}_ms"] = round(at * 1000, 1)
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
                     "retried_after", "preemptions", "grammar", "predicted_wait_s"):
             if a.get(key) is not None:

@@ -3,7 +3,8 @@
 `upload` (received->body_read: the client sending its body), `gateway` (body_read->admitted:
 auth, routing, tokenize, rate limits), `queue` (the admission
 queue: admitted->dispatched), `engine_queue` (dispatched->scheduled), `prefill`
-(scheduled->first token), `decode` (first token->finished) and `total`: the table is
+(scheduled->first token), `reasoning` (first token->first answer, for a reply that thought),
+`decode` (first answer, or first token, ->finished) and `total`: the table is
 `timeline.STAGE_BOUNDS`, and the arithmetic is `Timeline.durations()`; these are views of them.
 
 Each stage runs from the previous stamp that exists to its own end stamp, and `finished` closes
@@ -15,7 +16,7 @@ Server-Timing.
 
 from __future__ import annotations
 
-from tokenpath.telemetry.timeline import PATH_STAGES, STAGE_BOUNDS, Timeline
+from tokenpath.telemetry.timeline import PATH_STAGES, STAGE_BOUNDS, Timeline, skips_reasoning
 
 
 def stage_durations(timeline: Timeline) -> dict[str, float]:
@@ -35,7 +36,15 @@ def current_stage(timeline: Timeline, *, ignore_finished: bool = False) -> str:
     for i, (_, _, end) in enumerate(STAGE_BOUNDS):
         if end in timeline.stamps and not (ignore_finished and end == "finished"):
             stage = PATH_STAGES[i + 1] if i + 1 < len(PATH_STAGES) else "done"
-    return stage
+    return skips_reasoning(stage, timeline.stamps)
+
+
+def after_first_token(stages: dict[str, float]) -> float | None:
+    """Seconds from the first token to the end, reasoning and answer together: vLLM's decode time
+    (what `request_decode_time_seconds`, time per output token and the audit's decode_s mean)."""
+    if "decode" not in stages and "reasoning" not in stages:
+        return None
+    return stages.get("reasoning", 0.0) + stages.get("decode", 0.0)
 
 
 def dominant_stage(stages: dict[str, float]) -> str | None:

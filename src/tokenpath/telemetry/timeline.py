@@ -18,13 +18,18 @@ engine processes (`--replicas N`):
 | `queue`        | admitted -> dispatched  | the gateway's admission (fair) queue            |
 | `engine_queue` | dispatched -> scheduled | the link and the engine's own waiting queue     |
 | `prefill`      | scheduled -> first_token| prompt compute (chunks, prefix-cache hits)      |
-| `decode`       | first_token -> finished | every later token                               |
+| `reasoning`    | first_token -> first_answer | a reasoning model's think block             |
+| `decode`       | first_answer -> finished| every later token (the answer)                  |
 | `total`        | received -> finished    | the whole request (the sum of the above)        |
 
 A stage runs from the previous event reached to its own end event, and `finished` closes the
 stage the request was in (a 400 ends in `gateway`; a request whose body was never read through the
 body-limit middleware has no `upload`, its gateway stage starts at `received`; an embedding request's encoder batch, from
-`scheduled` on, is its `prefill`): the stages always sum to `total`.
+`scheduled` on, is its `prefill`): the stages always sum to `total`. `reasoning` is a stage only of
+a reply that thought (`first_reasoning` stamped, by the API's reasoning parser: api/reasoning.py):
+otherwise decode runs from `first_token`, and a reply cut before it answered is all reasoning.
+`first_reasoning` and `first_answer` are stamped when the gateway sees the first reasoning and the
+first answer text; time to first answer is received -> first_answer.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ EVENTS = (
     "dispatched",
     "scheduled",
     "first_token",
+    "first_reasoning",  # a reasoning model's think block began (the gateway's parser saw it)
+    "first_answer",  # ... and its answer: first_token -> first_answer is the `reasoning` stage
     "finished",
 )
 
@@ -55,10 +62,16 @@ STAGE_BOUNDS = (
     ("queue", "admitted", "dispatched"),
     ("engine_queue", "dispatched", "scheduled"),
     ("prefill", "scheduled", "first_token"),
-    ("decode", "first_token", "finished"),
+    ("reasoning", "first_token", "first_answer"),
+    ("decode", "first_answer", "finished"),
 )
 PATH_STAGES = tuple(s for s, _, _ in STAGE_BOUNDS)  # the request path's stages, in order
 STAGES = (*PATH_STAGES, "total")  # and their sum: every key `durations()` may return
+
+
+def skips_reasoning(stage: str, stamps: dict[str, float]) -> str:
+    """`stage`, or `decode` for the reasoning stage of a reply that never thought."""
+    return "decode" if stage == "reasoning" and "first_reasoning" not in stamps else stage
 
 
 @dataclass
@@ -105,6 +118,7 @@ class Timeline:
                 out[name] = at - prev
                 prev = at
                 current = STAGE_BOUNDS[i + 1][0]
+        current = skips_reasoning(current, stamps)
         finished = stamps.get("finished")
         if finished is not None and finished >= prev:
             out[current] = out.get(current, 0.0) + finished - prev

@@ -46,6 +46,9 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "dominant_stage": dominant,
         "predicted_wait_s": timing.get("predicted_wait_s"), "rejection": timing.get("rejection"),
         "causes": timing.get("causes") or [],
+        # A reasoning model's reply: when its think block began and when its answer did.
+        "time_to_first_reasoning_ms": timing.get("time_to_first_reasoning_ms"),
+        "time_to_first_answer_ms": timing.get("time_to_first_answer_ms"),
     }
 
 
@@ -63,6 +66,10 @@ def render(s: dict[str, Any]) -> str:
         facts.append(f"client id {s['client_request_id']}")
     if s.get("trace_id"):
         facts.append(f"trace {s['trace_id']}")
+    if s.get("time_to_first_reasoning_ms") is not None:
+        answer = s.get("time_to_first_answer_ms")
+        facts.append(f"first reasoning token {s['time_to_first_reasoning_ms']:.1f} ms, first answer token "
+                     + ("-" if answer is None else f"{answer:.1f} ms"))
     lines = [head, "  " + "  |  ".join(facts), f"  {'stage':<13}{'ms':>10}{'%':>7}  0{'':{WIDTH - 6}}{total:.0f} ms"]
     offset = 0.0
     order = {k: i for i, k in enumerate(PATH_STAGES)}

@@ -7,13 +7,14 @@ import functools
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpath.api import generation
+from tokenpath.api import generation, openai_fields
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.anthropic.errors import reshape
 from tokenpath.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from tokenpath.api.anthropic.stream import message_events
-from tokenpath.api.anthropic.translate import message_body, thinking_ignored, to_chat
+from tokenpath.api.anthropic.translate import message_body, thinking, to_chat
 from tokenpath.api.inputs import prompt_ids
+from tokenpath.api.reasoning import known_variables
 from tokenpath.api.run import RequestRun, refuse_early
 from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import TokenpathError
@@ -31,11 +32,16 @@ async def messages(body: MessagesRequest, request: Request, state: AppState = De
     except TokenpathError as exc:  # a malformed block or tool: refused and recorded like a schema error
         return reshape(await refuse_early(state, request, exc, {"model": body.model}))
     stops = body.stop_sequences
+    wants, budget = thinking(body)
+    # Thinking off (or not asked for): a hybrid template (Qwen3's enable_thinking) is told so.
     edge = generation.Edge("/v1/messages", "msg_", functools.partial(message_body, stops=stops),
-                           functools.partial(message_events, stops=stops))
+                           functools.partial(message_events, stops=stops), thinking="thinking" if wants else None,
+                           budget=budget, variables=None if wants else {"enable_thinking": False})
     response = reshape(await generation.handle(state, request, chat, edge))
-    if thinking_ignored(body):
-        response.headers[IGNORED_HEADER] = "thinking"
+    ignored = response.headers.get(openai_fields.IGNORED_HEADER)
+    if ignored:  # (`thinking` on a model without reasoning: named under this API's header name)
+        del response.headers[openai_fields.IGNORED_HEADER]
+        response.headers[IGNORED_HEADER] = ignored
     return response
 
 
@@ -51,7 +57,9 @@ async def count_tokens(body: CountTokensRequest, request: Request, state: AppSta
         dep = run.route(body.model, "chat")
         plan = tool_calls.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                                       getattr(dep.tokenizer, "chat_template", None))
-        ids = (await prompt_ids(state, dep, chat, plan))[0][0]
+        template = getattr(dep.tokenizer, "chat_template", None)
+        off = {} if thinking(body)[0] else known_variables(template, {"enable_thinking": False})
+        ids = (await prompt_ids(state, dep, chat, plan, off))[0][0]
         return JSONResponse({"input_tokens": len(ids)}, headers=run.headers())
     except Exception as exc:
         return reshape(run.respond_to(exc))

@@ -1,8 +1,9 @@
 """The chat stream's items -> Anthropic's Messages events, with SSE `event:` lines as Anthropic sends them.
 
 `message_start` (the message with empty content and the prompt's token count) and a `ping`, then
-per content block `content_block_start`, its deltas (`text_delta`, or `input_json_delta` for a
-tool call's input as it is generated), `content_block_stop`; then `message_delta` (stop_reason,
+per content block `content_block_start`, its deltas (`thinking_delta` for a reasoning model's
+think block, `text_delta`, or `input_json_delta` for a tool call's input as it is generated),
+`content_block_stop`; then `message_delta` (stop_reason,
 stop_sequence, usage.output_tokens) and `message_stop`. A failure mid-stream is an `error` event.
 The chat stream already holds tool markup back and streams parsed calls (`formatting`), so text
 and tool_use blocks map one to one onto its content and tool_call deltas.
@@ -29,7 +30,7 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" | "tool_use"
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.tools: dict[int, int] = {}  # chat tool-call index -> block index
 
     def close(self) -> list[bytes]:
@@ -71,6 +72,12 @@ async def message_events(items: Items, acc: Accumulator, stops: list[str] | None
                 yield b
         for choice in item.get("choices", ()):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):  # a reasoning model's think block (api/reasoning.py)
+                if blocks.open != "thinking":
+                    for b in blocks.start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield b
+                yield event("content_block_delta", {"index": blocks.index, "delta": {
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}})
             if delta.get("content"):
                 if blocks.open != "text":
                     for b in blocks.start("text", {"type": "text", "text": ""}):

@@ -2,7 +2,8 @@
 
 Blocks map onto what the chat pipeline already knows: `text` is text, an assistant's `tool_use`
 is a past tool call (its `input` the arguments), a user's `tool_result` is a `tool` message
-answering that call. `thinking` blocks in the history are dropped (this server writes none);
+answering that call. `thinking` blocks in the history are dropped (the templates drop past turns'
+reasoning too);
 `image` and `document` blocks are refused by name. `tools` become function tools (their
 `input_schema` the parameters) and `tool_choice` maps `auto`/`any`/`tool`/`none` onto
 `auto`/`required`/a named function/`none`, so `any` and `tool` go through the tool grammar.
@@ -180,24 +181,25 @@ def _tools(body: CountTokensRequest) -> tuple[list[dict] | None, Any, bool | Non
     raise _bad("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {kind!r}")
 
 
-def thinking_ignored(body: CountTokensRequest) -> bool:
-    """`thinking` is checked and accepted; no model here reasons apart from its answer, so asking
-    for it changes nothing (the response names it in `x-tokenpath-ignored`)."""
+def thinking(body: CountTokensRequest) -> tuple[bool, int | None]:
+    """(whether the request asks for thinking, its budget in tokens), `thinking` checked. A
+    reasoning model answers with `thinking` blocks and its think block is closed after the
+    budget (`api/thinking.py`); a model without reasoning names `thinking` in x-tokenpath-ignored."""
     t = body.thinking
     if t is None:
-        return False
+        return False, None
     kind = t.get("type")
     if kind not in THINKING_TYPES:
         raise _bad("thinking.type", f"must be one of {', '.join(THINKING_TYPES)}, got {kind!r}")
     budget = t.get("budget_tokens")
     if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise _bad("thinking.budget_tokens", "is required with type 'enabled': a positive integer")
-    return kind != "disabled"
+    return kind != "disabled", budget if kind == "enabled" else None
 
 
 def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request this Messages (or count_tokens) body asks for."""
-    thinking_ignored(body)
+    thinking(body)
     tools, choice, parallel = _tools(body)
     fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body), "tools": tools,
                               "tool_choice": choice, "parallel_tool_calls": parallel}
@@ -238,6 +240,8 @@ def message_body(chat: dict, acc: Accumulator, stops: list[str] | None) -> dict:
     choice = chat["choices"][0]
     msg = choice["message"]
     content: list[dict] = []
+    if msg.get("reasoning_content"):  # (a reasoning model's think block: api/reasoning.py)
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or ():

@@ -62,8 +62,10 @@ class ResponsesRequest(_Body):
             raise unsupported("prompt", "(stored prompt templates) is not supported by this server")
         if self.top_logprobs:
             raise unsupported("top_logprobs")
-        if self.reasoning and (self.reasoning.get("effort") or self.reasoning.get("summary")):
-            raise unsupported("reasoning", "is not supported by this model (it has no reasoning mode)")
+        if self.reasoning and set(self.reasoning) - {"effort", "summary", "generate_summary"}:
+            extra = sorted(set(self.reasoning) - {"effort", "summary", "generate_summary"})[0]
+            raise InvalidRequestError(f"unrecognized request argument supplied: reasoning.{extra}",
+                                      param=f"reasoning.{extra}")
         if self.truncation not in (None, "auto", "disabled"):
             raise InvalidRequestError(f"truncation must be 'auto' or 'disabled', got {self.truncation!r}",
                                       param="truncation")

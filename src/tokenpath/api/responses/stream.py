@@ -2,7 +2,8 @@
 the typed SSE events (`response.created` ... `response.completed`), each with its sequence_number.
 
 Streaming reuses the chat Generation's chunks (tool-call parsing and argument streaming
-included) and re-tells them as items: content deltas open a `message` item with one
+included) and re-tells them as items: a reasoning model's think block opens a `reasoning` item
+whose `reasoning_text` part streams as `response.reasoning_text.delta`; content deltas open a `message` item with one
 `output_text` part, a tool call opens a `function_call` item whose arguments stream as
 `response.function_call_arguments.delta`; each item is closed (`.done` events) before the next
 opens, and all before `response.completed` (or `response.incomplete`, or `response.failed`).
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenpath.api import formatting as fmt
 from tokenpath.api.generation import Deltas, Generation
 from tokenpath.api.responses.translate import new_id
-from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, status_of
+from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, reasoning_item, status_of
 from tokenpath.api.sse import Interrupted
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
@@ -62,7 +63,14 @@ class ResponsesGeneration(Generation):
             return []
         i = len(self.output)
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            out.append(self._emit("response.reasoning_text.done", item_id=item["id"], output_index=i,
+                                  content_index=0, text=self.text))
+            out.append(self._emit("response.content_part.done", item_id=item["id"], output_index=i,
+                                  content_index=0, part=part))
+            done = reasoning_item(self.text, item_id=item["id"])
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
             out.append(self._emit("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
                                   text=self.text, logprobs=[]))
@@ -86,6 +94,22 @@ class ResponsesGeneration(Generation):
         out.append(self._emit("response.content_part.added", item_id=self.open["id"], output_index=i,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                      "logprobs": []}))
+        return out
+
+    def _reasoning(self, delta: str) -> list[bytes]:
+        """A reasoning model's think block: one `reasoning` item, its text one `reasoning_text` part."""
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out.extend(self._close())
+            self.open = {**reasoning_item("", "in_progress"), "content": []}
+            self.text = ""
+            i = len(self.output)
+            out.append(self._emit("response.output_item.added", output_index=i, item=self.open))
+            out.append(self._emit("response.content_part.added", item_id=self.open["id"], output_index=i,
+                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
+        self.text += delta
+        out.append(self._emit("response.reasoning_text.delta", item_id=self.open["id"],
+                              output_index=len(self.output), content_index=0, delta=delta))
         return out
 
     def _text(self, delta: str) -> list[bytes]:
@@ -117,6 +141,8 @@ class ResponsesGeneration(Generation):
         for chunk in self._chunks(part, out):
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    events.extend(self._reasoning(delta["reasoning_content"]))
                 if delta.get("content"):
                     events.extend(self._text(delta["content"]))
                 for tc in delta.get("tool_calls") or ():

@@ -1,7 +1,8 @@
 """Responses API items <-> the chat messages the pipeline runs, and a finished reply -> a response.
 
 Input items: `message` (role user/assistant/system/developer; content a string or `input_text` /
-`output_text` parts), `function_call` and `function_call_output`. Consecutive function calls
+`output_text` parts), `function_call`, `function_call_output`, and `reasoning` (a past turn's,
+dropped: the chat templates drop earlier turns' reasoning too). Consecutive function calls
 become one assistant message's `tool_calls`; an output becomes a `tool` message. Every malformed
 item is a 400 naming it (`input.3.call_id`); images, files and audio are refused by name.
 """
@@ -22,7 +23,7 @@ _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text"}
 _REFUSED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 # Items an OpenAI-hosted model makes that have no meaning here, refused by their type.
-_HOSTED = {"reasoning", "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+_HOSTED = {"web_search_call", "file_search_call", "computer_call", "computer_call_output",
            "image_generation_call", "code_interpreter_call", "local_shell_call", "local_shell_call_output",
            "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "item_reference",
            "custom_tool_call", "custom_tool_call_output", "shell_call", "apply_patch_call"}
@@ -104,6 +105,9 @@ def _check_item(item: Any, at: str) -> None:
         if "output" not in item:
             raise _bad(f"{at}.output", f"Missing required parameter: '{at}.output'")
         _content_text(item["output"], f"{at}.output")
+    elif kind == "reasoning":  # a past reasoning item, sent back as the SDKs do: dropped (as templates do)
+        if not isinstance(item.get("summary", []), list):
+            raise _bad(f"{at}.summary", f"{at}.summary must be a list of summary_text parts")
     elif kind in _HOSTED:
         raise InvalidRequestError(f"{at}.type {kind!r} items are not supported by this server; send message, "
                                   "function_call and function_call_output items", param=f"{at}.type",
@@ -227,6 +231,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionR
         "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
         "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text), "stream": req.stream, "user": req.user,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -238,6 +243,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionR
 # -- pipeline errors named in this API's fields -------------------------------------------------
 _RENAMES = [(re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format\b"), "text.format"),
+            (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
             (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
             (re.compile(r"\bmessages\b"), "input")]
 _CALL = re.compile(r"\bmessages\.(\d+)\.tool_calls\.(\d+)(?:\.function)?(?:\.(\w+))?")

@@ -27,14 +27,22 @@ def conversation_bytes(items: list[dict]) -> int:
 def usage(chat_usage: dict) -> dict:
     prompt, completion = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A reasoning model's think block (api/reasoning.py) as OpenAI's reasoning item: the text as
+    `reasoning_text` content (as vLLM serves it), no summary."""
+    return {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
@@ -46,6 +54,8 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 def output_of(message: dict) -> list[dict]:
     """A finished chat message (`formatting.chat_body`'s) as output items."""
     out = []
+    if message.get("reasoning_content"):
+        out.append(reasoning_item(message["reasoning_content"]))
     if message.get("content"):
         out.append(message_item(message["content"]))
     for c in message.get("tool_calls") or ():
@@ -81,7 +91,7 @@ class Turn:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None}, "service_tier": "default",
             "store": self.store is not None,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": (r.text or {}).get("format") or {"type": "text"}, "verbosity": "medium"},
