@@ -40,14 +40,15 @@ def open_gateway(
     `static_keys`: `serve --api-key` keys (vLLM's static keys): they turn auth on, act as admin keys
     of tenant 'default' with no limits, and stored keys keep working beside them.
     """
-    import os
     import time
 
+    from tokenpath.config import env_audit_text, env_policy, env_redis_url
+
     if policy is None:
-        policy = os.environ.get("TOKENPATH_POLICY") or None
+        policy = env_policy()
     if log_text is None:
-        log_text = os.environ.get("TOKENPATH_AUDIT_TEXT", "").lower() in ("1", "true", "yes", "on")
-    redis_url = redis_url or os.environ.get("TOKENPATH_REDIS_URL") or None
+        log_text = env_audit_text()
+    redis_url = redis_url or env_redis_url()
     limits = None
     if redis_url:
         from tokenpath.gateway.redis_limits import RedisLimits
