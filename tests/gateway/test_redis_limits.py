@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
-from redis_fixtures import PrivateRedis, free_port, require_redis
+from redis_fixtures import PrivateRedis, free_port
 
 from tokenpath.errors import InvalidRequestError, RateLimitError, ServiceUnavailableError
 from tokenpath.gateway import Gateway, GatewayStore, Limits
@@ -192,8 +192,8 @@ async def _adjust(gw: Gateway, reservation, tokens: int, key_prefix: str | None)
         return ("400", exc.message.replace(mask, "KEY"), reservation.reconciled)
 
 
+@pytest.mark.requires("redis")
 async def test_unreachable_redis_fails_closed_with_503_and_a_log_line(store, clock, caplog):
-    pytest.importorskip("redis", reason="the redis package is not installed (pip install 'tokenpath[redis]')")
     from tokenpath.gateway.redis_limits import RedisLimits
 
     secret, _ = create_key(store, "acme", limits=Limits(rpm=5), now=clock())
@@ -213,8 +213,8 @@ async def test_unreachable_redis_fails_closed_with_503_and_a_log_line(store, clo
     await limits.aclose()
 
 
+@pytest.mark.requires("redis")
 async def test_fail_open_admits_without_limits_and_says_so(store, clock, caplog):
-    pytest.importorskip("redis", reason="the redis package is not installed (pip install 'tokenpath[redis]')")
     from tokenpath.gateway.redis_limits import RedisLimits
 
     secret, _ = create_key(store, "acme", limits=Limits(rpm=1), now=clock())
@@ -229,8 +229,8 @@ async def test_fail_open_admits_without_limits_and_says_so(store, clock, caplog)
     await limits.aclose()
 
 
+@pytest.mark.requires("redis")
 async def test_service_resumes_when_redis_comes_back(store, clock, tmp_path, caplog):
-    require_redis()
     from tokenpath.gateway.redis_limits import RedisLimits
 
     server = PrivateRedis(tmp_path)
