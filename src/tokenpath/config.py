@@ -40,6 +40,14 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+# The gateway's Redis limits (gateway.redis_limits, `serve --redis-timeout`): how long one check
+# waits on Redis (connecting, or a command's reply) before Redis counts as unreachable. A refused
+# connection fails at once whatever this is; it bounds a Redis that is slow or blackholed. 1 s was
+# too short on a loaded host: a burst of requests opening their connections on a busy event loop
+# took longer than that, and limits failed closed (503) with Redis healthy.
+REDIS_TIMEOUT_S = 5.0
+
+
 KERNEL_MASK_ALL = 0b11111  # the native kernels' five matmuls: qkv, o, gate_up, down, head
 
 

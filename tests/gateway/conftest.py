@@ -73,8 +73,8 @@ async def make_limits(request: pytest.FixtureRequest) -> AsyncIterator[Callable[
     namespace = f"tptest-{uuid.uuid4().hex[:10]}"
     made: list[RedisLimits] = []
 
-    def make(**kw: object) -> RedisLimits:
-        made.append(RedisLimits(url, namespace=namespace, **kw))
+    def make(**kw: object) -> RedisLimits:  # url=: another route to the same server (a proxy)
+        made.append(RedisLimits(str(kw.pop("url", url)), namespace=namespace, **kw))
         return made[-1]
 
     yield make

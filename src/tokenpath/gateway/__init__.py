@@ -25,6 +25,7 @@ def open_gateway(
     static_keys: list[str] | None = None,
     redis_url: str | None = None,
     limits_fail_open: bool = False,
+    redis_timeout: float | None = None,
 ) -> Gateway:
     """The guard `tokenpath serve` puts in front of its routes.
 
@@ -34,7 +35,8 @@ def open_gateway(
     `log_text`: store prompt and completion text in audit rows (off by default).
     `redis_url` (else TOKENPATH_REDIS_URL): rate windows, reservations and daily quotas in Redis,
     shared by every gateway pointed at it; keys and audit stay in the store. Redis unreachable:
-    503 (fail closed), or admit without limits with `limits_fail_open`.
+    503 (fail closed), or admit without limits with `limits_fail_open`; `redis_timeout`: seconds a
+    check waits on Redis before it counts as unreachable (default `config.REDIS_TIMEOUT_S`).
     Unset options come from the environment, so an operator can turn them on for `serve`:
     TOKENPATH_POLICY (same forms as `policy`) and TOKENPATH_AUDIT_TEXT=1.
     `static_keys`: `serve --api-key` keys (vLLM's static keys): they turn auth on, act as admin keys
@@ -53,7 +55,8 @@ def open_gateway(
     if redis_url:
         from tokenpath.gateway.redis_limits import RedisLimits
 
-        limits = RedisLimits(redis_url, fail_open=limits_fail_open)
+        limits = RedisLimits(redis_url, fail_open=limits_fail_open,
+                             **({} if redis_timeout is None else {"timeout_s": redis_timeout}))
     store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
     return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text,
                    static_keys=static_keys or (), limits=limits)

@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Settings are ServerConfig / ApiSettings fields: each flag is made from its field (typed,
     # described and defaulted there once: tokenpath.config.add_model_flags). The hand-written
     # flags below are this command's own options, not settings a --config file holds.
-    add_model_flags(serve, ServerConfig, ("data_dir", "database_url", "redis_url", "limits_fail_open"))
+    add_model_flags(serve, ServerConfig, ("data_dir", "database_url", "redis_url", "redis_timeout", "limits_fail_open"))
     serve.add_argument("--replicas", type=int, default=1,
                        help="run each chat model as N local engine processes behind the router "
                        "(default %(default)s: in-process)")
@@ -132,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         try:
             guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys,
-                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open)
+                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open,
+                                 redis_timeout=config.redis_timeout)
         except (ValueError, RuntimeError) as exc:  # a malformed --redis-url, or no redis package
             print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
             return 2

@@ -19,6 +19,7 @@ from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part 
 from tokenpath.config import (
     DEFAULT_CHAT_MODEL,
     DEFAULT_EMBEDDING_MODEL,
+    REDIS_TIMEOUT_S,
     EngineConfig,
     Flag,
     engine_flag_names,
@@ -47,6 +48,9 @@ class ServerConfig(ApiSettings):
     limits_fail_open: bool = Field(
         False, description="with --redis-url: admit requests without limits while Redis is unreachable; "
         "off: refuse them with 503")
+    redis_timeout: float = Field(
+        REDIS_TIMEOUT_S, gt=0, description="with --redis-url: seconds a limit check waits on Redis (connecting or "
+        "for a reply) before Redis counts as unreachable")
     insecure: bool = Field(False, description="allow a non-loopback --host without API keys")
     # Every replica, in-process, in engine processes, on Ray or behind a URL
     # (`tokenpath.replica.liveness`): one silent this long (no state push, no output; in-process,
