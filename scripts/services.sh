@@ -3,7 +3,8 @@
 #
 # Each service NAME in $TOKENPATH_TEST_SERVICES (default: "postgres redis chromium") is a file scripts/NAME.sh that
 # defines tp_NAME_start (export the URL the tests read; return 0 only if it started something) and
-# tp_NAME_stop. A service that cannot start says why and its tests are skipped with that reason;
+# tp_NAME_stop. A service that cannot start says why, and its tests FAIL (tests/capabilities.py)
+# unless the run allows it: TOKENPATH_TEST_ALLOW_MISSING=NAME;
 # the ones that started are stopped when the command ends, however it ends. To add one (Redis, a
 # browser), drop in scripts/NAME.sh and add NAME to the default list below.
 set -uo pipefail

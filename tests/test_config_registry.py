@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Literal, get_args, get_origin
@@ -12,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from tokenpath.cli import build_parser
-from tokenpath.config import ENV_VARS, EngineConfig, engine_flag_names, model_argv
-from tokenpath.server.config import build_config
+from tokenpath.config import ENV_VARS, EngineConfig, default_text, engine_flag_names, model_argv
+from tokenpath.server.config import ServerConfig, build_config
 from tokenpath.server.routing_config import ReplicaSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +98,64 @@ def test_a_routing_files_engine_block_is_checked_and_becomes_the_same_flags():
         ReplicaSpec(local=1, engine={"num_kv_block": 64})  # a typo: refused at load, not by a dead engine
     with pytest.raises(ValidationError):
         ReplicaSpec(local=1, engine={"max_num_seqs": 0})
+
+
+def names_read_outside_config() -> list[str]:
+    """Every place in src/ other than tokenpath/config.py where code names a TOKENPATH_* variable:
+    a string constant that is exactly a variable's name (what os.environ.get, getenv, environ[...]
+    or a helper taking the name would be given). Prose may mention the variables (docstrings,
+    comments, help text): it reads nothing."""
+    config = ROOT / "src" / "tokenpath" / "config.py"
+    found = []
+    for path in (ROOT / "src" / "tokenpath").rglob("*.py"):
+        if path == config:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_RE.fullmatch(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    return found
+
+
+def test_config_py_is_the_only_reader_of_tokenpath_variables():
+    assert names_read_outside_config() == [], "read these through a function of tokenpath.config"
+
+
+def flag_helps(command: str) -> dict[str, str]:
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    return {a.dest: a.help or "" for a in parser._actions}
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_help_shows_each_settings_default_once_from_its_field(command):
+    """Every ServerConfig / ApiSettings / EngineConfig flag is made from its field: described, and
+    its default shown once, the field's own (never retyped in the description)."""
+    helps = flag_helps(command)
+    settings = {**ServerConfig.model_fields, **EngineConfig.model_fields}
+    flagged = [name for name in settings if name in helps]
+    assert {"host", "port", "models", "insecure", "ssl_certfile", "max_num_seqs"} <= set(flagged)
+    if command == "serve":
+        assert {"redis_url", "stall_timeout", "allowed_hosts", "causes", "lora_modules"} <= set(flagged)
+    for name in flagged:
+        text = helps[name]
+        assert settings[name].description and text.startswith(settings[name].description), name
+        assert text.count("default") <= 1, (name, text)
+        shown = default_text(settings[name])
+        if shown is not None:
+            assert text.endswith(f"(default: {shown})"), (name, text)
+    assert "(default: 127.0.0.1)" in helps["host"] and "(default: 30)" in helps["shutdown_timeout"]
+
+
+def test_serve_settings_flags_reach_their_fields():
+    args = build_parser().parse_args([
+        "serve", "--host", "0.0.0.0", "--port", "0", "--model", "a", "--model", "b", "--insecure",
+        "--allowed-hosts", "x.test,y.test", "--allowed-hosts", "z.test", "--lora-modules", "p=/a", "q=/b",
+        "--stall-timeout", "7", "--no-causes", "--metrics-public", "--reasoning-parser", "none",
+        "--stream-max-unsent", "2MiB", "--limits-fail-open"])
+    config = build_config(args)
+    assert (config.host, config.port, config.models, config.insecure) == ("0.0.0.0", 0, ["a", "b"], True)
+    assert config.allowed_hosts == ["x.test", "y.test", "z.test"]
+    assert config.lora_modules == ["p=/a", "q=/b"]
+    assert (config.stall_timeout, config.causes, config.metrics_public) == (7.0, False, True)
+    assert (config.reasoning_parser, config.stream_max_unsent, config.limits_fail_open) == ("none", "2MiB", True)
+    untouched = build_config(build_parser().parse_args(["serve"]))
+    assert untouched.model_dump() == ServerConfig().model_dump()

@@ -7,13 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_protocol_and_engine_type_check(tmp_path):
-    pytest.importorskip("mypy", reason="mypy is in the [test] extra")
     out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                           "--cache-dir", str(tmp_path / "mypy_cache")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)

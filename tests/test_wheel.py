@@ -36,7 +36,7 @@ from tests.engine.tiny_models import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow,  # 187 s on 2 busy CPUs (README "Installing as a library")
-              pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout (its tracked files)")]
+              pytest.mark.requires("git_checkout")]
 
 
 def _tracked_copy(dest: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -37,6 +38,14 @@ def parse_bytes(value: str | int) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a memory size: {value!r} (use e.g. '512MiB' or '2GiB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+# The gateway's Redis limits (gateway.redis_limits, `serve --redis-timeout`): how long one check
+# waits on Redis (connecting, or a command's reply) before Redis counts as unreachable. A refused
+# connection fails at once whatever this is; it bounds a Redis that is slow or blackholed. 1 s was
+# too short on a loaded host: a burst of requests opening their connections on a busy event loop
+# took longer than that, and limits failed closed (503) with Redis healthy.
+REDIS_TIMEOUT_S = 5.0
 
 
 KERNEL_MASK_ALL = 0b11111  # the native kernels' five matmuls: qkv, o, gate_up, down, head
@@ -135,11 +144,11 @@ class EngineConfig(BaseModel):
         description="native kernel set: auto (AVX-512 VNNI where the CPU and build have it, else AVX2), avx2 or "
                     "avx512 (default: $TOKENPATH_KERNELS_ISA, else auto)")
     kernels_fine: int | None = Field(
-        default_factory=lambda: kernel_mask_from_env("TOKENPATH_KERNELS_FINE"), ge=0, le=KERNEL_MASK_ALL,
+        default_factory=lambda: env_kernels_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (1 qkv, 2 o, 4 gate_up, 8 down, 16 head) whose int8 activations "
                     "carry residual bytes, ~15 bits (default: $TOKENPATH_KERNELS_FINE, else 31: all)")
     kernels_exact: int | None = Field(
-        default_factory=lambda: kernel_mask_from_env("TOKENPATH_KERNELS_EXACT"), ge=0, le=KERNEL_MASK_ALL,
+        default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
                     "(default: $TOKENPATH_KERNELS_EXACT, else 0)")
 
@@ -164,14 +173,50 @@ def engine_flag_names() -> tuple[str, ...]:
     return tuple(name for name in EngineConfig.model_fields if name not in ENGINE_NOT_FLAGS)
 
 
+@dataclass(frozen=True)
+class Flag:
+    """How a field's flag differs from the plain one `add_model_flags` makes, given in the field's
+    `Annotated[...]`: another name (`models` is `--model`), a metavar, and for a list how its values
+    gather: `append` (`--x a --x b`), `extend` (`--x a b`, or repeated) or `csv` (`--x a,b`, or repeated)."""
+
+    name: str | None = None
+    metavar: str | None = None
+    gather: Literal["append", "extend", "csv"] = "extend"
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def default_text(field: FieldInfo) -> str | None:
+    """A field's default as `--help` shows it, or None: no default worth showing (None, an empty
+    list), or a description that already says what the default is (one read from a variable)."""
+    if "default" in (field.description or "").lower():
+        return None
+    value = field.get_default(call_default_factory=True)
+    if value is None or value == [] or value == {} or isinstance(value, BaseModel):
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
 def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
                     names: typing.Iterable[str]) -> None:
-    """One flag per field (`max_num_seqs` -> `--max-num-seqs`), typed and described by the field.
+    """One flag per field (`max_num_seqs` -> `--max-num-seqs`), typed and described by the field,
+    its help ending with the field's default (`default_text`): declared once, on the field.
     Every default is None, so a flag not given leaves the `--config` file's value or the field's
     default in place (`server.config.build_config`); a bool is `--x` / `--no-x`."""
     for name in names:
         field = model.model_fields[name]
-        kwargs: dict[str, typing.Any] = {"dest": name, "default": None, "help": field.description}
+        flag = next((m for m in field.metadata if isinstance(m, Flag)), Flag())
+        shown = default_text(field)
+        help_text = (field.description or "") + (f" (default: {shown})" if shown is not None else "")
+        kwargs: dict[str, typing.Any] = {"dest": name, "default": None, "help": help_text.replace("%", "%%")}
         ann = field.annotation
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         if typing.get_origin(ann) is Literal:
@@ -180,11 +225,19 @@ def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, m
             kwargs["action"] = argparse.BooleanOptionalAction
         elif ann in (int, float) or (isinstance(ann, types.UnionType) and args in ([int], [float])):
             kwargs["type"] = args[0] if args else ann
-        if "FILE" in (field.description or ""):
+        elif typing.get_origin(ann) is list:
+            kwargs["action"] = "append" if flag.gather == "append" else "extend"
+            if flag.gather == "extend":
+                kwargs["nargs"] = "+"
+            elif flag.gather == "csv":
+                kwargs["type"] = _csv
+        if flag.metavar:
+            kwargs["metavar"] = flag.metavar
+        elif "FILE" in (field.description or ""):
             kwargs["metavar"] = "FILE"
         elif "bit mask" in (field.description or ""):
             kwargs["metavar"] = "MASK"
-        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+        parser.add_argument("--" + (flag.name or name).replace("_", "-"), **kwargs)
 
 
 def model_argv(config: BaseModel, names: typing.Iterable[str]) -> list[str]:
@@ -232,6 +285,103 @@ ENV_VARS = (
 )
 
 
+# The variables a gateway sets for the engine processes it starts (replica.processes), read back
+# by the engine (server.engine_process).
+ENGINE_SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
+PARENT_PID_ENV = "TOKENPATH_PARENT_PID"
+ENGINE_NICE_ENV = "TOKENPATH_ENGINE_NICE"
+NUM_THREADS_ENV = "TOKENPATH_NUM_THREADS"
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _env(name: str) -> str | None:
+    """The variable's value, stripped; None when unset or blank (blank means unset everywhere)."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def env_api_key() -> str | None:
+    """TOKENPATH_API_KEY: a static key for `serve --api-key` and the admin key of `trace --url`."""
+    return _env("TOKENPATH_API_KEY")
+
+
+def env_bench_api_key() -> str | None:
+    """TOKENPATH_BENCH_API_KEY: the default key of `tokenpath bench`."""
+    return _env("TOKENPATH_BENCH_API_KEY")
+
+
+def env_database_url() -> str | None:
+    """TOKENPATH_DATABASE_URL: the store when `--database-url` is not given."""
+    return _env("TOKENPATH_DATABASE_URL")
+
+
+def env_redis_url() -> str | None:
+    """TOKENPATH_REDIS_URL: shared rate limits when `--redis-url` is not given."""
+    return _env("TOKENPATH_REDIS_URL")
+
+
+def env_policy() -> str | None:
+    """TOKENPATH_POLICY: the gateway's default tenant policy."""
+    return _env("TOKENPATH_POLICY")
+
+
+def env_audit_text() -> bool:
+    """TOKENPATH_AUDIT_TEXT (1, true, yes or on): keep prompt and completion text in the audit log
+    and request logs. One reading for the gateway and the log records alike."""
+    return (_env("TOKENPATH_AUDIT_TEXT") or "").lower() in _TRUE
+
+
+def env_num_threads() -> int | None:
+    """TOKENPATH_NUM_THREADS: torch CPU threads of this engine; None: unset."""
+    value = _env(NUM_THREADS_ENV)
+    if value is None:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ValueError(f"{NUM_THREADS_ENV}={value!r}: expected a number of threads") from None
+
+
+def env_no_kernels() -> bool:
+    """TOKENPATH_NO_KERNELS=1: run the torch path, not the native kernels (at install: skip the build)."""
+    return _env("TOKENPATH_NO_KERNELS") == "1"
+
+
+def env_kernels_fine() -> int | None:
+    """TOKENPATH_KERNELS_FINE as a mask (`kernel_mask_from_env`); None: unset."""
+    return kernel_mask_from_env("TOKENPATH_KERNELS_FINE")
+
+
+def env_kernels_exact() -> int | None:
+    """TOKENPATH_KERNELS_EXACT as a mask (`kernel_mask_from_env`); None: unset."""
+    return kernel_mask_from_env("TOKENPATH_KERNELS_EXACT")
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What a gateway tells an engine process it starts, through the environment (never argv, where
+    other users could read the secret): the link's secret, the parent to die with, the nice increment."""
+
+    secret: str
+    parent_pid: int | None
+    nice: int
+
+    def env(self) -> dict[str, str]:
+        """The variables to set in the child's environment."""
+        env = {ENGINE_SECRET_ENV: self.secret, ENGINE_NICE_ENV: str(self.nice)}
+        if self.parent_pid is not None:
+            env[PARENT_PID_ENV] = str(self.parent_pid)
+        return env
+
+    @classmethod
+    def from_env(cls) -> EngineLaunch:
+        """This engine process's launch, as its gateway set it (an empty secret: none was set)."""
+        parent = _env(PARENT_PID_ENV)
+        return cls(secret=os.environ.get(ENGINE_SECRET_ENV, ""), parent_pid=int(parent) if parent else None,
+                   nice=int(_env(ENGINE_NICE_ENV) or 0))
+
+
 def env_help() -> str:
     """The `ENV_VARS` table, for `--help`."""
     width = max(len(v.name) for v in ENV_VARS)
@@ -240,8 +390,6 @@ def env_help() -> str:
 
 def resolve_data_dir(explicit: str | None = None) -> Path:
     """`--data-dir`, else `TOKENPATH_DATA_DIR`, else a per-user default (XDG data home)."""
-    import os
-
     if explicit:
         path = Path(explicit)
     elif os.environ.get("TOKENPATH_DATA_DIR"):

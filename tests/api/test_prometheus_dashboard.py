@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHAT = "smollm2-135m-instruct"
 KEY = "prom-test-admin-key"
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
-                                reason="needs Debian's prometheus and promtool (scripts/prometheus.sh installs them)")
+pytestmark = pytest.mark.requires("prometheus")
 
 # What vLLM's published Grafana dashboard (examples/online_serving/prometheus_grafana) queries,
 # per model_name, with the prefix swapped.

@@ -189,7 +189,7 @@ def test_tool_history_round_trip_and_auto(client):
 
 
 def test_langchain_structured_output_and_bind_tools(server):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # a [test] dependency: missing fails, never skips
     from langchain_core.tools import tool
 
     llm = langchain_openai.ChatOpenAI(model=CHAT, base_url=server.base_url, api_key="unused", max_tokens=80,

@@ -5,7 +5,6 @@ client, and (with `--ssl-ca-certs`) a client without a certificate of that CA ar
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 
 CHAT = "smollm2-135m-instruct"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+pytestmark = pytest.mark.requires("openssl")
 
 
 def _openssl(*args: str, cwd: Path) -> None:

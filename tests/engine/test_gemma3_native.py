@@ -17,10 +17,9 @@ import torch
 from tests.engine.conftest import GEMMA3_270M, LoadedLLM
 from tests.engine.test_quantized_quality import all_logits
 from tokenpath import LLM, SamplingParams
-from tokenpath.engine.kernels import native_library
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(native_library() is None, reason="native kernels not built or CPU lacks AVX2")]
+              pytest.mark.requires("kernels")]
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "Photosynthesis is the process",

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tokenpath.engine import kernels as K
 from tokenpath.engine.kernels import abi
 from tokenpath.engine.kernels.library import OBJECTS, PACKAGE_DIR, object_path
 
@@ -114,7 +112,7 @@ def _built_objects() -> list[Path]:
     return [p for stem in OBJECTS.values() if (p := object_path(PACKAGE_DIR, stem))]
 
 
-@pytest.mark.skipif(not _built_objects() or shutil.which("nm") is None, reason="no kernel object built, or no nm")
+@pytest.mark.requires("nm", "kernels")
 @pytest.mark.parametrize("path", _built_objects(), ids=lambda p: p.name.split(".")[0])
 def test_each_built_object_exports_exactly_the_table(path):
     out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
@@ -130,7 +128,7 @@ def test_forward_status_is_checked():
         abi.check_forward(7)
 
 
-@pytest.mark.skipif(K.native_library() is None, reason="native kernels not built or CPU lacks AVX2")
+@pytest.mark.requires("kernels")
 def test_a_step_with_too_few_phases_raises_instead_of_overrunning(tiny_native):
     """Capped below what a step walks, the forward skips the surplus phases on every thread (no
     write past the array, no thread left waiting) and returns TP_STATUS_PHASES, which the model

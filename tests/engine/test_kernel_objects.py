@@ -21,7 +21,7 @@ from tokenpath.engine import kernels as K
 from tokenpath.engine.kernels.library import OBJECTS, PACKAGE_DIR, load_library, object_path
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 AVX2_OBJECT = object_path(PACKAGE_DIR, OBJECTS[K.ISA_AVX2])
 AVX512_OBJECT = object_path(PACKAGE_DIR, OBJECTS[K.ISA_AVX512])
 LOGGER = "tokenpath.engine.kernels"
@@ -47,7 +47,7 @@ def test_the_loader_names_the_object_and_kernels_it_loaded(caplog):
     assert got.path == lib.path  # the process's library is the same choice
 
 
-@pytest.mark.skipif(AVX2_OBJECT is None, reason="_native_avx2 not built")
+@pytest.mark.requires("avx2_object")
 def test_with_only_the_avx2_object_the_engine_runs_avx2_kernels(tmp_path, caplog, monkeypatch, tiny_llama):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         avx2 = load_library(only(tmp_path, AVX2_OBJECT))
@@ -71,7 +71,7 @@ def test_with_only_the_avx2_object_the_engine_runs_avx2_kernels(tmp_path, caplog
     assert np.array_equal(got.numpy(), ref.step([([0, 1], list(range(3, 30)), 0)]).numpy())
 
 
-@pytest.mark.skipif(AVX512_OBJECT is None, reason="_native_avx512 not built")
+@pytest.mark.requires("avx512_object")
 def test_with_only_the_avx512_object_it_runs_what_the_cpu_has(tmp_path):
     got = load_library(only(tmp_path, AVX512_OBJECT))
     assert got is not None and got.lib.tp_kernel_isas() == 3

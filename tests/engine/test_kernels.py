@@ -17,7 +17,7 @@ from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import load_model
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 ISAS = [] if lib is None else lib.available_isas()
 TYPES = [K.Q4_0, K.Q4_1, K.Q8_0]

@@ -22,7 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from tokenpath.engine import kernels as K
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 ISAS = [] if lib is None else lib.available_isas()
 TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K, K.F16, K.BF16]

@@ -23,7 +23,7 @@ from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import load_model
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 512
 # fp16 scale sizes that make weights of about 0.05-0.1 in each type (K-quants multiply by 6-bit

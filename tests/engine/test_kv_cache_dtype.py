@@ -28,7 +28,7 @@ from tokenpath.engine.runner import pick_kv_dtype
 from tokenpath.engine.tokenizer import Tokenizer
 
 lib = native_library()
-native_only = pytest.mark.skipif(lib is None or not lib.has_f16c, reason="native kernels or F16C missing")
+native_only = pytest.mark.requires("f16c")
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 REL_BOUND = 2e-3  # max |logit difference| / max |logit|, float activations (see the module docstring)
 
@@ -93,10 +93,8 @@ def tiny(tmp_path_factory):
     return save_tiny("llama", tmp_path_factory.mktemp("llama"))
 
 
-@pytest.mark.parametrize("quantization", ["q8_0", "none"])
+@pytest.mark.parametrize("quantization", [pytest.param("q8_0", marks=pytest.mark.requires("f16c")), "none"])
 def test_byte_budget_holds_twice_the_blocks_in_float16(tiny, quantization):
-    if quantization == "q8_0" and (lib is None or not lib.has_f16c):
-        pytest.skip("native kernels or F16C missing")
     n = {kv: LLM(str(tiny), quantization=quantization, dtype="float32", kv_cache_memory="8MiB",
                  kv_cache_dtype=kv).engine.runner for kv in ("float16", "float32", "auto")}
     assert n["float16"].cache.k[0].dtype == torch.float16
@@ -105,9 +103,8 @@ def test_byte_budget_holds_twice_the_blocks_in_float16(tiny, quantization):
     assert n["auto"].kv_dtype == (torch.float16 if quantization == "q8_0" else torch.float32)
 
 
+@pytest.mark.requires("kernels")
 def test_without_f16c_the_native_cache_stays_float32(caplog):
-    if lib is None:
-        pytest.skip("native kernels not built")
     no_f16c = NativeLibrary(lib=lib.lib, features=lib.features & ~FEATURE_F16C)
     with caplog.at_level(logging.WARNING, logger="tokenpath.engine"):
         assert pick_kv_dtype("auto", no_f16c, torch.float32) == torch.float32

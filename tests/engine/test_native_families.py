@@ -24,7 +24,7 @@ from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import LoadedModel, load_model
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 VOCAB = 512
 # The tiny families of tests/engine/tiny_models.py, on a smaller vocabulary; Mistral with head_dim 32.
@@ -88,7 +88,7 @@ def test_native_forward_matches_torch(kind, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["mistral-window", "gemma3-scalar"])
-@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("kv", ["float32", pytest.param("float16", marks=pytest.mark.requires("f16c"))])
 def test_windowed_prefill_matches_token_by_token(kind, kv, tmp_path):
     """With sliding windows a row still sums its keys in the same blocks whatever its tile: a
     100-token chunk (tiles of 8 rows whose 40-key windows start mid key-block and span two or
@@ -96,8 +96,6 @@ def test_windowed_prefill_matches_token_by_token(kind, kv, tmp_path):
     after it."""
     from tests.engine.native_steps import NativeSteps
 
-    if kv == "float16" and not lib.has_f16c:
-        pytest.skip("no F16C")
     loaded = load_model(save_family(kind, tmp_path / kind, sliding_window=40))
     assert loaded.config.has_windows
     ids = np.random.default_rng(1).integers(3, VOCAB, 101).tolist()

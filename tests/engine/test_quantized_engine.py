@@ -12,9 +12,8 @@ from tests.engine import test_churn
 from tests.engine.conftest import make_prompts
 from tests.engine.tiny_models import save_tiny
 from tokenpath import LLM, SamplingParams
-from tokenpath.engine.kernels import native_library
 
-pytestmark = pytest.mark.skipif(native_library() is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -20,7 +20,7 @@ from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(native_library() is None, reason="native kernels not built or CPU lacks AVX2")]
+              pytest.mark.requires("kernels")]
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 WINDOW = 512

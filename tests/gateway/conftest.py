@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import pytest
 from redis_fixtures import drop_namespace, require_redis
+from tests.capabilities import require
 
 from tokenpath.gateway.store import GatewayStore
 
@@ -42,9 +43,8 @@ def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
     if request.param == "sqlite":
         yield str(tmp_path / "gateway.sqlite3")
         return
-    if not POSTGRES_URL:
-        pytest.skip("TOKENPATH_TEST_POSTGRES_URL is not set: `make test` starts PostgreSQL when it is installed "
-                    "(scripts/postgres.sh printed why it did not)")
+    require(request.config, "postgres")  # `make test` starts it (scripts/postgres.sh says why it could not)
+    assert POSTGRES_URL is not None
     import psycopg
 
     schema = f"tp_test_{uuid.uuid4().hex[:12]}"
@@ -64,17 +64,17 @@ def store(store_location: str) -> Iterator[GatewayStore]:
 
 
 @pytest.fixture
-async def make_limits() -> AsyncIterator[Callable[..., object]]:
-    """RedisLimits on the test Redis server (skips without one), in a namespace of this test's own
+async def make_limits(request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., object]]:
+    """RedisLimits on the test Redis server (a required capability), in a namespace of this test's own
     (dropped afterwards); each call is another gateway's backend, with its own connection pool."""
-    url = require_redis()
+    url = require_redis(request.config)
     from tokenpath.gateway.redis_limits import RedisLimits
 
     namespace = f"tptest-{uuid.uuid4().hex[:10]}"
     made: list[RedisLimits] = []
 
-    def make(**kw: object) -> RedisLimits:
-        made.append(RedisLimits(url, namespace=namespace, **kw))
+    def make(**kw: object) -> RedisLimits:  # url=: another route to the same server (a proxy)
+        made.append(RedisLimits(str(kw.pop("url", url)), namespace=namespace, **kw))
         return made[-1]
 
     yield make

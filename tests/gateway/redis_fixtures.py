@@ -9,19 +9,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.capabilities import require
 
 REDIS_URL = os.environ.get("TOKENPATH_TEST_REDIS_URL")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "redis.sh"
 
 
-def require_redis() -> str:
-    """The test Redis URL, or a skip that says what is missing."""
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        pytest.skip("the redis package is not installed (pip install 'tokenpath[redis]')")
-    if not REDIS_URL:
-        pytest.skip("TOKENPATH_TEST_REDIS_URL is not set (`source scripts/redis.sh` sets it; .ci/run does)")
+def require_redis(config: pytest.Config) -> str:
+    """The test Redis URL; without one (or the redis package) the test fails, unless the run
+    allows `redis` to be missing (tests/capabilities.py)."""
+    require(config, "redis")
+    assert REDIS_URL is not None  # what the capability checked
     return REDIS_URL
 
 

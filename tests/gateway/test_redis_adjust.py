@@ -90,8 +90,8 @@ async def test_a_resent_adjust_changes_nothing(store, clock, make_limits):
     assert probe.headers["x-ratelimit-remaining-tokens-day"] == str(5000 - 551)
 
 
+@pytest.mark.requires("redis")
 async def test_adjust_with_redis_unreachable_fails_closed_or_open(store, clock):
-    pytest.importorskip("redis", reason="the redis package is not installed (pip install 'tokenpath[redis]')")
     from tokenpath.gateway.redis_limits import RedisLimits
 
     args = ("0" * 32, "tp-key", "acme", Limits(tpm=100), Limits(), 1, 10, 50, clock())

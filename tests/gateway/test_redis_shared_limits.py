@@ -119,8 +119,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    require_redis()
+def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    require_redis(request.config)
     tmp = tmp_path_factory.mktemp("shared-limits")
     redis = PrivateRedis(tmp)
     url = redis.start()

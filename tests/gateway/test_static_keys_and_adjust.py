@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.capabilities import missing
 
 from tokenpath.errors import AuthenticationError, InvalidRequestError, RateLimitError
 from tokenpath.gateway import Gateway, GatewayStore
@@ -74,7 +75,7 @@ async def test_adjust_grows_exactly_to_the_limit_and_no_further(store, clock):
     assert e.admission_id is not None
 
 
-def test_services_script_runs_a_private_postgres_and_removes_it(tmp_path: Path):
+def test_services_script_runs_a_private_postgres_and_removes_it(tmp_path: Path, request: pytest.FixtureRequest):
     """`make test` runs pytest under scripts/services.sh: with PostgreSQL installed (or installable
     as root with apt) the command sees TOKENPATH_TEST_POSTGRES_URL and can use it; afterwards the
     cluster is stopped and its directory gone."""
@@ -88,7 +89,7 @@ def test_services_script_runs_a_private_postgres_and_removes_it(tmp_path: Path):
     have = any(Path("/usr/lib/postgresql").glob("*/bin/initdb")) or subprocess.run(
         ["sh", "-c", "command -v initdb"], capture_output=True).returncode == 0
     if not have and os.geteuid() != 0:
-        pytest.skip("PostgreSQL is not installed and installing it needs root")
+        missing(request.config, "postgres", "PostgreSQL is not installed and installing it needs root")
     out = subprocess.run(["bash", str(root / "scripts" / "services.sh"), sys.executable, "-c", probe],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-2000:]

@@ -60,9 +60,8 @@ def test_prune_drops_only_admissions_outside_every_window(store, clock):
         assert tx.q("SELECT COUNT(*) FROM admissions")[0][0] == 1
 
 
+@pytest.mark.parametrize("store_location", ["postgres"], indirect=True)  # PostgreSQL only
 def test_postgres_store_reconnects_after_the_connection_is_killed(store_location, clock):
-    if not store_location.startswith("postgres"):
-        pytest.skip("PostgreSQL only")
     s = GatewayStore(store_location)
     try:
         create_key(s, "acme", now=clock())

@@ -27,6 +27,7 @@ import pytest
 
 from tests.api.conftest import CHAT_MODEL, EMBED_MODEL, start_server
 from tests.api.sim_server import SimServer
+from tests.capabilities import missing
 from tests.reliability.private_pg import PrivateCluster
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica
 from tokenpath.gateway import Gateway, GatewayStore
@@ -92,13 +93,13 @@ def _fault_run(location: str, fail, repair, url: str, cause: str) -> None:  # no
 
 
 @contextlib.contextmanager
-def _mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+def _mounted_tmpfs(config: pytest.Config, mnt: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of `size` at `mnt` (the tests run as root here and in CI), unmounted after."""
     mnt.mkdir()
     out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}")
+        missing(config, "root", f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}")
     try:
         yield mnt
     finally:
@@ -106,9 +107,9 @@ def _mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
+def tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
     """A real 16 MiB tmpfs."""
-    with _mounted_tmpfs(tmp_path / "data", "16m") as mnt:
+    with _mounted_tmpfs(request.config, tmp_path / "data", "16m") as mnt:
         yield mnt
 
 
@@ -140,11 +141,11 @@ def test_full_disk_spools_and_writes_every_row_later(tmpfs: Path):
         srv.stop()
 
 
-def test_postgres_stopped_and_restarted_spools_and_writes_every_row_later():
+def test_postgres_stopped_and_restarted_spools_and_writes_every_row_later(request: pytest.FixtureRequest):
     try:  # in a fresh directory of $TMPDIR, as scripts/postgres.sh: the `postgres` user cannot enter tmp_path
         cluster = PrivateCluster(Path(tempfile.mkdtemp(prefix="tokenpath-test-pg.")))
     except RuntimeError as exc:
-        pytest.skip(f"no private PostgreSQL cluster: {exc}")
+        missing(request.config, "postgres", f"no private PostgreSQL cluster: {exc}")
     srv = None
     try:
         gw = Gateway(GatewayStore(cluster.url))
@@ -230,10 +231,10 @@ def _fill(path: Path, filler: Path) -> None:
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+def tiny_tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
     """A real 3 MiB tmpfs: smaller than SQLite's WAL grows before its automatic checkpoint (1000
     pages, ~4 MiB), so once space returns the WAL alone can fill it again."""
-    with _mounted_tmpfs(tmp_path / "tiny", "3m") as mnt:
+    with _mounted_tmpfs(request.config, tmp_path / "tiny", "3m") as mnt:
         yield mnt
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from tests.api.conftest import Server, running_server
 from tests.api.test_replicas import audit_row
+from tests.engine.tiny_models import save_tiny
 from tests.reliability.nasty_bodies import CHAT_MODEL
 from tokenpath.gateway.base import OPEN_STATUS
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
@@ -74,9 +75,9 @@ def connection_ends(sock: socket.socket, within: float = 30) -> bool:
     return True
 
 
-def gauge(srv: Server, name: str) -> float:
+def gauge(srv: Server, name: str, model: str = CHAT_MODEL) -> float:
     text = httpx.get(srv.url + "/metrics", timeout=30).text
-    m = re.search(rf'^tokenpath:{name}\{{model_name="{CHAT_MODEL}"\}} (\S+)$', text, re.M)
+    m = re.search(rf'^tokenpath:{name}\{{model_name="{re.escape(model)}"\}} (\S+)$', text, re.M)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -153,9 +154,19 @@ def test_a_flood_of_non_readers_gives_the_memory_back(tmp_path_factory: pytest.T
     with 200 such clients in the probe, and it stayed there)."""
     # Engine processes (--replicas 2), so the RSS measured is the gateway's alone: with the engine
     # in-process the same flood left ~70 MiB more after it (582 -> 650 MiB), while this gateway's
-    # own RSS stayed flat (346 -> 349 peak -> 347 MiB).
-    with running_server(tmp_path_factory.mktemp("flood"), "--model", CHAT_MODEL, "--replicas", "2",
+    # own RSS stayed flat (346 -> 349 peak -> 347 MiB). The engines run a tiny model with
+    # SmolLM2's tokenizer, served under SmolLM2's name: the gateway's side (what is measured) is
+    # the same, and SmolLM2 generating for the flood made this one of the slowest tests (~107 s).
+    tmp = tmp_path_factory.mktemp("flood")
+    model = save_tiny("llama", tmp / "tiny", max_position_embeddings=4096)
+    with running_server(tmp, "--model", str(model), "--served-model-name", CHAT_MODEL, "--replicas", "2",
                         "--stream-stall-timeout", str(STALL_S)) as srv:
+        served = [m["id"] for m in httpx.get(srv.base_url + "/models", timeout=30).json()["data"]]
+        deployment = next(name for name in served if name != CHAT_MODEL)  # (the metrics' label)
+
+        def running() -> float:
+            return gauge(srv, "num_requests_running", deployment)
+
         # Warm-up first: what the server allocates once belongs to the baseline, not to the flood:
         # the engine's buffers for a batch this wide with logprobs (FLOOD reading streams at once),
         # and the stall path's (a few non-readers).
@@ -174,12 +185,12 @@ def test_a_flood_of_non_readers_gives_the_memory_back(tmp_path_factory: pytest.T
         socks = [non_reader(srv.port, rid) for rid in ids]
         peak = before
         deadline = time.monotonic() + 300
-        while gauge(srv, "num_requests_running") == 0 and time.monotonic() < deadline:
+        while running() == 0 and time.monotonic() < deadline:
             time.sleep(0.2)  # (admitted)
-        while (running := gauge(srv, "num_requests_running")) and time.monotonic() < deadline:
+        while (busy := running()) and time.monotonic() < deadline:
             peak = max(peak, rss_mib(srv.proc.pid))
             time.sleep(0.5)
-        assert running == 0
+        assert busy == 0
         wait_stalled(srv, ids)
         for s in socks:
             s.close()

@@ -4,7 +4,6 @@ head on loopback for the server alone, serves through its actors, and leaves not
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -19,8 +18,7 @@ import pytest
 from tests.engine.tiny_models import save_tiny
 from tests.process_logs import wait_for_log
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is not installed (pip install 'tokenpath[ray]')")
+pytestmark = pytest.mark.requires("ray")
 BIN = Path(sys.executable).parent
 
 

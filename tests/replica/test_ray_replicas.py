@@ -11,7 +11,6 @@ The stall bound is short (`STALL_S`), for the test of a frozen actor (issue 23).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import json
 import os
@@ -37,8 +36,7 @@ from tokenpath.routing.replicas import _hrw
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                       reason="Ray is not installed (pip install 'tokenpath[ray]')"),
+    pytest.mark.requires("ray"),
 ]
 
 BIN = Path(sys.executable).parent

@@ -42,8 +42,7 @@ from tokenpath.gateway.admin import create_key
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                       reason="Ray is not installed (pip install 'tokenpath[ray]')"),
+    pytest.mark.requires("ray"),
 ]
 
 BIN = Path(sys.executable).parent

@@ -10,7 +10,6 @@ dashboard (`ray start --head --include-dashboard=false`, loopback only):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
@@ -26,8 +25,7 @@ from tests.replica.ray_cluster import private_ray_env
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                       reason="Ray is not installed (pip install 'tokenpath[ray]')"),
+    pytest.mark.requires("ray"),
 ]
 
 BIN = Path(sys.executable).parent

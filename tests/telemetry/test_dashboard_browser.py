@@ -17,20 +17,20 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.capabilities import CHROMIUM
 from tests.telemetry.conftest import Served, chat
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency")
+pytestmark = pytest.mark.requires("chromium")
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/run does)")
+    from playwright import sync_api as playwright_api
+
     with playwright_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS, headless=True)
         yield b

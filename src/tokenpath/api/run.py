@@ -22,6 +22,7 @@ from tokenpath.api.formatting import Accumulator
 from tokenpath.api.limits import UPLOAD_KEY
 from tokenpath.api.sse import STALLED, Interrupted, StopSignal
 from tokenpath.api.state import AppState
+from tokenpath.config import env_audit_text
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
@@ -31,7 +32,7 @@ from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY, check_priori
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
-from tokenpath.telemetry.record import FinishedRequest, audit_text_enabled
+from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.timeline import Timeline
 
@@ -268,7 +269,7 @@ class RequestRun:
     def _finished_record(self, finish_reason: str | None, prompt: int, completion: int) -> FinishedRequest:
         """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
         p, sp, url = self.principal, self.sampling, self.request.url
-        text = audit_text_enabled()
+        text = env_audit_text()  # prompt/completion text leaves the process only when the operator asked
         return FinishedRequest(
             timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
             derive_causes=self.state.config.causes,

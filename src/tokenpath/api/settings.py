@@ -3,11 +3,11 @@ fields. `tokenpath.server.config.ServerConfig` extends it with where to listen a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenpath.config import parse_bytes
+from tokenpath.config import Flag, parse_bytes
 
 
 class Caps(BaseModel):
@@ -30,14 +30,17 @@ class Caps(BaseModel):
 class ApiSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_body_size: str | int = "4MiB"
-    shutdown_timeout: float = Field(30.0, ge=0)
+    max_body_size: str | int = Field("4MiB", description="largest accepted request body, e.g. 4MiB")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get on shutdown")
     caps: Caps = Field(default_factory=Caps)
     # /metrics is open, as vLLM's is (scrape configs and aiperf send no key), with tenant series
     # summed away unless the caller has an admin key. `metrics_require_key`: an admin key for all of
     # it. `metrics_public`: open with the tenant series too (the operator publishes tenant names).
-    metrics_require_key: bool = False
-    metrics_public: bool = False
+    metrics_require_key: bool = Field(
+        False, description="/metrics needs an admin key when auth is on; off: open, as vLLM's, with tenant series "
+        "only for admin keys")
+    metrics_public: bool = Field(
+        False, description="/metrics shows the tenant series to every caller, not only to admin keys")
     # Slow clients (slowloris): a connection must finish its request headers, and then its body,
     # within these many seconds, or it is closed (headers) or answered 408 (body).
     header_timeout: float = Field(10.0, gt=0)
@@ -49,12 +52,19 @@ class ApiSettings(BaseModel):
     timeout_keep_alive: float = Field(65.0, gt=0)
     # Browser-facing safety (`tokenpath.api.browser`): Host names beyond localhost/127.0.0.1/[::1],
     # origins whose pages may call the API (CORS, default none; "*" for any), docs without a key.
-    allowed_hosts: list[str] = Field(default_factory=list)
-    allowed_origins: list[str] = Field(default_factory=list)
-    public_docs: bool = False
+    allowed_hosts: Annotated[list[str], Flag(metavar="HOST[,HOST]", gather="csv")] = Field(
+        default_factory=list, description="Host header names accepted beside localhost, 127.0.0.1 and [::1] "
+        "(checked when bound to loopback, against DNS rebinding; and on any address once given)")
+    allowed_origins: Annotated[list[str], Flag(metavar="ORIGIN[,ORIGIN]", gather="csv")] = Field(
+        default_factory=list, description="origins whose web pages may call the API (CORS; none unless given; "
+        "'*' for any), e.g. https://app.example.com")
+    public_docs: bool = Field(
+        False, description="serve /docs, /redoc and /openapi.json without a key even when auth is on")
     # Causes for every request and per-window engine figures for /diagnose (`telemetry.causes`,
     # `telemetry.engine_window`); off only to measure what they cost (`serve --no-causes`).
-    causes: bool = True
+    causes: bool = Field(
+        True, description="derive causes (trace, audit row, log, spans) and sample engine figures for /diagnose's "
+        "windows; --no-causes is what benchmarks/causes_overhead.py compares against")
     # Streaming clients that stop reading (`api.sse.SSEResponse`): a stream whose client has taken
     # nothing for `stream_stall_timeout` seconds (one send to it waited that long on a full socket),
     # or whose output waiting in the gateway for it passes `stream_max_unsent`, is ended at once:
@@ -63,10 +73,10 @@ class ApiSettings(BaseModel):
     # all three for as long as it keeps the connection open.
     stream_stall_timeout: float = Field(
         30.0, gt=0, description="seconds a streaming client may go without reading before its stream is "
-        "aborted and its slot freed (30)")
+        "aborted and its slot freed")
     stream_max_unsent: str | int = Field(
         "1MiB", description="output waiting in the gateway for one streaming client beyond which it is "
-        "aborted as stalled, e.g. 1MiB (1MiB)")
+        "aborted as stalled, e.g. 1MiB")
 
     @field_validator("stream_max_unsent")
     @classmethod
@@ -81,10 +91,14 @@ class ApiSettings(BaseModel):
     # vLLM's --reasoning-parser (api/reasoning.py): split a reasoning model's <think> block off its
     # chat replies. auto: where the chat template mentions <think>; none: never; qwen3 and
     # deepseek_r1 (one parser: both write the same tags): always.
-    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
+        "auto", description="split a reasoning model's <think> block off chat replies into reasoning_content "
+        "(vLLM's flag); auto: where the chat template mentions <think>")
     # llama.cpp's --reasoning-budget (api/thinking.py): a reasoning model's think block is closed
     # for it after this many tokens, unless the request sets its own (Anthropic's budget_tokens).
-    reasoning_budget: int | None = Field(None, ge=1)
+    reasoning_budget: int | None = Field(None, ge=1, description="close a reasoning model's think block after N "
+                                         "tokens (llama.cpp's flag), unless the request sets its own budget "
+                                         "(Anthropic's thinking.budget_tokens)")
     # The Responses API (`api/responses`): `store` is honoured (default true, as OpenAI has it) unless
     # the operator turns it off; a stored response is kept this many seconds, and a conversation
     # (a `previous_response_id` chain with its new input) over this many bytes is refused.

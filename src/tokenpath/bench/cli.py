@@ -15,6 +15,7 @@ from tokenpath.bench.metrics import parse_slo
 from tokenpath.bench.records import EXACT_MODES, LoadPoint, Target
 from tokenpath.bench.runner import Bounds, RunResult, run_all
 from tokenpath.bench.workload import INPUT_LEN_MODES, WORKLOAD_KINDS, LengthDist, Workload, WorkloadConfig
+from tokenpath.config import env_bench_api_key
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DESCRIPTION = """Load-test OpenAI-compatible servers and compare them side by side: TTFT, TPOT, ITL and E2EL
@@ -97,7 +98,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--base-url", help="a single target (same as --target URL)")
     g.add_argument("--model", default=DEFAULT_MODEL, help="model for targets that do not name one")
     g.add_argument("--api", choices=("chat", "completions"), default="chat")
-    g.add_argument("--api-key", default=os.environ.get("TOKENPATH_BENCH_API_KEY"), help="or env:VAR")
+    g.add_argument("--api-key", default=env_bench_api_key(), help="or env:VAR")
     g.add_argument("--exact", choices=EXACT_MODES, default="vllm",
                    help="how targets are made to emit exactly --output-len tokens (see records.ExactMode)")
     g.add_argument("--note", action="append", default=[], metavar="NAME=TEXT",

@@ -7,12 +7,11 @@ It owns the model and the KV cache tensors; the scheduler and block manager only
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 
-from tokenpath.config import EngineConfig
+from tokenpath.config import EngineConfig, env_num_threads
 from tokenpath.engine.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import DEFAULT_EXACT, DEFAULT_FINE, NativeLlama, select_native
@@ -126,8 +125,8 @@ class ModelRunner:
                                       isa=config.kernels_isa,
                                       fine=DEFAULT_FINE if config.kernels_fine is None else config.kernels_fine,
                                       exact=DEFAULT_EXACT if config.kernels_exact is None else config.kernels_exact)
-        if self.device.type == "cpu" and os.environ.get("TOKENPATH_NUM_THREADS"):
-            torch.set_num_threads(int(os.environ["TOKENPATH_NUM_THREADS"]))
+        if self.device.type == "cpu" and (threads := env_num_threads()) is not None:
+            torch.set_num_threads(threads)
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], PromptRows]:
         """Run one step. Returns logits [S + P, vocab]: S rows for the sequences whose scheduled

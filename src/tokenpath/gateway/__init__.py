@@ -25,6 +25,7 @@ def open_gateway(
     static_keys: list[str] | None = None,
     redis_url: str | None = None,
     limits_fail_open: bool = False,
+    redis_timeout: float | None = None,
 ) -> Gateway:
     """The guard `tokenpath serve` puts in front of its routes.
 
@@ -34,25 +35,28 @@ def open_gateway(
     `log_text`: store prompt and completion text in audit rows (off by default).
     `redis_url` (else TOKENPATH_REDIS_URL): rate windows, reservations and daily quotas in Redis,
     shared by every gateway pointed at it; keys and audit stay in the store. Redis unreachable:
-    503 (fail closed), or admit without limits with `limits_fail_open`.
+    503 (fail closed), or admit without limits with `limits_fail_open`; `redis_timeout`: seconds a
+    check waits on Redis before it counts as unreachable (default `config.REDIS_TIMEOUT_S`).
     Unset options come from the environment, so an operator can turn them on for `serve`:
     TOKENPATH_POLICY (same forms as `policy`) and TOKENPATH_AUDIT_TEXT=1.
     `static_keys`: `serve --api-key` keys (vLLM's static keys): they turn auth on, act as admin keys
     of tenant 'default' with no limits, and stored keys keep working beside them.
     """
-    import os
     import time
 
+    from tokenpath.config import env_audit_text, env_policy, env_redis_url
+
     if policy is None:
-        policy = os.environ.get("TOKENPATH_POLICY") or None
+        policy = env_policy()
     if log_text is None:
-        log_text = os.environ.get("TOKENPATH_AUDIT_TEXT", "").lower() in ("1", "true", "yes", "on")
-    redis_url = redis_url or os.environ.get("TOKENPATH_REDIS_URL") or None
+        log_text = env_audit_text()
+    redis_url = redis_url or env_redis_url()
     limits = None
     if redis_url:
         from tokenpath.gateway.redis_limits import RedisLimits
 
-        limits = RedisLimits(redis_url, fail_open=limits_fail_open)
+        limits = RedisLimits(redis_url, fail_open=limits_fail_open,
+                             **({} if redis_timeout is None else {"timeout_s": redis_timeout}))
     store = GatewayStore(resolve_store_location(Path(data_dir), database_url))
     return Gateway(store, clock=clock or time.time, policy=load_policy(policy), log_text=log_text,
                    static_keys=static_keys or (), limits=limits)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from tokenpath.config import REDIS_TIMEOUT_S
 from tokenpath.errors import ServiceUnavailableError
 from tokenpath.gateway import limiter
 from tokenpath.gateway.base import Limits
@@ -83,7 +84,7 @@ class RedisLimits:
     """The `LimitsBackend` of gateways that share their limits through one Redis server."""
 
     def __init__(self, url: str, *, fail_open: bool = False, namespace: str = "tokenpath",
-                 timeout_s: float = 1.0) -> None:
+                 timeout_s: float = REDIS_TIMEOUT_S) -> None:
         try:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -97,7 +98,7 @@ class RedisLimits:
         self.fail_open = fail_open
         self.namespace = namespace
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
-        # Short timeouts: a request waits at most about one of them before its 503, never hangs.
+        # Bounded waits: a request waits at most about one of them before its 503, never hangs.
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         self.client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
                                               retry=retry)

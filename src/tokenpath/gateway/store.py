@@ -8,12 +8,12 @@ it stores and returns a key's prefix, salt and digest only.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenpath.config import env_database_url
 from tokenpath.gateway import audit_store, limiter
 from tokenpath.gateway.audit_store import AUDIT_COLUMNS, AuditOp, Instance
 from tokenpath.gateway.base import AuditRecord, Limits
@@ -93,7 +93,7 @@ def _key_from_row(r: tuple) -> KeyRecord:
 
 def resolve_store_location(data_dir: Path, database_url: str | None = None) -> str:
     """`--database-url`, else `TOKENPATH_DATABASE_URL`, else a SQLite file in the data dir."""
-    url = database_url or os.environ.get("TOKENPATH_DATABASE_URL")
+    url = database_url or env_database_url()
     return url if url else str(Path(data_dir) / STORE_FILE)
 
 

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenpath.config import NUM_THREADS_ENV, EngineLaunch, env_num_threads
 from tokenpath.errors import ModelLoadError
 from tokenpath.replica.link_client import EngineLinkReplica, LinkReplica
 from tokenpath.telemetry import series
@@ -57,10 +58,6 @@ RESTART_MAX_S = 30.0
 STOP_TIMEOUT_S = 1.0
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
-SECRET_ENV = "TOKENPATH_ENGINE_SECRET"
-PARENT_ENV = "TOKENPATH_PARENT_PID"
-NICE_ENV = "TOKENPATH_ENGINE_NICE"
-THREADS_ENV = "TOKENPATH_NUM_THREADS"
 
 
 class EngineProcess:
@@ -101,10 +98,10 @@ class EngineProcess:
         if self.model:
             self.args += ["--model", self.model]
         self.args += self.engine_args
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret, PARENT_ENV: str(os.getpid()),
-               NICE_ENV: str(self.nice)}
-        if self.num_threads and not (os.environ.get(THREADS_ENV) or os.environ.get("OMP_NUM_THREADS")):
-            env[THREADS_ENV] = str(self.num_threads)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               **EngineLaunch(secret=secret, parent_pid=os.getpid(), nice=self.nice).env()}
+        if self.num_threads and env_num_threads() is None and not os.environ.get("OMP_NUM_THREADS"):
+            env[NUM_THREADS_ENV] = str(self.num_threads)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -21,9 +21,18 @@ from types import FrameType
 import uvicorn
 
 from tokenpath.api.browser import is_loopback
-from tokenpath.config import EngineConfig, add_model_flags, engine_flag_names, env_help, resolve_data_dir
+from tokenpath.config import (
+    EngineConfig,
+    add_model_flags,
+    engine_flag_names,
+    env_api_key,
+    env_database_url,
+    env_help,
+    resolve_data_dir,
+)
 from tokenpath.errors import EngineDeadError, ModelLoadError, TokenpathError
 from tokenpath.gateway.base import OpenGuard, RequestGuard
+from tokenpath.routing.replicas import DEFAULT_POLICY
 from tokenpath.server.config import ServerConfig, build_config
 from tokenpath.telemetry.otel import setup_tracing, tracing_provider
 from tokenpath.telemetry.otel_metrics import setup_metrics
@@ -36,67 +45,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (chat, completions, embeddings)",
                            epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _server_flags(serve)
-    serve.add_argument("--data-dir", help="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
-    serve.add_argument("--database-url", help="Postgres URL for keys/audit instead of SQLite in the data dir")
-    serve.add_argument("--redis-url", help="keep rate windows, token reservations and daily quotas in this Redis, "
-                       "shared by every gateway pointed at it (redis://host:port/db)")
-    serve.add_argument("--limits-fail-open", action="store_true", default=None,
-                       help="with --redis-url: admit requests without limits while Redis is unreachable "
-                       "(default: refuse them with 503)")
+    # Settings are ServerConfig / ApiSettings fields: each flag is made from its field (typed,
+    # described and defaulted there once: tokenpath.config.add_model_flags). The hand-written
+    # flags below are this command's own options, not settings a --config file holds.
+    add_model_flags(serve, ServerConfig, ("data_dir", "database_url", "redis_url", "redis_timeout", "limits_fail_open"))
     serve.add_argument("--replicas", type=int, default=1,
-                       help="run each chat model as N local engine processes behind the router (default 1: in-process)")
+                       help="run each chat model as N local engine processes behind the router "
+                       "(default %(default)s: in-process)")
     serve.add_argument("--embedding-replicas", type=int, default=1,
                        help="run each embedding model as N local engine processes behind the router "
-                       "(default 1: in-process)")
+                       "(default %(default)s: in-process)")
     serve.add_argument("--ray", metavar="auto|local|ADDRESS",
                        help="run the chat model's --replicas as engine actors on this Ray cluster: auto attaches "
                        "to the running one, local starts a private head on loopback for this server alone "
                        "(pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
-    serve.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH",
-                       help="LoRA adapters to serve (vLLM's flag): NAME=PATH, or JSON "
-                       '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable. Clients send NAME as '
-                       "`model`; POST /v1/load_lora_adapter adds more at run time")
+    add_model_flags(serve, ServerConfig, ("lora_modules",))
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
-                       help="replica picker: round_robin, least_loaded, prefix_aware (default), session_affinity")
+                       help=f"replica picker: round_robin, least_loaded, prefix_aware, session_affinity "
+                       f"(default: {DEFAULT_POLICY})")
     serve.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                       default=[k for k in [os.environ.get("TOKENPATH_API_KEY")] if k],
+                       default=[k for k in [env_api_key()] if k],
                        help="a static key clients must send (repeatable; also $TOKENPATH_API_KEY), as vLLM's: "
                             "an admin key of tenant 'default' with no limits; stored keys keep working too")
-    serve.add_argument("--metrics-public", action="store_true", default=None,
-                       help="/metrics shows the tenant series to every caller, not only to admin keys")
-    serve.add_argument("--metrics-require-key", action="store_true", default=None,
-                       help="/metrics needs an admin key when auth is on (default: open, as vLLM's, with "
-                       "tenant series only for admin keys)")
-    b = serve.add_argument_group("browser safety")
-    b.add_argument("--allowed-hosts", action="extend", type=_csv, default=None, metavar="HOST[,HOST]",
-                   help="Host header names accepted beside localhost, 127.0.0.1 and [::1] (checked when bound to "
-                   "loopback, against DNS rebinding; and on any address once given)")
-    b.add_argument("--allowed-origins", action="extend", type=_csv, default=None, metavar="ORIGIN[,ORIGIN]",
-                   help="origins whose web pages may call the API (CORS; default none; '*' for any), "
-                   "e.g. https://app.example.com")
-    b.add_argument("--public-docs", action="store_true", default=None,
-                   help="serve /docs, /redoc and /openapi.json without a key even when auth is on")
-    live = serve.add_argument_group("replica liveness (in-process engines, engine processes, Ray actors, URLs)")
-    live.add_argument("--stall-timeout", type=float, metavar="S",
-                      help="a replica silent this long (an in-process engine: one step hung this long) is "
-                      "ejected and its requests retried or failed (4)")
-    live.add_argument("--first-token-timeout", type=float, metavar="S",
-                      help="a request with no first token this long after dispatch is released (600)")
-    live.add_argument("--token-timeout", type=float, metavar="S",
-                      help="a request with no next token for this long is released (300)")
-    # (each flag made from its ServerConfig field: declared, typed and described there once)
+    add_model_flags(serve, ServerConfig, ("metrics_public", "metrics_require_key"))
+    add_model_flags(serve.add_argument_group("browser safety"), ServerConfig,
+                    ("allowed_hosts", "allowed_origins", "public_docs"))
+    add_model_flags(serve.add_argument_group("replica liveness (in-process engines, engine processes, Ray actors, "
+                                             "URLs)"), ServerConfig,
+                    ("stall_timeout", "first_token_timeout", "token_timeout"))
     add_model_flags(serve.add_argument_group("slow streaming clients"), ServerConfig,
                     ("stream_stall_timeout", "stream_max_unsent"))
-    serve.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default=None,
-                       help="split a reasoning model's <think> block off chat replies into reasoning_content "
-                       "(vLLM's flag); auto (default): where the chat template mentions <think>")
-    serve.add_argument("--reasoning-budget", type=int, metavar="N", default=None,
-                       help="close a reasoning model's think block after N tokens (llama.cpp's flag), unless "
-                       "the request sets its own budget (Anthropic's thinking.budget_tokens); default: none")
-    serve.add_argument("--no-causes", dest="causes", action="store_false", default=None,
-                       help="derive no causes (trace, audit row, log, spans) and sample no engine figures for "
-                       "/diagnose's windows: what benchmarks/causes_overhead.py compares against")
+    add_model_flags(serve, ServerConfig, ("reasoning_parser", "reasoning_budget", "causes"))
     serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway",
                             epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,20 +93,11 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `serve` and `engine` share: the settings from ServerConfig's and EngineConfig's
+    fields, and the two commands' common options."""
     p.add_argument("--config", metavar="FILE", help="YAML settings (ServerConfig); flags override it")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to bind (default 8000; 0 picks a free one)")
-    p.add_argument("--model", action="append", dest="models", metavar="NAME_OR_PATH",
-                   help="model to serve (repeatable); default: smollm2-135m-instruct and all-minilm-l6-v2")
-    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests get on shutdown (30)")
-    p.add_argument("--max-body-size", help="largest accepted request body, e.g. 4MiB")
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="allow a non-loopback --host without API keys")
-    tls = p.add_argument_group("TLS")
-    tls.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this PEM private key")
-    tls.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
-    tls.add_argument("--ssl-ca-certs", metavar="FILE",
-                     help="require client certificates signed by these CAs (mutual TLS)")
+    add_model_flags(p, ServerConfig, ("host", "port", "models", "shutdown_timeout", "max_body_size", "insecure"))
+    add_model_flags(p.add_argument_group("TLS"), ServerConfig, ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"))
     p.add_argument("--served-model-name", action="extend", nargs="+", dest="served_model_names", default=[],
                    metavar="NAME", help="more names clients may send for the (first) chat model, as vLLM's flag "
                    "takes them (`--served-model-name a b`, or repeated); each is its own /v1/models entry")
@@ -135,15 +106,10 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="export traces and the GenAI metrics over OTLP/HTTP to this base URL (else the OTEL_* "
                         "variables; off by default)")
     t.add_argument("--log-format", choices=["json", "text"], default="json",
-                   help="request and event logs on stdout: one JSON object per line (default) or text")
+                   help="request and event logs on stdout: one JSON object per line, or text (default: %(default)s)")
     t.add_argument("--log-level", default="info", type=str.lower,
-                   choices=["debug", "info", "warning", "error"], help="lowest level logged (default info)")
-    # Generated from EngineConfig's fields (tokenpath.config): declared there once.
+                   choices=["debug", "info", "warning", "error"], help="lowest level logged (default: %(default)s)")
     add_model_flags(p.add_argument_group("engine"), EngineConfig, engine_flag_names())
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -166,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         try:
             guard = open_gateway(resolve_data_dir(config.data_dir), config.database_url, static_keys=args.api_keys,
-                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open)
+                                 redis_url=config.redis_url, limits_fail_open=config.limits_fail_open,
+                                 redis_timeout=config.redis_timeout)
         except (ValueError, RuntimeError) as exc:  # a malformed --redis-url, or no redis package
             print(f"tokenpath: invalid configuration: {exc}", file=sys.stderr)
             return 2
@@ -252,7 +219,6 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
 
         deployments, closers = await load_deployments(config)
         return ModelRouter(deployments, config.aliases), closers
-    from tokenpath.routing.replicas import DEFAULT_POLICY
     from tokenpath.server.routing_config import serve_router
 
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
@@ -359,7 +325,7 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
     lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/messages /v1/embeddings /reset_prefix_cache; "
                  "GET /v1/models /health /metrics")
     data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"
-    store = " (keys and audit in PostgreSQL)" if config.database_url or os.environ.get("TOKENPATH_DATABASE_URL") else ""
+    store = " (keys and audit in PostgreSQL)" if config.database_url or env_database_url() else ""
     lines.append(f"  data dir: {data}{store}")
     if guard.auth_enabled:
         how = [f"{len(args.api_keys)} --api-key key(s)"] if args.api_keys else []

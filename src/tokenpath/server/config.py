@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Annotated
 
 import yaml
 from pydantic import ConfigDict, Field, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
-from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, EngineConfig, engine_flag_names
+from tokenpath.config import (
+    DEFAULT_CHAT_MODEL,
+    DEFAULT_EMBEDDING_MODEL,
+    REDIS_TIMEOUT_S,
+    EngineConfig,
+    Flag,
+    engine_flag_names,
+)
 from tokenpath.protocol.names import MODEL, name_problem
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
@@ -23,27 +31,45 @@ from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_
 class ServerConfig(ApiSettings):
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    models: list[str] = Field(default_factory=lambda: [DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL])
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0 picks a free one)")
+    models: Annotated[list[str], Flag("model", metavar="NAME_OR_PATH", gather="append")] = Field(
+        default_factory=lambda: [DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL], description="model to serve (repeatable)")
     aliases: dict[str, str] = Field(default_factory=dict)
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    data_dir: str | None = None
-    database_url: str | None = None
-    redis_url: str | None = None  # rate limits shared through Redis (keys and audit stay in the database)
-    limits_fail_open: bool = False  # Redis unreachable: admit without limits instead of 503
-    insecure: bool = False
+    data_dir: str | None = Field(None, description="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
+    database_url: str | None = Field(
+        None, description="Postgres URL for keys/audit instead of SQLite in the data dir (default: "
+        "$TOKENPATH_DATABASE_URL)")
+    # Rate limits shared through Redis (keys and audit stay in the database).
+    redis_url: str | None = Field(
+        None, description="keep rate windows, token reservations and daily quotas in this Redis, shared by every "
+        "gateway pointed at it (redis://host:port/db; default: $TOKENPATH_REDIS_URL)")
+    limits_fail_open: bool = Field(
+        False, description="with --redis-url: admit requests without limits while Redis is unreachable; "
+        "off: refuse them with 503")
+    redis_timeout: float = Field(
+        REDIS_TIMEOUT_S, gt=0, description="with --redis-url: seconds a limit check waits on Redis (connecting or "
+        "for a reply) before Redis counts as unreachable")
+    insecure: bool = Field(False, description="allow a non-loopback --host without API keys")
     # Every replica, in-process, in engine processes, on Ray or behind a URL
     # (`tokenpath.replica.liveness`): one silent this long (no state push, no output; in-process,
     # a step that has not returned) is stalled, ejected at once, and its in-flight
     # requests are retried elsewhere (no token sent yet) or ended with a clean 503.
-    stall_timeout: float = Field(STALL_AFTER_S, gt=0)
+    stall_timeout: Annotated[float, Flag(metavar="S")] = Field(
+        STALL_AFTER_S, gt=0, description="a replica silent this long (an in-process engine: one step hung this "
+        "long) is ejected and its requests retried or failed")
     # Per request, bounds a healthy engine never reaches: its first token within this many seconds
     # of dispatch, each next token within `token_timeout` of the last.
-    first_token_timeout: float = Field(FIRST_TOKEN_S, gt=0)
-    token_timeout: float = Field(NEXT_TOKEN_S, gt=0)
+    first_token_timeout: Annotated[float, Flag(metavar="S")] = Field(
+        FIRST_TOKEN_S, gt=0, description="a request with no first token this long after dispatch is released")
+    token_timeout: Annotated[float, Flag(metavar="S")] = Field(
+        NEXT_TOKEN_S, gt=0, description="a request with no next token for this long is released")
     # LoRA adapters served from the start (vLLM's --lora-modules): NAME=PATH or its JSON form.
-    lora_modules: list[str] = Field(default_factory=list)
+    lora_modules: Annotated[list[str], Flag(metavar="NAME=PATH")] = Field(
+        default_factory=list, description="LoRA adapters to serve (vLLM's flag): NAME=PATH, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable. Clients send NAME as `model`; '
+        "POST /v1/load_lora_adapter adds more at run time")
 
     def liveness(self) -> LivenessConfig:
         return LivenessConfig(stall_after_s=self.stall_timeout, first_token_s=self.first_token_timeout,
@@ -51,9 +77,10 @@ class ServerConfig(ApiSettings):
 
     # TLS terminated by the server itself (vLLM's --ssl-* flags): a PEM key and certificate; with
     # a CA bundle, clients must present a certificate it signed (mutual TLS).
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
+    ssl_keyfile: str | None = Field(None, description="serve HTTPS with this PEM private key FILE")
+    ssl_certfile: str | None = Field(None, description="serve HTTPS with this PEM certificate (chain) FILE")
+    ssl_ca_certs: str | None = Field(
+        None, description="require client certificates signed by the CAs in this FILE (mutual TLS)")
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> ServerConfig:

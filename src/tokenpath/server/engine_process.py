@@ -27,8 +27,7 @@ import socket
 import sys
 
 from tokenpath.api.browser import is_loopback
-from tokenpath.config import DEFAULT_CHAT_MODEL
-from tokenpath.replica.processes import NICE_ENV, PARENT_ENV, SECRET_ENV  # (set by the launcher)
+from tokenpath.config import DEFAULT_CHAT_MODEL, ENGINE_SECRET_ENV, EngineLaunch
 from tokenpath.server.config import build_config
 from tokenpath.server.memory import freeze_startup_heap
 
@@ -37,15 +36,14 @@ log = logging.getLogger("tokenpath.engine")
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None) -> None:
     """SIGKILL this process when the parent that launched it dies (Linux); never outlive it."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
+    if parent is None:
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(parent):  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -65,12 +63,13 @@ def lower_priority(nice: int) -> None:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    die_with_parent()
-    lower_priority(int(os.environ.get(NICE_ENV, "0") or 0))
+    launch = EngineLaunch.from_env()
+    die_with_parent(launch.parent_pid)
+    lower_priority(launch.nice)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    secret = os.environ.get(SECRET_ENV, "")
+    secret = launch.secret
     if not secret:
-        print(f"tokenpath engine: set {SECRET_ENV} (the gateway that links to it must send the same secret)",
+        print(f"tokenpath engine: set {ENGINE_SECRET_ENV} (the gateway that links to it must send the same secret)",
               file=sys.stderr)
         return 2
     if args.listen_fd is None and not is_loopback(args.host or "127.0.0.1") and not args.insecure:

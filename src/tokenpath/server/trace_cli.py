@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict
 
-from tokenpath.config import resolve_data_dir
+from tokenpath.config import env_api_key, resolve_data_dir
 from tokenpath.gateway.cli import parse_time
 from tokenpath.gateway.store import GatewayStore, resolve_store_location
 from tokenpath.telemetry.diagnose import diagnose
@@ -47,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--json", action="store_true", help="JSON instead of text")
     d.add_argument("--url", help="ask a running server's GET /diagnose instead (adds its engines' figures: "
                    "batch size, busy fraction, KV pressure)")
-    d.add_argument("--api-key", default=os.environ.get("TOKENPATH_API_KEY"),
+    d.add_argument("--api-key", default=env_api_key(),
                    help="with --url: an admin key (default $TOKENPATH_API_KEY)")
     d.add_argument("--data-dir", help="store location (default: $TOKENPATH_DATA_DIR or XDG)")
     d.add_argument("--database-url", help="PostgreSQL URL instead of SQLite in the data dir")

@@ -8,7 +8,6 @@ prefix only, and prompt/completion text only when `TOKENPATH_AUDIT_TEXT=1` put i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from tokenpath.telemetry.causes import Cause, derive
@@ -22,11 +21,6 @@ _REJECTION_BY_CODE = {
     "deadline_unreachable": "deadline", "deadline_exceeded": "deadline",
 }
 _REJECTION_BY_STATUS = {401: "auth", 403: "acl", 504: "deadline"}
-
-
-def audit_text_enabled() -> bool:
-    """Prompt/completion text leaves the process only when the operator asked for it."""
-    return os.environ.get("TOKENPATH_AUDIT_TEXT") == "1"
 
 
 @dataclass

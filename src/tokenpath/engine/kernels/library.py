@@ -19,10 +19,10 @@ import ctypes
 import functools
 import importlib.machinery
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenpath.config import env_no_kernels, kernel_isa_from_env
 from tokenpath.engine.kernels import abi
 
 log = logging.getLogger("tokenpath.engine.kernels")
@@ -48,7 +48,7 @@ class NativeLibrary:
     def isa(self, requested: str | None = None) -> int:
         """The kernel set to run: `requested` (avx2 | avx512 | auto; default TOKENPATH_KERNELS_ISA,
         else auto) within what the CPU and this object have."""
-        want = (requested or os.environ.get("TOKENPATH_KERNELS_ISA", "auto")).lower()
+        want = (requested or kernel_isa_from_env()).lower()
         if want == "avx2" or not self.features & FEATURE_AVX512_VNNI:
             return ISA_AVX2
         return ISA_AVX512
@@ -97,7 +97,7 @@ def _open(path: Path) -> NativeLibrary | None:
 def load_library(directory: Path = PACKAGE_DIR) -> NativeLibrary | None:
     """The best kernel object in `directory` for this CPU, or None with one log line saying why
     the engine falls back to torch. Uncached: `native_library()` is the process's one."""
-    if os.environ.get("TOKENPATH_NO_KERNELS") == "1":
+    if env_no_kernels():
         log.warning("native kernels switched off (TOKENPATH_NO_KERNELS=1): using the torch float32 path")
         return None
     found = {isa: path for isa, stem in OBJECTS.items() if (path := object_path(directory, stem))}

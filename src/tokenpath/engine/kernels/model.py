@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenpath.config import KERNEL_MASK_ALL, kernel_mask_from_env
+from tokenpath.config import KERNEL_MASK_ALL, env_kernels_exact, env_kernels_fine
 from tokenpath.engine.attention import KVCache
 from tokenpath.engine.kernels import (
     BF16,
@@ -202,13 +202,13 @@ DEFAULT_FINE = KERNEL_MASK_ALL
 
 def fine_mask() -> int:
     """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE)."""
-    mask = kernel_mask_from_env("TOKENPATH_KERNELS_FINE")
+    mask = env_kernels_fine()
     return DEFAULT_FINE if mask is None else mask
 
 
 def exact_mask() -> int:
     """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT)."""
-    mask = kernel_mask_from_env("TOKENPATH_KERNELS_EXACT")
+    mask = env_kernels_exact()
     return DEFAULT_EXACT if mask is None else mask
 
 
