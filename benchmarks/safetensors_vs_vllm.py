@@ -139,7 +139,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "safetensors_vs_vllm.json").write_text(json.dumps(summary, indent=2))
     lines = ["# The same bf16 safetensors (SmolLM2-135M) served by vLLM CPU and tokenpath", "",
-             "`python benchmarks/safetensors_vs_vllm.py` (256 in / 128 out, 32 requests per level, seed 7, "
+             f"`python benchmarks/safetensors_vs_vllm.py --num-requests {args.num_requests} --concurrency {args.concurrency}` "
+             f"(256 in / 128 out, seed 7, "
              "load generator on core 1).", "",
              "| server | concurrency | out tok/s | ratio to " + peers[0] + " | TTFT p99 (ms) | TPOT p50 (ms) | failed |",
              "|---|---|---|---|---|---|---|"]
