@@ -23,7 +23,7 @@ from tokenpath.engine.loader_hf import HFWeights
 from tokenpath.engine.runner import ModelRunner
 
 lib = K.native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="native kernels not built or CPU lacks AVX2")
+pytestmark = pytest.mark.requires("kernels")
 
 
 def runner(loaded, quantization: str = "auto", dtype: str = "auto") -> ModelRunner:
