@@ -103,7 +103,7 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    return {"ready_s": ready, "peak_rss_mib": rss, "json": str(out / f"{peer}.json")}
+    return {"ready_s": ready, "peak_rss_mib": rss, "json": out / f"{peer}.json"}
 
 
 def levels(path: str) -> dict[int, dict]:
@@ -135,7 +135,9 @@ def main() -> None:
             rows.append({"peer": p, "concurrency": c, "out_tok_s": run["output_throughput"],
                          "ttft_p99_ms": run["ttft_ms"]["p99"], "tpot_p50_ms": run["tpot_ms"]["median"],
                          "failed": run["failed"]})
-    summary = {"peers": found, "rows": rows, "file_mib": file_mib, "machine": os.uname().nodename}
+    # Paths relative to the repo: the results file is committed and must not name this machine's folders.
+    peers_out = {p: {**v, "json": os.path.relpath(v["json"], ROOT)} for p, v in found.items()}
+    summary = {"peers": peers_out, "rows": rows, "file_mib": file_mib, "machine": os.uname().nodename}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "safetensors_vs_vllm.json").write_text(json.dumps(summary, indent=2))
     lines = ["# The same bf16 safetensors (SmolLM2-135M) served by vLLM CPU and tokenpath", "",

@@ -67,6 +67,7 @@ class Accumulator:
     finished_parts: set[int] = field(default_factory=set)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)  # per part
     reasoning: ReasoningParser | None = None  # chat replies of a reasoning model
+    keep_token_ids: bool = False  # vLLM's return_token_ids: each choice keeps its ids (only then: per-token work)
 
     def index(self, part: int, choice: int) -> int:
         return part * self.n + choice
@@ -85,7 +86,8 @@ class Accumulator:
             else:
                 _split(self.reasoning, ch, c)
             ch.num_tokens += len(c.token_ids)
-            ch.token_ids.extend(c.token_ids)
+            if self.keep_token_ids:
+                ch.token_ids.extend(c.token_ids)
             ch.logprobs.extend(c.logprobs or ())
             if c.finish_reason == "error":  # not an OpenAI finish reason: the request failed
                 raise RequestFailedError(f"choice {idx} failed in the engine")

@@ -131,7 +131,8 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         run.sampling = params
         prompt_tokens = sum(len(p) for p in prompts)
         await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
-        run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None)
+        run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
+                                  keep_token_ids=getattr(body, "return_token_ids", False))
         state.inflight[run.id] = run.stop
         submissions = [generate_request(run, i, len(prompts), ids, params, texts, priority, deadline)
                        for i, ids in enumerate(prompts)]
@@ -260,7 +261,6 @@ class Generation:
         self.chat = chat
         self.parts = parts
         self.want_logprobs = body.logprobs_count is not None
-        self.token_ids: bool = getattr(body, "return_token_ids", False)  # completions only (vLLM's extra)
         # (a LoRA adapter answers under its own name, as vLLM's do)
         self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
         assert run.acc is not None
@@ -325,7 +325,7 @@ class Generation:
         else:
             body = fmt.completion_body(run.id, run.created, self.model, self.acc, self.want_logprobs, run.timeline,
                                        getattr(self.body, "prompt_logprobs", None) is not None,
-                                       token_ids=getattr(self.body, "return_token_ids", False))
+                                       token_ids=self.acc.keep_token_ids)
         if self.edge is not None and self.edge.body is not None:
             body = self.edge.body(body, self.acc)
         return JSONResponse(body, headers=run.headers(timing=True))
@@ -353,10 +353,10 @@ class Generation:
             if self.chat:
                 if c.text or c.finish_reason or c.logprobs or not ch.started:
                     chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
-            elif c.text or c.finish_reason or c.logprobs or (c.token_ids and self.token_ids):
+            elif c.text or c.finish_reason or c.logprobs or (c.token_ids and self.acc.keep_token_ids):
                 chunks.append(self._chunk([fmt.completion_chunk_choice(
                     ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs,
-                    c.token_ids if self.token_ids else None)]))
+                    c.token_ids if self.acc.keep_token_ids else None)]))
         return chunks
 
     def _last(self, chunks: list[dict]) -> list[dict]:

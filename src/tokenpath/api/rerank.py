@@ -90,8 +90,12 @@ def _documents(documents: list[Any]) -> list[str]:
     return out
 
 
-def _route(run: RequestRun, model: str, endpoint: str) -> Deployment:
-    """The embedding deployment; any other model is a 400 saying what this endpoint runs on."""
+async def _begin(run: RequestRun, model: str, user: str | None) -> Deployment:
+    """Authenticate, then the embedding deployment; any other model is a 400 saying what this
+    endpoint runs on."""
+    await run.authenticate()
+    run.user = user
+    endpoint = run.endpoint
     try:
         return run.route(model, "embedding")
     except InvalidRequestError as exc:
@@ -125,9 +129,7 @@ def _usage(run: RequestRun) -> dict:
 async def score(body: ScoreRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/score", "score")
     try:
-        await run.authenticate()
-        run.user = body.user
-        dep = _route(run, body.model, "/v1/score")
+        dep = await _begin(run, body.model, body.user)
         left, right = _texts(body.text_1, "text_1"), _texts(body.text_2, "text_2")
         if len(left) == 1:
             left = left * len(right)
@@ -151,9 +153,7 @@ async def score(body: ScoreRequest, request: Request, state: AppState = Depends(
 async def rerank(body: RerankRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/rerank", "rerank")
     try:
-        await run.authenticate()
-        run.user = body.user
-        dep = _route(run, body.model, "/v1/rerank")
+        dep = await _begin(run, body.model, body.user)
         if not body.query:
             raise InvalidRequestError("query is an empty string; rank against non-empty text", param="query")
         documents = _documents(body.documents)

@@ -151,7 +151,9 @@ class HFWeights(Mapping):
 
     Nothing is held: the torch path copies each tensor into its parameters and the native path
     repacks each into its kernel layout, so at most one tensor beside the model exists at a time
-    (peak RSS near the file's size, never twice it)."""
+    (peak RSS near the file's size, never twice it). Each read opens its file anew: a held handle
+    would keep the whole mapping's touched pages resident after load, and re-reading a header is
+    well under a millisecond per tensor."""
 
     def __init__(self, index: dict[str, tuple[Path, str]], dtypes: dict[str, str],
                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
