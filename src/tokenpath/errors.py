@@ -92,8 +92,18 @@ class RateLimitError(TokenpathError):
 
 
 class ServiceUnavailableError(TokenpathError):
+    """503: nothing can serve the request right now (no healthy replica, a backend gone mid-request,
+    a store down). Every 503 carries Retry-After, as vLLM's and OpenAI's clients expect: an ejected
+    replica is retried or re-admitted within seconds, so the default is short; subclasses that
+    know better set their own."""
+
     status_code = 503
     error_type = "service_unavailable"
+    RETRY_AFTER_S = 2
+
+    def __init__(self, message: str, **kw) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(self.RETRY_AFTER_S))
 
 
 class DeadlineExceededError(TokenpathError):
@@ -123,10 +133,6 @@ class EngineDeadError(ServiceUnavailableError):
     told to come back shortly rather than left to guess (OpenAI's SDKs honour the header)."""
 
     RETRY_AFTER_S = 5
-
-    def __init__(self, message: str, **kw) -> None:
-        super().__init__(message, **kw)
-        self.headers.setdefault("Retry-After", str(self.RETRY_AFTER_S))
 
 
 class ModelLoadError(Exception):

@@ -170,3 +170,15 @@ def test_prompt_cache_key_is_the_session_affinity_key(server_factory):
         assert (count("affinity"), count("no_session")) == (before[0] + 1, before[1])
         assert h.post("/v1/chat/completions", json=body).status_code == 200
         assert (count("affinity"), count("no_session")) == (before[0] + 1, before[1] + 1)
+
+
+def test_load_counts_requests_in_flight(server):
+    """vLLM's `GET /load` (its routers poll it): 404 before; the request in flight counts."""
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        idle = h.get("/load")
+        assert idle.status_code == 200 and isinstance(idle.json()["server_load"], int)
+        body = {"model": CHAT_MODEL, "prompt": "Count to a hundred:", "max_tokens": 1500, "stream": True,
+                "ignore_eos": True}
+        with h.stream("POST", "/v1/completions", json=body) as resp:
+            next(resp.iter_lines())  # begun, and 1500 tokens take seconds: in flight (closing aborts it)
+            assert h.get("/load").json()["server_load"] >= 1

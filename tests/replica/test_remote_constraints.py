@@ -101,3 +101,15 @@ def test_return_token_ids_on_completions(servers, stream):
     assert len(ids) == 12 and all(isinstance(i, int) and i >= 0 for i in ids)
     bad = httpx.post(backend.base_url + "/completions", json={**body, "return_token_ids": "yes"}, timeout=60)
     assert bad.status_code == 400 and "return_token_ids" in bad.text
+
+
+def test_the_backends_own_stages_split_its_time(gateway):
+    """The backend (tokenpath here; vLLM's `metrics` and llama.cpp's `timings` are read the same
+    way: test_backend_timing.py) reports its prefill on the final usage chunk: the gateway's
+    `engine_queue` now exists (the hop and the backend's queue), and `prefill` is the backend's,
+    no longer everything from dispatch to the first chunk."""
+    body = {"model": DEFAULT_CHAT_MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    timing = httpx.post(gateway.base_url + "/completions", json=body, timeout=300).json()["tokenpath"]["timing"]
+    assert timing["engine_queue"] > 0 and timing["prefill"] > 0, timing
+    stages = [v for k, v in timing.items() if k != "total"]
+    assert abs(sum(stages) - timing["total"]) < 1e-6

@@ -158,8 +158,11 @@ async def test_client_errors_and_cut_streams():
         rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url))
         with pytest.raises(InvalidRequestError):
             _ = [o async for o in rep.generate(req(max_tokens=20_000))]
-        with pytest.raises(ServiceUnavailableError):
+        with pytest.raises(ServiceUnavailableError) as cut:
             _ = [o async for o in rep.generate(req(max_tokens=5, session="cut"))]
+        # Every 503 carries Retry-After (issue 37: a request in flight when its backend was killed
+        # got a 503 without one).
+        assert cut.value.status_code == 503 and int(cut.value.headers["Retry-After"]) >= 1
         with pytest.raises(ReplicaBusyError):
             _ = [o async for o in rep.generate(req(session="busy"))]
         await rep.close()

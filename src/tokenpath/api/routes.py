@@ -118,6 +118,13 @@ async def ping(state: AppState = Depends(get_state)) -> Response:
     return Response(status_code=(await health(state)).status_code)
 
 
+@router.get("/load")
+async def load(state: AppState = Depends(get_state)) -> JSONResponse:
+    """vLLM's `GET /load`: `server_load`, the requests this server holds now (every endpoint, from
+    headers in to the last byte out), which vLLM's own routers and scalers poll."""
+    return JSONResponse({"server_load": len(state.live.inflight)})
+
+
 async def require_admin(state: AppState, request: Request, endpoint: str) -> None:
     """With auth on, operator endpoints need an admin key: `serve --api-key` keys, or stored keys made
     with `tokenpath keys create --admin`. With auth off (loopback only) they are open."""

@@ -38,6 +38,7 @@ from tokenpath.protocol.submission import Submission
 from tokenpath.replica.base import ReplicaBusyError
 from tokenpath.replica.liveness import Liveness
 from tokenpath.replica.polled import PolledState
+from tokenpath.telemetry.timeline import PATH_STAGES
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
 _WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
@@ -255,12 +256,14 @@ class RemoteReplica(PolledState):
                     raise _http_error(self.name, resp)
                 self._open[request.request_id] = resp
                 last: RequestOutput | None = None  # held back until the usage chunk (cached tokens)
+                timing: BackendTiming | None = None  # the backend's own stage times, where it reports them
                 async for data in _sse_data(resp):
                     now = time.monotonic()
                     self.liveness.heard(now)
                     progress.advance(now)
+                    timing = backend_timing(data) or timing
                     if last is not None and data.get("usage"):
-                        last.num_cached_tokens = _cached_tokens(data)
+                        last.num_cached_tokens = _cached_tokens(data) or last.num_cached_tokens
                     out = self._to_output(request, data, events, finished, submission.prompt)
                     if out is None:
                         continue
@@ -272,6 +275,7 @@ class RemoteReplica(PolledState):
                         yield out
                         reader = self._resumed(rid)
                 if last is not None:
+                    _apply_timing(last, timing, timeline.attrs)
                     self._yield_point(rid)
                     reader = None
                     yield last
@@ -345,6 +349,72 @@ class RemoteReplica(PolledState):
         if r.status_code >= 400:
             raise ServiceUnavailableError(f"replica '{self.name}' could not reset its prefix cache ({r.status_code})")
         return 0
+
+
+@dataclass(frozen=True)
+class BackendTiming:
+    """A backend's own account of one request, in milliseconds of its clock: how long it queued,
+    its prefill (scheduled -> first token) and its decode. `source` names the dialect it came in."""
+
+    source: str
+    prefill_ms: float
+    queue_ms: float | None = None
+    decode_ms: float | None = None
+    cached_tokens: int | None = None
+
+    def as_attrs(self) -> dict:
+        return {k: v for k, v in (("source", self.source), ("queue_ms", self.queue_ms),
+                                  ("prefill_ms", self.prefill_ms), ("decode_ms", self.decode_ms)) if v is not None}
+
+
+def _ms(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
+        return None  # absent, malformed or negative: never trusted into the Timeline
+    return float(value)
+
+
+def backend_timing(data: dict) -> BackendTiming | None:
+    """The stage times a chunk carries, in whichever dialect its server speaks:
+    - vLLM (`--enable-per-request-metrics`): `metrics` on the final usage chunk, with
+      `queue_time_ms` (queued -> scheduled), `time_to_first_token_ms` (scheduled -> first token)
+      and `generation_time_ms` (first -> last token);
+    - llama.cpp's server: `timings` on the last chunk, `prompt_ms`, `predicted_ms` and `cache_n`
+      (it reports no queue time);
+    - tokenpath: `tokenpath.timing`, its stages in seconds (queue = its gateway's and engine's).
+    None when the chunk carries none (the stages are then derived from the stream alone)."""
+    m = data.get("metrics")
+    if isinstance(m, dict) and (prefill := _ms(m.get("time_to_first_token_ms"))) is not None:
+        return BackendTiming("vllm", prefill, _ms(m.get("queue_time_ms")), _ms(m.get("generation_time_ms")))
+    t = data.get("timings")
+    if isinstance(t, dict) and (prefill := _ms(t.get("prompt_ms"))) is not None:
+        cache_n = t.get("cache_n")
+        return BackendTiming("llama.cpp", prefill, None, _ms(t.get("predicted_ms")),
+                             cache_n if isinstance(cache_n, int) and cache_n >= 0 else None)
+    ext = data.get("tokenpath")
+    stages = ext.get("timing") if isinstance(ext, dict) else None
+    if isinstance(stages, dict) and (prefill := _ms(stages.get("prefill"))) is not None:
+        cut = PATH_STAGES.index("prefill")  # (the stage table: what a tokenpath backend sends)
+        parts = [_ms(stages.get(k)) for k in PATH_STAGES[:cut]]
+        after = [_ms(stages.get(k)) for k in PATH_STAGES[cut + 1:]]
+        return BackendTiming("tokenpath", 1000 * prefill, 1000 * sum(p or 0.0 for p in parts),
+                             1000 * sum(p or 0.0 for p in after))
+    return None
+
+
+def _apply_timing(last: RequestOutput, timing: BackendTiming | None, attrs: dict) -> None:
+    """The backend's stages onto the request's engine events, in the gateway's clock: it was
+    scheduled its prefill before the first token reached us (the first token's own trip back is a
+    few ms, left in prefill), so `engine_queue` is the HTTP hop plus the backend's queue, and
+    `stamp_events` clamps the result into what the gateway saw. Without a report the stages are
+    derived from the stream (dispatch -> first chunk is all `prefill`), and the Timeline says so."""
+    ev = last.events
+    if timing is None or ev.first_token is None:
+        attrs["backend_timing"] = {"source": "derived"}
+        return
+    ev.scheduled = ev.first_token - timing.prefill_ms / 1000
+    attrs["backend_timing"] = timing.as_attrs()
+    if timing.cached_tokens and not last.num_cached_tokens:
+        last.num_cached_tokens = timing.cached_tokens
 
 
 def structured_body(spec: StructuredOutput) -> dict:

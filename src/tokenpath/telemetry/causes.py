@@ -9,7 +9,8 @@ hold several causes, and a cause explains part of one stage, named in `detail["s
 | kind                        | facts (who records them)                                        | explains      |
 |-----------------------------|-----------------------------------------------------------------|---------------|
 | `queued_behind`             | the slot holders when it queued, whose end freed the slot       | queue /       |
-|                             | (admission controller; the engine scheduler for its own queue)  | engine_queue  |
+|                             | (admission controller; the engine scheduler for its own queue;  | engine_queue  |
+|                             | a URL replica's backend, by its reported queue time: no culprits)|               |
 | `prefill_uncached`          | uncached prompt tokens and cached_tokens (engine)               | prefill       |
 | `prefix_elsewhere`          | a replica holding more of the prompt, and why the router passed  | prefill       |
 |                             | it over (replica picker); ms is the prefill share it would save |               |
@@ -99,6 +100,12 @@ def _queued(a: dict[str, Any], stages: dict[str, float]) -> list[Cause]:
             "stage": "engine_queue", "where": "engine", "replica": a.get("replica"),
             "holders": [{"request_id": r, "tenant": t, "tokens_left": n, "state": s} for r, t, n, s in behind],
             "freed_by": a.get("engine_freed_by")}, _holder_ids(a.get("engine_freed_by"), behind)))
+    backend = a.get("backend_timing")  # a URL replica's backend reported its own queue time
+    queued = backend.get("queue_ms") if isinstance(backend, dict) else None
+    if isinstance(queued, int | float) and queued >= MIN_MS and stages.get("engine_queue", 0.0) >= MIN_MS:
+        out.append(Cause("queued_behind", round(min(float(queued), stages["engine_queue"]), 1), {
+            "stage": "engine_queue", "where": "backend", "replica": a.get("replica"),
+            "reported_by": backend.get("source"), "holders": [], "freed_by": None}))
     return out
 
 

@@ -102,6 +102,9 @@ def root_attributes(rec: FinishedRequest) -> dict[str, Any]:
     if isinstance(load, list):
         attrs["tokenpath.lora.load_ms"] = round(1000 * (load[1] - load[0]), 3)
         attrs["tokenpath.lora.load_cold"] = bool(load[2])
+    backend = a.get("backend_timing")  # a URL replica: whose clock the engine stages came from
+    if isinstance(backend, dict):
+        attrs.update({f"tokenpath.backend.{k}": v for k, v in backend.items()})
     grammar = a.get("grammar")  # constrained decoding: compile (hit or miss) and mask cost
     if isinstance(grammar, dict):
         attrs.update({f"tokenpath.grammar.{k}": v for k, v in grammar.items() if v is not None})
