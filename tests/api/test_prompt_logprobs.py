@@ -150,3 +150,28 @@ def test_offline_prompt_logprobs_are_computed_not_cached():
     assert [lp.token_id for lp in first.prompt_logprobs[1:]] == prompt[1:]
     assert [lp.logprob for lp in second.prompt_logprobs[1:]] == [lp.logprob for lp in first.prompt_logprobs[1:]]
     assert second.num_cached_tokens == 0  # computed again, although its blocks were cached
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(server, text_ids):
+    """OpenAI's `echo` (a 400 before): lm-evaluation-harness scores a continuation with `echo: true,
+    logprobs: 1, max_tokens: 1` and reads the prompt's tokens from `logprobs`. The echoed text is
+    the prompt then the reply; the prompt's logprobs are `prompt_logprobs`' own (first one None)."""
+    ids = text_ids[:40]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        _, plp = _api_perplexity(http, CHAT_MODEL, ids, top=1)
+        prompt = http.post("/detokenize", json={"model": CHAT_MODEL, "tokens": ids}).json()["prompt"]
+        r = http.post("/v1/completions", json={"model": CHAT_MODEL, "prompt": ids, "max_tokens": 1,
+                                                "temperature": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"].startswith(prompt) and len(choice["text"]) > len(prompt)
+        lp = choice["logprobs"]
+        n = len(lp["tokens"])
+        assert n == len(ids) + 1 == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        expected = [entry[str(t)]["logprob"] for entry, t in zip(plp[1:], ids[1:], strict=True)]
+        assert lp["token_logprobs"][1:-1] == pytest.approx(expected, abs=1e-4)
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] >= len(prompt) - 1
+        plain = http.post("/v1/completions", json={"model": CHAT_MODEL, "prompt": prompt, "max_tokens": 3,
+                                                    "temperature": 0, "echo": True}).json()["choices"][0]
+        assert plain["text"].startswith(prompt) and plain["logprobs"] is None

@@ -68,6 +68,7 @@ class Accumulator:
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)  # per part
     reasoning: ReasoningParser | None = None  # chat replies of a reasoning model
     keep_token_ids: bool = False  # vLLM's return_token_ids: each choice keeps its ids (only then: per-token work)
+    echo: list[tuple[str, str]] | None = None  # OpenAI's echo: per part, the prompt's text and its first token's
 
     def index(self, part: int, choice: int) -> int:
         return part * self.n + choice
@@ -234,17 +235,30 @@ def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprob
     }
 
 
+def _echoed(acc: Accumulator, echo: list[tuple[str, str]], c: Choice, want_logprobs: bool) -> tuple[str, dict | None]:
+    """A choice's text and logprobs under OpenAI's `echo`: the prompt first, then the reply. The
+    prompt's tokens carry their logprobs (the first token has none, as in OpenAI's and vLLM's)."""
+    part = c.index // acc.n
+    text, first = echo[part]
+    if not want_logprobs:
+        return text + c.text, None
+    prompt = acc.prompt_logprobs.get(part) or []
+    head = completion_logprobs([lp for lp in prompt if lp is not None])
+    tail = completion_logprobs(c.logprobs, offset=len(text))
+    if prompt and prompt[0] is None:  # the first prompt token: text only
+        head = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"]],
+                "text_offset": [0, *(o + len(first) for o in head["text_offset"])]}
+    return text + c.text, {k: head[k] + tail[k] for k in head}
+
+
 def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
                     timeline: Timeline, want_prompt_logprobs: bool = False, token_ids: bool = False) -> dict:
-    choices = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
-            "finish_reason": c.finish_reason,
-        }
-        for c in acc.sorted()
-    ]
+    choices = []
+    for c in acc.sorted():
+        text, logprobs = (_echoed(acc, acc.echo, c, want_logprobs) if acc.echo is not None else
+                          (c.text, completion_logprobs(c.logprobs) if want_logprobs else None))
+        choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     if token_ids:  # vLLM's return_token_ids: the generated ids, so a gateway in front counts exactly
         for c, ch in zip(choices, acc.sorted(), strict=True):
             c["token_ids"] = ch.token_ids

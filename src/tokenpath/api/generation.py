@@ -133,6 +133,8 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
         run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
                                   keep_token_ids=getattr(body, "return_token_ids", False))
+        if getattr(body, "echo", False):  # OpenAI's echo: each prompt's text (and first token) before its reply
+            run.acc.echo = [(text, dep.tokenizer.token_text(ids[0])) for text, ids in zip(texts, prompts, strict=True)]
         state.inflight[run.id] = run.stop
         submissions = [generate_request(run, i, len(prompts), ids, params, texts, priority, deadline)
                        for i, ids in enumerate(prompts)]

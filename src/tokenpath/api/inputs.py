@@ -274,12 +274,21 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs_count,
-        prompt_logprobs=getattr(body, "prompt_logprobs", None),  # /v1/completions only
+        prompt_logprobs=_prompt_logprobs(body),  # /v1/completions only
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logit_bias=logit_bias,
         structured=structured,
     )
+
+
+def _prompt_logprobs(body: Body) -> int | None:
+    """vLLM's `prompt_logprobs`, or, for OpenAI's `echo` with `logprobs` (how lm-evaluation-harness
+    scores a continuation), the prompt's logprobs at the same top-k: the echoed text carries them."""
+    asked = getattr(body, "prompt_logprobs", None)
+    if asked is None and getattr(body, "echo", False):
+        return body.logprobs_count
+    return asked
 
 
 # -- embeddings --------------------------------------------------------------------------------
