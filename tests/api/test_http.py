@@ -220,9 +220,17 @@ def test_tokenize_detokenize_and_version(http):
     assert plain["token_strs"] is None and plain["count"] == len(plain["tokens"]) >= 2
     back = http.post("/detokenize", json={"model": CHAT, "tokens": plain["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+    # vLLM's add_special_tokens=false (`vllm bench serve` aligns its prompts with it; a 400 before):
+    # the text's own tokens, decoding back to it.
+    own = http.post("/tokenize", json={"model": CHAT, "prompt": "Hello world", "add_special_tokens": False})
+    assert own.status_code == 200, own.text
+    assert http.post("/detokenize", json={"model": CHAT, "tokens": own.json()["tokens"]}).json() == {
+        "prompt": "Hello world"}
     for path, body, param in (("/tokenize", {"model": CHAT, "prompt": "a", "messages": MSG}, "prompt"),
-                              ("/tokenize", {"model": CHAT, "prompt": "a", "add_special_tokens": False},
+                              ("/tokenize", {"model": CHAT, "messages": MSG, "add_special_tokens": False},
                                "add_special_tokens"),
+                              ("/tokenize", {"model": CHAT, "messages": MSG, "add_generation_prompt": False},
+                               "add_generation_prompt"),
                               ("/detokenize", {"model": CHAT, "tokens": [10**9]}, "tokens")):
         bad = http.post(path, json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

@@ -31,7 +31,9 @@ class TokenizeRequest(_Body):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, max_length=4096)
-    add_special_tokens: bool = True  # the completion form: what generation does (the only choice)
+    # The completion form: True is what generation does; False (vLLM's, which `vllm bench serve`
+    # sends to align its prompts) counts the text's own tokens, without BOS and the like.
+    add_special_tokens: bool = True
     add_generation_prompt: bool = True  # the chat form: what generation does (the only choice)
     return_token_strs: bool = False
 
@@ -39,10 +41,13 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give either `prompt` (completion form) or `messages` (chat form)",
                                       param="prompt")
-        if not self.add_special_tokens or not self.add_generation_prompt:
-            which = "add_special_tokens" if not self.add_special_tokens else "add_generation_prompt"
-            raise InvalidRequestError(f"{which}=false is not supported: /tokenize counts what a generation "
-                                      "request would be charged, which always has it", param=which)
+        if not self.add_generation_prompt:
+            raise InvalidRequestError("add_generation_prompt=false is not supported: /tokenize counts what a "
+                                      "generation request would be charged, which always has it",
+                                      param="add_generation_prompt")
+        if not self.add_special_tokens and self.messages is not None:
+            raise InvalidRequestError("add_special_tokens=false applies to the completion form (`prompt`) only",
+                                      param="add_special_tokens")
         if self.messages is not None:
             return ChatCompletionRequest(model=self.model, messages=self.messages)
         return CompletionRequest(model=self.model, prompt=self.prompt)
@@ -59,7 +64,12 @@ async def tokenize(body: TokenizeRequest, request: Request, state: AppState = De
     try:
         await run.authenticate()
         dep = run.route(body.model, "chat" if body.messages is not None else "completion")
-        ids = (await prompt_ids(state, dep, body.as_generation_body()))[0][0]
+        generation = body.as_generation_body()
+        if body.add_special_tokens:
+            ids = (await prompt_ids(state, dep, generation))[0][0]
+        else:  # the text's own tokens (vLLM's add_special_tokens=false)
+            text = body.prompt or ""
+            ids = await asyncio.to_thread(lambda: list(dep.tokenizer.backend.encode(text, add_special_tokens=False).ids))
         out: dict = {"count": len(ids), "max_model_len": dep.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [dep.tokenizer.token_text(t) for t in ids]
