@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 from tests.api.conftest import TOKENPATH, start_server
 
+from tokenpath.engine.block_hash import block_hashes
 from tokenpath.errors import DeadlineExceededError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
 from tokenpath.protocol.wire import FrameReader, encode_request, pack, read_frame
@@ -98,6 +99,41 @@ async def test_priority_crosses_the_link(engine):
     # The engine's log names the gateway's request ids and priorities.
     text = engine.log_path.read_text()
     assert re.search(r"request low queued: .* priority 5", text) and re.search(r"request high queued: .* priority 0", text)
+
+
+async def _until(check, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(STATE_INTERVAL_S)
+
+
+@in_module_loop
+async def test_kv_events_give_the_gateway_the_engines_prefix_index(engine):
+    """The engine publishes its prefix cache's changes (vLLM's BlockStored / BlockRemoved /
+    AllBlocksCleared) on the link's state frames: the gateway's view of the replica is its real
+    index, not a guess from its own routing (issue 37). A second gateway connecting later gets a
+    snapshot; a reset clears it; blocks the pool evicts leave it."""
+    replica = engine.replica
+    first = req("kv-a", prompt_len=16 * 3 + 5)
+    stored = block_hashes(first.prompt_token_ids, 16)
+    await drain(replica, first)
+    await _until(lambda: set(stored) <= replica.state().prefix_hashes)
+    assert replica.state().prefix_reported
+    second = EngineLinkReplica("second-gateway", secret=replica.secret)
+    await second.connect("127.0.0.1", engine.port)
+    try:
+        await _until(lambda: set(stored) <= second.state().prefix_hashes)
+        assert second.state().prefix_reported
+        # 64 blocks in the pool: five prompts of 14 blocks push the first one's blocks out.
+        for i in range(5):
+            await drain(replica, req(f"kv-fill-{i}", prompt_len=16 * 14))
+        await _until(lambda: not set(stored) & replica.state().prefix_hashes)
+        await _until(lambda: not set(stored) & second.state().prefix_hashes)
+        assert replica.state().prefix_hashes == second.state().prefix_hashes != set()
+        await replica.reset_prefix_cache()
+        await _until(lambda: not replica.state().prefix_hashes and not second.state().prefix_hashes)
+    finally:
+        await second.close()
 
 
 @in_module_loop

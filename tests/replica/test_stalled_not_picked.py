@@ -35,7 +35,7 @@ async def test_prefix_hit_on_a_stalled_replica_goes_elsewhere():
     prompt = list(range(100, 100 + 256))
     picker.index.add("engine-0", block_hashes(prompt, 16))
     first = await flow.acquire(request("a", prompt))
-    assert (first.pick.name, first.pick.reason) == ("engine-0", "prefix_hit")
+    assert (first.pick.name, first.pick.reason) == ("engine-0", "prefix_predicted")
     flow.release(first, ok=True)
     warm.liveness.heard_at = time.monotonic() - 2.5  # silent past the bound: stalled
     assert not warm.state().healthy and "stalled" in (warm.state().detail or "")
@@ -44,5 +44,5 @@ async def test_prefix_hit_on_a_stalled_replica_goes_elsewhere():
     flow.release(second, ok=True)
     warm.liveness.heard(time.monotonic())  # heard again: recovered, the prefix counts again
     third = await flow.acquire(request("c", prompt))
-    assert (third.pick.name, third.pick.reason) == ("engine-0", "prefix_hit")
+    assert (third.pick.name, third.pick.reason) == ("engine-0", "prefix_predicted")
     flow.release(third, ok=True)

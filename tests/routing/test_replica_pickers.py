@@ -1,4 +1,5 @@
 import random
+import time
 
 import pytest
 
@@ -74,7 +75,8 @@ def test_prefix_aware_longest_match_wins_and_routed_blocks_are_remembered():
     busier = [st(s.name, running=1 if s.name == first.name else 0) for s in states]
     for tail in ([8], [9, 9], [10] * 20):
         pick = p.pick(req(SYSTEM + tail), busier)
-        assert (pick.name, pick.reason) == (first.name, "prefix_hit")
+        # (these replicas report nothing: the hit is predicted from what this router sent there)
+        assert (pick.name, pick.reason) == (first.name, "prefix_predicted")
         assert pick.matched_blocks == 8
 
 
@@ -195,3 +197,25 @@ def test_an_embedding_is_routed_like_a_generation_of_its_tokens():
     assert (pick.name, pick.reason, pick.matched_blocks) == ("b", "prefix_hit", 8)
     home = SessionAffinityPicker().pick(req([1], session="s1"), states).name
     assert SessionAffinityPicker().pick(emb, states).name == home
+
+
+def test_a_reporting_replica_is_matched_on_its_report_and_fresh_routing_only():
+    """A replica that reports its cache (KV events, an in-process index) is matched against the
+    report: what the router sent there bridges only `bridge_s`, after which a block the engine
+    never stored (or evicted) stops counting. Confirmed hits are `prefix_hit`, guesses
+    `prefix_predicted` (issue 37: routing said nothing of which it was)."""
+    hs = block_hashes(SYSTEM, 16)
+    p = PrefixAwarePicker(index=PrefixIndex(bridge_s=0.2))
+    a, b = st("a"), st("b")
+    a.prefix_reported = b.prefix_reported = True
+    first = p.pick(req(SYSTEM), [a, b])
+    assert first.reason == "cold"
+    again = p.pick(req(SYSTEM + [1]), [a, b])  # within the bridge: the events have not come yet
+    assert (again.name, again.reason, again.matched_blocks) == (first.name, "prefix_predicted", 8)
+    time.sleep(0.3)  # the engine never reported those blocks: the guess expires
+    assert p.pick(req(SYSTEM + [2]), [a, b]).reason == "cold"
+    held = a if first.name == "a" else b
+    held.prefix_hashes = set(hs[:6])  # its events: six blocks stored
+    time.sleep(0.3)  # (the cold pick's own routing memory, wherever it went, expires too)
+    hit = p.pick(req(SYSTEM + [3]), [a, b])
+    assert (hit.name, hit.reason, hit.matched_blocks) == (held.name, "prefix_hit", 6)

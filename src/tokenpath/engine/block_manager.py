@@ -19,12 +19,15 @@ blocks were evicted. Blocks behind the window of a hit are not needed, so they a
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from tokenpath.engine.block_hash import hash_block_tokens
 from tokenpath.engine.kv_groups import NULL_BLOCK
 from tokenpath.engine.sequence import Sequence
+
+# KV events (vLLM's AllBlocksCleared, BlockStored, BlockRemoved), as `EngineState.kv_events` spells them.
+KV_CLEARED, KV_STORED, KV_REMOVED = 0, 1, 2
 
 
 class BlockManager:
@@ -45,6 +48,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
+        # KV events of group 0's index, for whoever subscribed (`subscribe`: an engine link's
+        # gateway): (kind, hash), kind KV_CLEARED / KV_STORED / KV_REMOVED. No subscriber, no cost
+        # but an empty loop per new block.
+        self.kv_sinks: list[deque[tuple[int, int]]] = []
 
     # ------------------------------------------------------------ queries
     @property
@@ -90,6 +97,22 @@ class BlockManager:
                 continue
         return set()
 
+    def subscribe(self) -> deque[tuple[int, int]]:
+        """A new KV-event feed: a clear, then every block group 0 holds now, then each change as it
+        happens (from the step thread; deque appends and pops are atomic, so another thread may
+        drain it). Registered before the snapshot is read, so no change between them is lost."""
+        sink: deque[tuple[int, int]] = deque([(KV_CLEARED, 0)])
+        self.kv_sinks = [*self.kv_sinks, sink]  # (a new list: the step thread may be iterating the old)
+        sink.extend((KV_STORED, h) for h in self.cached_hashes())
+        return sink
+
+    def unsubscribe(self, sink: deque[tuple[int, int]]) -> None:
+        self.kv_sinks = [s for s in self.kv_sinks if s is not sink]
+
+    def _event(self, kind: int, h: int) -> None:
+        for sink in self.kv_sinks:
+            sink.append((kind, h))
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's /reset_prefix_cache), so a benchmark run starts cold.
         Blocks in use stay allocated; they are just no longer findable. One `dict.clear()` per
@@ -99,6 +122,7 @@ class BlockManager:
         for index in self.group_cached:
             n += len(index)
             index.clear()
+        self._event(KV_CLEARED, 0)
         return n
 
     # ------------------------------------------------------------ allocation
@@ -192,6 +216,8 @@ class BlockManager:
                     index = self.group_cached[self.block_group[block]]
                     if index.get(old) == block:
                         index.pop(old, None)  # pop: `reset_prefix_cache` may have emptied it meanwhile
+                        if self.kv_sinks and self.block_group[block] == 0:
+                            self._event(KV_REMOVED, old)
                     self.block_hash[block] = None
                 self.ref_counts[block] = 1
                 table.append(block)
@@ -213,6 +239,8 @@ class BlockManager:
                     self.group_cached[g][h] = block
                     self.block_hash[block] = h
                     self.block_group[block] = g
+                    if g == 0 and self.kv_sinks:
+                        self._event(KV_STORED, h)
 
     def release(self, seq: Sequence) -> None:
         """Return every block of `seq` (finish, abort, error or preemption)."""

@@ -150,6 +150,10 @@ class EngineState:
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
     max_loras: int = 0
+    # KV events since this link's last state (vLLM's, for group 0's prefix index): [kind, block
+    # hash] pairs, kind 0 all blocks cleared (hash 0), 1 stored, 2 removed. A link's first state
+    # starts with a clear and then every block held, so a gateway that (re)connects is exact.
+    kv_events: list[list[int]] = field(default_factory=list)
     # The step thread, for the replica's liveness (`replica.liveness`: one rule in the gateway for
     # an engine in its process and one behind the link): how long it had been in its current step
     # when this state was taken (0 while it waits for work), and how long a normal step of this

@@ -14,7 +14,12 @@ class ReplicaState:
     running: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
-    prefix_hashes: set[int] = field(default_factory=set)  # recently cached/routed block hashes
+    # Block hashes the replica reports it caches (group 0: an in-process engine's index, or the
+    # KV events an engine process, a Ray actor or vLLM publishes); empty where it reports none.
+    prefix_hashes: set[int] = field(default_factory=set)
+    # True when `prefix_hashes` is the replica's own account (events or a snapshot), so a router's
+    # memory of what it sent there only bridges the moments before the report catches up.
+    prefix_reported: bool = False
     max_num_seqs: int = 0
     # Extensions read by routing/admission (defaults keep older constructors valid):
     block_size: int = 16  # the engine's KV block size: prefix-aware routing hashes prompts with it

@@ -100,6 +100,10 @@ class LinkReplica(Generic[ReqT, OutT]):
         self._pongs: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._state = EngineState()  # the engine's last state message
+        # The engine's prefix index as its KV events tell it (each link starts with a clear and a
+        # snapshot); `_reported` once any arrived (an engine of an older version sends none).
+        self._held: set[int] = set()
+        self._reported = False
         self.liveness = Liveness(name, liveness)  # stall and per-request progress bounds
         self.liveness.active = False  # (judged while linked)
         self._bound_sent = 0.0  # the stall bound the engine was last told (`StallBound`)
@@ -177,6 +181,8 @@ class LinkReplica(Generic[ReqT, OutT]):
         m = decode(msg)
         if isinstance(m, EngineState):
             self._state = m
+            if m.kv_events:
+                self._apply_kv_events(m.kv_events)
             if m.step_age_s is not None:  # (an engine that reports its step loop)
                 self.liveness.stepped(self.liveness.heard_at - m.step_age_s, m.step_allowance_s)
             if self._bound_sent != (bound := self.liveness.config.stall_after_s):
@@ -302,7 +308,28 @@ class LinkReplica(Generic[ReqT, OutT]):
             detail=detail, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, restarts=self.restarts,
             loras=frozenset(map(str, s.loras)), running_loras=tuple(map(str, s.running_loras)),
-            waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras))
+            waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras),
+            prefix_hashes=self._held, prefix_reported=self._reported)
+
+    def _apply_kv_events(self, events: list[list[int]]) -> None:
+        """Group 0's index, as the engine changed it: [kind, hash] pairs (`EngineState.kv_events`)."""
+        held = self._held
+        try:
+            for kind, h in events:
+                if kind == 0:  # a clear (and a snapshot after it, on a new link): exact again
+                    held.clear()
+                    self._reported = True
+                elif not self._reported:
+                    continue  # (after a garbled feed, until the next clear)
+                elif kind == 1:
+                    held.add(int(h))
+                elif kind == 2:
+                    held.discard(h)
+        except (TypeError, ValueError) as exc:  # a garbled feed: predict for this replica instead
+            log.warning("engine link %s: malformed KV events (%s); routing to it falls back to prediction",
+                        self.name, exc)
+            held.clear()
+            self._reported = False
 
 
 class EngineLinkReplica(LinkReplica[GenerateRequest, RequestOutput]):

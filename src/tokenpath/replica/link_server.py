@@ -44,6 +44,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -210,6 +211,13 @@ class LinkEndpoint(Generic[E]):
         """Forget the engine's prefix cache (`Reset`): the blocks freed."""
         return 0
 
+    def _kv_subscribe(self) -> deque[tuple[int, int]] | None:
+        """A KV-event feed for one connection (an engine with a prefix cache), else None."""
+        return None
+
+    def _kv_unsubscribe(self, feed: deque[tuple[int, int]]) -> None:
+        pass
+
     def _on_request(self, kind: str, d: dict, outbox: Outbox, live: dict[str, InFlight]) -> None:
         """A request frame of one of `REQUEST_FRAMES`, still encoded: start it, and keep it in
         `live` under its id while it runs (it removes itself when done)."""
@@ -235,7 +243,8 @@ class LinkEndpoint(Generic[E]):
         writer.write(frame(Welcome(time.monotonic(), self._info())))
         outbox = Outbox(writer)
         live: dict[str, InFlight] = {}  # this connection's requests in flight, by id
-        push = StatePush(self._state, outbox)
+        feed = self._kv_subscribe()  # this gateway's KV-event feed (its prefix index), if the engine has one
+        push = StatePush(self._state if feed is None else lambda: _with_events(self._state(), feed), outbox)
         pusher = asyncio.create_task(self._push_state(push))
         try:
             while True:
@@ -253,6 +262,8 @@ class LinkEndpoint(Generic[E]):
                 log.info("engine link: gateway link closed (%s)", type(exc).__name__)
         finally:
             pusher.cancel()
+            if feed is not None:
+                self._kv_unsubscribe(feed)
             for entry in list(live.values()):  # the gateway is gone: nobody will read these
                 entry.cancel()
             live.clear()
@@ -316,6 +327,12 @@ class LinkServer(LinkEndpoint[AsyncEngine]):
     def _reset(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    def _kv_subscribe(self) -> deque[tuple[int, int]] | None:
+        return self.engine.core.blocks.subscribe()
+
+    def _kv_unsubscribe(self, feed: deque[tuple[int, int]]) -> None:
+        self.engine.core.blocks.unsubscribe(feed)
+
     def _on_request(self, kind: str, d: dict, outbox: Outbox, live: dict[str, InFlight]) -> None:
         try:
             request = decode_request(d)
@@ -335,6 +352,18 @@ class LinkServer(LinkEndpoint[AsyncEngine]):
             return
         live[request.request_id] = entry
         self.served += 1
+
+
+def _with_events(state: EngineState, feed: deque[tuple[int, int]]) -> EngineState:
+    """The state with the KV events queued since the last one (drained: each goes out once; a
+    state carrying events always differs from the last, so it is sent)."""
+    events = []
+    with contextlib.suppress(IndexError):
+        while True:
+            kind, h = feed.popleft()
+            events.append([kind, h])
+    state.kv_events = events
+    return state
 
 
 class StatePush:

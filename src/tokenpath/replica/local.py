@@ -95,7 +95,7 @@ class InProcessReplica:
             running=s.running,
             kv_usage=s.kv_usage,
             healthy=detail is None,
-            prefix_hashes=self.engine.core.blocks.cached_hashes(),
+            prefix_hashes=self.engine.core.blocks.cached_hashes(), prefix_reported=True,
             max_num_seqs=self.engine.config.max_num_seqs,
             block_size=s.block_size,
             num_blocks=s.num_blocks,

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from typing import TypedDict, Unpack
 
 from tokenpath.admission.picker import Pick, ReplicaPicker
@@ -113,22 +114,27 @@ class LeastLoadedPicker:
 class PrefixIndex:
     """Block hashes this router recently sent to each replica, bounded per replica (LRU).
 
-    The replica's own report (`ReplicaState.prefix_hashes`) can lag by a poll interval or be
-    absent (vLLM does not export it); remembering our own routing decisions covers that gap, the
-    same way llm-d's approximate prefix scorer does.
+    A replica that reports what it caches (`ReplicaState.prefix_reported`: an in-process engine's
+    index, the KV events of an engine process, a Ray actor or vLLM) is matched against its report;
+    what this router sent there counts only for `bridge_s` after sending, the moments before the
+    blocks are computed and their events arrive. A replica that reports nothing (a URL replica
+    without KV events) is matched against this memory alone, as llm-d's approximate prefix scorer
+    does: a prediction, and the routing reason says so (`prefix_predicted`).
     """
 
-    def __init__(self, max_blocks_per_replica: int = 50_000) -> None:
+    def __init__(self, max_blocks_per_replica: int = 50_000, bridge_s: float = 10.0) -> None:
         self.max_blocks = max_blocks_per_replica
-        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self.bridge_s = bridge_s
+        self._blocks: dict[str, OrderedDict[int, float]] = {}  # hash -> when last sent there
 
     def add(self, replica: str, hashes: Sequence[int], capacity: int = 0) -> None:
         """Remember `hashes` as most recent; keep at most `capacity` (the replica's KV pool, when
         known) so blocks the engine's own LRU must have evicted do not count as hits."""
         limit = min(self.max_blocks, capacity) if capacity > 0 else self.max_blocks
         lru = self._blocks.setdefault(replica, OrderedDict())
+        now = time.monotonic()
         for h in hashes:
-            lru[h] = None
+            lru[h] = now
             lru.move_to_end(h)
         while len(lru) > limit:
             lru.popitem(last=False)
@@ -143,18 +149,23 @@ class PrefixIndex:
     def forget(self, replica: str) -> None:
         self._blocks.pop(replica, None)
 
-    def matched(self, state: ReplicaState, hashes: Sequence[int]) -> int:
-        """How many leading blocks of the prompt this replica holds (reported or routed)."""
-        known: Container[int] = self._blocks.get(state.name, ())
-        n = 0
+    def matched(self, state: ReplicaState, hashes: Sequence[int]) -> tuple[int, int]:
+        """How many leading blocks of the prompt this replica holds: (reported or routed, of which
+        reported). A reporting replica's routed blocks count only while fresh (`bridge_s`)."""
+        known: dict[int, float] | tuple = self._blocks.get(state.name, ())
+        reported = state.prefix_hashes
+        since = time.monotonic() - self.bridge_s if state.prefix_reported else float("-inf")
+        n = confirmed = 0
         for h in hashes:
-            if h in known or h in state.prefix_hashes:
-                n += 1
-            else:
+            if h in reported:
+                if confirmed == n:
+                    confirmed += 1
+            elif h not in known or known[h] < since:  # type: ignore[call-overload]
                 break
+            n += 1
         if n:  # touch the matched blocks so hot prefixes survive eviction
             self.add(state.name, hashes[:n], state.num_blocks)
-        return n
+        return n, confirmed
 
 
 class PrefixAwarePicker:
@@ -183,14 +194,16 @@ class PrefixAwarePicker:
         root = None if lora is None else lora_root(lora.name, lora.path)
         by_size: dict[int, list[int]] = {}
         scored: list[tuple[float, int, ReplicaState]] = []  # (cost in tokens, matched blocks, state)
+        reported: dict[str, int] = {}  # matched blocks the replica itself reports holding
         n = len(request.prompt_token_ids)
         for s in states:
             hashes = by_size.get(s.block_size)
             if hashes is None:
                 hashes = by_size[s.block_size] = block_hashes(request.prompt_token_ids, s.block_size, root=root)
-            matched = self.index.matched(s, hashes)
+            matched, confirmed = self.index.matched(s, hashes)
             if matched < self.min_match_blocks:
-                matched = 0
+                matched = confirmed = 0
+            reported[s.name] = confirmed
             uncached = max(1, n - matched * s.block_size)
             scored.append((s.pending_prefill_tokens + self.cache_weight * uncached, matched, s))
         if not any(m for _, m, _ in scored):
@@ -198,7 +211,9 @@ class PrefixAwarePicker:
             chosen, reason, matched = self._least_rotating([s for c, _, s in scored if c <= low]), "cold", 0
         else:
             _, matched, chosen = min(scored, key=lambda x: (x[0], -x[1], load_score(x[2]), x[2].name))
-            reason = "prefix_hit" if matched else "backlog_escape"
+            # A hit the replica's own report confirms, or one predicted from what we sent there.
+            reason = ("prefix_hit" if reported[chosen.name] == matched else "prefix_predicted") if matched \
+                else "backlog_escape"
         least = _least(everyone)
         if load_score(chosen) - load_score(least) > self.load_threshold:
             chosen, reason, matched = least, "load_escape", 0
