@@ -28,7 +28,12 @@ def test_config_validates_replicas_and_policy(tmp_path):
         {"name": "m", "policy": "random", "replicas": [{"local": 1}]},
         {"name": "m", "replicas": [{"local": 1}], "admission": {"max_queue_len": 3}},
         {"name": "m", "task": "embedding", "replicas": [{"url": "http://x"}]},  # encoders: local only
+        {"name": "m", "replicas": [{"local": 1, "kv_events": "tcp://127.0.0.1:5557"}]},  # (the link has them)
+        {"name": "m", "replicas": [{"url": "http://x", "kv_events": "http://x:5557"}]},  # not a ZMQ endpoint
+        {"name": "m", "replicas": [{"url": "http://x", "kv_events_replay": "tcp://x:5558"}]},  # no live feed
     ]
+    ok = {"name": "m", "replicas": [{"url": "http://x", "kv_events": "tcp://x:5557", "kv_events_replay": "tcp://x:5558"}]}
+    assert RoutingConfig.model_validate({"deployments": [ok]}).deployments[0].replicas[0].kv_events == "tcp://x:5557"
     for d in bad:
         with pytest.raises(ValidationError):
             RoutingConfig.model_validate({"deployments": [d]})

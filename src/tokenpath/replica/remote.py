@@ -35,10 +35,11 @@ from tokenpath.protocol import GenerateRequest, ReplicaState
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.protocol.submission import Submission
+from tokenpath.replica.backend_timing import BackendTiming, apply_timing, backend_timing
 from tokenpath.replica.base import ReplicaBusyError
+from tokenpath.replica.kv_events import KVEventFeed, KVEventIndex
 from tokenpath.replica.liveness import Liveness
 from tokenpath.replica.polled import PolledState
-from tokenpath.telemetry.timeline import PATH_STAGES
 
 # Series (family names as prometheus_client reports them) -> ReplicaState field.
 _WAITING = ("tokenpath:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
@@ -91,6 +92,8 @@ class RemoteReplicaConfig:
     block_size: int | None = None  # overrides what /metrics reports
     unhealthy_after: int = 2  # consecutive failed polls
     headers: dict[str, str] = field(default_factory=dict)
+    kv_events: str | None = None  # vLLM's KV-event publisher (ZMQ), for the prefix index
+    kv_events_replay: str | None = None  # and its replay endpoint (the past, after a gateway restart)
 
 
 class RemoteReplica(PolledState):
@@ -125,6 +128,9 @@ class RemoteReplica(PolledState):
         # The task a stream is awaiting the server in (absent while it is parked at a `yield`,
         # where a cancel would hit its consumer instead): what `_release` interrupts.
         self._readers: dict[str, asyncio.Task | None] = {}  # (None only outside a task: never under asyncio)
+        self.kv_index = KVEventIndex(name) if config.kv_events else None
+        self._kv_feed = (KVEventFeed(self.kv_index, config.kv_events, config.kv_events_replay)
+                         if self.kv_index is not None and config.kv_events else None)
 
     # -- state ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,12 +142,16 @@ class RemoteReplica(PolledState):
             if self._discover_model:
                 self.model = first["id"]
             self.max_model_len = first.get("max_model_len")
+        if self._kv_feed is not None:
+            self._kv_feed.start()
         await self.poll()
         self._ensure_poller()
         self.liveness.start()
 
     def state(self) -> ReplicaState:
         state = super().state()
+        if self.kv_index is not None:  # the backend's own cache, from its KV events
+            state = replace(state, prefix_hashes=self.kv_index.held, prefix_reported=self.kv_index.reported)
         detail = self.liveness.detail()
         if detail is None:
             return state
@@ -201,6 +211,8 @@ class RemoteReplica(PolledState):
         self._state = state
 
     async def close(self) -> None:
+        if self._kv_feed is not None:
+            await self._kv_feed.close()
         await self.liveness.stop()
         await self._stop_polling()
         await self._client.aclose()
@@ -275,7 +287,7 @@ class RemoteReplica(PolledState):
                         yield out
                         reader = self._resumed(rid)
                 if last is not None:
-                    _apply_timing(last, timing, timeline.attrs)
+                    apply_timing(last, timing, timeline.attrs)
                     self._yield_point(rid)
                     reader = None
                     yield last
@@ -349,72 +361,6 @@ class RemoteReplica(PolledState):
         if r.status_code >= 400:
             raise ServiceUnavailableError(f"replica '{self.name}' could not reset its prefix cache ({r.status_code})")
         return 0
-
-
-@dataclass(frozen=True)
-class BackendTiming:
-    """A backend's own account of one request, in milliseconds of its clock: how long it queued,
-    its prefill (scheduled -> first token) and its decode. `source` names the dialect it came in."""
-
-    source: str
-    prefill_ms: float
-    queue_ms: float | None = None
-    decode_ms: float | None = None
-    cached_tokens: int | None = None
-
-    def as_attrs(self) -> dict:
-        return {k: v for k, v in (("source", self.source), ("queue_ms", self.queue_ms),
-                                  ("prefill_ms", self.prefill_ms), ("decode_ms", self.decode_ms)) if v is not None}
-
-
-def _ms(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
-        return None  # absent, malformed or negative: never trusted into the Timeline
-    return float(value)
-
-
-def backend_timing(data: dict) -> BackendTiming | None:
-    """The stage times a chunk carries, in whichever dialect its server speaks:
-    - vLLM (`--enable-per-request-metrics`): `metrics` on the final usage chunk, with
-      `queue_time_ms` (queued -> scheduled), `time_to_first_token_ms` (scheduled -> first token)
-      and `generation_time_ms` (first -> last token);
-    - llama.cpp's server: `timings` on the last chunk, `prompt_ms`, `predicted_ms` and `cache_n`
-      (it reports no queue time);
-    - tokenpath: `tokenpath.timing`, its stages in seconds (queue = its gateway's and engine's).
-    None when the chunk carries none (the stages are then derived from the stream alone)."""
-    m = data.get("metrics")
-    if isinstance(m, dict) and (prefill := _ms(m.get("time_to_first_token_ms"))) is not None:
-        return BackendTiming("vllm", prefill, _ms(m.get("queue_time_ms")), _ms(m.get("generation_time_ms")))
-    t = data.get("timings")
-    if isinstance(t, dict) and (prefill := _ms(t.get("prompt_ms"))) is not None:
-        cache_n = t.get("cache_n")
-        return BackendTiming("llama.cpp", prefill, None, _ms(t.get("predicted_ms")),
-                             cache_n if isinstance(cache_n, int) and cache_n >= 0 else None)
-    ext = data.get("tokenpath")
-    stages = ext.get("timing") if isinstance(ext, dict) else None
-    if isinstance(stages, dict) and (prefill := _ms(stages.get("prefill"))) is not None:
-        cut = PATH_STAGES.index("prefill")  # (the stage table: what a tokenpath backend sends)
-        parts = [_ms(stages.get(k)) for k in PATH_STAGES[:cut]]
-        after = [_ms(stages.get(k)) for k in PATH_STAGES[cut + 1:]]
-        return BackendTiming("tokenpath", 1000 * prefill, 1000 * sum(p or 0.0 for p in parts),
-                             1000 * sum(p or 0.0 for p in after))
-    return None
-
-
-def _apply_timing(last: RequestOutput, timing: BackendTiming | None, attrs: dict) -> None:
-    """The backend's stages onto the request's engine events, in the gateway's clock: it was
-    scheduled its prefill before the first token reached us (the first token's own trip back is a
-    few ms, left in prefill), so `engine_queue` is the HTTP hop plus the backend's queue, and
-    `stamp_events` clamps the result into what the gateway saw. Without a report the stages are
-    derived from the stream (dispatch -> first chunk is all `prefill`), and the Timeline says so."""
-    ev = last.events
-    if timing is None or ev.first_token is None:
-        attrs["backend_timing"] = {"source": "derived"}
-        return
-    ev.scheduled = ev.first_token - timing.prefill_ms / 1000
-    attrs["backend_timing"] = timing.as_attrs()
-    if timing.cached_tokens and not last.num_cached_tokens:
-        last.num_cached_tokens = timing.cached_tokens
 
 
 def structured_body(spec: StructuredOutput) -> dict:

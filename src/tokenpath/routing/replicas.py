@@ -152,7 +152,7 @@ class PrefixIndex:
     def matched(self, state: ReplicaState, hashes: Sequence[int]) -> tuple[int, int]:
         """How many leading blocks of the prompt this replica holds: (reported or routed, of which
         reported). A reporting replica's routed blocks count only while fresh (`bridge_s`)."""
-        known: dict[int, float] | tuple = self._blocks.get(state.name, ())
+        known: dict[int, float] = self._blocks.get(state.name) or {}
         reported = state.prefix_hashes
         since = time.monotonic() - self.bridge_s if state.prefix_reported else float("-inf")
         n = confirmed = 0
@@ -160,7 +160,7 @@ class PrefixIndex:
             if h in reported:
                 if confirmed == n:
                     confirmed += 1
-            elif h not in known or known[h] < since:  # type: ignore[call-overload]
+            elif h not in known or known[h] < since:
                 break
             n += 1
         if n:  # touch the matched blocks so hot prefixes survive eviction

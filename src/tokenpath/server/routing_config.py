@@ -13,6 +13,7 @@ deployments:
         # engine_command: [numactl, --cpunodebind=0, python, -m, tokenpath.cli, engine]  (optional)
       - url: http://10.0.0.7:8000 # another tokenpath engine, or vLLM / SGLang / llama.cpp
         max_num_seqs: 64
+        kv_events: tcp://10.0.0.7:5557  # vLLM's KV-event publisher: the prefix index is its cache
     fallbacks: [backup-model]
     admission: {max_queue: 128, default_deadline_s: {0: 60}}
 ```
@@ -55,6 +56,10 @@ class ReplicaSpec(BaseModel):
     model: str | None = None  # the name the server knows the model by (default: discovered)
     api_key: str | None = None
     max_num_seqs: int = Field(0, ge=0)
+    # A URL replica's KV events (vLLM's `--kv-events-config` ZMQ publisher, e.g. tcp://10.0.0.7:5557,
+    # and its replay endpoint): the prefix-aware picker then reads vLLM's real cache, not a guess.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     # Local processes' engine settings: EngineConfig fields (validated here: a typo is a config
     # error, not an engine that fails to start), turned into the flags generated from the same
     # fields; `engine_args` are raw `tokenpath engine` flags after them.
@@ -68,6 +73,14 @@ class ReplicaSpec(BaseModel):
     def _one_kind(self) -> ReplicaSpec:
         if (self.url is not None) + (self.local > 0) + (self.ray is not None) != 1:
             raise ValueError("a replica entry needs exactly one of `url`, `local: N` or `ray: {...}`")
+        for name, endpoint in (("kv_events", self.kv_events), ("kv_events_replay", self.kv_events_replay)):
+            if endpoint is not None and self.url is None:
+                raise ValueError(f"{name} is for `url` replicas (tokenpath's own engines send their KV events "
+                                 "on the engine link)")
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events (the live feed it catches up to)")
         if self.engine:
             unknown = set(self.engine) - set(engine_flag_names())
             if unknown:
@@ -167,7 +180,8 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
                 replicas += [p.replica for p in ps]
             else:
                 rep = RemoteReplica(f"{spec.name}-url{i}", RemoteReplicaConfig(
-                    url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs))
+                    url=r.url or "", model=r.model, api_key=r.api_key, max_num_seqs=r.max_num_seqs,
+                    kv_events=r.kv_events, kv_events_replay=r.kv_events_replay))
                 await rep.start()
                 replicas.append(rep)
         engines = [c for r in replicas if isinstance(r, LinkReplica) and (c := r.info.engine) is not None]
