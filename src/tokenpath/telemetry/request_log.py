@@ -91,6 +91,8 @@ def request_fields(rec: FinishedRequest) -> dict[str, Any]:
         "stages_ms": {k: round(v * 1000, 1) for k, v in rec.timeline.durations().items()},
         "causes": compact(rec.causes()),
     }
+    if a.get("backend_timing") is not None:  # a URL replica: whose clock its engine stages came from
+        fields["backend_timing"] = a["backend_timing"]
     if rec.prompt_text is not None:
         fields["prompt_text"] = rec.prompt_text
     if rec.completion_text is not None:

@@ -1,0 +1,193 @@
+"""tokenpath's gateway in front of a real vLLM (issue 37): what reaches vLLM, what comes back, and
+what the gateway learns from it.
+
+    python benchmarks/vllm_behind_gateway.py [--requests 20] [--model-dir DIR]
+
+Starts vLLM's CPU build (benchmarks/.venv-vllm, the mends of ../shared/PEERS.md) on the bf16
+SmolLM2 safetensors (benchmarks/make_smollm2_hf.py) with `--enable-per-request-metrics`,
+`--enable-prompt-tokens-details` and its ZMQ KV events (live and replay endpoints), then a
+`tokenpath serve --routing` gateway whose only replica is that vLLM (`url:` with `kv_events` and
+`kv_events_replay`). Then, through the gateway:
+1. structured output (choice, regex, json_schema), `--requests` of each: the share valid;
+2. logprobs (`top_logprobs: 3`): one entry per completion token;
+3. usage: the gateway's completion_tokens against vLLM's own for the same seeded request;
+4. stages: `engine_queue` and `prefill` as vLLM reported them (backend_timing in the log);
+5. prefix routing: a long shared prefix sent twice; the second's routing reason must be
+   `prefix_hit` (confirmed by vLLM's KV events), not `prefix_predicted`. Then the gateway is
+   restarted and the same prefix sent again: `prefix_hit` again, from vLLM's replayed events,
+   where a gateway that predicts from its own memory has none;
+6. overhead: TTFT p50 of `--requests` short streamed requests straight to vLLM and through the
+   gateway, alternating (the gateway's added milliseconds).
+
+Writes benchmarks/results/vllm_behind_gateway.md and .json. Two cores: vLLM and the gateway share
+them, and the load generator runs pinned to core 1 (`taskset`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from safetensors_vs_vllm import NAME, RESULTS, ROOT, VLLM, free_port, wait_ready  # noqa: E402
+
+PREFIX = "You are a careful assistant. " * 60  # ~360 tokens: several of vLLM's blocks
+
+
+def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(argv, env=env or dict(os.environ), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=ROOT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def gateway(out: Path, vllm_port: int, live: int, replay: int, tag: str) -> tuple[subprocess.Popen, int]:
+    routes = out / "routes.yaml"
+    routes.write_text(f"deployments:\n  - name: {NAME}\n    replicas:\n      - url: http://127.0.0.1:{vllm_port}\n"
+                      f"        max_num_seqs: 32\n        kv_events: tcp://127.0.0.1:{live}\n"
+                      f"        kv_events_replay: tcp://127.0.0.1:{replay}\n")
+    port = free_port()
+    proc = start([sys.executable, "-m", "tokenpath.cli", "serve", "--model", NAME, "--routing", str(routes),
+                  "--port", str(port), "--host", "127.0.0.1", "--log-format", "json"], out / f"gateway-{tag}.log")
+    wait_ready(port, proc, timeout=300)
+    return proc, port
+
+
+def request_lines(log: Path) -> list[dict]:
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        if '"tokenpath.request"' in line:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def structured(http: httpx.Client, n: int) -> dict:
+    cases = {
+        "choice": ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        "regex": ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+                  lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t) is not None),
+        "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": {
+            "type": "object", "properties": {"mood": {"type": "string", "enum": ["good", "bad"]}},
+            "required": ["mood"], "additionalProperties": False}}}},
+            lambda t: json.loads(t)["mood"] in ("good", "bad")),
+    }
+    out = {}
+    for name, (extra, valid) in cases.items():
+        ok = 0
+        for i in range(n):
+            body = {"model": NAME, "max_tokens": 24, "temperature": 0.8, "seed": i,
+                    "messages": [{"role": "user", "content": f"Tell me about day {i}."}], **extra}
+            r = http.post("/v1/chat/completions", json=body)
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                ok += r.status_code == 200 and bool(valid(r.json()["choices"][0]["message"]["content"]))
+        out[name] = ok / n
+    return out
+
+
+def ttft(url: str, prompt: str) -> float:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                return (time.perf_counter() - t0) * 1000
+    raise RuntimeError("no token")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "peers" / "smollm2-135m-bfloat16")
+    ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench" / "vllm_behind_gateway")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.sched_setaffinity(0, {1})  # (this process generates the load)
+    vport, live, replay = free_port(), free_port(), free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{live}",
+                     "replay_endpoint": f"tcp://*:{replay}"})
+    t0 = time.monotonic()
+    vllm = start([str(VLLM), "serve", str(args.model_dir), "--served-model-name", NAME, "--host", "127.0.0.1",
+                  "--port", str(vport), "--dtype", "bfloat16", "--max-model-len", "4096",
+                  "--enable-per-request-metrics", "--enable-prompt-tokens-details", "--kv-events-config", kv],
+                 args.out / "vllm.log", env)
+    result: dict = {}
+    try:
+        wait_ready(vport, vllm, timeout=1200)
+        result["vllm_ready_s"] = round(time.monotonic() - t0, 1)
+        gw, gport = gateway(args.out, vport, live, replay, "1")
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=300) as http:
+                result["structured_valid"] = structured(http, args.requests)
+                lp = http.post("/v1/chat/completions", json={
+                    "model": NAME, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                    "messages": [{"role": "user", "content": "Hello"}]}).json()
+                result["logprobs_entries_vs_tokens"] = [len(lp["choices"][0]["logprobs"]["content"]),
+                                                        lp["usage"]["completion_tokens"]]
+                body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.9,
+                        "seed": 3, "ignore_eos": True}
+                via = http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
+                direct = httpx.post(f"http://127.0.0.1:{vport}/v1/completions", json=body,
+                                    timeout=300).json()["usage"]["completion_tokens"]
+                result["completion_tokens_gateway_vs_vllm"] = [via, direct]
+                timing = http.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 8}).json()
+                result["stages_ms"] = {k: round(v * 1000, 1) for k, v in timing["tokenpath"]["timing"].items()}
+                for i in range(2):
+                    http.post("/v1/completions", json={"model": NAME, "prompt": PREFIX + f"Question {i}?",
+                                                       "max_tokens": 4})
+                    time.sleep(1.0)  # (the events of the first one's blocks arrive)
+            rows = request_lines(args.out / "gateway-1.log")
+            result["prefix_routing_reasons"] = [r.get("routing_reason") for r in rows[-2:]]
+            result["backend_timing_logged"] = [r.get("backend_timing") for r in rows[-3:-2]]
+        finally:
+            stop(gw)
+        gw, gport = gateway(args.out, vport, live, replay, "2")  # a restarted gateway
+        try:
+            time.sleep(2.0)  # (the replay is read at start)
+            httpx.post(f"http://127.0.0.1:{gport}/v1/completions", timeout=300,
+                       json={"model": NAME, "prompt": PREFIX + "Question 9?", "max_tokens": 4})
+            result["after_restart_reason"] = request_lines(args.out / "gateway-2.log")[-1].get("routing_reason")
+            direct_ms, via_ms = [], []
+            for i in range(args.requests):
+                prompt = f"Request {i}: say something."
+                direct_ms.append(ttft(f"http://127.0.0.1:{vport}", prompt))
+                via_ms.append(ttft(f"http://127.0.0.1:{gport}", prompt + " "))
+            result["ttft_p50_ms"] = {"vllm": round(statistics.median(direct_ms), 1),
+                                     "via_gateway": round(statistics.median(via_ms), 1)}
+            result["added_ms_p50"] = round(result["ttft_p50_ms"]["via_gateway"] - result["ttft_p50_ms"]["vllm"], 1)
+        finally:
+            stop(gw)
+    finally:
+        stop(vllm)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "vllm_behind_gateway.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["# tokenpath's gateway in front of vLLM CPU 0.32 (benchmarks/vllm_behind_gateway.py)", "",
+             "| check | result |", "|---|---|"]
+    lines += [f"| {k} | `{json.dumps(v)}` |" for k, v in result.items()]
+    (RESULTS / "vllm_behind_gateway.md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
