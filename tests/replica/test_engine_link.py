@@ -108,32 +108,40 @@ async def _until(check, timeout: float = 10.0) -> None:
 
 
 @in_module_loop
-async def test_kv_events_give_the_gateway_the_engines_prefix_index(engine):
+async def test_kv_events_give_the_gateway_the_engines_prefix_index(tmp_path):
     """The engine publishes its prefix cache's changes (vLLM's BlockStored / BlockRemoved /
     AllBlocksCleared) on the link's state frames: the gateway's view of the replica is its real
     index, not a guess from its own routing (issue 37). A second gateway connecting later gets a
-    snapshot; a reset clears it; blocks the pool evicts leave it."""
+    snapshot; a reset clears it; blocks the pool evicts leave it. An engine of its own: it exits
+    when any link to it closes (`--exit-with-link`), so the second link is closed after it stopped."""
+    (engine,) = await spawn_engines(1, "smollm2-135m-instruct", ["--max-num-seqs", "1", "--num-kv-blocks", "64"],
+                                    log_dir=tmp_path, deployment="kv-events-test")
     replica = engine.replica
+    second = EngineLinkReplica("second-gateway", secret=replica.secret)
+    try:
+        await _kv_events_checks(engine, replica, second)
+    finally:
+        await engine.stop()
+        await second.close()
+
+
+async def _kv_events_checks(engine, replica, second) -> None:
     first = req("kv-a", prompt_len=16 * 3 + 5)
     stored = block_hashes(first.prompt_token_ids, 16)
     await drain(replica, first)
     await _until(lambda: set(stored) <= replica.state().prefix_hashes)
     assert replica.state().prefix_reported
-    second = EngineLinkReplica("second-gateway", secret=replica.secret)
     await second.connect("127.0.0.1", engine.port)
-    try:
-        await _until(lambda: set(stored) <= second.state().prefix_hashes)
-        assert second.state().prefix_reported
-        # 64 blocks in the pool: five prompts of 14 blocks push the first one's blocks out.
-        for i in range(5):
-            await drain(replica, req(f"kv-fill-{i}", prompt_len=16 * 14))
-        await _until(lambda: not set(stored) & replica.state().prefix_hashes)
-        await _until(lambda: not set(stored) & second.state().prefix_hashes)
-        assert replica.state().prefix_hashes == second.state().prefix_hashes != set()
-        await replica.reset_prefix_cache()
-        await _until(lambda: not replica.state().prefix_hashes and not second.state().prefix_hashes)
-    finally:
-        await second.close()
+    await _until(lambda: set(stored) <= second.state().prefix_hashes)
+    assert second.state().prefix_reported
+    # 64 blocks in the pool: five prompts of 14 blocks push the first one's blocks out.
+    for i in range(5):
+        await drain(replica, req(f"kv-fill-{i}", prompt_len=16 * 14))
+    await _until(lambda: not set(stored) & replica.state().prefix_hashes)
+    await _until(lambda: not set(stored) & second.state().prefix_hashes)
+    assert replica.state().prefix_hashes == second.state().prefix_hashes != set()
+    await replica.reset_prefix_cache()
+    await _until(lambda: not replica.state().prefix_hashes and not second.state().prefix_hashes)
 
 
 @in_module_loop
