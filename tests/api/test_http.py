@@ -187,8 +187,11 @@ def test_health_and_metrics(http, metric):
                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "time_per_output_token_seconds", "request_inference_time_seconds", "request_prompt_tokens",
                  "request_generation_tokens", "request_max_num_generation_tokens",
-                 "request_gateway_queue_time_seconds"):
+                 "request_gateway_queue_time_seconds",
+                 # vLLM's families added for its dashboards and routers (issue 37 item 6)
+                 "request_params_max_tokens", "request_prefill_kv_computed_tokens", "request_num_preemptions"):
         assert metric(text, name + "_count") >= 1
+    metric(text, "prompt_tokens_cached_total")
     metric(text, "gpu_cache_usage_perc")
     # Embeddings have their own series: no first token, no decode (the embedding model has no TTFT).
     http.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hello"})

@@ -199,6 +199,18 @@ class ServerMetrics:
         self.req_max_tokens = Histogram(PREFIX + "request_max_num_generation_tokens",
                                         "Histogram of maximum number of requested generation tokens.", m,
                                         buckets=_TOKEN_BUCKETS, registry=r)
+        self.req_params_max_tokens = Histogram(PREFIX + "request_params_max_tokens",
+                                               "Histogram of the max_tokens request parameter.", m,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens_cached = Counter(PREFIX + "prompt_tokens_cached",
+                                            "Number of prompt tokens served from the prefix cache.", m, registry=r)
+        self.req_kv_computed = Histogram(PREFIX + "request_prefill_kv_computed_tokens",
+                                         "Histogram of new KV tokens computed during prefill per request "
+                                         "(prompt tokens not served from the prefix cache).", m,
+                                         buckets=_TOKEN_BUCKETS, registry=r)
+        self.req_preemptions = Histogram(PREFIX + "request_num_preemptions",
+                                         "Histogram of the number of times each request was preempted.", m,
+                                         buckets=(0, 1, 2, 4, 8, 16), registry=r)
         self.embed_latency = Histogram(PREFIX + "embedding_request_latency_seconds",
                                        "Histogram of embedding request latency (arrival to vectors), in seconds.",
                                        m, buckets=_LATENCY_BUCKETS, registry=r)
@@ -281,6 +293,10 @@ class ServerMetrics:
         self.req_generation_tokens.labels(model).observe(rec.completion_tokens)
         if rec.max_tokens is not None:
             self.req_max_tokens.labels(model).observe(rec.max_tokens)
+            self.req_params_max_tokens.labels(model).observe(rec.max_tokens)
+        self.prompt_tokens_cached.labels(model).inc(rec.cached_tokens)
+        self.req_kv_computed.labels(model).observe(max(0, rec.prompt_tokens - rec.cached_tokens))
+        self.req_preemptions.labels(model).observe(int(rec.timeline.attrs.get("preemptions", 0) or 0))  # type: ignore[call-overload]
         finish_reason = rec.finish_reasons[0] if rec.finish_reasons else None
         self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
                              completion_tokens=rec.completion_tokens, finish_reason=finish_reason,
