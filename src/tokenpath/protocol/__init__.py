@@ -13,7 +13,9 @@ Every layer imports it; it imports nothing above it (stdlib, `tokenpath.errors`,
 - `EngineState`, `ReplicaState` (`outputs.py`, `replica_state.py`): what routers read;
 - `names.py`: the safe set for names and paths clients and operators give (checked at each edge);
 - the engine link's own messages (`link.py`: hello/welcome, ping/pong, abort, reset, errors);
-- `wire.py`: the engine link's one codec, for every message above that crosses a process.
+- `wire.py`: the engine link's one codec, for every message above that crosses a process;
+- `openai_wire.py`: the outward codec, a request as an OpenAI-compatible backend's body (a URL
+  replica: vLLM, SGLang, llama.cpp), every field mapped or refused by name.
 """
 
 from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest

@@ -32,8 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, ReplicaState
-from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput, TokenLogprob
-from tokenpath.protocol.sampling_params import StructuredOutput
+from tokenpath.protocol.openai_wire import cached_tokens, completion_body, completion_logprobs
+from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.protocol.submission import Submission
 from tokenpath.replica.backend_timing import BackendTiming, apply_timing, backend_timing
 from tokenpath.replica.base import ReplicaBusyError
@@ -219,36 +219,10 @@ class RemoteReplica(PolledState):
 
     # -- generation ------------------------------------------------------------------------------
     def _body(self, submission: Submission[GenerateRequest]) -> dict:
-        """The completions request: the engine's request, plus the gateway's session id as OpenAI's
-        `user` (a server that routes or accounts by user sees ours). `return_token_ids` (vLLM's,
-        and tokenpath's) makes each chunk carry its token ids: usage and quotas count what the
-        backend generated, not a re-encoding of its text."""
-        request = submission.request
-        p = request.params
-        if p.prompt_logprobs is not None:  # the stream read below carries no prompt logprobs: refuse, not drop
-            raise InvalidRequestError(f"prompt_logprobs is not supported through remote replica '{self.name}'",
-                                      param="prompt_logprobs", code="unsupported_parameter")
-        # A LoRA adapter by its name: the remote server (vLLM, another tokenpath) must serve it as such.
-        model = request.lora.name if request.lora is not None else self.model
-        body: dict = {"model": model, "prompt": request.prompt_token_ids, "stream": True,
-                      "stream_options": {"include_usage": True}, "return_token_ids": True,
-                      "n": p.n, "max_tokens": p.max_tokens,
-                      "temperature": p.temperature, "top_p": p.top_p,
-                      "skip_special_tokens": p.skip_special_tokens}
-        optional: dict[str, tuple[object, object]] = {  # field: (value, the server's default)
-            "seed": (p.seed, None), "stop": (p.stop, []), "stop_token_ids": (p.stop_token_ids, []),
-            "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0), "ignore_eos": (p.ignore_eos, False),
-            "presence_penalty": (p.presence_penalty, 0.0), "min_tokens": (p.min_tokens, 0),
-            "frequency_penalty": (p.frequency_penalty, 0.0), "logprobs": (p.logprobs, None),
-            "repetition_penalty": (p.repetition_penalty, 1.0),
-            "logit_bias": (p.logit_bias, None),
-            "include_stop_str_in_output": (p.include_stop_str_in_output, False)}
-        body.update({k: v for k, (v, default) in optional.items() if v != default})
-        if p.structured is not None:  # vLLM's spelling (tokenpath serve reads it too): never dropped
-            body["structured_outputs"] = structured_body(p.structured)
-        if submission.session_id:
-            body["user"] = submission.session_id
-        return body
+        """The completions request (`protocol.openai_wire`: every field sent, carried another way
+        or refused by name), with the gateway's session id as OpenAI's `user` (a server that
+        routes or accounts by user sees ours)."""
+        return completion_body(submission.request, self.model, self.name, submission.session_id)
 
     async def generate(self, submission: Submission[GenerateRequest]) -> AsyncGenerator[RequestOutput, None]:
         request, timeline = submission.request, submission.timeline
@@ -275,7 +249,7 @@ class RemoteReplica(PolledState):
                     progress.advance(now)
                     timing = backend_timing(data) or timing
                     if last is not None and data.get("usage"):
-                        last.num_cached_tokens = _cached_tokens(data) or last.num_cached_tokens
+                        last.num_cached_tokens = cached_tokens(data) or last.num_cached_tokens
                     out = self._to_output(request, data, events, finished, submission.prompt)
                     if out is None:
                         continue
@@ -324,7 +298,7 @@ class RemoteReplica(PolledState):
                 finished.add(idx)
             text = choice.get("text") or ""
             ids = choice.get("token_ids") or self._token_ids(text)
-            logprobs = _logprobs(choice.get("logprobs"), ids) if request.params.logprobs is not None else None
+            logprobs = completion_logprobs(choice.get("logprobs"), ids) if request.params.logprobs is not None else None
             outs.append(CompletionOutput(index=idx, text=text, token_ids=list(ids), finish_reason=reason,
                                          logprobs=logprobs))
         if not outs:
@@ -335,7 +309,7 @@ class RemoteReplica(PolledState):
         if done:
             events.finished = now
         return RequestOutput(request_id=request.request_id, outputs=outs,
-                             prompt_token_ids=request.prompt_token_ids, num_cached_tokens=_cached_tokens(data),
+                             prompt_token_ids=request.prompt_token_ids, num_cached_tokens=cached_tokens(data),
                              finished=done, events=replace(events), prompt=prompt)
 
     def _token_ids(self, text: str) -> list[int]:
@@ -361,42 +335,6 @@ class RemoteReplica(PolledState):
         if r.status_code >= 400:
             raise ServiceUnavailableError(f"replica '{self.name}' could not reset its prefix cache ({r.status_code})")
         return 0
-
-
-def structured_body(spec: StructuredOutput) -> dict:
-    """A constraint as vLLM's `structured_outputs` spells it ({json: schema}, {regex: str},
-    {choice: [..]}, {grammar: str}); the JSON kinds travel parsed, as vLLM expects them."""
-    value = json.loads(spec.spec) if spec.kind in ("json", "choice") else spec.spec
-    return {spec.kind: value}
-
-
-def _token_id(token: str, fallback: int) -> int:
-    """vLLM's `return_tokens_as_token_ids` spells tokens "token_id:N"; other tokens' ids are unknown."""
-    if token.startswith("token_id:"):
-        with contextlib.suppress(ValueError):
-            return int(token[9:])
-    return fallback
-
-
-def _logprobs(lp: dict | None, ids: list[int]) -> list[TokenLogprob]:
-    """A completions choice's `logprobs` ({tokens, token_logprobs, top_logprobs}) -> ours, one entry
-    per token of the chunk; the sampled tokens' ids from the chunk where the server sent them."""
-    if not lp:
-        return []
-    tokens, values = lp.get("tokens") or [], lp.get("token_logprobs") or []
-    tops = lp.get("top_logprobs") or [None] * len(tokens)
-    out = []
-    for i, (tok, value, top) in enumerate(zip(tokens, values, tops, strict=False)):
-        tid = _token_id(tok, ids[i] if i < len(ids) else -1)
-        alts = [(_token_id(t, -1), t, float(v)) for t, v in (top or {}).items()]
-        alts.sort(key=lambda a: -a[2])
-        out.append(TokenLogprob(token_id=tid, token=tok, logprob=float(value if value is not None else 0.0), top=alts))
-    return out
-
-
-def _cached_tokens(data: dict) -> int:
-    usage = data.get("usage") or {}
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:
