@@ -155,7 +155,8 @@ class RequestRun:
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param="keep_alive") from None
         deadline = None if timeout is None else self.timeline.stamps["received"] + timeout
-        self.deployment, self._release = await self.state.router.acquire(model, task, self.timeline, deadline, keep_s)
+        self.deployment, self._release = await self.state.router.acquire(model, task, self.timeline, deadline, keep_s,
+                                                                         self.stop.set)
         self.lora = self.state.router.adapter(model)
         self.timeline.stamp("routed", deployment=self.deployment.name)
         if self.lora is not None:

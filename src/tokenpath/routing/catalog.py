@@ -87,6 +87,7 @@ class _Slot:
     loaded: Loaded | None = None
     loading: asyncio.Task[Loaded] | None = None
     inflight: int = 0
+    holders: dict[int, Callable[[str], None]] = field(default_factory=dict)  # each request's stop, by token
     last_used: float = field(default_factory=time.monotonic)
     keep_alive_s: float | None = None  # what the last request asked for (None: the catalog's default)
     failure: str | None = None
@@ -146,10 +147,15 @@ class ModelCatalog:
 
     # -- a request's use ----------------------------------------------------------------------------
     async def acquire(self, model: str, timeline: Timeline | None = None, deadline: float | None = None,
-                      keep_alive_s: float | None = None) -> tuple[Deployment[Any, Any], Callable[[], None]]:
+                      keep_alive_s: float | None = None,
+                      stop: Callable[[str], None] | None = None) -> tuple[Deployment[Any, Any], Callable[[], None]]:
         """The model's deployment, loaded first if need be, and the release to call when the
-        request ends: while held, the model is not evicted nor unloaded when idle."""
+        request ends: while held, the model is not evicted nor unloaded when idle. `stop`: how a
+        forced unload ends this request (its stream ends with finish_reason `abort`)."""
         slot = self._slot(model)
+        token = id(stop) if stop is not None else 0
+        if stop is not None:
+            slot.holders[token] = stop
         if keep_alive_s is not None:
             slot.keep_alive_s = keep_alive_s
         slot.inflight += 1  # held while it waits too: nothing evicts what a request is waiting for
@@ -157,6 +163,7 @@ class ModelCatalog:
             if slot.state != "loaded":
                 await self._wait_loaded(slot, timeline, deadline)
         except BaseException:
+            slot.holders.pop(token, None)
             self._release(slot)
             raise
         assert slot.loaded is not None
@@ -167,6 +174,7 @@ class ModelCatalog:
             nonlocal released
             if not released:
                 released = True
+                slot.holders.pop(token, None)
                 self._release(slot)
 
         return slot.loaded.deployment, release
@@ -323,6 +331,8 @@ class ModelCatalog:
         if slot.inflight and not force:
             raise ConflictError(f"model '{model}' has {slot.inflight} request(s) in flight; unload it with "
                                 "?force=true to end them", param="model", code="model_busy")
+        for stop in list(slot.holders.values()):
+            stop("model_unloaded")  # each running request ends, with what it has so far
         async with self._lock:
             await self._unload(slot, why="forced unload" if slot.inflight else "unload requested")
         return slot.state

@@ -306,7 +306,8 @@ class ModelRouter:
         raise NotFoundError(f"The model '{name}' does not exist", param="model", code="model_not_found")
 
     async def acquire(self, model: str, task: str, timeline: Timeline | None = None, deadline: float | None = None,
-                      keep_alive_s: float | None = None) -> tuple[Deployment[Any, Any], Callable[[], None] | None]:
+                      keep_alive_s: float | None = None, stop: Callable[[str], None] | None = None,
+                      ) -> tuple[Deployment[Any, Any], Callable[[], None] | None]:
         """`resolve`, loading a catalog model first when it is not loaded (waiting under the
         request's `deadline`), and the release to call when the request ends (None: not a
         catalog model). The task is checked before any load starts."""
@@ -315,7 +316,7 @@ class ModelRouter:
         if self.catalog is None or name not in self.catalog:
             return self.resolve(model, task), None
         _check_task(model, self.catalog.entry(name).task, task)
-        return await self.catalog.acquire(name, timeline, deadline, keep_alive_s)
+        return await self.catalog.acquire(name, timeline, deadline, keep_alive_s, stop)
 
     def add_adapter(self, ref: LoraRef) -> None:
         """Register an adapter (already checked) under a name no model or alias has."""
