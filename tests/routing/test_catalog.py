@@ -145,3 +145,14 @@ async def test_unload_of_a_busy_model_is_a_409_unless_forced_and_idle_ones_are_r
         await asyncio.sleep(0.05)
     assert cat.state("b") == "unloaded" and loads.closed == ["a", "b"]
     await cat.close()
+
+
+async def test_a_load_measured_larger_than_its_estimate_still_keeps_the_budget():
+    loads = Loads({"a": 60, "b": 60})
+    entries = [CatalogEntry("a", "/m/a.gguf", "chat", size_hint=60 * MIB),
+               CatalogEntry("b", "/m/b.gguf", "chat", size_hint=10 * MIB)]  # (its disk size: a fraction)
+    cat = ModelCatalog(entries, loads, CatalogConfig(memory_bytes=100 * MIB))
+    (_, rel) = await cat.acquire("a")
+    rel()
+    await cat.acquire("b")  # 60 + 10 fits; measured 60 + 60 does not: a goes
+    assert cat.state("a") == "unloaded" and cat.used_bytes() == 60 * MIB

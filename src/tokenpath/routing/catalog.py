@@ -95,7 +95,7 @@ class _Slot:
     footprint: int | None = None  # measured at the last load
     evicted: tuple[float, str] | None = None  # (when, for which model)
     loads: int = 0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # every load's, from its start (making room included) to loaded
 
 
 class ModelCatalog:
@@ -129,7 +129,8 @@ class ModelCatalog:
     def describe(self, model: str) -> dict[str, Any]:
         """The catalog's extra fields of a /v1/models card."""
         s = self._slot(model)
-        out: dict[str, Any] = {"state": s.state, "pinned": s.entry.pinned, "loads": s.loads}
+        out: dict[str, Any] = {"state": s.state, "pinned": s.entry.pinned, "loads": s.loads,
+                               "load_seconds": round(s.load_seconds, 4)}
         if s.footprint is not None:
             out["memory_bytes"] = s.footprint
         if s.state == "failed" and s.failure:
@@ -227,8 +228,8 @@ class ModelCatalog:
         entry = slot.entry
         try:
             async with self._lock:
+                began = time.monotonic()  # (making room is part of the load a request waits for)
                 await self._make_room(slot)
-                began = time.monotonic()
                 log.info("loading model %s from %s", entry.id, entry.source,
                          extra={"event": "model_loading", "model": entry.id})
                 loaded = await self._loader(entry)
@@ -240,6 +241,7 @@ class ModelCatalog:
                 if loaded.deployment.name != entry.id:
                     loaded.deployment.name = entry.id
                 slot.loaded, slot.footprint, slot.state, slot.failure = loaded, loaded.footprint, "loaded", None
+                await self._settle(slot)
                 slot.loads += 1
                 slot.load_seconds += took
                 slot.last_used = time.monotonic()
@@ -288,6 +290,21 @@ class ModelCatalog:
                     f"{most if most is not None else 'unbounded'}); retry shortly", param="model",
                     code="model_memory_exhausted",
                     headers={"Retry-After": str(int(-(-self.config.busy_retry_s // 1)))})
+            victim = min(idle, key=lambda s: s.last_used)
+            await self._unload(victim, why=f"to make room for {slot.entry.id}")
+            victim.evicted = (time.monotonic(), slot.entry.id)
+
+    async def _settle(self, slot: _Slot) -> None:
+        """After a load measured larger than its estimate (a first load is estimated by its size
+        on disk): unload least recently used idle models until the budget holds again."""
+        budget = self.config.memory_bytes
+        while budget is not None and self.used_bytes() > budget:
+            idle = [s for s in self._slots.values()
+                    if s.state == "loaded" and s.inflight == 0 and not s.entry.pinned and s is not slot]
+            if not idle:
+                log.warning("models use %.0f MiB, over the %.0f MiB budget, and none is idle to unload",
+                            self.used_bytes() / MIB, budget / MIB)
+                return
             victim = min(idle, key=lambda s: s.last_used)
             await self._unload(victim, why=f"to make room for {slot.entry.id}")
             victim.evicted = (time.monotonic(), slot.entry.id)
