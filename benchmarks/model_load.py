@@ -69,36 +69,55 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+    """The server's RSS and its engine processes' (`--replicas N`), together."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return total
 
 
-def stream_ttft(client: httpx.Client, model: str, **extra: object) -> tuple[float, dict[str, float]]:
-    """(seconds to the first content token, the response's Server-Timing in seconds per stage)."""
+def logged_stages(log: Path, request_id: str) -> dict[str, float]:
+    """A request's stages (seconds) from the server's log line for it (a stream's Server-Timing
+    header is sent before its model has loaded)."""
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if request_id in line and line.startswith("{") and '"stages_ms"' in line:
+            return {k: v / 1000 for k, v in json.loads(line)["stages_ms"].items()}
+    return {}
+
+
+def stream_ttft(client: httpx.Client, model: str, **extra: object) -> tuple[float, str]:
+    """(seconds to the first content token, the request's id)."""
     body = {"model": model, "messages": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True, **extra}
     began = time.perf_counter()
     first = None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        timing = r.headers.get("server-timing", "")
+        request_id = r.headers.get("x-request-id", "")
         for line in r.iter_lines():
             if first is None and line.startswith("data:") and '"content"' in line:
                 first = time.perf_counter() - began
-    stages = {k: float(v) / 1000 for k, v in re.findall(r"(\w+);dur=([\d.]+)", timing)}
-    return (first if first is not None else time.perf_counter() - began), stages
+    return (first if first is not None else time.perf_counter() - began), request_id
 
 
 def card(client: httpx.Client, model: str) -> dict:
     return next(m for m in client.get("/v1/models").json()["data"] if m["id"] == model)
 
 
-def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int) -> dict:
-    proc, port, _ = serve(tmp, models_dir, "--keep-alive", "-1")
+def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int, flags: list[str]) -> dict:
+    proc, port, log = serve(tmp, models_dir, "--keep-alive", "-1", *flags)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
             time.sleep(2)
             before = rss_mib(proc.pid)
-            cold, cold_stages = stream_ttft(c, "smol-a")
+            cold, cold_id = stream_ttft(c, "smol-a")
             load_s = card(c, "smol-a")["load_seconds"]
             warm = [stream_ttft(c, "smol-a")[0] for _ in range(warm_n)]
             loaded_rss = rss_mib(proc.pid)
@@ -111,6 +130,7 @@ def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int) -> dict:
             time.sleep(2)
             after = rss_mib(proc.pid)
             state = card(c, "smol-a")["state"]
+            cold_stages = logged_stages(log, cold_id)
     finally:
         stop(proc)
     warm_p50 = statistics.median(warm)
@@ -122,9 +142,9 @@ def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int) -> dict:
             "rss_within_10pct": after <= before * 1.10}
 
 
-def alternating(tmp: Path, models_dir: Path, n: int, footprint: int) -> dict:
+def alternating(tmp: Path, models_dir: Path, n: int, footprint: int, flags: list[str]) -> dict:
     budget = int(footprint * 1.5)
-    proc, port, _ = serve(tmp, models_dir, "--keep-alive", "-1", "--models-memory", str(budget))
+    proc, port, _ = serve(tmp, models_dir, "--keep-alive", "-1", "--models-memory", str(budget), *flags)
     statuses: list[int] = []
     stage_sum = 0.0
     began = time.perf_counter()
@@ -154,6 +174,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--warm", type=int, default=5, help="warm requests after the cold one")
     ap.add_argument("--alternating", type=int, default=20, help="requests alternating between two models")
+    ap.add_argument("--replicas", type=int, default=1, help="each model as N engine processes (1: in-process)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     from tokenpath.engine.loader import resolve_model_path
@@ -166,18 +187,22 @@ def main() -> int:
         for name in ("smol-a", "smol-b"):
             os.symlink(gguf, models_dir / f"{name}.gguf")
         seed_tokenizers(tmp / "data", ["smollm2-135m-instruct"])
-        first = cold_warm_idle(tmp, models_dir, args.warm)
-        alt = alternating(tmp, models_dir, args.alternating, int(first["footprint_mib"] * MIB))
+        flags = ["--replicas", str(args.replicas)] if args.replicas > 1 else []
+        first = cold_warm_idle(tmp, models_dir, args.warm, flags)
+        alt = alternating(tmp, models_dir, args.alternating, int(first["footprint_mib"] * MIB), flags)
     result = {"host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
-              "note": "not quiet: a shared 2-core box with other work running", "cold_warm_idle": first,
+              "note": "not quiet: a shared 2-core box with other work running", "replicas": args.replicas,
+              "cold_warm_idle": first,
               "alternating": alt}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "model_load.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = "model_load" if args.replicas <= 1 else f"model_load-replicas{args.replicas}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     c, a = first, alt
     md = f"""# Models on demand (benchmarks/model_load.py)
 
 {result['note']} (load average {result['loadavg_1m']:.1f} on {result['cpus']} CPUs). SmolLM2-135M-Instruct
-Q4_1 GGUF as two catalog entries (`smol-a`, `smol-b`), `--kv-cache-memory 64MiB`, in-process engines.
+Q4_1 GGUF as two catalog entries (`smol-a`, `smol-b`), `--kv-cache-memory 64MiB`, {'in-process engines' if args.replicas <= 1 else f'{args.replicas} engine processes per model'}.
+RSS is the server's and its engine processes', together.
 
 | cold start | value |
 |---|---|
@@ -204,7 +229,7 @@ Q4_1 GGUF as two catalog entries (`smol-a`, `smol-b`), `--kv-cache-memory 64MiB`
 
 Not measured: llama-server's router mode on the same file (no llama-server binary on this box).
 """
-    (args.out / "model_load.md").write_text(md)
+    (args.out / f"{stem}.md").write_text(md)
     print(md)
     return 0
 
