@@ -6,10 +6,11 @@ budget arithmetic is exact (the real loader runs in tests/api/test_model_catalog
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from tokenpath.errors import ConflictError, NotFoundError, ServiceUnavailableError
+from tokenpath.errors import ConflictError, DeadlineExceededError, NotFoundError, ServiceUnavailableError
 from tokenpath.routing.catalog import CatalogConfig, CatalogEntry, Loaded, ModelCatalog
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.telemetry.causes import derive
@@ -156,3 +157,16 @@ async def test_a_load_measured_larger_than_its_estimate_still_keeps_the_budget()
     rel()
     await cat.acquire("b")  # 60 + 10 fits; measured 60 + 60 does not: a goes
     assert cat.state("a") == "unloaded" and cat.used_bytes() == 60 * MIB
+
+
+async def test_a_request_waits_for_a_load_under_its_deadline_and_the_load_goes_on():
+    loads = Loads({"a": 10}, delay=0.5)
+    cat = catalog(loads)
+    t = Timeline("r")
+    t.stamp("body_read")
+    with pytest.raises(DeadlineExceededError, match="while model 'a' was loading"):
+        await cat.acquire("a", t, deadline=time.monotonic() + 0.05)
+    t.stamp("finished")
+    assert "model_load" in t.durations()  # it ended in the stage it waited in
+    await cat.acquire("a")  # the load it started goes on: this one joins it
+    assert loads.calls == ["a"] and cat.state("a") == "loaded"
