@@ -173,7 +173,7 @@ def alternating(tmp: Path, models_dir: Path, n: int, footprint: int, flags: list
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--warm", type=int, default=5, help="warm requests after the cold one")
-    ap.add_argument("--alternating", type=int, default=20, help="requests alternating between two models")
+    ap.add_argument("--alternating", type=int, default=20, help="requests alternating between two models (0: skip)")
     ap.add_argument("--replicas", type=int, default=1, help="each model as N engine processes (1: in-process)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -189,7 +189,8 @@ def main() -> int:
         seed_tokenizers(tmp / "data", ["smollm2-135m-instruct"])
         flags = ["--replicas", str(args.replicas)] if args.replicas > 1 else []
         first = cold_warm_idle(tmp, models_dir, args.warm, flags)
-        alt = alternating(tmp, models_dir, args.alternating, int(first["footprint_mib"] * MIB), flags)
+        alt = (alternating(tmp, models_dir, args.alternating, int(first["footprint_mib"] * MIB), flags)
+               if args.alternating else None)
     result = {"host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
               "note": "not quiet: a shared 2-core box with other work running", "replicas": args.replicas,
               "cold_warm_idle": first,
@@ -198,6 +199,15 @@ def main() -> int:
     stem = "model_load" if args.replicas <= 1 else f"model_load-replicas{args.replicas}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     c, a = first, alt
+    alt_md = "" if a is None else f"""
+| two models alternating, budget {a['budget_mib']} MiB (fits one) | value |
+|---|---|
+| requests / served 200 / errors | {a['requests']} / {a['served_200']} / {a['errors']} |
+| loads | {a['loads']} |
+| loads' measured time | {a['loads_measured_s']} s |
+| `model_load` stage, summed | {a['model_load_stage_sum_s']} s ({a['stage_vs_measured_pct']}% vs measured) |
+| wall | {a['wall_s']} s |
+"""
     md = f"""# Models on demand (benchmarks/model_load.py)
 
 {result['note']} (load average {result['loadavg_1m']:.1f} on {result['cpus']} CPUs). SmolLM2-135M-Instruct
@@ -219,14 +229,7 @@ RSS is the server's and its engine processes', together.
 | loaded | {c['rss_loaded_mib']} MiB |
 | after the idle unload | {c['rss_after_idle_unload_mib']} MiB ({'within' if c['rss_within_10pct'] else 'not within'} 10%) |
 
-| two models alternating, budget {a['budget_mib']} MiB (fits one) | value |
-|---|---|
-| requests / served 200 / errors | {a['requests']} / {a['served_200']} / {a['errors']} |
-| loads | {a['loads']} |
-| loads' measured time | {a['loads_measured_s']} s |
-| `model_load` stage, summed | {a['model_load_stage_sum_s']} s ({a['stage_vs_measured_pct']}% vs measured) |
-| wall | {a['wall_s']} s |
-
+{alt_md}
 Not measured: llama-server's router mode on the same file (no llama-server binary on this box).
 """
     (args.out / f"{stem}.md").write_text(md)

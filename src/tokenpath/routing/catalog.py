@@ -92,7 +92,7 @@ class _Slot:
     keep_alive_s: float | None = None  # what the last request asked for (None: the catalog's default)
     failure: str | None = None
     retry_at: float = 0.0
-    footprint: int | None = None  # measured at the last load
+    footprint: int | None = None  # the largest measured at a load
     evicted: tuple[float, str] | None = None  # (when, for which model)
     loads: int = 0
     load_seconds: float = 0.0  # every load's, from its start (making room included) to loaded
@@ -240,7 +240,10 @@ class ModelCatalog:
                     raise InvalidRequestError(self._too_large(entry, loaded.footprint, budget))
                 if loaded.deployment.name != entry.id:
                     loaded.deployment.name = entry.id
-                slot.loaded, slot.footprint, slot.state, slot.failure = loaded, loaded.footprint, "loaded", None
+                # The largest footprint measured: a reload into memory the process kept from an
+                # earlier load measures less than the model needs where that memory is gone.
+                footprint = max(loaded.footprint, slot.footprint or 0)
+                slot.loaded, slot.footprint, slot.state, slot.failure = loaded, footprint, "loaded", None
                 await self._settle(slot)
                 slot.loads += 1
                 slot.load_seconds += took

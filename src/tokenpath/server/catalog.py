@@ -165,7 +165,12 @@ def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int
             dep, closer = await load_chat(entry.source, config, served=entry.id)
             closers = [closer]
         dep.name = entry.id
+        from tokenpath.api.inputs import warm_tokenizers
         from tokenpath.routing.models import ModelRouter
+
+        # What serve pays at start-up for the models it loads then (the longest-token scan, the chat
+        # template's compile), paid here as part of the load, not by its first request.
+        await asyncio.to_thread(warm_tokenizers, [dep.tokenizer])
 
         configure_liveness(ModelRouter([dep]), config.liveness())
         grew = (sum(_proc_rss_mib(p) for p in procs) if procs else rss_mib() - before) * MIB
