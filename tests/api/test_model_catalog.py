@@ -144,3 +144,32 @@ def test_two_entries_with_one_id_stop_the_start(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "two catalog entries have the id 'smollm2-135m-instruct'" in done.stderr
+
+
+def test_key_acls_apply_to_catalog_ids_and_load_unload_need_an_admin_key(tmp_path, launch_server):
+    data = tmp_path / "data"
+    out = subprocess.run([TOKENPATH, "keys", "create", "--data-dir", str(data), "--tenant", "acme",
+                          "--models", EMBED_MODEL], capture_output=True, text=True, check=True)
+    tenant = {"Authorization": f"Bearer {out.stdout.split()[0]}"}
+    admin = {"Authorization": "Bearer sk-catalog-admin"}
+    empty = tmp_path / "models"
+    empty.mkdir()
+    srv = launch_server(tmp_path, "--models-dir", str(empty), "--api-key", "sk-catalog-admin")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=300) as http:
+            listed = http.get("/v1/models", headers=tenant).json()["data"]
+            assert [(m["id"], m["state"]) for m in listed] == [(EMBED_MODEL, "unloaded")]
+            r = http.post("/v1/chat/completions", headers=tenant, json={"model": "smollm2-135m-instruct", **CHAT})
+            assert r.status_code == 403, r.text  # refused by the key before any load starts
+            assert cards_as(http, admin)["smollm2-135m-instruct"]["loads"] == 0
+            r = http.post(f"/v1/models/{EMBED_MODEL}/load", headers=tenant)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+            assert http.post(f"/v1/models/{EMBED_MODEL}/load", headers=admin).json()["state"] == "loaded"
+            r = http.post("/v1/embeddings", headers=tenant, json={"model": EMBED_MODEL, "input": "hi"})
+            assert r.status_code == 200 and "model_load" not in r.headers["server-timing"], r.text
+    finally:
+        assert srv.stop() == 0, srv.output()[-3000:]
+
+
+def cards_as(http: httpx.Client, headers: dict[str, str]) -> dict[str, dict]:
+    return {m["id"]: m for m in http.get("/v1/models", headers=headers).json()["data"]}
