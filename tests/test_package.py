@@ -48,7 +48,7 @@ def test_timeline_durations():
     t.stamp("finished", at=t0 + 1.0)
     t.stamp("finished", at=t0 + 9.0)  # first stamp wins
     d = t.durations()
-    assert list(d) == [s for s in STAGES if s != "reasoning"]  # (a reply that never thought)
+    assert list(d) == [s for s in STAGES if s not in ("reasoning", "model_load")]  # (no thinking, no load)
     assert d == pytest.approx({"upload": 0.05, "gateway": 0.05, "queue": 0.2, "engine_queue": 0.2, "prefill": 0.25,
                                "decode": 0.25, "total": 1.0})
     assert sum(v for k, v in d.items() if k != "total") == pytest.approx(d["total"])

@@ -40,6 +40,26 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+_DURATION = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: str | float | int) -> float:
+    """Seconds from Ollama's `keep_alive` spellings: a number of seconds, or '90s', '5m', '1h',
+    '1h30m'. A negative value means for ever (returned as -1.0); 0 means at once."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r} (use e.g. '5m', '30s' or seconds)")
+    if isinstance(value, (int, float)):
+        return -1.0 if value < 0 else float(value)
+    text = str(value).strip().lower()
+    if text.startswith("-"):
+        parse_duration(text[1:])  # (still checked)
+        return -1.0
+    parts = re.findall(r"([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|)", text)
+    if not parts or re.sub(r"[0-9.]+\s*(ms|s|m|h|d)?", "", text).strip():
+        raise ValueError(f"not a duration: {value!r} (use e.g. '5m', '30s' or seconds)")
+    return sum(float(n) * _DURATION[u] for n, u in parts)
+
+
 # The gateway's Redis limits (gateway.redis_limits, `serve --redis-timeout`): how long one check
 # waits on Redis (connecting, or a command's reply) before Redis counts as unreachable. A refused
 # connection fails at once whatever this is; it bounds a Redis that is slow or blackholed. 1 s was

@@ -79,6 +79,13 @@ class NotFoundError(TokenpathError):
     error_type = "not_found_error"
 
 
+class ConflictError(TokenpathError):
+    """The request conflicts with the resource's state (an unload of a model still serving requests)."""
+
+    status_code = 409
+    error_type = "conflict"
+
+
 class RateLimitError(TokenpathError):
     """429: over a rate limit or quota, or shed by admission control. Carries Retry-After."""
 

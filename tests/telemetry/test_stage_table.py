@@ -71,6 +71,8 @@ def test_current_stage_walks_the_table():
         t.stamp(end)
         if end == "first_token":
             t.stamp("first_reasoning")  # (a reply that thinks: the reasoning stage is its own)
+        if end == "body_read":
+            t.stamp("awaiting_model")  # (a request that waits for its model's load)
         seen.append(current_stage(t))
     assert seen == [*PATH_STAGES, "done"]
 

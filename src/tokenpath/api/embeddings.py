@@ -63,7 +63,7 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
     try:
         await run.authenticate()
         run.user = body.user
-        dep = run.route(body.model, "embedding")
+        dep = await run.route(body.model, "embedding", keep_alive=body.keep_alive)
         body.reject_unsupported(dep.dimensions)
         raw = embedding_inputs(body, state.config.caps.max_embedding_inputs)
         vectors = await embed(state, request, run, dep, raw)

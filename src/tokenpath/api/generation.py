@@ -95,7 +95,7 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         body.reject_unsupported()
         ignored = openai_fields.check_chat(body) if chat else []
         run.user = body.user
-        dep = run.route(body.model, "chat" if chat else "completion")
+        dep = await run.route(body.model, "chat" if chat else "completion", body.timeout, body.keep_alive)
         variables: dict = {}
         if isinstance(body, ChatCompletionRequest):
             run.session_key = body.prompt_cache_key

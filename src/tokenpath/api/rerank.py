@@ -97,7 +97,7 @@ async def _begin(run: RequestRun, model: str, user: str | None) -> Deployment:
     run.user = user
     endpoint = run.endpoint
     try:
-        return run.route(model, "embedding")
+        return await run.route(model, "embedding")
     except InvalidRequestError as exc:
         if exc.param != "model":
             raise

@@ -42,19 +42,42 @@ def _model_card(state: AppState, name: str, paths: bool) -> dict:
     The path is the server's filesystem: only an operator (`paths`: an admin key, or auth off)
     sees it; a tenant's key sees the adapter's name there."""
     ref = state.router.adapter(name)
+    target = state.router.aliases.get(name, name)
+    catalog = state.router.catalog
+    if ref is None and target not in state.router.deployments and catalog is not None and target in catalog:
+        return _catalog_card(state, name, target)  # a catalog model not loaded now
     if ref is not None:
         dep = state.router.deployments[ref.base]
         root, parent = (ref.path if paths else ref.name), ref.base
     else:
-        dep = state.router.resolve(name, state.router.deployments[state.router.aliases.get(name, name)].task)
+        dep = state.router.resolve(name, state.router.deployments[target].task)
         root, parent = dep.name, None
-    permission = {"id": f"modelperm-{dep.name}", "object": "model_permission", "created": state.started,
-                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                  "organization": "*", "group": None, "is_blocking": False}
-    return {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
-            "root": root, "parent": parent, "max_model_len": dep.max_model_len, "permission": [permission],
+    card = {"id": name, "object": "model", "created": state.started, "owned_by": dep.owned_by,
+            "root": root, "parent": parent, "max_model_len": dep.max_model_len, "permission": [_permission(state, dep.name)],
             "task": dep.task}
+    if catalog is not None and dep.name in catalog:
+        card.update(catalog.describe(dep.name))
+    elif catalog is not None:
+        card["state"] = "loaded"  # (a LoRA adapter's base, or a deployment from outside the catalog)
+    return card
+
+
+def _permission(state: AppState, model: str) -> dict:
+    return {"id": f"modelperm-{model}", "object": "model_permission", "created": state.started,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
+
+
+def _catalog_card(state: AppState, name: str, target: str) -> dict:
+    """The card of a catalog model not loaded now: what a loaded one shows, and its `state`
+    (`unloaded`, `loading` or `failed`, with why); its context length is known once it loads."""
+    catalog = state.router.catalog
+    assert catalog is not None
+    entry = catalog.entry(target)
+    return {"id": name, "object": "model", "created": state.started, "owned_by": "tokenpath", "root": target,
+            "parent": None, "max_model_len": None, "permission": [_permission(state, target)], "task": entry.task,
+            **catalog.describe(target)}
 
 
 async def _visible(state: AppState, request: Request) -> tuple[list[str], bool]:
@@ -77,6 +100,34 @@ async def get_model(model_id: str, request: Request, state: AppState = Depends(g
     if model_id not in names:
         raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_model_card(state, model_id, paths))
+
+
+@router.post("/v1/models/{model_id:path}/load", responses={404: {"description": "Not a catalog model"}})
+async def load_model(model_id: str, request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    """Load a catalog model now (operators, warm-up scripts): answers once it is loaded, or with
+    the load's error (503 + Retry-After). Admin only when auth is on."""
+    catalog = await _catalog_of(state, request, model_id, "load")
+    return JSONResponse({"id": model_id, "object": "model", "state": await catalog.load(model_id)})
+
+
+@router.post("/v1/models/{model_id:path}/unload", responses={404: {"description": "Not a catalog model"},
+                                                              409: {"description": "Requests in flight"}})
+async def unload_model(model_id: str, request: Request, force: bool = False,
+                       state: AppState = Depends(get_state)) -> JSONResponse:
+    """Unload a catalog model and free its memory; one with requests in flight is a 409 unless
+    `?force=true` (they then end with a 503). Admin only when auth is on."""
+    catalog = await _catalog_of(state, request, model_id, "unload")
+    return JSONResponse({"id": model_id, "object": "model", "state": await catalog.unload(model_id, force=force)})
+
+
+async def _catalog_of(state: AppState, request: Request, model_id: str, verb: str):  # noqa: ANN202
+    await require_admin(state, request, f"/v1/models/{{id}}/{verb}")
+    check_name(model_id, MODEL, "model")
+    catalog = state.router.catalog
+    if catalog is None or model_id not in catalog:
+        raise NotFoundError(f"The model '{model_id}' is not in the model catalog (serve --models-dir), so it "
+                            f"cannot be {verb}ed", param="model", code="model_not_found")
+    return catalog
 
 
 @router.get("/health")

@@ -13,6 +13,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,7 +23,7 @@ from tokenpath.api.formatting import Accumulator
 from tokenpath.api.limits import UPLOAD_KEY
 from tokenpath.api.sse import STALLED, Interrupted, StopSignal
 from tokenpath.api.state import AppState
-from tokenpath.config import env_audit_text
+from tokenpath.config import env_audit_text, parse_duration
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
@@ -127,6 +128,7 @@ class RequestRun:
         self.error_code: str | None = None
         self.sampling: SamplingParams | None = None  # set once the body is validated (trace attributes)
         self.audit_key = uuid.uuid4().hex  # ties the audit row opened at admission to its close
+        self._release: Callable[[], None] | None = None  # a catalog model's hold (routing.catalog), until finish
         begin_trace(self.timeline, request.headers)
         state.live.started(self.timeline, endpoint, self.token_times)  # (the same list, as it grows)
 
@@ -136,12 +138,25 @@ class RequestRun:
         self.timeline.stamp("authenticated", tenant=self.principal.tenant)
         return self.principal
 
-    def route(self, model: str, task: str) -> Deployment:
+    async def route(self, model: str, task: str, timeout: float | None = None,
+                    keep_alive: str | float | None = None) -> Deployment:
+        """The model's deployment; a catalog model not loaded is loaded first (the request waits,
+        under its `timeout`, in the `model_load` stage), and held until `finish` (never evicted
+        while this request runs). `keep_alive`: Ollama's field, how long the model stays loaded
+        once idle."""
         assert self.principal is not None
         self.model = model[:_MODEL_CHARS]
         check_name(model, MODEL, "model")  # no served name holds a control character: a 400, not a 404 echoing it
         self.state.guard.check_model(self.principal, model)
-        self.deployment = self.state.router.resolve(model, task)
+        keep_s = None
+        if keep_alive is not None:
+            try:
+                keep_s = parse_duration(keep_alive)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="keep_alive") from None
+        deadline = None if timeout is None else self.timeline.stamps["received"] + timeout
+        self.deployment, self._release = await self.state.router.acquire(model, task, self.timeline, deadline, keep_s,
+                                                                         self.stop.set)
         self.lora = self.state.router.adapter(model)
         self.timeline.stamp("routed", deployment=self.deployment.name)
         if self.lora is not None:
@@ -245,6 +260,8 @@ class RequestRun:
             return
         self._finished = True
         self.state.inflight.pop(self.id, None)
+        if self._release is not None:
+            self._release()
         self.timeline.stamp("finished")
         if self.stop.reason == STALLED:
             self.stalled()

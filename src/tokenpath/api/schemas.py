@@ -168,6 +168,9 @@ class _SamplingFields(_Body):
     # Seconds this request may wait for its first token (LiteLLM's `timeout`); past it, a queued
     # request is removed with a 504. Unset: the default for its priority band.
     timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
+    # Ollama's `keep_alive`: how long a model loaded on demand stays loaded once idle ("5m", seconds;
+    # negative: for ever, 0: unload when done). routing.catalog; ignored for a model not in a catalog.
+    keep_alive: Annotated[str, Field(max_length=32)] | float | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -339,6 +342,7 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    keep_alive: Annotated[str, Field(max_length=32)] | float | None = None  # Ollama's (see _SamplingFields)
 
     def reject_unsupported(self, native: int) -> None:
         if self.dimensions is not None and self.dimensions != native:

@@ -63,7 +63,7 @@ async def tokenize(body: TokenizeRequest, request: Request, state: AppState = De
     run = RequestRun(state, request, "/tokenize", "tok")
     try:
         await run.authenticate()
-        dep = run.route(body.model, "chat" if body.messages is not None else "completion")
+        dep = await run.route(body.model, "chat" if body.messages is not None else "completion")
         generation = body.as_generation_body()
         if body.add_special_tokens:
             ids = (await prompt_ids(state, dep, generation))[0][0]
@@ -85,7 +85,7 @@ async def detokenize(body: DetokenizeRequest, request: Request, state: AppState 
     run = RequestRun(state, request, "/detokenize", "tok")
     try:
         await run.authenticate()
-        dep = run.route(body.model, "completion")
+        dep = await run.route(body.model, "completion")
         bad = next((t for t in body.tokens if not 0 <= t < dep.tokenizer.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {dep.tokenizer.vocab_size})",

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal
 
 from tokenpath.admission.controller import Admission, AdmissionConfig, FlowController
 from tokenpath.errors import (
@@ -57,6 +57,12 @@ from tokenpath.replica.events import stamp_events
 from tokenpath.replica.pool import PoolConfig, ReplicaPool
 from tokenpath.routing.replicas import DEFAULT_POLICY, PickerOptions, ReplicaPicker, make_picker
 from tokenpath.telemetry import series as metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tokenpath.routing.catalog import ModelCatalog
+    from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.routing")
 
@@ -253,15 +259,21 @@ class ModelRouter:
         deployments: Sequence[Deployment[Any, Any]],
         aliases: dict[str, str] | None = None,
         fallbacks: dict[str, list[str]] | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.deployments = {d.name: d for d in deployments}
+        # Models loaded on demand (routing.catalog): it adds and removes its deployments here.
+        self.catalog = catalog
+        if catalog is not None:  # (its models loaded so far, pinned ones at start, join the router's)
+            self.deployments.update(catalog.deployments)
+            catalog.deployments = self.deployments
         self.aliases = dict(aliases or {})
         self.fallbacks = {k: list(v) for k, v in (fallbacks or {}).items()}
         # LoRA adapters by the name clients send (vLLM's --lora-modules, /v1/load_lora_adapter):
         # each runs on its base deployment, whose requests then carry it to the engine.
         self.adapters: dict[str, LoraRef] = {}
         for alias, target in self.aliases.items():
-            if target not in self.deployments:
+            if target not in self.deployments and not (catalog is not None and target in catalog):
                 raise ValueError(f"alias '{alias}' points at unknown deployment '{target}'")
             if alias in self.deployments:
                 raise ValueError(f"alias '{alias}' shadows a deployment of the same name")
@@ -280,7 +292,31 @@ class ModelRouter:
             dep.fallbacks = resolved
 
     def names(self) -> list[str]:
-        return list(self.deployments)
+        """Every model name served: the deployments, then the catalog's models not loaded now."""
+        extra = [m for m in self.catalog.ids() if m not in self.deployments] if self.catalog is not None else []
+        return list(self.deployments) + extra
+
+    def task_of(self, name: str) -> str:
+        """A served name's task (an alias's target's), loaded or not."""
+        name = self.aliases.get(name, name)
+        if name in self.deployments:
+            return self.deployments[name].task
+        if self.catalog is not None and name in self.catalog:
+            return self.catalog.entry(name).task
+        raise NotFoundError(f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+    async def acquire(self, model: str, task: str, timeline: Timeline | None = None, deadline: float | None = None,
+                      keep_alive_s: float | None = None, stop: Callable[[str], None] | None = None,
+                      ) -> tuple[Deployment[Any, Any], Callable[[], None] | None]:
+        """`resolve`, loading a catalog model first when it is not loaded (waiting under the
+        request's `deadline`), and the release to call when the request ends (None: not a
+        catalog model). The task is checked before any load starts."""
+        ref = self.adapters.get(model)
+        name = ref.base if ref is not None else self.aliases.get(model, model)
+        if self.catalog is None or name not in self.catalog:
+            return self.resolve(model, task), None
+        _check_task(model, self.catalog.entry(name).task, task)
+        return await self.catalog.acquire(name, timeline, deadline, keep_alive_s, stop)
 
     def add_adapter(self, ref: LoraRef) -> None:
         """Register an adapter (already checked) under a name no model or alias has."""
@@ -314,16 +350,22 @@ class ModelRouter:
         dep = self.deployments.get(name)
         if dep is None:
             raise NotFoundError(f"The model '{model}' does not exist", param="model", code="model_not_found")
-        if not dep.serves(task):
-            use = {"embedding": "/v1/embeddings", "chat": "/v1/chat/completions", "completion": "/v1/completions"}
-            article = "an" if dep.task[0] in "aeiou" else "a"
-            raise InvalidRequestError(
-                f"The model '{model}' is {article} {dep.task} model and cannot serve {task} requests; send it to "
-                f"{use[dep.task]}, or pick a {task} model from /v1/models", param="model"
-            )
+        _check_task(model, dep.task, task)
         return dep
 
     async def close(self) -> None:
         for dep in self.deployments.values():
             if dep._flow is not None:
                 await dep._flow.close()
+
+
+def _check_task(model: str, has: str, task: str) -> None:
+    """A 400 when a model of task `has` cannot serve a `task` request, naming the right endpoint."""
+    if task in _SERVES[has]:
+        return
+    use = {"embedding": "/v1/embeddings", "chat": "/v1/chat/completions", "completion": "/v1/completions"}
+    article = "an" if has[0] in "aeiou" else "a"
+    raise InvalidRequestError(
+        f"The model '{model}' is {article} {has} model and cannot serve {task} requests; send it to "
+        f"{use[has]}, or pick a {task} model from /v1/models", param="model"
+    )

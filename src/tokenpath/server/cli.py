@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "to the running one, local starts a private head on loopback for this server alone "
                        "(pip install 'tokenpath[ray]'; `tokenpath status --ray ADDRESS` lists them)")
     add_model_flags(serve, ServerConfig, ("lora_modules",))
+    add_model_flags(serve.add_argument_group("models on demand"), ServerConfig,
+                    ("models_dir", "models_memory", "max_loaded_models", "keep_alive"))
     serve.add_argument("--routing", metavar="FILE", help="deployments, replicas (local or URLs) and policies from YAML")
     serve.add_argument("--routing-policy", default=None,
                        help=f"replica picker: round_robin, least_loaded, prefix_aware, session_affinity "
@@ -212,6 +214,8 @@ class _Server(uvicorn.Server):
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
+    if config.models_dir is not None:
+        return await _load_catalog(config, args)
     if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None \
             and args.embedding_replicas <= 1:
         from tokenpath.routing.models import ModelRouter
@@ -224,6 +228,24 @@ async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     return await serve_router(config, replicas=args.replicas, routing_file=args.routing,
                               policy=args.routing_policy or DEFAULT_POLICY, ray_address=args.ray,
                               embedding_replicas=args.embedding_replicas)
+
+
+async def _load_catalog(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
+    """`--models-dir`: models loaded on demand (server.catalog); only the `--model`s given load now."""
+    from tokenpath.routing.models import ModelRouter
+    from tokenpath.server.catalog import open_catalog
+
+    if args.ray is not None or args.routing is not None:
+        raise ModelLoadError("--models-dir does not combine with --ray or --routing yet: use --replicas N, or name "
+                             "the models with --model")
+    log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
+    try:
+        catalog = await open_catalog(config, list(args.models or []), args.replicas, args.embedding_replicas, log_dir)
+        router = ModelRouter([], config.aliases, catalog=catalog)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    catalog.start()
+    return router, [catalog.close]
 
 
 async def _serve(config: ServerConfig, guard: RequestGuard, args: argparse.Namespace) -> int:
@@ -322,6 +344,9 @@ def startup_banner(config: ServerConfig, router, guard: RequestGuard, args: argp
         lines.append(f"  model: {d.name} ({d.task}, {len(d.replicas) or 1} replica(s){also})")
     for name, ref in router.adapters.items():
         lines.append(f"  lora adapter: {name} (on {ref.base}, {ref.path})")
+    if router.catalog is not None:
+        ids = router.catalog.ids()
+        lines.append(f"  catalog: {len(ids)} model(s) on demand ({config.models_dir}): {', '.join(ids)}")
     lines.append("  endpoints: POST /v1/chat/completions /v1/completions /v1/messages /v1/embeddings /reset_prefix_cache; "
                  "GET /v1/models /health /metrics")
     data = str(resolve_data_dir(config.data_dir)) if args.gateway else "none (bare engine)"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
 from tokenpath.config import (
@@ -23,6 +23,8 @@ from tokenpath.config import (
     EngineConfig,
     Flag,
     engine_flag_names,
+    parse_bytes,
+    parse_duration,
 )
 from tokenpath.protocol.names import MODEL, name_problem
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
@@ -70,6 +72,34 @@ class ServerConfig(ApiSettings):
         default_factory=list, description="LoRA adapters to serve (vLLM's flag): NAME=PATH, or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable. Clients send NAME as `model`; '
         "POST /v1/load_lora_adapter adds more at run time")
+
+    # Models on demand (server.catalog, routing.catalog): every GGUF file and HF directory in
+    # `models_dir`, and the packaged models, load on their first request and unload when idle or
+    # to make room under the budget.
+    models_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="serve every GGUF file and HF model directory in this DIR on demand (with the packaged "
+        "models): each loads on its first request, under --models-memory / --max-loaded-models, and unloads after "
+        "--keep-alive idle")
+    models_memory: Annotated[str | int | None, Flag(metavar="SIZE")] = Field(
+        None, description="with --models-dir: the memory the loaded models may use together, e.g. 16GiB (each "
+        "model's footprint measured after its load); the least recently used idle model is unloaded to fit")
+    max_loaded_models: Annotated[int | None, Flag(metavar="N")] = Field(None, ge=1, description="with --models-dir: at most N models loaded at once")
+    keep_alive: Annotated[str, Flag(metavar="DURATION")] = Field(
+        "5m", description="with --models-dir: a model idle this long is unloaded (Ollama's keep_alive: '5m', "
+        "'30s', seconds; negative: never); a request's `keep_alive` field overrides it for that model")
+
+    @field_validator("models_memory")
+    @classmethod
+    def _memory_size(cls, v: str | int | None) -> str | int | None:
+        if v is not None:
+            parse_bytes(v)
+        return v
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, v: str) -> str:
+        parse_duration(v)
+        return v
 
     def liveness(self) -> LivenessConfig:
         return LivenessConfig(stall_after_s=self.stall_timeout, first_token_s=self.first_token_timeout,

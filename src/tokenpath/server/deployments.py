@@ -43,11 +43,14 @@ def load_embedding(name: str) -> tuple[Deployment[EmbeddingRequest, EmbeddingOut
     return dep, replica.close
 
 
-async def load_chat(name: str, config: ServerConfig) -> tuple[Deployment[GenerateRequest, RequestOutput], Closer]:
+async def load_chat(name: str, config: ServerConfig,
+                    served: str | None = None) -> tuple[Deployment[GenerateRequest, RequestOutput], Closer]:
+    """One in-process engine of `name` (as `served`, a catalog's id, when given); and what stops it."""
     from tokenpath.engine.async_engine import AsyncEngine
     from tokenpath.replica.local import InProcessReplica
 
-    engine_cfg = config.engine.model_copy(update={"model": name})
+    update: dict[str, Any] = {"model": name} | ({"served_model_name": served} if served else {})
+    engine_cfg = config.engine.model_copy(update=update)
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     await engine.start()
     replica = InProcessReplica(engine, deployment=engine.model_name, liveness=config.liveness())

@@ -21,6 +21,8 @@ hold several causes, and a cause explains part of one stage, named in `detail["s
 | `retried`/`replica_ejected` | the replica that failed before the first token, and how         | engine_queue  |
 | `slow_client`               | time blocked writing to the client's socket (SSE response)      | decode        |
 | `upload`                    | headers in -> whole body read (the body-limit middleware)       | upload        |
+| `model_load`                | its model was loaded for it: cold, or evicted N s ago to make   | model_load    |
+|                             | room for another model (routing.catalog)                        |               |
 
 The same facts exist in every deployment (in-process, engine processes, Ray): the engine's
 travel in `EngineEvents`, which cross the engine link, and `replica.events.stamp_events` puts
@@ -43,7 +45,7 @@ MIN_MS = 0.5  # a cause under half a millisecond explains nothing worth reading
 CLIENT_MIN_MS = 10.0
 STALL_FACTOR = 2.0  # a token gap over this many times the request's median ITL is a stall
 # Kinds kept whatever their ms: they are facts about the request even when they cost little.
-_FACTS = ("prefill_uncached", "prefix_elsewhere", "retried", "replica_ejected")
+_FACTS = ("prefill_uncached", "prefix_elsewhere", "retried", "replica_ejected", "model_load")
 
 
 @dataclass
@@ -72,6 +74,9 @@ def derive(timeline: Timeline, *, prompt_tokens: int = 0, cached_tokens: int = 0
     if blocked >= CLIENT_MIN_MS:
         out.append(Cause("slow_client", round(min(blocked, stages.get("decode", blocked)), 1),
                          {"stage": "decode", "blocked_ms": round(blocked, 1)}))
+    load = a.get("model_load")
+    if isinstance(load, dict) and "model_load" in stages:
+        out.append(Cause("model_load", round(stages["model_load"], 1), {"stage": "model_load", **load}))
     upload = timeline.between("received", "body_read")
     if upload is not None and upload * 1000 >= CLIENT_MIN_MS:
         out.append(Cause("upload", round(upload * 1000, 1), {"stage": "upload", "body_bytes": a.get("body_bytes")}))

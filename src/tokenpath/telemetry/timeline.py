@@ -14,7 +14,8 @@ engine processes (`--replicas N`):
 | stage          | from -> to              | what it holds                                   |
 |----------------|-------------------------|-------------------------------------------------|
 | `upload`       | received -> body_read   | the client sending its body (its uplink)        |
-| `gateway`      | body_read -> admitted   | auth, routing, tokenizing, rate limits          |
+| `model_load`   | body_read -> model_loaded | waiting for its model to load (catalog only)  |
+| `gateway`      | model_loaded -> admitted| auth, routing, tokenizing, rate limits          |
 | `queue`        | admitted -> dispatched  | the gateway's admission (fair) queue            |
 | `engine_queue` | dispatched -> scheduled | the link and the engine's own waiting queue     |
 | `prefill`      | scheduled -> first_token| prompt compute (chunks, prefix-cache hits)      |
@@ -28,6 +29,9 @@ body-limit middleware has no `upload`, its gateway stage starts at `received`; a
 `scheduled` on, is its `prefill`): the stages always sum to `total`. `reasoning` is a stage only of
 a reply that thought (`first_reasoning` stamped, by the API's reasoning parser: api/reasoning.py):
 otherwise decode runs from `first_token`, and a reply cut before it answered is all reasoning.
+`model_load` is a stage only of a request that waited for its model to load (`awaiting_model`
+stamped, by routing.catalog): it holds the wait (and the auth before it, a millisecond); a request
+that fails while waiting (a failed load, its deadline) ends in it.
 `first_reasoning` and `first_answer` are stamped when the gateway sees the first reasoning and the
 first answer text; time to first answer is received -> first_answer.
 """
@@ -43,6 +47,8 @@ EVENTS = (
     "received",  # the request's headers are in (the body is read next: `body_read`)
     "body_read",  # its whole body is in: received -> body_read is the `upload` stage
     "authenticated",
+    "awaiting_model",  # its model (routing.catalog) was not loaded: the request waits for the load
+    "model_loaded",  # ... and it is: body_read -> model_loaded is the `model_load` stage
     "routed",
     "tokenized",
     "admitted",  # admission (`FlowController.acquire`) alone: it admitted or queued the request
@@ -58,7 +64,8 @@ EVENTS = (
 # (stage, from event, to event); `total` is received -> finished.
 STAGE_BOUNDS = (
     ("upload", "received", "body_read"),
-    ("gateway", "body_read", "admitted"),
+    ("model_load", "body_read", "model_loaded"),
+    ("gateway", "model_loaded", "admitted"),
     ("queue", "admitted", "dispatched"),
     ("engine_queue", "dispatched", "scheduled"),
     ("prefill", "scheduled", "first_token"),
@@ -70,8 +77,13 @@ STAGES = (*PATH_STAGES, "total")  # and their sum: every key `durations()` may r
 
 
 def skips_reasoning(stage: str, stamps: dict[str, float]) -> str:
-    """`stage`, or `decode` for the reasoning stage of a reply that never thought."""
-    return "decode" if stage == "reasoning" and "first_reasoning" not in stamps else stage
+    """`stage`, or `decode` for the reasoning stage of a reply that never thought, or `gateway`
+    for the model_load stage of a request that waited for no load: the optional stages."""
+    if stage == "reasoning" and "first_reasoning" not in stamps:
+        return "decode"
+    if stage == "model_load" and "awaiting_model" not in stamps:
+        return "gateway"
+    return stage
 
 
 @dataclass

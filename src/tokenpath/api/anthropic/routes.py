@@ -54,7 +54,7 @@ async def count_tokens(body: CountTokensRequest, request: Request, state: AppSta
         await run.authenticate()
         chat = to_chat(body)
         chat.reject_unsupported()
-        dep = run.route(body.model, "chat")
+        dep = await run.route(body.model, "chat")
         plan = tool_calls.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                                       getattr(dep.tokenizer, "chat_template", None))
         template = getattr(dep.tokenizer, "chat_template", None)

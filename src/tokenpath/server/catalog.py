@@ -1,0 +1,223 @@
+"""`serve --models-dir DIR`: the catalog of models served on demand, and how each is loaded.
+
+Entries (`catalog_entries`): the packaged models (`smollm2-135m-instruct`, `gemma-3-270m`,
+`all-minilm-l6-v2`), every `*.gguf` file in DIR (its id: the file's stem) and every directory in
+DIR holding a `config.json` (its id: the directory's name; an embedding model when it holds a
+`sentence_bert_config.json`), and any `--model` path (pinned: loaded at start, never unloaded). A
+sidecar (`<stem>.json` beside a GGUF file, `tokenpath.json` in a directory) may set
+`served_model_name` and `pinned`. Two entries with one id stop the start; a file that is not a
+model (no GGUF magic, an unreadable config.json, no weights) is an entry in state `failed` with
+its reason, and the others serve. Nothing outside the catalog is ever loaded by a request.
+
+The loader (`make_loader`) builds a model's deployment as `serve` would have at start-up: an
+in-process engine, or with `--replicas N` / `--embedding-replicas N` that many engine processes
+(their processes exist only while the model is loaded). Its footprint is measured after the load:
+this process's RSS growth (in-process) or the engine processes' RSS, and never less than the
+weights' size on disk plus, for a chat model, its KV cache budget (allocated, not yet touched).
+Unloading stops the engines and returns the freed heap to the OS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, parse_bytes, parse_duration
+from tokenpath.protocol.names import MODEL, name_problem
+from tokenpath.routing.catalog import CatalogConfig, CatalogEntry, Loaded, Loader, ModelCatalog
+from tokenpath.routing.models import Deployment, Task
+from tokenpath.server.config import ServerConfig, is_embedding_model
+from tokenpath.server.memory import rss_mib, trim_heap
+
+log = logging.getLogger("tokenpath.api")
+
+PACKAGED: dict[str, Task] = {DEFAULT_CHAT_MODEL: "chat", "gemma-3-270m": "chat", DEFAULT_EMBEDDING_MODEL: "embedding"}
+MIB = 1024 * 1024
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def catalog_entries(models_dir: str | Path | None, pinned: list[str]) -> list[CatalogEntry]:
+    """The packaged models, DIR's models and the `pinned` ones (`--model`), in that order; two
+    with one id are a ValueError naming both (`ModelCatalog` checks)."""
+    entries: list[CatalogEntry] = []
+    pinned_names = set(pinned)
+    for name, task in PACKAGED.items():
+        entries.append(CatalogEntry(name, name, task, size_hint=_packaged_size(name), pinned=name in pinned_names))
+    if models_dir is not None:
+        root = Path(models_dir).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"--models-dir {models_dir}: no such directory")
+        for path in sorted(root.iterdir()):
+            entry = _scan(path)
+            if entry is not None:
+                entries.append(entry)
+    for name in pinned:
+        if name in PACKAGED:
+            continue
+        path = Path(name).expanduser().resolve()
+        found = next((i for i, e in enumerate(entries) if Path(e.source) == path), None)
+        if found is not None:
+            e = entries[found]
+            entries[found] = CatalogEntry(e.id, e.source, e.task, e.size_hint, True, e.problem)
+            continue
+        entry = _scan(path)
+        if entry is None:
+            raise ValueError(f"--model {name}: not a GGUF file, a model directory or a packaged model")
+        entries.append(CatalogEntry(entry.id, entry.source, entry.task, entry.size_hint, True, entry.problem))
+    return entries
+
+
+def _packaged_size(name: str) -> int:
+    """Bytes on disk of a packaged model whose path is free to find (gemma's is assembled on first use: 0)."""
+    if name == "gemma-3-270m":
+        return 0
+    from tokenpath.engine.loader import resolve_model_path
+
+    try:
+        return _disk_size(resolve_model_path(name))
+    except Exception:  # a missing package: its load says why
+        return 0
+
+
+def _disk_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for pattern in _WEIGHTS for p in path.glob(pattern) if p.is_file())
+
+
+def _scan(path: Path) -> CatalogEntry | None:
+    """One directory entry as a catalog entry: a GGUF file, a model directory, or None (anything else)."""
+    if path.is_file() and path.suffix == ".gguf":
+        sidecar, problem = path.with_suffix(".json"), None
+        try:
+            with path.open("rb") as f:
+                if f.read(4) != b"GGUF":
+                    problem = f"{path.name} is not a GGUF file (no GGUF magic at its start)"
+        except OSError as exc:
+            problem = f"{path.name} cannot be read: {exc}"
+        task: Task = "chat"
+    elif path.is_dir() and (path / "config.json").is_file():
+        sidecar, problem = path / "tokenpath.json", None
+        try:
+            json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            problem = f"{path.name}/config.json is not a model configuration: {exc}"
+        if problem is None and not any(path.glob(p) for p in _WEIGHTS):
+            problem = f"{path.name} holds no weights (*.safetensors, *.bin)"
+        task = "embedding" if is_embedding_model(str(path)) else "chat"
+    else:
+        return None
+    served, pinned = path.stem if path.is_file() else path.name, False
+    if sidecar.is_file():
+        try:
+            meta = json.loads(sidecar.read_text())
+            served = str(meta.get("served_model_name") or served)
+            pinned = bool(meta.get("pinned", False))
+        except (OSError, ValueError, AttributeError) as exc:
+            problem = problem or f"{sidecar.name}: not a JSON object ({exc})"
+    bad = name_problem(served, MODEL)
+    if bad is not None:
+        raise ValueError(f"--models-dir: {path.name}: its id {served!r} cannot be a model name: {bad}")
+    return CatalogEntry(served, str(path.resolve()), task, size_hint=_disk_size(path), pinned=pinned,
+                        problem=problem)
+
+
+def catalog_config(config: ServerConfig) -> CatalogConfig:
+    return CatalogConfig(memory_bytes=parse_bytes(config.models_memory) if config.models_memory is not None else None,
+                         max_loaded=config.max_loaded_models, keep_alive_s=parse_duration(config.keep_alive))
+
+
+def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int = 1,
+                log_dir: Path | None = None) -> Loader:
+    """How a catalog entry becomes a deployment: in-process, or `replicas` engine processes."""
+    from tokenpath.server.routing_config import configure_liveness, engine_flags
+
+    kv_budget = parse_bytes(config.engine.kv_cache_memory)
+
+    async def load(entry: CatalogEntry) -> Loaded:
+        before = rss_mib()
+        dep: Deployment[Any, Any]
+        procs: list[Any] = []
+        if entry.task == "embedding" and embedding_replicas > 1:
+            from tokenpath.server.embedding_deployments import embedding_process_deployment
+
+            dep, closers = await embedding_process_deployment(entry.id, entry.source, embedding_replicas, log_dir)
+            procs = dep.processes
+        elif entry.task == "embedding":
+            from tokenpath.server.deployments import load_embedding
+
+            dep, closer = await asyncio.to_thread(load_embedding, entry.source)
+            closers = [closer]
+        elif replicas > 1:
+            from tokenpath.server.routing_config import replicated_deployment
+
+            dep, closers = await replicated_deployment(entry.source, replicas, engine_flags(config.engine),
+                                                       log_dir=log_dir)
+            procs = dep.processes
+        else:
+            from tokenpath.server.deployments import load_chat
+
+            dep, closer = await load_chat(entry.source, config, served=entry.id)
+            closers = [closer]
+        dep.name = entry.id
+        from tokenpath.api.inputs import warm_tokenizers
+        from tokenpath.routing.models import ModelRouter
+
+        # What serve pays at start-up for the models it loads then (the longest-token scan, the chat
+        # template's compile), paid here as part of the load, not by its first request.
+        await asyncio.to_thread(warm_tokenizers, [dep.tokenizer])
+
+        configure_liveness(ModelRouter([dep]), config.liveness())
+        grew = (sum(_proc_rss_mib(p) for p in procs) if procs else rss_mib() - before) * MIB
+        floor = entry.size_hint + (kv_budget if entry.task != "embedding" else 0)
+        footprint = int(max(grew, floor))
+
+        async def close() -> None:
+            results = await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    log.error("error while stopping model %s: %r", entry.id, r)
+            await asyncio.to_thread(_free)
+
+        return Loaded(dep, close, footprint)
+
+    return load
+
+
+def _free() -> None:
+    """Collect the unloaded engine's cycles and hand the freed heap back to the OS."""
+    gc.collect()
+    trim_heap()
+
+
+def _proc_rss_mib(proc: Any) -> float:
+    pid = getattr(getattr(proc, "proc", None), "pid", None)
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+async def open_catalog(config: ServerConfig, pinned: list[str], replicas: int = 1, embedding_replicas: int = 1,
+                       log_dir: Path | None = None) -> ModelCatalog:
+    """The catalog, its pinned models loaded (a pinned model that fails to load stops the start)."""
+    from tokenpath.errors import ModelLoadError, TokenpathError
+
+    catalog = ModelCatalog(catalog_entries(config.models_dir, pinned),
+                           make_loader(config, replicas, embedding_replicas, log_dir), catalog_config(config))
+    for entry in [catalog.entry(i) for i in catalog.ids()]:
+        if entry.pinned:
+            try:
+                await catalog.load(entry.id)
+            except TokenpathError as exc:
+                await catalog.close()
+                raise ModelLoadError(f"{entry.id}: {exc.message}") from None
+    return catalog
