@@ -4,10 +4,16 @@ runs the fast tier only (tests/tiers.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
 
 from tests import capabilities, tiers
 from tests.tiers import _fast_tier_guard  # noqa: F401  (the --fast guard: an autouse fixture)
+
+if TYPE_CHECKING:
+    from tests.api.conftest import Server
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,3 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     capabilities.setup(item)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default `tokenpath serve`: SmolLM2 chat + MiniLM embeddings, no flags but the port.
+    One per session, for every test that only sends it requests: tests/api and the fault suite's
+    `gateway` (tests/reliability/conftest.py). A test that changes a server's flags or state, or
+    stops it, starts its own (`server_factory`, `running_server`)."""
+    from tests.api.conftest import running_server
+
+    with running_server(tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
