@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import tiers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,7 @@ def outcomes(out: subprocess.CompletedProcess[str]) -> dict[str, str]:
     return dict(re.findall(r"::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)", out.stdout))
 
 
+@pytest.mark.slow  # (a nested pytest run: ~10 s on 2 busy cores)
 def test_the_fast_tier_runs_only_what_starts_nothing_and_refuses_a_misclassified_test(tmp_path):
     out = run_suite(tmp_path, "--fast")
     assert outcomes(out) == {"test_plain": "PASSED", "test_runs_a_harmless_command": "PASSED",
@@ -87,6 +90,7 @@ def test_the_fast_tier_runs_only_what_starts_nothing_and_refuses_a_misclassified
     assert "a test of the fast tier starts" in out.stdout and "mark it slow" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_a_full_run_runs_every_tier_and_guards_nothing(tmp_path):
     out = run_suite(tmp_path)
     assert outcomes(out) == {"test_plain": "PASSED", "test_uses_a_server_through_another_fixture": "PASSED",
@@ -101,6 +105,8 @@ def test_marks_come_from_fixtures_modules_and_capabilities():
     assert tiers.tier_marks("tests/x.py", ["smol_llm"], ["redis"]) == {"slow", "services"}
     assert tiers.tier_marks("tests/x.py", [], ["postgres"]) == {"services"}
     assert tiers.tier_marks("tests/x.py", [], ["kernels"]) == set()  # the kernels are not a service
+    assert tiers.tier_marks("tests/x.py", [], [], "postgres-3") == {"services"}  # a case against a service
+    assert tiers.tier_marks("tests/x.py", [], [], "sqlite-3") == set()
     for module in tiers.SLOW_MODULES:
         assert (ROOT / module).is_file(), f"tests/tiers.py SLOW_MODULES names {module}, which is gone"
         assert tiers.tier_marks(module, [], []) == {"slow"}
@@ -110,5 +116,6 @@ def test_the_guard_knows_a_server_from_a_cli_call():
     assert tiers.slow_command(["/venv/bin/tokenpath", "serve", "--port", "0"])
     assert tiers.slow_command([sys.executable, "-m", "tests.replica.ray_cluster", "--node", "{}"])
     assert tiers.slow_command(["redis-server", "--port", "0"])
+    assert tiers.slow_command([sys.executable, "-m", "tokenpath.cli", "engine", "--listen-fd", "12"])
     assert not tiers.slow_command(["/venv/bin/tokenpath", "--version"])
     assert not tiers.slow_command(["/venv/bin/tokenpath", "keys", "create", "--ray-free-name"])

@@ -24,7 +24,7 @@ FAST_OPTION = "--fast"
 # use these are found through `item.fixturenames`, which holds what a test uses transitively).
 HEAVY_FIXTURES = frozenset({
     "server", "server_factory", "launch_server",  # tests/api/conftest.py
-    "smol_llm", "smol_llm_fp32", "hf_smol", "_gemma3_270m_hybrid", "_gemma3_270m_flat",  # tests/engine/conftest.py
+    "smol_llm", "smol_llm_fp32", "smol_loaded", "hf_smol", "_gemma3_270m_hybrid", "_gemma3_270m_flat",  # tests/engine/conftest.py
     "served",  # tests/telemetry/conftest.py and several modules: a server
     "gateway",  # tests/reliability/conftest.py: a server
 })
@@ -33,25 +33,44 @@ HEAVY_FIXTURES = frozenset({
 # are integration tests, outside the fast tier.
 SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root"})
 
-# Modules whose tests start servers, engine processes or real models in the test body or in a
-# fixture of their own (found by the guard of a `--fast` run: see the module docstring).
+# Modules outside the fast tier that no fixture name gives away (measured by a `--fast` run,
+# 2026-12-04, on 2 cores under load 4-6).
 SLOW_MODULES = frozenset({
+    # They start `tokenpath serve` (or an engine process) in the test body or a fixture of their
+    # own, even if only to see it refuse its flags: the guard stopped each of them.
+    "tests/api/test_shutdown.py", "tests/api/test_small_safety.py", "tests/api/test_tls.py",
+    "tests/reliability/test_audit_faults.py", "tests/reliability/test_nasty_names.py",
+    "tests/reliability/test_engine_stall.py", "tests/reliability/test_inprocess_stall.py",
+    "tests/reliability/test_schemathesis_real_model.py", "tests/reliability/test_slow_readers.py",
+    "tests/replica/test_remote_constraints.py", "tests/replica/test_link_hello.py",
+    "tests/telemetry/test_causes.py", "tests/telemetry/test_dashboard_replicas.py",
+    # Over ~12 s in all: tiny checkpoints saved and run by transformers and the engine, real
+    # tokenizers built, nested pytest/mypy/bench runs, engine processes bound and killed.
+    "tests/engine/test_moe.py", "tests/engine/test_native_attention.py", "tests/engine/test_model_families.py",
+    "tests/engine/test_sampler_safety.py", "tests/engine/test_tiny_checkpoints.py",
+    "tests/engine/test_kv_cache_dtype.py", "tests/engine/test_kv_window.py", "tests/engine/test_tokenizer_cache.py",
+    "tests/engine/test_quantized_engine.py", "tests/engine/test_churn.py",
+    "tests/reliability/test_engine_bind.py", "tests/bench/test_bench_cli.py",
+    "tests/bench/test_bench_run_peers_script.py", "tests/test_capabilities.py", "tests/test_types.py",
 })
 
-# What a fast test's subprocess must not be: a server, an engine, Ray, or a service.
-_SLOW_COMMANDS = ("serve", "ray", "tests.replica.ray_cluster", "redis-server", "postgres", "pg_ctl", "prometheus",
-                  "chromium")
+# What a fast test's subprocess must not be: a server, an engine process (`tokenpath engine`), Ray, or a
+# service.
+_SLOW_COMMANDS = ("serve", "engine", "ray", "tests.replica.ray_cluster", "redis-server", "postgres", "pg_ctl",
+                  "prometheus", "chromium")
 # The packaged models (tokenpath.engine.loader.known_models): loading their weights takes seconds.
 _REAL_MODELS = ("smollm2-135m-instruct", "gemma-3-270m", "all-minilm-l6-v2")
 
 
-def tier_marks(path: str, fixturenames: Iterable[str], requires: Iterable[str]) -> set[str]:
+def tier_marks(path: str, fixturenames: Iterable[str], requires: Iterable[str], param_ids: str = "") -> set[str]:
     """The tier markers (`slow`, `services`) a test gets from where it lives and what it uses;
-    `path` is its file relative to the repository root, with forward slashes."""
+    `path` is its file relative to the repository root, with forward slashes; `param_ids` its
+    parametrization's id (`sqlite`, `postgres-8`: a case run against a service names it there,
+    as tests/gateway's store fixtures do, which require it only at run time)."""
     marks: set[str] = set()
     if path in SLOW_MODULES or HEAVY_FIXTURES.intersection(fixturenames):
         marks.add("slow")
-    if SERVICE_CAPABILITIES.intersection(requires):
+    if SERVICE_CAPABILITIES.intersection(requires) or SERVICE_CAPABILITIES.intersection(param_ids.split("-")):
         marks.add("services")
     return marks
 
@@ -77,7 +96,8 @@ def classify(config: pytest.Config, items: list[pytest.Item]) -> None:
         except ValueError:
             rel = str(item.path)
         requires = [n for mark in item.iter_markers("requires") for n in mark.args]
-        for name in tier_marks(rel, getattr(item, "fixturenames", ()), requires):
+        callspec = getattr(item, "callspec", None)
+        for name in tier_marks(rel, getattr(item, "fixturenames", ()), requires, callspec.id if callspec else ""):
             item.add_marker(name)
         fast = item.get_closest_marker("slow") is None and item.get_closest_marker("services") is None
         (keep if fast else dropped).append(item)
