@@ -107,6 +107,7 @@ def test_marks_come_from_fixtures_modules_and_capabilities():
     assert tiers.tier_marks("tests/x.py", [], ["kernels"]) == set()  # the kernels are not a service
     assert tiers.tier_marks("tests/x.py", [], [], "postgres-3") == {"services"}  # a case against a service
     assert tiers.tier_marks("tests/x.py", [], [], "sqlite-3") == set()
+    assert tiers.tier_marks("tests/x.py", ["store", "make_limits"], []) == {"services"}  # requires Redis when run
     for module in tiers.SLOW_MODULES:
         assert (ROOT / module).is_file(), f"tests/tiers.py SLOW_MODULES names {module}, which is gone"
         assert tiers.tier_marks(module, [], []) == {"slow"}

@@ -29,6 +29,11 @@ HEAVY_FIXTURES = frozenset({
     "gateway",  # tests/reliability/conftest.py: a server
 })
 
+# Fixtures that need a service at run time (they require it themselves, so no mark shows it).
+SERVICE_FIXTURES = frozenset({
+    "make_limits",  # tests/gateway/conftest.py: RedisLimits on the test Redis server
+})
+
 # Capabilities that are services (started by scripts/services.sh) or whole systems: their tests
 # are integration tests, outside the fast tier.
 SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root"})
@@ -63,14 +68,17 @@ _REAL_MODELS = ("smollm2-135m-instruct", "gemma-3-270m", "all-minilm-l6-v2")
 
 
 def tier_marks(path: str, fixturenames: Iterable[str], requires: Iterable[str], param_ids: str = "") -> set[str]:
-    """The tier markers (`slow`, `services`) a test gets from where it lives and what it uses;
+    """The tier markers (`slow`, `services`) a test gets from where it lives and what it uses
+    (`fixturenames`: all it uses, directly or through other fixtures);
     `path` is its file relative to the repository root, with forward slashes; `param_ids` its
     parametrization's id (`sqlite`, `postgres-8`: a case run against a service names it there,
     as tests/gateway's store fixtures do, which require it only at run time)."""
     marks: set[str] = set()
+    fixturenames = set(fixturenames)
     if path in SLOW_MODULES or HEAVY_FIXTURES.intersection(fixturenames):
         marks.add("slow")
-    if SERVICE_CAPABILITIES.intersection(requires) or SERVICE_CAPABILITIES.intersection(param_ids.split("-")):
+    if SERVICE_CAPABILITIES.intersection(requires) or SERVICE_CAPABILITIES.intersection(param_ids.split("-")) \
+            or SERVICE_FIXTURES.intersection(fixturenames):
         marks.add("services")
     return marks
 
