@@ -132,11 +132,12 @@ class ServerFactory:
     def many(self, *flag_sets: tuple[str, ...], fresh_data_dir: tuple[bool, ...] = (), wait: float = 240) -> list[Server]:
         """Several servers started at once (fresh_data_dir[i] for the i-th): a start is mostly one
         busy core (imports, the model's load), so on 2 cores two starts side by side take about
-        the time of one, where one after the other take twice that."""
+        the time of one, where one after the other take twice that. `wait` is per server, as for
+        the same starts one after the other: together they have that long in all."""
         fresh = list(fresh_data_dir) + [False] * (len(flag_sets) - len(fresh_data_dir))
         spawned = [spawn_server(self._tmp.mktemp("serve"), *flags, fresh_data_dir=f)
                    for flags, f in zip(flag_sets, fresh, strict=True)]
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + wait * len(spawned)
         servers: list[Server] = []
         try:
             for proc, log in spawned:
