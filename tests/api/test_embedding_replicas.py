@@ -38,8 +38,8 @@ deployments:
 def servers(server_factory, tmp_path_factory):
     routing = tmp_path_factory.mktemp("routing") / "tight.yaml"
     routing.write_text(TIGHT)
-    return tuple(server_factory.many(("--model", EMBED_MODEL), ("--model", EMBED_MODEL, "--embedding-replicas", "2"),
-                                     ("--model", EMBED_MODEL, "--routing", str(routing))))
+    return (server_factory("--model", EMBED_MODEL), server_factory("--model", EMBED_MODEL, "--embedding-replicas", "2"),
+            server_factory("--model", EMBED_MODEL, "--routing", str(routing)))
 
 
 def client(srv: Server) -> openai.OpenAI:

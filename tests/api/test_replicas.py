@@ -37,7 +37,7 @@ def servers(server_factory):
     # The replicated one starts from an empty data dir, as a user's first start does: its two
     # engine processes build SmolLM2's tokenizer from the GGUF at once, and one publishes it
     # (the other test servers find it built: tests/server_data.py).
-    return tuple(server_factory.many(FLAGS, (*FLAGS, "--replicas", "2"), fresh_data_dir=(False, True)))
+    return server_factory(*FLAGS), server_factory(*FLAGS, "--replicas", "2", fresh_data_dir=True)
 
 
 def chat(srv: Server, content: str, **headers: str) -> httpx.Response:
