@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 KSTAMP := $(VENV)/.kernels
 KSRC := $(wildcard src/tokenpath/engine/kernels/csrc/*) setup.py
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ lint: install
 test: install
 	$(BIN)/ruff check src tests
 	bash scripts/services.sh $(BIN)/python -m pytest -q -ra --durations=30
+
+# The fast tier (tests/tiers.py): no server, no real model, no service; what `make test` runs too.
+test-fast: install
+	$(BIN)/python -m pytest -q -ra --fast --durations=10
 
 bench: install
 	bash benchmarks/run_peers.sh

@@ -1,4 +1,5 @@
-"""Real `tokenpath serve` processes on free loopback ports, shared per session/module.
+"""Real `tokenpath serve` processes on free loopback ports, shared per session/module (the
+default one, `server`, is tests/conftest.py's: the fault suite shares it).
 
 The server is started exactly as a user would start it (the console script), its banner is read
 for the port it bound (`--port 0`), and it is stopped with SIGTERM; a clean exit (0) is asserted
@@ -83,13 +84,6 @@ def running_server(tmp: Path, *args: str, wait: float = 240) -> Iterator[Server]
     finally:
         code = srv.stop()
     assert code == 0, srv.output()[-3000:]
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The default `tokenpath serve`: SmolLM2 chat + MiniLM embeddings, no flags but the port."""
-    with running_server(tmp_path_factory.mktemp("serve")) as srv:
-        yield srv
 
 
 @pytest.fixture

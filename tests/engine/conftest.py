@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tokenpath import LLM
-from tokenpath.engine.loader import SMOLLM2_GGUF, resolve_model_path
+from tokenpath.engine import loader
+from tokenpath.engine.loader import SMOLLM2_GGUF, LoadedModel, resolve_model_path
 
 WORDS = ["river", "stone", "light", "garden", "music", "paper", "window", "silver", "morning", "engine", "quiet", "yellow", "market", "travel", "simple", "history", "forest", "number", "winter", "castle"]
 
@@ -26,6 +27,13 @@ def make_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]
         ids = tokenizer.encode("Here is a list of words: " + " ".join(words))
         out.append(ids[:n])
     return out
+
+
+@pytest.fixture(scope="session")
+def smol_loaded() -> LoadedModel:
+    """SmolLM2's GGUF as `load_model` reads it (seconds under load), once per session: the runners
+    built on it only read it (its weights are the file's, dequantized on access)."""
+    return loader.load_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenpath.engine import kernels as K
-from tokenpath.engine.loader import load_model
 
 lib = K.native_library()
 pytestmark = pytest.mark.requires("kernels")
@@ -134,8 +133,8 @@ def test_rows_are_batch_invariant():
 
 
 @pytest.fixture(scope="module")
-def smol_gguf():
-    return load_model("smollm2-135m-instruct").gguf
+def smol_gguf(smol_loaded):
+    return smol_loaded.gguf
 
 
 @pytest.mark.parametrize("isa", ISAS)

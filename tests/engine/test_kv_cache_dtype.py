@@ -23,7 +23,6 @@ from tests.engine.native_steps import NativeSteps
 from tests.engine.tiny_models import save_tiny
 from tokenpath import LLM, SamplingParams
 from tokenpath.engine.kernels import FEATURE_F16C, NativeLibrary, native_library
-from tokenpath.engine.loader import load_model
 from tokenpath.engine.runner import pick_kv_dtype
 from tokenpath.engine.tokenizer import Tokenizer
 
@@ -34,9 +33,8 @@ REL_BOUND = 2e-3  # max |logit difference| / max |logit|, float activations (see
 
 
 @pytest.fixture(scope="module")
-def smol():
-    loaded = load_model("smollm2-135m-instruct")
-    return loaded, Tokenizer(loaded.tokenizer_source).encode(TEXT.read_text())
+def smol(smol_loaded):
+    return smol_loaded, Tokenizer(smol_loaded.tokenizer_source).encode(TEXT.read_text())
 
 
 def scenario(loaded, ids: list[int], kv: str, m: int) -> tuple[list[torch.Tensor], NativeSteps]:

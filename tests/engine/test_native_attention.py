@@ -21,7 +21,7 @@ import torch
 from tests.engine.native_steps import NativeSteps
 from tests.engine.tiny_models import save_tiny
 from tokenpath.engine.kernels import native_library
-from tokenpath.engine.loader import load_model
+from tokenpath.engine.loader import load_model, resolve_model_path
 from tokenpath.engine.tokenizer import Tokenizer
 
 lib = native_library()
@@ -40,13 +40,13 @@ class Steps(NativeSteps):
 
 @pytest.fixture(scope="module")
 def text_ids() -> list[int]:
-    return Tokenizer(load_model("smollm2-135m-instruct").tokenizer_source).encode(TEXT.read_text())
+    return Tokenizer(resolve_model_path("smollm2-135m-instruct")).encode(TEXT.read_text())  # (the GGUF)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "head_dim_20"])
 def loaded(request, tmp_path_factory):
     if request.param == "smollm2":
-        return load_model("smollm2-135m-instruct")
+        return request.getfixturevalue("smol_loaded")
     # 8 x 20 = 160 query features, wider than hidden and intermediate (the step's activation
     # buffers once covered only those two, and quantizing the attention output overran them).
     path = save_tiny("llama", tmp_path_factory.mktemp("hd20"), head_dim=20, num_attention_heads=8,
