@@ -150,6 +150,31 @@ def test_no_block_of_a_rejected_draft_is_ever_hashed_into_the_prefix_cache():
     assert llm.engine.blocks.check_consistency() == []
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     assert out.events.spec is not None and out.events.spec[2] == stats.num_accepted_tokens
+    _check_observability(llm, out)
+
+
+def _check_observability(llm: LLM, out) -> None:
+    """The request's counts reach its Timeline (so the audit row and trace), the engine's reach
+    /metrics under vLLM's names."""
+    from types import SimpleNamespace
+
+    from tokenpath.replica.events import stamp_events
+    from tokenpath.telemetry.metrics import _StateCollector
+    from tokenpath.telemetry.timeline import Timeline
+
+    stats = llm.engine.spec.stats
+    timeline = Timeline(out.request_id)
+    timeline.stamps["received"] = out.events.queued
+    stamp_events(timeline, out)
+    spec = timeline.attrs["spec_decode"]
+    assert (spec["proposed"], spec["accepted"]) == (stats.num_draft_tokens, stats.num_accepted_tokens)
+    dep = SimpleNamespace(name="smol", replicas=[SimpleNamespace(state=llm.engine.state)])
+    fams = {f.name: f for f in _StateCollector(lambda: [dep]).collect()}
+    accepted = fams["tokenpath:spec_decode_num_accepted_tokens"].samples[0].value
+    assert accepted == stats.num_accepted_tokens
+    assert fams["tokenpath:spec_decode_num_drafts"].samples[0].value == stats.num_drafts
+    per_pos = [smp.value for smp in fams["tokenpath:spec_decode_num_accepted_tokens_per_pos"].samples]
+    assert sum(per_pos) == accepted and len(per_pos) == SPEC["num_speculative_tokens"]
 
 
 @pytest.mark.requires("kernels")

@@ -20,6 +20,11 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] | None = None
 
+    def as_list(self, k: int) -> list[int]:
+        """`EngineState.spec_decode`: [drafts, draft tokens, accepted, accepted per position...]."""
+        return [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                *(self.accepted_per_pos or [0] * k)]
+
     def record(self, proposed: int, accepted: int, k: int) -> None:
         if self.accepted_per_pos is None:
             self.accepted_per_pos = [0] * k
