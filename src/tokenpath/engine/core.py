@@ -311,7 +311,7 @@ class EngineCore:
         proposed = len(seq.draft_ids)
         seq.draft_ids = []
         if self.spec is not None:
-            self.spec.stats.record(proposed, accepted, self.spec.k)
+            self.spec.settle(seq, proposed, accepted)
         ev = seq.events
         if ev.spec is None:
             ev.spec = [0, 0, 0]

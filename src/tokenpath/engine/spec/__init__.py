@@ -2,7 +2,8 @@
 verifies all K + 1 positions, and the accepted prefix plus one token the target model chose is
 appended. The engine's pieces:
 
-- `decoder.SpecDecoder.drafts` (called by the scheduler): which sequences draft this step and what.
+- `decoder.SpecDecoder.drafts` (called by the scheduler): which sequences draft this step and what;
+  `state.DraftState`: how many tokens a sequence drafts next, adapted to what it had accepted;
 - the runner returns logits at every row of a drafting sequence (K + 1 rows, not one);
 - `verify.verify` (called by the engine core): greedy rows accept the drafts equal to the argmax,
   sampled rows by rejection sampling, so the output distribution is the target model's;

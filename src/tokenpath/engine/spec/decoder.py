@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tokenpath.config import SpeculativeConfig
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec.ngram import NgramIndex
+from tokenpath.engine.spec.state import DraftState
 
 
 @dataclass
@@ -59,16 +60,28 @@ class SpecDecoder:
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
-        `budget` of them, and never past its max_tokens or the context length."""
-        if seq.spec_index is None:
+        `budget` of them, and never past its max_tokens or the context length (`state.py`: how
+        many it drafts adapts to what it had accepted)."""
+        state = seq.spec
+        if state is None:
             if seq.spec_ok is None:
                 seq.spec_ok = speculates(seq)
             if not seq.spec_ok:
                 return []
-            seq.spec_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        k = min(self.k, budget, self.max_model_len - seq.num_tokens)
+            state = seq.spec = DraftState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
+                                          self.k)
+        if state.pause:
+            state.pause -= 1
+            return []
+        k = min(state.k, budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return []
-        return seq.spec_index.propose(seq.token_ids, k)
+        return state.index.propose(seq.token_ids, k)
+
+    def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count a verification, and let the sequence adapt its next draft length."""
+        self.stats.record(proposed, accepted, self.k)
+        if seq.spec is not None:
+            seq.spec.settle(accepted, self.k)
