@@ -302,7 +302,8 @@ class LinkReplica(Generic[ReqT, OutT]):
             detail=detail, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, restarts=self.restarts,
             loras=frozenset(map(str, s.loras)), running_loras=tuple(map(str, s.running_loras)),
-            waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras))
+            waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras),
+            spec_decode=tuple(map(int, s.spec_decode)))
 
 
 class EngineLinkReplica(LinkReplica[GenerateRequest, RequestOutput]):

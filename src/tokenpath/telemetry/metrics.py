@@ -19,7 +19,7 @@ for callers allowed to see tenant names (`render(tenants=True)`); the public vie
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -99,7 +99,7 @@ class _StateCollector(Collector):
                 queries += st.prefix_cache_queries
                 hits += st.prefix_cache_hits
                 preemptions += st.num_preemptions
-                spec.add(dep.name, st.spec_decode)
+                spec.add(dep.name, getattr(st, "spec_decode", None))  # (embedding replicas have none)
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
             for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
@@ -126,7 +126,7 @@ class SpecDecodeMetrics:
     def __init__(self) -> None:
         self._sums: dict[str, list[int]] = {}
 
-    def add(self, model: str, counts: list[int]) -> None:
+    def add(self, model: str, counts: Sequence[int] | None) -> None:
         if not counts:
             return
         total = self._sums.setdefault(model, [])
