@@ -13,7 +13,14 @@ import pytest
 from pydantic import ValidationError
 
 from tokenpath.cli import build_parser
-from tokenpath.config import ENV_VARS, EngineConfig, default_text, engine_flag_names, model_argv
+from tokenpath.config import (
+    ENV_VARS,
+    EngineConfig,
+    SpeculativeConfig,
+    default_text,
+    engine_flag_names,
+    model_argv,
+)
 from tokenpath.server.config import ServerConfig, build_config
 from tokenpath.server.routing_config import ReplicaSpec
 
@@ -53,7 +60,8 @@ def non_default(name: str):
         return next(c for c in get_args(field.annotation) if c != default)
     if field.annotation is bool:
         return not default
-    special = {"kv_cache_memory": "1GiB", "device": "cpu", "chat_template": str(ROOT / "README.md")}
+    special = {"kv_cache_memory": "1GiB", "device": "cpu", "chat_template": str(ROOT / "README.md"),
+               "speculative_config": SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)}
     if name in special:
         return special[name]
     return (default or 1) + 3

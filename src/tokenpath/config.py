@@ -11,6 +11,7 @@ package reads (`tokenpath --help` prints it; a test keeps it complete).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import stat
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
@@ -91,6 +92,44 @@ def kernel_mask_from_env(name: str) -> int | None:
     except ValueError:
         raise ValueError(f"{name}={value!r}: expected 1, all, 0 or a bit mask such as 0x8 "
                          "(bits: qkv, o, gate_up, down, head)") from None
+
+
+# llama.cpp's and vLLM's other names for the n-gram (prompt lookup) proposer.
+SPEC_METHOD_ALIASES = {"ngram": "ngram", "prompt_lookup": "ngram", "ngram-simple": "ngram", "ngram_simple": "ngram"}
+MAX_SPEC_TOKENS = 16
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Only the n-gram
+    (prompt lookup) proposer exists: it proposes the K tokens that followed the most recent earlier
+    occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min),
+    verified in one forward pass (engine/spec/). Checked once, at start-up: a wrong field is an
+    error naming it, never a silently slower engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple)")
+    num_speculative_tokens: int = Field(..., ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
+    prompt_lookup_max: int = Field(3, ge=1, le=64, description="longest n-gram matched")
+    prompt_lookup_min: int = Field(1, ge=1, le=64, description="shortest n-gram matched")
+    # Batching: with more decoding sequences than this in a step, nobody drafts (the step is
+    # compute-bound there, and verifying rejected drafts costs compute the batch could use).
+    max_batch: int = Field(8, ge=1, description="decoding sequences above which a step does not speculate")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        method = SPEC_METHOD_ALIASES.get(v.strip().lower())
+        if method is None:
+            raise ValueError(f"unknown speculative method {v!r}: expected one of {sorted(SPEC_METHOD_ALIASES)}")
+        return method
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -171,6 +210,21 @@ class EngineConfig(BaseModel):
         default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
                     "(default: $TOKENPATH_KERNELS_EXACT, else 0)")
+
+    # vLLM's --speculative-config: a JSON object (or, from YAML and `LLM(...)`, a mapping).
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (off when not given)')
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: object) -> object:
+        if isinstance(v, str):
+            try:
+                return json.loads(v) if v.strip() else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not a JSON object: {exc}") from None
+        return v
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -272,6 +326,8 @@ def model_argv(config: BaseModel, names: typing.Iterable[str]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, BaseModel):  # a nested config (--speculative-config): its JSON
+            argv += [flag, value.model_dump_json()]
         else:
             argv += [flag, str(value)]
     return argv

@@ -242,6 +242,21 @@ class BlockManager:
                     if g == 0 and self.kv_sinks:
                         self._event(KV_STORED, h)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the tail blocks `seq` holds beyond its tokens (speculative decoding: blocks
+        only rejected drafts used). They were never full of computed tokens, so they carry no
+        hash; they go to the front of the free list, reused before any cached block is evicted."""
+        keep = self.blocks_needed(seq.num_tokens)
+        for table in seq.block_tables:
+            while len(table) > keep:
+                block = table.pop()
+                if block == NULL_BLOCK:
+                    continue
+                self.ref_counts[block] -= 1
+                if self.ref_counts[block] == 0:
+                    self.free[block] = None
+                    self.free.move_to_end(block, last=False)
+
     def release(self, seq: Sequence) -> None:
         """Return every block of `seq` (finish, abort, error or preemption)."""
         for table in seq.block_tables:

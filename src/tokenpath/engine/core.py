@@ -24,6 +24,8 @@ from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler, SampleResult
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.spec.decoder import SpecDecoder
+from tokenpath.engine.spec.verify import verify
 from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
 from tokenpath.errors import ContextLengthError, DeadlineExceededError, DuplicateRequestIdError
@@ -59,8 +61,10 @@ class EngineCore:
                                    windows=self.runner.layout.windows,
                                    max_chunk=min(config.max_num_batched_tokens,
                                                  config.long_prefill_token_threshold or config.max_num_batched_tokens))
+        spec = config.speculative_config
+        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.long_prefill_token_threshold, loras=self.loras)
+                                   config.long_prefill_token_threshold, loras=self.loras, spec=self.spec)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
@@ -217,6 +221,8 @@ class EngineCore:
 
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
         message = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
+        for seq, _ in scheduled:
+            seq.draft_ids = []
         outs = []
         for rid in dict.fromkeys(seq.request_id for seq, _ in scheduled):
             out = self.abort(rid, reason="error")
@@ -230,33 +236,42 @@ class EngineCore:
         self.sampler.prefetch_masks([seq for seq, n in scheduled if seq.grammar is not None
                                      and seq.num_computed_tokens + n == seq.num_tokens])
         logits, sampling, prompt_rows = self.runner.execute(scheduled)
+        drafting = self.spec is not None and any(seq.draft_ids for seq in sampling)
+        rows = len(sampling) + (sum(len(seq.draft_ids) for seq in sampling) if drafting else 0)
         if prompt_rows:
-            self._score_prompts(logits[len(sampling):], prompt_rows)
-            logits = logits[: len(sampling)]
+            self._score_prompts(logits[rows:], prompt_rows)
+            logits = logits[:rows]
         self.steps += 1
         prefills: list[list] | None = None
         for seq, n in scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 (prefills := prefills or []).append([seq.request_id, n])
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_ids)  # drafts count once accepted
             self.blocks.commit_computed(seq)
             if seq.events.preempted:
                 self._note_recovered(seq)
-        result = self.sampler(logits, sampling) if sampling else SampleResult([], [])
+        if drafting:
+            tokens, logprobs = self._verify(logits, sampling)
+        else:
+            result = self.sampler(logits, sampling) if sampling else SampleResult([], [])
+            tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for i, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
             if seq.events.first_token is None:
                 seq.events.first_token = now
-            reason = self.outputs.process_token(req.choices[seq.index], token, result.logprobs[i])
-            if reason is not None:
-                seq.finish_reason = reason
-                self._finish(seq, now)
+            for token in tokens[i]:
+                seq.token_ids.append(token)
+                self.generation_tokens += 1
+                reason = self.outputs.process_token(req.choices[seq.index], token, logprobs[i])
+                if reason is not None:
+                    seq.finish_reason = reason
+                    self._finish(seq, now)
+                    break
+            if seq.draft_ids:
+                self._settle_drafts(seq, len(tokens[i]) - 1)
         if prefills is not None and sampling:
             self._note_stalls(sampling, prefills, now)
         outs = []
@@ -267,6 +282,47 @@ class EngineCore:
             if req.finished:
                 self._retire(req)
         return outs
+
+    def _verify(self, logits: torch.Tensor, sampling: list[Sequence]
+                ) -> tuple[list[list[int]], list[tuple[float, list[tuple[int, float]]] | None]]:
+        """A step with draft tokens: the plain rows sample as always (one batch through the
+        sampler), each drafting sequence's 1 + K rows are verified (`spec.verify`)."""
+        starts, row = [], 0
+        for seq in sampling:
+            starts.append(row)
+            row += 1 + len(seq.draft_ids)
+        plain = [i for i, seq in enumerate(sampling) if not seq.draft_ids]
+        result = (self.sampler(logits[[starts[i] for i in plain]], [sampling[i] for i in plain]) if plain
+                  else SampleResult([], []))
+        tokens: list[list[int]] = [[] for _ in sampling]
+        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(sampling)
+        for j, i in enumerate(plain):
+            tokens[i], logprobs[i] = [result.token_ids[j]], result.logprobs[j]
+        for i, seq in enumerate(sampling):
+            if seq.draft_ids:
+                tokens[i] = verify(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)], seq,
+                                   self.sampler.generator)
+        return tokens, logprobs
+
+    def _settle_drafts(self, seq: Sequence, accepted: int) -> None:
+        """After verification: the accepted drafts' KV counts as computed, the blocks only the
+        rejected ones used go back to the pool (no copy: their slots are simply overwritten
+        later), and the counters (engine-wide and the request's) take the step."""
+        proposed = len(seq.draft_ids)
+        seq.draft_ids = []
+        if self.spec is not None:
+            self.spec.settle(seq, proposed, accepted)
+        ev = seq.events
+        if ev.spec is None:
+            ev.spec = [0, 0, 0]
+        ev.spec[0] += 1
+        ev.spec[1] += proposed
+        ev.spec[2] += accepted
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens += accepted
+        self.blocks.trim(seq)
+        self.blocks.commit_computed(seq)
 
     def _score_prompts(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int]]) -> None:
         """Prompt logprobs (SamplingParams.prompt_logprobs) from the logits of prompt positions: the
@@ -347,5 +403,6 @@ class EngineCore:
             running_loras=list(dict.fromkeys(s.lora.name for s in list(self.scheduler.running) if s.lora)),
             waiting_loras=list(dict.fromkeys(s.lora.name for s in list(self.scheduler.waiting) if s.lora)),
             max_loras=self.loras.max_loras,
+            spec_decode=[] if self.spec is None else self.spec.stats.as_list(self.spec.k),
         )
 

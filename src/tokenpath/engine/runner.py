@@ -43,6 +43,18 @@ def _prompt_rows(seq: Sequence, start: int, n: int, row: int, rows: list[int], o
         rows.extend(range(row, row + k))
 
 
+def _sampling_rows(seq: Sequence, start: int, n: int, end: int, rows: list[int], sampling: list[Sequence]) -> None:
+    """A chunk that reaches the end of what `seq` knows samples: its last row, or, with draft
+    tokens, every row from its last known token on (1 + drafts rows, ending at row `end`)."""
+    drafts = len(seq.draft_ids)
+    if start + n == seq.num_tokens + drafts:
+        sampling.append(seq)
+        if drafts:
+            rows.extend(range(end - 1 - drafts, end))
+        else:
+            rows.append(end - 1)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,8 +142,9 @@ class ModelRunner:
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], PromptRows]:
         """Run one step. Returns logits [S + P, vocab]: S rows for the sequences whose scheduled
-        tokens reach the end of what they know (they sample; the rest were mid-prompt chunks), then
-        the P prompt positions of `PromptRows`."""
+        tokens reach the end of what they know (they sample; the rest were mid-prompt chunks), one
+        each, 1 + len(draft_ids) for a sequence with draft tokens, then the P prompt positions of
+        `PromptRows`."""
         if self.native is not None:
             return self._execute_native(self.native, scheduled)
         bs = self.block_size
@@ -151,6 +164,7 @@ class ModelRunner:
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.draft_ids)  # (speculative decoding: verified at every row)
             pos = np.arange(start, start + n)
             table = self._tables(seq, np.int64)  # [G, blocks]
             pos_chunks.append(pos)
@@ -163,9 +177,7 @@ class ModelRunner:
                 lora_spans.append((row, n, self.loras.get(seq.lora)))
             _prompt_rows(seq, start, n, row, extra, prompt_rows)
             row += n
-            if start + n == seq.num_tokens:
-                logit_rows.append(row - 1)
-                sampling.append(seq)
+            _sampling_rows(seq, start, n, row, logit_rows, sampling)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_chunks, axis=1)).to(dev),
@@ -200,15 +212,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             _prompt_rows(seq, start, n, row, extra, prompt_rows)
             ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.draft_ids)
             pos_chunks.append(np.arange(start, start + n, dtype=np.int32))
             table = self._tables(seq, np.int32)  # [G, blocks]
             table_chunks.append(table)
             row_tables.append(np.full(n, offset, dtype=np.int32))
             offset += table.shape[1]
             row += n
-            if start + n == seq.num_tokens:
-                logit_rows.append(row - 1)
-                sampling.append(seq)
+            _sampling_rows(seq, start, n, row, logit_rows, sampling)
         pos = np.concatenate(pos_chunks)
         tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
         rt = np.concatenate(row_tables)

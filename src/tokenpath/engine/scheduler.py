@@ -35,6 +35,7 @@ from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.sequence import Sequence, Status
+from tokenpath.engine.spec.decoder import SpecDecoder
 from tokenpath.protocol.lora import LoraRef
 
 # Prompt tokens per step of a prompt_logprobs request: 256 rows of logits are 256 MiB at Gemma 3's
@@ -54,8 +55,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 long_prefill_token_threshold: int = 0, loras: LoraManager | None = None) -> None:
+                 long_prefill_token_threshold: int = 0, loras: LoraManager | None = None,
+                 spec: SpecDecoder | None = None) -> None:
         self.blocks = blocks
+        self.spec = spec  # speculative decoding (None: off)
         self.loras = loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -131,6 +134,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        spec = self.spec if self.spec is not None and self.spec.allowed(self._decoding()) else None
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -139,6 +143,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._cap(seq))
             if n <= 0:
                 continue
+            if spec is not None and n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                n += self._draft(spec, seq, budget - 1)
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted
             out.scheduled.append((seq, n))
@@ -150,6 +156,18 @@ class Scheduler:
             if seq.events.scheduled is None:
                 seq.events.scheduled = now
         return out
+
+    def _decoding(self) -> int:
+        return sum(1 for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens)
+
+    def _draft(self, spec: SpecDecoder, seq: Sequence, budget: int) -> int:
+        """Give a decoding `seq` this step's draft tokens (`seq.draft_ids`) when the pool has the
+        room for them without preempting anybody; returns how many."""
+        drafts = spec.drafts(seq, budget)
+        if drafts and not self.blocks.allocate(seq, 1 + len(drafts)):
+            drafts = []
+        seq.draft_ids = drafts
+        return len(drafts)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prefilling: set[int]) -> None:
         i = 0
@@ -256,6 +274,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        seq.draft_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenpath.engine.spec.state import DraftState
 from tokenpath.engine.structured.masking import GrammarState
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.outputs import EngineEvents
@@ -60,6 +61,12 @@ class Sequence:
     # The client's deadline in this process's clock (None: none): past it, a request never
     # scheduled yet leaves the waiting queue unprefilled (`Scheduler.expired`).
     deadline: float | None = None
+    # Speculative decoding (engine/spec/): this step's draft tokens (computed after the last
+    # known token, never in `token_ids` until accepted), its proposer state, and whether this
+    # sequence may draft at all (None: not decided yet).
+    draft_ids: list[int] = field(default_factory=list)
+    spec: DraftState | None = None
+    spec_ok: bool | None = None
 
     @property
     def block_table(self) -> list[int]:

@@ -62,6 +62,8 @@ class EngineEvents:
     traced: bool = False
     # The LoRA adapter load this request waited for: [started, ended, from disk (True) or not].
     lora_load: list | None = None
+    # Speculative decoding (engine/spec/): [steps that drafted, draft tokens, accepted tokens].
+    spec: list[int] | None = None
 
     def shifted(self, by: float) -> EngineEvents:
         """The same events in another clock (`by` = that clock minus this one)."""
@@ -71,7 +73,8 @@ class EngineEvents:
                             self.freed_by, [[t + by, s, list(o)] for t, s, o in self.stalls],
                             [[t + by, who, n, f(done)] for t, who, n, done in self.preempted], self.traced,
                             None if self.lora_load is None else [self.lora_load[0] + by, self.lora_load[1] + by,
-                                                                 self.lora_load[2]])
+                                                                 self.lora_load[2]],
+                            None if self.spec is None else list(self.spec))
 
     def snapshot(self) -> EngineEvents:
         """A copy the engine thread will not change afterwards (taken with every output delta, so
@@ -80,7 +83,7 @@ class EngineEvents:
         return EngineEvents(self.queued, self.scheduled, self.first_token, self.finished, list(self.prefill_chunks),
                             list(self.behind), self.freed_by, list(self.stalls),
                             [list(p) for p in self.preempted] if self.preempted else [], self.traced,
-                            self.lora_load)
+                            self.lora_load, None if self.spec is None else list(self.spec))
 
 
 MAX_STALLS = 64  # stall records kept per request: enough to explain its slow gaps, bounded
@@ -154,6 +157,9 @@ class EngineState:
     # hash] pairs, kind 0 all blocks cleared (hash 0), 1 stored, 2 removed. A link's first state
     # starts with a clear and then every block held, so a gateway that (re)connects is exact.
     kv_events: list[list[int]] = field(default_factory=list)
+    # Speculative decoding's counters (vLLM's spec_decode_* metrics): [drafts, draft tokens,
+    # accepted tokens, accepted at position 0, 1, ...]; empty when the engine does not speculate.
+    spec_decode: list[int] = field(default_factory=list)
     # The step thread, for the replica's liveness (`replica.liveness`: one rule in the gateway for
     # an engine in its process and one behind the link): how long it had been in its current step
     # when this state was taken (0 while it waits for work), and how long a normal step of this

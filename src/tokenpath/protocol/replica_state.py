@@ -39,6 +39,8 @@ class ReplicaState:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    # Speculative decoding's counters (`EngineState.spec_decode`); empty where the engine does not speculate.
+    spec_decode: tuple[int, ...] = ()
 
     @property
     def load(self) -> int:

@@ -160,7 +160,8 @@ def encode_output(out: RequestOutput) -> dict:
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
             "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
                                                [list(c) for c in ev.prefill_chunks], list(ev.behind), ev.freed_by,
-                                               list(ev.stalls), [list(p) for p in ev.preempted], ev.traced, ev.lora_load],
+                                               list(ev.stalls), [list(p) for p in ev.preempted], ev.traced, ev.lora_load,
+                                               None if ev.spec is None else list(ev.spec)],
             "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
                       c.finish_reason, c.stop_reason] for c in out.outputs],
             "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
@@ -232,6 +233,8 @@ def _events(ev: list) -> EngineEvents:
     if len(rest) > 6 and rest[6] is not None:
         started, ended, cold = rest[6]
         out.lora_load = [float(started), float(ended), bool(cold)]
+    if len(rest) > 7 and rest[7] is not None:
+        out.spec = [int(x) for x in rest[7]]
     return out
 
 

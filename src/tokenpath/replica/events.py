@@ -48,6 +48,11 @@ def stamp_events(timeline: Timeline | None, out: RequestOutput | EmbeddingOutput
                                             for t, n in ev.prefill_chunks]
     if out.num_preemptions:
         timeline.attrs["preemptions"] = out.num_preemptions
+    if ev.spec is not None:  # speculative decoding: [steps that drafted, proposed, accepted]
+        steps, proposed, accepted = ev.spec
+        timeline.attrs["spec_decode"] = {"steps": steps, "proposed": proposed, "accepted": accepted,
+                                         "acceptance": round(accepted / proposed, 3) if proposed else 0.0,
+                                         "gained_per_step": round(accepted / steps, 3) if steps else 0.0}
     if ev.lora_load is not None:  # the adapter load this request waited for (clamped like the rest)
         started, ended, cold = ev.lora_load
         started = min(max(started, timeline.get("dispatched") or timeline.stamps["received"]), now)

@@ -108,6 +108,7 @@ class InProcessReplica:
             running_loras=tuple(s.running_loras),
             waiting_loras=tuple(s.waiting_loras),
             max_loras=s.max_loras,
+            spec_decode=tuple(s.spec_decode),
         )
 
     def _supervise(self) -> None:

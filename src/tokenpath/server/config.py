@@ -167,5 +167,5 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     engine = {k: v for k in engine_flag_names() if (v := getattr(args, k, None)) is not None}
     if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
         engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
-    update["engine"] = cfg.engine.model_copy(update=engine)
+    update["engine"] = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine})  # (parses JSON flags)
     return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})

@@ -19,7 +19,7 @@ for callers allowed to see tenant names (`render(tenants=True)`); the public vie
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -79,6 +79,7 @@ class _StateCollector(Collector):
         lora_info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
                                       labels=["model_name", "max_lora", "waiting_lora_adapters",
                                               "running_lora_adapters"])
+        spec = SpecDecodeMetrics()
         for dep in self._deployments():  # (embedding models too: their replicas report running requests)
             running = waiting = 0
             usage: list[float] = []
@@ -98,6 +99,7 @@ class _StateCollector(Collector):
                 queries += st.prefix_cache_queries
                 hits += st.prefix_cache_hits
                 preemptions += st.num_preemptions
+                spec.add(dep.name, getattr(st, "spec_decode", None))  # (embedding replicas have none)
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
             for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
@@ -114,6 +116,40 @@ class _StateCollector(Collector):
         yield cache_info
         yield lora_info
         yield from c.values()
+        yield from spec.families()
+
+
+class SpecDecodeMetrics:
+    """vLLM's spec_decode_* counters, summed per model over its replicas; only models whose
+    engines speculate get series (an engine without it reports an empty list)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[int]] = {}
+
+    def add(self, model: str, counts: Sequence[int] | None) -> None:
+        if not counts:
+            return
+        total = self._sums.setdefault(model, [])
+        total.extend([0] * (len(counts) - len(total)))
+        for i, v in enumerate(counts):
+            total[i] += v
+
+    def families(self) -> Iterator[Metric]:
+        if not self._sums:
+            return
+        docs = {"spec_decode_num_drafts": "Number of spec decoding drafts.",
+                "spec_decode_num_draft_tokens": "Number of draft tokens.",
+                "spec_decode_num_accepted_tokens": "Number of accepted tokens."}
+        fams = {k: CounterMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in docs.items()}
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for model, sums in self._sums.items():
+            for i, fam in enumerate(fams.values()):
+                fam.add_metric([model], sums[i])
+            for pos, v in enumerate(sums[3:]):
+                per_pos.add_metric([model, str(pos)], v)
+        yield from fams.values()
+        yield per_pos
 
 
 class EngineStepCollector(Collector):

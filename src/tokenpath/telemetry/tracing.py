@@ -97,6 +97,9 @@ def root_attributes(rec: FinishedRequest) -> dict[str, Any]:
         "tokenpath.admission": a.get("admission"),
         "tokenpath.lora.base": a.get("lora_base"),
     }
+    spec = a.get("spec_decode")
+    if isinstance(spec, dict):  # speculative decoding: what the request's drafts gained
+        optional.update({f"tokenpath.spec_decode.{k}": spec.get(k) for k in ("proposed", "accepted", "acceptance")})
     attrs.update({k: v for k, v in optional.items() if v is not None})
     load = a.get("lora_load")  # the adapter load this request waited for
     if isinstance(load, list):

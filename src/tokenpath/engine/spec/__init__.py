@@ -1,0 +1,19 @@
+"""Speculative decoding: a proposer drafts K tokens per decoding sequence, one forward pass
+verifies all K + 1 positions, and the accepted prefix plus one token the target model chose is
+appended. The engine's pieces:
+
+- `decoder.SpecDecoder.drafts` (called by the scheduler): which sequences draft this step and what;
+  `state.DraftState`: how many tokens a sequence drafts next, adapted to what it had accepted;
+- the runner returns logits at every row of a drafting sequence (K + 1 rows, not one);
+- `verify.verify` (called by the engine core): greedy rows accept the drafts equal to the argmax,
+  sampled rows by rejection sampling, so the output distribution is the target model's;
+- rollback is bookkeeping only: `num_computed_tokens` counts the accepted positions, the tokens
+  appended are the accepted ones, and the blocks that only rejected drafts used go back to the
+  pool (`BlockManager.trim`). A rejected draft's KV slot is simply overwritten later; the prefix
+  cache hashes full blocks of computed, accepted tokens only, so it never sees one.
+
+Who does not speculate (plain decode, per sequence, same batch): grammar-constrained choices
+(structured output, tools), requests asking for logprobs, LoRA requests, n > 1, and requests
+whose logits the sampler rewrites per token (penalties, logit_bias, min_tokens).
+"""
+

@@ -1,0 +1,87 @@
+"""The speculation policy: who drafts, how many tokens, and the engine's counters (see
+`tokenpath.engine.spec` for the whole design)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenpath.config import SpeculativeConfig
+from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.spec.ngram import NgramIndex
+from tokenpath.engine.spec.state import DraftState
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counters, vLLM's spec-decode metrics: drafts (sequence-steps that drafted),
+    draft tokens, accepted tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def as_list(self, k: int) -> list[int]:
+        """`EngineState.spec_decode`: [drafts, draft tokens, accepted, accepted per position...]."""
+        return [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                *(self.accepted_per_pos or [0] * k)]
+
+    def record(self, proposed: int, accepted: int, k: int) -> None:
+        if self.accepted_per_pos is None:
+            self.accepted_per_pos = [0] * k
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+
+def speculates(seq: Sequence) -> bool:
+    """May this sequence draft at all (the module docstring's list)?"""
+    p = seq.params
+    return (seq.grammar is None and p.logprobs is None and seq.lora is None and p.n == 1
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.logit_bias and not p.min_tokens)
+
+
+class SpecDecoder:
+    """The per-engine speculation policy and the per-sequence proposers."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def allowed(self, decoding: int) -> bool:
+        """The batch rule: a step with more decoding sequences than `max_batch` drafts nothing
+        (docs/architecture.md: there the step is compute-bound and rejected drafts cost the batch)."""
+        return decoding <= self.config.max_batch
+
+    def drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
+        `budget` of them, and never past its max_tokens or the context length (`state.py`: how
+        many it drafts adapts to what it had accepted)."""
+        state = seq.spec
+        if state is None:
+            if seq.spec_ok is None:
+                seq.spec_ok = speculates(seq)
+            if not seq.spec_ok:
+                return []
+            state = seq.spec = DraftState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
+                                          self.k)
+        if state.pause:
+            state.pause -= 1
+            return []
+        k = min(state.k, budget, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return state.index.propose(seq.token_ids, k)
+
+    def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count a verification, and let the sequence adapt its next draft length."""
+        self.stats.record(proposed, accepted, self.k)
+        if seq.spec is not None:
+            seq.spec.settle(accepted, self.k)

@@ -1,0 +1,51 @@
+"""Verification of one sequence's draft tokens from the logits of its K + 1 rows.
+
+Row j's logits are the target model's distribution for the token after draft j - 1 (row 0: after
+the last known token). Greedy: drafts are accepted while each equals the row's argmax, then the
+argmax of the first mismatching row (or of the last row, the bonus token) follows, so the output
+is token for token what plain greedy decoding gives. Sampled: rejection sampling (Leviathan et
+al. 2023; Chen et al. 2023) with the n-gram proposer's one-hot proposal q: draft x is accepted with
+probability p(x); on rejection the token is drawn from max(0, p - q) renormalised, which is p
+with x removed; after K acceptances a bonus token is drawn from the last row. Each emitted token
+is thus distributed exactly as p, the filtered (temperature, top-k, top-p, min-p) distribution
+the plain sampler draws from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenpath.engine.sampler import _filter, draw
+from tokenpath.engine.sequence import Sequence
+from tokenpath.protocol.sampling_params import SAMPLING_EPS
+
+
+def verify(logits: torch.Tensor, seq: Sequence, generator: torch.Generator) -> list[int]:
+    """The tokens `seq` gains this step: its accepted drafts, then one token of the target model
+    (1 to K + 1 tokens). `logits`: [1 + len(seq.draft_ids), vocab]."""
+    drafts, p = seq.draft_ids, seq.params
+    if p.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == target[a]:
+            a += 1
+        return [*drafts[:a], target[a]]
+    probs = torch.softmax(logits.float() / max(p.temperature, SAMPLING_EPS), dim=-1)
+    probs = _filter(probs, [p] * probs.shape[0])
+    gen = seq.generator or generator
+    vocab = probs.shape[-1]
+    for j, x in enumerate(drafts):
+        row = probs[j]
+        total = float(row.sum())
+        px = float(row[x]) / total if 0 <= x < vocab and total > 0 else 0.0
+        if float(torch.rand(1, dtype=torch.float64, generator=gen)) < px:
+            continue
+        residual = row.clone()
+        if 0 <= x < vocab:
+            residual[x] = 0.0
+        u = torch.rand(1, dtype=torch.float64, generator=gen)
+        picked, ok = draw(residual.unsqueeze(0), u)
+        return [*drafts[:j], picked[0] if ok[0] else int(row.argmax())]
+    u = torch.rand(1, dtype=torch.float64, generator=gen)
+    picked, ok = draw(probs[-1:], u)
+    return [*drafts, picked[0] if ok[0] else int(probs[-1].argmax())]
