@@ -113,6 +113,7 @@ def _greedy_pair(model: str, messages, max_tokens: int, **kw) -> tuple[list[int]
     return want, got, spec
 
 
+@pytest.mark.slow  # (loads SmolLM2: not the fast tier)
 @pytest.mark.requires("kernels")
 def test_greedy_is_token_for_token_the_plain_engines_on_smollm2():
     want, got, llm = _greedy_pair("smollm2-135m-instruct", COPY, 96, kv_cache_memory="64MiB")
@@ -151,6 +152,7 @@ def test_greedy_is_exact_on_a_tiny_checkpoint_on_either_path(quantization):
     assert llm.engine.blocks.check_consistency() == []
 
 
+@pytest.mark.slow  # (loads SmolLM2: not the fast tier)
 @pytest.mark.requires("kernels")
 def test_no_block_of_a_rejected_draft_is_ever_hashed_into_the_prefix_cache():
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", block_size=4, speculative_config=json.dumps(SPEC))
@@ -190,6 +192,7 @@ def _check_observability(llm: LLM, out) -> None:
     assert sum(per_pos) == accepted and len(per_pos) == SPEC["num_speculative_tokens"]
 
 
+@pytest.mark.slow  # (loads SmolLM2: not the fast tier)
 @pytest.mark.requires("kernels")
 def test_max_tokens_and_stop_strings_hold_mid_draft_and_ineligible_requests_do_not_draft():
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", speculative_config=json.dumps(SPEC))
