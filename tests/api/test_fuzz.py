@@ -10,6 +10,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 CONFIG = """\
@@ -51,7 +52,13 @@ def _fuzz(op, mode: GenerationMode, url: str, seen: dict[int, int]) -> None:
             else:
                 assert set(body) == {"error"}, resp.text[:500]
 
-    check()
+    try:
+        check()
+    except Unsatisfiable:
+        # An operation whose every input is valid has no negative case (POST /v1/models/{id}/load:
+        # a path id only, any string of which is well formed): nothing to get wrong, as for a GET.
+        if mode != GenerationMode.NEGATIVE:
+            raise
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
