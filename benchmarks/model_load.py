@@ -14,7 +14,7 @@ The two models are two catalog entries of the same GGUF file (each its own engin
 cache is seeded first (a user's second start), so a load is the weights and the engine.
 
     nice -n 10 .venv/bin/python benchmarks/model_load.py                    # ~2 minutes on 2 cores
-    nice -n 10 .venv/bin/python benchmarks/model_load.py --alternating 100 --out /tmp/x
+    nice -n 10 .venv/bin/python benchmarks/model_load.py --alternating 100 --out .cache/bench/model_load
 
 Writes benchmarks/results/model_load.md and .json (or into --out).
 """

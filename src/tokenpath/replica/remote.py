@@ -128,9 +128,11 @@ class RemoteReplica(PolledState):
         # The task a stream is awaiting the server in (absent while it is parked at a `yield`,
         # where a cancel would hit its consumer instead): what `_release` interrupts.
         self._readers: dict[str, asyncio.Task | None] = {}  # (None only outside a task: never under asyncio)
-        self.kv_index = KVEventIndex(name) if config.kv_events else None
-        self._kv_feed = (KVEventFeed(self.kv_index, config.kv_events, config.kv_events_replay)
-                         if self.kv_index is not None and config.kv_events else None)
+        self.kv_index: KVEventIndex | None = None
+        self._kv_feed: KVEventFeed | None = None
+        if config.kv_events:
+            self.kv_index = KVEventIndex(name)
+            self._kv_feed = KVEventFeed(self.kv_index, config.kv_events, config.kv_events_replay)
 
     # -- state ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -150,8 +152,8 @@ class RemoteReplica(PolledState):
 
     def state(self) -> ReplicaState:
         state = super().state()
-        if self.kv_index is not None:  # the backend's own cache, from its KV events
-            state = replace(state, prefix_hashes=self.kv_index.held, prefix_reported=self.kv_index.reported)
+        if self.kv_index is not None:  # the backend's own cache, from its KV events (the live set, no copy)
+            state.prefix_hashes, state.prefix_reported = self.kv_index.held, self.kv_index.reported
         detail = self.liveness.detail()
         if detail is None:
             return state
@@ -247,9 +249,10 @@ class RemoteReplica(PolledState):
                     now = time.monotonic()
                     self.liveness.heard(now)
                     progress.advance(now)
-                    timing = backend_timing(data) or timing
-                    if last is not None and data.get("usage"):
-                        last.num_cached_tokens = cached_tokens(data) or last.num_cached_tokens
+                    if data.get("usage"):  # the usage chunk: where every dialect puts its timings, once
+                        timing = backend_timing(data) or timing
+                        if last is not None:
+                            last.num_cached_tokens = cached_tokens(data) or last.num_cached_tokens
                     out = self._to_output(request, data, events, finished, submission.prompt)
                     if out is None:
                         continue

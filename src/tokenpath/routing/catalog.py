@@ -185,7 +185,7 @@ class ModelCatalog:
         slot.last_used = time.monotonic()
 
     async def _wait_loaded(self, slot: _Slot, timeline: Timeline | None, deadline: float | None) -> None:
-        task = self._start_load(slot, reason=None)
+        task = self._start_load(slot)
         if timeline is not None:
             timeline.stamp("awaiting_model")
             timeline.attrs["model_load"] = self._why(slot)
@@ -206,7 +206,7 @@ class ModelCatalog:
         return why
 
     # -- loading ------------------------------------------------------------------------------------
-    def _start_load(self, slot: _Slot, reason: str | None) -> asyncio.Task[Loaded]:
+    def _start_load(self, slot: _Slot) -> asyncio.Task[Loaded]:
         """The load in progress, or a new one; a failed model within its back-off is refused here."""
         if slot.loading is not None:
             return slot.loading
@@ -282,9 +282,7 @@ class ModelCatalog:
                     and (most is None or len(loaded) + 1 <= most))
 
         while not fits():
-            idle = [s for s in self._slots.values()
-                    if s.state == "loaded" and s.inflight == 0 and not s.entry.pinned and s is not slot]
-            if not idle:
+            if not await self._evict_lru(slot):
                 busy = [s.entry.id for s in self._slots.values() if s.state == "loaded"]
                 raise ServiceUnavailableError(
                     f"model '{slot.entry.id}' cannot be loaded now: the loaded models ({', '.join(busy)}) are all "
@@ -293,24 +291,28 @@ class ModelCatalog:
                     f"{most if most is not None else 'unbounded'}); retry shortly", param="model",
                     code="model_memory_exhausted",
                     headers={"Retry-After": str(int(-(-self.config.busy_retry_s // 1)))})
-            victim = min(idle, key=lambda s: s.last_used)
-            await self._unload(victim, why=f"to make room for {slot.entry.id}")
-            victim.evicted = (time.monotonic(), slot.entry.id)
 
     async def _settle(self, slot: _Slot) -> None:
         """After a load measured larger than its estimate (a first load is estimated by its size
         on disk): unload least recently used idle models until the budget holds again."""
         budget = self.config.memory_bytes
         while budget is not None and self.used_bytes() > budget:
-            idle = [s for s in self._slots.values()
-                    if s.state == "loaded" and s.inflight == 0 and not s.entry.pinned and s is not slot]
-            if not idle:
+            if not await self._evict_lru(slot):
                 log.warning("models use %.0f MiB, over the %.0f MiB budget, and none is idle to unload",
                             self.used_bytes() / MIB, budget / MIB)
                 return
-            victim = min(idle, key=lambda s: s.last_used)
-            await self._unload(victim, why=f"to make room for {slot.entry.id}")
-            victim.evicted = (time.monotonic(), slot.entry.id)
+
+    async def _evict_lru(self, slot: _Slot) -> bool:
+        """Unload the least recently used idle model (no request in flight, not pinned, not `slot`)
+        to make room for `slot`; False when there is none."""
+        idle = [s for s in self._slots.values()
+                if s.state == "loaded" and s.inflight == 0 and not s.entry.pinned and s is not slot]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_used)
+        await self._unload(victim, why=f"to make room for {slot.entry.id}")
+        victim.evicted = (time.monotonic(), slot.entry.id)
+        return True
 
     # -- unloading ----------------------------------------------------------------------------------
     async def _unload(self, slot: _Slot, why: str) -> None:
@@ -337,7 +339,7 @@ class ModelCatalog:
         if slot.state != "loaded":
             slot.inflight += 1
             try:
-                await asyncio.shield(self._start_load(slot, reason="requested"))
+                await asyncio.shield(self._start_load(slot))
             finally:
                 self._release(slot)
         return slot.state

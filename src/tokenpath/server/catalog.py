@@ -23,7 +23,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -197,13 +196,7 @@ def _free() -> None:
 
 def _proc_rss_mib(proc: Any) -> float:
     pid = getattr(getattr(proc, "proc", None), "pid", None)
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return 0.0 if pid is None else rss_mib(pid)
 
 
 async def open_catalog(config: ServerConfig, pinned: list[str], replicas: int = 1, embedding_replicas: int = 1,

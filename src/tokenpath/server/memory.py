@@ -91,10 +91,10 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def rss_mib() -> float:
-    """This process's resident memory, from /proc (0.0 where there is none)."""
+def rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory (this one's by default), from /proc (0.0 where there is none)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
