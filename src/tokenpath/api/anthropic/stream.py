@@ -4,7 +4,7 @@
 per content block `content_block_start`, its deltas (`thinking_delta` for a reasoning model's
 think block, `text_delta`, or `input_json_delta` for a tool call's input as it is generated),
 `content_block_stop`; then `message_delta` (stop_reason,
-stop_sequence, usage.output_tokens) and `message_stop`. A failure mid-stream is an `error` event.
+stop_sequence, the whole usage) and `message_stop`. A failure mid-stream is an `error` event.
 The chat stream already holds tool markup back and streams parsed calls (`formatting`), so text
 and tool_use blocks map one to one onto its content and tool_call deltas.
 """
@@ -103,6 +103,7 @@ async def message_events(items: Items, acc: Accumulator, stops: list[str] | None
     for b in blocks.close():
         yield b
     reason, sequence = stop_reason(finish, acc, stops)
-    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                  "usage": {"output_tokens": acc.completion_tokens}})
+    # The whole usage, as Anthropic's message_delta now carries it: LangChain's ChatAnthropic reads
+    # the prompt's count here, not from message_start (without it a stream reported 0 input tokens).
+    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(acc)})
     yield event("message_stop", {})
