@@ -143,7 +143,33 @@ def test_messages_thinking_streamed_as_thinking_deltas(claude):
     assert kinds.index("text_delta") > max(i for i, k in enumerate(kinds) if k == "thinking_delta")
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == whole.content[0].thinking
+    assert final.content[0].signature == whole.content[0].signature  # (the stream's signature_delta)
     assert final.content[1].text == whole.content[1].text
+
+
+def test_thinking_signature_checked_when_the_block_comes_back(claude):
+    """A thinking block is signed (an HMAC of its text under the server's key); sent back in the
+    history unchanged it is accepted, changed (its text or its signature) or unsigned it is a 400
+    in Anthropic's shape naming the block's signature."""
+    msg = _message(claude, 4)
+    block = msg.content[0].model_dump()
+    assert block["signature"].startswith("tp1.") and len(block["signature"]) > 40
+
+    def again(thinking_block: dict):  # noqa: ANN202
+        history = [{"role": "user", "content": ASK},
+                   {"role": "assistant", "content": [thinking_block, msg.content[1].model_dump()]},
+                   {"role": "user", "content": "And at night?"}]
+        return claude.messages.create(model=MODEL, max_tokens=4, messages=history,
+                                      thinking={"type": "enabled", "budget_tokens": 2})
+
+    assert again(block).content  # (unchanged: accepted)
+    for bad in ({**block, "thinking": block["thinking"] + " (edited)"}, {**block, "signature": ""},
+                {**block, "signature": block["signature"][:-2] + "AA"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            again(bad)
+        body = err.value.response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
 
 
 def test_messages_without_thinking_turn_the_template_off(claude, base_url):
