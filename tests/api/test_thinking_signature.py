@@ -25,9 +25,9 @@ def test_data_dir_key_is_made_once_private_and_reused(tmp_path):
 
 
 def test_configured_key_wins_over_the_data_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv(signature.KEY_ENV, raising=False)
+    monkeypatch.delenv("TOKENPATH_THINKING_SIGNING_KEY", raising=False)
     config = SimpleNamespace(data_dir=str(tmp_path), thinking_signing_key="shared-secret")
     assert signature.signing_key(config) == b"shared-secret"
     assert not (tmp_path / signature.KEY_FILE).exists()
-    monkeypatch.setenv(signature.KEY_ENV, "from-env")
+    monkeypatch.setenv("TOKENPATH_THINKING_SIGNING_KEY", "from-env")
     assert signature.signing_key(SimpleNamespace(data_dir=str(tmp_path))) == b"from-env"

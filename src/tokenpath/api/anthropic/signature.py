@@ -24,10 +24,9 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from tokenpath.config import resolve_data_dir
+from tokenpath.config import env_thinking_signing_key, resolve_data_dir
 from tokenpath.errors import InvalidRequestError
 
-KEY_ENV = "TOKENPATH_THINKING_SIGNING_KEY"
 KEY_FILE = "thinking_signing.key"
 PREFIX = "tp1."
 
@@ -51,9 +50,9 @@ def key_file_key(data_dir: Path) -> bytes:
 
 
 def signing_key(config: object) -> bytes:
-    """The configured key ($TOKENPATH_THINKING_SIGNING_KEY by default), else the data dir's
+    """The configured key (`env_thinking_signing_key` by default), else the data dir's
     (`config.data_dir`, else $TOKENPATH_DATA_DIR)."""
-    configured = getattr(config, "thinking_signing_key", None) or os.environ.get(KEY_ENV)
+    configured = getattr(config, "thinking_signing_key", None) or env_thinking_signing_key()
     if configured:
         return str(configured).encode()
     return key_file_key(resolve_data_dir(getattr(config, "data_dir", None)))
