@@ -172,6 +172,26 @@ def test_thinking_signature_checked_when_the_block_comes_back(claude):
         assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
 
 
+def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
+    """A grammar decides every token (the think block's too) and `n` > 1 choices cannot be continued
+    one by one: a request's own budget there is a 400 naming `thinking` (Messages with a forced tool,
+    as Anthropic refuses it); the server's --reasoning-budget there is not applied, and the reply
+    says so in x-tokenpath-reasoning-budget rather than silently."""
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            _message(claude, 4, tools=[tool], tool_choice=choice)
+        assert err.value.response.json()["error"]["message"].startswith("thinking: thinking may not be enabled")
+    auto = _message(claude, 4, tools=[tool], tool_choice={"type": "auto"})  # (no grammar: held to)
+    assert auto.content[0].type == "thinking"
+
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 24, "temperature": 0}
+    for extra, reason in (({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "grammar"), ({}, None)):
+        r = httpx.post(base_url + "/chat/completions", json={**ask, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers.get("x-tokenpath-reasoning-budget") == (reason and f"unapplied; reason={reason}")
+
+
 def test_messages_without_thinking_turn_the_template_off(claude, base_url):
     """No `thinking` (or `disabled`): Qwen3's enable_thinking is false, the prompt holds an empty
     closed block, and the reply is all text; count_tokens counts that prompt."""

@@ -196,6 +196,11 @@ def thinking(body: CountTokensRequest) -> tuple[bool, int | None]:
     budget = t.get("budget_tokens")
     if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise _bad("thinking.budget_tokens", "is required with type 'enabled': a positive integer")
+    forced = (body.tool_choice or {}).get("type") in ("any", "tool")
+    if kind != "disabled" and forced:  # (as Anthropic refuses it: a grammar would decide the thinking too)
+        raise _bad("thinking", "thinking may not be enabled when tool_choice forces tool use ('any' or 'tool'): "
+                   "the tool grammar decides every token, the think block's included, so no budget or "
+                   "thinking could be honoured; use tool_choice 'auto' or 'none', or thinking 'disabled'")
     return kind != "disabled", budget if kind == "enabled" else None
 
 
