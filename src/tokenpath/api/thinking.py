@@ -27,8 +27,8 @@ from tokenpath.protocol.requests import GenerateRequest
 from tokenpath.protocol.submission import Submission
 from tokenpath.routing.models import Deployment
 
-CLOSING = CLOSE + "\n\n"
-BUDGET_HEADER = "x-tokenpath-reasoning-budget"  # what Qwen3's and DeepSeek-R1's templates write after a think block
+CLOSING = CLOSE + "\n\n"  # what Qwen3's and DeepSeek-R1's templates write after a think block
+BUDGET_HEADER = "x-tokenpath-reasoning-budget"  # the server's budget, where it could not be held to
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
