@@ -86,6 +86,13 @@ def test_pydantic_ai_tool_round_trip_to_structured_output(server, kind):
     parts = [type(p) for m in result.all_messages() for p in m.parts]
     assert parts.count(ToolReturnPart) >= 2 and ToolCallPart in parts  # get_weather's and final_result's
 
+    async def streamed() -> object:  # the same loop streamed: tool-call argument deltas, parsed as they come
+        async with agent.run_stream("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=4)) as run:
+            return await run.get_output()
+
+    ran = len(used)
+    assert isinstance(asyncio.run(streamed()), Weather) and len(used) == ran + 1
+
 
 # -- LangChain ChatAnthropic ------------------------------------------------------------------------
 def _claude(server, **kw):  # noqa: ANN001, ANN202
