@@ -31,3 +31,12 @@ def test_configured_key_wins_over_the_data_dir(tmp_path, monkeypatch):
     assert not (tmp_path / signature.KEY_FILE).exists()
     monkeypatch.setenv("TOKENPATH_THINKING_SIGNING_KEY", "from-env")
     assert signature.signing_key(SimpleNamespace(data_dir=str(tmp_path))) == b"from-env"
+
+
+def test_unwritable_data_dir_falls_back_to_a_process_key(tmp_path, monkeypatch):
+    """A data dir the server cannot write (a read-only mount): a key for the process, not a 500."""
+    monkeypatch.delenv("TOKENPATH_THINKING_SIGNING_KEY", raising=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # (a data dir under a file: cannot be made, as root too)
+    key = signature.signing_key(SimpleNamespace(data_dir=str(blocker / "data"), thinking_signing_key=None))
+    assert len(key) == 32

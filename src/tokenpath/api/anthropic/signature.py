@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from tokenpath.config import env_thinking_signing_key, resolve_data_dir
 from tokenpath.errors import InvalidRequestError
 
 KEY_FILE = "thinking_signing.key"
+log = logging.getLogger("tokenpath.api")
 PREFIX = "tp1."
 
 
@@ -55,7 +57,12 @@ def signing_key(config: object) -> bytes:
     configured = getattr(config, "thinking_signing_key", None) or env_thinking_signing_key()
     if configured:
         return str(configured).encode()
-    return key_file_key(resolve_data_dir(getattr(config, "data_dir", None)))
+    try:
+        return key_file_key(resolve_data_dir(getattr(config, "data_dir", None)))
+    except OSError as exc:  # a read-only data dir: signatures still work, until this process ends
+        log.warning("cannot keep the thinking-signing key in the data dir (%s): using a key for this process "
+                    "only; set thinking_signing_key to keep signatures valid across restarts", exc)
+        return secrets.token_bytes(32)
 
 
 def sign(key: bytes, thinking: str) -> str:
