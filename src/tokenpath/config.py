@@ -345,6 +345,8 @@ ENV_VARS = (
     EnvVar("TOKENPATH_DATA_DIR", "keys, audit log and caches (as --data-dir; default: XDG data home)"),
     EnvVar("TOKENPATH_DATABASE_URL", "Postgres URL for keys and audit (as --database-url; default: SQLite)"),
     EnvVar("TOKENPATH_REDIS_URL", "shared rate limits in Redis (as --redis-url)"),
+    EnvVar("TOKENPATH_THINKING_SIGNING_KEY", "the key that signs /v1/messages thinking blocks (as "
+           "--thinking-signing-key; default: a random key kept in the data dir)"),
     EnvVar("TOKENPATH_API_KEY", "a static API key (as --api-key; also the default of `trace --api-key`)"),
     EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
     EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
@@ -390,6 +392,11 @@ def env_bench_api_key() -> str | None:
 def env_database_url() -> str | None:
     """TOKENPATH_DATABASE_URL: the store when `--database-url` is not given."""
     return _env("TOKENPATH_DATABASE_URL")
+
+
+def env_thinking_signing_key() -> str | None:
+    """TOKENPATH_THINKING_SIGNING_KEY: signs thinking blocks when `--thinking-signing-key` is not given."""
+    return _env("TOKENPATH_THINKING_SIGNING_KEY")
 
 
 def env_redis_url() -> str | None:

@@ -8,6 +8,7 @@ import json
 
 from anthropic.lib.streaming._messages import accumulate_event
 
+from tokenpath.api.anthropic.signature import sign
 from tokenpath.api.anthropic.stream import message_events
 from tokenpath.api.formatting import Accumulator
 from tokenpath.api.sse import DONE
@@ -29,7 +30,7 @@ async def _events(items: list) -> list[tuple[str, dict]]:
             yield item
 
     out = []
-    async for raw in message_events(source(), acc, ["END"]):
+    async for raw in message_events(source(), acc, ["END"], key=lambda: b"k"):
         head, data = raw.decode().rstrip("\n").split("\n")
         out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     return out
@@ -65,3 +66,15 @@ async def test_stop_sequence_and_error_events():
                                        "code": "x"}}, DONE])
     assert [e for e, _ in failed][-2:] == ["content_block_stop", "error"]
     assert failed[-1][1] == {"type": "error", "error": {"type": "overloaded_error", "message": "replica gone"}}
+
+
+async def test_thinking_block_ends_with_its_signature():
+    events = await _events([_chunk({"role": "assistant", "reasoning_content": "Hm, "}),
+                            _chunk({"reasoning_content": "blue."}), _chunk({"content": "Blue."}, "stop"), DONE])
+    deltas = [d["delta"]["type"] for e, d in events if e == "content_block_delta"]
+    assert deltas == ["thinking_delta", "thinking_delta", "signature_delta", "text_delta"]
+    snapshot, bufs = None, {}
+    for _, data in events:
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    assert [b.type for b in snapshot.content] == ["thinking", "text"]
+    assert snapshot.content[0].thinking == "Hm, blue." and snapshot.content[0].signature == sign(b"k", "Hm, blue.")

@@ -3,7 +3,7 @@
 `messages.create`, `messages.stream` (the SDK's own parser accumulates every event), a tool-use
 round trip (tool_choice `any`/`tool` go through the tool grammar, so the call always parses),
 `count_tokens`, auth by `x-api-key`, and bad input answered in Anthropic's error shape naming the
-field. LangChain's ChatAnthropic is tried only when `langchain-anthropic` is installed.
+field. LangChain's ChatAnthropic: tests/api/test_agent_frameworks.py.
 """
 
 from __future__ import annotations
@@ -244,14 +244,6 @@ def test_x_api_key_auth(server_factory):
     r = httpx.post(srv.url + "/v1/messages", headers={"x-api-key": "k-anthropic", "authorization": "Bearer other"},
                    json={"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 1}, timeout=120)
     assert r.status_code == 400 and "different keys" in r.json()["error"]["message"]
-
-
-def test_langchain_chat_anthropic(server):
-    pytest.importorskip("langchain_anthropic")
-    from langchain_anthropic import ChatAnthropic
-
-    llm = ChatAnthropic(model=CHAT_MODEL, base_url=server.url, api_key="unused", max_tokens=8, max_retries=0)
-    assert llm.invoke("Name three colours.").content
 
 
 TIGHT = f"""

@@ -143,7 +143,53 @@ def test_messages_thinking_streamed_as_thinking_deltas(claude):
     assert kinds.index("text_delta") > max(i for i, k in enumerate(kinds) if k == "thinking_delta")
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == whole.content[0].thinking
+    assert final.content[0].signature == whole.content[0].signature  # (the stream's signature_delta)
     assert final.content[1].text == whole.content[1].text
+
+
+def test_thinking_signature_checked_when_the_block_comes_back(claude):
+    """A thinking block is signed (an HMAC of its text under the server's key); sent back in the
+    history unchanged it is accepted, changed (its text or its signature) or unsigned it is a 400
+    in Anthropic's shape naming the block's signature."""
+    msg = _message(claude, 4)
+    block = msg.content[0].model_dump()
+    assert block["signature"].startswith("tp1.") and len(block["signature"]) > 40
+
+    def again(thinking_block: dict):  # noqa: ANN202
+        history = [{"role": "user", "content": ASK},
+                   {"role": "assistant", "content": [thinking_block, msg.content[1].model_dump()]},
+                   {"role": "user", "content": "And at night?"}]
+        return claude.messages.create(model=MODEL, max_tokens=4, messages=history,
+                                      thinking={"type": "enabled", "budget_tokens": 2})
+
+    assert again(block).content  # (unchanged: accepted)
+    for bad in ({**block, "thinking": block["thinking"] + " (edited)"}, {**block, "signature": ""},
+                {**block, "signature": block["signature"][:-2] + "AA"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            again(bad)
+        body = err.value.response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
+
+
+def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
+    """A grammar decides every token (the think block's too) and `n` > 1 choices cannot be continued
+    one by one: a request's own budget there is a 400 naming `thinking` (Messages with a forced tool,
+    as Anthropic refuses it); the server's --reasoning-budget there is not applied, and the reply
+    says so in x-tokenpath-reasoning-budget rather than silently."""
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            _message(claude, 4, tools=[tool], tool_choice=choice)
+        assert err.value.response.json()["error"]["message"].startswith("thinking: thinking may not be enabled")
+    auto = _message(claude, 4, tools=[tool], tool_choice={"type": "auto"})  # (no grammar: held to)
+    assert auto.content[0].type == "thinking"
+
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 24, "temperature": 0}
+    for extra, reason in (({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "grammar"), ({}, None)):
+        r = httpx.post(base_url + "/chat/completions", json={**ask, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers.get("x-tokenpath-reasoning-budget") == (reason and f"unapplied; reason={reason}")
 
 
 def test_messages_without_thinking_turn_the_template_off(claude, base_url):

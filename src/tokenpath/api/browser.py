@@ -107,7 +107,8 @@ class BrowserGuardMiddleware:
     def _cors_headers(self, origin: str) -> dict[str, str]:
         return {"access-control-allow-origin": "*" if self.any_origin else origin, "vary": "Origin",
                 "access-control-expose-headers": "x-request-id, x-client-request-id, server-timing, retry-after, "
-                                                 "x-tokenpath-ignored-fields"}
+                                                 "x-tokenpath-ignored-fields, x-tokenpath-ignored, "
+                                                 "x-tokenpath-reasoning-budget"}
 
     async def _preflight(self, send: Send, origin: str, allowed: bool, headers: Headers) -> None:
         if not allowed:

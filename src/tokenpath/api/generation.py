@@ -144,6 +144,7 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
             assert budget is not None
             sources = [thinking.budgeted(dep, submissions[0], budget, parser)]
         else:
+            run.extra_headers.update(thinking.unapplied_header(budget, submissions[0], parser if chat else None))
             sources = [dep.generate(s) for s in submissions]
         stream = until_stopped(_merge(sources), run.stop)
         if edge is not None and edge.make is not None:

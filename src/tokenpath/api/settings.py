@@ -99,6 +99,12 @@ class ApiSettings(BaseModel):
     reasoning_budget: int | None = Field(None, ge=1, description="close a reasoning model's think block after N "
                                          "tokens (llama.cpp's flag), unless the request sets its own budget "
                                          "(Anthropic's thinking.budget_tokens)")
+    # Anthropic's thinking-block signatures (`api/anthropic/signature.py`): an HMAC under this key;
+    # gateways behind one address share it. Unset: a key kept in the data dir.
+    thinking_signing_key: str | None = Field(
+        None, description="key that signs /v1/messages thinking blocks, checked when they come back (default: "
+        "$TOKENPATH_THINKING_SIGNING_KEY, else a random key kept in the data dir); the same on every gateway "
+        "behind one address")
     # The Responses API (`api/responses`): `store` is honoured (default true, as OpenAI has it) unless
     # the operator turns it off; a stored response is kept this many seconds, and a conversation
     # (a `previous_response_id` chain with its new input) over this many bytes is refused.

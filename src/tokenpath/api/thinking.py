@@ -28,6 +28,7 @@ from tokenpath.protocol.submission import Submission
 from tokenpath.routing.models import Deployment
 
 CLOSING = CLOSE + "\n\n"  # what Qwen3's and DeepSeek-R1's templates write after a think block
+BUDGET_HEADER = "x-tokenpath-reasoning-budget"  # the server's budget, where it could not be held to
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -38,14 +39,35 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def applies(budget: int | None, submission: Submission[GenerateRequest], parser: ReasoningParser | None) -> bool:
-    """Whether a budget can be held to: a reasoning model's single-choice reply that is not
-    constrained by a grammar (a grammar decides every token, the think block included), and a
-    budget below its `max_tokens`."""
+def unapplied(budget: int | None, submission: Submission[GenerateRequest],
+              parser: ReasoningParser | None) -> str | None:
+    """Why a budget that would matter cannot be held to, or None (it can, or there is none to hold:
+    no budget, no reasoning model, or a budget not below `max_tokens`). Only a single-choice reply
+    unconstrained by a grammar can be cut and continued: a grammar decides every token, the think
+    block's included, and `n` > 1 choices share one generation that cannot be continued per choice."""
     params = submission.request.params
-    if budget is None or parser is None or params.n != 1 or params.structured is not None:
-        return False
-    return params.max_tokens is None or budget < params.max_tokens
+    if budget is None or parser is None or (params.max_tokens is not None and budget >= params.max_tokens):
+        return None
+    if params.structured is not None:
+        return "grammar"
+    return "n" if params.n != 1 else None
+
+
+def applies(budget: int | None, submission: Submission[GenerateRequest], parser: ReasoningParser | None) -> bool:
+    """Whether a budget is held to (see `unapplied`)."""
+    params = submission.request.params
+    return (budget is not None and parser is not None and unapplied(budget, submission, parser) is None
+            and (params.max_tokens is None or budget < params.max_tokens))
+
+
+def unapplied_header(budget: int | None, submission: Submission[GenerateRequest],
+                     parser: ReasoningParser | None) -> dict[str, str]:
+    """The server's `--reasoning-budget` on a request it cannot hold to is said in a header,
+    `x-tokenpath-reasoning-budget: unapplied; reason=grammar|n` (the request did not ask for it:
+    not refused). A request's own budget is refused before this (Messages: `thinking` with a
+    forced tool, as Anthropic refuses it)."""
+    reason = unapplied(budget, submission, parser)
+    return {} if reason is None else {BUDGET_HEADER: f"unapplied; reason={reason}"}
 
 
 async def budgeted(dep: Deployment, submission: Submission[GenerateRequest], budget: int,

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import generation, openai_fields
 from tokenpath.api import tools as tool_calls
+from tokenpath.api.anthropic import signature
 from tokenpath.api.anthropic.errors import reshape
 from tokenpath.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from tokenpath.api.anthropic.stream import message_events
@@ -25,17 +26,27 @@ _ERRORS = {400: {"description": "Invalid request (Anthropic error body)"},
            404: {"description": "Unknown model"}, 529: {"description": "Overloaded"}}
 
 
+def _key(request: Request, state: AppState) -> bytes:
+    """This app's thinking-signature key (`signature.signing_key`), read on first use."""
+    key = getattr(request.app.state, "thinking_signing_key", None)
+    if key is None:
+        key = request.app.state.thinking_signing_key = signature.signing_key(state.config)
+    return key
+
+
 @router.post("/v1/messages", responses=_ERRORS)
 async def messages(body: MessagesRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
+    key = functools.partial(_key, request, state)  # (read only where a thinking block is signed or checked)
     try:
         chat = to_chat(body)
+        signature.check_history(body.messages, key)
     except TokenpathError as exc:  # a malformed block or tool: refused and recorded like a schema error
         return reshape(await refuse_early(state, request, exc, {"model": body.model}))
     stops = body.stop_sequences
     wants, budget = thinking(body)
     # Thinking off (or not asked for): a hybrid template (Qwen3's enable_thinking) is told so.
-    edge = generation.Edge("/v1/messages", "msg_", functools.partial(message_body, stops=stops),
-                           functools.partial(message_events, stops=stops), thinking="thinking" if wants else None,
+    edge = generation.Edge("/v1/messages", "msg_", functools.partial(message_body, stops=stops, key=key),
+                           functools.partial(message_events, stops=stops, key=key), thinking="thinking" if wants else None,
                            budget=budget, variables=None if wants else {"enable_thinking": False})
     response = reshape(await generation.handle(state, request, chat, edge))
     ignored = response.headers.get(openai_fields.IGNORED_HEADER)

@@ -2,9 +2,9 @@
 
 `message_start` (the message with empty content and the prompt's token count) and a `ping`, then
 per content block `content_block_start`, its deltas (`thinking_delta` for a reasoning model's
-think block, `text_delta`, or `input_json_delta` for a tool call's input as it is generated),
+think block, then its `signature_delta`, `text_delta`, or `input_json_delta` for a tool call's input as it is generated),
 `content_block_stop`; then `message_delta` (stop_reason,
-stop_sequence, usage.output_tokens) and `message_stop`. A failure mid-stream is an `error` event.
+stop_sequence, the whole usage) and `message_stop`. A failure mid-stream is an `error` event.
 The chat stream already holds tool markup back and streams parsed calls (`formatting`), so text
 and tool_use blocks map one to one onto its content and tool_call deltas.
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from tokenpath.api.anthropic.errors import stream_error
+from tokenpath.api.anthropic.signature import sign
 from tokenpath.api.anthropic.translate import stop_reason, tool_use_id, usage
 from tokenpath.api.formatting import Accumulator
 from tokenpath.api.generation import Items
@@ -28,7 +29,9 @@ def event(kind: str, data: dict) -> bytes:
 class _Blocks:
     """The open content block and the next block's index."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Callable[[], bytes]) -> None:
+        self.key = key
+        self.thinking: list[str] = []  # the open thinking block's text, signed as it closes
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.tools: dict[int, int] = {}  # chat tool-call index -> block index
@@ -36,8 +39,13 @@ class _Blocks:
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # its signature last, as Anthropic sends it
+            out.append(event("content_block_delta", {"index": self.index, "delta": {
+                "type": "signature_delta", "signature": sign(self.key(), "".join(self.thinking))}}))
+            self.thinking = []
         self.open = None
-        return [event("content_block_stop", {"index": self.index})]
+        return out + [event("content_block_stop", {"index": self.index})]
 
     def start(self, kind: str, block: dict) -> list[bytes]:
         out = self.close()
@@ -46,8 +54,9 @@ class _Blocks:
         return out + [event("content_block_start", {"index": self.index, "content_block": block})]
 
 
-async def message_events(items: Items, acc: Accumulator, stops: list[str] | None) -> AsyncIterator[bytes]:
-    blocks = _Blocks()
+async def message_events(items: Items, acc: Accumulator, stops: list[str] | None,
+                         key: Callable[[], bytes]) -> AsyncIterator[bytes]:
+    blocks = _Blocks(key)
     started = False
     finish: str | None = None
 
@@ -76,6 +85,7 @@ async def message_events(items: Items, acc: Accumulator, stops: list[str] | None
                 if blocks.open != "thinking":
                     for b in blocks.start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield b
+                blocks.thinking.append(delta["reasoning_content"])
                 yield event("content_block_delta", {"index": blocks.index, "delta": {
                     "type": "thinking_delta", "thinking": delta["reasoning_content"]}})
             if delta.get("content"):
@@ -103,6 +113,7 @@ async def message_events(items: Items, acc: Accumulator, stops: list[str] | None
     for b in blocks.close():
         yield b
     reason, sequence = stop_reason(finish, acc, stops)
-    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                  "usage": {"output_tokens": acc.completion_tokens}})
+    # The whole usage, as Anthropic's message_delta now carries it: LangChain's ChatAnthropic reads
+    # the prompt's count here, not from message_start (without it a stream reported 0 input tokens).
+    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(acc)})
     yield event("message_stop", {})

@@ -3,7 +3,7 @@
 Blocks map onto what the chat pipeline already knows: `text` is text, an assistant's `tool_use`
 is a past tool call (its `input` the arguments), a user's `tool_result` is a `tool` message
 answering that call. `thinking` blocks in the history are dropped (the templates drop past turns'
-reasoning too);
+reasoning too) once their signature is checked (`signature.py`);
 `image` and `document` blocks are refused by name. `tools` become function tools (their
 `input_schema` the parameters) and `tool_choice` maps `auto`/`any`/`tool`/`none` onto
 `auto`/`required`/a named function/`none`, so `any` and `tool` go through the tool grammar.
@@ -12,9 +12,11 @@ reasoning too);
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tokenpath.api.anthropic.schemas import CountTokensRequest, MessageParam, MessagesRequest
+from tokenpath.api.anthropic.signature import sign
 from tokenpath.api.formatting import Accumulator
 from tokenpath.api.schemas import ChatCompletionRequest, ChatMessage
 from tokenpath.errors import InvalidRequestError
@@ -194,6 +196,11 @@ def thinking(body: CountTokensRequest) -> tuple[bool, int | None]:
     budget = t.get("budget_tokens")
     if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise _bad("thinking.budget_tokens", "is required with type 'enabled': a positive integer")
+    forced = (body.tool_choice or {}).get("type") in ("any", "tool")
+    if kind != "disabled" and forced:  # (as Anthropic refuses it: a grammar would decide the thinking too)
+        raise _bad("thinking", "thinking may not be enabled when tool_choice forces tool use ('any' or 'tool'): "
+                   "the tool grammar decides every token, the think block's included, so no budget or "
+                   "thinking could be honoured; use tool_choice 'auto' or 'none', or thinking 'disabled'")
     return kind != "disabled", budget if kind == "enabled" else None
 
 
@@ -235,13 +242,14 @@ def usage(acc: Accumulator) -> dict:
     return {"input_tokens": sum(acc.prompt_tokens.values()), "output_tokens": acc.completion_tokens}
 
 
-def message_body(chat: dict, acc: Accumulator, stops: list[str] | None) -> dict:
-    """A finished chat completion body as Anthropic's Message."""
+def message_body(chat: dict, acc: Accumulator, stops: list[str] | None, key: Callable[[], bytes]) -> dict:
+    """A finished chat completion body as Anthropic's Message (a thinking block signed with `key`)."""
     choice = chat["choices"][0]
     msg = choice["message"]
     content: list[dict] = []
     if msg.get("reasoning_content"):  # (a reasoning model's think block: api/reasoning.py)
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
+                        "signature": sign(key(), msg["reasoning_content"])})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or ():
