@@ -17,7 +17,7 @@ import jsonschema
 import llguidance
 
 from tokenpath.engine.structured.finite import has_finite_instance
-from tokenpath.engine.structured.grammar import GrammarError, compile_grammar
+from tokenpath.engine.structured.grammar import GrammarError, compile_grammar, lower_priority
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 Reply = tuple[Any, ...]
@@ -54,8 +54,13 @@ def check(tokenizer: llguidance.LLTokenizer, schemas: list[tuple[str, str]], spe
 
 
 def serve(conn: Connection) -> None:
-    """The worker's loop: until the pipe closes (the gateway exits, or kills it for a slow job)."""
+    """The worker's loop: until the pipe closes (the gateway exits, or kills it for a slow job).
+    From its first check on it runs below the engine's priority (grammar.COMPILE_NICENESS), so a
+    check takes only what decoding leaves of the cores. Its start and first tokenizer load come
+    before that, at full priority: they are every structured request's first wait, not one spec's
+    cost, and at low priority on a busy machine they took 7-20 s."""
     tokenizers: dict[str, llguidance.LLTokenizer] = {}
+    lowered = False
     while True:
         try:
             msg = conn.recv()
@@ -67,6 +72,9 @@ def serve(conn: Connection) -> None:
                 tokenizers[key] = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
                 reply: Reply = ("ok", 0.0)
             else:
+                if not lowered:
+                    lower_priority()
+                    lowered = True
                 _, key, schemas, spec, param = msg
                 reply = check(tokenizers[key], schemas, spec, param)
         except Exception as exc:  # the spec's fault, in a process where it can hurt nobody

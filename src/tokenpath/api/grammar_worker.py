@@ -4,8 +4,8 @@ that is really enforced.
 Why processes: jsonschema's meta-validation is pure Python (its draft-4 enum uniqueness check is
 quadratic: a 2,000-entry enum of objects took 7 s), and llguidance's `compute_ff_tokens` holds the
 GIL, so in a thread either one froze the event loop and every stream with it, and no timer could
-fire to end it. A worker process can be killed: a job over its bound (`COMPILE_TIMEOUT_S`) kills
-the worker, the request gets a 400 `grammar_too_complex`, and a fresh worker is started for the
+fire to end it. A worker process can be killed: a job over its bound (`COMPILE_TIMEOUT_S` of its
+own CPU time, see WALL_FACTOR) kills the worker, the request gets a 400 `grammar_too_complex`, and a fresh worker is started for the
 next job. The gateway meanwhile only waits on a pipe.
 
 The pool is small (two workers by default), started lazily on the first structured request (spawn:
@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -31,6 +33,23 @@ log = logging.getLogger("tokenpath.api")
 
 COMPILE_TIMEOUT_S = 5.0  # generous: the bound is for pathological grammars, not 2 busy cores
 START_TIMEOUT_S = 120.0  # a fresh worker: spawn, imports, one tokenizer (seconds on a loaded machine)
+# The bound counts the worker's own CPU seconds (Linux /proc), since it runs below the engine's
+# priority and may wait for a core while streams decode: a spec is refused for what it costs, not
+# for how busy the machine is. A job that cannot get this many times its bound in wall time is
+# ended all the same, so a request never waits without end; without /proc the bound is wall time.
+WALL_FACTOR = 6.0
+POLL_S = 0.25
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far, or None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
 VERDICTS = 512
 
 # (tokenizer key, the tokenizer as llguidance reads it: (tokenizer.json text, vocabulary size, EOS id))
@@ -63,11 +82,11 @@ class _Worker:
         self.proc, self.conn, self.tokenizers = proc, parent, set()
 
     def _call(self, msg: tuple, timeout: float) -> Reply:
-        if self.conn is None:
+        if self.conn is None or self.proc is None or self.proc.pid is None:
             raise WorkerDied
         try:
             self.conn.send(msg)
-            if not self.conn.poll(timeout):
+            if not self._wait(self.conn, self.proc.pid, timeout):
                 self.kill()
                 raise WorkerTimeout
             reply: Reply = self.conn.recv()
@@ -75,6 +94,21 @@ class _Worker:
             self.kill()
             raise WorkerDied from exc
         return reply
+
+    @staticmethod
+    def _wait(conn: Connection, pid: int, timeout: float) -> bool:
+        """Whether the reply came before the job spent `timeout` CPU seconds (see WALL_FACTOR)."""
+        started, cpu0 = time.monotonic(), cpu_seconds(pid)
+        wall = timeout if cpu0 is None else timeout * WALL_FACTOR
+        while True:
+            left = started + wall - time.monotonic()
+            if conn.poll(max(0.0, min(POLL_S, left))):
+                return True
+            if left <= 0:
+                return False
+            cpu = cpu_seconds(pid) if cpu0 is not None else None
+            if cpu is not None and cpu0 is not None and cpu - cpu0 >= timeout:
+                return False
 
     def run(self, tokenizer: TokenizerSource, job: tuple, timeout: float) -> Reply:
         """Start the worker and load the tokenizer if needed (not counted), then the job, bounded."""

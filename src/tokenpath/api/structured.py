@@ -178,7 +178,7 @@ async def compile_checked(workers: GrammarWorkers, tokenizer: Any, spec: Structu
     source = await asyncio.to_thread(tokenizer.grammar_source)  # serialized once per tokenizer
     reply = await workers.check(source, list(schemas or []), spec, param)
     if reply[0] in ("timeout", "died"):
-        how = (f"took longer than {workers.timeout:g} s" if reply[0] == "timeout"
+        how = (f"took longer than {workers.timeout:g} s of CPU time" if reply[0] == "timeout"
                else "exhausted the compiler (its worker process died)")
         raise InvalidRequestError(f"{param}: compiling this constraint {how}; simplify it", param=param,
                                   code="grammar_too_complex")

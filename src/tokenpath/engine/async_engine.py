@@ -29,9 +29,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
+from tokenpath.engine.structured.grammar import lower_priority
 from tokenpath.errors import DuplicateRequestIdError, EngineDeadError, RequestFailedError
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import EngineState, RequestOutput
@@ -60,6 +62,10 @@ class AsyncEngine:
         self._streams: dict[str, Sink] = {}  # request id -> where its outputs go, on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._compiling: dict[str, bool] = {}  # requests whose grammar compiles off the step thread: aborted?
+        # Those compiles run on threads below the step thread's priority (grammar.lower_priority):
+        # one request's compile takes only what the step leaves of the cores.
+        self._compiler = ThreadPoolExecutor(2, thread_name_prefix="tokenpath-compile", initializer=lower_priority,
+                                            initargs=(True,))
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
@@ -92,6 +98,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self.core.loras.close()
 
     # ------------------------------------------------------------ public API
@@ -142,7 +149,7 @@ class AsyncEngine:
             # for one request's compile (up to the API's 5 s bound), so every other stream goes on.
             grammars = self.core.tokenizer
             self._compiling[request_id] = False
-            fut = self._loop.run_in_executor(None, lambda: grammars.grammars.get(spec))
+            fut = self._loop.run_in_executor(self._compiler, lambda: grammars.grammars.get(spec))
             fut.add_done_callback(lambda done: self._compiled(request, done))
             return
         self._send(("add", request))

@@ -9,6 +9,7 @@ tokenizer, from this module's cache, and hands each sequence a `deep_copy` of th
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +24,29 @@ from tokenpath.protocol.sampling_params import StructuredOutput
 # Compact JSON: a small model given flexible whitespace can spend its whole budget on newlines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256
+# How much lower than the engine a compile or a schema check runs (Linux niceness). One request's
+# constraint is that request's cost; decoding is everyone's. On 2 cores a compile at the engine's
+# priority took a core from the step's two threads and doubled every stream's inter-token gap;
+# lower, it takes what the step leaves. Its bound counts its CPU time, not the wait for a core
+# (api/grammar_worker.py), so a busy machine does not turn a fine schema into a refusal.
+COMPILE_NICENESS = 10
+
+
+def lower_priority(thread_only: bool = False) -> None:
+    """Run the calling thread (`thread_only`, Linux: a thread's niceness is its own) or the whole
+    process at COMPILE_NICENESS below its current priority. Best effort: where the platform has
+    no per-thread niceness, or refuses, nothing changes."""
+    try:
+        if thread_only:
+            native = getattr(threading, "get_native_id", None)
+            if native is None or not hasattr(os, "setpriority"):
+                return
+            tid = native()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
+        else:
+            os.nice(COMPILE_NICENESS)
+    except OSError:
+        pass
 
 
 class GrammarError(InvalidRequestError):
