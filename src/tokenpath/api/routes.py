@@ -162,11 +162,17 @@ async def health(state: AppState = Depends(get_state)) -> JSONResponse:
     return JSONResponse({"status": status, **body}, status_code=200 if ok else 503)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
 async def ping(state: AppState = Depends(get_state)) -> Response:
     """vLLM's liveness probe (and SageMaker's): /health's status code (200 while every model can
     answer, 503 when one cannot), with no body."""
     return Response(status_code=(await health(state)).status_code)
+
+
+# One route per method, each with its own operation id: one route for both gave the OpenAPI
+# document two operations with one id (FastAPI warned at every start, and clients generated
+# from the document could not tell them apart).
+router.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+router.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
 
 
 @router.get("/load")
