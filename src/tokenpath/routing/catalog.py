@@ -339,10 +339,8 @@ class ModelCatalog:
         self.deployments.pop(slot.entry.id, None)  # new requests now wait for a new load
         log.info("unloading model %s (%s)", slot.entry.id, why,
                  extra={"event": "model_unloaded", "model": slot.entry.id, "reason": why})
-        flow = loaded.deployment._flow
         try:
-            if flow is not None:
-                await flow.close()
+            await loaded.deployment.close_flow()
             await loaded.close()
         except Exception:
             log.exception("error while unloading model %s", slot.entry.id)
