@@ -170,3 +170,28 @@ async def test_a_request_waits_for_a_load_under_its_deadline_and_the_load_goes_o
     assert "model_load" in t.durations()  # it ended in the stage it waited in
     await cat.acquire("a")  # the load it started goes on: this one joins it
     assert loads.calls == ["a"] and cat.state("a") == "loaded"
+
+
+async def test_unloading_closes_the_deployments_flow_through_its_public_close():
+    """The catalog stops an unloaded model's flow controller with `Deployment.close_flow`, which
+    never builds a flow just to close it."""
+    loads = Loads({"a": 10})
+    cat = catalog(loads)
+    dep, release = await cat.acquire("a")
+    release()
+    closed: list[str] = []
+    close_flow = dep.close_flow
+
+    async def spy() -> None:
+        closed.append(dep.name)
+        await close_flow()
+
+    dep.close_flow = spy  # type: ignore[method-assign]
+    await cat.unload("a")
+    assert closed == ["a"] and loads.closed == ["a"]
+    bare = Deployment("b", "chat")
+    await bare.close_flow()
+    assert bare._flow is None  # (nothing was built)
+    flow = bare.flow
+    await bare.close_flow()
+    assert bare.flow is flow

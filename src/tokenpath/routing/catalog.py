@@ -93,7 +93,8 @@ class _Slot:
     failure: str | None = None
     retry_at: float = 0.0
     footprint: int | None = None  # the largest measured at a load
-    evicted: tuple[float, str] | None = None  # (when, for which model)
+    # The last unload: (when, how: "evicted" / "idle" / "unloaded", the model it made room for)
+    unloaded: tuple[float, str, str | None] | None = None
     loads: int = 0
     load_seconds: float = 0.0  # every load's, from its start (making room included) to loaded
 
@@ -199,10 +200,25 @@ class ModelCatalog:
             timeline.stamp("model_loaded")
 
     def _why(self, slot: _Slot) -> dict[str, Any]:
-        why: dict[str, Any] = {"model": slot.entry.id, "cause": "cold"}
-        if slot.evicted is not None:
-            at, by = slot.evicted
-            why.update(cause="evicted", evicted_ago_s=round(time.monotonic() - at, 1), evicted_for=by)
+        """Why this load: cold, evicted (for whom), unloaded when idle or by an operator; with the
+        load's number (requests sharing one load carry the same) and the sizes `tokenpath
+        diagnose` needs to say which budget would have kept the model (telemetry.thrash)."""
+        why: dict[str, Any] = {"model": slot.entry.id, "cause": "cold", "load": slot.loads + 1}
+        if slot.unloaded is not None:
+            at, how, by = slot.unloaded
+            ago = round(time.monotonic() - at, 1)
+            if how == "evicted":
+                why.update(cause="evicted", evicted_ago_s=ago, evicted_for=by)
+            elif how == "idle":
+                why.update(cause="idle_unloaded", unloaded_ago_s=ago)
+            else:
+                why.update(cause="unloaded", unloaded_ago_s=ago)
+        if slot.footprint is not None:
+            why["memory_bytes"] = slot.footprint
+        if self.config.memory_bytes is not None:
+            why["budget_bytes"] = self.config.memory_bytes
+        if self.config.max_loaded is not None:
+            why["max_loaded"] = self.config.max_loaded
         return why
 
     # -- loading ------------------------------------------------------------------------------------
@@ -311,7 +327,7 @@ class ModelCatalog:
             return False
         victim = min(idle, key=lambda s: s.last_used)
         await self._unload(victim, why=f"to make room for {slot.entry.id}")
-        victim.evicted = (time.monotonic(), slot.entry.id)
+        victim.unloaded = (time.monotonic(), "evicted", slot.entry.id)
         return True
 
     # -- unloading ----------------------------------------------------------------------------------
@@ -323,10 +339,8 @@ class ModelCatalog:
         self.deployments.pop(slot.entry.id, None)  # new requests now wait for a new load
         log.info("unloading model %s (%s)", slot.entry.id, why,
                  extra={"event": "model_unloaded", "model": slot.entry.id, "reason": why})
-        flow = loaded.deployment._flow
         try:
-            if flow is not None:
-                await flow.close()
+            await loaded.deployment.close_flow()
             await loaded.close()
         except Exception:
             log.exception("error while unloading model %s", slot.entry.id)
@@ -357,6 +371,7 @@ class ModelCatalog:
             stop("model_unloaded")  # each running request ends, with what it has so far
         async with self._lock:
             await self._unload(slot, why="forced unload" if slot.inflight else "unload requested")
+        slot.unloaded = (time.monotonic(), "unloaded", None)
         return slot.state
 
     # -- idle unload --------------------------------------------------------------------------------
@@ -376,6 +391,7 @@ class ModelCatalog:
                     async with self._lock:
                         if slot.state == "loaded" and slot.inflight == 0:
                             await self._unload(slot, why=f"idle for {keep:g}s (keep_alive)")
+                            slot.unloaded = (time.monotonic(), "idle", None)
 
     async def close(self) -> None:
         if self._reaper is not None:

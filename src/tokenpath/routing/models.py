@@ -107,6 +107,12 @@ class Deployment(Generic[ReqT, OutT]):
             self._flow = FlowController(self.name, pool, picker, self.admission)
         return self._flow
 
+    async def close_flow(self) -> None:
+        """Stop the flow controller if one was ever built (its pool's health checks and queue),
+        without building one to close it: an unload or a shutdown, where the replicas go next."""
+        if self._flow is not None:
+            await self._flow.close()
+
     def replica_states(self) -> list[ReplicaState]:
         """Each replica's own report (not the pool's ejection view): what `/health` shows."""
         return [h.raw_state() for h in self.flow.pool.handles.values()]
@@ -355,8 +361,7 @@ class ModelRouter:
 
     async def close(self) -> None:
         for dep in self.deployments.values():
-            if dep._flow is not None:
-                await dep._flow.close()
+            await dep.close_flow()
 
 
 def _check_task(model: str, has: str, task: str) -> None:

@@ -13,7 +13,10 @@ preemptions, KV usage mean and max). The map:
   request gone to the replica holding most of its prompt (the router hashed every prompt's blocks
   against every replica when it chose; `prefix_elsewhere` keeps what it passed over);
 - `engine_busy`: the share of the window each engine spent stepping, with its window's figures;
-- `admission_rejections`: refusals by reason.
+- `admission_rejections`: refusals by reason;
+- `model_thrash`: catalog models evicting each other and reloaded soon after, who evicted whom,
+  the loads and their seconds, and whether the budget or the keep-alive is the remedy
+  (telemetry.thrash).
 
 A finding's `share` is its milliseconds over the window's total request latency (0..1), so
 findings compare on one scale; `figure` says the same in words.
@@ -25,6 +28,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tokenpath.telemetry.thrash import thrash
 from tokenpath.telemetry.timeline import PATH_STAGES
 
 TTFT_STAGES = PATH_STAGES[:PATH_STAGES.index("prefill") + 1]  # every stage up to the first token
@@ -93,6 +97,7 @@ _LEVERS = {
     "replica_ejected": "look at the ejected replica (its log and /health)",
     "slow_client": "the client reads slowly: nothing to fix server-side (buffering proxy, client code)",
     "upload": "the client uploads slowly: compress or shorten the request body",
+    "model_load": "warm it up (POST /v1/models/{id}/load), pin it, or raise --keep-alive / --models-memory",
 }
 
 
@@ -119,6 +124,9 @@ def diagnose(rows: list[dict[str, Any]], engines: list[EngineFigures] | None = N
             out.append(lost)
     for e in engines or ():
         out += _engine(e, rows)
+    thrashed = thrash(rows, total_ms)
+    if thrashed is not None:
+        out.append(Finding(**thrashed))
     rejected = _rejections(rows)
     if rejected is not None:
         out.append(rejected)
