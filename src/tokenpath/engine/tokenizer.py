@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 from tokenpath.protocol.sampling_params import StructuredOutput
@@ -36,6 +38,7 @@ class Tokenizer:
     def __init__(self, source: Path, chat_template: str | Path | None = None) -> None:
         """`chat_template`: a template file that replaces the model's own (--chat-template)."""
         self._hf = _load_hf_tokenizer(source)
+        trim_heap()  # the JSON parse's freed buffers: ~180 MiB for a 262k vocabulary
         if chat_template is not None:
             self._hf.chat_template = read_chat_template(chat_template)
         self.backend = self._hf.backend_tokenizer
@@ -145,15 +148,31 @@ def gguf_tokenizer_cache(source: Path) -> Path:
     return _cache_dir() / hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def _load_cached(cached: Path):  # noqa: ANN202 - a transformers tokenizer
+    """The tokenizer this module saved: the generic fast class over tokenizer.json, with the saved
+    config and chat template. What `from_pretrained` builds (the same class, tokenizer and
+    template, checked on every cached tokenizer here), without its second, Python-side parse of
+    tokenizer.json (Gemma 3's 262k vocabulary and 515k merges as dicts and lists: +200 MiB at the
+    load's peak)."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((cached / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)
+    template = cached / "chat_template.jinja"
+    if template.is_file():
+        config["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **config)
+
+
 def _load_hf_tokenizer(source: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     try:
         if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
             cached = gguf_tokenizer_cache(source)
             key = cached.name
             if (cached / "tokenizer.json").is_file():
-                return PreTrainedTokenizerFast.from_pretrained(str(cached))
+                return _load_cached(cached)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
