@@ -164,6 +164,24 @@ def _load_cached(cached: Path):  # noqa: ANN202 - a transformers tokenizer
     return PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **config)
 
 
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")  # classes that are tokenizer.json alone
+_MORE_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                         "merges.txt", "vocab.txt")
+
+
+def _generic_fast(directory: Path) -> bool:
+    """Whether a model directory's tokenizer is the generic fast class over tokenizer.json and
+    nothing else (as this module saves them, and benchmarks/make_smollm2_hf.py): then it is loaded
+    as the cached ones are. Any other class or file goes to AutoTokenizer, which knows them."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_FAST
+            and (directory / "tokenizer.json").is_file()
+            and not any((directory / name).exists() for name in _MORE_TOKENIZER_FILES))
+
+
 def _load_hf_tokenizer(source: Path):
     from transformers import AutoTokenizer
 
@@ -182,6 +200,8 @@ def _load_hf_tokenizer(source: Path):
                 os.replace(tmp, cached)
             shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
+        if _generic_fast(source):
+            return _load_cached(source)
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc

@@ -122,6 +122,11 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             requantized.add(_type_name(raw.ggml_type))
         dense = loaded.gguf.dequantized(name)
     else:
+        view = getattr(loaded.weights, "matrix_bytes", lambda _: None)(name)
+        if view is not None:  # a 2-D BF16/F16 tensor: the file's bytes, repacked from the map without a copy
+            vtype = {"BF16": BF16, "F16": F16}[getattr(loaded.weights, "dtypes")[name]]  # noqa: B009
+            if want in (None, vtype):
+                return vtype, view
         t = loaded.weights[name]
         ftype = {torch.bfloat16: BF16, torch.float16: F16}.get(t.dtype)
         if ftype is not None and want in (None, ftype) and t.ndim == 2:
@@ -171,7 +176,7 @@ def _matrix_parts(lib: NativeLibrary, loaded: LoadedModel, names: list[str], wan
             else:
                 runs.append((t, [b]))
         out = []
-        release = loaded.gguf.release_view if loaded.gguf is not None else None
+        release = getattr(loaded.gguf if loaded.gguf is not None else loaded.weights, "release_view", None)
         for t, run in runs:
             pt, packed = repack_parts(lib, t, run, release)
             out.append((pt, output_rows(pt, packed), packed))
