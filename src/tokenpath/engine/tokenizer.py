@@ -2,8 +2,9 @@
 
 The tokenizer itself is the field's library (Hugging Face `tokenizers`, built by `transformers`
 from GGUF metadata or from a model directory); this module only adapts it. Building the tokenizer
-from GGUF metadata takes seconds, so the result is cached as tokenizer.json next to nothing the
-user owns: in the data dir, keyed by the GGUF file's size and mtime.
+from GGUF metadata takes seconds (and ~1 GB for a 262k vocabulary: it runs in a child process),
+so the result is cached as tokenizer.json next to nothing the user owns: in the data dir, keyed by
+the GGUF file's size and mtime.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
-import warnings
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -182,6 +184,26 @@ def _generic_fast(directory: Path) -> bool:
             and not any((directory / name).exists() for name in _MORE_TOKENIZER_FILES))
 
 
+_BUILD = """import sys, warnings
+warnings.simplefilter("ignore")
+from transformers import AutoTokenizer
+AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])
+"""
+
+
+def _build_from_gguf(source: Path, out: Path) -> None:
+    """Build the tokenizer from the GGUF's metadata (transformers' converter) and save it to `out`,
+    in a child process: the converter reads the file with gguf-py, whose per-value arrays of a 262k
+    vocabulary peak near 1 GB; in a child, that peak never adds to the engine's, and its memory
+    all goes back when the child exits. Once per file (the result is cached)."""
+    done = subprocess.run([sys.executable, "-c", _BUILD, str(source.parent), source.name, str(out)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise ModelLoadError(f"{source}: cannot build the tokenizer from its metadata "
+                             f"({lines[-1] if lines else f'exit status {done.returncode}'})")
+
+
 def _load_hf_tokenizer(source: Path):
     from transformers import AutoTokenizer
 
@@ -191,11 +213,9 @@ def _load_hf_tokenizer(source: Path):
             key = cached.name
             if (cached / "tokenizer.json").is_file():
                 return _load_cached(cached)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
             tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
-            tok.save_pretrained(str(tmp))
+            _build_from_gguf(source, tmp)
+            tok = _load_cached(tmp)  # as every later start will load it
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
             shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
@@ -203,5 +223,7 @@ def _load_hf_tokenizer(source: Path):
         if _generic_fast(source):
             return _load_cached(source)
         return AutoTokenizer.from_pretrained(str(source))
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
