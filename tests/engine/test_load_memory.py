@@ -79,3 +79,15 @@ def test_a_native_load_peaks_near_its_weights():
                          timeout=300, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["peak"] - got["base"] < 230, got
+
+
+def test_a_requantized_matrix_is_dequantized_a_block_of_rows_at_a_time():
+    """Types the kernels do not read are requantized from float32 row blocks: the same values as
+    the whole matrix, in order (the embedding of a 262k vocabulary never exists whole in float32)."""
+    gguf = load_model("smollm2-135m-instruct").gguf
+    assert gguf is not None
+    for name in ("embed.weight", "layers.0.down_proj.weight", "layers.0.q_proj.weight", "norm.weight"):
+        whole = gguf.dequantized(name)
+        blocks = list(gguf.dequantized_rows(name, chunk_rows=1000))
+        assert np.array_equal(np.concatenate(blocks) if whole.ndim == 2 else blocks[0], whole), name
+        assert max(len(b) for b in blocks) <= (1000 if whole.ndim == 2 else len(whole)), name

@@ -258,6 +258,21 @@ class GGUFTensors:
             w = w - np.float32(self.config.norm_offset)
         return w
 
+    def dequantized_rows(self, name: str, chunk_rows: int = 1024) -> Iterator[np.ndarray]:
+        """`dequantized(name)` as float32 row blocks of at most `chunk_rows` rows, in order: a
+        matrix requantized at load never exists whole in float32 (4 bytes a weight: 640 MiB for a
+        262k x 640 embedding). Llama's Q/K (rows permuted across each head) come whole."""
+        t = self._tensors[self.names[name]]
+        data = np.asarray(t.data)
+        if self._rope_heads(name) or data.ndim < 2 or (self.config.norm_offset and name.endswith("norm.weight")):
+            yield self.dequantized(name)
+            return
+        from gguf.quants import dequantize
+
+        rows = data.reshape(-1, data.shape[-1])
+        for lo in range(0, rows.shape[0], chunk_rows):
+            yield dequantize(rows[lo:lo + chunk_rows], t.tensor_type).astype(np.float32, copy=False)
+
     def _rope_heads(self, name: str) -> int:
         """llama's converter permutes Q/K rows (the others do not): the head count to undo it with."""
         if self.config.architecture != "llama":

@@ -120,7 +120,7 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             return raw.ggml_type, np.ascontiguousarray(raw.data).view(np.uint8)  # F16: values -> bytes
         if want is None:
             requantized.add(_type_name(raw.ggml_type))
-        dense = loaded.gguf.dequantized(name)
+        return Q8_0, np.concatenate([quantize(lib, Q8_0, rows) for rows in loaded.gguf.dequantized_rows(name)])
     else:
         view = getattr(loaded.weights, "matrix_bytes", lambda _: None)(name)
         if view is not None:  # a 2-D BF16/F16 tensor: the file's bytes, repacked from the map without a copy
