@@ -159,6 +159,8 @@ def _load_cached(cached: Path):  # noqa: ANN202 - a transformers tokenizer
     from transformers import PreTrainedTokenizerFast
 
     config = json.loads((cached / "tokenizer_config.json").read_text())
+    if not _plain(config):  # added tokens or special tokens as objects: from_pretrained builds those
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
     config.pop("tokenizer_class", None)
     template = cached / "chat_template.jinja"
     if template.is_file():
@@ -171,6 +173,15 @@ _MORE_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "tokeni
                          "merges.txt", "vocab.txt")
 
 
+def _plain(config: object) -> bool:
+    """Whether a tokenizer_config.json holds only plain values (strings, numbers, lists of
+    strings), which the fast class takes as they are; transformers turns some objects in it
+    (`added_tokens_decoder`, special tokens saved as AddedToken dicts) into its own types first."""
+    return isinstance(config, dict) and "added_tokens_decoder" not in config and all(
+        v is None or isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        for v in config.values())
+
+
 def _generic_fast(directory: Path) -> bool:
     """Whether a model directory's tokenizer is the generic fast class over tokenizer.json and
     nothing else (as this module saves them, and benchmarks/make_smollm2_hf.py): then it is loaded
@@ -179,7 +190,7 @@ def _generic_fast(directory: Path) -> bool:
         config = json.loads((directory / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_FAST
+    return (_plain(config) and config.get("tokenizer_class") in GENERIC_FAST
             and (directory / "tokenizer.json").is_file()
             and not any((directory / name).exists() for name in _MORE_TOKENIZER_FILES))
 
