@@ -17,6 +17,7 @@ import torch
 from tokenpath.config import EngineConfig
 from tokenpath.engine.block_hash import lora_root
 from tokenpath.engine.block_manager import BlockManager
+from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.loader import load_model
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
@@ -49,7 +50,8 @@ class EngineCore:
         self.tokenizer = Tokenizer(loaded.tokenizer_source, config.chat_template)
         self.max_model_len = min(config.max_model_len or MAX_CONTEXT_DEFAULT, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
-        del loaded
+        del loaded  # the GGUF mapping and the loader's tensors: the runner holds its own copy
+        trim_heap()
         # LoRA adapters, loaded on first use off the step loop; `wake` is the step loop's (AsyncEngine).
         self.loras = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                  native=self.runner.native is not None)

@@ -5,7 +5,8 @@ Hugging Face form: llama's Q/K rows are un-permuted (rotate-half order), Gemma's
 1 + w) get 1 subtracted, and the values llama.cpp hard-codes rather than stores (Gemma 3's sliding
 pattern and local rope base) are filled in from the same constants. Anything this module does not
 know how to read (an architecture, a rope type, a tensor type gguf-py cannot dequantize) is
-refused here with one line naming it, never loaded and then computed wrong.
+refused here with one line naming it, never loaded and then computed wrong. The file is read by
+`gguf_file` (metadata parsed lazily, tensors as views of the mapping), not gguf-py's reader.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenpath.engine.gguf_file import GGUFFile
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
 
@@ -92,11 +94,9 @@ def _moe_fields(reader, arch: str, n_layers: int, tensors: dict, path: Path) -> 
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # truncated or not a GGUF file at all
+        reader = GGUFFile(path)
+    except (OSError, ValueError) as exc:  # truncated or not a GGUF file at all (GGUFFormatError)
         raise ModelLoadError(f"{path}: cannot read GGUF ({type(exc).__name__}: {exc})") from exc
     arch = _field(reader, "general.architecture", path)
     if arch not in GGUF_ARCHS:
@@ -109,7 +109,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
         raise ModelLoadError(f"{path}: attention.value_length != key_length is not supported")
     n_layers = int(_field(reader, f"{arch}.block_count", path))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = int(_field(reader, f"{arch}.vocab_size", path, len(reader.fields["tokenizer.ggml.tokens"].data)))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # its length, without decoding 262k strings
+    vocab = int(_field(reader, f"{arch}.vocab_size", path, tokens.count if tokens is not None else None))
     window = _field(reader, f"{arch}.attention.sliding_window", path, 0) or None
     extra: dict = {}
     if arch == "gemma3":
@@ -148,7 +149,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
                                   ("qwen2", "qwen3", "qwen3moe"))),
         **extra,
     )
-    return config, GGUFTensors(path, tensors, config)
+    return config, GGUFTensors(path, tensors, config, reader)
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,12 @@ class GGUFTensors:
     """The GGUF's tensors under our names, rows already in the Hugging Face (rotate-half) order.
     The native kernels read the quantized blocks as they are; the torch path dequantizes."""
 
-    def __init__(self, path: Path, tensors: dict, config: ModelConfig) -> None:
+    def __init__(self, path: Path, tensors: dict, config: ModelConfig, file: GGUFFile | None = None) -> None:
         from gguf.quants import _type_traits  # the types gguf-py can dequantize
 
         self.path, self.config = path, config
         self._tensors = tensors
+        self._file = file
         self.names: dict[str, str] = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
         if not config.tie_word_embeddings:
             self.names["lm_head.weight"] = "output.weight"
@@ -232,6 +234,17 @@ class GGUFTensors:
             data = _reverse_rope_permute(data, heads)
         return RawTensor(ggml_type=int(t.tensor_type), data=data, rows=rows, cols=cols)
 
+    def release(self, name: str) -> None:
+        """Drop the pages of a tensor whose blocks were copied (repacked) from this process's RSS:
+        the mapping's pages would otherwise stay resident beside the copy until the load ends."""
+        if self._file is not None:
+            self._file.release(self._tensors[self.names[name]])
+
+    def release_view(self, view: np.ndarray) -> None:
+        """`release` for part of a tensor: the pages under `view` if it is a view of the mapping."""
+        if self._file is not None:
+            self._file.release_view(view)
+
     def dequantized(self, name: str) -> np.ndarray:
         """float32 in the HF form: Gemma's norms back to w (the file holds 1 + w)."""
         from gguf.quants import dequantize
@@ -244,6 +257,21 @@ class GGUFTensors:
         if self.config.norm_offset and name.endswith("norm.weight"):
             w = w - np.float32(self.config.norm_offset)
         return w
+
+    def dequantized_rows(self, name: str, chunk_rows: int = 1024) -> Iterator[np.ndarray]:
+        """`dequantized(name)` as float32 row blocks of at most `chunk_rows` rows, in order: a
+        matrix requantized at load never exists whole in float32 (4 bytes a weight: 640 MiB for a
+        262k x 640 embedding). Llama's Q/K (rows permuted across each head) come whole."""
+        t = self._tensors[self.names[name]]
+        data = np.asarray(t.data)
+        if self._rope_heads(name) or data.ndim < 2 or (self.config.norm_offset and name.endswith("norm.weight")):
+            yield self.dequantized(name)
+            return
+        from gguf.quants import dequantize
+
+        rows = data.reshape(-1, data.shape[-1])
+        for lo in range(0, rows.shape[0], chunk_rows):
+            yield dequantize(rows[lo:lo + chunk_rows], t.tensor_type).astype(np.float32, copy=False)
 
     def _rope_heads(self, name: str) -> int:
         """llama's converter permutes Q/K rows (the others do not): the head count to undo it with."""

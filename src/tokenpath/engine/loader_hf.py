@@ -10,10 +10,12 @@ checkpoint never exists as a second float32 copy beside the model's own paramete
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
@@ -159,6 +161,8 @@ class HFWeights(Mapping):
                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self._index, self.dtypes = index, dtypes  # dtypes: our name -> safetensors dtype ("BF16", ...)
         self.shapes = shapes or {}  # our name -> shape, from the headers: checked without reading
+        # matrix_bytes' maps, per file: (the map, its bytes, where the data starts, the header)
+        self._maps: dict[Path, tuple[mmap.mmap, np.ndarray, int, dict]] = {}
 
     def source(self, name: str) -> str:
         """The checkpoint's own name of one tensor, for messages."""
@@ -173,6 +177,38 @@ class HFWeights(Mapping):
                 return st.get_tensor(key)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f}: cannot read tensor {key} ({exc})") from exc
+
+    def matrix_bytes(self, name: str) -> np.ndarray | None:
+        """A 2-D 16-bit tensor's bytes, [rows, 2 * cols], as a view of its file's memory map (no
+        copy: the native path repacks from it chunk by chunk, `release_view`-ing each chunk), or
+        None for other tensors. The maps live as long as this mapping (the load)."""
+        shape = self.shapes.get(name)
+        if self.dtypes.get(name) not in ("BF16", "F16") or shape is None or len(shape) != 2:
+            return None
+        f, key = self._index[name]
+        if f not in self._maps:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[f] = (mm, np.frombuffer(mm, dtype=np.uint8), 8 + size, header)
+        _, buf, start, header = self._maps[f]
+        begin, end = header[key]["data_offsets"]  # checked against the file by safe_open at load
+        rows, cols = shape
+        if end - begin != rows * cols * 2:
+            return None
+        return buf[start + begin:start + end].reshape(rows, cols * 2)
+
+    def release_view(self, view: np.ndarray) -> None:
+        """Drop the pages under `view` (a chunk of `matrix_bytes`) from RSS once it was copied."""
+        for mm, buf, _, _ in self._maps.values():
+            offset = view.ctypes.data - buf.ctypes.data
+            if view.flags.c_contiguous and offset >= 0 and offset + view.nbytes <= buf.nbytes:
+                page = mmap.PAGESIZE
+                lo, hi = offset // page * page, min(buf.nbytes, -(-(offset + view.nbytes) // page) * page)
+                if hi > lo:
+                    mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                return
 
     def __delitem__(self, name: str) -> None:
         del self._index[name]

@@ -2,8 +2,9 @@
 
 The tokenizer itself is the field's library (Hugging Face `tokenizers`, built by `transformers`
 from GGUF metadata or from a model directory); this module only adapts it. Building the tokenizer
-from GGUF metadata takes seconds, so the result is cached as tokenizer.json next to nothing the
-user owns: in the data dir, keyed by the GGUF file's size and mtime.
+from GGUF metadata takes seconds (and ~1 GB for a 262k vocabulary: it runs in a child process),
+so the result is cached as tokenizer.json next to nothing the user owns: in the data dir, keyed by
+the GGUF file's size and mtime.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
-import warnings
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 from tokenpath.protocol.sampling_params import StructuredOutput
@@ -36,6 +40,7 @@ class Tokenizer:
     def __init__(self, source: Path, chat_template: str | Path | None = None) -> None:
         """`chat_template`: a template file that replaces the model's own (--chat-template)."""
         self._hf = _load_hf_tokenizer(source)
+        trim_heap()  # the JSON parse's freed buffers: ~180 MiB for a 262k vocabulary
         if chat_template is not None:
             self._hf.chat_template = read_chat_template(chat_template)
         self.backend = self._hf.backend_tokenizer
@@ -145,24 +150,91 @@ def gguf_tokenizer_cache(source: Path) -> Path:
     return _cache_dir() / hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def _load_cached(cached: Path):  # noqa: ANN202 - a transformers tokenizer
+    """The tokenizer this module saved: the generic fast class over tokenizer.json, with the saved
+    config and chat template. What `from_pretrained` builds (the same class, tokenizer and
+    template, checked on every cached tokenizer here), without its second, Python-side parse of
+    tokenizer.json (Gemma 3's 262k vocabulary and 515k merges as dicts and lists: +200 MiB at the
+    load's peak)."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((cached / "tokenizer_config.json").read_text())
+    if not _plain(config):  # added tokens or special tokens as objects: from_pretrained builds those
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    config.pop("tokenizer_class", None)
+    template = cached / "chat_template.jinja"
+    if template.is_file():
+        config["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **config)
+
+
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")  # classes that are tokenizer.json alone
+_MORE_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                         "merges.txt", "vocab.txt")
+
+
+def _plain(config: object) -> bool:
+    """Whether a tokenizer_config.json holds only plain values (strings, numbers, lists of
+    strings), which the fast class takes as they are; transformers turns some objects in it
+    (`added_tokens_decoder`, special tokens saved as AddedToken dicts) into its own types first."""
+    return isinstance(config, dict) and "added_tokens_decoder" not in config and all(
+        v is None or isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        for v in config.values())
+
+
+def _generic_fast(directory: Path) -> bool:
+    """Whether a model directory's tokenizer is the generic fast class over tokenizer.json and
+    nothing else (as this module saves them, and benchmarks/make_smollm2_hf.py): then it is loaded
+    as the cached ones are. Any other class or file goes to AutoTokenizer, which knows them."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (_plain(config) and config.get("tokenizer_class") in GENERIC_FAST
+            and (directory / "tokenizer.json").is_file()
+            and not any((directory / name).exists() for name in _MORE_TOKENIZER_FILES))
+
+
+_BUILD = """import sys, warnings
+warnings.simplefilter("ignore")
+from transformers import AutoTokenizer
+AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])
+"""
+
+
+def _build_from_gguf(source: Path, out: Path) -> None:
+    """Build the tokenizer from the GGUF's metadata (transformers' converter) and save it to `out`,
+    in a child process: the converter reads the file with gguf-py, whose per-value arrays of a 262k
+    vocabulary peak near 1 GB; in a child, that peak never adds to the engine's, and its memory
+    all goes back when the child exits. Once per file (the result is cached)."""
+    done = subprocess.run([sys.executable, "-c", _BUILD, str(source.parent), source.name, str(out)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise ModelLoadError(f"{source}: cannot build the tokenizer from its metadata "
+                             f"({lines[-1] if lines else f'exit status {done.returncode}'})")
+
+
 def _load_hf_tokenizer(source: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     try:
         if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
             cached = gguf_tokenizer_cache(source)
             key = cached.name
             if (cached / "tokenizer.json").is_file():
-                return PreTrainedTokenizerFast.from_pretrained(str(cached))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+                return _load_cached(cached)
             tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
-            tok.save_pretrained(str(tmp))
+            _build_from_gguf(source, tmp)
+            tok = _load_cached(tmp)  # as every later start will load it
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
             shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
+        if _generic_fast(source):
+            return _load_cached(source)
         return AutoTokenizer.from_pretrained(str(source))
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc

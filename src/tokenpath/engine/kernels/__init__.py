@@ -15,6 +15,8 @@ both where the CPU allows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tokenpath.engine.kernels.abi import MODEL_ABI
@@ -99,6 +101,30 @@ def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarr
     out = _aligned_empty((n // GROUP_ROWS, nb * GROUP_BLOCK_BYTES[PACKED_FROM[wtype]] * per_block // 32))
     got = lib.lib.tp_repack(wtype, _ptr(w), n, nb, _ptr(out))
     return (wtype, w) if got < 0 else (got, out)
+
+
+def repack_parts(lib: NativeLibrary, wtype: int, parts: list[np.ndarray],
+                 done: Callable[[np.ndarray], None] | None = None, chunk_rows: int = 4096) -> tuple[int, np.ndarray]:
+    """`repack` of the row-wise concatenation of `parts` (each [rows, row_bytes], rows a multiple
+    of 16), written straight into the one output allocation `chunk_rows` rows at a time (16-row
+    groups repack independently): no concatenated copy, and `done(chunk)` is told each source
+    chunk once copied, so a memory-mapped source can drop its pages as the repack goes."""
+    per_block, block_bytes = GGUF_BLOCKS[wtype]
+    n, nb = sum(p.shape[0] for p in parts), parts[0].shape[1] // block_bytes
+    pt = PACKED_FROM[wtype]
+    group_bytes = nb * GROUP_BLOCK_BYTES[pt] * per_block // 32
+    out = _aligned_empty((n // GROUP_ROWS, group_bytes))
+    g = 0
+    for part in parts:
+        for lo in range(0, part.shape[0], chunk_rows):
+            chunk = np.ascontiguousarray(part[lo:lo + chunk_rows])
+            rows = chunk.shape[0]
+            if lib.lib.tp_repack(wtype, _ptr(chunk), rows, nb, _ptr(out[g:])) < 0:
+                raise ValueError(f"{TYPE_NAMES.get(wtype, wtype)}: cannot repack {rows} rows")
+            g += rows // GROUP_ROWS
+            if done is not None:
+                done(chunk)
+    return pt, out
 
 
 def output_rows(wtype: int, w: np.ndarray) -> int:
