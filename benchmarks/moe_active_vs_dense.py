@@ -20,9 +20,9 @@ DENSE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 
 def main() -> None:
     import torch
-
     from benchmarks.moe_vs_llamacpp import SHAPE
     from tests.engine.tiny_models import save_tiny
+
     from tokenpath import LLM, SamplingParams
 
     torch.set_num_threads(2)
