@@ -24,7 +24,7 @@ from tokenpath import LLM, SamplingParams
 from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import load_model
 
-pytestmark = pytest.mark.requires("kernels")
+pytestmark = [pytest.mark.requires("kernels"), pytest.mark.slow]  # transformers saves 16-bit copies: ~12 s
 
 
 def _checkpoint(kind: str, dtype: torch.dtype, path) -> str:
