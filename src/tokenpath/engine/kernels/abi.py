@@ -27,6 +27,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_dequantize_packed_row": (None, [_I, _P, _I, _I, _I, _P]),
     "tp_model_create": (_P, [_P, _F, _I, _P, _P, _P, _P]),
     "tp_model_free": (None, [_P]),
+    "tp_model_set_moe": (_I, [_P, _I, _P, _P, _P, _P]),
     "tp_model_abi": (_I, []),
     "tp_model_forward": (_I, FORWARD_ARGS),
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
@@ -36,8 +37,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
 # 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
-# halves; 5: the forwards return a status). A library reporting another is refused at load.
-MODEL_ABI = 5
+# halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs). A library reporting
+# another is refused at load.
+MODEL_ABI = 6
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

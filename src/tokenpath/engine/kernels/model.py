@@ -42,6 +42,7 @@ from tokenpath.engine.kernels import (
     repack_parts,
 )
 from tokenpath.engine.kernels.abi import check_forward
+from tokenpath.engine.kernels.experts import ExpertLayer, expert_layer
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.models.rope import LayerRopes
@@ -53,11 +54,10 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     """The features of `cfg` the native forward does not compute: such a model runs on torch
     rather than natively and wrong. It computes QK-norm, sandwich norms, SwiGLU and GeGLU, embedding
     and attention scales, norm offsets, per-layer sliding windows and rope tables (any base and
-    scaling: they are built here by the torch path's own LayerRopes), and any head_dim. Not
-    mixture-of-experts MLPs: Qwen3-MoE and Mixtral run on torch until expert kernels exist."""
+    scaling: they are built here by the torch path's own LayerRopes), any head_dim, and
+    mixture-of-experts MLPs (Qwen3-MoE, Mixtral: csrc/moe.h, kernels/experts.py)."""
     checks = {
         f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
-        f"mixture-of-experts MLPs ({cfg.num_experts} experts, top-{cfg.num_experts_per_tok})": cfg.num_experts > 0,
     }
     return [name for name, hit in checks.items() if hit]
 
@@ -281,14 +281,21 @@ class NativeLlama:
             return ptr(norm(name)) if present else 0
 
         layer_ptrs, layer_types, used_types = [], [], set()
+        sparse: dict[int, ExpertLayer] = {}  # layer -> its experts (tp_model_set_moe after create)
         for i in range(cfg.num_layers):
             def w(n: str, i: int = i) -> str:
                 return f"layers.{i}.{n}"
 
             mats = [matrix(EXACT_QKV, [w(f"{p}_proj.weight") for p in "qkv"]),
-                    matrix(EXACT_O, [w("o_proj.weight")]),
-                    matrix(EXACT_GATE_UP, [w("gate_proj.weight"), w("up_proj.weight")]),
-                    matrix(EXACT_DOWN, [w("down_proj.weight")])]
+                    matrix(EXACT_O, [w("o_proj.weight")])]
+            if cfg.is_moe_layer(i):  # no dense gate_up and down: the layer's experts instead
+                sparse[i] = expert_layer(lib, loaded, i, want, not exact & EXACT_GATE_UP, not exact & EXACT_DOWN)
+                used_types |= {int(t) for t in sparse[i].types}
+                keep += [sparse[i].router, *sparse[i].blocks]
+                mats += [[], []]
+            else:
+                mats += [matrix(EXACT_GATE_UP, [w("gate_proj.weight"), w("up_proj.weight")]),
+                         matrix(EXACT_DOWN, [w("down_proj.weight")])]
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
             rope = ropes.ropes[ropes.layer_rope[i]]
@@ -332,6 +339,10 @@ class NativeLlama:
         self.kv_dtype = cache.k[0].dtype
         self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
                                                *(a.ctypes.data for a in arrays))
+        for i, ex in sparse.items():
+            if lib.lib.tp_model_set_moe(self._handle, i, ex.dims.ctypes.data, ex.router.ctypes.data,
+                                        ex.types.ctypes.data, ex.ptrs.ctypes.data):
+                raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
         self.num_groups = max(cache.layer_group) + 1
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())

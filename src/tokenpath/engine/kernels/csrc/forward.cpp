@@ -91,6 +91,7 @@ struct Mat {
     const uint8_t* w[kMaxParts];
 };
 
+struct MoeLayer; struct MoeBuf;  // a sparse MLP and its step buffers (moe.h)
 struct Layer {
     const float *attn_norm, *ffn_norm, *qkv_bias;
     // Optional (null = absent): per-head RMSNorm of q and k before rope (Qwen3, Gemma 3), and
@@ -100,6 +101,7 @@ struct Layer {
     int window;                        // sliding window (0: full attention)
     int group;                         // KV-cache group: which row of slot_mapping / tables it uses
     Mat qkv, o, gate_up, down;
+    const MoeLayer* moe = nullptr;  // set: the MLP is a mixture of experts (gate_up, down unused)
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
 };
 
@@ -137,6 +139,7 @@ struct Model {
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
     std::vector<QAct> act_views;  // this step's QAct over each of them
+    std::vector<std::unique_ptr<MoeLayer>> moes; std::unique_ptr<MoeBuf> moe_buf;  // tp_model_set_moe
     std::unique_ptr<Phase[]> phases;
     size_t n_phases = 0;
     int phase_cap = 0;  // tests only (tp_model_debug_phase_cap): fewer phases than a step needs
@@ -146,8 +149,9 @@ struct Model {
 // layer at most 16: 4 per-row phases (norm + quantize for qkv, quantize attn for o, norm +
 // quantize for gate_up, SiLU/GELU + quantize for down; run whole by each thread when rows are
 // few), 4 GEMMs, RoPE + cache write, attention, 2 sandwich-norm adds (Gemma 3) and 4 LoRA delta
-// phases (qkv, o, gate_up, down). team_for checks the walk against it.
-constexpr int kPhasesPerLayer = 16, kPhasesPerStep = 3;
+// phases (qkv, o, gate_up, down); a sparse layer's attention half (at most 9) and MLP (moe.h: 9).
+// team_for checks the walk against it.
+constexpr int kPhasesPerLayer = 18, kPhasesPerStep = 3;
 inline size_t phases_for_step(const Model& m) { return kPhasesPerStep + size_t(m.n_layers) * kPhasesPerLayer; }
 
 QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
@@ -225,38 +229,7 @@ void norm_quant(const Model& m, const float* x, const float* w, QAct& a, int r, 
     m.quant(tmp, m.hidden, a, r);
 }
 
-// out[i] = SiLU(g[i]) * u[i] = g / (1 + exp(-g)) * u: the MLP's gate (libm's scalar expf here
-// was ~3% of a prefill step).
-inline void silu_mul(const float* g, const float* u, float* out, int n) {
-    int i = 0;
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 den = _mm256_add_ps(one, vec::exp2_ps(_mm256_mul_ps(gv, _mm256_set1_ps(-1.44269504f))));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-    }
-    for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
-// out[i] = GELU_tanh(g[i]) * u[i] (Gemma's GeGLU): 0.5 g (1 + tanh(z)) = g / (1 + exp(-2 z)),
-// z = sqrt(2 / pi) (g + 0.044715 g^3).
-inline void gelu_mul(const float* g, const float* u, float* out, int n) {
-    constexpr float c = 0.7978845608f, k = 0.044715f;
-    int i = 0;
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k), gv),
-                                                                          _mm256_mul_ps(gv, gv), gv));
-        const __m256 den = _mm256_add_ps(one, vec::exp2_ps(_mm256_mul_ps(z, _mm256_set1_ps(-2.f * 1.44269504f))));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-    }
-    for (; i < n; ++i) {
-        const float z = c * (g[i] + k * g[i] * g[i] * g[i]);
-        out[i] = g[i] / (1.f + std::exp(-2.f * z)) * u[i];
-    }
-}
-
+#include "glu.h"  // silu_mul, gelu_mul: the gated MLPs' activations
 #include "lora_delta.h"  // LoraStep, lora_delta: the adapters' low-rank deltas
 
 // Writes n floats into a cache row: a copy for float32, round-to-nearest-even halves for float16.
@@ -280,6 +253,8 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 }
 
 }  // namespace
+
+#include "moe.h"  // the sparse MLPs: moe_prepare, moe_ffn, tp_model_set_moe
 
 extern "C" {
 
@@ -347,8 +322,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
 // (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
-// 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*).
-int tp_model_abi() { return 5; }
+// 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
+int tp_model_abi() { return 6; }
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
@@ -420,6 +395,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     if (m.n_phases < need_phases) m.phases.reset(new Phase[need_phases]), m.n_phases = need_phases;
     for (size_t i = 0; i < need_phases; ++i) m.phases[i].next.store(0), m.phases[i].done.store(0);
     std::atomic<int> overflow{0};
+    moe_prepare(m, T);
     const int rg = grain_for(T, nthreads, 1);  // rows per item for the per-row phases
 
 #pragma omp parallel num_threads(nthreads)
@@ -522,6 +498,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                 gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
                 if (lora) lora_phase(l, 3, 1, attn, nq, nq, x, H, h_off, h_out);
             }
+            if (L.moe) { moe_ffn(m, pc, nthreads, L.ffn_norm, *L.moe, T, x, tmp); continue; }
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t)

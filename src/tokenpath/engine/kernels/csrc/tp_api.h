@@ -19,6 +19,9 @@ int tp_kernel_isas();  // bits: 1 AVX2 kernels, 2 AVX-512 VNNI kernels (what thi
 void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
                       const int32_t* layer_types, const float* fparams);
 void tp_model_free(void* handle);
+// moe.h: makes a layer's MLP a mixture of experts (after tp_model_create); 0, or 1 for bad arguments.
+int tp_model_set_moe(void* handle, int layer, const int32_t* dims, const float* router, const int32_t* types,
+                     const uint64_t* ptrs);
 int tp_model_abi();
 // Both return a status: 0, or one of the TP_STATUS_* codes below (kernels/abi.py names them).
 int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,

@@ -1,0 +1,91 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) on the native kernels (csrc/moe.h, kernels/experts.py).
+
+bf16 and fp16 checkpoints made by transformers (tests/engine/tiny_models.py: 8 experts, top-2;
+Qwen3-MoE with a dense layer between sparse ones) run natively on their own expert values, so
+the reference is the torch path in float32 on the same checkpoint: the two agree to float32
+rounding, with the same greedy tokens through the engine (batched prefill mixed with decode, so
+a step's tokens scatter over experts and grouping by expert matters). The float32 GGUF form
+(experts stacked as llama.cpp's converter writes them, quantized to Q8_0 at load) runs natively too.
+The old kernels refused every MoE model (native_unsupported), so each test here failed on them.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.conftest import make_prompts
+from tests.engine.test_native_safetensors import runner
+from tests.engine.test_quantized_quality import all_logits
+from tests.engine.tiny_models import cached_tiny, save_gguf
+from tokenpath import LLM, SamplingParams
+from tokenpath.engine import kernels as K
+from tokenpath.engine.loader import load_model
+
+pytestmark = [pytest.mark.requires("kernels"), pytest.mark.slow]  # transformers saves 16-bit copies: ~12 s
+
+
+def _checkpoint(kind: str, dtype: torch.dtype, path) -> str:
+    import transformers
+
+    out = path / f"{kind}-{dtype}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(cached_tiny(kind)), dtype=dtype)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in cached_tiny(kind).iterdir():  # the tokenizer and chat template
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_16_bit_moe_runs_natively_like_torch_float32(kind, dtype, tmp_path):
+    loaded = load_model(_checkpoint(kind, dtype, tmp_path))
+    native = runner(loaded)
+    assert native.native is not None
+    stored = K.TYPE_NAMES[K.BF16X16 if dtype == torch.bfloat16 else K.F16X16]
+    assert native.native.weight_types == (stored,)  # the experts kept the file's values, repacked
+    ids = torch.randint(3, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = all_logits(native, ids)
+    ref = all_logits(runner(loaded, "none", "float32"), ids)
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 1e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_native_greedy_tokens_match_torch_float32(tmp_path):
+    """Through the engine: batched, chunked prefill mixed with decode steps (decode at batch 1 and
+    small batches takes the kernels' few-rows path)."""
+    path = _checkpoint("qwen3moe", torch.bfloat16, tmp_path)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for quantization, dtype in (("auto", "auto"), ("none", "float32")):
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=48, max_num_seqs=8)
+        assert (llm.engine.runner.native is not None) == (quantization == "auto")
+        prompts = make_prompts(llm.tokenizer, [5, 17, 40, 8], seed=3)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p)])
+        outs.append(llm.generate([prompts[1]], p)[0].outputs[0].token_ids)
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_gguf_moe_runs_natively(kind):
+    """float32 GGUF experts (ffn_{gate,up,down}_exps, [experts, rows, cols]) are quantized to Q8_0
+    at load: the same numbers as the safetensors checkpoint's per-expert tensors under
+    --quantization q8_0, so the two native runs agree to rounding (the stacked layout is read right);
+    both stay near torch float32 for the first tokens (Q8_0 weights; later a near-tie of the router
+    may send a token to another expert)."""
+    hf_dir = cached_tiny(kind)
+    loaded = load_model(str(save_gguf(kind, hf_dir, hf_dir.parent / "model.gguf")))
+    native = runner(loaded)
+    assert native.native is not None and "Q8X16" in native.native.weight_types
+    ids = torch.randint(3, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = all_logits(native, ids)
+    same = all_logits(runner(load_model(str(hf_dir)), "q8_0"), ids)
+    assert (got - same).abs().max().item() <= 1e-4 * same.abs().max().item()
+    ref = all_logits(runner(loaded, "none", "float32"), ids)
+    err = (got[:4] - ref[:4]).abs().max().item() / ref.abs().max().item()
+    print(f"{kind} GGUF Q8_0 experts, first 4 positions: max |native - torch| / max |torch| = {err:.2e}")
+    assert err <= 5e-2
