@@ -90,14 +90,13 @@ def test_an_unknown_name_is_a_usage_error_not_a_silent_allow(tmp_path):
     assert out.returncode == 4 and "reddis" in out.stderr, (out.stdout, out.stderr)
 
 
-# Skips that remain: facts of the hardware or platform no install provides, a case a parameter
-# does not apply to, and a package the project does not declare. Anything else the machine may
-# lack is a capability (tests/capabilities.py), so that its absence fails the run.
+# Skips that remain: facts of the hardware or platform no install provides, and a case a
+# parameter does not apply to. Anything else the machine may lack is a capability
+# (tests/capabilities.py), so that its absence fails the run.
 ALLOWED_SKIPS = {
     ("tests/engine/test_quantized_quality.py", "no AVX-512 VNNI on this CPU"),
     ("tests/reliability/test_gateway_heap.py", "glibc malloc only"),
     ("tests/api/test_tool_cut.py", "required replies are calls only"),
-    ("tests/api/test_anthropic_messages.py", "langchain_anthropic"),
 }
 SKIP_RE = re.compile(r"pytest\.(?:skip\(|importorskip\(|mark\.skipif\()")
 
