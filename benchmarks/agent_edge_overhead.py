@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.procs import serve  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(sys.executable).parent
 ASK = "Write one sentence about the sea."
@@ -61,23 +63,10 @@ APIS = {
 }
 
 
-def serve(model: str, name: str, tmp: Path) -> tuple[subprocess.Popen, str]:
-    log = tmp / "server.log"
+def serve_model(model: str, name: str, tmp: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--model", model,
-                                 "--served-model-name", name, "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
-        if m:
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return serve([str(BIN / "tokenpath"), "serve", "--port", "0", "--model", model, "--served-model-name", name,
+                  "--log-level", "warning"], tmp / "server.log", env=env)
 
 
 def one(client: httpx.Client, url: str, api: str, stream: bool, model: str, max_tokens: int) -> tuple[str, float]:
@@ -222,7 +211,7 @@ def main() -> int:
         model, name = str(save_tiny("llama", tmp / "tiny")), "tiny-llama"
     else:
         model = name = args.model
-    proc, url = serve(model, name, tmp)
+    proc, url = serve_model(model, name, tmp)
     cells = [(api, stream) for stream in (False, True) for api in APIS]
     sent: dict[tuple[str, bool], list[tuple[str, float]]] = {c: [] for c in cells}
     try:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from tokenpath.gateway import GatewayStore, Limits
 from tokenpath.gateway.admin import create_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the simulated replica is a test double
+from benchmarks.procs import serve  # noqa: E402
 from tests.simulated_replica import SimulatedConfig, SimulatedReplica  # noqa: E402
 
 from tokenpath.routing.models import Deployment, ModelRouter
@@ -56,20 +56,9 @@ def replica_server(tokenizer: object, name: str) -> str:
 
 
 def start_gateway(work: Path, name: str, routes: Path, redis_url: str) -> tuple[subprocess.Popen, str]:
-    log = work / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--model", DEFAULT_CHAT_MODEL,
-                                 "--routing", str(routes), "--data-dir", str(work / "data"), "--redis-url", redis_url],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.2)
-    raise RuntimeError(log.read_text())
+    return serve([str(BIN / "tokenpath"), "serve", "--port", "0", "--model", DEFAULT_CHAT_MODEL, "--routing",
+                  str(routes), "--data-dir", str(work / "data"), "--redis-url", redis_url],
+                 work / f"{name}.log", env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def cpu_seconds(pid: int) -> float:

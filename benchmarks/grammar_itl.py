@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
+from benchmarks.procs import serve  # noqa: E402
 from tests.reliability.test_grammar_bombs import BOMBS, ENUM_BOMB, _rf, _unchecked_bomb  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -47,23 +47,11 @@ ASK = [{"role": "user", "content": "Answer."}]
 
 
 def start_server(work: Path, replicas: int) -> tuple[subprocess.Popen, str]:
-    log = work / "serve.log"
     cmd = [str(BIN / "tokenpath"), "serve", "--port", "0", "--model", MODEL, "--log-level", "warning",
            "--data-dir", str(work / "data")]
     if replicas > 1:
         cmd += ["--replicas", str(replicas)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not start in 300 s")
+    return serve(cmd, work / "serve.log")
 
 
 def stream_gaps(url: str, seconds: float) -> list[tuple[float, float]]:

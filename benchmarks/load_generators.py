@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import sqlite3
@@ -40,6 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL = "smollm2-135m-instruct"
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.procs import serve  # noqa: E402
 
 
 def tool(name: str, given: str | None) -> str:
@@ -66,20 +67,9 @@ def hf_tokenizer_dir(dest: Path) -> Path:
 def start_server(work: Path, cpus: str | None) -> tuple[subprocess.Popen, str, Path]:
     log = work / "serve.log"
     env = {**os.environ, "TOKENPATH_DATA_DIR": str(work / "data")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(pinned(cpus, [str(BIN / "tokenpath"), "serve", "--port", "0", "--model", MODEL,
-                                              "--log-level", "warning"]),
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1), log
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not start in 300 s")
+    proc, url = serve(pinned(cpus, [str(BIN / "tokenpath"), "serve", "--port", "0", "--model", MODEL,
+                                    "--log-level", "warning"]), log, env=env)
+    return proc, url, log
 
 
 def run(argv: list[str], log: Path, timeout: float = 1800) -> float:

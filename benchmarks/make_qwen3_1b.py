@@ -36,24 +36,31 @@ def build_quantize(src: Path) -> Path:
     return tool
 
 
-def main() -> None:
+def make_q4_k_m(kind: str, stem: str, shape: dict, **save_kw: object) -> Path:
+    """The recipe every random-weight benchmark GGUF follows: a transformers model of ``kind`` and
+    ``shape`` (cached as ``{stem}-hf``), written as float32 GGUF, then quantized to Q4_K_M by
+    llama.cpp's own llama-quantize. Returns the cached ``{stem}.Q4_K_M.gguf``."""
     from benchmarks.engine_vs_llamacpp import CACHE, build_llamacpp
     from tests.engine.tiny_models import save_gguf, save_tiny
 
-    out = CACHE / "qwen3-1b-random.Q4_K_M.gguf"
+    out = CACHE / f"{stem}.Q4_K_M.gguf"
     if not out.exists():
         bin_dir = build_llamacpp()
         quantize = build_quantize(bin_dir.parent.parent)
-        hf = CACHE / "qwen3-1b-random-hf"
+        hf = CACHE / f"{stem}-hf"
         if not (hf / "config.json").exists():
-            save_tiny("qwen3", hf, tie=False, **SHAPE)
-        f32 = save_gguf("qwen3", hf, CACHE / "qwen3-1b-random.f32.gguf")
+            save_tiny(kind, hf, **save_kw, **shape)
+        f32 = save_gguf(kind, hf, CACHE / f"{stem}.f32.gguf")
         tmp = out.with_name(out.name + ".tmp")
         env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
         subprocess.run([str(quantize), str(f32), str(tmp), "Q4_K_M"], check=True, env=env, stdout=sys.stderr)
         os.replace(tmp, out)
-        f32.unlink()  # 3.6 GB; the HF directory stays for reference runs
-    print(out)
+        f32.unlink()  # gigabytes; the HF directory stays for reference runs
+    return out
+
+
+def main() -> None:
+    print(make_q4_k_m("qwen3", "qwen3-1b-random", SHAPE, tie=False))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +39,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT.parent / "main" / ".cache" / "peers"
+sys.path.insert(0, str(ROOT))
+from benchmarks.procs import free_port, group_status_kib  # noqa: E402
+
+PEERS = ROOT / ".cache" / "peers"
 LLAMA_SERVER = PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 CTX = 4096
 
@@ -59,28 +61,6 @@ def model_path(key: str) -> Path:
     raise SystemExit(f"unknown model {key}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def group_rss_kib(pgid: int) -> int:
-    """VmRSS summed over the processes of one process group."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
-            with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration, ProcessLookupError):
-            continue
-    return total
-
-
 class Sampler(threading.Thread):
     """The largest group RSS seen, sampled every 20 ms until stopped."""
 
@@ -90,7 +70,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.peak = max(self.peak, group_rss_kib(self.pgid))
+            self.peak = max(self.peak, group_status_kib(self.pgid))
             time.sleep(0.02)
 
 
@@ -163,7 +143,7 @@ def measure(peer: str, path: Path, src: Path, log_path: Path, timeout: float = 6
         http(port, "/v1/completions", {"model": "m", "prompt": "The capital of France is", "max_tokens": 8,
                                        "temperature": 0}, timeout=120)
         time.sleep(0.5)
-        resident = group_rss_kib(proc.pid)
+        resident = group_status_kib(proc.pid)
     finally:
         sampler.done.set()
         sampler.join()

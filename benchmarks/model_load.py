@@ -38,6 +38,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.procs import port_of, serve  # noqa: E402
 from tests.server_data import seed_tokenizers  # noqa: E402 - the repo's own helper
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,22 +47,12 @@ MIB = 1024 * 1024
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
-def serve(tmp: Path, models_dir: Path, *flags: str) -> tuple[subprocess.Popen, int, Path]:
+def serve_models(tmp: Path, models_dir: Path, *flags: str) -> tuple[subprocess.Popen, int, Path]:
     log = tmp / f"server-{time.monotonic_ns()}.log"
     env = {**os.environ, "TOKENPATH_DATA_DIR": str(tmp / "data"), "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([TOKENPATH, "serve", "--port", "0", "--models-dir", str(models_dir),
-                                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    for _ in range(1200):
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
-        if m:
-            return proc, int(m.group(1)), log
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(log.read_text())
+    proc, url = serve([TOKENPATH, "serve", "--port", "0", "--models-dir", str(models_dir), "--kv-cache-memory",
+                       "64MiB", "--max-model-len", "1024", *flags], log, env=env, timeout=120)
+    return proc, port_of(url), log
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -113,7 +104,7 @@ def card(client: httpx.Client, model: str) -> dict:
 
 
 def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int, flags: list[str]) -> dict:
-    proc, port, log = serve(tmp, models_dir, "--keep-alive", "-1", *flags)
+    proc, port, log = serve_models(tmp, models_dir, "--keep-alive", "-1", *flags)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
             time.sleep(2)
@@ -148,7 +139,7 @@ def cold_warm_idle(tmp: Path, models_dir: Path, warm_n: int, flags: list[str]) -
 
 def alternating(tmp: Path, models_dir: Path, n: int, footprint: int, flags: list[str]) -> dict:
     budget = int(footprint * 1.5)
-    proc, port, _ = serve(tmp, models_dir, "--keep-alive", "-1", "--models-memory", str(budget), *flags)
+    proc, port, _ = serve_models(tmp, models_dir, "--keep-alive", "-1", "--models-memory", str(budget), *flags)
     statuses: list[int] = []
     stage_sum = 0.0
     began = time.perf_counter()

@@ -27,7 +27,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     kind = sys.argv[1]
-    d = Path(sys.argv[2] if len(sys.argv) > 2 else f"/tmp/tokenpath-bench-{kind}")
+    d = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / ".cache" / "bench" / f"moe-active-{kind}"
     shape = SHAPE if kind == "qwen3moe" else {k: SHAPE[k] for k in DENSE_KEYS} | {"intermediate_size": 2048}
     if not (d / "config.json").exists():
         save_tiny(kind, d, **shape)

@@ -11,7 +11,6 @@ Usage: nice -n 10 python benchmarks/moe_vs_llamacpp.py [--reps 1] [--threads 2]
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,24 +25,9 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, num_
 
 
 def make_gguf() -> Path:
-    from benchmarks.engine_vs_llamacpp import CACHE, build_llamacpp
-    from benchmarks.make_qwen3_1b import build_quantize
-    from tests.engine.tiny_models import save_gguf, save_tiny
+    from benchmarks.make_qwen3_1b import make_q4_k_m
 
-    out = CACHE / "qwen3moe-a64e8-random.Q4_K_M.gguf"
-    if not out.exists():
-        bin_dir = build_llamacpp()
-        quantize = build_quantize(bin_dir.parent.parent)
-        hf = CACHE / "qwen3moe-a64e8-random-hf"
-        if not (hf / "config.json").exists():
-            save_tiny("qwen3moe", hf, **SHAPE)
-        f32 = save_gguf("qwen3moe", hf, CACHE / "qwen3moe-a64e8-random.f32.gguf")
-        tmp = out.with_name(out.name + ".tmp")
-        env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-        subprocess.run([str(quantize), str(f32), str(tmp), "Q4_K_M"], check=True, env=env, stdout=sys.stderr)
-        os.replace(tmp, out)
-        f32.unlink()
-    return out
+    return make_q4_k_m("qwen3moe", "qwen3moe-a64e8-random", SHAPE)
 
 
 def main() -> None:

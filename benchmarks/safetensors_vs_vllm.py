@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,30 +30,16 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.procs import free_port, group_status_kib  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 VLLM = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "vllm"
 NAME = "smollm2-135m-instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def peak_rss_mib(pgid: int) -> float:
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
-            with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        except (OSError, StopIteration, ProcessLookupError):
-            continue
-    return total / 1024
+    return group_status_kib(pgid, "VmHWM") / 1024
 
 
 def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:

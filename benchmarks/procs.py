@@ -1,0 +1,64 @@
+"""Process helpers the benchmarks share: a free loopback port, and memory of a server's process group.
+
+A server under test runs as its own process group (``start_new_session=True``), so its engine
+children count too: summing one /proc status field over the group is what "the server's RSS" means
+in every results table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel picks it; never a hard-coded one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def group_status_kib(pgid: int, field: str = "VmRSS") -> int:
+    """``field`` of /proc/PID/status (VmRSS, VmHWM, ...) in KiB, summed over one process group."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+        except (OSError, StopIteration, ProcessLookupError):
+            continue
+    return total
+
+
+def serve(
+    argv: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> tuple[subprocess.Popen, str]:
+    """Start a server command whose log says ``listening on http://127.0.0.1:PORT/v1`` (``tokenpath
+    serve --port 0 ...``: the kernel picks the port); return the process and its base URL (no /v1).
+    Its output goes to ``log``; a server that exits or stays silent for ``timeout`` s is killed and
+    its log's tail raised."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start ({argv[0]}):\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def port_of(url: str) -> int:
+    """The port of a base URL that serve() returned."""
+    return int(url.rsplit(":", 1)[1])
