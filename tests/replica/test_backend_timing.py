@@ -77,7 +77,7 @@ def test_the_backend_prefill_splits_dispatch_to_first_token():
     first = now - 0.1
     tl.stamps["first_token"] = first  # stamped on receipt of the first chunk, as stamp_events does
     last = _final(first)
-    apply_timing(last, backend_timing(VLLM_USAGE), tl.attrs)
+    apply_timing(last, backend_timing(VLLM_USAGE), tl)
     stamp_events(tl, last, now=now)
     d = tl.durations()
     assert abs(d["prefill"] - 0.040) < 1e-6
@@ -95,7 +95,7 @@ def test_a_prefill_longer_than_the_hop_is_clamped():
     now = time.monotonic()
     tl.stamps.update(received=now - 0.5, dispatched=now - 0.3, first_token=now - 0.1)
     last = _final(now - 0.1)
-    apply_timing(last, backend_timing({"metrics": {"time_to_first_token_ms": 5000.0}}), tl.attrs)
+    apply_timing(last, backend_timing({"metrics": {"time_to_first_token_ms": 5000.0}}), tl)
     stamp_events(tl, last, now=now)
     d = tl.durations()
     assert d.get("engine_queue", 0.0) == 0.0 and abs(d["prefill"] - 0.2) < 1e-6
@@ -105,11 +105,11 @@ def test_a_prefill_longer_than_the_hop_is_clamped():
 def test_without_a_report_the_stages_are_labelled_derived():
     tl = Timeline("r")
     last = _final(time.monotonic())
-    apply_timing(last, None, tl.attrs)
+    apply_timing(last, None, tl)
     assert last.events.scheduled is None and tl.attrs["backend_timing"] == {"source": "derived"}
 
 
 def test_cached_tokens_from_llama_cpp():
     last = _final(time.monotonic())
-    apply_timing(last, backend_timing(LLAMA_CPP_FINAL), {})
+    apply_timing(last, backend_timing(LLAMA_CPP_FINAL), Timeline("x"))
     assert last.num_cached_tokens == 3

@@ -53,7 +53,7 @@ async def embed(state: AppState, request: Request, run: RequestRun, dep: Deploym
     await run.admit(texts, run.prompt_tokens)
     async with watch_disconnect(request, run.stop):
         out = await race_stop(dep.embed(embedding_request(run, ids, priority)), run.stop)
-    run.timeline.stamp("finished")
+    run.done()
     return out.vectors
 
 

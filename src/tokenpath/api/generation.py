@@ -318,7 +318,7 @@ class Generation:
             if exc.reason == "disconnect":
                 raise
             self.acc.abort_unfinished(self.parts)
-        run.timeline.stamp("finished")
+        run.done()
 
     async def collect(self, stream: Deltas) -> Response:
         run = self.run
@@ -367,7 +367,7 @@ class Generation:
         (or on the usage chunk, when the client asked for usage)."""
         if len(self.acc.finished_parts) < self.parts or self.body.include_usage:
             return chunks
-        self.run.timeline.stamp("finished")
+        self.run.done()
         if not chunks:
             chunks = [self._chunk([])]
         chunks[-1]["tokenpath"] = fmt.timing_extension(self.run.timeline)
@@ -419,7 +419,7 @@ class Generation:
             yield DONE
             return
         if self.body.include_usage:
-            run.timeline.stamp("finished")
+            run.done()
             usage = self._chunk([])
             usage["usage"] = self.acc.usage()
             usage["tokenpath"] = fmt.timing_extension(run.timeline)

@@ -232,7 +232,7 @@ class RequestRun:
             return Response(status_code=self.status)
         if isinstance(exc, TokenpathError):
             self.fail(exc)
-            self.timeline.stamp("finished")  # so Server-Timing, the log line and the audit row agree
+            self.done()  # so Server-Timing, the log line and the audit row agree
             return error_response(exc, self.headers(timing=True))
         self.status, self.error_type = 500, "internal_error"
         raise exc
@@ -255,6 +255,13 @@ class RequestRun:
     def total_prompt_tokens(self) -> int:
         return sum(self.acc.prompt_tokens.values()) if self.acc else self.prompt_tokens
 
+    def done(self) -> None:
+        """The request is over for its client: `finished` is stamped (first wins). The API's only
+        writer of it: the replica boundary (replica/events.py) stamps it first in the common case,
+        on receipt of the last output; this ends every request that has none (an error, a batch
+        of prompts, the usage chunk after them, an embedding) before its timing is reported."""
+        self.timeline.stamp("finished")
+
     async def finish(self) -> None:
         if self._finished:
             return
@@ -262,7 +269,7 @@ class RequestRun:
         self.state.inflight.pop(self.id, None)
         if self._release is not None:
             self._release()
-        self.timeline.stamp("finished")
+        self.done()
         if self.stop.reason == STALLED:
             self.stalled()
         finish_reason = self.acc.finish_reason() if self.acc else None

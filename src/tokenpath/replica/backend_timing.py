@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenpath.protocol.outputs import RequestOutput
-from tokenpath.telemetry.timeline import PATH_STAGES
+from tokenpath.telemetry.timeline import PATH_STAGES, Timeline
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def backend_timing(data: dict) -> BackendTiming | None:
     return None
 
 
-def apply_timing(last: RequestOutput, timing: BackendTiming | None, attrs: dict) -> None:
+def apply_timing(last: RequestOutput, timing: BackendTiming | None, timeline: Timeline) -> None:
     """The backend's stages onto the request's engine events, in the gateway's clock: it was
     scheduled its prefill before the first token reached us (the first token's own trip back is a
     few ms, left in prefill), so `engine_queue` is the HTTP hop plus the backend's queue, and
@@ -70,9 +70,9 @@ def apply_timing(last: RequestOutput, timing: BackendTiming | None, attrs: dict)
     derived from the stream (dispatch -> first chunk is all `prefill`), and the Timeline says so."""
     ev = last.events
     if timing is None or ev.first_token is None:
-        attrs["backend_timing"] = {"source": "derived"}
+        timeline.attrs["backend_timing"] = {"source": "derived"}
         return
     ev.scheduled = ev.first_token - timing.prefill_ms / 1000
-    attrs["backend_timing"] = timing.as_attrs()
+    timeline.attrs["backend_timing"] = timing.as_attrs()
     if timing.cached_tokens and not last.num_cached_tokens:
         last.num_cached_tokens = timing.cached_tokens

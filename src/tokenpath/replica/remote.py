@@ -264,7 +264,7 @@ class RemoteReplica(PolledState):
                         yield out
                         reader = self._resumed(rid)
                 if last is not None:
-                    apply_timing(last, timing, timeline.attrs)
+                    apply_timing(last, timing, timeline)
                     self._yield_point(rid)
                     reader = None
                     yield last

@@ -75,6 +75,60 @@ STAGE_BOUNDS = (
 PATH_STAGES = tuple(s for s, _, _ in STAGE_BOUNDS)  # the request path's stages, in order
 STAGES = (*PATH_STAGES, "total")  # and their sum: every key `durations()` may return
 
+# Every key of `Timeline.attrs`, the request's facts beside its stamps, with its one meaning and
+# writer. Causes, traces, the audit row, the request log and /metrics read them by these names, so
+# a key written under another name, or read under a misspelt one, would vanish silently:
+# tests/telemetry/test_timeline_attrs.py holds every write and read in src to this table, and
+# every entry here to a writer.
+ATTRS: dict[str, str] = {
+    # api/run.py: the request as the edge saw it
+    "body_bytes": "the request body's size (api/run.py, with `body_read`)",
+    "tenant": "the authenticated tenant (api/run.py, with `authenticated`)",
+    "priority": "the request's priority class after the gateway's rules (api/run.py)",
+    "lora": "the LoRA adapter asked for (api/run.py)",
+    "lora_base": "the deployment serving that adapter (api/run.py)",
+    "grammar": "the structured-output grammar: kind, compile ms, cache hit, mask cost (api/generation.py)",
+    "client_blocked_s": "seconds the stream waited on a client that did not read (api/sse.py)",
+    # routing/: which model and deployment
+    "deployment": "the deployment that served it (api/run.py, routing/models.py, admission/controller.py)",
+    "policy": "the routing policy of the pick (routing/models.py, admission/controller.py)",
+    "fallback_from": "the deployment it fell back from (routing/models.py)",
+    "fallback_reason": "the error code that made it fall back (routing/models.py)",
+    "retried_after": "the replica that failed before its first token (routing/models.py)",
+    "retry_reason": "why that first attempt failed (routing/models.py)",
+    "retry_lost_s": "seconds the failed attempt cost (routing/models.py)",
+    "model_load": "the model load it waited for: cold, warm, evicted... (routing/catalog.py)",
+    # admission/controller.py: the queue and the pick
+    "admission": "`immediate` or `queued` (with `admitted`)",
+    "predicted_wait_s": "the wait admission predicted when it queued the request",
+    "admission_ahead": "requests ahead of it in the fair queue when it queued",
+    "admission_behind": "the requests holding slots when it queued: [id, tenant, max_tokens, replica]",
+    "admission_freed_by": "the request whose finish gave it a slot",
+    "queued_s": "seconds in the admission queue (with `dequeued`)",
+    "replica": "the replica picked (with `dispatched`)",
+    "reason": "why that replica: prefix_hit, prefix_predicted, least_loaded... (with `dispatched`)",
+    "matched_blocks": "prompt KV blocks the picked replica was known to hold",
+    "prefix_elsewhere": "the replica holding its prefix that the pick passed over, and who held it",
+    # replica/: what the engine (or the backend) reported
+    "backend_timing": "whose clock a URL replica's engine stages came from (replica/backend_timing.py)",
+    "engine_traced": "the engine exported its own spans (replica/events.py)",
+    "cached_tokens": "prompt tokens served from the prefix cache (replica/events.py)",
+    "prefill_chunks": "[(time, tokens)] of each prefill chunk (replica/events.py)",
+    "preemptions": "times the engine preempted it (replica/events.py)",
+    "spec_decode": "speculative decoding: steps, proposed, accepted, acceptance (replica/events.py)",
+    "lora_load": "[started, ended, cold] of the adapter load it waited for (replica/events.py)",
+    "engine_behind": "who it waited behind in the engine's queue (replica/events.py)",
+    "engine_freed_by": "the engine request whose finish let it be scheduled (replica/events.py)",
+    "engine_stalls": "engine steps that stalled while it ran (replica/events.py)",
+    "engine_preempted": "its preemptions: [time, by whom, tokens, resumed] (replica/events.py)",
+    # telemetry/otel.py: its trace
+    "trace_id": "the trace it belongs to (the caller's, or a new one)",
+    "trace_root": "its root span's id",
+    "trace_dispatch": "the dispatch span's id (the replica's spans are its children)",
+    "trace_sampled": "whether the trace is sampled",
+    "traceparent": "the W3C traceparent sent on to the replica",
+}
+
 
 def skips_reasoning(stage: str, stamps: dict[str, float]) -> str:
     """`stage`, or `decode` for the reasoning stage of a reply that never thought, or `gateway`
@@ -91,7 +145,8 @@ class Timeline:
     request_id: str
     wall_start: float = field(default_factory=time.time)
     stamps: dict[str, float] = field(default_factory=dict)
-    # Free-form facts about decisions (deployment, replica, routing policy and reason, tenant...).
+    # The request's facts beside its stamps (deployment, replica, routing reason, tenant...): the
+    # keys of `ATTRS` only.
     attrs: dict[str, object] = field(default_factory=dict)
     # The client's own id for the request, when it sent one (`request_id` is the server's, unique).
     client_request_id: str | None = None

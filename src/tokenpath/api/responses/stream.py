@@ -196,7 +196,7 @@ class ResponsesGeneration(Generation):
                 yield e
         for e in self._close():
             yield e
-        run.timeline.stamp("finished")
+        run.done()
         status, incomplete = status_of(reason)
         body = turn.response(self.model, status, self.output, self.acc.usage(), incomplete)
         body["tokenpath"] = fmt.timing_extension(run.timeline)
