@@ -46,23 +46,37 @@ def test_engine_flags_carry_only_changed_settings():
     assert engine_flags(EngineConfig(kv_cache_dtype="float16")) == ["--kv-cache-dtype", "float16"]
 
 
-def test_load_on_demand_in_a_routing_file_is_refused_naming_the_field():
-    """Issue 38's `load: on_demand` is not honoured for routing files yet: a clear start-up error
-    naming the deployment and the field, never a model silently loaded at start."""
-    base = {"name": "m", "replicas": [{"url": "http://x"}]}
-    assert RoutingConfig.model_validate({"deployments": [{**base, "load": "at_start"}]}).deployments[0].load == "at_start"
-    with pytest.raises(ValidationError, match=r"'m': `load: on_demand` is not supported in routing files.*--models-dir"):
-        RoutingConfig.model_validate({"deployments": [{**base, "load": "on_demand"}]})
+def test_load_is_at_start_or_on_demand_and_fallbacks_never_involve_an_on_demand_deployment():
+    """Issue 38's `load:` field; a fallback must be there when the first choice is not, so a chain
+    that starts from or names an on-demand deployment is refused naming both."""
+    base = {"replicas": [{"url": "http://x"}]}
+    cfg = RoutingConfig.model_validate({"deployments": [{**base, "name": "a"}, {**base, "name": "b", "load": "on_demand"}]})
+    assert [d.load for d in cfg.deployments] == ["at_start", "on_demand"]
     with pytest.raises(ValidationError, match="load"):
-        RoutingConfig.model_validate({"deployments": [{**base, "load": "lazily"}]})
+        RoutingConfig.model_validate({"deployments": [{**base, "name": "m", "load": "lazily"}]})
+    with pytest.raises(ValidationError, match=r"'a': fallbacks cannot involve 'b', loaded on demand"):
+        RoutingConfig.model_validate({"deployments": [{**base, "name": "a", "fallbacks": ["b"]},
+                                                      {**base, "name": "b", "load": "on_demand"}]})
+    with pytest.raises(ValidationError, match=r"'b': fallbacks cannot involve 'b'"):
+        RoutingConfig.model_validate({"deployments": [{**base, "name": "a"},
+                                                      {**base, "name": "b", "load": "on_demand", "fallbacks": ["a"]}]})
 
 
-async def test_serve_refuses_a_routing_file_with_on_demand_before_starting_anything(tmp_path):
-    from tokenpath.errors import ModelLoadError
+async def test_an_on_demand_deployment_starts_nothing_until_loaded(tmp_path):
+    """Its replica (here a URL nothing listens on: a connection would fail the start) is not built
+    at start; it is a catalog entry, unloaded, beside the at-start deployment."""
+    from tests.process_logs import free_port
+
     from tokenpath.server.config import ServerConfig
     from tokenpath.server.routing_config import serve_router
 
     path = tmp_path / "routing.yaml"
-    path.write_text("deployments:\n  - name: m\n    load: on_demand\n    replicas: [{local: 1}]\n")
-    with pytest.raises(ModelLoadError, match=r"--routing .*routing\.yaml: deployments\.0: .*'m': `load: on_demand`"):
-        await serve_router(ServerConfig(data_dir=str(tmp_path)), routing_file=str(path))
+    path.write_text(f"deployments:\n  - name: later\n    load: on_demand\n"
+                    f"    replicas: [{{url: 'http://127.0.0.1:{free_port()}'}}]\n")
+    router, closers = await serve_router(ServerConfig(data_dir=str(tmp_path), models=[]), routing_file=str(path))
+    try:
+        assert router.catalog is not None and "later" not in router.deployments
+        assert router.catalog.state("later") == "unloaded" and "later" in router.names()
+    finally:
+        for close in closers:
+            await close()

@@ -24,7 +24,7 @@ import gc
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenpath.config import DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL, parse_bytes, parse_duration
 from tokenpath.protocol.names import MODEL, name_problem
@@ -32,6 +32,9 @@ from tokenpath.routing.catalog import CatalogConfig, CatalogEntry, Loaded, Loade
 from tokenpath.routing.models import Deployment, Task
 from tokenpath.server.config import ServerConfig, is_embedding_model
 from tokenpath.server.memory import rss_mib, trim_heap
+
+if TYPE_CHECKING:
+    from tokenpath.server.routing_config import DeploymentSpec
 
 log = logging.getLogger("tokenpath.api")
 
@@ -134,7 +137,7 @@ def catalog_config(config: ServerConfig) -> CatalogConfig:
 def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int = 1,
                 log_dir: Path | None = None) -> Loader:
     """How a catalog entry becomes a deployment: in-process, or `replicas` engine processes."""
-    from tokenpath.server.routing_config import configure_liveness, engine_flags
+    from tokenpath.server.routing_config import engine_flags
 
     kv_budget = parse_bytes(config.engine.kv_cache_memory)
 
@@ -164,28 +167,69 @@ def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int
             dep, closer = await load_chat(entry.source, config, served=entry.id)
             closers = [closer]
         dep.name = entry.id
-        from tokenpath.api.inputs import warm_tokenizers
-        from tokenpath.routing.models import ModelRouter
-
-        # What serve pays at start-up for the models it loads then (the longest-token scan, the chat
-        # template's compile), paid here as part of the load, not by its first request.
-        await asyncio.to_thread(warm_tokenizers, [dep.tokenizer])
-
-        configure_liveness(ModelRouter([dep]), config.liveness())
-        grew = (sum(_proc_rss_mib(p) for p in procs) if procs else rss_mib() - before) * MIB
         floor = entry.size_hint + (kv_budget if entry.task != "embedding" else 0)
-        footprint = int(max(grew, floor))
-
-        async def close() -> None:
-            results = await asyncio.gather(*(c() for c in closers), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    log.error("error while stopping model %s: %r", entry.id, r)
-            await asyncio.to_thread(_free)
-
-        return Loaded(dep, close, footprint)
+        return await _finish_load(dep, closers, procs, before, floor, config)
 
     return load
+
+
+async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: list[Any], before: float,
+                       floor: int, config: ServerConfig) -> Loaded:
+    """A loaded deployment made ready to serve, with its measured footprint and its closer: what
+    every loader (a catalog file, a routing file's on-demand deployment) does after building it."""
+    from tokenpath.api.inputs import warm_tokenizers
+    from tokenpath.routing.models import ModelRouter
+    from tokenpath.server.routing_config import configure_liveness
+
+    # What serve pays at start-up for the models it loads then (the longest-token scan, the chat
+    # template's compile), paid here as part of the load, not by its first request.
+    if dep.tokenizer is not None:
+        await asyncio.to_thread(warm_tokenizers, [dep.tokenizer])
+    configure_liveness(ModelRouter([dep]), config.liveness())
+    grew = (sum(_proc_rss_mib(p) for p in procs) if procs else rss_mib() - before) * MIB
+    footprint = int(max(grew, floor))
+
+    async def close() -> None:
+        results = await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("error while stopping model %s: %r", dep.name, r)
+        await asyncio.to_thread(_free)
+
+    return Loaded(dep, close, footprint)
+
+
+def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None) -> ModelCatalog:
+    """A routing file's `load: on_demand` deployments as a catalog: each is built by
+    `build_deployment` on its first request (engine processes spawned, Ray actors created, URL
+    replicas connected) and stopped when unloaded, under the serve command's budget and keep-alive.
+    Before its first load its size is the model's weights on disk once per local engine process
+    (a remote or Ray replica's memory is not this machine's); after, what was measured."""
+    from tokenpath.server.routing_config import build_deployment
+
+    by_id = {s.name: s for s in specs}
+
+    async def load(entry: CatalogEntry) -> Loaded:
+        spec = by_id[entry.id]
+        before = rss_mib()
+        dep, closers = await build_deployment(spec, log_dir=log_dir)
+        dep.name = entry.id
+        return await _finish_load(dep, closers, dep.processes, before, entry.size_hint, config)
+
+    entries = [CatalogEntry(s.name, s.model or s.name, s.task, size_hint=_spec_size(s)) for s in specs]
+    return ModelCatalog(entries, load, catalog_config(config))
+
+
+def _spec_size(spec: DeploymentSpec) -> int:
+    local = sum(r.local for r in spec.replicas)
+    if not local:
+        return 0
+    from tokenpath.engine.loader import resolve_model_path
+
+    try:
+        return local * _disk_size(resolve_model_path(spec.model or spec.name))
+    except Exception:  # (a model not found: its load says why)
+        return 0
 
 
 def _free() -> None:

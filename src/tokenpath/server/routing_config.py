@@ -20,9 +20,13 @@ deployments:
 
 `tokenpath serve --replicas N` is the same thing for the default chat model: N local processes.
 
-`load: at_start` (the default) is the only load a routing file honours: `load: on_demand` is
-refused at start-up naming the deployment and the field (models on demand are
-`tokenpath serve --models-dir DIR`, routing.catalog), never silently loaded at start.
+`load: at_start` (the default) starts a deployment's replicas with the server. `load: on_demand`
+makes it a catalog model (routing.catalog, as `serve --models-dir`): listed in /v1/models as
+`unloaded`, with no engine process, Ray actor or URL connection until its first request, which
+waits for the load (the `model_load` stage); under `--models-memory`/`--max-loaded-models` and
+`--keep-alive` like any catalog model, and `POST /v1/models/{id}/load`/`unload` apply.
+A fallback chain may not name an on-demand deployment, nor start from one: a fallback must
+be there when the first choice is not.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from tokenpath.replica.liveness import Liveness, LivenessConfig
 from tokenpath.replica.pool import PoolConfig
 from tokenpath.replica.processes import EngineProcess, spawn_engines
 from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig
+from tokenpath.routing.catalog import ModelCatalog
 from tokenpath.routing.models import Deployment, ModelRouter
 from tokenpath.routing.replicas import DEFAULT_POLICY, POLICIES, PickerOptions
 from tokenpath.server.embedding_deployments import embedding_deployments, embedding_process_deployment
@@ -114,16 +119,8 @@ class DeploymentSpec(BaseModel):
     replicas: list[ReplicaSpec] = Field(min_length=1)
     admission: dict[str, Any] = Field(default_factory=dict)  # AdmissionConfig fields
     pool: dict[str, Any] = Field(default_factory=dict)  # PoolConfig fields
-    # Issue 38's spelling; only `at_start` is honoured here (see the module docstring).
+    # Issue 38's spelling: start with the server, or on the first request (the module docstring).
     load: Literal["at_start", "on_demand"] = "at_start"
-
-    @model_validator(mode="after")
-    def _load(self) -> DeploymentSpec:
-        if self.load == "on_demand":
-            raise ValueError(f"deployment {self.name!r}: `load: on_demand` is not supported in routing files yet "
-                             "(their replicas start with the server); serve models on demand with "
-                             "`tokenpath serve --models-dir DIR`, or drop the field")
-        return self
 
     @model_validator(mode="after")
     def _names(self) -> DeploymentSpec:
@@ -152,6 +149,17 @@ class RoutingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     deployments: list[DeploymentSpec]
+
+    @model_validator(mode="after")
+    def _fallbacks_are_loaded(self) -> RoutingConfig:
+        on_demand = {s.name for s in self.deployments if s.load == "on_demand"}
+        for s in self.deployments:
+            named = on_demand.intersection(s.fallbacks)
+            if s.fallbacks and (s.name in on_demand or named):
+                which = s.name if s.name in on_demand else ", ".join(sorted(named))
+                raise ValueError(f"deployment {s.name!r}: fallbacks cannot involve {which!r}, loaded on demand "
+                                 "(a fallback must be there when the first choice is not): use `load: at_start`")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> RoutingConfig:
@@ -231,14 +239,15 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
 
 
 async def build_router(config: RoutingConfig, extra: list[Deployment] | None = None,
-                       aliases: dict[str, str] | None = None,
-                       log_dir: Path | None = None) -> tuple[ModelRouter, list[Closer]]:
-    """Start every configured deployment's replicas and wire aliases and fallbacks. `extra` are
-    deployments built elsewhere (e.g. the in-process embedding model)."""
+                       aliases: dict[str, str] | None = None, log_dir: Path | None = None,
+                       catalog: ModelCatalog | None = None) -> tuple[ModelRouter, list[Closer]]:
+    """Start every `load: at_start` deployment's replicas and wire aliases and fallbacks. `extra`
+    are deployments built elsewhere (e.g. the in-process embedding model); `catalog` holds the
+    `load: on_demand` ones (server.catalog.on_demand_catalog)."""
     deployments = list(extra or [])
     closers: list[Closer] = []
     try:
-        for spec in config.deployments:
+        for spec in (s for s in config.deployments if s.load == "at_start"):
             dep, c = await build_deployment(spec, log_dir=log_dir)
             deployments.append(dep)
             closers += c
@@ -249,7 +258,7 @@ async def build_router(config: RoutingConfig, extra: list[Deployment] | None = N
     for spec in config.deployments:
         all_aliases.update({a: spec.name for a in spec.aliases})
     fallbacks = {s.name: s.fallbacks for s in config.deployments if s.fallbacks}
-    return ModelRouter(deployments, all_aliases, fallbacks), closers
+    return ModelRouter(deployments, all_aliases, fallbacks, catalog=catalog), closers
 
 
 async def replicated_deployment(model: str, n: int, engine_args: list[str] | None = None,
@@ -330,8 +339,20 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     configured = {s.name for s in routing.deployments} if routing is not None else set()
     embeddings, closers = await embedding_deployments(config.models, embedding_replicas, configured, log_dir)
     if routing is not None:
-        router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir)
+        from tokenpath.server.catalog import on_demand_catalog
+
+        on_demand = [s for s in routing.deployments if s.load == "on_demand"]
+        catalog = on_demand_catalog(on_demand, config, log_dir) if on_demand else None
+        try:
+            router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir,
+                                              catalog=catalog)
+        except BaseException:
+            await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+            raise
         configure_liveness(router, config.liveness())
+        if catalog is not None:
+            catalog.start()
+            more.append(catalog.close)
         return router, closers + more
     deployments: list[Deployment] = list(embeddings)
     try:
