@@ -5,8 +5,9 @@ lists, strings and numbers). Each frame is a 4-byte big-endian length and one ms
 `t` (type) key. `encode` turns any message of the link into that map and `decode` turns a map
 back into its message (`protocol.link` lists them); no other module flattens a protocol type.
 
-Two kinds have hand-written layouts, because they are most of the link's traffic (a frame per
-request per engine step): `out` (`RequestOutput`, positional lists) and the requests. The rest
+Two kinds have layouts of their own, because they are most of the link's traffic (a frame per
+request per engine step): `out` (`RequestOutput`: its parts as positional rows in their
+dataclasses' field order, `protocol.rows`) and the requests. The rest
 (`protocol.link`'s messages and `EngineState`) are encoded field by field under their own
 names, so adding a field to one of those classes is the whole change: the peer of an older
 version ignores a key it does not know, and a key it does not send keeps the field's default.
@@ -51,6 +52,7 @@ from tokenpath.protocol.outputs import (
     TokenLogprob,
 )
 from tokenpath.protocol.requests import GenerateRequest
+from tokenpath.protocol.rows import from_row, to_row
 from tokenpath.protocol.sampling_params import SamplingParams
 
 MAX_FRAME = 64 * 1024 * 1024  # a prompt of a million token ids is ~5 MB; anything bigger is garbage
@@ -147,28 +149,17 @@ def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
 
 
 # -- RequestOutput ------------------------------------------------------------------------------
-def _lp(x: TokenLogprob) -> list:
-    return [x.token_id, x.token, x.logprob, [list(t) for t in x.top]]
-
-
 def encode_output(out: RequestOutput) -> dict:
-    """Without the prompt ids and text: the receiver has them (it sent the request)."""
-    ev = out.events
-    # (the event lists are copied: the engine appends to them in place, and closes a preemption
-    # record in place, `EngineCore._note_recovered`; `OutputFrames` compares what it sent last
-    # with what there is now)
+    """Without the prompt ids and text: the receiver has them (it sent the request). Choices,
+    logprobs, events and grammar stats travel as rows, in their dataclasses' field order
+    (`protocol.rows`); the events are copied, as the engine appends to them in place and closes a
+    preemption record in place (`EngineCore._note_recovered`), and `OutputFrames` compares what it
+    sent last with what there is now."""
     return {"t": "out", "id": out.request_id, "cached": out.num_cached_tokens, "fin": out.finished,
-            "pre": out.num_preemptions, "ev": [ev.queued, ev.scheduled, ev.first_token, ev.finished,
-                                               [list(c) for c in ev.prefill_chunks], list(ev.behind), ev.freed_by,
-                                               list(ev.stalls), [list(p) for p in ev.preempted], ev.traced, ev.lora_load,
-                                               None if ev.spec is None else list(ev.spec)],
-            "outs": [[c.index, c.text, c.token_ids, None if c.logprobs is None else [_lp(x) for x in c.logprobs],
-                      c.finish_reason, c.stop_reason] for c in out.outputs],
-            "gr": None if out.grammar is None else [out.grammar.compile_ms, out.grammar.cache_hit,
-                                                     out.grammar.mask_us_per_token],
-            # prompt logprobs: per prompt token None or [id, text, logprob, top, rank]
+            "pre": out.num_preemptions, "ev": to_row(out.events), "outs": [to_row(c) for c in out.outputs],
+            "gr": None if out.grammar is None else to_row(out.grammar),
             "plp": None if out.prompt_logprobs is None else
-            [None if x is None else [*_lp(x), x.rank] for x in out.prompt_logprobs]}
+            [None if x is None else to_row(x) for x in out.prompt_logprobs]}
 
 
 class OutputFrames:
@@ -198,44 +189,22 @@ def decode_output(d: dict, request: GenerateRequest, events: EngineEvents | None
                   prompt: str | None = None) -> RequestOutput:
     """Event times stay in the sender's clock; the link client shifts them. `events`: the ones
     to use when the frame carries none (unchanged since the request's last frame, `OutputFrames`).
-    `prompt`: the text to echo on the output, which only the receiver has (an engine sees ids)."""
-    outs = [CompletionOutput(index=i, text=text, token_ids=list(ids),
-                             logprobs=None if lps is None else
-                             [TokenLogprob(a, b, c, [tuple(t) for t in top]) for a, b, c, top in lps],
-                             finish_reason=reason, stop_reason=stop)
-            for i, text, ids, lps, reason, stop in d["outs"]]
-    ev = d["ev"]
-    if ev is not None:
-        events = _events(ev)
-    elif events is None:
-        raise FrameError(f"output frame for {request.request_id!r} without events, and none before it")
-    return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
-                         num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
-                         events=events, num_preemptions=int(d.get("pre", 0)),
-                         prompt=prompt, grammar=None if d.get("gr") is None else GrammarStats(*d["gr"]),
-                         prompt_logprobs=None if d.get("plp") is None else
-                         [None if x is None else TokenLogprob(x[0], x[1], x[2], [tuple(t) for t in x[3]], x[4])
-                          for x in d["plp"]])
-
-
-def _events(ev: list) -> EngineEvents:
-    """An engine of an older version sends fewer fields: what it leaves out stays empty."""
-    queued, scheduled, first_token, finished, *rest = ev
-    chunks = [(float(t), int(n)) for t, n in rest[0]] if rest else []
-    out = EngineEvents(queued, scheduled, first_token, finished, chunks)
-    if len(rest) >= 5:
-        behind, freed_by, stalls, preempted = rest[1:5]
-        out.behind = [[str(r), str(t), int(n), str(w)] for r, t, n, w in behind]
-        out.freed_by = None if freed_by is None else str(freed_by)
-        out.stalls = [[float(t), float(s), [[str(r), int(n)] for r, n in o]] for t, s, o in stalls]
-        out.preempted = [[float(t), str(w), int(n), None if d is None else float(d)] for t, w, n, d in preempted]
-    out.traced = bool(rest[5]) if len(rest) > 5 else False
-    if len(rest) > 6 and rest[6] is not None:
-        started, ended, cold = rest[6]
-        out.lora_load = [float(started), float(ended), bool(cold)]
-    if len(rest) > 7 and rest[7] is not None:
-        out.spec = [int(x) for x in rest[7]]
-    return out
+    `prompt`: the text to echo on the output, which only the receiver has (an engine sees ids).
+    A malformed frame is a FrameError naming the request."""
+    try:
+        outs = [from_row(CompletionOutput, c) for c in d["outs"]]
+        if d["ev"] is not None:
+            events = from_row(EngineEvents, d["ev"])
+        elif events is None:
+            raise FrameError(f"output frame for {request.request_id!r} without events, and none before it")
+        return RequestOutput(request_id=request.request_id, outputs=outs, prompt_token_ids=request.prompt_token_ids,
+                             num_cached_tokens=int(d.get("cached", 0)), finished=bool(d["fin"]),
+                             events=events, num_preemptions=int(d.get("pre", 0)), prompt=prompt,
+                             grammar=None if d.get("gr") is None else from_row(GrammarStats, d["gr"]),
+                             prompt_logprobs=None if d.get("plp") is None else
+                             [None if x is None else from_row(TokenLogprob, x) for x in d["plp"]])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise FrameError(f"malformed output frame for {request.request_id!r}: {exc}") from None
 
 
 # -- EmbeddingRequest / EmbeddingOutput ----------------------------------------------------------
