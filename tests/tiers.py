@@ -19,6 +19,11 @@ from typing import Any
 import pytest
 
 FAST_OPTION = "--fast"
+PEERS_OPTION = "--peers"
+# The peers tier (`make test-peers`): tokenpath against the real engines it fronts (vLLM's CPU
+# build, several GB in a venv of its own: scripts/vllm_venv.sh). Its install and start-up would
+# double `make test`'s time, so it runs only when asked for, and then alone.
+PEERS_DIR = "tests/peers/"
 
 # Fixtures that start a `tokenpath serve` or load a real model (by name: a module's fixtures that
 # use these are found through `item.fixturenames`, which holds what a test uses transitively).
@@ -36,7 +41,7 @@ SERVICE_FIXTURES = frozenset({
 
 # Capabilities that are services (started by scripts/services.sh) or whole systems: their tests
 # are integration tests, outside the fast tier.
-SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root"})
+SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root", "vllm"})
 
 # Modules outside the fast tier that no fixture name gives away (measured by a `--fast` run,
 # 2026-12-04, on 2 cores under load 4-6).
@@ -91,24 +96,37 @@ def addoption(parser: pytest.Parser) -> None:
     parser.addoption(FAST_OPTION, action="store_true",
                      help="the fast tier only: no test marked slow or services (tests/tiers.py); a test that "
                      "starts a server or loads a real model fails, saying to mark it")
+    parser.addoption(PEERS_OPTION, action="store_true",
+                     help=f"the peers tier only ({PEERS_DIR}: behind and beside a real vLLM); without it, "
+                     "that tier is deselected")
 
 
 def classify(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every item with its tier; under --fast, deselect those outside the fast tier."""
+    """Mark every item with its tier; under --fast, deselect those outside the fast tier; deselect
+    the peers tier unless --peers, and everything else if it is given."""
     root = Path(str(config.rootpath))
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
+    peers = bool(config.getoption("peers"))
+    other_tier: list[pytest.Item] = []
     for item in items:
         try:
             rel = Path(str(item.path)).resolve().relative_to(root).as_posix()
         except ValueError:
             rel = str(item.path)
+        if rel.startswith(PEERS_DIR) != peers:
+            other_tier.append(item)
+            continue
         requires = [n for mark in item.iter_markers("requires") for n in mark.args]
         callspec = getattr(item, "callspec", None)
         for name in tier_marks(rel, getattr(item, "fixturenames", ()), requires, callspec.id if callspec else ""):
             item.add_marker(name)
         fast = item.get_closest_marker("slow") is None and item.get_closest_marker("services") is None
         (keep if fast else dropped).append(item)
+    if other_tier:  # (the peers tier runs alone: `--peers` selects it, and only it)
+        gone = {id(item) for item in other_tier}
+        items[:] = [item for item in items if id(item) not in gone]
+        config.hook.pytest_deselected(items=other_tier)
     if config.getoption("fast") and dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
