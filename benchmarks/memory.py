@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.procs import free_port, group_status_kib  # noqa: E402
+from benchmarks.procs import free_port, group_status_kib, stop_group  # noqa: E402
 
 PEERS = ROOT / ".cache" / "peers"
 LLAMA_SERVER = PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
@@ -147,12 +146,7 @@ def measure(peer: str, path: Path, src: Path, log_path: Path, timeout: float = 6
     finally:
         sampler.done.set()
         sampler.join()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
     return {"ready_s": round(ready, 2), "peak_mib": round(max(sampler.peak, resident) / 1024, 1),
             "resident_mib": round(resident / 1024, 1)}
 

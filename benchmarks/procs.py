@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -62,3 +64,35 @@ def serve(
 def port_of(url: str) -> int:
     """The port of a base URL that serve() returned."""
     return int(url.rsplit(":", 1)[1])
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server's whole process group (started with ``start_new_session=True``), SIGKILL
+    after 60 s; children left behind by a leader that already exited are stopped too."""
+    try:
+        os.killpg(proc.pid, signal.SIGCONT)  # (a paused one cannot act on SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until ``GET /health`` answers 200; a server that exits, or is not healthy in ``timeout`` s,
+    raises with its log's tail."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy in {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")

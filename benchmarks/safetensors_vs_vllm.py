@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.procs import free_port, group_status_kib  # noqa: E402
+from benchmarks.procs import free_port, group_status_kib, stop_group, wait_healthy  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 VLLM = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "vllm"
@@ -52,21 +50,6 @@ def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str,
             "--port", str(port), "--host", "127.0.0.1"], env
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit("server not ready in time")
-
-
 def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
     port = free_port()
     argv, env = command(peer, args.model_dir, port)
@@ -74,7 +57,7 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
     with open(out / f"{peer}.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(port, proc)
+        wait_healthy(port, proc, out / f"{peer}.log", 900)
         ready = time.monotonic() - t0
         bench = [sys.executable, "-m", "tokenpath.cli", "bench", "--target",
                  f"{peer}=http://127.0.0.1:{port}/v1,model={NAME},exact=vllm", "--concurrency", args.concurrency,
@@ -83,11 +66,7 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
         subprocess.run(["taskset", "-c", "1", *bench], check=True, cwd=ROOT)
         rss = peak_rss_mib(proc.pid)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
     return {"ready_s": ready, "peak_rss_mib": rss, "json": out / f"{peer}.json"}
 
 

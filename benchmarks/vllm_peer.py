@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.procs import free_port  # noqa: E402
+from benchmarks.procs import free_port, stop_group, wait_healthy  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 MODEL_DIR = ROOT / ".cache" / "peers" / "smollm2-135m-bfloat16"
@@ -46,33 +44,6 @@ def start_group(argv: list[str], log: Path, env: dict[str, str] | None = None) -
     with open(log, "w") as f:
         return subprocess.Popen(argv, env=env or dict(os.environ), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=ROOT)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGCONT)  # (a paused one cannot act on SIGTERM)
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy in {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @dataclass
