@@ -68,3 +68,21 @@ def test_engine_facts_cross_the_link_and_shift_clocks():
     old = encode_output(out)
     old["ev"] = old["ev"][:5]  # an engine of the previous version
     assert decode_output(old, req).events.stalls == []
+
+
+def test_speculation_that_kept_failing_is_a_cause_and_a_finding_with_its_lever():
+    from tokenpath.telemetry.diagnose import diagnose
+
+    t = _timeline(admitted=0.001, dispatched=0.001, scheduled=0.002, first_token=0.1, finished=2.1)
+    t.attrs["spec_decode"] = {"steps": 40, "proposed": 120, "accepted": 12, "acceptance": 0.1}
+    (spec,) = [c for c in derive(t, prompt_tokens=10, completion_tokens=100) if c.kind == "speculation_wasted"]
+    # 108 rejected rows beside 100 output tokens: 108 / 208 of the 2 s decode
+    assert spec.ms == pytest.approx(2000 * 108 / 208, rel=1e-3) and spec.detail["acceptance"] == 0.1
+    row = {"request_id": "me", "status": 200, "total_ms": 2100.0, "causes": [spec.as_dict()],
+           "stages": [{"stage": "decode", "ms": 2000.0}]}
+    finding = next(f for f in diagnose([row]) if f.kind == "speculation_wasted")
+    assert "num_speculative_tokens" in finding.lever
+    t.attrs["spec_decode"] = {"steps": 40, "proposed": 120, "accepted": 90, "acceptance": 0.75}  # it paid
+    assert not [c for c in derive(t, completion_tokens=100) if c.kind == "speculation_wasted"]
+    t.attrs["spec_decode"] = {"steps": 4, "proposed": 8, "accepted": 0, "acceptance": 0.0}  # too few to judge
+    assert not [c for c in derive(t, completion_tokens=100) if c.kind == "speculation_wasted"]

@@ -23,6 +23,9 @@ hold several causes, and a cause explains part of one stage, named in `detail["s
 | `upload`                    | headers in -> whole body read (the body-limit middleware)       | upload        |
 | `model_load`                | its model was loaded for it: cold, or evicted N s ago to make   | model_load    |
 |                             | room for another model (routing.catalog)                        |               |
+| `speculation_wasted`        | speculative decoding kept failing: proposals verified, few      | decode        |
+|                             | accepted (the engine's spec counters); ms is the decode share   |               |
+|                             | of the rejected rows, an upper bound (see `_speculation`)       |               |
 
 The same facts exist in every deployment (in-process, engine processes, Ray): the engine's
 travel in `EngineEvents`, which cross the engine link, and `replica.events.stamp_events` puts
@@ -60,7 +63,7 @@ class Cause:
 
 
 def derive(timeline: Timeline, *, prompt_tokens: int = 0, cached_tokens: int = 0,
-           token_times: list[float] | None = None) -> list[Cause]:
+           token_times: list[float] | None = None, completion_tokens: int = 0) -> list[Cause]:
     """Every cause this request's facts support, most milliseconds first."""
     stages = {k: v * 1000 for k, v in stage_durations(timeline).items()}
     a = timeline.attrs
@@ -70,6 +73,7 @@ def derive(timeline: Timeline, *, prompt_tokens: int = 0, cached_tokens: int = 0
     out += _stalls(a, token_times or [])
     out += _preempted(timeline)
     out += _retried(a)
+    out += _speculation(a, stages, completion_tokens)
     blocked = float(a.get("client_blocked_s") or 0.0) * 1000
     if blocked >= CLIENT_MIN_MS:
         out.append(Cause("slow_client", round(min(blocked, stages.get("decode", blocked)), 1),
@@ -179,6 +183,32 @@ def _preempted(timeline: Timeline) -> list[Cause]:
     return [Cause("preempted", round(ms, 1), {
         "stage": stage, "times": len(records), "recomputed_tokens": sum(int(r[2]) for r in records),
         "forced_by": [w or "(its own growth)" for _, w, _, _ in records]}, list(dict.fromkeys(by)))]
+
+
+SPEC_MIN_PROPOSED = 16  # proposals before a request's acceptance means anything
+SPEC_MAX_ACCEPTANCE = 0.3  # below this share accepted, speculation cost this request more than it gave
+
+
+def _speculation(a: dict[str, Any], stages: dict[str, float], completion_tokens: int) -> list[Cause]:
+    """Speculation that kept failing (the engine's counters: steps that drafted, tokens proposed,
+    accepted). Every rejected proposal was a row verified for nothing. Its ms: the decode stage's
+    share of rejected rows among all rows computed for the request (each output token one row, plus
+    the rejected ones). That is an upper bound: it holds where decode is compute-bound (a small
+    model on few cores, where rows cost alike), and a rejected row is nearly free where decode is
+    bound by reading the weights."""
+    spec = a.get("spec_decode")
+    if not isinstance(spec, dict):
+        return []
+    proposed, accepted = int(spec.get("proposed") or 0), int(spec.get("accepted") or 0)
+    if proposed < SPEC_MIN_PROPOSED or accepted > SPEC_MAX_ACCEPTANCE * proposed:
+        return []
+    wasted = proposed - accepted
+    rows = max(completion_tokens, accepted + int(spec.get("steps") or 0)) + wasted
+    ms = stages.get("decode", 0.0) * wasted / rows if rows else 0.0
+    return [Cause("speculation_wasted", round(ms, 1), {
+        "stage": "decode", "proposed": proposed, "accepted": accepted,
+        "acceptance": round(accepted / proposed, 3), "steps": spec.get("steps"), "rejected_rows": wasted,
+        "ms_estimated_as": "decode ms x rejected rows / all rows (an upper bound)"})]
 
 
 def _retried(a: dict[str, Any]) -> list[Cause]:

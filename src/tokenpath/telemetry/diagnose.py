@@ -98,6 +98,8 @@ _LEVERS = {
     "slow_client": "the client reads slowly: nothing to fix server-side (buffering proxy, client code)",
     "upload": "the client uploads slowly: compress or shorten the request body",
     "model_load": "warm it up (POST /v1/models/{id}/load), pin it, or raise --keep-alive / --models-memory",
+    "speculation_wasted": "this traffic has little to copy: lower num_speculative_tokens or raise "
+                          "prompt_lookup_min in --speculative-config, or serve it without speculation",
 }
 
 

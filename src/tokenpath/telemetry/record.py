@@ -87,7 +87,8 @@ class FinishedRequest:
             return []
         if self._causes is None:
             self._causes = derive(self.timeline, prompt_tokens=self.prompt_tokens,
-                                  cached_tokens=self.cached_tokens, token_times=self.token_times)
+                                  cached_tokens=self.cached_tokens, token_times=self.token_times,
+                                  completion_tokens=self.completion_tokens)
         return self._causes
 
     def stages(self) -> dict[str, float]:
