@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from pydantic_core import PydanticCustomError
 
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.sampling_params import MAX_TOP_LOGPROBS  # (OpenAI's bound on top_logprobs)
 
 MAX_LOGIT_BIAS = 300  # entries in one logit_bias map
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 def param_error(param: str, message: str) -> PydanticCustomError:
