@@ -121,6 +121,48 @@ def test_repacked_rows_are_batch_invariant_and_isas_agree():
             assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
+def fine_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it with residual bytes (QAct::q2): q as in quantized_activations, then
+    the rest x - q d re-quantized at d / 254, clamped to int8; values (254 q + q2) * d / 254."""
+    m, k = x.shape
+    nb = -(-k // 32)
+    xp = np.zeros((m, nb * 32), dtype=np.float32)
+    xp[:, :k] = x
+    blocks = xp.reshape(m, nb, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    safe = np.where(amax > 0, amax, 1)
+    q = np.rint(blocks * np.where(amax > 0, np.float32(127) / safe, 0).astype(np.float32))
+    d = (amax / np.float32(127)).astype(np.float32)
+    rest = (blocks.astype(np.float64) - q * d.astype(np.float64)).astype(np.float32)
+    inv2 = np.where(d > 0, np.float32(254) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q2 = np.clip(np.rint(rest * inv2), -127, 127)
+    return ((254 * q + q2) * (d.astype(np.float64) / 254)).reshape(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", [K.Q4_1, K.Q8_0], ids=lambda t: K.TYPE_NAMES[t])
+def test_small_m_rows_equal_single_rows_and_the_dequantized_reference(isa, wtype):
+    """A verification step's M = 2..9 rows (every tile size and tail: 4, 2, 1) give each row exactly
+    what a 1-row decode step gives it, on int8 and fine activations (AVX2's Q8X16 fine kernel takes
+    int16 activations, QAct::q16: the same integer sums by another route), and match the weights
+    dequantized row by row times the activations as the kernels quantize them."""
+    rng = np.random.default_rng(39)
+    for k in (100, 576):
+        w = rng.standard_normal((48, k)).astype(np.float32)
+        q = K.quantize(lib, wtype, w)
+        packed_type, packed = K.repack(lib, wtype, q)
+        wd = K.dequantize_packed(lib, packed_type, packed, k).astype(np.float64)
+        x = rng.standard_normal((9, k)).astype(np.float32) * 3
+        for fine in (False, True):
+            alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, fine=fine)
+                                    for i in range(9)])
+            ref = (fine_activations(x) if fine else quantized_activations(x)) @ wd.T
+            assert np.abs(alone - ref).max() <= 1e-5 * np.abs(ref).max()
+            for m in range(2, 10):
+                rows = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
+                assert np.array_equal(rows, alone[:m]), (k, fine, m)
+
+
 def test_rows_are_batch_invariant():
     """A row's result does not depend on which other rows share the call (greedy decoding relies on it)."""
     rng = np.random.default_rng(1)

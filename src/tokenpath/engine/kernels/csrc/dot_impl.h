@@ -238,6 +238,16 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         if (a.q2) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + off * QK), pack_i8(r32));
             a.qsum[off] = 254 * a.qsum[off] + sum_i32(r32);
+            if (!TP_VNNI && a.q16) {  // 254 q + q2 as int16 (the AVX2 Q8X16 kernel's), in order: the
+                // permute undoes the packs' 128-bit lane interleave
+                __m256i c32[4];
+                for (int j = 0; j < 4; ++j)
+                    c32[j] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(i32[j], 8), _mm256_slli_epi32(i32[j], 1)), r32[j]);
+                int16_t* dst = a.q16 + off * QK;
+                for (int j = 0; j < 2; ++j)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
+                                        _mm256_permute4x64_epi64(_mm256_packs_epi32(c32[2 * j], c32[2 * j + 1]), 0xD8));
+            }
         }
         if (a.qsum16) {  // half-block sums (Q6_K's scale per 16 weights)
             const __m256i h0[4] = {i32[0], i32[1], _mm256_setzero_si256(), _mm256_setzero_si256()};

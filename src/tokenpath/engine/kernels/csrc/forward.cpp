@@ -113,6 +113,7 @@ struct AttnItem {
 // The buffers behind one QAct (see make_act).
 struct ActBuf {
     std::vector<int8_t> q, q2;
+    std::vector<int16_t> q16;
     std::vector<float> d, s, f, fs;
     std::vector<int32_t> qsum, qsum16;
 };
@@ -166,8 +167,8 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
         a.f = b.f.data(), a.fs = b.fs.data();
     }
     if (m.fine) {  // callers switch a.q2 on per matmul (use_fine)
-        if (b.q2.size() < need * QK) b.q2.resize(need * QK);
-        a.q2 = b.q2.data();
+        if (b.q2.size() < need * QK) b.q2.resize(need * QK), b.q16.resize(need * QK);
+        a.q2 = b.q2.data(), a.q16 = b.q16.data();
     }
     return a;
 }
@@ -556,6 +557,8 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     std::vector<int8_t> q2(mode == 2 ? q.size() : 0);
     QAct a{q.data(), d.data(), s.data(), nb, qsum.data(), exact ? f.data() : nullptr, exact ? fs.data() : nullptr,
            mode == 2 ? q2.data() : nullptr, qsum16.data()};
+    std::vector<int16_t> q16(q2.size());
+    if (mode == 2) a.q16 = q16.data();
     const GemmRowsFn gemm = gemm_rows_for(isa);
     const QuantRowFn quant = quantize_row_for(isa);
 #pragma omp parallel num_threads(nthreads)

@@ -71,6 +71,7 @@ inline QAct act_rows(const QAct& a, int r) {
     v.q += off * QK, v.d += off, v.s += off, v.qsum += off;
     if (v.f) v.f += off * QK, v.fs += off;
     if (v.q2) v.q2 += off * QK;
+    if (v.q16) v.q16 += off * QK;
     if (v.qsum16) v.qsum16 += 2 * off;
     return v;
 }

@@ -140,6 +140,45 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
     for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[r], fine[r]) : coarse[r];
 }
 
+#if !TP_VNNI
+// AVX2, Q8X16 with residual bytes (QAct::q16): the same integer sums, 254 dot(w, qa) + dot(w, qb),
+// as one dot of the weights widened to int16 with the int16 activations 254 qa + qb. Why: the 2
+// AVX2 cores this was tuned on (Zen 1) have one pipe for vector integer multiplies, and that pipe
+// bounds each row of a small-M step (a 5-row verification step costs ~3.5x a 1-row step: the
+// multiplies scale with the rows, the weight reads do not). Q8X16's maddubs int16 sums hold one
+// pair only, so with residual bytes each row, block and 8 lanes took 16 maddubs and 16 vpmaddwd
+// to widen them; vpmaddwd on int16 weights takes 16 in all, and the weights are widened once per
+// tile of MR rows. The tied LM head of SmolLM2 is Q8X16: 0.72-0.85x its GEMM time at M = 1..8
+// (benchmarks/step_rows.py). Q4X16 keeps maddubs: its u4 x s8 sums widen once per block (18
+// multiplies to 16), and the int16 form measured no faster there.
+// Lanes: cvt of a 128-bit half gives 4 rows x 2 pairs of weights; a row's two pair sums are added
+// by hadd at the end of the block, whose lane order a permute restores. Overflow: |w| <= 128 and
+// |254 qa + qb| <= 32385, so a lane's 8 pairs stay below 2^27.
+static inline __m256i bcast8(const int16_t* p) {
+    long long v;
+    __builtin_memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+}
+
+template <int MR>
+static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* isum) {
+    __m256i lo[MR], hi[MR];  // rows 0-3 and 4-7 of the lanes, two pair sums per row
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = vzero();
+    for (int c = 0; c < 8; ++c) {
+        const VI raw = vload(qs + 64 * c);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+        for (int r = 0; r < MR; ++r) {
+            const __m256i av = bcast8(qa[r] + 4 * c);
+            lo[r] = vadd32(lo[r], _mm256_madd_epi16(w0, av));
+            hi[r] = vadd32(hi[r], _mm256_madd_epi16(w1, av));
+        }
+    }
+    // hadd: (r0 r1 r4 r5 | r2 r3 r6 r7); 64-bit units 0 2 1 3 put the rows back in order.
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8);
+}
+#endif
+
 // Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
 // over all nb blocks: out[r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or
 // d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are the same
@@ -159,7 +198,17 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
             qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
             qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
         }
+#if TP_VNNI
         packed_isum<WT, MR, RES>(wg + QS + 4 * L * h, qa, qb, isum);
+#else
+        if (WT == W_Q8X16 && RES && a.q16) {
+            const int16_t* qa16[MR];
+            for (int r = 0; r < MR; ++r) qa16[r] = a.q16 + (size_t(rows[r]) * nb + b) * QK;
+            q8_isum16<MR>(wg + QS + 4 * L * h, qa16, isum);
+        } else {
+            packed_isum<WT, MR, RES>(wg + QS + 4 * L * h, qa, qb, isum);
+        }
+#endif
 #if TP_VNNI
         if constexpr (WT == W_Q8X16)
             for (int r = 0; r < MR; ++r) isum[r] = vsub32(isum[r], vset32(128 * a.qsum[size_t(rows[r]) * nb + b]));

@@ -82,6 +82,10 @@ struct QAct {
     // Optional [M][nb * 2] sums of each half block's 16 values (of 254 q + q2 with residual
     // bytes): Q6_K has a scale per 16 weights, and its -32 offset multiplies these.
     int32_t* qsum16 = nullptr;
+    // Optional [M][nb * 32] with residual bytes: 254 q + q2 as int16 (|v| <= 32385), written by
+    // quantize_row beside q and q2. The AVX2 Q4X16/Q8X16 kernels multiply them with vpmaddwd
+    // against weights widened once per tile of rows (packed_impl.h says why).
+    int16_t* q16 = nullptr;
 };
 
 // y[m * ldy + n] = sum_k W[n, k] * x[m, k] (+ bias[n]) (+ y if accumulate), for n in [n0, n1).
