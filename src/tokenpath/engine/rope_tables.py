@@ -86,7 +86,7 @@ def rope_tables(head_dim: int, theta: float, max_pos: int,
     bit depends on the library and the CPU's vector width; the native kernels' int8 activations
     turn such an ulp into logprob differences near 1e-3, so tables that never vary are worth it.)"""
     freq, mscale = inv_freq(head_dim, theta, scaling)
-    freqs = np.outer(np.arange(max_pos, dtype=np.float32), freq).astype(np.float64)
+    freqs: np.ndarray = np.outer(np.arange(max_pos, dtype=np.float32), freq).astype(np.float64)
     emb = np.concatenate((freqs, freqs), axis=-1)
     scale = np.float32(mscale)
     return np.cos(emb).astype(np.float32) * scale, np.sin(emb).astype(np.float32) * scale

@@ -377,7 +377,7 @@ class NativeLlama:
             raise ValueError(f"this model's KV cache has {self.num_groups} groups: slot_mapping "
                              f"{slot_mapping.shape} and tables {tables.shape} must have one row each")
         slot_mapping, tables = np.ascontiguousarray(slot_mapping), np.ascontiguousarray(tables)
-        logits = np.empty((len(logit_rows), self.vocab), dtype=np.float32)
+        logits: np.ndarray = np.empty((len(logit_rows), self.vocab), dtype=np.float32)
         args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
                 logits.ctypes.data, self.threads or kernel_threads(self._cores), slot_mapping.shape[-1],

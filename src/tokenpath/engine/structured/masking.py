@@ -92,7 +92,7 @@ class MaskBuilder:
         """Start computing these states' next masks in the background (see the module's docstring)."""
         self._collect()
         if states:
-            buf = np.empty((len(states), self.words), dtype=np.int32)
+            buf: np.ndarray = np.empty((len(states), self.words), dtype=np.int32)
             self._pending = (states, buf, self._thread.submit(self._compute, states, buf, list(range(len(states)))))
 
     def _collect(self) -> dict[int, tuple[np.ndarray, float]]:
