@@ -355,7 +355,9 @@ class NativeLlama:
                 raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
         self.num_groups = max(cache.layer_group) + 1
-        self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
+        # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
+        not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
+        self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
