@@ -76,7 +76,7 @@ def run_transformers(args, prompts) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tokenpath.engine.loader import resolve_model_path
-    from tokenpath.engine.runner import cpu_has_bf16
+    from tokenpath.engine.runner_torch import cpu_has_bf16
 
     dtype = {"auto": torch.bfloat16 if cpu_has_bf16() else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]

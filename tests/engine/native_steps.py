@@ -37,5 +37,5 @@ class NativeSteps:
         p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
         slots = t[r + p // BS].astype(np.int64) * BS + p % BS
         self.slots += slots.tolist()
-        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
-                                          np.arange(len(ids), dtype=np.int32))
+        return torch.from_numpy(self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
+                                                           np.arange(len(ids), dtype=np.int32)))

@@ -6,7 +6,6 @@ load): greedy outputs are the same whatever the batching, chunking, prefix hits 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.engine import test_churn
 from tests.engine.conftest import make_prompts
@@ -28,8 +27,8 @@ def test_greedy_is_batch_invariant(tiny_dir, isa, kv, monkeypatch):
     llm = LLM(str(tiny_dir), quantization="q8_0", num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=10,
               kv_cache_dtype=kv)
     assert llm.engine.runner.native is not None
-    assert llm.engine.runner.kv_dtype == (torch.float16 if kv == "auto" and llm.engine.runner.native.lib.has_f16c
-                                          else torch.float32)
+    assert llm.engine.runner.kv_dtype == ("float16" if kv == "auto" and llm.engine.runner.native.lib.has_f16c
+                                          else "float32")
     prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 150, 210, 8, 33, 61, 120], seed=3)
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     one_by_one = [llm.generate([x], p)[0].outputs[0].token_ids for x in prompts]

@@ -53,8 +53,9 @@ def all_logits(r: ModelRunner, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     if r.native is not None:
         pos = np.arange(n, dtype=np.int32)
-        return r.native.forward(np.asarray(ids, dtype=np.int32), pos, pos.astype(np.int64),
-                                np.zeros(n, dtype=np.int32), np.arange(r.num_blocks, dtype=np.int32), pos)
+        return torch.from_numpy(r.native.forward(np.asarray(ids, dtype=np.int32), pos, pos.astype(np.int64),
+                                                 np.zeros(n, dtype=np.int32), np.arange(r.num_blocks, dtype=np.int32),
+                                                 pos))
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, None, None)])
     return r.model(torch.tensor(ids), torch.arange(n), r.cache, meta, torch.arange(n))
 

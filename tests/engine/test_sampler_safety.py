@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenpath.engine.rng import Generator
 from tokenpath.engine.sampler import Sampler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.errors import SamplingParamsError
@@ -61,8 +63,9 @@ def test_any_valid_params_and_any_logits_give_a_token_per_row(rows, dtype):
     seqs = [seq(p, outputs=[5, 5, 6]) for p, _ in rows]
     for s in seqs:
         if s.params.seed is not None:
-            s.generator = torch.Generator().manual_seed(s.params.seed % 2**64)
-    logits = torch.tensor([v for _, v in rows], dtype=torch.float32).to(dtype)
+            s.generator = Generator(s.params.seed % 2**64)
+    # (bfloat16: the torch path's logits, widened to float32 as ModelRunner hands them over)
+    logits = torch.tensor([v for _, v in rows], dtype=torch.float32).to(dtype).float().numpy()
     result = Sampler(eos_token_id=0)(logits, seqs)
     assert len(result.token_ids) == len(rows)
     assert all(0 <= t < VOCAB for t in result.token_ids)
@@ -72,13 +75,13 @@ def test_any_valid_params_and_any_logits_give_a_token_per_row(rows, dtype):
 def test_temperature_below_eps_is_greedy(value):
     p = SamplingParams(temperature=value)
     assert p.greedy
-    logits = torch.randn(2, VOCAB)
+    logits = np.random.default_rng(1).standard_normal((2, VOCAB)).astype(np.float32)
     assert Sampler(0)(logits, [seq(p), seq(p)]).token_ids == logits.argmax(-1).tolist()
 
 
 def test_tiny_top_p_keeps_the_most_likely_token():
     p = SamplingParams(temperature=1.0, top_p=1e-46, seed=1)
-    logits = torch.randn(3, VOCAB)
+    logits = np.random.default_rng(2).standard_normal((3, VOCAB)).astype(np.float32)
     assert Sampler(0)(logits, [seq(p)] * 3).token_ids == logits.argmax(-1).tolist()
 
 

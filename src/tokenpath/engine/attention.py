@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenpath.engine.kv_groups import KVLayout
+from tokenpath.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -76,31 +76,6 @@ class AttentionMetadata:
             k = torch.arange(p.computed + p.num_tokens, device=dev)[None, :]  # slots None: computed is 0
             self.window_masks[key] = (k <= q) & (k > q - window)
         return self.window_masks[key]
-
-
-class KVCache:
-    """One K and one V pool per layer, shaped [num_blocks * block_size, kv_heads, head_dim] so a
-    token's slot index addresses it directly. With a KVLayout, layers of different groups share
-    tensors (`k[layer]` is its slot's tensor): a block id is a page of `group_size` layers."""
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, zeroed: bool = True, layout: KVLayout | None = None) -> None:
-        """zeroed=False leaves the pool unwritten, so its pages become resident only as slots are
-        used: for readers that never touch a slot before writing it (the native kernels). The SDPA
-        path pads gathers with unwritten slots, and a NaN there would survive its mask."""
-        layout = layout or KVLayout.single(num_layers)
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        alloc = torch.zeros if zeroed else torch.empty
-        ks = [alloc(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
-        vs = [alloc(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
-        self.k = [ks[j] for j in layout.layer_slot]
-        self.v = [vs[j] for j in layout.layer_slot]
-        self.layer_group = layout.layer_group
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,

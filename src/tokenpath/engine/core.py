@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
+import numpy as np
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.block_hash import lora_root
@@ -21,8 +21,9 @@ from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.loader import load_model
 from tokenpath.engine.lora import LoraManager, lora_key
 from tokenpath.engine.output_processor import ChoiceState, OutputProcessor, RequestState
+from tokenpath.engine.rng import Generator
 from tokenpath.engine.runner import ModelRunner
-from tokenpath.engine.sampler import Sampler, SampleResult
+from tokenpath.engine.sampler import Sampler, SampleResult, log_softmax, topk
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec.decoder import SpecDecoder
@@ -123,7 +124,7 @@ class EngineCore:
                            leader=leader if self.config.enable_prefix_caching else None)
             seq.lora, seq.hash_root, seq.deadline = lora, root, request.deadline
             if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
+                seq.generator = Generator((params.seed + i) % 2**64)
             if params.structured is not None:
                 seq.grammar = self._grammar(params.structured)
             leader = leader or seq
@@ -285,7 +286,7 @@ class EngineCore:
                 self._retire(req)
         return outs
 
-    def _verify(self, logits: torch.Tensor, sampling: list[Sequence]
+    def _verify(self, logits: np.ndarray, sampling: list[Sequence]
                 ) -> tuple[list[list[int]], list[tuple[float, list[tuple[int, float]]] | None]]:
         """A step with draft tokens: the plain rows sample as always (one batch through the
         sampler), each drafting sequence's 1 + K rows are verified (`spec.verify`)."""
@@ -326,11 +327,11 @@ class EngineCore:
         self.blocks.trim(seq)
         self.blocks.commit_computed(seq)
 
-    def _score_prompts(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int]]) -> None:
+    def _score_prompts(self, logits: np.ndarray, prompt_rows: list[tuple[Sequence, int, int]]) -> None:
         """Prompt logprobs (SamplingParams.prompt_logprobs) from the logits of prompt positions: the
         raw distribution's logprob and rank of each next prompt token, and the top ones asked for.
         A position computed twice (after a preemption) keeps its first value."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = log_softmax(logits)
         text_of = self.tokenizer.token_text
         row = 0
         for seq, first, count in prompt_rows:
@@ -339,14 +340,11 @@ class EngineCore:
             req = self.requests.get(seq.request_id)
             if req is None or req.prompt_logprobs is None:
                 continue
-            targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], dtype=torch.long)
-            chosen = block.gather(1, targets[:, None])
-            ranks = (block > chosen).sum(dim=1) + 1
+            targets = np.asarray(seq.token_ids[first + 1 : first + 1 + count], dtype=np.int64)
+            chosen = np.take_along_axis(block, targets[:, None], axis=1)
+            ranks = (block > chosen).sum(axis=1) + 1
             k = seq.params.prompt_logprobs or 0
-            tops: list[list[tuple[int, float]]] = [[] for _ in range(count)]
-            if k:
-                top_vals, top_ids = block.topk(k, dim=1)
-                tops = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
+            tops: list[list[tuple[int, float]]] = [topk(r, k) if k else [] for r in block]
             for j, (token, value, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
                                                         strict=True)):
                 if req.prompt_logprobs[first + 1 + j] is not None:

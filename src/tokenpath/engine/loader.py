@@ -17,13 +17,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenpath.engine.loader_gguf import GGUFTensors, GGUFWeights, RawTensor, read_gguf
-from tokenpath.engine.loader_hf import check_weights, load_hf_weights, read_hf_config
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGUFTensors", "GGUFWeights", "LoadedModel", "RawTensor", "known_models", "load_model",
            "resolve_model_path"]
@@ -113,6 +114,9 @@ def load_model(name_or_path: str) -> LoadedModel:
         config, tensors = read_gguf(path)
         return LoadedModel(config=config, weights=GGUFWeights(tensors), tokenizer_source=path, path=path,
                            gguf=tensors)
+    # (here, not at the top: the safetensors reader imports torch, which a GGUF engine never needs)
+    from tokenpath.engine.loader_hf import check_weights, load_hf_weights, read_hf_config
+
     config = read_hf_config(path)
     weights = load_hf_weights(path, config)
     if "lm_head.weight" in weights and config.tie_word_embeddings:

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tokenpath.engine.gguf_file import GGUFFile
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: layers i % 6 < 5 are windowed, every 6th is global
@@ -291,9 +294,11 @@ class GGUFWeights(Mapping):
     def __init__(self, tensors: GGUFTensors) -> None:
         self._t = tensors
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor:  # (the torch path's view: torch imported here)
         if name not in self._t.names:
             raise KeyError(name)
+        import torch
+
         return torch.from_numpy(np.array(self._t.dequantized(name), dtype=np.float32))
 
     def __iter__(self) -> Iterator[str]:

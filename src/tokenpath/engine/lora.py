@@ -27,13 +27,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol.lora import LoraRef
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tokenpath.engine.lora")
 
@@ -136,6 +139,7 @@ def read_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
     if model.num_experts:  # the torch path applies no deltas inside experts: refuse, never ignore
         raise LoraError(f"LoRA adapter '{path}': this model is a mixture of experts ({model.num_experts} experts), "
                         "and LoRA adapters on mixture-of-experts models are not supported yet", "lora_unsupported")
+    import torch  # (an adapter's load only: a GGUF engine without adapters never imports it)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -193,7 +197,8 @@ def native_table(w: LoraWeights) -> NativeTable:
             ab = layer.get(target)
             if ab is None:
                 continue
-            # (torch's conversion: F16C, several times numpy's astype on this CPU)
+            import torch  # (torch's conversion: F16C, several times numpy's astype on this CPU)
+
             a = ab[0].to(torch.float16).contiguous().numpy()
             bt = ab[1].to(torch.float16).t().contiguous().numpy()
             keep += [a, bt]

@@ -10,11 +10,15 @@ a pointer table per slot, applied inside `tp_model_forward_lora`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from tokenpath.engine.lora import LORA_TARGETS, LoraWeights
 from tokenpath.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:  # the torch path's form only; the native one is numpy (no torch in a GGUF engine)
+    import torch
 
 BLOCK_ROWS = 16  # rows per native work item (csrc/forward.cpp kLoraBlockRows)
 MAX_NATIVE_RANK = 256  # (kLoraMaxRank)
@@ -73,6 +77,8 @@ def row_groups(spans: list[tuple[int, int, LoraWeights]], device: torch.device) 
             out.append((slice(ranges[0][0], ranges[-1][0] + ranges[-1][1]), w))
         else:
             idx = np.concatenate([np.arange(s, s + n) for s, n in ranges])
+            import torch
+
             out.append((torch.from_numpy(idx).to(device), w))
     return out
 

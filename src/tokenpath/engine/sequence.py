@@ -12,8 +12,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from tokenpath.engine.rng import Generator
 from tokenpath.engine.spec.state import DraftState
 from tokenpath.engine.structured.masking import GrammarState
 from tokenpath.protocol.lora import LoraRef
@@ -54,7 +53,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    generator: Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: this choice's own matcher
     lora: LoraRef | None = None  # the LoRA adapter it runs with
     hash_root: int | None = None  # its block hash chain's root (block_hash.lora_root; None: base)

@@ -216,8 +216,6 @@ def _build_from_gguf(source: Path, out: Path) -> None:
 
 
 def _load_hf_tokenizer(source: Path):
-    from transformers import AutoTokenizer
-
     try:
         if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
             cached = gguf_tokenizer_cache(source)
@@ -233,6 +231,11 @@ def _load_hf_tokenizer(source: Path):
             return tok
         if _generic_fast(source):
             return _load_cached(source)
+        # Only here: importing AutoTokenizer imports transformers' configuration code, which imports
+        # torch where it is installed (~218 MiB of RSS); the saved and generic tokenizers above
+        # load with the fast class alone, so a GGUF engine never pays for it (issue 42).
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(source))
     except ModelLoadError:
         raise

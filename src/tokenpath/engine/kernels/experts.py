@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from tokenpath.engine.kernels import (
     BF16,
@@ -69,6 +68,8 @@ def _stored(loaded: LoadedModel, i: int, proj: str) -> tuple[int, np.ndarray | N
         raw = loaded.gguf.raw(name)
         data = None if raw.ggml_type == F32 else np.ascontiguousarray(raw.data).view(np.uint8)
         return raw.ggml_type, data, _file_name(loaded, name)
+    import torch  # (a safetensors checkpoint's tensors: a GGUF never gets here)
+
     names = [f"layers.{i}.experts.{e}.{proj}.weight" for e in range(loaded.config.num_experts)]
     dtype = loaded.weights[names[0]].dtype
     kind = {torch.bfloat16: BF16, torch.float16: F16}.get(dtype)

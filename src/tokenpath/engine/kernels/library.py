@@ -107,8 +107,6 @@ def load_library(directory: Path = PACKAGE_DIR) -> NativeLibrary | None:
                     "using the torch float32 path",
                     f" (only {stale.name}, from an older build, which is not loaded)" if stale else "")
         return None
-    import torch  # noqa: F401  -- load torch's OpenMP runtime first so both share one thread pool
-
     # The AVX2 object first where it exists: it holds no AVX-512 code, so it loads on any CPU and
     # says (tp_cpu_features) whether the AVX-512 one is worth opening.
     lib = _open(found[ISA_AVX2]) if ISA_AVX2 in found else None

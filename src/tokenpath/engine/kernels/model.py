@@ -17,13 +17,13 @@ in place, converting float16 in registers.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from tokenpath.config import KERNEL_MASK_ALL, env_kernels_exact, env_kernels_fine
-from tokenpath.engine.attention import KVCache
+from tokenpath.config import KERNEL_MASK_ALL, env_kernels_exact, env_kernels_fine, env_num_threads
 from tokenpath.engine.kernels import (
     BF16,
     BLOCK_BYTES,
@@ -43,9 +43,10 @@ from tokenpath.engine.kernels import (
 )
 from tokenpath.engine.kernels.abi import check_forward
 from tokenpath.engine.kernels.experts import ExpertLayer, expert_layer
+from tokenpath.engine.kv_cache import KVCache
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.model_config import ModelConfig
-from tokenpath.engine.models.rope import LayerRopes
+from tokenpath.engine.rope_tables import rope_keys, rope_tables
 
 log = logging.getLogger("tokenpath.engine.kernels")
 
@@ -54,7 +55,7 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     """The features of `cfg` the native forward does not compute: such a model runs on torch
     rather than natively and wrong. It computes QK-norm, sandwich norms, SwiGLU and GeGLU, embedding
     and attention scales, norm offsets, per-layer sliding windows and rope tables (any base and
-    scaling: they are built here by the torch path's own LayerRopes), any head_dim, and
+    scaling: engine/rope_tables.py, which the torch path shares), any head_dim, and
     mixture-of-experts MLPs (Qwen3-MoE, Mixtral: csrc/moe.h, kernels/experts.py)."""
     checks = {
         f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
@@ -73,7 +74,7 @@ def checkpoint_float_type(loaded: LoadedModel) -> str | None:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def select_native(loaded: LoadedModel, quantization: str, device: torch.device,
+def select_native(loaded: LoadedModel, quantization: str, device: str,
                   dtype: str = "auto") -> NativeLibrary | None:
     """The kernels to run this model with, or None for the torch path (saying why in one line).
 
@@ -82,10 +83,11 @@ def select_native(loaded: LoadedModel, quantization: str, device: torch.device,
     arithmetic of `--dtype float32` on those weights, so `dtype` may be auto, float32 or the file's
     own). A float32 checkpoint, or a 16-bit dtype other than the file's, stays on torch, which
     computes exactly the dtype asked for. q8_0: any checkpoint, every matrix Q8_0. none: torch.
+    `device`: the engine's device type ("cpu", "cuda", ...).
     """
     if quantization == "none":
         return None
-    if device.type != "cpu":
+    if device != "cpu":
         if quantization != "auto":
             log.warning("--quantization %s: the native kernels are CPU-only; using torch on %s",
                         quantization, device)
@@ -127,6 +129,8 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             vtype = {"BF16": BF16, "F16": F16}[getattr(loaded.weights, "dtypes")[name]]  # noqa: B009
             if want in (None, vtype):
                 return vtype, view
+        import torch  # (a safetensors checkpoint's tensors: a GGUF never gets here)
+
         t = loaded.weights[name]
         ftype = {torch.bfloat16: BF16, torch.float16: F16}.get(t.dtype)
         if ftype is not None and want in (None, ftype) and t.ndim == 2:
@@ -254,13 +258,13 @@ class NativeLlama:
         cfg = loaded.config
         self.lib, self.vocab = lib, cfg.vocab_size
         want = Q8_0 if quantization == "q8_0" else None
-        keep: list[np.ndarray | torch.Tensor] = []  # everything the C++ side points into
+        keep: list[np.ndarray] = []  # everything the C++ side points into
 
-        def ptr(a: np.ndarray | torch.Tensor | None) -> int:
+        def ptr(a: np.ndarray | None) -> int:
             if a is None:
                 return 0
             keep.append(a)
-            return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+            return a.ctypes.data
 
         exact = exact_mask() if exact is None else exact
         fine = fine_mask() if fine is None else fine
@@ -271,7 +275,9 @@ class NativeLlama:
             the same bytes moved, 2-4x the GEMM speed. Float-activation ones keep GGUF's layout."""
             return _matrix(lib, loaded, names, want, not exact & kind, requantized)
 
-        ropes = LayerRopes(cfg, max_positions)
+        keys, layer_rope = rope_keys(cfg)
+        ropes = [rope_tables(cfg.head_dim, base, max_positions, cfg.rope_scaling if scaled else None)
+                 for base, scaled in keys]
 
         def norm(name: str) -> np.ndarray:  # Gemma's (1 + w), added in float32 as the torch path does
             w = _dense(loaded, name)
@@ -298,13 +304,13 @@ class NativeLlama:
                          matrix(EXACT_DOWN, [w("down_proj.weight")])]
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
-            rope = ropes.ropes[ropes.layer_rope[i]]
+            cos, sin = ropes[layer_rope[i]]
             layer_ptrs += [ptr(norm(w("input_norm.weight"))), ptr(norm(w("post_norm.weight"))),
                            ptr(bias), ptr(cache.k[i]), ptr(cache.v[i]),
                            optional_norm(w("q_norm.weight"), cfg.qk_norm), optional_norm(w("k_norm.weight"), cfg.qk_norm),
                            optional_norm(w("attn_out_norm.weight"), cfg.sandwich_norms),
                            optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
-                           ptr(rope.cos.contiguous()), ptr(rope.sin.contiguous())]
+                           ptr(cos), ptr(sin)]
             for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
                 slots: list[tuple[int, int, np.ndarray | None]] = [*parts, *[(0, 0, None)] * (MAX_PARTS - len(parts))]
                 layer_ptrs += [ptr(b) for _, _, b in slots]
@@ -324,19 +330,23 @@ class NativeLlama:
                         ", ".join(sorted(requantized)))
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact, int(cache.k[0].dtype == torch.float16), fine & ~exact,
+                         exact, int(cache.dtype == "float16"), fine & ~exact,
                          int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
                            dtype=np.float32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
                   np.array(layer_types, dtype=np.int32), fparams]
-        if cache.k[0].dtype not in (torch.float32, torch.float16) or (cache.k[0].dtype == torch.float16
-                                                                      and not lib.has_f16c):
-            raise ValueError(f"the native kernels cannot use a {cache.k[0].dtype} KV cache on this CPU")
+        if not isinstance(cache.k[0], np.ndarray) or cache.dtype not in ("float32", "float16") or (
+                cache.dtype == "float16" and not lib.has_f16c):
+            raise ValueError(f"the native kernels cannot use a {cache.dtype} KV cache of "
+                             f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 with F16C)")
         self.isa = lib.isa(isa)
         self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
-        self.kv_dtype = cache.k[0].dtype
+        self.kv_dtype = cache.dtype
+        # Threads per step: None follows kernel_threads() at every step (see there).
+        self.threads: int | None = None
+        self._cores = physical_cores()
         self._handle = lib.lib.tp_model_create(dims.ctypes.data, cfg.rms_norm_eps, self.isa,
                                                *(a.ctypes.data for a in arrays))
         for i, ex in sparse.items():
@@ -345,17 +355,19 @@ class NativeLlama:
                 raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
         self.num_groups = max(cache.layer_group) + 1
-        self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if isinstance(a, np.ndarray)}.values())
+        # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
+        not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
+        self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
                  "for [%s], int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
                  "/".join(self.weight_types), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), str(self.kv_dtype).removeprefix("torch."))
+                 ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), self.kv_dtype)
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
-                tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None) -> torch.Tensor:
+                tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None) -> np.ndarray:
         """One step over T rows -> float32 logits [len(logit_rows), vocab]. int32 inputs except
         slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`.
         `lora`: the step's adapters, whose float32 deltas run beside the quantized base GEMMs.
@@ -367,10 +379,11 @@ class NativeLlama:
             raise ValueError(f"this model's KV cache has {self.num_groups} groups: slot_mapping "
                              f"{slot_mapping.shape} and tables {tables.shape} must have one row each")
         slot_mapping, tables = np.ascontiguousarray(slot_mapping), np.ascontiguousarray(tables)
-        logits = torch.empty((len(logit_rows), self.vocab), dtype=torch.float32)
+        logits: np.ndarray = np.empty((len(logit_rows), self.vocab), dtype=np.float32)
         args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
-                logits.data_ptr(), torch.get_num_threads(), slot_mapping.shape[-1], tables.shape[-1])
+                logits.ctypes.data, self.threads or kernel_threads(self._cores), slot_mapping.shape[-1],
+                tables.shape[-1])
         if lora is None:
             status = self.lib.lib.tp_model_forward(*args)
         else:
@@ -385,6 +398,44 @@ class NativeLlama:
         if handle:
             self.lib.lib.tp_model_free(handle)
             self._handle = None
+
+
+def physical_cores() -> int:
+    """This process's CPUs counted as physical cores (hyperthread siblings once), torch's default
+    thread count: two threads on one core's siblings contend for its vector units."""
+    allowed = os.sched_getaffinity(0)
+    cores: set[tuple[str, str]] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu, phys = -1, "0"
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((phys, value))
+    except (OSError, ValueError):
+        cores = set()
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def kernel_threads(cores: int) -> int:
+    """Threads for one native step: TOKENPATH_NUM_THREADS (the replica launcher splits the cores
+    among local engines with it); else torch's intra-op setting where the process imported torch
+    anyway (tests and benchmarks set it with torch.set_num_threads, and it is what the kernels
+    followed when the engine imported torch); else OMP_NUM_THREADS; else `cores`, physical ones
+    (torch's default). Read at each step: all are cheap to read."""
+    threads = env_num_threads()
+    if threads is not None:
+        return max(1, threads)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        return int(torch.get_num_threads())
+    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(omp) if omp.isdigit() and int(omp) > 0 else cores
 
 
 __all__ = ["NativeLlama", "NativeLoraStep", "select_native", "native_library"]

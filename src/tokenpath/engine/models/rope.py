@@ -1,61 +1,23 @@
-"""Rotary position embeddings: plain, and the scaled variants of long-context checkpoints.
-
-The inverse frequencies follow transformers' `modeling_rope_utils` formula for formula (llama3,
-linear, yarn), so a checkpoint computes here what it computes there; a GGUF's `rope_freqs`
-(llama.cpp's form of llama3 scaling) divides the plain frequencies instead. cos/sin tables are
-built once for every position up to the engine's max length, per distinct rope (Gemma 3's
-windowed and global layers each have their own base).
+"""Rotary position embeddings on torch: cos/sin tables built once for every position up to the
+engine's max length, per distinct rope (Gemma 3's windowed and global layers each have their own
+base). The frequencies (plain and scaled: llama3, linear, yarn, GGUF rope_freqs) and which rope
+each layer uses come from engine/rope_tables.py, which the native kernels share.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
+from tokenpath.engine.rope_tables import inv_freq as _inv_freq
+from tokenpath.engine.rope_tables import rope_keys
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2], factor on cos/sin)."""
-    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return base, 1.0
-    if scaling.freq_factors is not None:
-        base = base / torch.tensor(scaling.freq_factors, dtype=torch.float32)
-    kind, factor = scaling.rope_type, scaling.factor
-    if kind == "default":
-        return base, 1.0
-    if kind == "linear":
-        return base / factor, 1.0
-    orig = scaling.original_max_position_embeddings
-    if orig is None:  # (both loaders set it for llama3 and yarn, to the trained context by default)
-        raise ValueError(f"rope type {kind!r} needs original_max_position_embeddings")
-    if kind == "llama3":
-        low_wl, high_wl = orig / scaling.low_freq_factor, orig / scaling.high_freq_factor
-        wavelen = 2 * math.pi / base
-        scaled = torch.where(wavelen > low_wl, base / factor, base)
-        smooth = (orig / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        attn = scaling.attention_factor
-        if attn is None:
-            attn = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
-
-        def corr(rot: float) -> float:
-            return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
-
-        low = max(math.floor(corr(scaling.beta_fast)), 0)
-        high: float = min(math.ceil(corr(scaling.beta_slow)), head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-        extra = 1 - ramp
-        return (base / factor) * (1 - extra) + base * extra, float(attn)
-    raise ValueError(f"rope type {kind!r}")  # the loaders refuse these before a model is built
+    """(inverse frequencies [head_dim / 2], factor on cos/sin): rope_tables.inv_freq as a tensor."""
+    freq, mscale = _inv_freq(head_dim, theta, scaling)
+    return torch.from_numpy(freq), mscale
 
 
 class Rope(nn.Module):
@@ -90,14 +52,7 @@ class LayerRopes(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_pos: int) -> None:
         super().__init__()
-        keys: list[tuple[float, bool]] = []
-        self.layer_rope: list[int] = []
-        for i in range(cfg.num_layers):
-            local = cfg.rope_local_theta is not None and cfg.window(i) is not None
-            key = (cfg.rope_base(i), not local)
-            if key not in keys:
-                keys.append(key)
-            self.layer_rope.append(keys.index(key))
+        keys, self.layer_rope = rope_keys(cfg)
         self.ropes = nn.ModuleList(Rope(cfg.head_dim, base, max_pos, cfg.rope_scaling if scaled else None)
                                    for base, scaled in keys)
 

@@ -13,39 +13,39 @@ the plain sampler draws from.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from tokenpath.engine.sampler import _filter, draw
+from tokenpath.engine.rng import Generator
+from tokenpath.engine.sampler import _argmax, _filter, draw, softmax
 from tokenpath.engine.sequence import Sequence
 from tokenpath.protocol.sampling_params import SAMPLING_EPS
 
 
-def verify(logits: torch.Tensor, seq: Sequence, generator: torch.Generator) -> list[int]:
+def verify(logits: np.ndarray, seq: Sequence, generator: Generator) -> list[int]:
     """The tokens `seq` gains this step: its accepted drafts, then one token of the target model
-    (1 to K + 1 tokens). `logits`: [1 + len(seq.draft_ids), vocab]."""
+    (1 to K + 1 tokens). `logits`: [1 + len(seq.draft_ids), vocab], float32."""
     drafts, p = seq.draft_ids, seq.params
     if p.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = _argmax(logits)
         a = 0
         while a < len(drafts) and drafts[a] == target[a]:
             a += 1
         return [*drafts[:a], target[a]]
-    probs = torch.softmax(logits.float() / max(p.temperature, SAMPLING_EPS), dim=-1)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        probs = softmax(np.asarray(logits, dtype=np.float32) / np.float32(max(p.temperature, SAMPLING_EPS)))
     probs = _filter(probs, [p] * probs.shape[0])
     gen = seq.generator or generator
     vocab = probs.shape[-1]
     for j, x in enumerate(drafts):
         row = probs[j]
-        total = float(row.sum())
+        total = float(row.sum(dtype=np.float32))
         px = float(row[x]) / total if 0 <= x < vocab and total > 0 else 0.0
-        if float(torch.rand(1, dtype=torch.float64, generator=gen)) < px:
+        if gen.uniform() < px:
             continue
-        residual = row.clone()
+        residual = row.copy()
         if 0 <= x < vocab:
             residual[x] = 0.0
-        u = torch.rand(1, dtype=torch.float64, generator=gen)
-        picked, ok = draw(residual.unsqueeze(0), u)
-        return [*drafts[:j], picked[0] if ok[0] else int(row.argmax())]
-    u = torch.rand(1, dtype=torch.float64, generator=gen)
-    picked, ok = draw(probs[-1:], u)
-    return [*drafts, picked[0] if ok[0] else int(probs[-1].argmax())]
+        picked, ok = draw(residual[None, :], np.array([gen.uniform()]))
+        return [*drafts[:j], picked[0] if ok[0] else int(np.argmax(row))]
+    picked, ok = draw(probs[-1:], np.array([gen.uniform()]))
+    return [*drafts, picked[0] if ok[0] else int(np.argmax(probs[-1]))]

@@ -5,8 +5,8 @@ Why llguidance (xgrammar and outlines-core were measured too): it refuses the sc
 cannot enforce instead of dropping them, and compiles in about a millisecond; figures in
 benchmarks/structured_output.md.
 
-The masking names are imported on first use: `masking` imports torch, and the gateway's grammar
-worker process (api/grammar_worker.py) imports `grammar` alone, so it starts in a second, not three.
+The masking names are imported on first use: the gateway's grammar worker process
+(api/grammar_worker.py) imports `grammar` alone, so it starts in a second, not three.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-import torch
 
 # float32 -inf as an int32 bit pattern: (bit - 1) & NEG_INF is 0 (+0.0) for 1 and -inf for 0.
 NEG_INF_BITS = int(np.array([-np.inf], dtype=np.float32).view(np.int32)[0])
@@ -64,16 +63,16 @@ class MaskBuilder:
     def __init__(self, grammar_vocab: int) -> None:
         self.executor = llguidance.LLExecutor()
         self.words = (grammar_vocab + 31) // 32  # the bitmask width the matchers' tokenizer fills
-        self._buf: torch.Tensor | None = None
+        self._buf: np.ndarray | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        self._pending: tuple[list[GrammarState], torch.Tensor, Future[float]] | None = None
+        self._pending: tuple[list[GrammarState], np.ndarray, Future[float]] | None = None
 
-    def _bitmask(self, rows: int) -> torch.Tensor:
+    def _bitmask(self, rows: int) -> np.ndarray:
         if self._buf is None or self._buf.shape[0] < rows:
-            self._buf = torch.empty((max(rows, 8), self.words), dtype=torch.int32)
+            self._buf = np.empty((max(rows, 8), self.words), dtype=np.int32)
         return self._buf[:rows]
 
-    def _compute(self, states: list[GrammarState], mask: torch.Tensor, rows: list[int]) -> float:
+    def _compute(self, states: list[GrammarState], mask: np.ndarray, rows: list[int]) -> float:
         """Fill `mask`'s `rows` from `states`; returns the seconds it took per row."""
         # What llguidance.torch's fill_next_token_bitmask(_par) do, called directly: importing that
         # module imports torch.compile's machinery (dynamo, inductor: seconds in every process
@@ -83,20 +82,20 @@ class MaskBuilder:
         start = time.perf_counter()
         if len(states) == 1:
             row = mask[rows[0]]
-            states[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            states[0].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         else:
             self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in zip(rows, states, strict=True)],
-                                                  mask.data_ptr(), mask.shape[1] * mask.element_size(), mask.shape[0])
+                                                  mask.ctypes.data, mask.shape[1] * mask.itemsize, mask.shape[0])
         return (time.perf_counter() - start) / len(states)
 
     def prefetch(self, states: list[GrammarState]) -> None:
         """Start computing these states' next masks in the background (see the module's docstring)."""
         self._collect()
         if states:
-            buf = torch.empty((len(states), self.words), dtype=torch.int32)
+            buf: np.ndarray = np.empty((len(states), self.words), dtype=np.int32)
             self._pending = (states, buf, self._thread.submit(self._compute, states, buf, list(range(len(states)))))
 
-    def _collect(self) -> dict[int, tuple[torch.Tensor, float]]:
+    def _collect(self) -> dict[int, tuple[np.ndarray, float]]:
         """The prefetched masks by state identity (waiting for them); empty if none or it failed."""
         if self._pending is None:
             return {}
@@ -108,7 +107,7 @@ class MaskBuilder:
             return {}
         return {id(s): (buf[k], per_row) for k, s in enumerate(states)}
 
-    def fill(self, rows: int, states: list[GrammarState]) -> torch.Tensor:
+    def fill(self, rows: int, states: list[GrammarState]) -> np.ndarray:
         """A (rows, words) int32 bitmask: row j as states[j]'s grammar allows next."""
         ready = self._collect()
         mask = self._bitmask(rows)
@@ -130,33 +129,30 @@ class MaskBuilder:
         return mask
 
 
-def additive_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+def additive_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
     """(rows, vocab) float32: +0.0 where the bitmask allows the token, -inf where it does not;
     ids past the bitmask (a logits row padded past the tokenizer) are never allowed."""
-    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=1, bitorder="little")
     bits = bits[:, :vocab] if bits.shape[1] >= vocab else np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-    return torch.from_numpy(((bits.astype(np.int32) - 1) & NEG_INF_BITS).view(np.float32))
+    return ((bits.astype(np.int32) - 1) & NEG_INF_BITS).view(np.float32)
 
 
-def apply_grammar_masks(builder: MaskBuilder, logits: torch.Tensor, raw: torch.Tensor, rows: list[int],
-                        states: list[GrammarState], may_empty: list[int]) -> torch.Tensor:
+def apply_grammar_masks(builder: MaskBuilder, logits: np.ndarray, raw: np.ndarray, rows: list[int],
+                        states: list[GrammarState], may_empty: list[int]) -> np.ndarray:
     """`logits` with each constrained row's forbidden tokens at -inf, in place (the sampler owns
     the step's logits; logprobs were taken from the raw ones before). `may_empty` are the
     positions in `rows` whose penalties put -inf somewhere (min_tokens banning EOS): if that and
     the grammar together leave nothing, the row takes the grammar's mask over its raw logits,
     since the grammar is what the client asked to be guaranteed."""
     add = additive_mask(builder.fill(len(rows), states), logits.shape[-1])
-    # The torch path's logits are inference tensors (made under inference_mode), which refuse an
-    # in-place update here; the native path's come from numpy and are masked in place.
-    if (may_empty and logits is raw) or logits.is_inference():
-        logits = logits.clone()
+    if may_empty and logits is raw:
+        logits = logits.copy()
     if len(rows) == logits.shape[0]:
-        logits.add_(add)
+        logits += add
     else:
-        idx = torch.tensor(rows)
-        logits[idx] = logits[idx].add_(add)
+        logits[rows] += add
     for j in may_empty:
         i = rows[j]
-        if bool(torch.isinf(logits[i]).all()):
+        if bool(np.isinf(logits[i]).all()):
             logits[i] = raw[i] + add[j]
     return logits

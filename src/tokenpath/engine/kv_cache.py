@@ -1,0 +1,58 @@
+"""The KV cache's block pool: one K and one V array per layer slot, numpy on the native kernels,
+torch on the torch path.
+
+Why two storages behind one class: the native kernels read and write the pool through raw
+pointers, so a numpy array serves them as well as a tensor did, and serving a GGUF then never
+imports torch (issue 42: torch's import alone is ~218 MiB of RSS, more than llama.cpp's whole
+server on SmolLM2). The torch path's attention (engine/attention.py) indexes tensors, on any
+device. The dtype is a name ("float32", "float16", "bfloat16": numpy has no bfloat16, which only
+the torch path uses), so sizing the pool needs neither library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenpath.engine.kv_groups import KVLayout
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class KVCache:
+    """One K and one V pool per layer, shaped [num_blocks * block_size, kv_heads, head_dim] so a
+    token's slot index addresses it directly. With a KVLayout, layers of different groups share
+    arrays (`k[layer]` is its slot's array): a block id is a page of `group_size` layers."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str, device: Any = None, zeroed: bool = True, layout: KVLayout | None = None) -> None:
+        """device None: numpy arrays in this process's memory (the native kernels); a torch
+        device: tensors there. zeroed=False leaves the pool unwritten, so its pages become
+        resident only as slots are used: for readers that never touch a slot before writing it
+        (the native kernels). The SDPA path pads gathers with unwritten slots, and a NaN there
+        would survive its mask."""
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"KV cache dtype {dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+        layout = layout or KVLayout.single(num_layers)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        if device is None:
+            if dtype == "bfloat16":
+                raise ValueError("a numpy KV cache cannot hold bfloat16 (the native kernels use float32 or float16)")
+            alloc_np = np.zeros if zeroed else np.empty
+            ks: list[Any] = [alloc_np(shape, dtype=dtype) for _ in range(layout.group_size)]
+            vs: list[Any] = [alloc_np(shape, dtype=dtype) for _ in range(layout.group_size)]
+        else:
+            import torch
+
+            alloc = torch.zeros if zeroed else torch.empty
+            ks = [alloc(shape, dtype=getattr(torch, dtype), device=device) for _ in range(layout.group_size)]
+            vs = [alloc(shape, dtype=getattr(torch, dtype), device=device) for _ in range(layout.group_size)]
+        self.dtype = dtype
+        self.k = [ks[j] for j in layout.layer_slot]
+        self.v = [vs[j] for j in layout.layer_slot]
+        self.layer_group = layout.layer_group
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
