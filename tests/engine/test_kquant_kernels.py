@@ -125,3 +125,35 @@ def test_new_types_run_repacked_only():
     assert K.repack(lib, K.Q4_K, q)[0] == K.Q4_K
     with pytest.raises(ValueError, match="Q4_K runs repacked only"):
         K.gemm(lib, K.Q4_K, q, np.ones((1, 256), dtype=np.float32), 256, K.ISA_AVX2, threads=1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", [t for t in TYPES if t not in (K.F16, K.BF16)], ids=lambda t: K.TYPE_NAMES[t])
+def test_largest_weights_and_activations_keep_exact_integer_sums(isa, wtype):
+    """Every quant at its largest value against activations whose int8 bytes (and residual bytes)
+    sit at the clamp: the integer sums are as large as the formats allow. The AVX2 kernels add
+    maddubs' int16 pair sums over several 4-weight chunks before widening them (kquant_impl.h); one
+    chunk too many saturates int16 here and misses the float64 reference by far more than 1e-5."""
+    rng = np.random.default_rng(wtype)
+    k = 512
+    q = random_blocks(wtype, 32, k, rng)
+    per_block, block_bytes = K.GGUF_BLOCKS[wtype]
+    blocks = q.reshape(-1, block_bytes)
+    scales = {off for off in SCALE_FIELDS[wtype]}
+    keep = np.zeros(block_bytes, dtype=bool)
+    for off in scales:
+        keep[off : off + 2] = True
+    if wtype == K.Q6_K:
+        keep[192:208] = True  # the int8 sub-block scales stay random (either sign)
+    blocks[:, ~keep] = 0xFF  # quants (and Q4_K/Q5_K's 6-bit scales and minimums) at their maximum
+    wd = dequantized(wtype, q).astype(np.float64)
+    packed_type, packed = K.repack(lib, wtype, q)
+    # Per 32-block: one 127 (sets the step d = 1), the rest 126.4999: q = 126 and the residual
+    # 0.4999 * 254 rounds to 127, both bytes near the clamp. Row 1 is the same, negated.
+    row = np.full(k, 126.4999, dtype=np.float32)
+    row[::32] = 127
+    x = np.stack([row, -row, np.full(k, 3.0, dtype=np.float32)])
+    for fine in (False, True):
+        y = K.gemm(lib, packed_type, packed, x, k, isa, threads=1, fine=fine)
+        ref = activations(x, fine) @ wd.T
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), (K.TYPE_NAMES[wtype], fine)

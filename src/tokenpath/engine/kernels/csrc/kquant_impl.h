@@ -58,8 +58,6 @@ static inline VI vsrl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
 static inline VI vsll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
 static inline VI vu8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 static inline VI vi8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-// |u| <= 63, so a maddubs pair is at most 2 * 63 * 127: no int16 saturation.
-static inline VI kq_dot(VI acc, VI u, VI s) { return vadd32(acc, dot_us(u, s)); }
 static inline VI vsel_lo4_hi2(VI lo, VI hi) { return vor(vand(lo, vbyte(0x0F)), vand(hi, vbyte(0x30))); }
 #endif
 
@@ -94,6 +92,7 @@ static inline VI kq_weights(const uint8_t* g, int o, int c) {
 
 // Integer dots of MR activation rows with chunks [c0, c1) of one 32-block (the whole block, or a
 // half for Q6_K): isum[r] = dot (254 * dot + residual dot with RES).
+#if TP_VNNI
 template <int WT, int MR, bool RES, int k>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
@@ -116,6 +115,42 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
         for (int r = 0; r < MR; ++r) coarse[0][r] = vadd32(coarse[0][r], coarse[i][r]), fine[0][r] = vadd32(fine[0][r], fine[i][r]);
     for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[0][r], fine[0][r]) : coarse[0][r];
 }
+#else
+// AVX2 has no u8 x s8 -> int32 multiply-add: maddubs gives int16 pair sums, and widening each
+// chunk's with madd (the old kq_dot) cost a second multiply per chunk. Both multiplies issue on
+// one port on Zen 2, so the kernel was bound by them. Here the pair sums of SPAN chunks add up in
+// int16 first and one madd per SPAN chunks widens them; with the residual bytes that madd
+// multiplies by 254 at the same time (combine() without its shifts). The bound that keeps the int16
+// sums exact: |activation| <= 127 (quantize_row clamps both bytes), so a pair is at most
+// 2 * 127 * qmax: Q4_K 3810 (8 chunks: 30480), 5-bit 7874 (4: 31496), Q6_K 16002 (2: 32004).
+// The int32 results are the same integers as VNNI's, so the ISAs still agree bit for bit.
+template <int WT>
+constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
+
+template <int WT, int MR, bool RES, int k>
+static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
+                           const int8_t* const* qb, VI* isum) {
+    constexpr int SPAN = kq_span<WT>();
+    const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+    for (int r = 0; r < MR; ++r) isum[r] = vzero();  // folded away: the first add is to zero
+    for (int c = c0; c < c1; c += SPAN) {
+        VI coarse[MR], fine[MR];
+        for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+        for (int j = c; j < c + SPAN; ++j) {
+            const VI w = kq_weights<WT, k>(g, o, j);
+            for (int r = 0; r < MR; ++r) {
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
+                if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
+            }
+        }
+        for (int r = 0; r < MR; ++r) {
+            VI part = _mm256_madd_epi16(coarse[r], RES ? w254 : one16);
+            if constexpr (RES) part = vadd32(part, _mm256_madd_epi16(fine[r], one16));
+            isum[r] = vadd32(isum[r], part);
+        }
+    }
+}
+#endif
 
 constexpr size_t kPrefetchAhead = 2;  // super-blocks
 
