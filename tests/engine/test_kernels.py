@@ -28,17 +28,22 @@ def ref_weights(wtype: int, q: np.ndarray, k: int) -> np.ndarray:
     return w.reshape(q.shape[0], -1)[:, :k].astype(np.float64)
 
 
+def _int8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x's 32-blocks (zero-padded), their q = round(x * 127 / max|x|) and d = max|x| / 127, as
+    the kernels quantize an activation row."""
+    m, k = x.shape
+    xp = np.zeros((m, -(-k // 32) * 32), dtype=np.float32)
+    xp[:, :k] = x
+    blocks = xp.reshape(m, -1, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    q = np.rint(blocks * np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32))
+    return blocks, q, (amax / np.float32(127)).astype(np.float32)
+
+
 def quantized_activations(x: np.ndarray) -> np.ndarray:
     """x as the kernels see it: per 32-block d = max|x| / 127, q = round(x * 127 / max|x|)."""
     m, k = x.shape
-    nb = -(-k // 32)
-    xp = np.zeros((m, nb * 32), dtype=np.float32)
-    xp[:, :k] = x
-    blocks = xp.reshape(m, nb, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.rint(blocks * inv)
-    d = (amax / np.float32(127)).astype(np.float32)
+    _, q, d = _int8_blocks(x)
     return (q.astype(np.float64) * d).reshape(m, -1)[:, :k]
 
 
@@ -125,14 +130,7 @@ def fine_activations(x: np.ndarray) -> np.ndarray:
     """x as the kernels see it with residual bytes (QAct::q2): q as in quantized_activations, then
     the rest x - q d re-quantized at d / 254, clamped to int8; values (254 q + q2) * d / 254."""
     m, k = x.shape
-    nb = -(-k // 32)
-    xp = np.zeros((m, nb * 32), dtype=np.float32)
-    xp[:, :k] = x
-    blocks = xp.reshape(m, nb, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    safe = np.where(amax > 0, amax, 1)
-    q = np.rint(blocks * np.where(amax > 0, np.float32(127) / safe, 0).astype(np.float32))
-    d = (amax / np.float32(127)).astype(np.float32)
+    blocks, q, d = _int8_blocks(x)
     rest = (blocks.astype(np.float64) - q * d.astype(np.float64)).astype(np.float32)
     inv2 = np.where(d > 0, np.float32(254) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q2 = np.clip(np.rint(rest * inv2), -127, 127)
