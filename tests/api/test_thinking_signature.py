@@ -11,6 +11,13 @@ from tokenpath.api.anthropic import signature
 
 
 def test_data_dir_key_is_made_once_private_and_reused(tmp_path):
+    # Many rounds of 8 racing callers: the old create-then-write let one read the file empty in
+    # about 1 round in 40 on 2 cores (a failure of make test under load).
+    for i in range(200):
+        with ThreadPoolExecutor(8) as pool:
+            raced = list(pool.map(lambda _, d=tmp_path / f"race{i}": signature.key_file_key(d), range(8)))
+        assert len(set(raced)) == 1 and len(raced[0]) == 32, f"round {i}: {len(set(raced))} keys"
+        assert sorted(p.name for p in (tmp_path / f"race{i}").iterdir()) == [signature.KEY_FILE]
     with ThreadPoolExecutor(8) as pool:
         keys = list(pool.map(lambda _: signature.key_file_key(tmp_path / "data"), range(8)))
     assert len(set(keys)) == 1 and len(keys[0]) == 32

@@ -34,7 +34,10 @@ PREFIX = "tp1."
 
 
 def key_file_key(data_dir: Path) -> bytes:
-    """The data dir's key, made (0600, exclusively: two servers starting at once agree) when absent."""
+    """The data dir's key, made (0600) when absent. Two servers (or threads) starting at once
+    agree: the key is written whole to a file of this caller's own, then linked into place, which
+    succeeds for one of them only; the rest read what it linked. (Creating the key file itself
+    exclusively and then writing it let a second caller read it empty in between.)"""
     path = data_dir / KEY_FILE
     try:
         return path.read_bytes()
@@ -42,13 +45,20 @@ def key_file_key(data_dir: Path) -> bytes:
         pass
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_bytes(32)
+    mine = data_dir / f".{KEY_FILE}.{secrets.token_hex(8)}"
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it first
-        return path.read_bytes()
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-    return key
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(mine, path)
+        except FileExistsError:  # another caller linked its key first
+            return path.read_bytes()
+        return key
+    finally:
+        os.unlink(mine)
 
 
 def signing_key(config: object) -> bytes:
