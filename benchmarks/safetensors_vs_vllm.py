@@ -30,9 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.procs import free_port, group_status_kib, stop_group, wait_healthy  # noqa: E402
+from benchmarks.vllm_peer import venv  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-VLLM = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "vllm"
+VLLM = venv() / "bin" / "vllm"
 NAME = "smollm2-135m-instruct"
 
 

@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-VENV=${VLLM_VENV:-benchmarks/.venv-vllm}
+# (TOKENPATH_VLLM_VENV: another place, as benchmarks/vllm_peer.py and the tests read it)
+VENV=${TOKENPATH_VLLM_VENV:-benchmarks/.venv-vllm}
 if [ -x "$VENV/bin/vllm" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "$VENV: vLLM $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))') present"
     exit 0

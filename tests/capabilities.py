@@ -60,7 +60,9 @@ def _module(name: str) -> Callable[[], bool]:
 
 
 def _vllm_venv() -> Path:
-    return Path(os.environ.get("TOKENPATH_VLLM_VENV", ROOT / "benchmarks" / ".venv-vllm"))
+    from benchmarks.vllm_peer import venv  # (the one place that says where scripts/vllm_venv.sh puts it)
+
+    return venv()
 
 
 def _commands(*names: str) -> Callable[[], bool]:

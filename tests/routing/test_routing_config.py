@@ -63,8 +63,8 @@ def test_load_is_at_start_or_on_demand_and_fallbacks_never_involve_an_on_demand_
 
 
 async def test_an_on_demand_deployment_starts_nothing_until_loaded(tmp_path):
-    """Its replica (here a URL nothing listens on: a connection would fail the start) is not built
-    at start; it is a catalog entry, unloaded, beside the at-start deployment."""
+    """Its replica (here a URL nothing listens on) is not built at start: the deployment is a
+    catalog entry, unloaded, and not among the router's deployments until a request loads it."""
     from tests.process_logs import free_port
 
     from tokenpath.server.config import ServerConfig

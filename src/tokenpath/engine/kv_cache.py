@@ -11,6 +11,7 @@ the torch path uses), so sizing the pool needs neither library.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,18 +37,19 @@ class KVCache:
             raise ValueError(f"KV cache dtype {dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
         layout = layout or KVLayout.single(num_layers)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        alloc: Callable[[], Any]
         if device is None:
             if dtype == "bfloat16":
                 raise ValueError("a numpy KV cache cannot hold bfloat16 (the native kernels use float32 or float16)")
-            alloc_np = np.zeros if zeroed else np.empty
-            ks: list[Any] = [alloc_np(shape, dtype=dtype) for _ in range(layout.group_size)]
-            vs: list[Any] = [alloc_np(shape, dtype=dtype) for _ in range(layout.group_size)]
+            make_np = np.zeros if zeroed else np.empty
+            alloc = lambda: make_np(shape, dtype=dtype)  # noqa: E731
         else:
             import torch
 
-            alloc = torch.zeros if zeroed else torch.empty
-            ks = [alloc(shape, dtype=getattr(torch, dtype), device=device) for _ in range(layout.group_size)]
-            vs = [alloc(shape, dtype=getattr(torch, dtype), device=device) for _ in range(layout.group_size)]
+            make = torch.zeros if zeroed else torch.empty
+            alloc = lambda: make(shape, dtype=getattr(torch, dtype), device=device)  # noqa: E731
+        ks = [alloc() for _ in range(layout.group_size)]
+        vs = [alloc() for _ in range(layout.group_size)]
         self.dtype = dtype
         self.k = [ks[j] for j in layout.layer_slot]
         self.v = [vs[j] for j in layout.layer_slot]

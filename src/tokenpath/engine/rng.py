@@ -29,8 +29,3 @@ class Generator:
         """The next uniform (one `torch.rand(1, dtype=torch.float64)` of the same seed)."""
         r1, r2 = (int(v) for v in self._bits.random_raw(2))
         return ((r1 << 32 | r2) & _LOW53) * _SCALE
-
-    def uniforms(self, n: int) -> np.ndarray:
-        """The next `n` uniforms, float64 (`torch.rand(n, dtype=torch.float64)` of the same seed)."""
-        raw = self._bits.random_raw(2 * n).astype(np.uint64).reshape(n, 2)
-        return ((raw[:, 0] << np.uint64(32) | raw[:, 1]) & np.uint64(_LOW53)).astype(np.float64) * _SCALE
