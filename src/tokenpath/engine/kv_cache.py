@@ -48,8 +48,9 @@ class KVCache:
 
             make = torch.zeros if zeroed else torch.empty
             alloc = lambda: make(shape, dtype=getattr(torch, dtype), device=device)  # noqa: E731
-        ks = [alloc() for _ in range(layout.group_size)]
-        vs = [alloc() for _ in range(layout.group_size)]
+        # Any: numpy arrays or torch tensors; each path's callers use its own methods.
+        ks: list[Any] = [alloc() for _ in range(layout.group_size)]
+        vs: list[Any] = [alloc() for _ in range(layout.group_size)]
         self.dtype = dtype
         self.k = [ks[j] for j in layout.layer_slot]
         self.v = [vs[j] for j in layout.layer_slot]
