@@ -135,6 +135,47 @@ def test_a_requests_keep_alive_unloads_the_idle_model(http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive", bad.text
 
 
+def test_vllms_sleep_mode_frees_the_loaded_models_and_wake_up_loads_them(http):
+    """vLLM's /sleep, /wake_up and /is_sleeping over the catalog: sleep unloads what is loaded
+    (refused while a model serves, unless forced), wake_up loads the same models, and a request to
+    a sleeping model wakes it too."""
+    assert http.post(f"/v1/models/{SMOL}/load").json()["state"] == "loaded"
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False, "models": []}
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": 400,
+            "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # it is generating
+        r = http.post("/sleep")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "model_busy", r.text
+        assert cards(http)[SMOL]["state"] == "loaded"  # a refused sleep puts nothing to sleep
+        r = http.post("/sleep", params={"force": "true", "level": 2})
+        assert r.status_code == 200 and r.json()["sleeping"] == [SMOL], r.text
+        rest = "\n".join(lines)
+    assert '"finish_reason":"abort"' in rest.replace(" ", ""), rest[-2000:]
+    assert cards(http)[SMOL]["state"] == "unloaded"
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True, "models": [SMOL]}
+    for bad, params in (("/sleep", {"level": 3}), ("/wake_up", {"tags": "gpu"})):
+        r = http.post(bad, params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(params)), r.text
+    r = http.post("/wake_up", params={"tags": "weights"})
+    assert r.status_code == 200 and r.json()["woken"] == [SMOL], r.text
+    assert cards(http)[SMOL]["state"] == "loaded"
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False
+    assert http.post("/sleep").json()["sleeping"] == [SMOL]
+    assert chat(http, SMOL).status_code == 200  # a request wakes it as well
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False
+    assert http.post("/wake_up").json()["woken"] == []
+
+
+def test_sleep_without_a_catalog_is_a_404_and_changes_nothing(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        r = client.post("/sleep")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "no_model_catalog", r.text
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False, "models": []}
+        assert chat(client, "smollm2-135m-instruct").status_code == 200
+
+
 def test_two_entries_with_one_id_stop_the_start(tmp_path):
     d = tmp_path / "models"
     d.mkdir()
@@ -162,8 +203,9 @@ def test_key_acls_apply_to_catalog_ids_and_load_unload_need_an_admin_key(tmp_pat
             r = http.post("/v1/chat/completions", headers=tenant, json={"model": "smollm2-135m-instruct", **CHAT})
             assert r.status_code == 403, r.text  # refused by the key before any load starts
             assert cards_as(http, admin)["smollm2-135m-instruct"]["loads"] == 0
-            r = http.post(f"/v1/models/{EMBED_MODEL}/load", headers=tenant)
-            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+            for path in (f"/v1/models/{EMBED_MODEL}/load", "/sleep", "/wake_up"):
+                r = http.post(path, headers=tenant)
+                assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
             assert http.post(f"/v1/models/{EMBED_MODEL}/load", headers=admin).json()["state"] == "loaded"
             r = http.post("/v1/embeddings", headers=tenant, json={"model": EMBED_MODEL, "input": "hi"})
             assert r.status_code == 200 and "model_load" not in r.headers["server-timing"], r.text

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import generation
 from tokenpath.api.embeddings import handle_embeddings
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
-from tokenpath.errors import NotFoundError, PermissionDeniedError, TokenpathError
+from tokenpath.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, TokenpathError
 from tokenpath.protocol.names import MODEL, check_name
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
@@ -118,6 +118,60 @@ async def unload_model(model_id: str, request: Request, force: bool = False,
     `?force=true` (they then end with a 503). Admin only when auth is on."""
     catalog = await _catalog_of(state, request, model_id, "unload")
     return JSONResponse({"id": model_id, "object": "model", "state": await catalog.unload(model_id, force=force)})
+
+
+def _sleep_catalog(state: AppState):  # noqa: ANN202
+    catalog = state.router.catalog
+    if catalog is None:
+        raise NotFoundError("sleep mode needs a model catalog (serve --models-dir, or a routing file entry with "
+                            "load: on_demand): the models named at start-up stay loaded", code="no_model_catalog")
+    return catalog
+
+
+@router.post("/sleep", responses={404: {"description": "No model catalog"}, 409: {"description": "Requests in flight"}})
+async def sleep(request: Request, level: int = 1, model: str | None = None, force: bool = False,
+                state: AppState = Depends(get_state)) -> JSONResponse:
+    """vLLM's sleep mode: free the memory of every loaded catalog model (or `?model=`) without a
+    restart; `/wake_up` loads them again, and so does their next request. Levels 1 and 2 both free
+    weights and KV cache here (the weights' file stays in the OS page cache, so waking is a quick
+    reload). A model with requests in flight is a 409 unless `?force=true`. Admin only when auth
+    is on."""
+    await require_admin(state, request, "/sleep")
+    if level not in (1, 2):
+        raise InvalidRequestError(f"level is {level}; sleep levels are 1 and 2", param="level")
+    if model is not None:
+        check_name(model, MODEL, "model")
+    catalog = _sleep_catalog(state)
+    if model is not None and model not in catalog:
+        raise NotFoundError(f"The model '{model}' is not in the model catalog", param="model",
+                            code="model_not_found")
+    return JSONResponse({"status": "ok", "sleeping": await catalog.sleep(model, force=force)})
+
+
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+@router.post("/wake_up", responses={404: {"description": "No model catalog"}})
+async def wake_up(request: Request, tags: list[str] | None = Query(None),
+                  state: AppState = Depends(get_state)) -> JSONResponse:
+    """vLLM's `/wake_up`: load what `/sleep` freed, and answer once loaded. vLLM's `tags` (wake
+    the weights or the KV cache alone) are accepted by name; a model here wakes whole, since an
+    engine without its KV cache could serve nothing."""
+    await require_admin(state, request, "/wake_up")
+    unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
+    if unknown:
+        raise InvalidRequestError(f"unknown tag(s) {', '.join(unknown)}: tags are {', '.join(WAKE_TAGS)}",
+                                  param="tags")
+    return JSONResponse({"status": "ok", "woken": await _sleep_catalog(state).wake_up()})
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
+    """vLLM's `/is_sleeping`: whether any model put to sleep is still unloaded (and which)."""
+    await require_admin(state, request, "/is_sleeping")
+    catalog = state.router.catalog
+    asleep = catalog.sleeping() if catalog is not None else []
+    return JSONResponse({"is_sleeping": bool(asleep), "models": asleep})
 
 
 async def _catalog_of(state: AppState, request: Request, model_id: str, verb: str):  # noqa: ANN202

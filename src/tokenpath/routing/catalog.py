@@ -113,6 +113,7 @@ class ModelCatalog:
         self.deployments: dict[str, Deployment[Any, Any]] = {}  # the router's (attached by ModelRouter)
         self._lock = asyncio.Lock()  # one load (and its evictions) at a time
         self._reaper: asyncio.Task[None] | None = None
+        self._asleep: set[str] = set()  # put to sleep (vLLM's /sleep) and not loaded since
 
     # -- what is in it ------------------------------------------------------------------------------
     def __contains__(self, model: str) -> bool:
@@ -262,6 +263,7 @@ class ModelCatalog:
                 slot.loaded, slot.footprint, slot.state, slot.failure = loaded, footprint, "loaded", None
                 await self._settle(slot)
                 slot.loads += 1
+                self._asleep.discard(entry.id)  # (woken: by /wake_up, a warm-up or a request)
                 slot.load_seconds += took
                 slot.last_used = time.monotonic()
                 self.deployments[entry.id] = loaded.deployment
@@ -373,6 +375,35 @@ class ModelCatalog:
             await self._unload(slot, why="forced unload" if slot.inflight else "unload requested")
         slot.unloaded = (time.monotonic(), "unloaded", None)
         return slot.state
+
+    # -- vLLM's sleep mode ---------------------------------------------------------------------------
+    async def sleep(self, model: str | None = None, force: bool = False) -> list[str]:
+        """`POST /sleep`: unload every loaded model (or `model`) and remember them, so that
+        `/wake_up` loads the same ones. Why an unload: on a CPU the weights already live in host
+        memory, so vLLM's level 1 (weights to host memory, KV dropped) and level 2 (both dropped)
+        both come down to freeing the engine; its file's pages stay in the OS cache, which is what
+        makes the wake-up quick. Busy models are checked first, so a 409 puts none to sleep."""
+        slots = [self._slot(model)] if model is not None else list(self._slots.values())
+        awake = [s for s in slots if s.state in ("loaded", "loading")]
+        busy = [f"'{s.entry.id}' ({s.inflight})" for s in awake if s.inflight]
+        if busy and not force:
+            raise ConflictError(f"model(s) with requests in flight: {', '.join(busy)}; put them to sleep with "
+                                "?force=true to end those requests", param="model", code="model_busy")
+        for slot in awake:
+            await self.unload(slot.entry.id, force=True)
+            self._asleep.add(slot.entry.id)
+        return [s.entry.id for s in awake]
+
+    async def wake_up(self) -> list[str]:
+        """`POST /wake_up`: load what `/sleep` unloaded (one after another, as the budget allows)."""
+        woken = sorted(self._asleep)
+        for model in woken:
+            await self.load(model)
+        return woken
+
+    def sleeping(self) -> list[str]:
+        """The models put to sleep and not loaded since (by `/wake_up` or by a request)."""
+        return sorted(m for m in self._asleep if self._slots[m].state != "loaded")
 
     # -- idle unload --------------------------------------------------------------------------------
     def start(self) -> None:

@@ -1,0 +1,237 @@
+"""A flood of streaming clients that never read, on the real default model (issue 41, item 4:
+"200 non-reading streams free their slots within the stall bound; gateway RSS back within 10%
+afterwards").
+
+One `tokenpath serve --model smollm2-135m-instruct --stream-stall-timeout S`, in-process or with
+the engine in processes (`--replicas N`). The run:
+1. **Warm-up**, so what the server allocates once belongs to the baseline: `--streams` reading
+   streams at once (the engine's buffers for a batch this wide with 20 top logprobs), then a few
+   non-readers found stalled (the stall path's own allocations). Then past the next periodic heap
+   trim: the **before** RSS.
+2. **The flood:** `--streams` raw sockets with a tiny receive window each ask for a 1500-token
+   stream with 20 top logprobs per token (~1.5 KB of SSE per token) and read nothing
+   (tests/reliability/test_slow_readers.py's `non_reader`). Meanwhile a **well-behaved client**
+   sends short chat requests one after another and reads them; its successes and latencies are
+   counted from the flood's start until every slot is free.
+3. **Freed:** the seconds from the last socket opened until every flood stream's audit row is
+   closed (its engine and admission slots are free then), against the stall bound S; each row
+   must say `client_stalled`.
+4. **After:** the sockets are closed, and the gateway's RSS is polled until it is within 10% of
+   the flood's start (or two trims and 10 s have passed).
+5. **A second flood**, the same. Why two: in-process, the first flood touches KV-cache pages
+   the warm-up never reached (the pool is allocated untouched, so pages become resident as slots
+   are first used, and stay so: llama.cpp's cache is resident from its start). The second flood
+   reuses them, so its after/start is what a leak or a pile-up would move. (The pool is the
+   `--kv-cache-memory` budget, 512 MiB by default; 200 streams of ~130 tokens ask for more
+   than it holds, so the first flood reaches all of it.)
+
+RSS is the gateway process's own (with `--replicas`, the engines' processes are listed apart:
+their KV pages, once touched, stay theirs as llama.cpp's preallocated cache does).
+
+The load generator and the sockets run in this process, pinned to the last core (`taskset`).
+
+    .venv/bin/python benchmarks/slow_reader_flood.py [--streams 200] [--stall 5] [--replicas 0 2]
+
+Writes benchmarks/results/slow_reader_flood.md (one table row per mode) and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+from benchmarks.procs import port_of, serve, stop_group  # noqa: E402
+from tests.reliability.test_slow_readers import STREAM, non_reader, rss_mib  # noqa: E402
+
+from tokenpath.gateway.base import OPEN_STATUS  # noqa: E402
+from tokenpath.gateway.store import GatewayStore, resolve_store_location  # noqa: E402
+from tokenpath.server.memory import TRIM_INTERVAL_S  # noqa: E402
+
+BIN = Path(sys.executable).parent
+MODEL = "smollm2-135m-instruct"
+SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+
+
+def gauge_sum(url: str, name: str) -> float:
+    """One gauge summed over every model of /metrics (a flood's requests may sit in any)."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return sum(float(v) for v in re.findall(rf"^tokenpath:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def busy(url: str) -> float:
+    return gauge_sum(url, "num_requests_running") + gauge_sum(url, "num_requests_waiting")
+
+
+def engine_rss(gateway_pid: int) -> float:
+    """MiB of the gateway's child processes (engines; 0 in-process)."""
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == gateway_pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == gateway_pid:
+                total += rss_mib(int(pid))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return total
+
+
+def read_stream(url: str, max_tokens: int) -> int:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**STREAM, "max_tokens": max_tokens},
+                      timeout=600) as r:
+        for _ in r.iter_bytes():
+            pass
+        return r.status_code
+
+
+def stalled_rows(data: Path, ids: list[str]) -> dict[str, tuple[int, str | None]]:
+    """(status, finish_reason) of each of `ids` (client request ids) that has its closed audit row."""
+    store = GatewayStore(resolve_store_location(data))
+    try:
+        wanted = set(ids)
+        return {r.client_request_id: (r.status, r.finish_reason) for r in store.query_audit(limit=None)
+                if r.client_request_id in wanted and r.status != OPEN_STATUS}
+    finally:
+        store.close()
+
+
+class WellBehaved(threading.Thread):
+    """Short chat requests one after another, each read whole, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop = url, threading.Event()
+        self.results: list[tuple[int, float]] = []  # (status or 0 for a transport error, seconds)
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=300) as http:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    code = http.post("/v1/chat/completions", json=SHORT).status_code
+                except httpx.HTTPError:
+                    code = 0
+                self.results.append((code, time.monotonic() - t0))
+
+
+def flood(url: str, port: int, pid: int, data: Path, streams: int, tag: str) -> dict:
+    """One flood with the well-behaved client beside it; then its sockets closed and the RSS
+    polled until within 10% of the flood's start (or two heap trims and 10 s have passed)."""
+    start, engines_start = rss_mib(pid), engine_rss(pid)
+    client = WellBehaved(url)
+    client.start()
+    ids = [f"{tag}-{i}-{time.monotonic_ns()}" for i in range(streams)]
+    socks = [non_reader(port, rid) for rid in ids]
+    opened = time.monotonic()
+    peak, engines_peak = start, engines_start
+    deadline = opened + 900
+    while len(rows := stalled_rows(data, ids)) < streams and time.monotonic() < deadline:
+        peak, engines_peak = max(peak, rss_mib(pid)), max(engines_peak, engine_rss(pid))
+        time.sleep(0.5)
+    closed = time.monotonic() - opened  # every flood stream's row closed: its slots are free
+    client.stop.set()
+    client.join()
+    for s in socks:
+        s.close()
+    deadline = time.monotonic() + 2 * TRIM_INTERVAL_S + 10
+    while (after := rss_mib(pid)) > start * 1.10 and time.monotonic() < deadline:
+        time.sleep(1)
+    ok = [s for c, s in client.results if c == 200]
+    return {
+        "rows_closed_after_s": round(closed, 1), "rows": len(rows),
+        "client_stalled": sum(1 for v in rows.values() if v == (499, "client_stalled")),
+        "other_rows": sorted({f"{s} {f}" for s, f in rows.values() if (s, f) != (499, "client_stalled")}),
+        "still_busy": busy(url),
+        "well_behaved": len(client.results), "well_behaved_ok": len(ok),
+        "well_behaved_p50_s": round(statistics.median(ok), 2) if ok else None,
+        "well_behaved_max_s": round(max(ok), 2) if ok else None,
+        "rss_start": round(start), "rss_peak": round(peak), "rss_after": round(after),
+        "engines_start": round(engines_start), "engines_peak": round(engines_peak),
+        "engines_after": round(engine_rss(pid)),
+    }
+
+
+def run_mode(work: Path, replicas: int, streams: int, stall: float) -> dict:
+    cmd = [str(BIN / "tokenpath"), "serve", "--port", "0", "--model", MODEL, "--log-level", "warning",
+           "--data-dir", str(work / "data"), "--stream-stall-timeout", str(stall)]
+    if replicas:
+        cmd += ["--replicas", str(replicas)]
+    proc, url = serve(cmd, work / "serve.log")
+    port = port_of(url)
+    try:
+        with ThreadPoolExecutor(streams) as pool:  # warm-up: a batch this wide, reading
+            codes = list(pool.map(lambda _: read_stream(url, 40), range(streams)))
+        warm = [f"warm-{i}-{time.monotonic_ns()}" for i in range(4)]
+        socks = [non_reader(port, rid) for rid in warm]
+        deadline = time.monotonic() + 300
+        while len(stalled_rows(work / "data", warm)) < len(warm) and time.monotonic() < deadline:
+            time.sleep(1)
+        for s in socks:
+            s.close()
+        time.sleep(TRIM_INTERVAL_S + 5)
+        before, engines_before = rss_mib(proc.pid), engine_rss(proc.pid)
+
+        floods = [flood(url, port, proc.pid, work / "data", streams, f"flood{k}") for k in (1, 2)]
+        return {"replicas": replicas, "streams": streams, "stall_s": stall, "warmup_codes_ok": codes.count(200),
+                "rss_before": round(before), "engines_before": round(engines_before), "floods": floods}
+    finally:
+        stop_group(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--stall", type=float, default=5.0, help="--stream-stall-timeout of the server")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[0, 2], help="0: the engine in-process")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "slow_reader_flood")
+    args = ap.parse_args()
+    if "TOKENPATH_PINNED" not in os.environ and len(os.sched_getaffinity(0)) > 1:
+        last = str(max(os.sched_getaffinity(0)))
+        os.execvpe("taskset", ["taskset", "-c", last, sys.executable, *sys.argv],
+                   {**os.environ, "TOKENPATH_PINNED": "1"})
+    results = []
+    for replicas in args.replicas:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = run_mode(Path(tmp), replicas, args.streams, args.stall)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    load = os.getloadavg()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    args.out.with_suffix(".json").write_text(json.dumps({"when": stamp, "load": load, "runs": results}, indent=1))
+    lines = [f"# {args.streams} non-reading streams (issue 41)", "",
+             f"`python benchmarks/slow_reader_flood.py --streams {args.streams} --stall {args.stall:g}` "
+             f"({stamp}, {platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.1f} at the end).",
+             "", "| engine | flood | rows `client_stalled` (other) | all rows closed after (stall bound) "
+             "| well-behaved ok / sent (p50, max s) | gateway RSS MiB start / peak / after (after/start) "
+             "| engines RSS MiB start / peak / after |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        mode = f"`--replicas {r['replicas']}`" if r["replicas"] else "in-process"
+        for k, f in enumerate(r["floods"], 1):
+            lines.append(
+                f"| {mode} | {k} | {f['client_stalled']} of {r['streams']} ({', '.join(f['other_rows']) or 'none'}) "
+                f"| {f['rows_closed_after_s']} s ({r['stall_s']:g} s) | {f['well_behaved_ok']} / {f['well_behaved']} "
+                f"({f['well_behaved_p50_s']}, {f['well_behaved_max_s']}) "
+                f"| {f['rss_start']} / {f['rss_peak']} / {f['rss_after']} ({f['rss_after'] / f['rss_start']:.2f}x) "
+                f"| {f['engines_start']} / {f['engines_peak']} / {f['engines_after']} |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
