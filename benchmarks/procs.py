@@ -41,14 +41,14 @@ def group_status_kib(pgid: int, field: str = "VmRSS") -> int:
 
 
 def serve(
-    argv: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 300
+    argv: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 300, new_session: bool = False
 ) -> tuple[subprocess.Popen, str]:
     """Start a server command whose log says ``listening on http://127.0.0.1:PORT/v1`` (``tokenpath
     serve --port 0 ...``: the kernel picks the port); return the process and its base URL (no /v1).
     Its output goes to ``log``; a server that exits or stays silent for ``timeout`` s is killed and
-    its log's tail raised."""
+    its log's tail raised. `new_session`: in a process group of its own, for stop_group()."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))

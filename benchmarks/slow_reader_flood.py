@@ -172,7 +172,7 @@ def run_mode(work: Path, replicas: int, streams: int, stall: float) -> dict:
            "--data-dir", str(work / "data"), "--stream-stall-timeout", str(stall)]
     if replicas:
         cmd += ["--replicas", str(replicas)]
-    proc, url = serve(cmd, work / "serve.log")
+    proc, url = serve(cmd, work / "serve.log", new_session=True)
     port = port_of(url)
     try:
         with ThreadPoolExecutor(streams) as pool:  # warm-up: a batch this wide, reading
