@@ -304,7 +304,7 @@ def embedding_inputs(body: EmbeddingRequest, max_inputs: int) -> EmbeddingInputs
     for i, t in enumerate(raw):
         if isinstance(t, str) and not t:
             raise InvalidRequestError(f"input.{i} is an empty string; embed non-empty text", param=f"input.{i}")
-    return raw  # type: ignore[return-value]
+    return raw
 
 
 def embedding_estimate(raw: EmbeddingInputs) -> int:
