@@ -1,5 +1,5 @@
-"""The protocol and the engine type-check (mypy, configured in pyproject.toml's `[tool.mypy]`),
-so their `# type: ignore`s are the ones a checker needs (`warn_unused_ignores`), not guesses."""
+"""The protocol, the engine, the HTTP API (`api/`) and the other files pyproject.toml's `[tool.mypy]` lists
+type-check, so their `# type: ignore`s are the ones a checker needs (`warn_unused_ignores`), not guesses."""
 
 from __future__ import annotations
 

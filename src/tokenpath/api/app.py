@@ -11,6 +11,7 @@ import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -36,6 +37,15 @@ from tokenpath.gateway.audit_metrics import AuditCollector
 from tokenpath.gateway.base import OpenGuard, RequestGuard
 from tokenpath.routing.models import ModelRouter
 from tokenpath.telemetry.metrics import ServerMetrics
+
+if TYPE_CHECKING:  # (older FastAPI releases have no native telemetry, nor this type: never imported at run time)
+    from fastapi.telemetry import TelemetryConfig
+
+
+class _AppOptions(TypedDict, total=False):
+    """The `FastAPI(...)` arguments that only some FastAPI releases take."""
+
+    telemetry: TelemetryConfig
 
 
 def create_app(
@@ -65,7 +75,9 @@ def create_app(
 
     # FastAPI's own HTTP spans (newer releases emit them whenever a tracer provider exists) would
     # be a second SERVER span per request: tokenpath builds its own, from the Timeline.
-    native = {"telemetry": {"tracing": False, "operation_spans": False}} if _has_native_telemetry() else {}
+    native: _AppOptions = {}
+    if _has_native_telemetry():
+        native["telemetry"] = {"tracing": False, "operation_spans": False}
     app = FastAPI(title="tokenpath", version="0.1.0", lifespan=lifespan,
                   summary="OpenAI-compatible LLM serving that says where every millisecond went.", **native)
     app.state.tokenpath = state
@@ -77,6 +89,7 @@ def create_app(
     app.include_router(lora_routes)
     app.include_router(responses_routes)
     app.include_router(rerank_routes)
+    # (FastAPI's documented way to replace the schema, though its stub declares `openapi` a method)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,10 @@ log = logging.getLogger("tokenpath.api")
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                415: "invalid_request_error", 431: "invalid_request_error"}
+
+
+# A route's documented error responses (FastAPI's `responses=`): status -> OpenAPI response object.
+OpenApiResponses = dict[int | str, dict[str, Any]]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -44,7 +49,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def _clean_loc(loc: tuple) -> list[str]:
     """The parameter path of a pydantic error: without the 'body' root and without union-branch tags
     ('str', 'list[ContentPart]', 'function-after[...]'), which name types, not parameters."""
-    out = []
+    out: list[str] = []
     for p in loc:
         p = str(p)
         if p == "body" and not out:

@@ -8,6 +8,7 @@ hits as `prompt_tokens_details.cached_tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenpath.api.reasoning import ReasoningParser
 from tokenpath.api.tools import ParsedCall, ToolPlan, call_start, parse_calls, parse_cut_calls, streamed_calls
@@ -254,18 +255,18 @@ def _echoed(acc: Accumulator, echo: list[tuple[str, str]], c: Choice, want_logpr
 
 def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
                     timeline: Timeline, want_prompt_logprobs: bool = False, token_ids: bool = False) -> dict:
-    choices = []
+    choices: list[dict[str, Any]] = []
     for c in acc.sorted():
         text, logprobs = (_echoed(acc, acc.echo, c, want_logprobs) if acc.echo is not None else
                           (c.text, completion_logprobs(c.logprobs) if want_logprobs else None))
         choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     if token_ids:  # vLLM's return_token_ids: the generated ids, so a gateway in front counts exactly
-        for c, ch in zip(choices, acc.sorted(), strict=True):
-            c["token_ids"] = ch.token_ids
+        for body, ch in zip(choices, acc.sorted(), strict=True):
+            body["token_ids"] = ch.token_ids
     if want_prompt_logprobs:
-        for c in choices:
-            part = acc.prompt_logprobs.get(c["index"] // acc.n)
-            c["prompt_logprobs"] = None if part is None else prompt_logprobs(part)
+        for body in choices:
+            part = acc.prompt_logprobs.get(body["index"] // acc.n)
+            body["prompt_logprobs"] = None if part is None else prompt_logprobs(part)
     return {
         "id": rid,
         "object": "text_completion",

@@ -69,7 +69,7 @@ class Edge:
     body: Callable[[dict, fmt.Accumulator], dict] | None = None
     stream: Callable[[Items, fmt.Accumulator], AsyncIterator[bytes]] | None = None
     prepare: Callable[[RequestRun], Awaitable[ChatCompletionRequest]] | None = None
-    make: Callable[..., Generation] | None = None
+    make: Callable[[RequestRun, Body, bool, int, tool_calls.ToolPlan | None], Generation] | None = None
     rename: Callable[[Exception], Exception] | None = None
     thinking: str | None = None
     budget: int | None = None
@@ -93,7 +93,7 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         if body is None:
             raise TypeError("handle: no body, and no edge to prepare one")
         body.reject_unsupported()
-        ignored = openai_fields.check_chat(body) if chat else []
+        ignored = openai_fields.check_chat(body) if isinstance(body, ChatCompletionRequest) else []
         run.user = body.user
         dep = await run.route(body.model, "chat" if chat else "completion", body.timeout, body.keep_alive)
         variables: dict = {}
@@ -130,6 +130,8 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         params = sampling_params(state, dep, body, prompts, bias, spec)
         run.sampling = params
         prompt_tokens = sum(len(p) for p in prompts)
+        if params.max_tokens is None:  # (sampling_params always sets it: what the context leaves, capped)
+            raise TypeError("sampling_params left max_tokens unset")
         await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
         run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
                                   keep_token_ids=getattr(body, "return_token_ids", False))
@@ -343,7 +345,7 @@ class Generation:
 
     def _chunks(self, part: int, out: RequestOutput) -> list[dict]:
         make = fmt.chat_chunk_choice if self.chat else fmt.completion_chunk_choice
-        chunks = []
+        chunks: list[dict] = []
         for ch, c in self._add(part, out):
             if self.acc.reasoning is not None:
                 chunks.extend(self._chunk([x]) for x in fmt.chat_reasoning_chunk_choices(

@@ -109,11 +109,38 @@ class Floor:
 
     def check_context(self, max_model_len: int) -> None:
         """A prompt already too long by its floor (megabytes of text) is refused untokenized."""
-        if self.longest_prompt + self.completion > max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {max_model_len} tokens. However, the {self.where} "
-                f"alone is at least {self.longest_prompt} tokens long, and {self.completion} more are asked for "
-                f"the completion. Please reduce the length of the {self.where} or completion.", param=self.where)
+        check_context(self.longest_prompt, self.completion, max_model_len, self.where, floor=True)
+
+
+def check_context(longest: int, max_tokens: int, max_model_len: int, where: str, *, floor: bool) -> None:
+    """The context length, checked on the floor before tokenizing (`floor`: the longest prompt is
+    at least `longest` tokens) and on the exact count after, in one place. The completion needs
+    room for one token at least; `max_tokens` is what the message names (what was asked, or what
+    the context left when nothing was)."""
+    if longest + max(max_tokens, 1) <= max_model_len:
+        return
+    if floor:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the {where} "
+            f"alone is at least {longest} tokens long, and {max_tokens} more are asked for "
+            f"the completion. Please reduce the length of the {where} or completion.", param=where)
+    raise ContextLengthError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {where} or completion.", param=where)
+
+
+def check_request_tokens(cap: int, prompt_tokens: int, n: int, prompts: int, max_tokens: int) -> int:
+    """What a request may cost (`prompt_tokens` + n x max_tokens for each of `prompts` prompts),
+    refused over this server's per-request cap (`caps.max_request_tokens`): before tokenizing with
+    the completion budget alone, and after with the exact prompt tokens, in one place."""
+    total = prompt_tokens + n * max_tokens * prompts
+    if total > cap:
+        raise InvalidRequestError(
+            f"this request may cost {total} tokens (prompt tokens + n={n} x max_tokens={max_tokens} for each of "
+            f"{prompts} prompt(s)), over this server's limit of {cap} tokens per request; lower max_tokens, n or "
+            "the number of prompts", param="max_tokens", code="request_too_large")
+    return total
 
 
 def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
@@ -150,17 +177,9 @@ def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
             raise InvalidRequestError(f"prompt has {len(prompts)} prompts, over the limit of {caps.max_prompts}",
                                       param="prompt")
         floors = [len(p.encode()) // per_token if isinstance(p, str) else len(p) for p in prompts]
-    budget = body.n * len(floors) * (max_tokens or 1)
-    if budget > caps.max_request_tokens:
-        raise _over_request_cap(budget, caps.max_request_tokens, body.n, len(floors), max_tokens or 1)
+    # (the completion budget alone: the prompts' share is checked once they are tokenized)
+    budget = check_request_tokens(caps.max_request_tokens, 0, body.n, len(floors), max_tokens or 1)
     return Floor(sum(floors) + budget, max(floors), max_tokens or 1, where)
-
-
-def _over_request_cap(tokens: int, cap: int, n: int, prompts: int, max_tokens: int) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"this request may cost {tokens} tokens (prompt tokens + n={n} x max_tokens={max_tokens} for each of "
-        f"{prompts} prompt(s)), over this server's limit of {cap} tokens per request; lower max_tokens, n or "
-        "the number of prompts", param="max_tokens", code="request_too_large")
 
 
 def chat_messages(body: ChatCompletionRequest, plan: tool_calls.ToolPlan | None,
@@ -238,16 +257,8 @@ def sampling_params(state: AppState, dep: Deployment, body: Body, prompts: list[
     limit = dep.max_model_len
     if max_tokens is None:
         max_tokens = min(limit - longest, caps.max_tokens)
-    if longest + max(max_tokens, 1) > limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {where} or completion.",
-            param=where,
-        )
-    total = sum(len(p) for p in prompts) + body.n * max_tokens * len(prompts)
-    if total > caps.max_request_tokens:
-        raise _over_request_cap(total, caps.max_request_tokens, body.n, len(prompts), max_tokens)
+    check_context(longest, max_tokens, limit, where, floor=False)
+    check_request_tokens(caps.max_request_tokens, sum(len(p) for p in prompts), body.n, len(prompts), max_tokens)
 
     def pick(value, default):  # noqa: ANN001, ANN202 - None means "the default"
         return default if value is None else value
@@ -304,7 +315,7 @@ def embedding_inputs(body: EmbeddingRequest, max_inputs: int) -> EmbeddingInputs
     for i, t in enumerate(raw):
         if isinstance(t, str) and not t:
             raise InvalidRequestError(f"input.{i} is an empty string; embed non-empty text", param=f"input.{i}")
-    return raw  # type: ignore[return-value]
+    return raw
 
 
 def embedding_estimate(raw: EmbeddingInputs) -> int:

@@ -158,7 +158,8 @@ def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
             # The connection's transport, for `SSEResponse`: how much output it still holds for
             # a client that stopped reading, and `abort()` to drop it (the same scope dict the
             # request's cycle runs with; the app starts only on the next loop turn).
-            self.scope[TRANSPORT_KEY] = self.transport  # type: ignore[index]
+            # (uvicorn types the scope as a closed TypedDict; ASGI servers may add keys to it.)
+            self.scope[TRANSPORT_KEY] = self.transport  # type: ignore[literal-required]
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -33,7 +33,9 @@ class Fate:
     note: str = ""
 
 
-H, IGN, R = "honoured", "ignored", "refused"
+H: Kind = "honoured"
+IGN: Kind = "ignored"
+R: Kind = "refused"
 CHAT_FIELDS: dict[str, Fate] = {
     "messages": Fate(H, "text content; history may carry every field OpenAI's replies carry (ignored)"),
     "model": Fate(H),

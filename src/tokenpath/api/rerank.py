@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from tokenpath.api.embeddings import embed
+from tokenpath.api.errors import OpenApiResponses
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import _Body
 from tokenpath.api.state import AppState, get_state
@@ -34,7 +35,8 @@ from tokenpath.errors import InvalidRequestError
 from tokenpath.routing.models import Deployment
 
 router = APIRouter()
-_ERRORS = {400: {"description": "Invalid request (OpenAI error body)"}, 404: {"description": "Unknown model"}}
+_ERRORS: OpenApiResponses = {400: {"description": "Invalid request (OpenAI error body)"},
+                             404: {"description": "Unknown model"}}
 
 
 class ScoreRequest(_Body):

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import generation
 from tokenpath.api.embeddings import handle_embeddings
+from tokenpath.api.errors import OpenApiResponses
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, TokenpathError
@@ -15,8 +16,8 @@ from tokenpath.protocol.names import MODEL, check_name
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
-_ERRORS = {400: {"description": "Invalid request (OpenAI error body)"},
-           404: {"description": "Unknown model"}, 413: {"description": "Body too large"}}
+_ERRORS: OpenApiResponses = {400: {"description": "Invalid request (OpenAI error body)"},
+                             404: {"description": "Unknown model"}, 413: {"description": "Body too large"}}
 
 
 @router.post("/v1/chat/completions", responses=_ERRORS)

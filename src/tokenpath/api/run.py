@@ -294,13 +294,14 @@ class RequestRun:
         """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
         p, sp, url = self.principal, self.sampling, self.request.url
         text = env_audit_text()  # prompt/completion text leaves the process only when the operator asked
+        priority = self.timeline.attrs.get("priority")  # (an int, set by `priority()`, or absent)
         return FinishedRequest(
             timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
             derive_causes=self.state.config.causes,
             model=self.deployment.name if self.deployment else None, error_type=self.error_type,
             error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
             client_request_id=self.timeline.client_request_id,
-            priority=self.timeline.attrs.get("priority"),  # type: ignore[arg-type]
+            priority=priority if isinstance(priority, int) else None,
             prompt_tokens=prompt, completion_tokens=completion,
             cached_tokens=sum(self.acc.cached_tokens.values()) if self.acc else 0,
             finish_reasons=[finish_reason] if finish_reason else [],

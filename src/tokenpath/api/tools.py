@@ -246,9 +246,10 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]
                     objs.append(json.loads(part))
                 except ValueError:
                     return text, []
-            calls = [_call(o, names) for o in objs]
-            if calls and all(calls):
-                return None, calls  # type: ignore[return-value]
+            found = [_call(o, names) for o in objs]
+            whole = [c for c in found if c is not None]
+            if whole and len(whole) == len(found):  # every part a well-formed call, or none is one
+                return None, whole
         return text, []
     calls: list[ParsedCall] = []
     content = text

@@ -216,10 +216,10 @@ async def build_deployment(spec: DeploymentSpec, tokenizer: Any = None,
     except BaseException:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         raise
-    for r in replicas:
-        if isinstance(r, RemoteReplica):
-            r.tokenizer = tokenizer
-            closers.append(r.close)
+    for replica in replicas:
+        if isinstance(replica, RemoteReplica):
+            replica.tokenizer = tokenizer
+            closers.append(replica.close)
     closers += [p.stop for p in procs]
     max_len = spec.max_model_len or next(
         (m for r in replicas if (m := getattr(r, "max_model_len", None))),
@@ -327,10 +327,10 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
 
     if routing_file is None and replicas <= 1 and ray_address is None and embedding_replicas <= 1:
-        deployments, closers = await load_deployments(config)
-        for d in deployments:
+        in_process, closers = await load_deployments(config)
+        for d in in_process:
             d.policy = policy if d.task != "embedding" else d.policy
-        return ModelRouter(deployments, config.aliases), closers
+        return ModelRouter(in_process, config.aliases), closers
     try:
         routing = RoutingConfig.from_yaml(routing_file) if routing_file is not None else None
     except ValidationError as exc:  # a start-up error naming the file and each bad field, not a traceback

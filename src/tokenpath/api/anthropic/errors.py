@@ -51,7 +51,7 @@ def stream_error(body: dict) -> dict:
     """An error event's data in a stream (the OpenAI error body the pipeline yields)."""
     error = body.get("error") or {}
     status = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable": 503,
-              "timeout": 504}.get(error.get("type"), 500)
+              "timeout": 504}.get(str(error.get("type")), 500)
     return anthropic_error(status, error)[1]
 
 

@@ -14,6 +14,7 @@ from tokenpath.api.anthropic.errors import reshape
 from tokenpath.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from tokenpath.api.anthropic.stream import message_events
 from tokenpath.api.anthropic.translate import message_body, thinking, to_chat
+from tokenpath.api.errors import OpenApiResponses
 from tokenpath.api.inputs import prompt_ids
 from tokenpath.api.reasoning import known_variables
 from tokenpath.api.run import RequestRun, refuse_early
@@ -22,8 +23,8 @@ from tokenpath.errors import TokenpathError
 
 router = APIRouter()
 IGNORED_HEADER = "x-tokenpath-ignored"  # names request fields accepted but without effect here
-_ERRORS = {400: {"description": "Invalid request (Anthropic error body)"},
-           404: {"description": "Unknown model"}, 529: {"description": "Overloaded"}}
+_ERRORS: OpenApiResponses = {400: {"description": "Invalid request (Anthropic error body)"},
+                             404: {"description": "Unknown model"}, 529: {"description": "Overloaded"}}
 
 
 def _key(request: Request, state: AppState) -> bytes:

@@ -61,9 +61,9 @@ async def message_events(items: Items, acc: Accumulator, stops: list[str] | None
     finish: str | None = None
 
     def start(chunk: dict) -> list[bytes]:
-        message = {"id": chunk.get("id"), "type": "message", "role": "assistant", "model": chunk.get("model"),
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {**usage(acc), "output_tokens": 0}}
+        message: dict[str, object] = {
+            "id": chunk.get("id"), "type": "message", "role": "assistant", "model": chunk.get("model"),
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage(acc), "output_tokens": 0}}
         return [event("message_start", {"message": message}), event("ping", {})]
 
     async for item in items:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import generation
+from tokenpath.api.errors import OpenApiResponses
 from tokenpath.api.responses.schemas import ResponsesRequest
 from tokenpath.api.responses.stream import ResponsesGeneration
 from tokenpath.api.responses.translate import (
@@ -28,13 +29,14 @@ from tokenpath.api.responses.turn import Turn, conversation_bytes
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
 from tokenpath.api.state import AppState, get_state
+from tokenpath.api.tools import ToolPlan
 from tokenpath.errors import InvalidRequestError, NotFoundError
 from tokenpath.gateway.responses_store import ResponseStore, response_store
 
 router = APIRouter()
 MAX_ID = 128
-_ERRORS = {400: {"description": "Invalid request (OpenAI error body)"},
-           404: {"description": "Unknown model or response"}}
+_ERRORS: OpenApiResponses = {400: {"description": "Invalid request (OpenAI error body)"},
+                             404: {"description": "Unknown model or response"}}
 
 
 def _store(request: Request, state: AppState) -> ResponseStore:
@@ -95,9 +97,11 @@ class _Create:
     def rename(self, exc: Exception) -> Exception:
         return rename(exc, self.origins)
 
-    def make(self, *args: object) -> ResponsesGeneration:
-        assert self.turn is not None
-        return ResponsesGeneration(*args, turn=self.turn)
+    def make(self, run: RequestRun, body: generation.Body, chat: bool, parts: int,
+             plan: ToolPlan | None) -> ResponsesGeneration:
+        if self.turn is None:  # (`prepare` sets it, and the pipeline calls `make` only after it)
+            raise TypeError("make: no turn, prepare was not called")
+        return ResponsesGeneration(run, body, chat, parts, plan, turn=self.turn)
 
 
 @router.post("/v1/responses", responses=_ERRORS)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api.generation import Deltas, Generation
+from tokenpath.api.generation import Body, Deltas, Generation
 from tokenpath.api.responses.translate import new_id
 from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, reasoning_item, status_of
+from tokenpath.api.run import RequestRun
 from tokenpath.api.sse import Interrupted
+from tokenpath.api.tools import ToolPlan
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
 
@@ -34,8 +36,9 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class ResponsesGeneration(Generation):
-    def __init__(self, *args: object, turn: Turn) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
+    def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int, plan: ToolPlan | None = None, *,
+                 turn: Turn) -> None:
+        super().__init__(run, body, chat, parts, plan)
         self.turn = turn
         self.seq = 0
         self.output: list[dict] = []  # finished items
@@ -63,6 +66,7 @@ class ResponsesGeneration(Generation):
             return []
         i = len(self.output)
         out = []
+        part: dict[str, object]
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": self.text}
             out.append(self._emit("response.reasoning_text.done", item_id=item["id"], output_index=i,
@@ -85,16 +89,17 @@ class ResponsesGeneration(Generation):
         self.output.append(done)
         return out
 
-    def _open_message(self) -> list[bytes]:
+    def _open_message(self) -> tuple[dict, list[bytes]]:
+        """The new message item (now `self.open`) and the events that close the last one and open it."""
         out = self._close()
-        self.open = {**message_item("", "in_progress"), "content": []}
+        item = self.open = {**message_item("", "in_progress"), "content": []}
         self.text = ""
         i = len(self.output)
-        out.append(self._emit("response.output_item.added", output_index=i, item=self.open))
-        out.append(self._emit("response.content_part.added", item_id=self.open["id"], output_index=i,
+        out.append(self._emit("response.output_item.added", output_index=i, item=item))
+        out.append(self._emit("response.content_part.added", item_id=item["id"], output_index=i,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                      "logprobs": []}))
-        return out
+        return item, out
 
     def _reasoning(self, delta: str) -> list[bytes]:
         """A reasoning model's think block: one `reasoning` item, its text one `reasoning_text` part."""
@@ -113,11 +118,12 @@ class ResponsesGeneration(Generation):
         return out
 
     def _text(self, delta: str) -> list[bytes]:
-        out = []
-        if self.open is None or self.open["type"] != "message":
-            out.extend(self._open_message())
+        out: list[bytes] = []
+        item = self.open
+        if item is None or item["type"] != "message":
+            item, out = self._open_message()
         self.text += delta
-        out.append(self._emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
+        out.append(self._emit("response.output_text.delta", item_id=item["id"], output_index=len(self.output),
                               content_index=0, delta=delta, logprobs=[]))
         return out
 
@@ -152,7 +158,7 @@ class ResponsesGeneration(Generation):
 
     async def events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncGenerator[bytes, None]:
         """Its own events, already encoded (the chat Generation's are dicts it encodes itself)."""
-        events = self._events(first, stream)
+        events = self._response_events(first, stream)
         try:
             async for event in events:
                 yield event
@@ -160,7 +166,8 @@ class ResponsesGeneration(Generation):
             await events.aclose()
             await stream.aclose()
 
-    async def _events(self, first: tuple[int, RequestOutput] | None, stream: Deltas) -> AsyncIterator[bytes]:  # type: ignore[override]
+    async def _response_events(self, first: tuple[int, RequestOutput] | None,
+                               stream: Deltas) -> AsyncGenerator[bytes, None]:
         run, turn = self.run, self.turn
         start = turn.response(self.model, "in_progress", [])
         yield self._emit("response.created", response=start)
@@ -192,7 +199,7 @@ class ResponsesGeneration(Generation):
             yield self._failed("server_error", "internal server error while streaming")
             return
         if self.open is None and not self.output:  # an empty reply is still one (empty) message
-            for e in self._open_message():
+            for e in self._open_message()[1]:
                 yield e
         for e in self._close():
             yield e
