@@ -18,19 +18,22 @@ the engine in processes (`--replicas N`). The run:
    must say `client_stalled`.
 4. **After:** the sockets are closed, and the gateway's RSS is polled until it is within 10% of
    the flood's start (or two trims and 10 s have passed).
-5. **A second flood**, the same. Why two: in-process, the first flood touches KV-cache pages
-   the warm-up never reached (the pool is allocated untouched, so pages become resident as slots
-   are first used, and stay so: llama.cpp's cache is resident from its start). The second flood
-   reuses them, so its after/start is what a leak or a pile-up would move. (The pool is the
-   `--kv-cache-memory` budget, 512 MiB by default; 200 streams of ~130 tokens ask for more
-   than it holds, so the first flood reaches all of it.)
+5. **A second flood**, the same: what a leak or a pile-up would move, flood after flood.
+
+The server's KV pool is small (`--kv-cache-memory`, 64 MiB by default here): the pool is allocated
+untouched and its pages become resident as slots are first used (and stay so, as llama.cpp's
+cache is resident from its start), so with the default 512 MiB each flood would touch pages the
+last one did not, and the RSS would grow by pool pages, not by anything the flood left behind.
+The warm-up's wide batch touches all of a 64 MiB pool. Flood streams that wait in the queue past
+their deadline end as 504, and those refused at admission as 429: each still has its row, and
+frees what it held.
 
 RSS is the gateway process's own (with `--replicas`, the engines' processes are listed apart:
 their KV pages, once touched, stay theirs as llama.cpp's preallocated cache does).
 
 The load generator and the sockets run in this process, pinned to the last core (`taskset`).
 
-    .venv/bin/python benchmarks/slow_reader_flood.py [--streams 200] [--stall 5] [--replicas 0 2]
+    .venv/bin/python benchmarks/slow_reader_flood.py [--streams 200] [--stall 5] [--replicas 0 2] [--kv-cache-memory 64MiB]
 
 Writes benchmarks/results/slow_reader_flood.md (one table row per mode) and .json.
 """
@@ -153,12 +156,13 @@ def flood(url: str, port: int, pid: int, data: Path, streams: int, tag: str) -> 
     while (after := rss_mib(pid)) > start * 1.10 and time.monotonic() < deadline:
         time.sleep(1)
     ok = [s for c, s in client.results if c == 200]
+    failed = sorted({str(c) for c, _ in client.results if c != 200})
     return {
         "rows_closed_after_s": round(closed, 1), "rows": len(rows),
         "client_stalled": sum(1 for v in rows.values() if v == (499, "client_stalled")),
         "other_rows": sorted({f"{s} {f}" for s, f in rows.values() if (s, f) != (499, "client_stalled")}),
         "still_busy": busy(url),
-        "well_behaved": len(client.results), "well_behaved_ok": len(ok),
+        "well_behaved": len(client.results), "well_behaved_ok": len(ok), "well_behaved_failed": failed,
         "well_behaved_p50_s": round(statistics.median(ok), 2) if ok else None,
         "well_behaved_max_s": round(max(ok), 2) if ok else None,
         "rss_start": round(start), "rss_peak": round(peak), "rss_after": round(after),
@@ -167,9 +171,9 @@ def flood(url: str, port: int, pid: int, data: Path, streams: int, tag: str) -> 
     }
 
 
-def run_mode(work: Path, replicas: int, streams: int, stall: float) -> dict:
+def run_mode(work: Path, replicas: int, streams: int, stall: float, kv: str) -> dict:
     cmd = [str(BIN / "tokenpath"), "serve", "--port", "0", "--model", MODEL, "--log-level", "warning",
-           "--data-dir", str(work / "data"), "--stream-stall-timeout", str(stall)]
+           "--data-dir", str(work / "data"), "--stream-stall-timeout", str(stall), "--kv-cache-memory", kv]
     if replicas:
         cmd += ["--replicas", str(replicas)]
     proc, url = serve(cmd, work / "serve.log", new_session=True)
@@ -199,6 +203,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--stall", type=float, default=5.0, help="--stream-stall-timeout of the server")
     ap.add_argument("--replicas", type=int, nargs="+", default=[0, 2], help="0: the engine in-process")
+    ap.add_argument("--kv-cache-memory", default="64MiB", help="the server's KV pool (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "slow_reader_flood")
     args = ap.parse_args()
     if "TOKENPATH_PINNED" not in os.environ and len(os.sched_getaffinity(0)) > 1:
@@ -208,14 +213,15 @@ def main() -> None:
     results = []
     for replicas in args.replicas:
         with tempfile.TemporaryDirectory() as tmp:
-            r = run_mode(Path(tmp), replicas, args.streams, args.stall)
+            r = run_mode(Path(tmp), replicas, args.streams, args.stall, args.kv_cache_memory)
         print(json.dumps(r), flush=True)
         results.append(r)
     load = os.getloadavg()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     args.out.with_suffix(".json").write_text(json.dumps({"when": stamp, "load": load, "runs": results}, indent=1))
     lines = [f"# {args.streams} non-reading streams (issue 41)", "",
-             f"`python benchmarks/slow_reader_flood.py --streams {args.streams} --stall {args.stall:g}` "
+             f"`python benchmarks/slow_reader_flood.py --streams {args.streams} --stall {args.stall:g} "
+             f"--kv-cache-memory {args.kv_cache_memory}` "
              f"({stamp}, {platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.1f} at the end).",
              "", "| engine | flood | rows `client_stalled` (other) | all rows closed after (stall bound) "
              "| well-behaved ok / sent (p50, max s) | gateway RSS MiB start / peak / after (after/start) "
@@ -226,7 +232,8 @@ def main() -> None:
             lines.append(
                 f"| {mode} | {k} | {f['client_stalled']} of {r['streams']} ({', '.join(f['other_rows']) or 'none'}) "
                 f"| {f['rows_closed_after_s']} s ({r['stall_s']:g} s) | {f['well_behaved_ok']} / {f['well_behaved']} "
-                f"({f['well_behaved_p50_s']}, {f['well_behaved_max_s']}) "
+                f"({f['well_behaved_p50_s']}, {f['well_behaved_max_s']}; "
+                f"failed: {', '.join(f['well_behaved_failed']) or 'none'}) "
                 f"| {f['rss_start']} / {f['rss_peak']} / {f['rss_after']} ({f['rss_after'] / f['rss_start']:.2f}x) "
                 f"| {f['engines_start']} / {f['engines_peak']} / {f['engines_after']} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

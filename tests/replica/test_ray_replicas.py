@@ -74,7 +74,10 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayGateway
     head_log, serve_log = tmp / "head.log", tmp / "serve.log"
     with head_log.open("wb") as out:
         head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
-                                 "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                                 "--node-ip-address=127.0.0.1",
+                                 # Ray's logical CPUs, one per actor: the gateway's two, and the catalog's
+                                 # (last test), which would otherwise wait for a free CPU for ever.
+                                 "--num-cpus=3",
                                  # the dashboard serves Ray's state API (`tokenpath status` reads restarts there)
                                  "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                                  f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
@@ -349,3 +352,38 @@ async def test_a_frozen_actor_is_ejected_its_requests_retried_or_cut_cleanly_and
     print(f"normal {normal:.2f}s; ejected {ejected:.2f}s after the freeze; retried requests "
           f"{max(c.took for c in early):.2f}s; stream cut {stream.lines[-1][0] - frozen:.2f}s after the freeze; "
           f"recovered {recovered:.2f}s after SIGCONT ({time.monotonic() - thawed:.2f}s to traffic)")
+
+
+def test_a_catalog_on_ray_creates_actors_at_the_first_request_and_kills_them_at_unload(
+        ray_gateway: RayGateway, tmp_path: Path) -> None:
+    """`serve --models-dir DIR --ray ADDRESS` (issue 38 item 5): a catalog chat model has no
+    actor until its first request, which creates them and waits in its `model_load` stage;
+    unloading kills them. (Last in the module: its actors must not be in the other tests' status.)"""
+    models = tmp_path / "models"
+    models.mkdir()
+    # A copy under its own name: an actor's name is its model directory's, and the module's
+    # gateway already runs `tiny-0` and `tiny-1` on this cluster.
+    shutil.copytree(next(ray_gateway.log.parent.glob("tiny")), models / "tinycat")
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serve = subprocess.Popen([str(BIN / "tokenpath"), "serve", "--port", "0", "--ray", ray_gateway.address,
+                                  "--models-dir", str(models), "--num-kv-blocks", "64", "--max-num-seqs", "4",
+                                  "--data-dir", str(tmp_path / "data")],
+                                 stdout=out, stderr=subprocess.STDOUT, env=ray_gateway.env)
+    try:
+        base = wait_for_log(log, r"listening on (http://127\.0\.0\.1:\d+/v1)", serve, 240).group(1)
+        with httpx.Client(base_url=base, timeout=300) as http:
+            assert {m["id"]: m["state"] for m in http.get("/models").json()["data"]}["tinycat"] == "unloaded"
+            assert not [n for n in ray_gateway.status() if n.startswith("tinycat")]
+            r = http.post("/chat/completions", json={"model": "tinycat", "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and "model_load;dur=" in r.headers["server-timing"], r.text
+            actors = {n: row for n, row in ray_gateway.status().items() if n.startswith("tinycat")}
+            assert [row["state"] for row in actors.values()] == ["ALIVE"], actors
+            assert http.post("/models/tinycat/unload").json()["state"] == "unloaded"
+            after = {n: row["state"] for n, row in ray_gateway.status().items() if n.startswith("tinycat")}
+            assert set(after.values()) <= {"DEAD"}, after
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+    assert code == 0, log.read_text()[-3000:]

@@ -135,8 +135,11 @@ def catalog_config(config: ServerConfig) -> CatalogConfig:
 
 
 def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int = 1,
-                log_dir: Path | None = None) -> Loader:
-    """How a catalog entry becomes a deployment: in-process, or `replicas` engine processes."""
+                log_dir: Path | None = None, ray_address: str | None = None) -> Loader:
+    """How a catalog entry becomes a deployment: in-process, `replicas` engine processes, or
+    (`ray_address`, chat models) `replicas` engine actors on Ray, created at the load and killed at
+    the unload. An actor's memory is its Ray worker's, not this process's: its footprint is the
+    floor (weights on disk and the KV budget, once per actor)."""
     from tokenpath.server.routing_config import engine_flags
 
     kv_budget = parse_bytes(config.engine.kv_cache_memory)
@@ -155,6 +158,10 @@ def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int
 
             dep, closer = await asyncio.to_thread(load_embedding, entry.source)
             closers = [closer]
+        elif ray_address is not None:
+            from tokenpath.server.routing_config import ray_deployment
+
+            dep, closers = await ray_deployment(entry.source, replicas, config.engine, ray_address)
         elif replicas > 1:
             from tokenpath.server.routing_config import replicated_deployment
 
@@ -168,6 +175,8 @@ def make_loader(config: ServerConfig, replicas: int = 1, embedding_replicas: int
             closers = [closer]
         dep.name = entry.id
         floor = entry.size_hint + (kv_budget if entry.task != "embedding" else 0)
+        if ray_address is not None and entry.task != "embedding":
+            floor *= replicas
         return await _finish_load(dep, closers, procs, before, floor, config)
 
     return load
@@ -244,12 +253,20 @@ def _proc_rss_mib(proc: Any) -> float:
 
 
 async def open_catalog(config: ServerConfig, pinned: list[str], replicas: int = 1, embedding_replicas: int = 1,
-                       log_dir: Path | None = None) -> ModelCatalog:
+                       log_dir: Path | None = None, ray_address: str | None = None) -> ModelCatalog:
     """The catalog, its pinned models loaded (a pinned model that fails to load stops the start)."""
     from tokenpath.errors import ModelLoadError, TokenpathError
 
+    if ray_address is not None:
+        # Join the cluster now, before serve installs its signal handlers: joining installs Ray's
+        # own SIGTERM handler (it exits at once), which at a first load would replace serve's
+        # graceful shutdown. An unreachable cluster also stops the start here, as `--ray` does.
+        from tokenpath.replica.ray_replica import connect
+
+        connect(ray_address)
     catalog = ModelCatalog(catalog_entries(config.models_dir, pinned),
-                           make_loader(config, replicas, embedding_replicas, log_dir), catalog_config(config))
+                           make_loader(config, replicas, embedding_replicas, log_dir, ray_address),
+                           catalog_config(config))
     for entry in [catalog.entry(i) for i in catalog.ids()]:
         if entry.pinned:
             try:

@@ -235,12 +235,13 @@ async def _load_catalog(config: ServerConfig, args: argparse.Namespace):  # noqa
     from tokenpath.routing.models import ModelRouter
     from tokenpath.server.catalog import open_catalog
 
-    if args.ray is not None or args.routing is not None:
-        raise ModelLoadError("--models-dir does not combine with --ray or --routing yet: use --replicas N, or name "
-                             "the models with --model")
+    if args.routing is not None:
+        raise ModelLoadError("--models-dir does not combine with --routing yet: give the routing file's deployments "
+                             "`load: on_demand` instead")
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
     try:
-        catalog = await open_catalog(config, list(args.models or []), args.replicas, args.embedding_replicas, log_dir)
+        catalog = await open_catalog(config, list(args.models or []), args.replicas, args.embedding_replicas, log_dir,
+                                     ray_address=args.ray)
         router = ModelRouter([], config.aliases, catalog=catalog)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
