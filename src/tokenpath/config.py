@@ -155,9 +155,19 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
     # (half the memory per token; converted in registers, needs F16C, else float32), the model's
-    # dtype on the torch path. kv_cache_memory stays a byte budget, so float16 holds twice the tokens.
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
-        "auto", description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch")
+    # dtype on the torch path. fp8_e4m3 (alias fp8) and fp8_e5m2: one byte per value, native
+    # kernels only (csrc/kv_fp8.h: no per-tensor scale, vLLM's default k_scale = v_scale = 1).
+    # kv_cache_memory stays a byte budget, so float16 holds twice float32's tokens and fp8 twice
+    # float16's. Bytes per token: 2 * layers * kv_heads * head_dim * (4, 2, 1).
+    # The default comes from TOKENPATH_KV_CACHE_DTYPE when set (as --quantization's), so CI can run
+    # the prefix-cache, speculative and window tests on an fp8 pool unchanged.
+    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default_factory=lambda: os.environ.get("TOKENPATH_KV_CACHE_DTYPE", "auto"), validate_default=True,
+        description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch; "
+                    "float32: 4 bytes per value; float16: 2; fp8_e4m3 (alias fp8: 3 mantissa bits, max 448) "
+                    "and fp8_e5m2 (2 mantissa bits, max 57344): 1 byte, native kernels only, no scaling; "
+                    "bytes per token = 2 * layers * kv_heads * head_dim * that "
+                    "(default: $TOKENPATH_KV_CACHE_DTYPE, else auto)")
     # The byte budget. 512 MiB holds 23k tokens of SmolLM2-135M in float16 (11.6k on the float32
     # torch path). The block pool's pages become resident as blocks are first used, and the free
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running

@@ -6,7 +6,8 @@ pointers, so a numpy array serves them as well as a tensor did, and serving a GG
 imports torch (issue 42: torch's import alone is ~218 MiB of RSS, more than llama.cpp's whole
 server on SmolLM2). The torch path's attention (engine/attention.py) indexes tensors, on any
 device. The dtype is a name ("float32", "float16", "bfloat16": numpy has no bfloat16, which only
-the torch path uses), so sizing the pool needs neither library.
+the torch path uses; "fp8_e4m3", "fp8_e5m2": one-byte codes the native kernels convert, held as
+numpy uint8, csrc/kv_fp8.h), so sizing the pool needs neither library.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from tokenpath.engine.kv_groups import KVLayout
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# The numpy dtype holding each name the native kernels read (fp8: the codes, as bytes).
+NUMPY_STORAGE = {"float32": "float32", "float16": "float16", "fp8_e4m3": "uint8", "fp8_e5m2": "uint8"}
 
 
 class KVCache:
@@ -39,11 +42,14 @@ class KVCache:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         alloc: Callable[[], Any]
         if device is None:
-            if dtype == "bfloat16":
-                raise ValueError("a numpy KV cache cannot hold bfloat16 (the native kernels use float32 or float16)")
+            if dtype not in NUMPY_STORAGE:
+                raise ValueError(f"a numpy KV cache cannot hold {dtype} (the native kernels use "
+                                 f"{', '.join(NUMPY_STORAGE)})")
             make_np = np.zeros if zeroed else np.empty
-            alloc = lambda: make_np(shape, dtype=dtype)  # noqa: E731
+            alloc = lambda: make_np(shape, dtype=NUMPY_STORAGE[dtype])  # noqa: E731
         else:
+            if dtype.startswith("fp8"):
+                raise ValueError(f"a torch KV cache cannot hold {dtype} (only the native kernels convert fp8)")
             import torch
 
             make = torch.zeros if zeroed else torch.empty

@@ -83,7 +83,19 @@ def pick_kv_dtype(name: str, lib: NativeLibrary | None, model_dtype: str) -> str
     """The KV cache's storage dtype (a name). On the native kernels float16 halves the cache (the
     issue's RSS target: it is most of a busy server's growth) and costs nothing measurable, because
     the kernels widen halves in registers; it needs F16C, and without it the cache stays float32.
+    fp8_e4m3 (vLLM's "fp8") and fp8_e5m2 halve it again, on the native kernels only: the torch
+    path has no fp8 conversion of its own, and storing float16 instead would quietly double the
+    memory asked for, so it refuses them at load (ModelLoadError, one line naming the flag), as
+    does a CPU without F16C (the fp8 conversions go through halves).
     On torch, auto keeps the model's dtype (the exact transformers-equivalence path)."""
+    name = "fp8_e4m3" if name == "fp8" else name
+    if name.startswith("fp8"):
+        if lib is None:
+            raise ModelLoadError(f"--kv-cache-dtype {name}: fp8 KV runs on the native CPU kernels only, and this "
+                                 "model runs on torch (use float16 or float32, or a GGUF / --quantization q8_0)")
+        if not lib.has_f16c:
+            raise ModelLoadError(f"--kv-cache-dtype {name}: this CPU lacks F16C, which the fp8 conversions need")
+        return name
     if lib is not None:
         if name == "float32":
             return "float32"
