@@ -1,7 +1,7 @@
 """What the KV cache's storage dtype costs and buys (issue 42, item 3: --kv-cache-dtype fp8).
 
 For SmolLM2-135M and Gemma 3 270M (their GGUFs, the default native path and precision), per
---kv-cache-dtype (float32, float16, fp8_e5m2, fp8_e4m3):
+--kv-cache-dtype (float32, float16, fp8_e5m2, fp8_e4m3, and llama.cpp's q8_0):
 
 - KV bytes per token of context: 2 (K and V) x layers x KV heads x head_dim x bytes per value,
   read from the engine's own pool (its bytes per block over the block size, every layer's blocks:
@@ -39,13 +39,13 @@ from tokenpath import LLM, SamplingParams
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT.parent / "tests" / "engine" / "data" / "perplexity_text.txt"
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m"]
-DTYPES = ["float32", "float16", "fp8_e5m2", "fp8_e4m3"]
+DTYPES = ["float32", "float16", "fp8_e5m2", "fp8_e4m3", "q8_0"]
 BUDGET = "512MiB"  # the default kv_cache_memory
 
 
-def perplexity(llm: LLM, ids: list[int], ctx: int) -> tuple[float, int]:
-    """(PPL, scored tokens): windows of ctx tokens, the second half of each scored."""
-    chunks = [ids[i * ctx:(i + 1) * ctx] for i in range(len(ids) // ctx)]
+def perplexity(llm: LLM, ids: list[int], ctx: int, most: int) -> tuple[float, int]:
+    """(PPL, scored tokens): the first `most` windows of ctx tokens, the second half of each scored."""
+    chunks = [ids[i * ctx:(i + 1) * ctx] for i in range(min(most, len(ids) // ctx))]
     outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     nll, count = 0.0, 0
     for w, out in zip(chunks, outs, strict=True):
@@ -59,10 +59,10 @@ def perplexity(llm: LLM, ids: list[int], ctx: int) -> tuple[float, int]:
 
 
 def decode_rate(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
-    """Best decode tok/s over `repeats` requests of `new` tokens after `prompt` (no prefix hits)."""
+    """Best decode tok/s over `repeats` requests of `new` tokens after `prompt` (the repeats prefill
+    it from the prefix cache: the figure is decode only, from the first token on)."""
     best = 0.0
     for _ in range(repeats):
-        llm.engine.blocks.reset_prefix_cache()
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))[0]
         ev = out.events
         best = max(best, (len(out.outputs[0].token_ids) - 1) / (ev.finished - ev.first_token))
@@ -79,7 +79,7 @@ def run(model: str, kv: str, args: argparse.Namespace) -> dict:
            "tokens_in_budget": runner.num_blocks * runner.block_size}
     started = time.perf_counter()
     llm.engine.blocks.reset_prefix_cache()
-    row["ppl"], row["scored"] = perplexity(llm, ids, args.ctx)
+    row["ppl"], row["scored"] = perplexity(llm, ids, args.ctx, args.windows)
     row["ppl_seconds"] = round(time.perf_counter() - started, 1)
     if kv in args.decode_dtypes:
         prompt = (ids * (args.long // len(ids) + 1))[: args.long]
@@ -95,12 +95,12 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "ctx": args.ctx,
-            "long": args.long, "new": args.new, "repeats": args.repeats, "load": os.getloadavg()[0]}
+            "long": args.long, "new": args.new, "repeats": args.repeats, "windows": args.windows, "load": os.getloadavg()[0]}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# KV cache dtype: bytes, perplexity, long-context decode ({meta['when']})", "",
              f"`python benchmarks/kv_dtype_quality.py` on {meta['cpus']} CPUs ({meta['machine']}), the default "
              f"native path and precision. Perplexity: `{TEXT.relative_to(ROOT.parent)}`, windows of {args.ctx}, "
-             f"the second half of each scored (prompt_logprobs). Decode: one request, {args.new} tokens after a "
+             f"the second half of each scored (prompt_logprobs), at most {args.windows} windows. Decode: one request, {args.new} tokens after a "
              f"{args.long}-token prompt, best of {args.repeats}; load average {meta['load']:.1f} at the end: "
              "timings are noisy on this shared host.", "",
              "| model | --kv-cache-dtype | KV bytes/token | tokens in 512 MiB | perplexity | vs float32 "
@@ -113,7 +113,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     lines += ["", "KV bytes per token count every layer (Gemma 3's window layers included: with the hybrid "
               "KV manager they keep only their 512-token window, benchmarks/kv_window.py). fp8 stores one byte "
               "per value with no scale (vLLM's default k_scale = v_scale = 1.0): e4m3 keeps 3 mantissa bits "
-              "(max 448), e5m2 2 bits (max 57344)."]
+              "(max 448), e5m2 2 bits (max 57344). q8_0 is llama.cpp's cache type: blocks of 32 int8 with an "
+              "IEEE half scale (34 bytes per 32 values)."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(out.with_suffix(".md").read_text())
 
@@ -122,8 +123,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--dtypes", nargs="+", default=DTYPES)
-    ap.add_argument("--decode-dtypes", nargs="+", default=["float16", "fp8_e5m2", "fp8_e4m3"])
+    ap.add_argument("--decode-dtypes", nargs="+", default=["float16", "fp8_e5m2", "fp8_e4m3", "q8_0"])
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=4, help="most perplexity windows (the text has 4 of 512)")
     ap.add_argument("--long", type=int, default=2048)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -158,15 +158,17 @@ class EngineConfig(BaseModel):
     # dtype on the torch path. fp8_e4m3 (alias fp8) and fp8_e5m2: one byte per value, native
     # kernels only (csrc/kv_fp8.h: no per-tensor scale, vLLM's default k_scale = v_scale = 1).
     # kv_cache_memory stays a byte budget, so float16 holds twice float32's tokens and fp8 twice
-    # float16's. Bytes per token: 2 * layers * kv_heads * head_dim * (4, 2, 1).
+    # float16's. q8_0: llama.cpp's cache type (blocks of 32 int8 with a half scale, 34 bytes).
+    # Bytes per token: 2 * layers * kv_heads * head_dim * (4, 2, 1, 34/32).
     # The default comes from TOKENPATH_KV_CACHE_DTYPE when set (as --quantization's), so CI can run
     # the prefix-cache, speculative and window tests on an fp8 pool unchanged.
-    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0"] = Field(
         default_factory=lambda: os.environ.get("TOKENPATH_KV_CACHE_DTYPE", "auto"), validate_default=True,
         description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch; "
                     "float32: 4 bytes per value; float16: 2; fp8_e4m3 (alias fp8: 3 mantissa bits, max 448) "
                     "and fp8_e5m2 (2 mantissa bits, max 57344): 1 byte, native kernels only, no scaling; "
-                    "bytes per token = 2 * layers * kv_heads * head_dim * that "
+                    "q8_0: llama.cpp's blocks of 32 int8 with a half scale, 34/32 bytes, native kernels only, "
+                    "head_dim a multiple of 32; bytes per token = 2 * layers * kv_heads * head_dim * that "
                     "(default: $TOKENPATH_KV_CACHE_DTYPE, else auto)")
     # The byte budget. 512 MiB holds 23k tokens of SmolLM2-135M in float16 (11.6k on the float32
     # torch path). The block pool's pages become resident as blocks are first used, and the free

@@ -10,6 +10,9 @@
 - In the model: layer 0's cache holds exactly the reference rounding of what a float32 pool holds,
   the byte budget holds twice float16's tokens, and SmolLM2's greedy text stays near float16's.
 - What refuses: the torch path (one line naming the flag), and a value the flag does not take.
+- llama.cpp's q8_0 (blocks of 32 int8 with a half scale) alike: its blocks against a numpy
+  reference of llama.cpp's quantize_row_q8_0, attention, the model's cache, and the refusal of a
+  head_dim that is not whole blocks.
 """
 
 from __future__ import annotations
@@ -255,10 +258,98 @@ def test_a_bad_value_is_refused_naming_the_field():
             EngineConfig(model="x", kv_cache_dtype=bad)
 
 
+def q8_reference(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q8_0 per 32 values in float32: d = max|x| / 127, q = rint(x * (1 / d)),
+    d stored as an IEEE half; as the pool's bytes (34 per block)."""
+    blocks = np.asarray(x, np.float32).reshape(-1, 32)
+    d = (np.abs(blocks).max(axis=1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[:, None]).astype(np.int8)
+    out = np.empty((len(blocks), 34), np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out.ravel()
+
+
+def q8_reference_decode(raw: np.ndarray) -> np.ndarray:
+    b = np.asarray(raw, np.uint8).reshape(-1, 34)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    return (d * b[:, 2:].view(np.int8).astype(np.float32)).ravel()
+
+
+def q8_kernel(x: np.ndarray, to_float: bool) -> np.ndarray:
+    src = np.ascontiguousarray(x)
+    n = len(src) // 34 * 32 if to_float else len(src)
+    out = np.empty(n, np.float32) if to_float else np.empty(n // 32 * 34, np.uint8)
+    lib.lib.tp_kv_convert(KV_KINDS["q8_0"], int(to_float), src.ctypes.data, out.ctypes.data, n)
+    return out
+
+
+@native_only
+def test_q8_0_blocks_are_llama_cpps():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(32 * 200) * 4, np.zeros(32), np.full(32, -3.0),
+                        np.exp(rng.uniform(-20, 8, 32 * 50)) * rng.choice([-1, 1], 32 * 50),
+                        [127.0, 2.5, -2.5, 0.5, 1.5, -0.5] + [0.0] * 26]).astype(np.float32)  # ties: to even
+    want = q8_reference(x)
+    got = q8_kernel(x, False)
+    assert np.array_equal(got, want)
+    assert q8_reference_decode(want)[-32:-26].tolist() == [127.0, 2.0, -2.0, 0.0, 2.0, -0.0]
+    # reading: random scales (finite halves) and int8 values, against the reference decoder
+    raw = rng.integers(0, 256, size=(300, 34), dtype=np.uint8)
+    raw[:, :2] = (rng.standard_normal(300) * 0.1).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    assert np.array_equal(q8_kernel(raw.ravel(), True), q8_reference_decode(raw.ravel()))
+
+
+@native_only
+@pytest.mark.parametrize(("rows", "p0"), [(8, 61), (5, 90), (1, 100)])
+def test_attention_over_q8_0_is_attention_over_its_decoded_floats(rows, p0):
+    rng = np.random.default_rng(rows + p0)
+    n_kv, rep, bs, d = 2, 3, 16, 64
+    table = rng.permutation(8).astype(np.int32)
+    slots = len(table) * bs
+    blocks = [q8_kernel((rng.standard_normal(slots * n_kv * d) * 3).astype(np.float32), False) for _ in "kv"]
+    floats = [q8_kernel(b, True).reshape(slots, n_kv, d) for b in blocks]
+    q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
+    out = np.zeros_like(q)
+    lib.lib.tp_attend_tile_test(KV_KINDS["q8_0"], blocks[0].ctypes.data, blocks[1].ctypes.data, q.ctypes.data,
+                                out.ctypes.data, table.ctypes.data, rows, p0, bs, n_kv, d, rep, d**-0.5, 0)
+    assert np.array_equal(out, attend("float32", *floats, q, table, p0, bs, rep))
+
+
+@native_only
+def test_the_models_q8_0_cache_holds_llama_cpps_blocks(smol):
+    loaded, ids = smol
+    runs = {}
+    for kv in ("q8_0", "float32"):
+        s = NativeSteps(loaded, kv)
+        s.step([([3, 1, 4], ids[:40], 0)])
+        s.step([([3, 1, 4], ids[40:41], 40)])
+        runs[kv] = s
+    r = runs["q8_0"].runner
+    cfg = loaded.config
+    assert r.cache.k[0].shape[1:] == (cfg.num_kv_heads, cfg.head_dim // 32 * 34)
+    assert r.bytes_per_block * 128 == runs["float32"].runner.bytes_per_block * 34  # 34 bytes per 32 values, not 128
+    slots = np.asarray(runs["q8_0"].slots)
+    for pool in ("k", "v"):
+        got = getattr(r.cache, pool)[0][slots]
+        want = q8_reference(getattr(runs["float32"].runner.cache, pool)[0][slots].ravel())
+        assert np.array_equal(got.ravel(), want)
+
+
+def test_q8_0_refuses_a_head_dim_that_is_not_whole_blocks(tiny):
+    """The tiny Llama's head_dim is 16: refused at load in one line, on either path (torch: as fp8)."""
+    for quantization, why in (("q8_0", "multiple of 32"), ("none", "native CPU kernels only")):
+        with pytest.raises(ModelLoadError) as err:
+            LLM(str(tiny), quantization=quantization, dtype="float32", num_kv_blocks=8, kv_cache_dtype="q8_0")
+        msg = str(err.value)
+        assert msg.startswith("--kv-cache-dtype q8_0: ") and why in msg and "\n" not in msg
+
+
 # Measured on SmolLM2 (the GGUF, default precision), 48 greedy tokens of two chat prompts against
-# float16 KV: the first differing token at 15 (e4m3) and 39 (e5m2) on this test's prompt, at 7 on
-# another; float16's continuation scored by the fp8 engines lost -0.017 .. 0.057 nats per token
-# (float32 KV: 0.0001). The bounds leave room for a kernel or compiler change, not for a broken
+# float16 KV: the first differing token at 15 (e4m3), 39 (e5m2) and none (q8_0) on this test's
+# prompt, at 7, 7 and 35 on another; float16's continuation scored by the fp8 engines lost
+# -0.017 .. 0.057 nats per token, by q8_0 0.007 (float32 KV: 0.0001). The bounds leave room for a kernel or compiler change, not for a broken
 # pool (garbage K/V lose whole nats per token).
 GREEDY_TOKENS = 48
 GREEDY_PREFIX = 12
@@ -268,18 +359,18 @@ LOSS_BOUND = 0.15  # nats per token
 @pytest.mark.slow  # (loads SmolLM2 engines: not the fast tier)
 @native_only
 def test_greedy_text_stays_near_float16s():
-    """fp8 KV rounds every cached K/V value to 3 (e4m3) or 2 (e5m2) mantissa bits, so a greedy
-    continuation drifts from float16's eventually (a near-tie flips); it must agree for the first
-    GREEDY_PREFIX tokens, and float16's continuation must stay about as likely under fp8
-    (teacher forced: its mean log-probability under each engine, from prompt_logprobs)."""
+    """fp8 KV rounds every cached K/V value to 3 (e4m3) or 2 (e5m2) mantissa bits (q8_0: to 8 bits
+    of its block's range), so a greedy continuation drifts from float16's eventually (a near-tie
+    flips); it must agree for the first GREEDY_PREFIX tokens, and float16's continuation must stay
+    about as likely (teacher forced: its mean log-probability under each engine, prompt_logprobs)."""
     p = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     msgs = [{"role": "user", "content": "Write a short paragraph about rivers and the sea."}]
     llms = {kv: LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", kv_cache_dtype=kv)
-            for kv in ("float16", "fp8_e4m3", "fp8_e5m2")}
+            for kv in ("float16", "fp8_e4m3", "fp8_e5m2", "q8_0")}
     prompt = llms["float16"].tokenizer.apply_chat_template(msgs)
     ref = llms["float16"].generate(prompt, p)[0].outputs[0].token_ids
     base = score(llms["float16"], prompt, ref)
-    for kv in ("fp8_e4m3", "fp8_e5m2"):
+    for kv in ("fp8_e4m3", "fp8_e5m2", "q8_0"):
         assert llms[kv].engine.runner.kv_dtype == kv
         got = llms[kv].generate(prompt, p)[0].outputs[0].token_ids
         assert got[:GREEDY_PREFIX] == ref[:GREEDY_PREFIX], kv

@@ -10,8 +10,9 @@ F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), a
 safetensors checkpoints (their values are BF16/F16 rows); other types (F32, Q2_K, Q3_K, ...), a
 matrix of those types whose rows are not a multiple of 16, and any checkpoint under
 `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
-The KV cache stays the engine's own block pool, float32, float16 or one-byte fp8 (e4m3, e5m2:
-csrc/kv_fp8.h): the kernels read and write it in place, converting float16 and fp8 in registers.
+The KV cache stays the engine's own block pool, float32, float16, one-byte fp8 (e4m3, e5m2) or
+llama.cpp's q8_0 blocks (csrc/kv_fp8.h): the kernels read and write it in place, converting in
+registers.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from tokenpath.engine.rope_tables import rope_keys, rope_tables
 log = logging.getLogger("tokenpath.engine.kernels")
 
 # KV-cache dtype name -> the kernels' KvKind (csrc/kv_fp8.h), tp_model_create's dims[12].
-KV_KINDS = {"float32": 0, "float16": 1, "fp8_e5m2": 2, "fp8_e4m3": 3}
+KV_KINDS = {"float32": 0, "float16": 1, "fp8_e5m2": 2, "fp8_e4m3": 3, "q8_0": 4}
 
 
 def native_unsupported(cfg: ModelConfig) -> list[str]:
@@ -343,7 +344,7 @@ class NativeLlama:
         if not isinstance(cache.k[0], np.ndarray) or cache.dtype not in KV_KINDS or (
                 cache.dtype != "float32" and not lib.has_f16c) or cache.k[0].dtype != NUMPY_STORAGE[cache.dtype]:
             raise ValueError(f"the native kernels cannot use a {cache.dtype} KV cache of "
-                             f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 / fp8 with F16C)")
+                             f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 / fp8 / q8_0 with F16C)")
         self.isa = lib.isa(isa)
         self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
         self.kv_dtype = cache.dtype

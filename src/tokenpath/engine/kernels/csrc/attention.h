@@ -155,7 +155,8 @@ void block_update(const float* q0, float* o0, float* run_max, float* run_sum, co
     accumulate<Q>(o, alpha, p, vrow, n, D);
 }
 
-// A cache row (n features) as floats: float32 rows are used in place, float16 and fp8 rows widened into buf.
+// A cache row (n features) as floats: float32 rows are used in place, the others (float16, fp8, q8_0)
+// widened into buf.
 inline const float* widen(const float* row, float*, int) { return row; }
 inline const float* widen(const uint16_t* row, float* buf, int D) {
     int c = 0;
@@ -166,6 +167,7 @@ inline const float* widen(const uint16_t* row, float* buf, int D) {
 }
 inline const float* widen(const KvE5M2* row, float* buf, int D) { return fp8::decode(row, buf, D), buf; }
 inline const float* widen(const KvE4M3* row, float* buf, int D) { return fp8::decode(row, buf, D), buf; }
+inline const float* widen(const KvQ8* row, float* buf, int D) { return q8::decode(row, buf, D), buf; }
 
 // One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r, or with a sliding
 // window the last `window` of them: p0 + r - window + 1 .. p0 + r); q0 and o0 point at the first
@@ -210,8 +212,8 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
             const size_t off = (size_t(tile.table[page]) * bs + in_page) * kv_width + first;
-            kbase[i] = widen(k_cache + off, kbuf + size_t(i) * span, span);
-            vbase[i] = widen(v_cache + off, vbuf + size_t(i) * span, span);
+            kbase[i] = widen(kv_at(k_cache, off), kbuf + size_t(i) * span, span);
+            vbase[i] = widen(kv_at(v_cache, off), vbuf + size_t(i) * span, span);
             if (++in_page == bs) in_page = 0, ++page;
         }
         for (int g = 0; g < g1 - g0; ++g) {

@@ -246,6 +246,7 @@ inline void store_kv(uint16_t* dst, const float* src, int n) {
 }
 inline void store_kv(KvE5M2* dst, const float* src, int n) { fp8::encode(dst, src, n); }
 inline void store_kv(KvE4M3* dst, const float* src, int n) { fp8::encode(dst, src, n); }
+inline void store_kv(KvQ8* dst, const float* src, int n) { q8::encode(dst, src, n); }
 
 // Rotate-half RoPE (Hugging Face layout) on one head vector.
 inline void rope(float* v, const float* c, const float* s, int D) {
@@ -329,7 +330,7 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
-// 7: dims[12] is a KvKind (fp8 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
+// 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
 int tp_model_abi() { return 7; }
 
 
@@ -471,8 +472,8 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                     const size_t slot = size_t(slot_mapping[size_t(L.group) * slot_stride + t]);
                     with_kv_type(m.kv_kind, [&](auto* type) {
                         using KV = std::remove_pointer_t<decltype(type)>;
-                        store_kv(static_cast<KV*>(L.k_cache) + slot * nkv, row + nq, nkv);
-                        store_kv(static_cast<KV*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
+                        store_kv(kv_at(static_cast<KV*>(L.k_cache), slot * nkv), row + nq, nkv);
+                        store_kv(kv_at(static_cast<KV*>(L.v_cache), slot * nkv), row + nq + nkv, nkv);
                     });
                 }
             });

@@ -20,12 +20,20 @@
 //   read:  E5M2 byte << 8 is the half; E4M3 (byte & 0x7f) << 7 with the sign is the half of
 //          value * 2^-8, widened and scaled by 256 (exact), the NaN codes blended in.
 //
+// Also here, llama.cpp's q8_0 cache type (--kv-cache-dtype q8_0): blocks of 32 values, an IEEE half
+// scale d = max|x| / 127 and 32 int8 q = round-to-nearest-even(x / d) (llama.cpp's AVX2
+// quantize_row_q8_0), 34 bytes per 32 values. A row (one slot's n_kv * head_dim features) is whole
+// blocks: head_dim must be a multiple of 32 (runner.py refuses others at load), so a head's
+// features start on a block and kv_at below turns a feature offset into a block pointer.
+//
 // Included by attention.h (inside tp::paged), after forward.cpp's `#pragma GCC target("avx2,fma,f16c")`.
 #pragma once
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // The cache's element types: one byte each, distinct so that widen and store_kv overload on them.
 struct KvE5M2 {
@@ -34,9 +42,25 @@ struct KvE5M2 {
 struct KvE4M3 {
     uint8_t b;
 };
+struct KvQ8 {  // 32 values: d (IEEE half), q
+    uint16_t d;
+    int8_t q[32];
+};
+static_assert(sizeof(KvQ8) == 34, "q8_0 blocks are llama.cpp's 34 bytes");
+
+// Values per element of a pool type, and the element holding feature `f` of a pool (f a multiple
+// of KvPer for blocks).
+template <class KV>
+constexpr int KvPer = 1;
+template <>
+constexpr int KvPer<KvQ8> = 32;
+template <class KV>
+inline KV* kv_at(KV* base, size_t f) {
+    return base + f / KvPer<std::remove_const_t<KV>>;
+}
 
 // The KV kinds (tp_model_create dims[12], kernels/model.py KV_KINDS).
-enum KvKind { kKvF32 = 0, kKvF16 = 1, kKvE5M2 = 2, kKvE4M3 = 3 };
+enum KvKind { kKvF32 = 0, kKvF16 = 1, kKvE5M2 = 2, kKvE4M3 = 3, kKvQ8 = 4 };
 
 // f(KV*) with a null pointer of the pool's element type for KvKind `kind`.
 template <class F>
@@ -45,6 +69,7 @@ inline void with_kv_type(int kind, F&& f) {
         case kKvF16: f(static_cast<uint16_t*>(nullptr)); break;
         case kKvE5M2: f(static_cast<KvE5M2*>(nullptr)); break;
         case kKvE4M3: f(static_cast<KvE4M3*>(nullptr)); break;
+        case kKvQ8: f(static_cast<KvQ8*>(nullptr)); break;
         default: f(static_cast<float*>(nullptr)); break;
     }
 }
@@ -133,4 +158,42 @@ inline void decode(const T* src, float* dst, int n) {
 }
 
 }  // namespace fp8
+
+namespace q8 {
+
+// n floats (a multiple of 32) -> n / 32 blocks.
+inline void encode(KvQ8* dst, const float* src, int n) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < n / 32; ++b) {
+        const float* x = src + 32 * b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + 8 * j), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int j = 0; j < 4; ++j)
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // int32 -> int8 (llama.cpp's sequence): the packs interleave 128-bit lanes, the permute restores the order
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[b].q),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        dst[b].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+}
+
+// n / 32 blocks -> n floats.
+inline void decode(const KvQ8* src, float* dst, int n) {
+    for (int b = 0; b < n / 32; ++b) {
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(src[b].d));
+        for (int j = 0; j < 4; ++j) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[b].q + 8 * j));
+            _mm256_storeu_ps(dst + 32 * b + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        }
+    }
+}
+
+}  // namespace q8
 }  // namespace tp

@@ -8,8 +8,9 @@
 
 extern "C" {
 
-// n values through store_kv / widen: floats -> KvKind `kind` codes (to_float 0), or back (1).
+// n values through store_kv / widen: floats -> KvKind `kind` codes or q8_0 blocks (to_float 0), or back (1).
 void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n) {
+    if (kind == kKvQ8 && n % 32) return;  // whole q8_0 blocks only
     with_kv_type(kind, [&](auto* type) {
         using KV = std::remove_pointer_t<decltype(type)>;
         if (!to_float) return store_kv(static_cast<KV*>(dst), static_cast<const float*>(src), n);
