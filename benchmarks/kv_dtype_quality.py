@@ -15,9 +15,14 @@ For SmolLM2-135M and Gemma 3 270M (their GGUFs, the default native path and prec
   stamps: (tokens - 1) / (finished - first_token)), float16 against fp8: at long context decode
   reads the whole cache every token, so the narrower pool is where fp8 could save time.
   Timings on a loaded 2-core host are noisy: the best of --repeats runs is reported.
+- the attention kernel alone (csrc/attention.h through tp_attend_tile_test, one thread): one decode
+  row over --long keys at each model's head shape, per pool dtype, best of many short timed loops;
+  less exposed to the host's load than the engine's decode, and it isolates what the conversion
+  costs or saves where the pool is read.
 
     .venv/bin/python benchmarks/kv_dtype_quality.py                 # both models, ~10 min on 2 cores
     .venv/bin/python benchmarks/kv_dtype_quality.py --models smollm2-135m-instruct --long 1024
+    .venv/bin/python benchmarks/kv_dtype_quality.py --kernel-only   # the kernel table alone (seconds)
 
 Writes benchmarks/results/kv_dtype_quality.md and .json.
 """
@@ -69,6 +74,45 @@ def decode_rate(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
     return best
 
 
+# (KV heads, query heads per KV head, head_dim) of each model's attention
+HEAD_SHAPES = {"smollm2-135m-instruct": (3, 3, 64), "gemma-3-270m": (1, 4, 256)}
+
+
+def attention_us(kv: str, shape: tuple[int, int, int], keys: int, loops: int = 50, rounds: int = 9) -> float:
+    """Microseconds per decode row of the attention kernel over `keys` keys (best round)."""
+    import numpy as np
+
+    from tokenpath.engine.kernels import native_library
+    from tokenpath.engine.kernels.model import KV_KINDS
+    from tokenpath.engine.kv_cache import NUMPY_STORAGE, head_bytes
+
+    lib = native_library()
+    n_kv, rep, d = shape
+    bs = 16
+    rng = np.random.default_rng(0)
+    table = np.arange(keys // bs, dtype=np.int32)
+    values = (rng.standard_normal((keys, n_kv * d)) * 2).astype(np.float32)
+    pools = []
+    for _ in "kv":
+        if NUMPY_STORAGE[kv] == "uint8":  # codes or blocks, written by the kernels' own conversion
+            pool = np.empty((keys, n_kv * head_bytes(kv, d)), np.uint8)
+            lib.lib.tp_kv_convert(KV_KINDS[kv], 0, values.ctypes.data, pool.ctypes.data, values.size)
+        else:
+            pool = values.astype(kv)
+        pools.append(pool)
+    q = rng.standard_normal((1, n_kv * rep, d)).astype(np.float32)
+    out = np.zeros_like(q)
+    args = (KV_KINDS[kv], pools[0].ctypes.data, pools[1].ctypes.data, q.ctypes.data, out.ctypes.data,
+            table.ctypes.data, 1, keys - 1, bs, n_kv, d, rep, d**-0.5, 0)
+    best = math.inf
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(loops):
+            lib.lib.tp_attend_tile_test(*args)
+        best = min(best, (time.perf_counter() - started) / loops)
+    return best * 1e6
+
+
 def run(model: str, kv: str, args: argparse.Namespace) -> dict:
     llm = LLM(model, kv_cache_dtype=kv, kv_cache_memory=BUDGET, max_model_len=args.long + args.new + 16,
               disable_hybrid_kv_cache_manager=True)
@@ -90,13 +134,13 @@ def run(model: str, kv: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def write(rows: list[dict], args: argparse.Namespace) -> None:
+def write(rows: list[dict], kernel: list[dict], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "ctx": args.ctx,
             "long": args.long, "new": args.new, "repeats": args.repeats, "windows": args.windows, "load": os.getloadavg()[0]}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "kernel": kernel}, indent=1) + "\n")
     lines = [f"# KV cache dtype: bytes, perplexity, long-context decode ({meta['when']})", "",
              f"`python benchmarks/kv_dtype_quality.py` on {meta['cpus']} CPUs ({meta['machine']}), the default "
              f"native path and precision. Perplexity: `{TEXT.relative_to(ROOT.parent)}`, windows of {args.ctx}, "
@@ -114,7 +158,15 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
               "KV manager they keep only their 512-token window, benchmarks/kv_window.py). fp8 stores one byte "
               "per value with no scale (vLLM's default k_scale = v_scale = 1.0): e4m3 keeps 3 mantissa bits "
               "(max 448), e5m2 2 bits (max 57344). q8_0 is llama.cpp's cache type: blocks of 32 int8 with an "
-              "IEEE half scale (34 bytes per 32 values)."]
+              "IEEE half scale (34 bytes per 32 values).", "",
+              f"The attention kernel alone, one decode row over {args.long} keys, one thread, best of 9 rounds "
+              "of 50 calls (microseconds; the pool's rows widened to floats a 32-key block at a time):", "",
+              "| model (KV heads x query heads per KV head x head_dim) | " + " | ".join(
+                  r["kv"] for r in kernel if r["model"] == kernel[0]["model"]) + " |",
+              "|---|" + "---|" * sum(r["model"] == kernel[0]["model"] for r in kernel)]
+    for model in dict.fromkeys(r["model"] for r in kernel):
+        cells = [f"{r['us']:.0f}" for r in kernel if r["model"] == model]
+        lines.append(f"| {model} ({'x'.join(map(str, HEAD_SHAPES[model]))}) | " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(out.with_suffix(".md").read_text())
 
@@ -130,11 +182,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "results" / "kv_dtype_quality"))
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="rerun the attention-kernel table only, keeping the engine rows of the last run's .json")
     args = ap.parse_args()
     if "float32" not in args.dtypes:
         raise SystemExit("--dtypes must include float32 (the perplexity baseline)")
-    rows = [run(model, kv, args) for model in args.models for kv in args.dtypes]
-    write(rows, args)
+    if args.kernel_only:  # the engine rows of the last full run, with a fresh kernel table
+        rows = json.loads(Path(args.out).with_suffix(".json").read_text())["rows"]
+    else:
+        rows = [run(model, kv, args) for model in args.models for kv in args.dtypes]
+    kernel = [{"model": model, "kv": kv, "us": round(attention_us(kv, HEAD_SHAPES[model], args.long), 1)}
+              for model in args.models for kv in args.dtypes]
+    write(rows, kernel, args)
 
 
 if __name__ == "__main__":

@@ -84,11 +84,10 @@ def pick_kv_dtype(name: str, lib: NativeLibrary | None, model_dtype: str) -> str
     issue's RSS target: it is most of a busy server's growth) and costs nothing measurable, because
     the kernels widen halves in registers; it needs F16C, and without it the cache stays float32.
     fp8_e4m3 (vLLM's "fp8"), fp8_e5m2 and llama.cpp's q8_0 (1.06 bytes a value) halve it
-    again, on the native kernels only: the torch
-    path has no fp8 conversion of its own, and storing float16 instead would quietly double the
-    memory asked for, so it refuses them at load (ModelLoadError, one line naming the flag), as
-    does a CPU without F16C (their conversions use halves). q8_0 needs head_dim a multiple of 32
-    (ModelRunner checks it).
+    again, on the native kernels only: the torch path has no conversion of them, and storing
+    float16 instead would quietly double the memory asked for, so it refuses them at load
+    (ModelLoadError, one line naming the flag), as does a CPU without F16C (their conversions
+    use halves). q8_0 also needs head_dim a multiple of 32 (ModelRunner checks it).
     On torch, auto keeps the model's dtype (the exact transformers-equivalence path)."""
     name = "fp8_e4m3" if name == "fp8" else name
     if name in NATIVE_ONLY:
