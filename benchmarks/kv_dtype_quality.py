@@ -78,7 +78,7 @@ def decode_rate(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
 HEAD_SHAPES = {"smollm2-135m-instruct": (3, 3, 64), "gemma-3-270m": (1, 4, 256)}
 
 
-def attention_us(kv: str, shape: tuple[int, int, int], keys: int, loops: int = 50, rounds: int = 9) -> float:
+def attention_us(kv: str, shape: tuple[int, int, int], keys: int, loops: int = 30, rounds: int = 21) -> float:
     """Microseconds per decode row of the attention kernel over `keys` keys (best round)."""
     import numpy as np
 
@@ -134,12 +134,13 @@ def run(model: str, kv: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def write(rows: list[dict], kernel: list[dict], args: argparse.Namespace) -> None:
+def write(rows: list[dict], kernel: list[dict], args: argparse.Namespace, load: float | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "ctx": args.ctx,
-            "long": args.long, "new": args.new, "repeats": args.repeats, "windows": args.windows, "load": os.getloadavg()[0]}
+            "long": args.long, "new": args.new, "repeats": args.repeats, "windows": args.windows,
+            "load": os.getloadavg()[0] if load is None else load}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "kernel": kernel}, indent=1) + "\n")
     lines = [f"# KV cache dtype: bytes, perplexity, long-context decode ({meta['when']})", "",
              f"`python benchmarks/kv_dtype_quality.py` on {meta['cpus']} CPUs ({meta['machine']}), the default "
@@ -159,8 +160,8 @@ def write(rows: list[dict], kernel: list[dict], args: argparse.Namespace) -> Non
               "per value with no scale (vLLM's default k_scale = v_scale = 1.0): e4m3 keeps 3 mantissa bits "
               "(max 448), e5m2 2 bits (max 57344). q8_0 is llama.cpp's cache type: blocks of 32 int8 with an "
               "IEEE half scale (34 bytes per 32 values).", "",
-              f"The attention kernel alone, one decode row over {args.long} keys, one thread, best of 9 rounds "
-              "of 50 calls (microseconds; the pool's rows widened to floats a 32-key block at a time):", "",
+              f"The attention kernel alone, one decode row over {args.long} keys, one thread, best of 21 rounds "
+              "of 30 calls (microseconds; the pool's rows widened to floats a 32-key block at a time):", "",
               "| model (KV heads x query heads per KV head x head_dim) | " + " | ".join(
                   r["kv"] for r in kernel if r["model"] == kernel[0]["model"]) + " |",
               "|---|" + "---|" * sum(r["model"] == kernel[0]["model"] for r in kernel)]
@@ -187,13 +188,17 @@ def main() -> None:
     args = ap.parse_args()
     if "float32" not in args.dtypes:
         raise SystemExit("--dtypes must include float32 (the perplexity baseline)")
-    if args.kernel_only:  # the engine rows of the last full run, with a fresh kernel table
-        rows = json.loads(Path(args.out).with_suffix(".json").read_text())["rows"]
+    load = None
+    if args.kernel_only:  # the engine rows of the last full run (and its settings), a fresh kernel table
+        last = json.loads(Path(args.out).with_suffix(".json").read_text())
+        rows, load = last["rows"], last["meta"]["load"]
+        for key in ("ctx", "long", "new", "repeats", "windows"):
+            setattr(args, key, last["meta"][key])
     else:
         rows = [run(model, kv, args) for model in args.models for kv in args.dtypes]
     kernel = [{"model": model, "kv": kv, "us": round(attention_us(kv, HEAD_SHAPES[model], args.long), 1)}
               for model in args.models for kv in args.dtypes]
-    write(rows, kernel, args)
+    write(rows, kernel, args, load)
 
 
 if __name__ == "__main__":
