@@ -363,6 +363,8 @@ ENV_VARS = (
     EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
     EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
     EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0)"),
+    EnvVar("TOKENPATH_KV_CACHE_DTYPE", "the default of --kv-cache-dtype (auto, float32, float16, fp8, fp8_e4m3, "
+           "fp8_e5m2, q8_0)"),
     EnvVar("TOKENPATH_NUM_THREADS", "torch CPU threads per engine (default: cores split among local engines)"),
     EnvVar("TOKENPATH_KERNELS_ISA", "native kernel ISA: auto, avx2 or avx512 (within what the CPU has)"),
     EnvVar("TOKENPATH_KERNELS_FINE", "bit mask: matmuls with int8 activations plus residual bytes"),
