@@ -155,9 +155,21 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
     # (half the memory per token; converted in registers, needs F16C, else float32), the model's
-    # dtype on the torch path. kv_cache_memory stays a byte budget, so float16 holds twice the tokens.
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
-        "auto", description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch")
+    # dtype on the torch path. fp8_e4m3 (alias fp8) and fp8_e5m2: one byte per value, native
+    # kernels only (csrc/kv_fp8.h: no per-tensor scale, vLLM's default k_scale = v_scale = 1).
+    # kv_cache_memory stays a byte budget, so float16 holds twice float32's tokens and fp8 twice
+    # float16's. q8_0: llama.cpp's cache type (blocks of 32 int8 with a half scale, 34 bytes).
+    # Bytes per token: 2 * layers * kv_heads * head_dim * (4, 2, 1, 34/32).
+    # The default comes from TOKENPATH_KV_CACHE_DTYPE when set (as --quantization's), so CI can run
+    # the prefix-cache, speculative and window tests on an fp8 pool unchanged.
+    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0"] = Field(
+        default_factory=lambda: os.environ.get("TOKENPATH_KV_CACHE_DTYPE", "auto"), validate_default=True,
+        description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch; "
+                    "float32: 4 bytes per value; float16: 2; fp8_e4m3 (alias fp8: 3 mantissa bits, max 448) "
+                    "and fp8_e5m2 (2 mantissa bits, max 57344): 1 byte, native kernels only, no scaling; "
+                    "q8_0: llama.cpp's blocks of 32 int8 with a half scale, 34/32 bytes, native kernels only, "
+                    "head_dim a multiple of 32; bytes per token = 2 * layers * kv_heads * head_dim * that "
+                    "(default: $TOKENPATH_KV_CACHE_DTYPE, else auto)")
     # The byte budget. 512 MiB holds 23k tokens of SmolLM2-135M in float16 (11.6k on the float32
     # torch path). The block pool's pages become resident as blocks are first used, and the free
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
@@ -351,6 +363,8 @@ ENV_VARS = (
     EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
     EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
     EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0)"),
+    EnvVar("TOKENPATH_KV_CACHE_DTYPE", "the default of --kv-cache-dtype (auto, float32, float16, fp8, fp8_e4m3, "
+           "fp8_e5m2, q8_0)"),
     EnvVar("TOKENPATH_NUM_THREADS", "torch CPU threads per engine (default: cores split among local engines)"),
     EnvVar("TOKENPATH_KERNELS_ISA", "native kernel ISA: auto, avx2 or avx512 (within what the CPU has)"),
     EnvVar("TOKENPATH_KERNELS_FINE", "bit mask: matmuls with int8 activations plus residual bytes"),

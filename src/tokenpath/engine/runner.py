@@ -17,7 +17,7 @@ import numpy as np
 from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import DEFAULT_EXACT, DEFAULT_FINE, NativeLlama, select_native
-from tokenpath.engine.kv_cache import KVCache
+from tokenpath.engine.kv_cache import NATIVE_ONLY, KVCache, head_bytes
 from tokenpath.engine.kv_groups import KVLayout
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.lora import LoraManager
@@ -83,7 +83,20 @@ def pick_kv_dtype(name: str, lib: NativeLibrary | None, model_dtype: str) -> str
     """The KV cache's storage dtype (a name). On the native kernels float16 halves the cache (the
     issue's RSS target: it is most of a busy server's growth) and costs nothing measurable, because
     the kernels widen halves in registers; it needs F16C, and without it the cache stays float32.
+    fp8_e4m3 (vLLM's "fp8"), fp8_e5m2 and llama.cpp's q8_0 (1.06 bytes a value) halve it
+    again, on the native kernels only: the torch path has no conversion of them, and storing
+    float16 instead would quietly double the memory asked for, so it refuses them at load
+    (ModelLoadError, one line naming the flag), as does a CPU without F16C (their conversions
+    use halves). q8_0 also needs head_dim a multiple of 32 (ModelRunner checks it).
     On torch, auto keeps the model's dtype (the exact transformers-equivalence path)."""
+    name = "fp8_e4m3" if name == "fp8" else name
+    if name in NATIVE_ONLY:
+        if lib is None:
+            raise ModelLoadError(f"--kv-cache-dtype {name}: runs on the native CPU kernels only, and this model "
+                                 "runs on torch (use float16 or float32, or a GGUF / --quantization q8_0)")
+        if not lib.has_f16c:
+            raise ModelLoadError(f"--kv-cache-dtype {name}: this CPU lacks F16C, which its conversions need")
+        return name
     if lib is not None:
         if name == "float32":
             return "float32"
@@ -113,6 +126,10 @@ class ModelRunner:
             self.torch = TorchForward(loaded, config, max_model_len, self.device)
             self.dtype = dtype_name(self.torch.dtype)
         self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, lib, self.dtype)
+        try:
+            head_bytes(self.kv_dtype, cfg.head_dim)
+        except ValueError as exc:
+            raise ModelLoadError(f"--kv-cache-dtype {self.kv_dtype}: {exc}") from None
         # KV-cache groups: window layers keep only their window's blocks (kv_groups.py); a block is
         # a page of `group_size` layers.
         self.layout = KVLayout.for_model(cfg, hybrid=not config.disable_hybrid_kv_cache_manager)

@@ -32,14 +32,17 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_forward": (_I, FORWARD_ARGS),
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
     "tp_model_debug_phase_cap": (None, [_P, _I]),
+    "tp_kv_convert": (None, [_I, _I, _P, _P, _I]),
+    "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
 }
 
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
 # 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
-# halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs). A library reporting
+# halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs; 7: dims[12] is the
+# KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test). A library reporting
 # another is refused at load.
-MODEL_ABI = 6
+MODEL_ABI = 7
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

@@ -10,8 +10,9 @@ F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), a
 safetensors checkpoints (their values are BF16/F16 rows); other types (F32, Q2_K, Q3_K, ...), a
 matrix of those types whose rows are not a multiple of 16, and any checkpoint under
 `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
-The KV cache stays the engine's own block pool, float32 or float16: the kernels read and write it
-in place, converting float16 in registers.
+The KV cache stays the engine's own block pool, float32, float16, one-byte fp8 (e4m3, e5m2) or
+llama.cpp's q8_0 blocks (csrc/kv_fp8.h): the kernels read and write it in place, converting in
+registers.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ from tokenpath.engine.kernels import (
 )
 from tokenpath.engine.kernels.abi import check_forward
 from tokenpath.engine.kernels.experts import ExpertLayer, expert_layer
-from tokenpath.engine.kv_cache import KVCache
+from tokenpath.engine.kv_cache import NUMPY_STORAGE, KVCache
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.rope_tables import rope_keys, rope_tables
 
 log = logging.getLogger("tokenpath.engine.kernels")
+
+# KV-cache dtype name -> the kernels' KvKind (csrc/kv_fp8.h), tp_model_create's dims[12].
+KV_KINDS = {"float32": 0, "float16": 1, "fp8_e5m2": 2, "fp8_e4m3": 3, "q8_0": 4}
 
 
 def native_unsupported(cfg: ModelConfig) -> list[str]:
@@ -330,17 +334,17 @@ class NativeLlama:
                         ", ".join(sorted(requantized)))
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
-                         exact, int(cache.dtype == "float16"), fine & ~exact,
+                         exact, KV_KINDS.get(cache.dtype, -1), fine & ~exact,
                          int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
                            dtype=np.float32)
         arrays = [np.array(glob, dtype=np.uint64), np.array(layer_ptrs, dtype=np.uint64),
                   np.array(layer_types, dtype=np.int32), fparams]
-        if not isinstance(cache.k[0], np.ndarray) or cache.dtype not in ("float32", "float16") or (
-                cache.dtype == "float16" and not lib.has_f16c):
+        if not isinstance(cache.k[0], np.ndarray) or cache.dtype not in KV_KINDS or (
+                cache.dtype != "float32" and not lib.has_f16c) or cache.k[0].dtype != NUMPY_STORAGE[cache.dtype]:
             raise ValueError(f"the native kernels cannot use a {cache.dtype} KV cache of "
-                             f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 with F16C)")
+                             f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 / fp8 / q8_0 with F16C)")
         self.isa = lib.isa(isa)
         self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
         self.kv_dtype = cache.dtype

@@ -8,8 +8,8 @@
 //
 // How: keys go in blocks of kKeyBlock (flash-attention style online softmax: a running maximum
 // and sum per query, the output rescaled when the maximum grows), so K and V are read in one pass
-// and a block stays in L1 while every query of the tile uses it. A float16 cache is widened once
-// per block into a small float buffer (F16C), not once per query. The query heads of a row go
+// and a block stays in L1 while every query of the tile uses it. A float16 or fp8 cache (kv_fp8.h)
+// is widened once per block into a small float buffer (F16C), not once per query. The query heads of a row go
 // three at a time through register-blocked kernels (3 queries x 4 keys of score accumulators,
 // 3 queries x 32 output floats), so each K/V load feeds three FMAs; the 4 scores of a query come
 // out of one transpose-add instead of one horizontal sum per score, and exp runs 8 lanes at once.
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_fp8.h"
 #include "vec_math.h"
 
 namespace tp {
@@ -154,7 +155,8 @@ void block_update(const float* q0, float* o0, float* run_max, float* run_sum, co
     accumulate<Q>(o, alpha, p, vrow, n, D);
 }
 
-// A cache row (n features) as floats: float32 rows are used in place, float16 rows widened into buf.
+// A cache row (n features) as floats: float32 rows are used in place, the others (float16, fp8, q8_0)
+// widened into buf.
 inline const float* widen(const float* row, float*, int) { return row; }
 inline const float* widen(const uint16_t* row, float* buf, int D) {
     int c = 0;
@@ -163,6 +165,9 @@ inline const float* widen(const uint16_t* row, float* buf, int D) {
     for (; c < D; ++c) buf[c] = _cvtsh_ss(row[c]);
     return buf;
 }
+inline const float* widen(const KvE5M2* row, float* buf, int D) { return fp8::decode(row, buf, D), buf; }
+inline const float* widen(const KvE4M3* row, float* buf, int D) { return fp8::decode(row, buf, D), buf; }
+inline const float* widen(const KvQ8* row, float* buf, int D) { return q8::decode(row, buf, D), buf; }
 
 // One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r, or with a sliding
 // window the last `window` of them: p0 + r - window + 1 .. p0 + r); q0 and o0 point at the first
@@ -185,8 +190,8 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
                  int rep, float scale, float* scratch) {
     const int span = (g1 - g0) * D, qpr = (g1 - g0) * rep;  // features per key read, queries per row
     const int nqry = tile.nrows * qpr;
-    float* kbuf = scratch;                             // [kKeyBlock][span] widened float16 K
-    float* vbuf = kbuf + size_t(kKeyBlock) * span;     // [kKeyBlock][span] widened float16 V
+    float* kbuf = scratch;                             // [kKeyBlock][span] widened K (float16, fp8)
+    float* vbuf = kbuf + size_t(kKeyBlock) * span;     // [kKeyBlock][span] widened V (float16, fp8)
     float* run_max = vbuf + size_t(kKeyBlock) * span;  // [nqry] running max of the scaled scores (log2 units)
     float* run_sum = run_max + nqry;                   // [nqry] running sum of 2^(score - max)
     for (int i = 0; i < nqry; ++i) run_max[i] = -INFINITY, run_sum[i] = 0.f;
@@ -207,8 +212,8 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
             const size_t off = (size_t(tile.table[page]) * bs + in_page) * kv_width + first;
-            kbase[i] = widen(k_cache + off, kbuf + size_t(i) * span, span);
-            vbase[i] = widen(v_cache + off, vbuf + size_t(i) * span, span);
+            kbase[i] = widen(kv_at(k_cache, off), kbuf + size_t(i) * span, span);
+            vbase[i] = widen(kv_at(v_cache, off), vbuf + size_t(i) * span, span);
             if (++in_page == bs) in_page = 0, ++page;
         }
         for (int g = 0; g < g1 - g0; ++g) {

@@ -8,8 +8,9 @@
 // team_for: no OpenMP barriers), with RMSNorm fused into activation quantization,
 // residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
 // paged attention reading K/V in place from the engine's block pool (no gather copy). The pool
-// holds float32 or IEEE float16 K/V (--kv-cache-dtype): float16 halves the cache's memory, and is
-// widened (F16C) a 32-key block at a time into an L1-sized buffer inside attention (attention.h).
+// holds float32, IEEE float16 or one-byte fp8 K/V (--kv-cache-dtype; kv_fp8.h): float16 halves the
+// cache's memory, fp8 quarters it, and both are widened (F16C) a 32-key block at a time into an
+// L1-sized buffer inside attention (attention.h).
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <omp.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -102,7 +104,7 @@ struct Layer {
     int group;                         // KV-cache group: which row of slot_mapping / tables it uses
     Mat qkv, o, gate_up, down;
     const MoeLayer* moe = nullptr;  // set: the MLP is a mixture of experts (gate_up, down unused)
-    void *k_cache, *v_cache;  // [slots, n_kv, head_dim], float or uint16_t (IEEE half) per Model::kv_f16
+    void *k_cache, *v_cache;  // [slots, n_kv, head_dim] of Model::kv_kind's type
 };
 
 // One attention work item: KV heads [g0, g1) of tile `tile` (an index into Model::tiles).
@@ -128,7 +130,7 @@ struct Model {
     int embed_t, head_t;
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
-    int kv_f16;  // 1: the KV pool is IEEE float16 (needs F16C, checked by the caller), 0: float32
+    int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
     int float_w;  // 1: some matrix has F16/BF16 parts, which read float activations
     float embed_scale, attn_scale;
@@ -242,6 +244,9 @@ inline void store_kv(uint16_t* dst, const float* src, int n) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline void store_kv(KvE5M2* dst, const float* src, int n) { fp8::encode(dst, src, n); }
+inline void store_kv(KvE4M3* dst, const float* src, int n) { fp8::encode(dst, src, n); }
+inline void store_kv(KvQ8* dst, const float* src, int n) { q8::encode(dst, src, n); }
 
 // Rotate-half RoPE (Hugging Face layout) on one head vector.
 inline void rope(float* v, const float* c, const float* s, int D) {
@@ -256,6 +261,7 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 }  // namespace
 
 #include "moe.h"  // the sparse MLPs: moe_prepare, moe_ffn, tp_model_set_moe
+#include "kv_test_api.h"  // tests: tp_kv_convert, tp_attend_tile_test
 
 extern "C" {
 
@@ -265,7 +271,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     auto* m = new Model();
     m->n_layers = dims[0], m->hidden = dims[1], m->inter = dims[2], m->n_heads = dims[3], m->n_kv = dims[4];
     m->head_dim = dims[5], m->vocab = dims[6], m->max_pos = dims[7], m->block_size = dims[8];
-    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_f16 = dims[12];
+    m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_kind = dims[12];
     m->fine = dims[13];  // model.py leaves the exact bits out
     m->gelu = dims[14], m->float_w = dims[15];
     m->eps = eps;
@@ -324,7 +330,9 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
-int tp_model_abi() { return 6; }
+// 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
+int tp_model_abi() { return 7; }
+
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
@@ -462,13 +470,11 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                     const float *c = L.rope_cos + size_t(pos[t]) * D, *s = L.rope_sin + size_t(pos[t]) * D;
                     for (int h = 0; h < m.n_heads + m.n_kv; ++h) rope(row + h * D, c, s, D);
                     const size_t slot = size_t(slot_mapping[size_t(L.group) * slot_stride + t]);
-                    if (m.kv_f16) {
-                        store_kv(static_cast<uint16_t*>(L.k_cache) + slot * nkv, row + nq, nkv);
-                        store_kv(static_cast<uint16_t*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
-                    } else {
-                        store_kv(static_cast<float*>(L.k_cache) + slot * nkv, row + nq, nkv);
-                        store_kv(static_cast<float*>(L.v_cache) + slot * nkv, row + nq + nkv, nkv);
-                    }
+                    with_kv_type(m.kv_kind, [&](auto* type) {
+                        using KV = std::remove_pointer_t<decltype(type)>;
+                        store_kv(kv_at(static_cast<KV*>(L.k_cache), slot * nkv), row + nq, nkv);
+                        store_kv(kv_at(static_cast<KV*>(L.v_cache), slot * nkv), row + nq + nkv, nkv);
+                    });
                 }
             });
             // Attention over the work items above; K/V read in place from the block pool.
@@ -479,12 +485,11 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                                        attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
                                        m.tiles[it.tile + 1] - t, pos[t],
                                        tables + size_t(L.group) * table_stride + row_table[t], L.window};
-                if (m.kv_f16)
-                    paged::attend_tile(static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
-                                       tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
-                else
-                    paged::attend_tile(static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache), tile,
-                                       bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
+                with_kv_type(m.kv_kind, [&](auto* type) {
+                    using KV = std::remove_pointer_t<decltype(type)>;
+                    paged::attend_tile(static_cast<const KV*>(L.k_cache), static_cast<const KV*>(L.v_cache), tile, bs,
+                                       nkv, it.g0, it.g1, D, rep, scale, scratch);
+                });
             });
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);

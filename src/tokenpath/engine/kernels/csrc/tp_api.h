@@ -35,6 +35,12 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
 // Tests only: at most `cap` work phases per step (0: as many as the step needs), to exercise the
 // overflow check (TP_STATUS_PHASES) that a miscounted phase would trip.
 void tp_model_debug_phase_cap(void* handle, int cap);
+// kv_test_api.h, tests only: the KV pool's conversions (floats -> KvKind codes, to_float 0, or back)
+// and one attention tile over a pool of any KvKind.
+void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n);
+void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
+                         const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
+                         int window);
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode);
 

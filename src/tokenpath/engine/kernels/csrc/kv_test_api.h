@@ -1,0 +1,39 @@
+// Test entry points into the KV pool's conversions and the paged attention (forward.cpp includes
+// this after store_kv): tests/engine/test_kv_fp8.py checks the fp8 codes against a reference
+// written from the formats' definitions, and attention over an fp8 pool against attention over the
+// float32 values decoded from the same bytes. They run the engine's own functions, not copies.
+#pragma once
+
+#include <vector>
+
+extern "C" {
+
+// n values through store_kv / widen: floats -> KvKind `kind` codes or q8_0 blocks (to_float 0), or back (1).
+void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n) {
+    if (kind == kKvQ8 && n % 32) return;  // whole q8_0 blocks only
+    with_kv_type(kind, [&](auto* type) {
+        using KV = std::remove_pointer_t<decltype(type)>;
+        if (!to_float) return store_kv(static_cast<KV*>(dst), static_cast<const float*>(src), n);
+        const float* row = paged::widen(static_cast<const KV*>(src), static_cast<float*>(dst), n);
+        if (row != dst) std::memcpy(dst, row, sizeof(float) * n);
+    });
+}
+
+// One attention tile over all n_kv heads: rows 0..nrows-1 (at most paged::kTileRows) at positions
+// p0.., queries q [nrows, n_kv * rep, D], output o alike; the pool [slots, n_kv, D] of KvKind
+// `kind` with block table `table` (block size bs); window 0: full causal attention.
+void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
+                         const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
+                         int window) {
+    if (nrows < 1 || nrows > paged::kTileRows) return;
+    std::vector<float> scratch(paged::scratch_floats(n_kv * D, n_kv * rep));
+    const int stride = n_kv * rep * D;
+    const paged::Tile tile{q, o, stride, stride, nrows, p0, table, window};
+    with_kv_type(kind, [&](auto* type) {
+        using KV = std::remove_pointer_t<decltype(type)>;
+        paged::attend_tile(static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), tile, bs, n_kv * D, 0,
+                           n_kv, D, rep, scale, scratch.data());
+    });
+}
+
+}  // extern "C"
