@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tokenpath import LLM, SamplingParams
 from tokenpath.config import parse_bytes
+from tokenpath.engine.kv_cache import head_bytes
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT.parent / "tests" / "engine" / "data" / "perplexity_text.txt"
@@ -55,7 +56,7 @@ def run(mode: str, chunk: int) -> dict:
     context = len(prompt) + NEW - 1  # the last step's query sees every token but the one it samples
     last, peak = held[-1], max(held, key=sum)
     cfg = runner.model_config
-    per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * runner.cache.k[0].element_size()
+    per_layer_token = 2 * cfg.num_kv_heads * head_bytes(runner.cache.dtype, cfg.head_dim)  # (numpy or torch pool)
     return {
         "mode": mode,
         "groups": [w or "full" for w in runner.layout.windows],
