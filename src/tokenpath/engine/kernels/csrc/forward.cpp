@@ -8,9 +8,9 @@
 // team_for: no OpenMP barriers), with RMSNorm fused into activation quantization,
 // residual adds into the GEMM epilogue, SiLU*mul into the down projection's quantization, and
 // paged attention reading K/V in place from the engine's block pool (no gather copy). The pool
-// holds float32, IEEE float16 or one-byte fp8 K/V (--kv-cache-dtype; kv_fp8.h): float16 halves the
-// cache's memory, fp8 quarters it, and both are widened (F16C) a 32-key block at a time into an
-// L1-sized buffer inside attention (attention.h).
+// holds float32, IEEE float16, one-byte fp8 or llama.cpp's q8_0 K/V (--kv-cache-dtype; kv_fp8.h):
+// float16 halves the cache's memory, fp8 and q8_0 nearly quarter it, and all three are widened a
+// 32-key block at a time into an L1-sized buffer inside attention (attention.h).
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <omp.h>
