@@ -5,12 +5,18 @@ The file: a transformers Qwen3MoeForCausalLM with random weights, scaled down fr
 float32 and quantized to Q4_K_M by llama.cpp's own llama-quantize (benchmarks/make_qwen3_1b.py's
 recipe). Both engines then read that file: llama-bench (pp256, pp512, tg128) and tokenpath's
 engine through engine_vs_llamacpp's own measuring child, each in its own process with its peak RSS.
-Usage: nice -n 10 python benchmarks/moe_vs_llamacpp.py [--reps 1] [--threads 2]
+On a shared machine both engines' figures swing by 2-4x from one minute to the next (llama-bench's
+the most, on this 2-core host), so --rounds N alternates the two engines N times and prints the median
+and the best (least disturbed) round of each figure. TOKENPATH_KERNELS_FINE in the environment
+reaches tokenpath's child (0: int8 activations, llama.cpp's scheme; the default is int8 plus
+residual bytes, ~15 bits, twice the integer multiplies of a prefill GEMM).
+Usage: nice -n 10 python benchmarks/moe_vs_llamacpp.py [--reps 1] [--rounds 1] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +41,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two engines")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--make-only", action="store_true", help="only make the GGUF (what the measuring run does first, "
                     "in a child of its own)")
@@ -48,12 +55,20 @@ def main() -> None:
     subprocess.run([sys.executable, __file__, "--make-only"], check=True)
     gguf = make_gguf()
     size = gguf.stat().st_size / 2**20
-    tp = run_tokenpath(args.threads, "auto", args.reps, str(gguf))
-    ll = run_llamacpp(build_llamacpp(), args.threads, args.reps, str(gguf))
-    rows = [f"| {k} | {tp[k]:.1f} | {ll[k]:.1f} | {tp[k] / ll[k]:.2f}x |" for k in ("pp256", "pp512", "tg128")]
-    print(f"file {gguf.name}: {size:.0f} MiB; threads {args.threads}, reps {args.reps}")
-    print("| figure (tok/s) | tokenpath | llama.cpp | ratio |\n|---|---|---|---|\n" + "\n".join(rows))
-    print(f"| peak RSS (MiB) | {tp['rss_mib']:.0f} | {ll['rss_mib']:.0f} | {tp['rss_mib'] / ll['rss_mib']:.2f}x |")
+    tps, lls = [], []
+    for r in range(args.rounds):
+        tps.append(run_tokenpath(args.threads, "auto", args.reps, str(gguf)))
+        lls.append(run_llamacpp(build_llamacpp(), args.threads, args.reps, str(gguf)))
+        print(f"round {r + 1}: tokenpath {tps[-1]}, llama.cpp {lls[-1]}", file=sys.stderr)
+    print(f"file {gguf.name}: {size:.0f} MiB; threads {args.threads}, reps {args.reps}, rounds {args.rounds}")
+    print("| figure (tok/s) | tokenpath median | llama.cpp median | ratio | tokenpath best | llama.cpp best | ratio |\n"
+          "|---|---|---|---|---|---|---|")
+    for k in ("pp256", "pp512", "tg128"):
+        tm, lm = statistics.median(x[k] for x in tps), statistics.median(x[k] for x in lls)
+        tb, lb = max(x[k] for x in tps), max(x[k] for x in lls)
+        print(f"| {k} | {tm:.1f} | {lm:.1f} | {tm / lm:.2f}x | {tb:.1f} | {lb:.1f} | {tb / lb:.2f}x |")
+    tr, lr = min(x["rss_mib"] for x in tps), min(x["rss_mib"] for x in lls)
+    print(f"| peak RSS (MiB, smallest) | {tr:.0f} | {lr:.0f} | {tr / lr:.2f}x | | | |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,43 @@ def test_gguf_moe_runs_natively(kind):
     err = (got[:4] - ref[:4]).abs().max().item() / ref.abs().max().item()
     print(f"{kind} GGUF Q8_0 experts, first 4 positions: max |native - torch| / max |torch| = {err:.2e}")
     assert err <= 5e-2
+
+
+def test_long_prefill_groups_many_rows_per_expert(tmp_path):
+    """The grouped prefill GEMM (csrc/moe.h): one 160-token step over 8 experts top-2 routes ~40
+    rows to each expert, gathered into one contiguous block per expert (many 4-row tiles of the
+    multi-row GEMM, then a tail) and scattered back with the router weights. Every position's
+    logits must match torch float32 and the same tokens run one per step (a single row per expert:
+    nothing to group), with the same greedy token at every position; then a 150-token prompt
+    through the engine gives torch's greedy tokens. The 40-token tests above put ~10 rows in a
+    group: a gather or scatter that goes wrong past the first few tiles passes them, not this."""
+    path = _checkpoint("qwen3moe", torch.bfloat16, tmp_path)
+    loaded = load_model(path)
+    native = runner(loaded)
+    assert native.native is not None
+    n = 160
+    ids = torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = all_logits(native, ids)
+    ref = all_logits(runner(loaded, "none", "float32"), ids)
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 1e-4 * scale
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    one = runner(loaded)  # a fresh cache: the same tokens, one row per step
+    rows = []
+    for t in range(n):
+        p = np.array([t], dtype=np.int32)
+        rows.append(torch.from_numpy(one.native.forward(np.array(ids[t:t + 1], dtype=np.int32), p, p.astype(np.int64),
+                                                        np.zeros(1, dtype=np.int32),
+                                                        np.arange(one.num_blocks, dtype=np.int32),
+                                                        np.zeros(1, dtype=np.int32))))
+    stepwise = torch.cat(rows)
+    assert (got - stepwise).abs().max().item() <= 1e-4 * scale
+    assert torch.equal(got.argmax(-1), stepwise.argmax(-1))
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for quantization, dtype in (("auto", "auto"), ("none", "float32")):
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=256)
+        prompt = make_prompts(llm.tokenizer, [150], seed=5)[0]
+        assert len(prompt) == 150
+        outs.append(llm.generate([prompt], p)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1]
