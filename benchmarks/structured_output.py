@@ -108,7 +108,7 @@ def big_schema(salt: int) -> dict:
 def bench_compile(llm: LLM, rng: random.Random, n: int) -> dict:
     """Each schema is new to the cache (a miss: the first request's compile), then asked again (a hit)."""
     out = {}
-    cache = GrammarCache(llm.tokenizer.hf, llm.tokenizer.vocab_size)
+    cache = GrammarCache(llm.tokenizer.llg_tokenizer())
     for label, make in (("small", lambda i: {**object_schema(rng), "title": f"s{i}"}), ("50-property", big_schema)):
         first, cached = [], []
         for i in range(n):

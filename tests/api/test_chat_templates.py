@@ -58,7 +58,7 @@ def source() -> Path:
 @pytest.fixture(scope="module")
 def grammars(source: Path) -> tuple[GrammarCache, Tokenizer]:
     tok = Tokenizer(source)
-    return GrammarCache(tok.hf, tok.vocab_size), tok
+    return GrammarCache(tok.llg_tokenizer()), tok
 
 
 @pytest.mark.parametrize(("file", "fmt_name", "call_re", "tool_turn"), FAMILIES, ids=[f[0] for f in FAMILIES])

@@ -34,7 +34,7 @@ LLAMA = "{% if tools %}Environment: ipython {{ tools | tojson }}{% endif %}<|pyt
 @pytest.fixture(scope="module")
 def cache() -> GrammarCache:
     tok = Tokenizer(resolve_model_path("smollm2-135m-instruct"))
-    return GrammarCache(tok.hf, tok.vocab_size), tok
+    return GrammarCache(tok.llg_tokenizer()), tok
 
 
 def _accepts(cache, spec, text: str) -> bool:

@@ -65,10 +65,10 @@ def test_additive_mask_equals_boolean_masking():
 
 def test_prefetched_mask_is_the_on_the_spot_mask(smol_llm):
     tok = smol_llm.tokenizer
-    cache = GrammarCache(tok.hf, tok.vocab_size)
+    cache = GrammarCache(tok.llg_tokenizer())
     spec = StructuredOutput("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
     states = [GrammarState(cache.get(spec).matcher) for _ in range(2)]
-    states[1].accept(tok.hf.encode("{", add_special_tokens=False)[0])  # two different masks
+    states[1].accept(tok.backend.encode("{", add_special_tokens=False).ids[0])  # two different masks
     builder = MaskBuilder(tok.vocab_size)
     spot = builder.fill(2, states).copy()
     assert not np.array_equal(spot[0], spot[1])

@@ -71,7 +71,7 @@ def test_grammar_stats_cross_the_codec(smol_llm):
 
 
 def test_cache_and_refusals(smol_llm):
-    cache = GrammarCache(smol_llm.tokenizer.hf, smol_llm.tokenizer.vocab_size)
+    cache = GrammarCache(smol_llm.tokenizer.llg_tokenizer())
     first, again = cache.get(JSON), cache.get(JSON)
     assert not first.hit and first.compile_seconds > 0 and again.hit
     with pytest.raises(GrammarError, match="uniqueItems"):

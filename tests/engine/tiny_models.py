@@ -57,10 +57,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 
 @functools.cache
 def smol_tokenizer():
-    """SmolLM2's tokenizer, through the engine's own cache of tokenizers built from GGUF."""
-    from tokenpath.engine.tokenizer import _load_hf_tokenizer
+    """SmolLM2's tokenizer as transformers' object (to save beside a tiny model), read from the
+    engine's own cache of tokenizers built from GGUF."""
+    from transformers import PreTrainedTokenizerFast
 
-    return _load_hf_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    from tokenpath.engine.tokenizer import Tokenizer, gguf_tokenizer_cache
+
+    gguf = resolve_model_path("smollm2-135m-instruct")
+    Tokenizer(gguf)  # builds the saved tokenizer when this data dir has none yet
+    return PreTrainedTokenizerFast.from_pretrained(str(gguf_tokenizer_cache(gguf)))
 
 
 def cached_tiny(kind: str) -> Path:

@@ -18,10 +18,15 @@ import shutil
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import llguidance
+import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from tokenpath.engine.chat_template import ChatTemplate
 from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
@@ -39,19 +44,26 @@ def read_chat_template(path: str | Path) -> str:
 class Tokenizer:
     def __init__(self, source: Path, chat_template: str | Path | None = None) -> None:
         """`chat_template`: a template file that replaces the model's own (--chat-template)."""
-        self._hf = _load_hf_tokenizer(source)
+        parts = _load_parts(source)
         trim_heap()  # the JSON parse's freed buffers: ~180 MiB for a 262k vocabulary
-        if chat_template is not None:
-            self._hf.chat_template = read_chat_template(chat_template)
-        self.backend = self._hf.backend_tokenizer
-        self.eos_token_id: int = self._hf.eos_token_id if self._hf.eos_token_id is not None else -1
-        self.bos_token_id: int | None = self._hf.bos_token_id
-        self.vocab_size: int = len(self._hf)
-        self.chat_template: str | None = getattr(self._hf, "chat_template", None)
-        self.all_special_ids = set(self._hf.all_special_ids)
+        self.backend: tokenizers.Tokenizer = parts.backend
+        specials = parts.specials
+        self.eos_token_id: int = self._id(specials.get("eos_token"), -1)
+        bos = self._id(specials.get("bos_token"), -1)
+        self.bos_token_id: int | None = bos if bos >= 0 else None
+        self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids = {i for v in specials.values() if isinstance(v, str) and (i := self._id(v, -1)) >= 0}
+        template = read_chat_template(chat_template) if chat_template is not None else parts.chat_template
+        self.chat_template: str | None = (template if isinstance(template, str) or template is None
+                                          else template.get("default") or next(iter(template.values()), None))
+        self._template = ChatTemplate(template, specials) if template else None
         self._grammars: GrammarCache | None = None
-        self._grammar_lock = threading.Lock()
+        self._grammar_lock = threading.RLock()  # `grammars` builds under it, through `grammar_source`
         self._grammar_source: tuple[str, tuple[str, int, int]] | None = None
+
+    def _id(self, token: object, default: int) -> int:
+        found = self.backend.token_to_id(token) if isinstance(token, str) else None
+        return found if found is not None else default
 
     @property
     def grammars(self) -> GrammarCache:
@@ -61,8 +73,14 @@ class Tokenizer:
         then shares it)."""
         with self._grammar_lock:
             if self._grammars is None:
-                self._grammars = GrammarCache(self._hf, self.vocab_size)
+                self._grammars = GrammarCache(self.llg_tokenizer())
             return self._grammars
+
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """This tokenizer as llguidance reads it (a new one each call: a second or two for a large
+        vocabulary). What `llguidance.hf.from_tokenizer` builds, without transformers."""
+        _, (text, n_vocab, eos) = self.grammar_source()
+        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
 
     def grammar_cached(self, spec: StructuredOutput) -> bool:
         """Whether `spec` is compiled already (False before the cache is built: building it reads
@@ -73,21 +91,17 @@ class Tokenizer:
 
     def grammar_source(self) -> tuple[str, tuple[str, int, int]]:
         """(a key, (tokenizer.json text, vocabulary size, EOS id)): what a grammar worker process
-        needs to build this tokenizer for llguidance without transformers (what
-        `llguidance.hf.from_tokenizer` does). Serialized once; the key is its digest."""
+        needs to build this tokenizer for llguidance (what `llguidance.hf.from_tokenizer` does).
+        Serialized once; the key is its digest."""
         with self._grammar_lock:
             if self._grammar_source is None:
-                backend = copy.copy(self._hf.backend_tokenizer)
+                backend = copy.copy(self.backend)
                 backend.no_padding()
                 backend.no_truncation()
                 text = backend.to_str()
                 key = hashlib.sha256(text.encode()).hexdigest()[:16]
                 self._grammar_source = (key, (text, self.vocab_size, self.eos_token_id))
             return self._grammar_source
-
-    @property
-    def hf(self):  # noqa: ANN201 - the transformers tokenizer, for libraries that build on it (llguidance)
-        return self._hf
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=True).ids
@@ -104,13 +118,13 @@ class Tokenizer:
         """`tools` (OpenAI tool definitions) go to templates that render them (Qwen, Llama 3.1);
         the API renders tools itself for templates that know none (`api/tools.py`). `variables`:
         more template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
-        if not self.chat_template:
+        if self._template is None:
             raise InvalidRequestError("this model has no chat template (a base model): use /v1/completions, "
                                       "or start the server with --chat-template FILE", param="messages")
-        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False, **extra)
+            text = self._template.render(messages, add_generation_prompt, tools, variables)
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # a template error is the caller's input, e.g. an unsupported role order
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -150,22 +164,38 @@ def gguf_tokenizer_cache(source: Path) -> Path:
     return _cache_dir() / hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def _load_cached(cached: Path):  # noqa: ANN202 - a transformers tokenizer
-    """The tokenizer this module saved: the generic fast class over tokenizer.json, with the saved
-    config and chat template. What `from_pretrained` builds (the same class, tokenizer and
-    template, checked on every cached tokenizer here), without its second, Python-side parse of
-    tokenizer.json (Gemma 3's 262k vocabulary and 515k merges as dicts and lists: +200 MiB at the
-    load's peak)."""
-    from transformers import PreTrainedTokenizerFast
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-    config = json.loads((cached / "tokenizer_config.json").read_text())
-    if not _plain(config):  # added tokens or special tokens as objects: from_pretrained builds those
-        return PreTrainedTokenizerFast.from_pretrained(str(cached))
-    config.pop("tokenizer_class", None)
-    template = cached / "chat_template.jinja"
-    if template.is_file():
-        config["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **config)
+
+@dataclass(frozen=True)
+class Parts:
+    """What a tokenizer is made of here: `tokenizers`' object, the special tokens by role (the
+    chat template's variables too), and the chat template (a table of named ones in some configs)."""
+    backend: tokenizers.Tokenizer
+    specials: dict[str, Any]
+    chat_template: str | dict[str, str] | None
+
+
+def _load_saved(directory: Path) -> Parts:
+    """A tokenizer as this module saves it (tokenizer.json, a plain tokenizer_config.json and
+    chat_template.jinja), read by `tokenizers` alone. It is what transformers' generic fast class
+    builds from the same files (the same object: checked on every cached tokenizer here), without
+    importing transformers (~27 MiB resident in every process that holds a tokenizer) or its
+    second, Python-side parse of tokenizer.json (Gemma 3's 262k vocabulary and 515k merges as
+    dicts and lists: +200 MiB at the load's peak)."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    template_file = directory / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+    return Parts(tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")),
+                 {k: config[k] for k in SPECIAL_KEYS if isinstance(config.get(k), str)},
+                 template if isinstance(template, str) else None)
+
+
+def _from_transformers(hf: Any) -> Parts:  # noqa: ANN401 - a transformers fast tokenizer
+    """The parts of a tokenizer transformers built (a class or file `_load_saved` does not read)."""
+    template = getattr(hf, "chat_template", None)
+    return Parts(hf.backend_tokenizer, dict(hf.special_tokens_map),
+                 template if isinstance(template, (str, dict)) else None)
 
 
 GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")  # classes that are tokenizer.json alone
@@ -182,6 +212,12 @@ def _plain(config: object) -> bool:
         for v in config.values())
 
 
+def _direct(config: dict) -> bool:
+    """Whether `tokenizers` alone reads this saved tokenizer as transformers would: a plain config
+    without `add_bos_token`/`add_eos_token`, which transformers turns into a new post-processor."""
+    return _plain(config) and "add_bos_token" not in config and "add_eos_token" not in config
+
+
 def _generic_fast(directory: Path) -> bool:
     """Whether a model directory's tokenizer is the generic fast class over tokenizer.json and
     nothing else (as this module saves them, and benchmarks/make_smollm2_hf.py): then it is loaded
@@ -190,7 +226,7 @@ def _generic_fast(directory: Path) -> bool:
         config = json.loads((directory / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (_plain(config) and config.get("tokenizer_class") in GENERIC_FAST
+    return (_direct(config) and config.get("tokenizer_class") in GENERIC_FAST
             and (directory / "tokenizer.json").is_file()
             and not any((directory / name).exists() for name in _MORE_TOKENIZER_FILES))
 
@@ -215,29 +251,40 @@ def _build_from_gguf(source: Path, out: Path) -> None:
                              f"({lines[-1] if lines else f'exit status {done.returncode}'})")
 
 
-def _load_hf_tokenizer(source: Path):
+def _load_parts(source: Path) -> Parts:
     try:
         if source.is_file():  # GGUF: build once from metadata, then reuse the saved tokenizer
             cached = gguf_tokenizer_cache(source)
             key = cached.name
             if (cached / "tokenizer.json").is_file():
-                return _load_cached(cached)
+                return _load_any_saved(cached)
             tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
             _build_from_gguf(source, tmp)
-            tok = _load_cached(tmp)  # as every later start will load it
+            tok = _load_any_saved(tmp)  # as every later start will load it
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
             shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
         if _generic_fast(source):
-            return _load_cached(source)
+            return _load_saved(source)
         # Only here: importing AutoTokenizer imports transformers' configuration code, which imports
         # torch where it is installed (~218 MiB of RSS); the saved and generic tokenizers above
-        # load with the fast class alone, so a GGUF engine never pays for it (issue 42).
+        # load with `tokenizers` alone, so a GGUF engine never pays for it (issue 42).
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(source))
+        return _from_transformers(AutoTokenizer.from_pretrained(str(source)))
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
+def _load_any_saved(directory: Path) -> Parts:
+    """A tokenizer this module saved from a GGUF: read directly when its config is plain, else by
+    transformers (added tokens or special tokens saved as objects, which it builds)."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if _direct(config):
+        return _load_saved(directory)
+    from transformers import PreTrainedTokenizerFast
+
+    return _from_transformers(PreTrainedTokenizerFast.from_pretrained(str(directory)))

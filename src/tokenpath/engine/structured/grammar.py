@@ -127,12 +127,6 @@ def _describe(spec: StructuredOutput, error: str) -> str:
     return f"invalid {what}: {first}"
 
 
-def llg_tokenizer(hf_tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:  # noqa: ANN001
-    import llguidance.hf  # imports transformers: only where a Hugging Face tokenizer is at hand
-
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-
-
 @dataclass
 class Lookup:
     matcher: llguidance.LLMatcher  # a fresh copy for one sequence
@@ -144,8 +138,8 @@ class GrammarCache:
     """Compiled grammars of one tokenizer, least recently used first out. Thread-safe: the API
     compiles from worker threads while the engine thread looks up."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int | None = None, size: int = CACHE_SIZE) -> None:  # noqa: ANN001
-        self.tokenizer = llg_tokenizer(hf_tokenizer, vocab_size)
+    def __init__(self, tokenizer: llguidance.LLTokenizer, size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
         self.size = size
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, Compiled] = OrderedDict()
