@@ -48,9 +48,13 @@ def _thinker(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tmp_path_factory):  # noqa: ANN201
-    path = _thinker(tmp_path_factory.mktemp("thinker"))
-    return server_factory("--model", str(path), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
+def thinker(tmp_path_factory) -> Path:
+    return _thinker(tmp_path_factory.mktemp("thinker"))
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, thinker):  # noqa: ANN201
+    return server_factory("--model", str(thinker), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +177,10 @@ def test_thinking_signature_checked_when_the_block_comes_back(claude):
 
 
 def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
-    """A grammar decides every token (the think block's too) and `n` > 1 choices cannot be continued
-    one by one: a request's own budget there is a 400 naming `thinking` (Messages with a forced tool,
-    as Anthropic refuses it); the server's --reasoning-budget there is not applied, and the reply
-    says so in x-tokenpath-reasoning-budget rather than silently."""
+    """A grammar decides every token (the think block's too): a request's own budget there is a 400
+    naming `thinking` (Messages with a forced tool, as Anthropic refuses it); the server's
+    --reasoning-budget there is not applied, and the reply says so, and why, in
+    x-tokenpath-reasoning-budget rather than silently. `n` > 1 is held to (below)."""
     tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
         with pytest.raises(anthropic.BadRequestError) as err:
@@ -186,10 +190,66 @@ def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
     assert auto.content[0].type == "thinking"
 
     ask = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 24, "temperature": 0}
-    for extra, reason in (({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "grammar"), ({}, None)):
+    for extra, unapplied in (({"n": 2}, False), ({"response_format": {"type": "json_object"}}, True), ({}, False)):
         r = httpx.post(base_url + "/chat/completions", json={**ask, **extra}, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.headers.get("x-tokenpath-reasoning-budget") == (reason and f"unapplied; reason={reason}")
+        said = r.headers.get("x-tokenpath-reasoning-budget")
+        if unapplied:
+            assert said.startswith("unapplied; reason=grammar; why=") and "decides every token" in said, said
+        else:
+            assert said is None, said
+
+
+def _closing_tokens(thinker: Path) -> int:
+    from tokenpath.engine.tokenizer import Tokenizer
+
+    return len(Tokenizer(thinker).backend.encode("</think>\n\n", add_special_tokens=False).ids)
+
+
+def test_budget_held_per_choice_with_n(oai, thinker):
+    """`n` = 3 under the server's budget: every choice's think block is cut at BUDGET tokens and
+    closed for it (the tag counted as reasoning), and each goes on to an answer of its own; the
+    choices are sampled apart (a seed per choice, as the engine gives them)."""
+    n, tag = 3, _closing_tokens(thinker)
+    resp = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], n=n, max_tokens=24,
+                                       temperature=1.0, seed=7)
+    assert sorted(c.index for c in resp.choices) == list(range(n))
+    reasonings = []
+    for c in resp.choices:
+        reasoning = c.message.model_extra["reasoning_content"]
+        assert reasoning and reasoning.strip(), c
+        assert c.message.content and "</think>" not in c.message.content and "<think>" not in c.message.content, c
+        assert c.finish_reason in ("stop", "length"), c
+        reasonings.append(reasoning)
+    assert len(set(reasonings)) > 1, reasonings  # (each choice thought on its own)
+    # The budget's tokens and the tag's, per choice: the block was closed at the budget in each.
+    assert resp.usage.completion_tokens_details.reasoning_tokens == n * (BUDGET + tag), resp.usage
+    assert n * (BUDGET + tag) < resp.usage.completion_tokens <= n * 24, resp.usage
+
+
+def test_budget_held_per_choice_with_n_streamed(oai):
+    """The same streamed: each choice's reasoning deltas, then its answer, then its finish; the
+    reasoning text of each choice is what the whole reply of the same seed carries."""
+    n = 3
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "n": n, "max_tokens": 24,
+          "temperature": 1.0, "seed": 11}
+    whole = oai.chat.completions.create(**kw)
+    reasoning = {i: "" for i in range(n)}
+    content = {i: "" for i in range(n)}
+    finish: dict[int, str] = {}
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                assert not content[c.index], "reasoning after the answer began"
+                reasoning[c.index] += extra["reasoning_content"]
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(finish) == list(range(n))
+    for c in whole.choices:
+        assert reasoning[c.index] == c.message.model_extra["reasoning_content"]
+        assert content[c.index].strip() and "</think>" not in content[c.index]
 
 
 def test_messages_without_thinking_turn_the_template_off(claude, base_url):
