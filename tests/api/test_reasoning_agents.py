@@ -176,6 +176,34 @@ def test_thinking_signature_checked_when_the_block_comes_back(claude):
         assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
 
 
+def test_thinking_sent_back_continues_a_tool_loop(claude, oai):
+    """A tool-use round trip that sends the turn's thinking back: Qwen3's template writes it inside
+    `<think>` for the turn after the last user query, so the prompt holds it (its tokens counted in
+    input_tokens) and the loop goes on with its reasoning; without it the prompt is shorter."""
+    signed = _message(claude, 6).content[0]  # (a thinking block this server wrote and signed)
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+
+    def round_trip(blocks: list):  # noqa: ANN202
+        history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": [*blocks, use]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+        return claude.messages.create(model=MODEL, max_tokens=4, messages=history, tools=[weather],
+                                      thinking={"type": "enabled", "budget_tokens": 2})
+
+    with_thought, without = round_trip([signed.model_dump()]), round_trip([])
+    assert with_thought.usage.input_tokens > without.usage.input_tokens + 2, (with_thought.usage, without.usage)
+
+    first = _create(oai)  # Responses: the reasoning item sent back before the call it led to
+    reasoning = first.output[0].model_dump()
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    tools = [{"type": "function", "name": "get_weather", "parameters": weather["input_schema"]}]
+    sizes = [oai.responses.create(model=MODEL, max_output_tokens=2, tools=tools, store=False,
+                                  input=[{"role": "user", "content": ASK}, *items, call, output]).usage.input_tokens
+             for items in ([reasoning], [])]
+    assert sizes[0] > sizes[1] + 2, sizes
+
+
 def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
     """A grammar decides every token (the think block's too): a request's own budget there is a 400
     naming `thinking` (Messages with a forced tool, as Anthropic refuses it); the server's
