@@ -22,12 +22,12 @@ hits), so usage reads as one request.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from tokenpath.api.reasoning import CLOSE, ReasoningParser
+from tokenpath.api.streams import merge
 from tokenpath.protocol.outputs import CompletionOutput, RequestOutput
 from tokenpath.protocol.requests import GenerateRequest
 from tokenpath.protocol.submission import Submission
@@ -155,33 +155,12 @@ async def _continued(dep: Deployment, submission: Submission[GenerateRequest],
                      pending: list[tuple[int, GenerateRequest]]) -> AsyncGenerator[tuple[int, RequestOutput, bool], None]:
     """(choice, output, every continuation finished) from the continuations, run concurrently;
     closing it closes them all (aborting them in the engine)."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, req: GenerateRequest) -> None:
-        src = dep.generate(Submission(req, submission.timeline, prompt=submission.prompt,
-                                      session_id=submission.session_id))
-        try:
-            async for out in src:
-                await queue.put((i, out, None))
-            await queue.put((i, None, None))
-        except Exception as exc:
-            await queue.put((i, None, exc))
-        finally:
-            await src.aclose()
-
-    tasks = [asyncio.create_task(pump(i, req)) for i, req in pending]
+    stream = merge([dep.generate(Submission(req, submission.timeline, prompt=submission.prompt,
+                                            session_id=submission.session_id)) for _, req in pending])
+    unfinished = len(pending)
     try:
-        remaining, unfinished = len(tasks), len(tasks)
-        while remaining:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                remaining -= 1
-                continue
+        async for k, out in stream:
             unfinished -= out.finished
-            yield i, out, out.finished and unfinished == 0
+            yield pending[k][0], out, out.finished and unfinished == 0
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stream.aclose()
