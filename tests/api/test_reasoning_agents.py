@@ -255,6 +255,20 @@ def test_budget_held_per_choice_with_n(oai, thinker):
     assert n * (BUDGET + tag) < resp.usage.completion_tokens <= n * 24, resp.usage
 
 
+def test_the_budget_never_shortens_an_answer(oai):
+    """A reply past its think block when the budget's tokens are spent (here: thinking turned off,
+    the prompt closes the block) goes on to max_tokens: the budget counts thinking, not answers."""
+    for n in (1, 2):
+        resp = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], n=n,
+                                           max_tokens=24, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        for c in resp.choices:
+            assert not c.message.model_extra.get("reasoning_content"), c
+            assert c.finish_reason in ("stop", "length"), c
+        assert resp.usage.completion_tokens > n * BUDGET, resp.usage  # (24 each, unless one wrote EOS)
+        assert all(c.finish_reason == "length" for c in resp.choices) == (resp.usage.completion_tokens == n * 24)
+
+
 def test_budget_held_per_choice_with_n_streamed(oai):
     """The same streamed: each choice's reasoning deltas, then its answer, then its finish; the
     reasoning text of each choice is what the whole reply of the same seed carries."""
