@@ -48,9 +48,13 @@ def _thinker(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tmp_path_factory):  # noqa: ANN201
-    path = _thinker(tmp_path_factory.mktemp("thinker"))
-    return server_factory("--model", str(path), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
+def thinker(tmp_path_factory) -> Path:
+    return _thinker(tmp_path_factory.mktemp("thinker"))
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, thinker):  # noqa: ANN201
+    return server_factory("--model", str(thinker), "--served-model-name", MODEL, "--reasoning-budget", str(BUDGET))
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +176,39 @@ def test_thinking_signature_checked_when_the_block_comes_back(claude):
         assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
 
 
+def test_thinking_sent_back_continues_a_tool_loop(claude, oai):
+    """A tool-use round trip that sends the turn's thinking back: Qwen3's template writes it inside
+    `<think>` for the turn after the last user query, so the prompt holds it (its tokens counted in
+    input_tokens) and the loop goes on with its reasoning; without it the prompt is shorter."""
+    signed = _message(claude, 6).content[0]  # (a thinking block this server wrote and signed)
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+
+    def round_trip(blocks: list):  # noqa: ANN202
+        history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": [*blocks, use]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+        return claude.messages.create(model=MODEL, max_tokens=4, messages=history, tools=[weather],
+                                      thinking={"type": "enabled", "budget_tokens": 2})
+
+    with_thought, without = round_trip([signed.model_dump()]), round_trip([])
+    assert with_thought.usage.input_tokens > without.usage.input_tokens + 2, (with_thought.usage, without.usage)
+
+    first = _create(oai)  # Responses: the reasoning item sent back before the call it led to
+    reasoning = first.output[0].model_dump()
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    tools = [{"type": "function", "name": "get_weather", "parameters": weather["input_schema"]}]
+    sizes = [oai.responses.create(model=MODEL, max_output_tokens=2, tools=tools, store=False,
+                                  input=[{"role": "user", "content": ASK}, *items, call, output]).usage.input_tokens
+             for items in ([reasoning], [])]
+    assert sizes[0] > sizes[1] + 2, sizes
+
+
 def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
-    """A grammar decides every token (the think block's too) and `n` > 1 choices cannot be continued
-    one by one: a request's own budget there is a 400 naming `thinking` (Messages with a forced tool,
-    as Anthropic refuses it); the server's --reasoning-budget there is not applied, and the reply
-    says so in x-tokenpath-reasoning-budget rather than silently."""
+    """A grammar decides every token (the think block's too): a request's own budget there is a 400
+    naming `thinking` (Messages with a forced tool, as Anthropic refuses it); the server's
+    --reasoning-budget there is not applied, and the reply says so, and why, in
+    x-tokenpath-reasoning-budget rather than silently. `n` > 1 is held to (below)."""
     tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
         with pytest.raises(anthropic.BadRequestError) as err:
@@ -186,10 +218,80 @@ def test_budget_that_cannot_be_held_is_refused_or_said(claude, base_url):
     assert auto.content[0].type == "thinking"
 
     ask = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 24, "temperature": 0}
-    for extra, reason in (({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "grammar"), ({}, None)):
+    for extra, unapplied in (({"n": 2}, False), ({"response_format": {"type": "json_object"}}, True), ({}, False)):
         r = httpx.post(base_url + "/chat/completions", json={**ask, **extra}, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.headers.get("x-tokenpath-reasoning-budget") == (reason and f"unapplied; reason={reason}")
+        said = r.headers.get("x-tokenpath-reasoning-budget")
+        if unapplied:
+            assert said.startswith("unapplied; reason=grammar; why=") and "decides every token" in said, said
+        else:
+            assert said is None, said
+
+
+def _closing_tokens(thinker: Path) -> int:
+    from tokenpath.engine.tokenizer import Tokenizer
+
+    return len(Tokenizer(thinker).backend.encode("</think>\n\n", add_special_tokens=False).ids)
+
+
+def test_budget_held_per_choice_with_n(oai, thinker):
+    """`n` = 3 under the server's budget: every choice's think block is cut at BUDGET tokens and
+    closed for it (the tag counted as reasoning), and each goes on to an answer of its own; the
+    choices are sampled apart (a seed per choice, as the engine gives them)."""
+    n, tag = 3, _closing_tokens(thinker)
+    resp = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], n=n, max_tokens=24,
+                                       temperature=1.0, seed=7)
+    assert sorted(c.index for c in resp.choices) == list(range(n))
+    reasonings = []
+    for c in resp.choices:
+        reasoning = c.message.model_extra["reasoning_content"]
+        assert reasoning and reasoning.strip(), c
+        assert c.message.content and "</think>" not in c.message.content and "<think>" not in c.message.content, c
+        assert c.finish_reason in ("stop", "length"), c
+        reasonings.append(reasoning)
+    assert len(set(reasonings)) > 1, reasonings  # (each choice thought on its own)
+    # The budget's tokens and the tag's, per choice: the block was closed at the budget in each.
+    assert resp.usage.completion_tokens_details.reasoning_tokens == n * (BUDGET + tag), resp.usage
+    assert n * (BUDGET + tag) < resp.usage.completion_tokens <= n * 24, resp.usage
+
+
+def test_the_budget_never_shortens_an_answer(oai):
+    """A reply past its think block when the budget's tokens are spent (here: thinking turned off,
+    the prompt closes the block) goes on to max_tokens: the budget counts thinking, not answers."""
+    for n in (1, 2):
+        resp = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], n=n,
+                                           max_tokens=24, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        for c in resp.choices:
+            assert not c.message.model_extra.get("reasoning_content"), c
+            assert c.finish_reason in ("stop", "length"), c
+        assert resp.usage.completion_tokens > n * BUDGET, resp.usage  # (24 each, unless one wrote EOS)
+        assert all(c.finish_reason == "length" for c in resp.choices) == (resp.usage.completion_tokens == n * 24)
+
+
+def test_budget_held_per_choice_with_n_streamed(oai):
+    """The same streamed: each choice's reasoning deltas, then its answer, then its finish; the
+    reasoning text of each choice is what the whole reply of the same seed carries."""
+    n = 3
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "n": n, "max_tokens": 24,
+          "temperature": 1.0, "seed": 11}
+    whole = oai.chat.completions.create(**kw)
+    reasoning = {i: "" for i in range(n)}
+    content = {i: "" for i in range(n)}
+    finish: dict[int, str] = {}
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                assert not content[c.index], "reasoning after the answer began"
+                reasoning[c.index] += extra["reasoning_content"]
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(finish) == list(range(n))
+    for c in whole.choices:
+        assert reasoning[c.index] == c.message.model_extra["reasoning_content"]
+        assert content[c.index].strip() and "</think>" not in content[c.index]
 
 
 def test_messages_without_thinking_turn_the_template_off(claude, base_url):

@@ -196,6 +196,8 @@ def test_bad_input_is_a_400_naming_the_field(keyed):
          "input.0.content.0"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
         ({"input": [{"type": "reasoning", "summary": "x"}]}, "input.0.summary"),
+        ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text"}]}]},
+         "input.0.content.0"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),  # (SmolLM2 does not reason)
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"instructions": "Be brief.", "input": [  # a pipeline check, named by the item it came from

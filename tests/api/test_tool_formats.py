@@ -79,6 +79,34 @@ def test_auto_never_invents_a_call():
     assert len(tools.parse_calls(one + one, plan)[1]) == 1  # parallel_tool_calls false
 
 
+TWO_CALLS = {
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "echo", "arguments": {"s": "hi"}}\n</tool_call>',
+    "llama3": '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+              '{"name": "echo", "parameters": {"s": "hi"}}',
+    "tagged": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+              '<tool_call>{"name": "echo", "arguments": {"s": "hi"}}</tool_call>',
+}
+
+
+@pytest.mark.parametrize("template", [QWEN, LLAMA, None], ids=["hermes", "llama3", "tagged"])
+def test_parallel_tool_calls_false_keeps_one_call_in_every_family(template):
+    """parallel_tool_calls false is one call whatever the template family (Llama 3.1's
+    `;`-separated calls once came back whole): in the whole reply and in the stream."""
+    many = tools.parse_tools([ADD, ECHO], "auto", None, template)
+    one = tools.parse_tools([ADD, ECHO], "auto", False, template)
+    text = TWO_CALLS[many.fmt]
+    assert [c.name for c in tools.parse_calls(text, many)[1]] == ["add", "echo"]
+    content, calls = tools.parse_calls(text, one)
+    assert content is None and [c.name for c in calls] == ["add"]
+    assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    ch = fmt.Choice(0)
+    ch.text = text
+    out = fmt.chat_tool_chunk_choices(ch, None, "stop", False, one)
+    assert {tc["index"] for c in out for tc in c["delta"].get("tool_calls", [])} == {0}
+    assert out[-1]["finish_reason"] == "tool_calls"
+
+
 def test_streamed_deltas_hold_the_tag_then_send_calls_as_openai_does():
     plan = tools.parse_tools([ADD], "auto", None, None)
     ch = fmt.Choice(0)

@@ -235,7 +235,18 @@ def _call(obj: Any, names: set[str]) -> ParsedCall | None:
 
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished output. Anything that is not a well-formed call of a known
-    tool stays content: `auto` never invents a call."""
+    tool stays content: `auto` never invents a call. With `parallel_tool_calls` false only the
+    first call is kept, as OpenAI makes it; cut here, after the family's parser, so that every
+    format (and every caller: whole replies, cut replies, streams) obeys it alike."""
+    content, calls = _parse_family(text, plan)
+    if not plan.parallel:
+        calls = calls[:1]
+    return content, calls
+
+
+def _parse_family(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
+    """(content, every call) in the plan's format: Llama 3's `;`-separated JSON objects or the
+    tagged/Hermes `<tool_call>` blocks."""
     names = {t.name for t in plan.tools}
     if plan.fmt == "llama3":
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -264,8 +275,6 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]
         content = content.replace(m.group(0), "", 1)
     if not calls:
         return text, []
-    if not plan.parallel:
-        calls = calls[:1]  # parallel_tool_calls false: one call, as OpenAI makes
     content = content.strip()
     return content or None, calls
 

@@ -87,7 +87,7 @@ ATTRS: dict[str, str] = {
     "priority": "the request's priority class after the gateway's rules (api/run.py)",
     "lora": "the LoRA adapter asked for (api/run.py)",
     "lora_base": "the deployment serving that adapter (api/run.py)",
-    "grammar": "the structured-output grammar: kind, compile ms, cache hit, mask cost (api/generation.py)",
+    "grammar": "the structured-output grammar: kind, compile ms, cache hit, mask cost (api/generation.py, api/replies.py)",
     "client_blocked_s": "seconds the stream waited on a client that did not read (api/sse.py)",
     # routing/: which model and deployment
     "deployment": "the deployment that served it (api/run.py, routing/models.py, admission/controller.py)",

@@ -19,7 +19,7 @@ from tokenpath.api.anthropic.errors import stream_error
 from tokenpath.api.anthropic.signature import sign
 from tokenpath.api.anthropic.translate import stop_reason, tool_use_id, usage
 from tokenpath.api.formatting import Accumulator
-from tokenpath.api.generation import Items
+from tokenpath.api.replies import Items
 
 
 def event(kind: str, data: dict) -> bytes:

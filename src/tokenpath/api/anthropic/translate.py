@@ -2,8 +2,11 @@
 
 Blocks map onto what the chat pipeline already knows: `text` is text, an assistant's `tool_use`
 is a past tool call (its `input` the arguments), a user's `tool_result` is a `tool` message
-answering that call. `thinking` blocks in the history are dropped (the templates drop past turns'
-reasoning too) once their signature is checked (`signature.py`);
+answering that call. `thinking` blocks in the history, once their signature is checked
+(`signature.py`), become the assistant turn's `reasoning_content`, which a template that knows it
+renders (Qwen3 writes it inside `<think>` for the turns after the last user query: a tool-use loop
+goes on with its reasoning, as Anthropic's and vLLM's do) and any other ignores; `redacted_thinking`
+blocks (opaque to this server) are dropped;
 `image` and `document` blocks are refused by name. `tools` become function tools (their
 `input_schema` the parameters) and `tool_choice` maps `auto`/`any`/`tool`/`none` onto
 `auto`/`required`/a named function/`none`, so `any` and `tool` go through the tool grammar.
@@ -23,7 +26,6 @@ from tokenpath.errors import InvalidRequestError
 
 _UNSUPPORTED_BLOCKS = {"image": "image", "document": "document", "search_result": "search result",
                        "container_upload": "container upload"}
-_HISTORY_ONLY = {"thinking", "redacted_thinking"}  # an assistant's past reasoning: dropped
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 
 
@@ -56,6 +58,7 @@ def _blocks(m: MessageParam) -> list[dict]:
 
 def _assistant(m: MessageParam, where: str) -> tuple[ChatMessage, list[str]]:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict] = []
     for j, b in enumerate(_blocks(m)):
         at = f"{where}.content.{j}"
@@ -70,7 +73,11 @@ def _assistant(m: MessageParam, where: str) -> tuple[ChatMessage, list[str]]:
             if not isinstance(b.get("input"), dict):
                 raise _bad(f"{at}.input", "must be an object")
             calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b["input"]}})
-        elif kind in _HISTORY_ONLY:
+        elif kind == "thinking":  # (its text and signature checked by signature.check_history)
+            if not isinstance(b.get("thinking"), str):
+                raise _bad(f"{at}.thinking", "must be a string")
+            thoughts.append(b["thinking"])
+        elif kind == "redacted_thinking":  # (encrypted by Anthropic: nothing here can read it)
             continue
         elif kind in _UNSUPPORTED_BLOCKS:
             raise InvalidRequestError(f"{at}: {_UNSUPPORTED_BLOCKS[kind]} blocks are not supported by this model",
@@ -79,7 +86,7 @@ def _assistant(m: MessageParam, where: str) -> tuple[ChatMessage, list[str]]:
             raise _bad(f"{at}.type", f"{kind!r} is not a block an assistant message may carry here; use 'text' "
                        "or 'tool_use'")
     msg = ChatMessage(role="assistant", content="".join(texts) if texts or not calls else None,
-                      tool_calls=calls or None)
+                      tool_calls=calls or None, reasoning_content="\n\n".join(thoughts) or None)
     return msg, [c["id"] for c in calls]
 
 

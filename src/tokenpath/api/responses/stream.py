@@ -18,11 +18,12 @@ from collections.abc import AsyncGenerator
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api.generation import Body, Deltas, Generation
+from tokenpath.api.replies import Body, Generation
 from tokenpath.api.responses.translate import new_id
 from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, reasoning_item, status_of
 from tokenpath.api.run import RequestRun
 from tokenpath.api.sse import Interrupted
+from tokenpath.api.streams import Deltas
 from tokenpath.api.tools import ToolPlan
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput

@@ -1,8 +1,10 @@
 """Responses API items <-> the chat messages the pipeline runs, and a finished reply -> a response.
 
 Input items: `message` (role user/assistant/system/developer; content a string or `input_text` /
-`output_text` parts), `function_call`, `function_call_output`, and `reasoning` (a past turn's,
-dropped: the chat templates drop earlier turns' reasoning too). Consecutive function calls
+`output_text` parts), `function_call`, `function_call_output`, and `reasoning` (a past turn's:
+its `reasoning_text` content becomes the `reasoning_content` of the assistant turn that follows it,
+which a template that knows it renders, as Qwen3's does after the last user query, so a tool-use
+loop goes on with its reasoning; any other template ignores it). Consecutive function calls
 become one assistant message's `tool_calls`; an output becomes a `tool` message. Every malformed
 item is a 400 naming it (`input.3.call_id`); images, files and audio are refused by name.
 """
@@ -105,9 +107,10 @@ def _check_item(item: Any, at: str) -> None:
         if "output" not in item:
             raise _bad(f"{at}.output", f"Missing required parameter: '{at}.output'")
         _content_text(item["output"], f"{at}.output")
-    elif kind == "reasoning":  # a past reasoning item, sent back as the SDKs do: dropped (as templates do)
+    elif kind == "reasoning":  # a past reasoning item, sent back as the SDKs do
         if not isinstance(item.get("summary", []), list):
             raise _bad(f"{at}.summary", f"{at}.summary must be a list of summary_text parts")
+        _reasoning_text(item, at)
     elif kind in _HOSTED:
         raise InvalidRequestError(f"{at}.type {kind!r} items are not supported by this server; send message, "
                                   "function_call and function_call_output items", param=f"{at}.type",
@@ -115,6 +118,24 @@ def _check_item(item: Any, at: str) -> None:
     else:
         raise _bad(f"{at}.type", f"{at}.type {kind!r} is not a known item type; use 'message', 'function_call' "
                    "or 'function_call_output'")
+
+
+def _reasoning_text(item: dict, at: str) -> str:
+    """A reasoning item's text: its `reasoning_text` content parts (as vLLM and this server write
+    them), joined; "" without content (a summary is not the reasoning, and encrypted content is
+    another server's)."""
+    content = item.get("content")
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise _bad(f"{at}.content", f"{at}.content must be a list of reasoning_text parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{at}.content.{j}"
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise _bad(where, f"{where} must be a reasoning_text part {{\"type\": \"reasoning_text\", \"text\": ...}}")
+        texts.append(part["text"])
+    return "\n\n".join(texts)
 
 
 class Origins:
@@ -140,8 +161,12 @@ def chat_messages(items: list[dict], instructions: str | None, names: list[str] 
     if instructions:
         messages.append({"role": "system", "content": instructions})
         origins.add("instructions")
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for item, where in zip(items, names, strict=True):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought = "\n\n".join(x for x in (thought, _reasoning_text(item, where)) if x)
+            continue
         if kind == "message":
             messages.append({"role": item["role"], "content": _content_text(item["content"], where)})
             origins.add(where)
@@ -161,6 +186,9 @@ def chat_messages(items: list[dict], instructions: str | None, names: list[str] 
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _content_text(item["output"], where)})
             origins.add(where)
+        if thought and messages[-1]["role"] == "assistant" and not messages[-1].get("reasoning_content"):
+            messages[-1]["reasoning_content"] = thought
+        thought = ""  # (reasoning not followed by its assistant turn: nothing renders it)
     return messages
 
 
