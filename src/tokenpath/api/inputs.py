@@ -79,7 +79,9 @@ def max_token_bytes(tok) -> int:  # noqa: ANN001
     cached = getattr(tok, "_tokenpath_max_token_bytes", None)
     if cached is None:
         try:
-            cached = max(len(t.encode()) for t in tok.backend.get_vocab()) or 64
+            backend = tok.backend  # one id at a time: `get_vocab()` would build a 262k-entry dict
+            cached = max((len(t.encode()) for i in range(backend.get_vocab_size(with_added_tokens=True))
+                          if (t := backend.id_to_token(i)) is not None), default=0) or 64
         except Exception:  # a tokenizer without a readable vocabulary: a safe, loose floor
             cached = 64
         tok._tokenpath_max_token_bytes = cached

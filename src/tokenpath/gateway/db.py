@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-import psycopg
-
 MIGRATIONS: list[list[str]] = [
     [  # 1: tenants, keys, admissions (sliding windows), daily usage (quotas), audit log
         """CREATE TABLE tenants (
@@ -210,16 +208,18 @@ class PostgresDatabase:
     _MIGRATION_LOCK = 0x7470_6761_7465  # pg_advisory_xact_lock key: "tpgate"
 
     def __init__(self, url: str) -> None:
-        self._url = url
+        import psycopg  # here: ~9 MiB and 0.1 s that a gateway on SQLite (the default) never needs
+
+        self._connect = lambda: psycopg.connect(url, autocommit=True)
         self._lock = threading.Lock()
-        self._conn = psycopg.connect(url, autocommit=True)
+        self._conn = self._connect()
 
     @contextmanager
     def transaction(self, lock_tenant: str | None = None) -> Iterator[_PgTx]:
         with self._lock:
             if self._conn.broken:  # the server restarted or the link dropped: the call that met it
                 # has already failed (not retried: it may have committed); this one reconnects.
-                self._conn = psycopg.connect(self._url, autocommit=True)
+                self._conn = self._connect()
             with self._conn.transaction():
                 tx = _PgTx(self._conn)
                 if lock_tenant is not None:
