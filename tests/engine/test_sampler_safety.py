@@ -20,7 +20,8 @@ from tokenpath.engine.rng import Generator
 from tokenpath.engine.sampler import Sampler
 from tokenpath.engine.sequence import Sequence
 from tokenpath.errors import SamplingParamsError
-from tokenpath.protocol.sampling_params import MAX_TOP_K, SamplingParams
+from tokenpath.protocol.limits import TOP_K
+from tokenpath.protocol.sampling_params import SamplingParams
 
 VOCAB = 64
 
@@ -42,7 +43,7 @@ params_strategy = st.builds(
     SamplingParams,
     temperature=tiny_floats(0.0, 2.0),
     top_p=tiny_floats(5e-324, 1.0),
-    top_k=st.one_of(st.just(-1), st.integers(1, MAX_TOP_K)),
+    top_k=st.one_of(st.just(-1), st.integers(1, TOP_K.value)),
     min_p=tiny_floats(0.0, 1.0),
     presence_penalty=tiny_floats(-2.0, 2.0),
     frequency_penalty=tiny_floats(-2.0, 2.0),

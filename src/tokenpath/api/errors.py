@@ -43,7 +43,8 @@ _REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/completions": (
              "/v1/messages/count_tokens": ("model", "messages"),
              "/v1/responses": ("model", "input"), "/v1/score": ("model", "text_1", "text_2"),
              "/v1/rerank": ("model", "query", "documents")}
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# (a constrained branch, `Annotated[str, Field(max_length=...)]` in a union, is tagged `constrained-str`)
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
 
 
 def _clean_loc(loc: tuple) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenpath.api.settings import Caps
 from tokenpath.api.state import AppState
 from tokenpath.errors import ContextLengthError, InvalidRequestError
 from tokenpath.protocol import EmbeddingRequest as EmbeddingJob
@@ -145,14 +146,10 @@ def check_request_tokens(cap: int, prompt_tokens: int, n: int, prompts: int, max
     return total
 
 
-def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
-    """The request's own caps, checked before anything is tokenized, and the tokens it costs at
-    least, for the rate limits to be charged with before tokenizing (`RequestRun.admit` makes the
-    charge exact afterwards). It is a floor, not a guess: prompt bytes / the longest token's bytes,
-    token-id prompts counted exactly, + n x max_tokens per prompt. A floor never refuses a request
-    that its exact count would admit, so token limits stay exact; and a prompt whose floor is
-    already past the context length (megabytes of text) is refused without being tokenized."""
-    caps = state.config.caps
+def check_fields(caps: Caps, body: Body) -> None:
+    """The operator's caps on the request's own fields (`limits.MAX_TOKENS`, `N`, `STOP`, `MESSAGES`,
+    `PROMPTS`: their values are `caps`' fields), before anything is tokenized; each refusal names
+    the field. A pure function of the body, so the fast tier checks it without a server."""
     max_tokens = body.requested_max_tokens
     if max_tokens is not None and max_tokens > caps.max_tokens:
         raise InvalidRequestError(f"max_tokens is {max_tokens}, over this server's limit of {caps.max_tokens}; "
@@ -165,20 +162,34 @@ def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
         raise InvalidRequestError(f"stop has {len(stop)} entries, over this server's limit of {caps.max_stop} "
                                   "stop sequences (caps.max_stop)",
                                   param="stop")
-    per_token = max_token_bytes(dep.tokenizer)
     if isinstance(body, ChatCompletionRequest):
-        where = "messages"
         if len(body.messages) > caps.max_messages:
             raise InvalidRequestError(f"messages has {len(body.messages)} entries, over the limit of "
                                       f"{caps.max_messages}", param="messages")
-        floors = [sum(len(m.text().encode()) for m in body.messages) // per_token]
     else:
-        where = "prompt"
         prompts = _raw_prompts(body)
         if len(prompts) > caps.max_prompts:
             raise InvalidRequestError(f"prompt has {len(prompts)} prompts, over the limit of {caps.max_prompts}",
                                       param="prompt")
-        floors = [len(p.encode()) // per_token if isinstance(p, str) else len(p) for p in prompts]
+
+
+def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
+    """The request's own caps, checked before anything is tokenized, and the tokens it costs at
+    least, for the rate limits to be charged with before tokenizing (`RequestRun.admit` makes the
+    charge exact afterwards). It is a floor, not a guess: prompt bytes / the longest token's bytes,
+    token-id prompts counted exactly, + n x max_tokens per prompt. A floor never refuses a request
+    that its exact count would admit, so token limits stay exact; and a prompt whose floor is
+    already past the context length (megabytes of text) is refused without being tokenized."""
+    caps = state.config.caps
+    check_fields(caps, body)
+    max_tokens = body.requested_max_tokens
+    per_token = max_token_bytes(dep.tokenizer)
+    if isinstance(body, ChatCompletionRequest):
+        where = "messages"
+        floors = [sum(len(m.text().encode()) for m in body.messages) // per_token]
+    else:
+        where = "prompt"
+        floors = [len(p.encode()) // per_token if isinstance(p, str) else len(p) for p in _raw_prompts(body)]
     # (the completion budget alone: the prompts' share is checked once they are tokenized)
     budget = check_request_tokens(caps.max_request_tokens, 0, body.n, len(floors), max_tokens or 1)
     return Floor(sum(floors) + budget, max(floors), max_tokens or 1, where)

@@ -23,6 +23,7 @@ from tokenpath.api.routes import require_admin
 from tokenpath.api.state import AppState, get_state
 from tokenpath.engine.lora import check_adapter
 from tokenpath.errors import InvalidRequestError, NotFoundError
+from tokenpath.protocol.limits import NAME_CHARS, PATH_CHARS
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.names import ADAPTER, MODEL, check_name, check_path
 from tokenpath.routing.models import ModelRouter
@@ -33,8 +34,8 @@ router = APIRouter()
 class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_name: str = Field(min_length=1, max_length=NAME_CHARS.value)
+    lora_path: str = Field(min_length=1, max_length=PATH_CHARS.value)
     base_model_name: str | None = None  # default: the (first) chat model
     load_inplace: bool = False  # vLLM's: replace an adapter already loaded under this name
 
@@ -42,7 +43,7 @@ class LoadLoraAdapterRequest(BaseModel):
 class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=256)
+    lora_name: str = Field(min_length=1, max_length=NAME_CHARS.value)
     lora_int_id: int | None = None  # vLLM's, ignored
 
 

@@ -27,9 +27,10 @@ from tokenpath.config import env_audit_text, parse_duration
 from tokenpath.errors import InvalidRequestError, TokenpathError
 from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
 from tokenpath.protocol import SamplingParams
+from tokenpath.protocol.limits import PRIORITY
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.names import MODEL, check_name
-from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY, check_priority
+from tokenpath.protocol.requests import check_priority
 from tokenpath.routing.models import Deployment
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
@@ -176,7 +177,7 @@ class RequestRun:
             except ValueError:
                 asked = None
             if asked is None:
-                raise InvalidRequestError(f"x-priority must be an integer between {MIN_PRIORITY} and {MAX_PRIORITY}, got "
+                raise InvalidRequestError(f"x-priority must be an integer between {PRIORITY.least} and {PRIORITY.value}, got "
                                           f"{raw[:32]!r}", param="x-priority")
             value = max(check_priority(asked, "x-priority"), self.principal.max_priority)
         self.timeline.attrs["priority"] = value

@@ -18,9 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from pydantic_core import PydanticCustomError
 
 from tokenpath.errors import InvalidRequestError
-from tokenpath.protocol.sampling_params import MAX_TOP_LOGPROBS  # (OpenAI's bound on top_logprobs)
-
-MAX_LOGIT_BIAS = 300  # entries in one logit_bias map
+from tokenpath.protocol.limits import (
+    KEEP_ALIVE_CHARS,
+    LOGIT_BIAS,
+    SEED,
+    STOP_TOKEN_IDS,
+    TIMEOUT_S,
+    TOP_LOGPROBS,
+)
 
 
 def param_error(param: str, message: str) -> PydanticCustomError:
@@ -161,23 +166,23 @@ class _SamplingFields(_Body):
     n: int = 1
     stop: Stop = None
     # OpenAI's and vLLM's bound: a signed 64-bit integer (the engine link carries nothing wider).
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=SEED.least, le=SEED.value)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     # Seconds this request may wait for its first token (LiteLLM's `timeout`); past it, a queued
     # request is removed with a 504. Unset: the default for its priority band.
-    timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
+    timeout: Annotated[float, Field(gt=0, le=TIMEOUT_S.value)] | None = None
     # Ollama's `keep_alive`: how long a model loaded on demand stays loaded once idle ("5m", seconds;
     # negative: for ever, 0: unload when done). routing.catalog; ignored for a model not in a catalog.
-    keep_alive: Annotated[str, Field(max_length=32)] | float | None = None
+    keep_alive: Annotated[str, Field(max_length=KEEP_ALIVE_CHARS.value)] | float | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=STOP_TOKEN_IDS.value)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Accepted and ignored: they do not change the output.
@@ -214,9 +219,9 @@ class _SamplingFields(_Body):
         """logit_bias with integer ids, checked against the model's vocabulary; None when empty."""
         if not self.logit_bias:
             return None
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+        if len(self.logit_bias) > LOGIT_BIAS.value:
             raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries, over the limit of "
-                                      f"{MAX_LOGIT_BIAS}; bias fewer tokens", param="logit_bias")
+                                      f"{LOGIT_BIAS.value}; bias fewer tokens", param="logit_bias")
         out: dict[int, float] = {}
         for key, bias in self.logit_bias.items():
             try:
@@ -281,8 +286,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true; set \"logprobs\": true",
                                       param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= TOP_LOGPROBS.value:
+            raise InvalidRequestError(f"top_logprobs must be between 0 and {TOP_LOGPROBS.value}, got "
                                       f"{self.top_logprobs}", param="top_logprobs")
 
     @property
@@ -311,8 +316,8 @@ class CompletionRequest(_SamplingFields):
 
     def reject_unsupported(self) -> None:
         if self.prompt_logprobs is not None:
-            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"prompt_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
+            if not 0 <= self.prompt_logprobs <= TOP_LOGPROBS.value:
+                raise InvalidRequestError(f"prompt_logprobs must be an integer between 0 and {TOP_LOGPROBS.value}, "
                                           f"got {self.prompt_logprobs}", param="prompt_logprobs")
             if self.stream:
                 raise _unsupported("prompt_logprobs", "is not supported with stream; send \"stream\": false")
@@ -342,7 +347,7 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    keep_alive: Annotated[str, Field(max_length=32)] | float | None = None  # Ollama's (see _SamplingFields)
+    keep_alive: Annotated[str, Field(max_length=KEEP_ALIVE_CHARS.value)] | float | None = None  # Ollama's (see _SamplingFields)
 
     def reject_unsupported(self, native: int) -> None:
         if self.dimensions is not None and self.dimensions != native:

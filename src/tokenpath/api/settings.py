@@ -3,34 +3,41 @@ fields. `tokenpath.server.config.ServerConfig` extends it with where to listen a
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenpath.config import Flag, parse_bytes
+from tokenpath.protocol import limits
+
+
+def _cap(limit: limits.Limit) -> Any:
+    """The field of a setting that changes `limit`: its default and accepted range from the table."""
+    return Field(limit.value, ge=limit.setting_least, le=limit.setting_most, description=limit.bounds)
 
 
 class Caps(BaseModel):
-    """Upper bounds on request fields; beyond them a request is a 400, not a resource problem."""
+    """Upper bounds on request fields; beyond them a request is a 400, not a resource problem.
+    Defaults and ranges are `tokenpath.protocol.limits`' entries (their `setting` is `caps.<field>`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_n: int = Field(8, ge=1, le=16)
-    max_tokens: int = Field(4096, ge=1)
-    max_stop: int = Field(16, ge=0, le=16)
-    max_messages: int = Field(256, ge=1)
-    max_prompts: int = Field(32, ge=1)  # prompts in one /v1/completions request
-    max_embedding_inputs: int = Field(2048, ge=1)  # inputs in one /v1/embeddings request (OpenAI's limit)
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    max_n: int = _cap(limits.N)
+    max_tokens: int = _cap(limits.MAX_TOKENS)
+    max_stop: int = _cap(limits.STOP)
+    max_messages: int = _cap(limits.MESSAGES)
+    max_prompts: int = _cap(limits.PROMPTS)  # prompts in one /v1/completions request
+    max_embedding_inputs: int = _cap(limits.EMBEDDING_INPUTS)  # inputs in one /v1/embeddings request
+    max_header_bytes: int = _cap(limits.HEADER_BYTES)
     # Tokens one request may cost at most: its prompt tokens plus n x max_tokens for every prompt.
-    # Without it, 32 prompts x n=8 x 4096 tokens is a million tokens in one call.
-    max_request_tokens: int = Field(65536, ge=1)
+    max_request_tokens: int = _cap(limits.REQUEST_TOKENS)
 
 
 class ApiSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_body_size: str | int = Field("4MiB", description="largest accepted request body, e.g. 4MiB")
+    max_body_size: str | int = Field(limits.size_text(limits.BODY_BYTES.value),
+                                     description="largest accepted request body, e.g. 4MiB")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get on shutdown")
     caps: Caps = Field(default_factory=Caps)
     # /metrics is open, as vLLM's is (scrape configs and aiperf send no key), with tenant series
@@ -75,14 +82,16 @@ class ApiSettings(BaseModel):
         30.0, gt=0, description="seconds a streaming client may go without reading before its stream is "
         "aborted and its slot freed")
     stream_max_unsent: str | int = Field(
-        "1MiB", description="output waiting in the gateway for one streaming client beyond which it is "
+        limits.size_text(limits.STREAM_UNSENT_BYTES.value),
+        description="output waiting in the gateway for one streaming client beyond which it is "
         "aborted as stalled, e.g. 1MiB")
 
     @field_validator("stream_max_unsent")
     @classmethod
     def _check_unsent(cls, v: str | int) -> str | int:
-        if parse_bytes(v) < 1024:
-            raise ValueError("stream_max_unsent must be at least 1KiB")
+        if parse_bytes(v) < (limits.STREAM_UNSENT_BYTES.setting_least or 0):
+            raise ValueError("stream_max_unsent must be at least "
+                             f"{limits.size_text(limits.STREAM_UNSENT_BYTES.setting_least or 0)}")
         return v
 
     @property
@@ -110,7 +119,7 @@ class ApiSettings(BaseModel):
     # (a `previous_response_id` chain with its new input) over this many bytes is refused.
     responses_store: bool = True
     responses_retention_s: float = Field(30 * 86400.0, gt=0)
-    responses_max_bytes: int = Field(1 << 20, ge=1024)
+    responses_max_bytes: int = _cap(limits.CONVERSATION_BYTES)
 
     @property
     def max_body_bytes(self) -> int:

@@ -15,13 +15,14 @@ import re
 from typing import Any
 
 from tokenpath.errors import InvalidRequestError
-
-MAX_DEPTH = 64  # JSON nesting of one schema (objects and arrays both count)
-MAX_NODES = 20_000  # values in one schema
-MAX_ENUM = 500  # entries of one `enum`
-MAX_ENUM_TOTAL = 2_000  # entries of all `enum`s of one schema
-MAX_PATTERN_CHARS = 4_096  # one regex
-MAX_REPEAT = 100_000  # a regex's bounded repetitions, multiplied out through nested groups
+from tokenpath.protocol.limits import (
+    ENUM,
+    ENUM_TOTAL,
+    PATTERN_CHARS,
+    REGEX_REPEAT,
+    SCHEMA_DEPTH,
+    SCHEMA_NODES,
+)
 
 _COUNT = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
 
@@ -37,10 +38,10 @@ def check_json_shape(value: Any, param: str) -> None:
     while stack:
         node, depth, key = stack.pop()
         nodes += 1
-        if depth > MAX_DEPTH:
-            raise _bad(param, f"{param} is nested more than {MAX_DEPTH} levels deep; send a flatter schema")
-        if nodes > MAX_NODES:
-            raise _bad(param, f"{param} has more than {MAX_NODES} values; send a smaller schema")
+        if depth > SCHEMA_DEPTH.value:
+            raise _bad(param, f"{param} is nested more than {SCHEMA_DEPTH.value} levels deep; send a flatter schema")
+        if nodes > SCHEMA_NODES.value:
+            raise _bad(param, f"{param} has more than {SCHEMA_NODES.value} values; send a smaller schema")
         if isinstance(node, dict):
             for k, v in node.items():
                 if key == "patternProperties":
@@ -49,10 +50,10 @@ def check_json_shape(value: Any, param: str) -> None:
             enum = node.get("enum")
             if isinstance(enum, list):
                 enums += len(enum)
-                if len(enum) > MAX_ENUM:
-                    raise _bad(param, f"{param} has an enum of {len(enum)} entries, over the limit of {MAX_ENUM}")
-                if enums > MAX_ENUM_TOTAL:
-                    raise _bad(param, f"{param} has more than {MAX_ENUM_TOTAL} enum entries in all")
+                if len(enum) > ENUM.value:
+                    raise _bad(param, f"{param} has an enum of {len(enum)} entries, over the limit of {ENUM.value}")
+                if enums > ENUM_TOTAL.value:
+                    raise _bad(param, f"{param} has more than {ENUM_TOTAL.value} enum entries in all")
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 check_regex(pattern, f"{param} (a pattern)")
@@ -62,10 +63,10 @@ def check_json_shape(value: Any, param: str) -> None:
 
 def check_regex(pattern: str, param: str) -> None:
     """Length, then the product of nested bounded repetitions (`{m}`, `{m,n}`, `{m,}`)."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise _bad(param, f"{param} is a regex of {len(pattern)} characters, over the limit of {MAX_PATTERN_CHARS}")
-    if _repeat_weight(pattern) > MAX_REPEAT:
-        raise _bad(param, f"{param} repeats too much: its bounded repetitions multiply out to over {MAX_REPEAT} "
+    if len(pattern) > PATTERN_CHARS.value:
+        raise _bad(param, f"{param} is a regex of {len(pattern)} characters, over the limit of {PATTERN_CHARS.value}")
+    if _repeat_weight(pattern) > REGEX_REPEAT.value:
+        raise _bad(param, f"{param} repeats too much: its bounded repetitions multiply out to over {REGEX_REPEAT.value} "
                    "characters; use smaller counts")
 
 
@@ -107,7 +108,7 @@ def _repeat_weight(pattern: str) -> int:
                 times = max(lo, int(hi) if hi else 0)
                 total += last * (times - 1) if times > 0 else -last
                 last = last * times
-                if total > MAX_REPEAT:
+                if total > REGEX_REPEAT.value:
                     return total
                 i = m.end()
                 continue

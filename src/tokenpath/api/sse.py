@@ -22,13 +22,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from tokenpath.api.limits import TRANSPORT_KEY
+from tokenpath.protocol.limits import STREAM_UNSENT_BYTES
 from tokenpath.telemetry.timeline import Timeline
 
 DONE = "[DONE]"
 SEND_BLOCKED_S = 0.02  # one send longer than this waited on the client (see SSEResponse)
 STALLED = "client_stalled"  # the StopSignal reason (and finish reason) of a client that stopped reading
 STALL_TIMEOUT_S = 30.0  # the defaults of ApiSettings.stream_stall_timeout and stream_max_unsent
-MAX_UNSENT_BYTES = 1 << 20
 T = TypeVar("T")
 
 
@@ -170,7 +170,7 @@ class SSEResponse(Response):
         headers: Mapping[str, str] | None = None,
         timeline: Timeline | None = None,
         stall_timeout: float = STALL_TIMEOUT_S,
-        max_unsent: int = MAX_UNSENT_BYTES,
+        max_unsent: int = STREAM_UNSENT_BYTES.value,
     ) -> None:
         self.events = events
         self.timeline = timeline

@@ -28,10 +28,9 @@ from tokenpath.api.grammar_worker import COMPILE_TIMEOUT_S, GrammarWorkers
 from tokenpath.api.spec_limits import check_json_shape, check_regex
 from tokenpath.engine.structured import GrammarCache, GrammarError
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.limits import CHOICES, SPEC_BYTES
 from tokenpath.protocol.sampling_params import StructuredOutput
 
-MAX_SPEC_CHARS = 64 * 1024  # one schema, regex or grammar, serialized
-MAX_CHOICES = 256
 __all__ = ["COMPILE_TIMEOUT_S", "CompileInfo", "check_schema", "compile_checked", "requested"]
 
 
@@ -47,8 +46,8 @@ def check_schema(schema: Any, param: str, checks: list[tuple[str, str]] | None =
         raise _bad(param, f"{param} must be a JSON Schema object")
     check_json_shape(schema, param)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(text.encode()) > MAX_SPEC_CHARS:
-        raise _bad(param, f"{param} is {len(text.encode())} bytes, over the limit of {MAX_SPEC_CHARS}; send a "
+    if len(text.encode()) > SPEC_BYTES.value:
+        raise _bad(param, f"{param} is {len(text.encode())} bytes, over the limit of {SPEC_BYTES.value}; send a "
                    "smaller schema")
     if checks is not None:
         checks.append((param, text))
@@ -58,8 +57,8 @@ def check_schema(schema: Any, param: str, checks: list[tuple[str, str]] | None =
 def _text(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
         raise _bad(param, f"{param} must be a non-empty string")
-    if len(value) > MAX_SPEC_CHARS:
-        raise _bad(param, f"{param} is {len(value)} characters, over the limit of {MAX_SPEC_CHARS}")
+    if len(value) > SPEC_BYTES.value:
+        raise _bad(param, f"{param} is {len(value)} characters, over the limit of {SPEC_BYTES.value}")
     return value
 
 
@@ -72,8 +71,8 @@ def _regex(value: Any, param: str) -> str:
 def _choice(value: Any, param: str) -> str:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise _bad(param, f"{param} must be a non-empty list of non-empty strings")
-    if len(value) > MAX_CHOICES:
-        raise _bad(param, f"{param} has {len(value)} choices, over the limit of {MAX_CHOICES}")
+    if len(value) > CHOICES.value:
+        raise _bad(param, f"{param} has {len(value)} choices, over the limit of {CHOICES.value}")
     return _text(json.dumps(value, ensure_ascii=False), param)
 
 

@@ -21,6 +21,7 @@ from tokenpath.api.schemas import ChatCompletionRequest, ChatMessage, Completion
 from tokenpath.api.state import AppState, get_state
 from tokenpath.config import version
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.limits import DETOKENIZE_TOKENS, PARSED_MESSAGES
 
 router = APIRouter()
 
@@ -30,7 +31,7 @@ class TokenizeRequest(_Body):
 
     model: str
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, max_length=4096)
+    messages: list[ChatMessage] | None = Field(default=None, max_length=PARSED_MESSAGES.value)
     # The completion form: True is what generation does; False (vLLM's, which `vllm bench serve`
     # sends to align its prompts) counts the text's own tokens, without BOS and the like.
     add_special_tokens: bool = True
@@ -55,7 +56,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[int] = Field(max_length=DETOKENIZE_TOKENS.value)
 
 
 @router.post("/tokenize")

@@ -25,14 +25,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenpath.api.structured import MAX_SPEC_CHARS, check_schema
+from tokenpath.api.structured import check_schema
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.limits import PARALLEL_CALLS, SPEC_BYTES, TOOL_NAME_CHARS, TOOLS, TOOLS_CHARS
 from tokenpath.protocol.sampling_params import StructuredOutput
 
-MAX_TOOLS = 128
-MAX_PARALLEL = 8  # calls in one constrained reply
-MAX_TOOLS_CHARS = 128 * 1024  # the tool list, serialized
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{TOOL_NAME_CHARS.value}}}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -84,11 +82,11 @@ def parse_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | Non
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "tool_choice needs tools; send the tools or remove tool_choice")
         return None
-    if len(tools) > MAX_TOOLS:
-        raise _bad("tools", f"tools has {len(tools)} entries, over the limit of {MAX_TOOLS}")
+    if len(tools) > TOOLS.value:
+        raise _bad("tools", f"tools has {len(tools)} entries, over the limit of {TOOLS.value}")
     size = len(json.dumps(tools, ensure_ascii=False))
-    if size > MAX_TOOLS_CHARS:
-        raise _bad("tools", f"tools is {size} characters, over the limit of {MAX_TOOLS_CHARS}; send fewer or "
+    if size > TOOLS_CHARS.value:
+        raise _bad("tools", f"tools is {size} characters, over the limit of {TOOLS_CHARS.value}; send fewer or "
                    "smaller tool definitions")
     parsed: list[Tool] = []
     checks: list[tuple[str, str]] = []
@@ -99,8 +97,8 @@ def parse_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | Non
             raise _bad(where, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 letters, digits, '_', '.' "
-                       f"or '-', got {name!r}")
+            raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-{TOOL_NAME_CHARS.value} letters, "
+                       f"digits, '_', '.' or '-', got {name!r}")
         if any(p.name == name for p in parsed):
             raise _bad(f"{where}.function.name", f"tool name {name!r} is defined twice")
         params = fn.get("parameters", {"type": "object", "properties": {}})
@@ -148,12 +146,12 @@ def constraint(plan: ToolPlan) -> StructuredOutput | None:
         lark = f"start: call\ncall: {obj}\n"
     else:
         sep = ' "\\n" ' if plan.fmt == "hermes" else " "
-        # A bounded number of parallel calls (one per tool, at least 2, at most MAX_PARALLEL): a small
+        # A bounded number of parallel calls (one per tool, at least 2, at most PARALLEL_CALLS.value): a small
         # model may otherwise repeat calls until max_tokens cuts the last one off.
-        most = min(MAX_PARALLEL, max(2, len(tools)))
+        most = min(PARALLEL_CALLS.value, max(2, len(tools)))
         start = 'call ("\\n" call){0,' + str(most - 1) + '}' if many else "call"
         lark = f'start: {start}\ncall: "{OPEN}"{sep}{obj}{sep}"{CLOSE}"\n'
-    if len(lark) > 4 * MAX_SPEC_CHARS:
+    if len(lark) > 4 * SPEC_BYTES.value:
         raise _bad("tools", "the tools' parameter schemas are too large to constrain; send fewer tools")
     return StructuredOutput("grammar", lark, tools=True)
 

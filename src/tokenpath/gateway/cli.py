@@ -22,8 +22,8 @@ from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
 from tokenpath.gateway.base import OPEN_STATUS, Limits
 from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+from tokenpath.protocol.limits import PRIORITY
 from tokenpath.protocol.names import MODEL, TENANT, NameKind, name_problem
-from tokenpath.protocol.requests import MAX_PRIORITY, MIN_PRIORITY
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -36,8 +36,8 @@ def _priority(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
-        raise argparse.ArgumentTypeError(f"{value} is outside [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+    if not PRIORITY.least <= value <= PRIORITY.value:
+        raise argparse.ArgumentTypeError(f"{value} is outside [{PRIORITY.least}, {PRIORITY.value}]")
     return value
 
 
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tenant", required=True, type=_tenant_name)
     _limit_args(create)
     create.add_argument("--priority", type=_priority, default=0,
-                        help=f"scheduling priority (lower runs first; {MIN_PRIORITY}..{MAX_PRIORITY})")
+                        help=f"scheduling priority (lower runs first; {PRIORITY.least}..{PRIORITY.value})")
     create.add_argument("--expires", type=lambda t: parse_time(t, future=True),
                         help="ISO 8601 time (UTC if no offset), or a duration from now such as 30d")
     create.add_argument("--name", help="a label for the key")

@@ -7,7 +7,7 @@ included: it would also split that cache key), no bidirectional controls (U+202A
 U+2066-U+2069, U+200E/U+200F, U+061C: a right-to-left override makes `evil\\u202etxt.exe` show
 as another name in a terminal or a dashboard), nothing `str.isprintable()` refuses (line and
 paragraph separators, unassigned code points), no leading or trailing whitespace, and at most
-`MAX_NAME_CHARS` characters.
+`limits.NAME_CHARS` characters.
 
 Path separators are refused per kind, since what a name is used as differs:
 
@@ -23,7 +23,7 @@ Path separators are refused per kind, since what a name is used as differs:
 A path (`lora_path`, `--lora-modules ...=PATH`) may hold any printable character a filesystem
 allows, but not NUL (the OS cannot take it: Python raises ValueError, which was a 500), other
 control characters or bidi controls (the path is shown in `/v1/models` and the banner), and is at
-most `MAX_PATH_CHARS` long.
+most `limits.PATH_CHARS` long.
 
 The checks return the problem as text (`name_problem`, `path_problem`) so the API's schema can
 raise its own validation error, and `check_name` / `check_path` raise `InvalidRequestError`
@@ -36,9 +36,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from tokenpath.errors import InvalidRequestError
-
-MAX_NAME_CHARS = 256  # (the bound `lora_name` always had; real model ids are far shorter)
-MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+from tokenpath.protocol.limits import NAME_CHARS, PATH_CHARS
 
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
@@ -76,8 +74,8 @@ def name_problem(value: str, kind: NameKind) -> str | None:
     """Why `value` is not a safe name of this kind (a sentence to show), or None when it is."""
     if not value:
         return f"{kind.label} must not be empty"
-    if len(value) > MAX_NAME_CHARS:
-        return f"{kind.label} must be at most {MAX_NAME_CHARS} characters (got {len(value)})"
+    if len(value) > NAME_CHARS.value:
+        return f"{kind.label} must be at most {NAME_CHARS.value} characters (got {len(value)})"
     bad = _bad_char(value)
     if bad is not None:
         return f"{kind.label} must be printable text; it has {bad[1]} at position {bad[0]}"
@@ -95,8 +93,8 @@ def path_problem(value: str) -> str | None:
     """Why `value` cannot be a path given to the server (a sentence to show), or None."""
     if not value:
         return "a path must not be empty"
-    if len(value) > MAX_PATH_CHARS:
-        return f"a path must be at most {MAX_PATH_CHARS} characters (got {len(value)})"
+    if len(value) > PATH_CHARS.value:
+        return f"a path must be at most {PATH_CHARS.value} characters (got {len(value)})"
     bad = _bad_char(value)
     if bad is not None:
         return f"a path must not contain {bad[1]} (at position {bad[0]})"

@@ -21,19 +21,20 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol.limits import PRIORITY
 from tokenpath.protocol.lora import LoraRef
 from tokenpath.protocol.sampling_params import SamplingParams
 
-# Priorities are 32-bit signed integers (lower is more urgent). Every integer that crosses the
-# engine link is range-checked before it leaves the gateway: a value the codec cannot carry
-# (2**64 raised OverflowError while sending) was once taken for the replica's fault and ejected it.
-MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+# Priorities are 32-bit signed integers (lower is more urgent; `limits.PRIORITY`). Every integer
+# that crosses the engine link is range-checked before it leaves the gateway: a value the codec
+# cannot carry (2**64 raised OverflowError while sending) was once taken for the replica's fault
+# and ejected it.
 
 
 def check_priority(value: int, param: str = "priority") -> int:
     """`value` if it is a priority in range, else a 400 naming `param`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not MIN_PRIORITY <= value <= MAX_PRIORITY:
-        raise InvalidRequestError(f"{param} must be an integer between {MIN_PRIORITY} and {MAX_PRIORITY}, got {value!r}",
+    if isinstance(value, bool) or not isinstance(value, int) or not PRIORITY.least <= value <= PRIORITY.value:
+        raise InvalidRequestError(f"{param} must be an integer between {PRIORITY.least} and {PRIORITY.value}, got {value!r}",
                                   param=param)
     return value
 

@@ -10,25 +10,24 @@ import math
 from dataclasses import dataclass, field
 
 from tokenpath.errors import SamplingParamsError
+from tokenpath.protocol.limits import (
+    ENGINE_N,
+    ENGINE_SEED,
+    ENGINE_SPEC_CHARS,
+    ENGINE_STOP,
+    TOKEN_ID,
+    TOP_K,
+    TOP_LOGPROBS,
+)
 
-MAX_TOP_LOGPROBS = 20
-MAX_N = 16
-MAX_STOP_STRINGS = 16
 # What the sampler can compute, not only what the API allows. A temperature below SAMPLING_EPS is
 # greedy (as in vLLM): dividing logits by 1e-320 gives inf, and inf - inf gives NaN probabilities.
 SAMPLING_EPS = 1e-5
 # A penalty divides or multiplies logits; below this it overflows float32 to inf.
 MIN_REPETITION_PENALTY = 0.01
-# top_k becomes a tensor element (int64): anything larger than the vocabulary is "disabled".
-MAX_TOP_K = 2**31 - 1
-# Token ids are int32 wherever they are computed (tensors, the native kernels); the API checks them
-# against the model's vocabulary, this bound holds for any caller (the offline LLM, the link).
-MAX_TOKEN_ID = 2**31 - 1
-# A seed: any 64-bit integer, signed or not (what the engine link's msgpack carries; the engine
-# seeds each choice's generator with it modulo 2**64).
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# The caps (n, stop, top_k, token ids, seeds, logprobs, spec size) are protocol/limits.py's entries:
+# what the engine accepts from any caller (the offline LLM, the link), the API's own caps at or below.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
-MAX_STRUCTURED_SPEC = 256 * 1024  # characters of one schema / regex / grammar (the API caps it lower)
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,9 @@ class StructuredOutput:
                                       f"got {self.kind!r}", param="structured_outputs")
         if not isinstance(self.spec, str) or not self.spec:
             raise SamplingParamsError("structured output spec must be a non-empty string", param="structured_outputs")
-        if len(self.spec) > MAX_STRUCTURED_SPEC:
+        if len(self.spec) > ENGINE_SPEC_CHARS.value:
             raise SamplingParamsError(f"structured output spec is {len(self.spec)} characters, over the limit of "
-                                      f"{MAX_STRUCTURED_SPEC}", param="structured_outputs")
+                                      f"{ENGINE_SPEC_CHARS.value}", param="structured_outputs")
 
 
 @dataclass
@@ -111,14 +110,14 @@ class SamplingParams:
                 raise bad(param, f"must be an integer, got {v!r}")
             return v
 
-        if not 1 <= integer("n", self.n) <= MAX_N:
-            raise bad("n", f"must be between 1 and {MAX_N}, got {self.n}")
+        if not 1 <= integer("n", self.n) <= ENGINE_N.value:
+            raise bad("n", f"must be between 1 and {ENGINE_N.value}, got {self.n}")
         if not 0.0 <= finite("temperature", self.temperature) <= 2.0:
             raise bad("temperature", f"must be between 0 and 2, got {self.temperature}")
         if not 0.0 < finite("top_p", self.top_p) <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not -1 <= integer("top_k", self.top_k) <= MAX_TOP_K:
-            raise bad("top_k", f"must be -1 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k}")
+        if not -1 <= integer("top_k", self.top_k) <= TOP_K.value:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer up to {TOP_K.value}, got {self.top_k}")
         if not 0.0 <= finite("min_p", self.min_p) <= 1.0:
             raise bad("min_p", f"must be between 0 and 1, got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -129,27 +128,28 @@ class SamplingParams:
                       f"must be between {MIN_REPETITION_PENALTY} and 2, got {self.repetition_penalty}")
         if self.seed is not None:
             integer("seed", self.seed)
-            if not MIN_SEED <= self.seed <= MAX_SEED:
-                raise bad("seed", f"must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
+            if not ENGINE_SEED.least <= self.seed <= ENGINE_SEED.value:
+                raise bad("seed", f"must be a 64-bit integer in [{ENGINE_SEED.least}, {ENGINE_SEED.value}], "
+                          f"got {self.seed}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if len(self.stop) > ENGINE_STOP.value:
+            raise bad("stop", f"allows at most {ENGINE_STOP.value} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "entries must be non-empty strings")
         for t in self.stop_token_ids:
-            if not 0 <= integer("stop_token_ids", t) <= MAX_TOKEN_ID:
-                raise bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}], got {t}")
-        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_TOP_LOGPROBS:
-            raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+            if not 0 <= integer("stop_token_ids", t) <= TOKEN_ID.value:
+                raise bad("stop_token_ids", f"must be token ids in [0, {TOKEN_ID.value}], got {t}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= TOP_LOGPROBS.value:
+            raise bad("logprobs", f"must be between 0 and {TOP_LOGPROBS.value}, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs", self.prompt_logprobs) \
-                <= MAX_TOP_LOGPROBS:
-            raise bad("prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
+                <= TOP_LOGPROBS.value:
+            raise bad("prompt_logprobs", f"must be between 0 and {TOP_LOGPROBS.value}, got {self.prompt_logprobs}")
         for token, bias in (self.logit_bias or {}).items():  # ids against the vocabulary: at the API edge
-            if not 0 <= integer("logit_bias", token) <= MAX_TOKEN_ID or not -100.0 <= finite("logit_bias", bias) <= 100.0:
+            if not 0 <= integer("logit_bias", token) <= TOKEN_ID.value or not -100.0 <= finite("logit_bias", bias) <= 100.0:
                 raise bad("logit_bias", f"needs token ids >= 0 and values in [-100, 100], got {token}: {bias}")

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from tokenpath.api.schemas import _Body, _Strict
+from tokenpath.protocol.limits import PARSED_MESSAGES
 
 
 class MessageParam(_Strict):
@@ -24,7 +25,7 @@ class CountTokensRequest(_Body):
     """What `/v1/messages/count_tokens` takes: the prompt half of a Messages request."""
 
     model: str
-    messages: Annotated[list[MessageParam], Field(max_length=4096)]
+    messages: Annotated[list[MessageParam], Field(max_length=PARSED_MESSAGES.value)]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None

@@ -32,9 +32,9 @@ from tokenpath.api.state import AppState, get_state
 from tokenpath.api.tools import ToolPlan
 from tokenpath.errors import InvalidRequestError, NotFoundError
 from tokenpath.gateway.responses_store import ResponseStore, response_store
+from tokenpath.protocol.limits import RESPONSE_ID
 
 router = APIRouter()
-MAX_ID = 128
 _ERRORS: OpenApiResponses = {400: {"description": "Invalid request (OpenAI error body)"},
                              404: {"description": "Unknown model or response"}}
 
@@ -49,11 +49,11 @@ def _store(request: Request, state: AppState) -> ResponseStore:
 
 
 def _not_found(rid: str, param: str | None = None) -> NotFoundError:
-    return NotFoundError(f"Response with id '{rid[:MAX_ID]}' not found.", param=param, code="response_not_found")
+    return NotFoundError(f"Response with id '{rid[:RESPONSE_ID.value]}' not found.", param=param, code="response_not_found")
 
 
 async def _load(store: ResponseStore, rid: str, tenant: str, param: str | None = None) -> dict:
-    if not rid or len(rid) > MAX_ID:
+    if not rid or len(rid) > RESPONSE_ID.value:
         raise _not_found(rid, param)
     record = await asyncio.to_thread(store.get, rid, tenant, time.time())
     if record is None:
@@ -132,7 +132,7 @@ async def get_input_items(response_id: str, request: Request, state: AppState = 
 @router.delete("/v1/responses/{response_id}", responses=_ERRORS)
 async def delete_response(response_id: str, request: Request, state: AppState = Depends(get_state)) -> JSONResponse:
     principal = await state.guard.authenticate(request.headers)
-    if not response_id or len(response_id) > MAX_ID:
+    if not response_id or len(response_id) > RESPONSE_ID.value:
         raise _not_found(response_id)
     deleted = await asyncio.to_thread(_store(request, state).delete, response_id, principal.tenant)
     if not deleted:

@@ -12,8 +12,7 @@ from pydantic import Field
 
 from tokenpath.api.schemas import _Body
 from tokenpath.errors import InvalidRequestError
-
-MAX_METADATA = 16  # OpenAI's limit on metadata pairs
+from tokenpath.protocol.limits import METADATA
 
 
 def unsupported(name: str, why: str = "is not supported by this server") -> InvalidRequestError:
@@ -69,8 +68,8 @@ class ResponsesRequest(_Body):
         if self.truncation not in (None, "auto", "disabled"):
             raise InvalidRequestError(f"truncation must be 'auto' or 'disabled', got {self.truncation!r}",
                                       param="truncation")
-        if self.metadata is not None and len(self.metadata) > MAX_METADATA:
-            raise InvalidRequestError(f"metadata has {len(self.metadata)} pairs, over the limit of {MAX_METADATA}",
+        if self.metadata is not None and len(self.metadata) > METADATA.value:
+            raise InvalidRequestError(f"metadata has {len(self.metadata)} pairs, over the limit of {METADATA.value}",
                                       param="metadata")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
