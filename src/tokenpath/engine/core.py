@@ -265,8 +265,11 @@ class EngineCore:
             touched[req.request_id] = req
             if seq.events.first_token is None:
                 seq.events.first_token = now
+            walk = seq.grammar if drafting and seq.draft_ids else None  # (the sampler advanced the others)
             for token in tokens[i]:
                 seq.token_ids.append(token)
+                if walk is not None:
+                    walk.accept(token)  # before process_token, which asks whether the grammar completed
                 self.generation_tokens += 1
                 reason = self.outputs.process_token(req.choices[seq.index], token, logprobs[i])
                 if reason is not None:
@@ -301,6 +304,9 @@ class EngineCore:
         logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(sampling)
         for j, i in enumerate(plain):
             tokens[i], logprobs[i] = [result.token_ids[j]], result.logprobs[j]
+        constrained = [(starts[i], seq) for i, seq in enumerate(sampling) if seq.draft_ids and seq.grammar is not None]
+        if constrained:  # (after the plain rows: the sampler has collected the masks it prefetched)
+            self.sampler.mask_drafts(logits, constrained)
         for i, seq in enumerate(sampling):
             if seq.draft_ids:
                 tokens[i] = verify(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)], seq,
