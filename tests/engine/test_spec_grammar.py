@@ -147,3 +147,21 @@ def test_sampled_constrained_output_always_parses(pair):
             accepted += out.events.spec[2] if out.events.spec else 0
     assert accepted > 0 and completed >= 4
     assert llm.engine.blocks.check_consistency() == []
+
+
+@pytest.mark.parametrize("structured", [None, SCHEMA], ids=["free", "json_schema"])
+def test_logprobs_under_speculation_are_the_plain_engines(pair, structured):
+    """Each emitted token's logprob and top ones come from its own verification row's raw logits
+    (before the grammar's mask), as plain decoding reports them."""
+    plain, llm = pair
+    p = SamplingParams(temperature=0, max_tokens=60, logprobs=3, structured=structured)
+    want, got = plain.chat(COPY, p)[0].outputs[0], llm.chat(COPY, p)[0]
+    g = got.outputs[0]
+    assert g.token_ids == want.token_ids
+    assert got.events.spec is not None and got.events.spec[2] > 0  # drafts were accepted
+    assert len(g.logprobs) == len(want.logprobs) == len(g.token_ids)
+    for a, b in zip(g.logprobs, want.logprobs, strict=True):
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t[0] for t in a.top] == [t[0] for t in b.top]
+        assert [t[2] for t in a.top] == pytest.approx([t[2] for t in b.top], abs=1e-4)

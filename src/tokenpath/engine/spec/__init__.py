@@ -14,8 +14,9 @@ appended. The engine's pieces:
 - under a grammar (structured output, tools), `grammar.py`: the proposal is cut where the grammar
   refuses it, and each verification row is masked by the grammar state after the drafts before it.
 
-Who does not speculate (plain decode, per sequence, same batch): requests asking for logprobs,
-LoRA requests, n > 1, and requests whose logits the sampler rewrites per token (penalties,
-logit_bias, min_tokens).
+- logprobs (`core._verify`): each emitted token's from its own row's raw logits, before any mask.
+
+Who does not speculate (plain decode, per sequence, same batch): LoRA requests, n > 1, and
+requests whose logits the sampler rewrites per token (penalties, logit_bias, min_tokens).
 """
 

@@ -40,7 +40,7 @@ class SpecStats:
 def speculates(seq: Sequence) -> bool:
     """May this sequence draft at all (the module docstring's list)?"""
     p = seq.params
-    return (p.logprobs is None and seq.lora is None and p.n == 1
+    return (seq.lora is None and p.n == 1
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and not p.logit_bias and not p.min_tokens)
 
