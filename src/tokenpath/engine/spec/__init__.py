@@ -13,7 +13,6 @@ appended. The engine's pieces:
   cache hashes full blocks of computed, accepted tokens only, so it never sees one.
 - under a grammar (structured output, tools), `grammar.py`: the proposal is cut where the grammar
   refuses it, and each verification row is masked by the grammar state after the drafts before it.
-
 - logprobs (`core._verify`): each emitted token's from its own row's raw logits, before any mask.
 
 Who does not speculate (plain decode, per sequence, same batch): LoRA requests, n > 1, and
