@@ -202,7 +202,7 @@ def test_max_tokens_and_stop_strings_hold_mid_draft_and_ineligible_requests_do_n
         got, want = llm.chat(COPY, p)[0].outputs[0], plain.chat(COPY, p)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     before = llm.engine.spec.stats.num_drafts
-    llm.chat(COPY, SamplingParams(temperature=0, max_tokens=24, logprobs=2))
+    llm.chat(COPY, SamplingParams(temperature=0, max_tokens=24, n=2))
     llm.chat(COPY, SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.5))
     assert llm.engine.spec.stats.num_drafts == before
 

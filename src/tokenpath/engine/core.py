@@ -35,6 +35,8 @@ from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
 
+Logprob = tuple[float, list[tuple[int, float]]] | None  # one token's (logprob, top ones), or None
+
 MAX_CONTEXT_DEFAULT = 8192
 
 log = logging.getLogger("tokenpath.engine")
@@ -253,8 +255,10 @@ class EngineCore:
             self.blocks.commit_computed(seq)
             if seq.events.preempted:
                 self._note_recovered(seq)
+        token_logprobs: list[list[Logprob]] | None = None  # (drafting: one per emitted token)
         if drafting:
-            tokens, logprobs = self._verify(logits, sampling)
+            tokens, token_logprobs = self._verify(logits, sampling)
+            logprobs: list[Logprob] = []
         else:
             result = self.sampler(logits, sampling) if sampling else SampleResult([], [])
             tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
@@ -265,10 +269,14 @@ class EngineCore:
             touched[req.request_id] = req
             if seq.events.first_token is None:
                 seq.events.first_token = now
-            for token in tokens[i]:
+            walk = seq.grammar if drafting and seq.draft_ids else None  # (the sampler advanced the others)
+            for k, token in enumerate(tokens[i]):
                 seq.token_ids.append(token)
+                if walk is not None:
+                    walk.accept(token)  # before process_token, which asks whether the grammar completed
                 self.generation_tokens += 1
-                reason = self.outputs.process_token(req.choices[seq.index], token, logprobs[i])
+                lp = logprobs[i] if token_logprobs is None else token_logprobs[i][k]
+                reason = self.outputs.process_token(req.choices[seq.index], token, lp)
                 if reason is not None:
                     seq.finish_reason = reason
                     self._finish(seq, now)
@@ -286,10 +294,11 @@ class EngineCore:
                 self._retire(req)
         return outs
 
-    def _verify(self, logits: np.ndarray, sampling: list[Sequence]
-                ) -> tuple[list[list[int]], list[tuple[float, list[tuple[int, float]]] | None]]:
+    def _verify(self, logits: np.ndarray, sampling: list[Sequence]) -> tuple[list[list[int]], list[list[Logprob]]]:
         """A step with draft tokens: the plain rows sample as always (one batch through the
-        sampler), each drafting sequence's 1 + K rows are verified (`spec.verify`)."""
+        sampler), each drafting sequence's 1 + K rows are verified (`spec.verify`). Logprobs, one
+        per emitted token: a drafting sequence's come from its raw rows (before the grammar's
+        masks), row j for the token emitted at j, as plain decoding reports them."""
         starts, row = [], 0
         for seq in sampling:
             starts.append(row)
@@ -298,13 +307,21 @@ class EngineCore:
         result = (self.sampler(logits[[starts[i] for i in plain]], [sampling[i] for i in plain]) if plain
                   else SampleResult([], []))
         tokens: list[list[int]] = [[] for _ in sampling]
-        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(sampling)
+        logprobs: list[list[Logprob]] = [[None] for _ in sampling]
         for j, i in enumerate(plain):
-            tokens[i], logprobs[i] = [result.token_ids[j]], result.logprobs[j]
+            tokens[i], logprobs[i] = [result.token_ids[j]], [result.logprobs[j]]
+        raw = {i: log_softmax(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)])
+               for i, seq in enumerate(sampling) if seq.draft_ids and seq.params.logprobs is not None}
+        constrained = [(starts[i], seq) for i, seq in enumerate(sampling) if seq.draft_ids and seq.grammar is not None]
+        if constrained:  # (after the plain rows: the sampler has collected the masks it prefetched)
+            self.sampler.mask_drafts(logits, constrained)
         for i, seq in enumerate(sampling):
             if seq.draft_ids:
                 tokens[i] = verify(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)], seq,
                                    self.sampler.generator)
+                rows, top = raw.get(i), seq.params.logprobs
+                logprobs[i] = ([None] * len(tokens[i]) if rows is None else
+                               [(float(rows[j][t]), topk(rows[j], top) if top else []) for j, t in enumerate(tokens[i])])
         return tokens, logprobs
 
     def _settle_drafts(self, seq: Sequence, accepted: int) -> None:

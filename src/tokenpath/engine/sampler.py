@@ -22,7 +22,7 @@ import numpy as np
 
 from tokenpath.engine.rng import Generator
 from tokenpath.engine.sequence import Sequence
-from tokenpath.engine.structured.masking import MaskBuilder, apply_grammar_masks
+from tokenpath.engine.structured.masking import MaskBuilder, additive_mask, apply_grammar_masks, draft_masks
 from tokenpath.protocol.sampling_params import SAMPLING_EPS
 
 
@@ -70,6 +70,21 @@ class Sampler:
             if self._masks is None:
                 self._masks = MaskBuilder(self.grammar_vocab)
             self._masks.prefetch(states)
+
+    def mask_drafts(self, logits: np.ndarray, drafting: list[tuple[int, Sequence]]) -> None:
+        """Speculation: mask, in place, the 1 + K verification rows (from row `start`) of each
+        drafting sequence with a grammar, row j by the grammar state after its first j drafts
+        (engine/spec/grammar.py). The matchers are not advanced: the engine's output loop does that,
+        token by token, as the tokens are emitted."""
+        if self._masks is None:
+            self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
+        items = [(s.grammar, s.draft_ids) for _, s in drafting if s.grammar is not None]
+        add = additive_mask(draft_masks(self._masks, items), logits.shape[-1])
+        row = 0
+        for start, s in drafting:
+            n = 1 + len(s.draft_ids)
+            logits[start : start + n] += add[row : row + n]
+            row += n
 
     def __call__(self, logits: np.ndarray, seqs: list[Sequence]) -> SampleResult:
         """`logits`: [rows, vocab], one row per sequence (float32; other float dtypes are widened)."""

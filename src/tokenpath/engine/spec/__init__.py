@@ -11,9 +11,11 @@ appended. The engine's pieces:
   appended are the accepted ones, and the blocks that only rejected drafts used go back to the
   pool (`BlockManager.trim`). A rejected draft's KV slot is simply overwritten later; the prefix
   cache hashes full blocks of computed, accepted tokens only, so it never sees one.
+- under a grammar (structured output, tools), `grammar.py`: the proposal is cut where the grammar
+  refuses it, and each verification row is masked by the grammar state after the drafts before it.
+- logprobs (`core._verify`): each emitted token's from its own row's raw logits, before any mask.
 
-Who does not speculate (plain decode, per sequence, same batch): grammar-constrained choices
-(structured output, tools), requests asking for logprobs, LoRA requests, n > 1, and requests
-whose logits the sampler rewrites per token (penalties, logit_bias, min_tokens).
+Who does not speculate (plain decode, per sequence, same batch): LoRA requests, n > 1, and
+requests whose logits the sampler rewrites per token (penalties, logit_bias, min_tokens).
 """
 

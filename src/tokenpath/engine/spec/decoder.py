@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tokenpath.config import SpeculativeConfig
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.spec.grammar import grammar_drafts
 from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.state import DraftState
 
@@ -39,7 +40,7 @@ class SpecStats:
 def speculates(seq: Sequence) -> bool:
     """May this sequence draft at all (the module docstring's list)?"""
     p = seq.params
-    return (seq.grammar is None and p.logprobs is None and seq.lora is None and p.n == 1
+    return (seq.lora is None and p.n == 1
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and not p.logit_bias and not p.min_tokens)
 
@@ -78,7 +79,10 @@ class SpecDecoder:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return []
-        return state.index.propose(seq.token_ids, k)
+        drafts = state.index.propose(seq.token_ids, k)
+        if seq.grammar is not None:  # (grammar_drafts: the proposal cut where the grammar refuses it)
+            drafts = grammar_drafts(seq.grammar.matcher, drafts)
+        return drafts
 
     def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification, and let the sequence adapt its next draft length."""

@@ -129,6 +129,26 @@ class MaskBuilder:
         return mask
 
 
+def draft_masks(builder: MaskBuilder, items: list[tuple[GrammarState, list[int]]]) -> np.ndarray:
+    """Speculation (engine/spec/grammar.py): for each (state, drafts), 1 + len(drafts) bitmask rows
+    in order, row j as the grammar allows after the first j drafts (grammar-valid by then). One
+    parallel llguidance call, which walks each matcher through its drafts and rolls it back."""
+    rows = sum(1 + len(d) for _, d in items)
+    mask: np.ndarray = np.zeros((rows, builder.words), dtype=np.int32)
+    start = time.perf_counter()
+    jobs, row = [], 0
+    for s, d in items:
+        jobs.append((s.matcher, row, d))
+        row += 1 + len(d)
+    builder.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, mask.ctypes.data, mask.shape[1] * mask.itemsize,
+                                                              rows)
+    per_row = (time.perf_counter() - start) / rows
+    for s, d in items:
+        s.mask_seconds += per_row * (1 + len(d))
+        s.masked_steps += 1 + len(d)
+    return mask
+
+
 def additive_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
     """(rows, vocab) float32: +0.0 where the bitmask allows the token, -inf where it does not;
     ids past the bitmask (a logits row padded past the tokenizer) are never allowed."""
