@@ -184,6 +184,12 @@ class GGUFFile:
         if view.flags.c_contiguous and start >= 0 and start + view.nbytes <= len(self._mm):
             self._release(start, view.nbytes)
 
+    def release_all(self) -> None:
+        """Drop every page of the mapping from this process's RSS. Safe whatever is still read from
+        it: the mapping is shared and read-only, so a page used again is faulted back in from the
+        page cache, unchanged."""
+        self._release(0, len(self._mm))
+
     def _release(self, offset: int, n_bytes: int) -> None:
         # Whole pages only: those shared with a neighbouring tensor go too, harmlessly (they are
         # file pages: read again from the page cache if that tensor is still to be copied).

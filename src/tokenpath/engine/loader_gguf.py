@@ -248,6 +248,11 @@ class GGUFTensors:
         if self._file is not None:
             self._file.release_view(view)
 
+    def release_all(self) -> None:
+        """`release` for the whole file, once every tensor was copied (see `GGUFFile.release_all`)."""
+        if self._file is not None:
+            self._file.release_all()
+
     def dequantized(self, name: str) -> np.ndarray:
         """float32 in the HF form: Gemma's norms back to w (the file holds 1 + w)."""
         from gguf.quants import dequantize

@@ -273,6 +273,11 @@ class NativeLlama:
         exact = exact_mask() if exact is None else exact
         fine = fine_mask() if fine is None else fine
         requantized: set[str] = set()
+        # The whole file's pages dropped after each layer and at the end: each tensor's were dropped
+        # after its copy, but reading the next ones maps some back (the kernel maps page-cache folios
+        # around each fault): 39 MiB of Gemma 3 270M's file was resident after the load. A page still
+        # read in place (rows the kernels take as stored) is faulted in again from the page cache.
+        release_all = getattr(loaded.gguf, "release_all", None)
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
             """The int8-activation matmuls run on 16-row interleaved weights (csrc/packed_impl.h):
@@ -321,6 +326,8 @@ class NativeLlama:
                 layer_types += [v for t, rows, _ in slots for v in (t, rows)]
                 used_types |= {t for t, rows, _ in slots if rows}
             layer_types += [cfg.window(i) or 0, cache.layer_group[i]]  # window, KV-cache group
+            if release_all is not None:  # (below: why) each layer, so the load's peak does not carry them
+                release_all()
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
             embed_t, embed = head_t, head
@@ -358,6 +365,8 @@ class NativeLlama:
                                         ex.types.ctypes.data, ex.ptrs.ctypes.data):
                 raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
+        if release_all is not None:
+            release_all()
         self.num_groups = max(cache.layer_group) + 1
         # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
         not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
