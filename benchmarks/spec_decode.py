@@ -1,7 +1,9 @@
 """Speculative decoding (n-gram / prompt lookup) on SmolLM2-135M: one stream, greedy, off vs on.
 
 Workloads: `edit` (a ~400-token Python file in the prompt, reproduced with one rename), `quote`
-(a passage in the prompt, answered by quoting it) and `free` (a story: nothing to copy). Each
+(a passage in the prompt, answered by quoting it), `free` (a story: nothing to copy), and two under
+a grammar: `json` (a record in the prompt copied under its JSON schema) and `tool` (a `required`
+call of a write_file tool whose arguments are in the prompt, under the tool-call grammar). Each
 mode runs in its own subprocess (so peak RSS is per engine), in interleaved rounds off, on, off,
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
@@ -46,7 +48,34 @@ WORKLOADS = {
     "quote": ("Read this passage:\n\n" + PASSAGE + "\n\nQuote, word for word, the sentences of the passage that "
               "say when the lamp was electrified and when the last keeper left.", 160),
     "free": ("Write a short story about a fox who learns to play the violin.", 240),
+    "json": ("", 160),  # (the messages and the grammar: `constrained`)
+    "tool": ("", 160),
 }
+RECORD = {"name": "Ada Lovelace", "born": "10 December 1815, London", "field": "mathematics",
+          "known_for": "the first published computer program, for Babbage's Analytical Engine"}
+TOOL = {"type": "function", "function": {
+    "name": "write_file", "description": "Write a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                   "required": ["path", "content"], "additionalProperties": False}}}
+
+
+def constrained(name: str):  # noqa: ANN201 - (messages, StructuredOutput) of a grammar workload, else None
+    """The grammar workloads, as the API builds them: a json_schema response format, and a
+    `tool_choice: required` call (the tool-call grammar and the system prompt that lists the tool)."""
+    from tokenpath.api.tools import constraint, parse_tools, tagged_system_prompt
+    from tokenpath.protocol.sampling_params import StructuredOutput
+
+    if name == "json":
+        schema = {"type": "object", "properties": {k: {"type": "string"} for k in RECORD}, "required": list(RECORD),
+                  "additionalProperties": False}
+        return ([{"role": "user", "content": "Copy this record as JSON exactly:\n" + json.dumps(RECORD)}],
+                StructuredOutput("json", json.dumps(schema)))
+    if name == "tool":
+        plan = parse_tools([TOOL], "required", None, None)
+        return ([{"role": "system", "content": tagged_system_prompt(plan)},
+                 {"role": "user", "content": 'Call write_file with path "geometry.py" and content '
+                                             '"def area(r): return 3.14159 * r * r".'}], constraint(plan))
+    return None
 
 
 def worker(spec: str | None) -> dict:
@@ -58,7 +87,9 @@ def worker(spec: str | None) -> dict:
     for name, (prompt, max_tokens) in WORKLOADS.items():
         before = llm.engine.spec.stats if llm.engine.spec else None
         drafted = (before.num_draft_tokens, before.num_accepted_tokens) if before else (0, 0)
-        r = llm.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+        grammar = constrained(name)
+        messages, structured = grammar if grammar else ([{"role": "user", "content": prompt}], None)
+        r = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured))[0]
         n = len(r.outputs[0].token_ids)
         ev = r.events
         dt = ev.finished - ev.first_token
