@@ -65,6 +65,11 @@ class Loaded:
     deployment: Deployment[Any, Any]
     close: Callable[[], Awaitable[None]]
     footprint: int
+    # Run once the catalog holds no reference to this load (nor `close`, whose closure may): what
+    # hands the unloaded engine's memory back (a garbage collection and a heap trim). Inside
+    # `close` it could not: the unload still held the deployment, so a collection found it alive
+    # and the engine's cycles stayed until some later collection (one engine's RSS after unload).
+    free: Callable[[], Awaitable[None]] | None = None
 
 
 Loader = Callable[[CatalogEntry], Awaitable[Loaded]]
@@ -341,11 +346,15 @@ class ModelCatalog:
         self.deployments.pop(slot.entry.id, None)  # new requests now wait for a new load
         log.info("unloading model %s (%s)", slot.entry.id, why,
                  extra={"event": "model_unloaded", "model": slot.entry.id, "reason": why})
+        free = loaded.free
         try:
             await loaded.deployment.close_flow()
             await loaded.close()
         except Exception:
             log.exception("error while unloading model %s", slot.entry.id)
+        del loaded  # (the last reference this catalog held: `free` can collect it now)
+        if free is not None:
+            await free()
 
     async def load(self, model: str) -> State:
         """`POST /v1/models/{id}/load`: load now (a warm-up), and wait for it."""

@@ -203,9 +203,11 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
         for r in results:
             if isinstance(r, BaseException):
                 log.error("error while stopping model %s: %r", dep.name, r)
+
+    async def free() -> None:  # (holds nothing of the model: the catalog runs it after dropping it)
         await asyncio.to_thread(_free)
 
-    return Loaded(dep, close, footprint)
+    return Loaded(dep, close, footprint, free)
 
 
 def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None) -> ModelCatalog:
