@@ -114,9 +114,9 @@ async def budgeted(dep: Deployment, submission: Submission[GenerateRequest], bud
                 passed.append(c)
             if out.finished:
                 last = out
-            if changed or (out.finished and any(h.cut for h in held.values())):
-                out = dataclasses.replace(out, outputs=passed,
-                                          finished=out.finished and not any(h.cut for h in held.values()))
+            goes_on = out.finished and any(h.cut for h in held.values())  # (finished: the first half's end)
+            if changed or goes_on:
+                out = dataclasses.replace(out, outputs=passed, finished=out.finished and not goes_on)
             yield out
     finally:
         await source.aclose()

@@ -237,19 +237,13 @@ class GGUFTensors:
             data = _reverse_rope_permute(data, heads)
         return RawTensor(ggml_type=int(t.tensor_type), data=data, rows=rows, cols=cols)
 
-    def release(self, name: str) -> None:
-        """Drop the pages of a tensor whose blocks were copied (repacked) from this process's RSS:
-        the mapping's pages would otherwise stay resident beside the copy until the load ends."""
-        if self._file is not None:
-            self._file.release(self._tensors[self.names[name]])
-
     def release_view(self, view: np.ndarray) -> None:
-        """`release` for part of a tensor: the pages under `view` if it is a view of the mapping."""
+        """Drop the pages under `view` from this process's RSS, if it is a view of the mapping."""
         if self._file is not None:
             self._file.release_view(view)
 
     def release_all(self) -> None:
-        """`release` for the whole file, once every tensor was copied (see `GGUFFile.release_all`)."""
+        """Drop the whole mapping's pages from this process's RSS (see `GGUFFile.release_all`)."""
         if self._file is not None:
             self._file.release_all()
 

@@ -67,19 +67,24 @@ class Sampler:
         """Start the grammar masks of the rows about to sample (see structured/masking.py)."""
         states = [s.grammar for s in seqs if s.grammar is not None]
         if states and self.grammar_vocab:
-            if self._masks is None:
-                self._masks = MaskBuilder(self.grammar_vocab)
-            self._masks.prefetch(states)
+            self._builder(self.grammar_vocab).prefetch(states)
+
+    def _builder(self, vocab: int) -> MaskBuilder:
+        """The one mask builder (its llguidance executor), made on first use; `vocab`: the logits'
+        width, where the grammar's vocabulary size is not known."""
+        if self._masks is None:
+            self._masks = MaskBuilder(self.grammar_vocab or vocab)
+        return self._masks
 
     def mask_drafts(self, logits: np.ndarray, drafting: list[tuple[int, Sequence]]) -> None:
         """Speculation: mask, in place, the 1 + K verification rows (from row `start`) of each
         drafting sequence with a grammar, row j by the grammar state after its first j drafts
         (engine/spec/grammar.py). The matchers are not advanced: the engine's output loop does that,
         token by token, as the tokens are emitted."""
-        if self._masks is None:
-            self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
         items = [(s.grammar, s.draft_ids) for _, s in drafting if s.grammar is not None]
-        add = additive_mask(draft_masks(self._masks, items), logits.shape[-1])
+        if len(items) != len(drafting):  # (the rows below are counted over `drafting`)
+            raise ValueError("mask_drafts: every drafting sequence given must have a grammar")
+        add = additive_mask(draft_masks(self._builder(logits.shape[-1]), items), logits.shape[-1])
         row = 0
         for start, s in drafting:
             n = 1 + len(s.draft_ids)
@@ -96,10 +101,8 @@ class Sampler:
         grammars = [(i, g) for i, s in enumerate(seqs) if (g := s.grammar) is not None]
         constrained = [i for i, _ in grammars]
         if constrained:
-            if self._masks is None:
-                self._masks = MaskBuilder(self.grammar_vocab or logits.shape[-1])
             may_empty = [j for j, i in enumerate(constrained) if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
-            logits = apply_grammar_masks(self._masks, logits, raw, constrained, [g for _, g in grammars], may_empty)
+            logits = apply_grammar_masks(self._builder(logits.shape[-1]), logits, raw, constrained, [g for _, g in grammars], may_empty)
         tokens = self._sample(logits, seqs)
         for i, g in grammars:
             g.accept(tokens[i])

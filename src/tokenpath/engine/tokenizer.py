@@ -48,11 +48,11 @@ class Tokenizer:
         trim_heap()  # the JSON parse's freed buffers: ~180 MiB for a 262k vocabulary
         self.backend: tokenizers.Tokenizer = parts.backend
         specials = parts.specials
-        self.eos_token_id: int = self._id(specials.get("eos_token"), -1)
-        bos = self._id(specials.get("bos_token"), -1)
-        self.bos_token_id: int | None = bos if bos >= 0 else None
+        eos = self._id(specials.get("eos_token"))
+        self.eos_token_id: int = eos if eos is not None else -1
+        self.bos_token_id: int | None = self._id(specials.get("bos_token"))
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
-        self.all_special_ids = {i for v in specials.values() if isinstance(v, str) and (i := self._id(v, -1)) >= 0}
+        self.all_special_ids = {i for v in specials.values() if (i := self._id(v)) is not None}
         template = read_chat_template(chat_template) if chat_template is not None else parts.chat_template
         self.chat_template: str | None = (template if isinstance(template, str) or template is None
                                           else template.get("default") or next(iter(template.values()), None))
@@ -61,9 +61,9 @@ class Tokenizer:
         self._grammar_lock = threading.RLock()  # `grammars` builds under it, through `grammar_source`
         self._grammar_source: tuple[str, tuple[str, int, int]] | None = None
 
-    def _id(self, token: object, default: int) -> int:
-        found = self.backend.token_to_id(token) if isinstance(token, str) else None
-        return found if found is not None else default
+    def _id(self, token: object) -> int | None:
+        """A special token's id (None: not a string, e.g. a list of extra tokens, or unknown)."""
+        return self.backend.token_to_id(token) if isinstance(token, str) else None
 
     @property
     def grammars(self) -> GrammarCache:
@@ -176,14 +176,15 @@ class Parts:
     chat_template: str | dict[str, str] | None
 
 
-def _load_saved(directory: Path) -> Parts:
+def _load_saved(directory: Path, config: dict | None = None) -> Parts:
     """A tokenizer as this module saves it (tokenizer.json, a plain tokenizer_config.json and
     chat_template.jinja), read by `tokenizers` alone. It is what transformers' generic fast class
     builds from the same files (the same object: checked on every cached tokenizer here), without
     importing transformers (~27 MiB resident in every process that holds a tokenizer) or its
     second, Python-side parse of tokenizer.json (Gemma 3's 262k vocabulary and 515k merges as
-    dicts and lists: +200 MiB at the load's peak)."""
-    config = json.loads((directory / "tokenizer_config.json").read_text())
+    dicts and lists: +200 MiB at the load's peak). `config`: its tokenizer_config.json, when read."""
+    if config is None:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
     template_file = directory / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
     return Parts(tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")),
@@ -284,7 +285,7 @@ def _load_any_saved(directory: Path) -> Parts:
     transformers (added tokens or special tokens saved as objects, which it builds)."""
     config = json.loads((directory / "tokenizer_config.json").read_text())
     if _direct(config):
-        return _load_saved(directory)
+        return _load_saved(directory, config)
     from transformers import PreTrainedTokenizerFast
 
     return _from_transformers(PreTrainedTokenizerFast.from_pretrained(str(directory)))

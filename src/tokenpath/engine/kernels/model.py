@@ -161,15 +161,18 @@ def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int
     kernels run them: repacked (`pack`) parts of the file's own types, consecutive ones of one type
     merged; or, where a part cannot be repacked (rows not a multiple of 16) or the matmul keeps
     float activations (GGUF layouts of Q4_0/Q4_1/Q8_0 only), one matrix of one row-kernel type,
-    Q8_0 when the types differ. The result is a copy: the GGUF tensors' mapped pages are dropped
+    Q8_0 when the types differ. The result is a copy: the GGUF file's mapped pages are dropped
     from RSS after it (without that, the whole file stays resident beside the repacked weights
-    until the load ends: +240 MiB at Gemma 3 270M's peak)."""
+    until the load ends: +240 MiB at Gemma 3 270M's peak). The whole file's, not only these
+    tensors': reading them maps neighbouring pages back (the kernel maps page-cache folios around
+    each fault; dropping each tensor's own pages left 39 MiB of Gemma's file resident after the
+    load), and the experts of a sparse layer, read before the next matrix, go with them. A page
+    still read in place (rows the kernels take as stored) faults back in from the page cache."""
     try:
         return _matrix_parts(lib, loaded, names, want, pack, requantized)
     finally:
         if loaded.gguf is not None:
-            for n in names:
-                loaded.gguf.release(n)
+            loaded.gguf.release_all()
 
 
 def _matrix_parts(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int | None, pack: bool,
@@ -273,11 +276,6 @@ class NativeLlama:
         exact = exact_mask() if exact is None else exact
         fine = fine_mask() if fine is None else fine
         requantized: set[str] = set()
-        # The whole file's pages dropped after each layer and at the end: each tensor's were dropped
-        # after its copy, but reading the next ones maps some back (the kernel maps page-cache folios
-        # around each fault): 39 MiB of Gemma 3 270M's file was resident after the load. A page still
-        # read in place (rows the kernels take as stored) is faulted in again from the page cache.
-        release_all = getattr(loaded.gguf, "release_all", None)
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
             """The int8-activation matmuls run on 16-row interleaved weights (csrc/packed_impl.h):
@@ -326,8 +324,6 @@ class NativeLlama:
                 layer_types += [v for t, rows, _ in slots for v in (t, rows)]
                 used_types |= {t for t, rows, _ in slots if rows}
             layer_types += [cfg.window(i) or 0, cache.layer_group[i]]  # window, KV-cache group
-            if release_all is not None:  # (below: why) each layer, so the load's peak does not carry them
-                release_all()
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
             [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
             embed_t, embed = head_t, head
@@ -365,8 +361,6 @@ class NativeLlama:
                                         ex.types.ctypes.data, ex.ptrs.ctypes.data):
                 raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
-        if release_all is not None:
-            release_all()
         self.num_groups = max(cache.layer_group) + 1
         # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
         not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
