@@ -114,7 +114,7 @@ def load_model(name_or_path: str) -> LoadedModel:
         config, tensors = read_gguf(path)
         return LoadedModel(config=config, weights=GGUFWeights(tensors), tokenizer_source=path, path=path,
                            gguf=tensors)
-    # (here, not at the top: the safetensors reader imports torch, which a GGUF engine never needs)
+    # (here, not at the top: a GGUF engine never needs safetensors)
     from tokenpath.engine.loader_hf import check_weights, load_hf_weights, read_hf_config
 
     config = read_hf_config(path)

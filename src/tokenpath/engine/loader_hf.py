@@ -14,12 +14,15 @@ import mmap
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
@@ -151,17 +154,19 @@ _RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.gate.", "rout
 class HFWeights(Mapping):
     """The checkpoint's tensors under our names, read from the memory-mapped files on access.
 
-    Nothing is held: the torch path copies each tensor into its parameters and the native path
-    repacks each into its kernel layout, so at most one tensor beside the model exists at a time
-    (peak RSS near the file's size, never twice it). Each read opens its file anew: a held handle
-    would keep the whole mapping's touched pages resident after load, and re-reading a header is
-    well under a millisecond per tensor."""
+    Two readers: `__getitem__` gives a torch tensor (the torch path copies each into its
+    parameters), and `raw`/`dense`/`matrix_bytes` give numpy views of the map (the native path
+    repacks or converts each, and never imports torch: torch alone is ~100 MiB of a serving
+    process's RSS). Nothing is held but the maps, whose pages each reader drops once its tensor
+    is copied (`release_view`), so at most one tensor beside the model is resident at a time (peak
+    RSS near the file's size, never twice it). The torch reader opens its file anew per tensor: a
+    held handle would keep the whole mapping's touched pages resident after load."""
 
     def __init__(self, index: dict[str, tuple[Path, str]], dtypes: dict[str, str],
                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self._index, self.dtypes = index, dtypes  # dtypes: our name -> safetensors dtype ("BF16", ...)
         self.shapes = shapes or {}  # our name -> shape, from the headers: checked without reading
-        # matrix_bytes' maps, per file: (the map, its bytes, where the data starts, the header)
+        # the numpy readers' maps, per file: (the map, its bytes, where the data starts, the header)
         self._maps: dict[Path, tuple[mmap.mmap, np.ndarray, int, dict]] = {}
 
     def source(self, name: str) -> str:
@@ -178,13 +183,8 @@ class HFWeights(Mapping):
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f}: cannot read tensor {key} ({exc})") from exc
 
-    def matrix_bytes(self, name: str) -> np.ndarray | None:
-        """A 2-D 16-bit tensor's bytes, [rows, 2 * cols], as a view of its file's memory map (no
-        copy: the native path repacks from it chunk by chunk, `release_view`-ing each chunk), or
-        None for other tensors. The maps live as long as this mapping (the load)."""
-        shape = self.shapes.get(name)
-        if self.dtypes.get(name) not in ("BF16", "F16") or shape is None or len(shape) != 2:
-            return None
+    def _bytes(self, name: str) -> np.ndarray:
+        """The tensor's bytes, a view of its file's memory map (opened once per file per load)."""
         f, key = self._index[name]
         if f not in self._maps:
             with open(f, "rb") as fh:
@@ -194,10 +194,37 @@ class HFWeights(Mapping):
             self._maps[f] = (mm, np.frombuffer(mm, dtype=np.uint8), 8 + size, header)
         _, buf, start, header = self._maps[f]
         begin, end = header[key]["data_offsets"]  # checked against the file by safe_open at load
-        rows, cols = shape
-        if end - begin != rows * cols * 2:
+        return buf[start + begin:start + end]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor in its stored type and shape, a view of the map: BF16 as its uint16 bit
+        patterns (numpy has no bfloat16), F16 as float16, F32 as float32."""
+        view: np.ndarray = self._bytes(name).view({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[self.dtypes[name]])
+        return view.reshape(self.shapes[name])
+
+    def dense(self, name: str) -> np.ndarray:
+        """The tensor as a float32 copy (bf16 widened exactly: its bits are float32's top half),
+        the map's pages under it dropped afterwards."""
+        view = self.raw(name)
+        if self.dtypes[name] == "BF16":
+            out = (view.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = view.astype(np.float32)
+        self.release_view(self._bytes(name))
+        return out
+
+    def matrix_bytes(self, name: str) -> np.ndarray | None:
+        """A 2-D 16-bit tensor's bytes, [rows, 2 * cols], as a view of its file's memory map (no
+        copy: the native path repacks from it chunk by chunk, `release_view`-ing each chunk), or
+        None for other tensors. The maps live as long as this mapping (the load)."""
+        shape = self.shapes.get(name)
+        if self.dtypes.get(name) not in ("BF16", "F16") or shape is None or len(shape) != 2:
             return None
-        return buf[start + begin:start + end].reshape(rows, cols * 2)
+        data = self._bytes(name)
+        rows, cols = shape
+        if data.nbytes != rows * cols * 2:
+            return None
+        return data.reshape(rows, cols * 2)
 
     def release_view(self, view: np.ndarray) -> None:
         """Drop the pages under `view` (a chunk of `matrix_bytes`) from RSS once it was copied."""
@@ -210,6 +237,9 @@ class HFWeights(Mapping):
                     mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
                 return
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would read the tensor)
+        return name in self._index
+
     def __delitem__(self, name: str) -> None:
         del self._index[name]
         self.dtypes.pop(name, None)
@@ -220,6 +250,14 @@ class HFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+def hf_weights(loaded: Any) -> HFWeights:
+    """A loaded safetensors checkpoint's weights (a LoadedModel's), whose numpy readers the native
+    path uses instead of torch tensors."""
+    if not isinstance(loaded.weights, HFWeights):
+        raise TypeError(f"{loaded.path}: expected safetensors weights, got {type(loaded.weights).__name__}")
+    return loaded.weights
 
 
 _MIXTRAL_EXPERTS = {".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
@@ -251,7 +289,7 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as st:
+            with safe_open(str(f), framework="numpy") as st:  # headers only: no torch
                 for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if "rotary_emb" in name:
                         continue
@@ -271,7 +309,7 @@ def load_hf_weights(path: Path, config: ModelConfig) -> HFWeights:
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes both paths compute
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+def check_weights(config: ModelConfig, weights: Mapping[str, Any], path: Path) -> None:
     need = ["embed.weight", "norm.weight"]
     per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm"]
     per_layer += ["q_norm", "k_norm"] if config.qk_norm else []
@@ -306,7 +344,7 @@ def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _check_experts(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+def _check_experts(config: ModelConfig, weights: Mapping[str, Any], path: Path) -> None:
     """Every sparse layer's router and experts present have the config's count and shapes, and no layer
     holds an expert past the config's count (a config that undercounts the checkpoint's experts)."""
     shapes = getattr(weights, "shapes", {})

@@ -31,6 +31,7 @@ from tokenpath.engine.kernels import (
     repack,
 )
 from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.loader_hf import hf_weights
 from tokenpath.errors import ModelLoadError
 
 F32 = 0  # ggml's type number for float32
@@ -57,7 +58,8 @@ def _float(loaded: LoadedModel, i: int, proj: str, rows: int) -> np.ndarray:
     if loaded.gguf is not None:
         return np.asarray(loaded.gguf.dequantized(f"layers.{i}.experts.{proj}.weight"), dtype=np.float32).reshape(
             loaded.config.num_experts * rows, -1)
-    return np.concatenate([loaded.weights[f"layers.{i}.experts.{e}.{proj}.weight"].float().numpy()
+    weights = hf_weights(loaded)
+    return np.concatenate([weights.dense(f"layers.{i}.experts.{e}.{proj}.weight")
                            for e in range(loaded.config.num_experts)])
 
 
@@ -68,14 +70,17 @@ def _stored(loaded: LoadedModel, i: int, proj: str) -> tuple[int, np.ndarray | N
         raw = loaded.gguf.raw(name)
         data = None if raw.ggml_type == F32 else np.ascontiguousarray(raw.data).view(np.uint8)
         return raw.ggml_type, data, _file_name(loaded, name)
-    import torch  # (a safetensors checkpoint's tensors: a GGUF never gets here)
-
+    weights = hf_weights(loaded)
     names = [f"layers.{i}.experts.{e}.{proj}.weight" for e in range(loaded.config.num_experts)]
-    dtype = loaded.weights[names[0]].dtype
-    kind = {torch.bfloat16: BF16, torch.float16: F16}.get(dtype)
-    if kind is None or any(loaded.weights[n].dtype != dtype for n in names):
+    dtype = weights.dtypes[names[0]]
+    kind = {"BF16": BF16, "F16": F16}.get(dtype)
+    views = [v for n in names if (v := weights.matrix_bytes(n)) is not None]
+    if kind is None or any(weights.dtypes[n] != dtype for n in names) or len(views) != len(names):
         return F32, None, names[0]
-    return kind, np.concatenate([loaded.weights[n].contiguous().view(torch.uint8).numpy() for n in names]), names[0]
+    blocks = np.concatenate(views)
+    for v in views:
+        weights.release_view(v)
+    return kind, blocks, names[0]
 
 
 def _type_name(t: int) -> str:
@@ -116,7 +121,7 @@ def expert_layer(lib: NativeLibrary, loaded: LoadedModel, i: int, want: int | No
     if loaded.gguf is not None:
         router = loaded.gguf.dequantized(f"layers.{i}.router.weight")
     else:
-        router = loaded.weights[f"layers.{i}.router.weight"].float().numpy()
+        router = hf_weights(loaded).dense(f"layers.{i}.router.weight")
     router = np.ascontiguousarray(router, dtype=np.float32).reshape(-1)
     blocks = [np.ascontiguousarray(b) for _, b in mats]
     return ExpertLayer(

@@ -46,6 +46,7 @@ from tokenpath.engine.kernels.abi import check_forward
 from tokenpath.engine.kernels.experts import ExpertLayer, expert_layer
 from tokenpath.engine.kv_cache import NUMPY_STORAGE, KVCache
 from tokenpath.engine.loader import LoadedModel
+from tokenpath.engine.loader_hf import hf_weights
 from tokenpath.engine.model_config import ModelConfig
 from tokenpath.engine.rope_tables import rope_keys, rope_tables
 
@@ -128,18 +129,13 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             requantized.add(_type_name(raw.ggml_type))
         return Q8_0, np.concatenate([quantize(lib, Q8_0, rows) for rows in loaded.gguf.dequantized_rows(name)])
     else:
-        view = getattr(loaded.weights, "matrix_bytes", lambda _: None)(name)
+        weights = hf_weights(loaded)
+        view = weights.matrix_bytes(name)
         if view is not None:  # a 2-D BF16/F16 tensor: the file's bytes, repacked from the map without a copy
-            vtype = {"BF16": BF16, "F16": F16}[getattr(loaded.weights, "dtypes")[name]]  # noqa: B009
+            vtype = {"BF16": BF16, "F16": F16}[weights.dtypes[name]]
             if want in (None, vtype):
                 return vtype, view
-        import torch  # (a safetensors checkpoint's tensors: a GGUF never gets here)
-
-        t = loaded.weights[name]
-        ftype = {torch.bfloat16: BF16, torch.float16: F16}.get(t.dtype)
-        if ftype is not None and want in (None, ftype) and t.ndim == 2:
-            return ftype, t.contiguous().view(torch.uint8).numpy()  # [N, 2K] bytes, as GGUF stores them
-        dense = t.float().numpy()
+        dense = weights.dense(name)
     return Q8_0, quantize(lib, Q8_0, dense)
 
 
@@ -206,7 +202,7 @@ def _matrix_parts(lib: NativeLibrary, loaded: LoadedModel, names: list[str], wan
 def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
     if loaded.gguf is not None:
         return np.ascontiguousarray(loaded.gguf.dequantized(name), dtype=np.float32).reshape(-1)
-    return np.ascontiguousarray(loaded.weights[name].float().numpy(), dtype=np.float32).reshape(-1)
+    return hf_weights(loaded).dense(name).reshape(-1)
 
 
 MAX_PARTS = 3  # row ranges of their own type per matrix (csrc/forward.cpp kMaxParts)
