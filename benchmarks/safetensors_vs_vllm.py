@@ -42,11 +42,15 @@ def peak_rss_mib(pgid: int) -> float:
 
 
 def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """The server's argv: `vllm` (--dtype bfloat16, the file's), `vllm:DTYPE` (e.g. vllm:float32,
+    vLLM's faster choice on a CPU without AVX-512 BF16, where its bf16 matmuls fall back from
+    oneDNN to emulated torch ones), or `tokenpath`."""
     env = dict(os.environ)
-    if peer == "vllm":
+    if peer.startswith("vllm"):
+        vllm_dtype = peer.partition(":")[2] or "bfloat16"
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
         return [str(VLLM), "serve", str(model_dir), "--served-model-name", NAME, "--host", "127.0.0.1", "--port",
-                str(port), "--dtype", "bfloat16", "--max-model-len", "4096"], env
+                str(port), "--dtype", vllm_dtype, "--max-model-len", "4096"], env
     return [sys.executable, "-m", "tokenpath.cli", "serve", "--model", str(model_dir), "--served-model-name", NAME,
             "--port", str(port), "--host", "127.0.0.1"], env
 
@@ -54,21 +58,22 @@ def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str,
 def run_peer(peer: str, args: argparse.Namespace, out: Path) -> dict:
     port = free_port()
     argv, env = command(peer, args.model_dir, port)
+    label = peer.replace(":", "-")  # (a file name and a bench target name)
     t0 = time.monotonic()
-    with open(out / f"{peer}.log", "w") as log:
+    with open(out / f"{label}.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(port, proc, out / f"{peer}.log", 900)
+        wait_healthy(port, proc, out / f"{label}.log", 900)
         ready = time.monotonic() - t0
         bench = [sys.executable, "-m", "tokenpath.cli", "bench", "--target",
-                 f"{peer}=http://127.0.0.1:{port}/v1,model={NAME},exact=vllm", "--concurrency", args.concurrency,
+                 f"{label}=http://127.0.0.1:{port}/v1,model={NAME},exact=vllm", "--concurrency", args.concurrency,
                  "--num-requests", str(args.num_requests), "--input-len", "256", "--output-len", "128", "--seed", "7",
-                 "--warmup", "2", "--no-progress", "--json", str(out / f"{peer}.json")]
+                 "--warmup", "2", "--no-progress", "--json", str(out / f"{label}.json")]
         subprocess.run(["taskset", "-c", "1", *bench], check=True, cwd=ROOT)
         rss = peak_rss_mib(proc.pid)
     finally:
         stop_group(proc)
-    return {"ready_s": ready, "peak_rss_mib": rss, "json": out / f"{peer}.json"}
+    return {"ready_s": ready, "peak_rss_mib": rss, "json": out / f"{label}.json"}
 
 
 def levels(path: str) -> dict[int, dict]:
@@ -92,7 +97,7 @@ def main() -> None:
     peers = args.peers.split(",")
     found = {p: run_peer(p, args, args.out) for p in peers}
     subprocess.run([sys.executable, "-m", "tokenpath.cli", "bench", "--merge", *(found[p]["json"] for p in peers),
-                    "--baseline", peers[0], "--markdown", str(args.out / "merged.md")], check=True, cwd=ROOT)
+                    "--baseline", peers[0].replace(":", "-"), "--markdown", str(args.out / "merged.md")], check=True, cwd=ROOT)
     file_mib = sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors")) / 2**20
     rows = []
     for p in peers:

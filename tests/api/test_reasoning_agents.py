@@ -166,14 +166,23 @@ def test_thinking_signature_checked_when_the_block_comes_back(claude):
         return claude.messages.create(model=MODEL, max_tokens=4, messages=history,
                                       thinking={"type": "enabled", "budget_tokens": 2})
 
+    def count(thinking_block: dict):  # noqa: ANN202  (count_tokens checks the same history)
+        history = [{"role": "user", "content": ASK},
+                   {"role": "assistant", "content": [thinking_block, msg.content[1].model_dump()]},
+                   {"role": "user", "content": "And at night?"}]
+        return claude.messages.count_tokens(model=MODEL, messages=history,
+                                            thinking={"type": "enabled", "budget_tokens": 2})
+
     assert again(block).content  # (unchanged: accepted)
+    assert count(block).input_tokens > 0
     for bad in ({**block, "thinking": block["thinking"] + " (edited)"}, {**block, "signature": ""},
                 {**block, "signature": block["signature"][:-2] + "AA"}):
-        with pytest.raises(anthropic.BadRequestError) as err:
-            again(bad)
-        body = err.value.response.json()
-        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
-        assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
+        for call in (again, count):
+            with pytest.raises(anthropic.BadRequestError) as err:
+                call(bad)
+            body = err.value.response.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+            assert body["error"]["message"].startswith("messages.1.content.0.signature: invalid signature"), body
 
 
 def test_thinking_sent_back_continues_a_tool_loop(claude, oai):

@@ -60,11 +60,14 @@ async def messages(body: MessagesRequest, request: Request, state: AppState = De
 @router.post("/v1/messages/count_tokens", responses=_ERRORS)
 async def count_tokens(body: CountTokensRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     """The prompt's tokens as `/v1/messages` would count them: the same translation, tool
-    rendering and chat template (`inputs.prompt_ids`), so it is the `input_tokens` a request gets."""
+    rendering and chat template (`inputs.prompt_ids`), so it is the `input_tokens` a request gets.
+    Thinking blocks are checked as there: a forged one is the same 400, not a count of a prompt
+    that `/v1/messages` would refuse."""
     run = RequestRun(state, request, "/v1/messages/count_tokens", "msg_")
     try:
         await run.authenticate()
         chat = to_chat(body)
+        signature.check_history(body.messages, functools.partial(_key, request, state))
         chat.reject_unsupported()
         dep = await run.route(body.model, "chat")
         plan = tool_calls.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,

@@ -169,21 +169,24 @@ class ResponsesGeneration(Generation):
 
     async def _response_events(self, first: tuple[int, RequestOutput] | None,
                                stream: Deltas) -> AsyncGenerator[bytes, None]:
+        """The events, those made from one engine output joined into one write: a token's delta
+        can come with item and part events around it (~10 at the start and end of a reply), and
+        each write is a send through the server and a syscall (+1.5 ms on a 16-token stream
+        against chat completions, one write per token, when each event was its own)."""
         run, turn = self.run, self.turn
         start = turn.response(self.model, "in_progress", [])
-        yield self._emit("response.created", response=start)
-        yield self._emit("response.in_progress", response=start)
+        yield self._emit("response.created", response=start) + self._emit("response.in_progress", response=start)
         reason = None
         try:
             if first is not None:
                 events, reason = self._translate(*first)
-                for e in events:
-                    yield e
+                if events:
+                    yield b"".join(events)
             async for part, out in stream:
                 events, got = self._translate(part, out)
                 reason = got or reason
-                for e in events:
-                    yield e
+                if events:
+                    yield b"".join(events)
         except Interrupted as exc:
             if exc.reason == "disconnect":
                 run.disconnected()
@@ -199,17 +202,16 @@ class ResponsesGeneration(Generation):
             run.status, run.error_type = 500, "internal_error"
             yield self._failed("server_error", "internal server error while streaming")
             return
-        if self.open is None and not self.output:  # an empty reply is still one (empty) message
-            for e in self._open_message()[1]:
-                yield e
-        for e in self._close():
-            yield e
+        closing = self._open_message()[1] if self.open is None and not self.output else []  # (an empty reply: one empty message)
+        closing += self._close()
         run.done()
         status, incomplete = status_of(reason)
         body = turn.response(self.model, status, self.output, self.acc.usage(), incomplete)
         body["tokenpath"] = fmt.timing_extension(run.timeline)
         await turn.save({k: v for k, v in body.items() if k != "tokenpath"})
-        yield self._emit("response.incomplete" if status == "incomplete" else "response.completed", response=body)
+        closing.append(self._emit("response.incomplete" if status == "incomplete" else "response.completed",
+                                  response=body))
+        yield b"".join(closing)
 
     def _failed(self, code: str, message: str) -> bytes:
         body = self.turn.response(self.model, "failed", self.output, self.acc.usage(),
