@@ -80,3 +80,41 @@ async def test_an_on_demand_deployment_starts_nothing_until_loaded(tmp_path):
     finally:
         for close in closers:
             await close()
+
+
+async def test_models_dir_beside_a_routing_file_joins_its_catalog(tmp_path):
+    """`serve --routing FILE --models-dir DIR`: the directory's models are catalog entries beside the
+    file's on-demand deployments, one catalog, one budget; a directory model loads in-process on
+    demand and unloads. A packaged model the file serves under its own name is left to the file; a
+    file in DIR named like one of the file's deployments stops the start, naming both."""
+    from tests.process_logs import free_port
+
+    from tokenpath.engine.loader import resolve_model_path
+    from tokenpath.errors import ModelLoadError
+    from tokenpath.server.config import ServerConfig
+    from tokenpath.server.routing_config import serve_router
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "dirmodel.gguf").symlink_to(resolve_model_path("smollm2-135m-instruct"))
+    path = tmp_path / "routing.yaml"
+    url = f"http://127.0.0.1:{free_port()}"
+    path.write_text(f"deployments:\n  - name: later\n    load: on_demand\n    replicas: [{{url: '{url}'}}]\n"
+                    f"  - name: gemma-3-270m\n    replicas: [{{url: '{url}'}}]\n")
+    config = ServerConfig(data_dir=str(tmp_path), models=[], models_dir=str(models),
+                          engine=EngineConfig(kv_cache_memory="32MiB", max_model_len=512))
+    router, closers = await serve_router(config, routing_file=str(path))
+    try:
+        catalog = router.catalog
+        assert catalog is not None and {"later", "dirmodel", "smollm2-135m-instruct"} <= set(catalog.ids())
+        assert "gemma-3-270m" not in catalog and "gemma-3-270m" in router.deployments  # (the file serves that name)
+        assert catalog.state("dirmodel") == "unloaded" and "dirmodel" not in router.deployments
+        assert await catalog.load("dirmodel") == "loaded"
+        assert router.deployments["dirmodel"].task == "chat"
+        assert await catalog.unload("dirmodel") == "unloaded" and "dirmodel" not in router.deployments
+    finally:
+        for close in closers:
+            await close()
+    (models / "later.gguf").symlink_to(resolve_model_path("smollm2-135m-instruct"))
+    with pytest.raises(ModelLoadError, match=r"model 'later' \(.*\) has the name of a deployment"):
+        await serve_router(config, routing_file=str(path))

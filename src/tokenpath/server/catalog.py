@@ -210,24 +210,46 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
     return Loaded(dep, close, footprint, free)
 
 
-def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None) -> ModelCatalog:
+def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None,
+                      taken: set[str] | frozenset[str] = frozenset()) -> ModelCatalog:
     """A routing file's `load: on_demand` deployments as a catalog: each is built by
     `build_deployment` on its first request (engine processes spawned, Ray actors created, URL
     replicas connected) and stopped when unloaded, under the serve command's budget and keep-alive.
     Before its first load its size is the model's weights on disk once per local engine process
-    (a remote or Ray replica's memory is not this machine's); after, what was measured."""
+    (a remote or Ray replica's memory is not this machine's); after, what was measured.
+
+    With `--models-dir`, the directory's models (and the packaged ones) join the same catalog,
+    each loaded as `serve --models-dir` loads it alone (in-process), under one budget with the
+    routing file's. `taken`: the names the routing file serves at start (and the in-process
+    embedding models): a packaged model of that name is left to them; a file in the directory
+    with a name the routing file uses is a start-up error naming both, as two catalog entries
+    with one id are."""
     from tokenpath.server.routing_config import build_deployment
 
     by_id = {s.name: s for s in specs}
+    from_dir = make_loader(config, log_dir=log_dir) if config.models_dir is not None else None
 
     async def load(entry: CatalogEntry) -> Loaded:
-        spec = by_id[entry.id]
+        spec = by_id.get(entry.id)
+        if spec is None and from_dir is not None:
+            return await from_dir(entry)
+        if spec is None:
+            raise KeyError(entry.id)  # (the catalog holds only these two kinds of entry)
         before = rss_mib()
         dep, closers = await build_deployment(spec, log_dir=log_dir)
         dep.name = entry.id
         return await _finish_load(dep, closers, dep.processes, before, entry.size_hint, config)
 
     entries = [CatalogEntry(s.name, s.model or s.name, s.task, size_hint=_spec_size(s)) for s in specs]
+    if config.models_dir is not None:
+        for entry in catalog_entries(config.models_dir, []):
+            clash = entry.id in taken or entry.id in by_id
+            if clash and entry.id in PACKAGED and entry.source == entry.id:
+                continue  # (the packaged model is the routing file's to serve under that name)
+            if clash:
+                raise ValueError(f"--models-dir {config.models_dir}: model '{entry.id}' ({entry.source}) has the name "
+                                 "of a deployment in the routing file; rename the file or the deployment")
+            entries.append(entry)
     return ModelCatalog(entries, load, catalog_config(config))
 
 

@@ -214,7 +214,7 @@ class _Server(uvicorn.Server):
 
 async def _load(config: ServerConfig, args: argparse.Namespace):  # noqa: ANN202
     """In-process deployments, or (with --replicas/--routing) the routing area's process/URL replicas."""
-    if config.models_dir is not None:
+    if config.models_dir is not None and args.routing is None:
         return await _load_catalog(config, args)
     if args.replicas <= 1 and args.routing is None and args.routing_policy is None and args.ray is None \
             and args.embedding_replicas <= 1:
@@ -235,9 +235,6 @@ async def _load_catalog(config: ServerConfig, args: argparse.Namespace):  # noqa
     from tokenpath.routing.models import ModelRouter
     from tokenpath.server.catalog import open_catalog
 
-    if args.routing is not None:
-        raise ModelLoadError("--models-dir does not combine with --routing yet: give the routing file's deployments "
-                             "`load: on_demand` instead")
     log_dir = resolve_data_dir(config.data_dir) / "logs" / "engines"
     try:
         catalog = await open_catalog(config, list(args.models or []), args.replicas, args.embedding_replicas, log_dir,

@@ -342,7 +342,13 @@ async def serve_router(config: Any, replicas: int = 1, routing_file: str | None 
         from tokenpath.server.catalog import on_demand_catalog
 
         on_demand = [s for s in routing.deployments if s.load == "on_demand"]
-        catalog = on_demand_catalog(on_demand, config, log_dir) if on_demand else None
+        taken = {s.name for s in routing.deployments if s.load == "at_start"} | {d.name for d in embeddings}
+        try:
+            catalog = (on_demand_catalog(on_demand, config, log_dir, taken)
+                       if on_demand or getattr(config, "models_dir", None) is not None else None)
+        except ValueError as exc:  # two models with one name: a start-up error naming both
+            await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+            raise ModelLoadError(str(exc)) from None
         try:
             router, more = await build_router(routing, extra=embeddings, aliases=config.aliases, log_dir=log_dir,
                                               catalog=catalog)
