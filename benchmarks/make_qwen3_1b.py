@@ -67,7 +67,6 @@ def make_bf16(kind: str, stem: str, shape: dict, **save_kw: object) -> Path:
 
     import torch
     import transformers
-
     from benchmarks.engine_vs_llamacpp import CACHE
     from tests.engine.tiny_models import save_tiny
 

@@ -9,6 +9,8 @@
 3. Two models alternating under a budget that fits one (`--models-memory` = 1.5 x the measured
    footprint of one): N requests, A B A B ..., each served (none an error, none an OOM); loads
    counted, and the `model_load` stage (Server-Timing) summed against the loads' measured time.
+4. The same two files behind llama-server's router mode (`--models-dir`, `--models-max 1`), when
+   the llama.cpp build is there: its cold and warm TTFT and the same alternation, side by side.
 
 The two models are two catalog entries of the same GGUF file (each its own engine). The tokenizer
 cache is seeded first (a user's second start), so a load is the weights and the engine.
@@ -42,6 +44,7 @@ from benchmarks.procs import port_of, serve  # noqa: E402
 from tests.server_data import seed_tokenizers  # noqa: E402 - the repo's own helper
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LLAMA_SERVER = ROOT / ".cache" / "peers" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
 MIB = 1024 * 1024
 PROMPT = [{"role": "user", "content": "Name three colours."}]
@@ -94,9 +97,52 @@ def stream_ttft(client: httpx.Client, model: str, **extra: object) -> tuple[floa
         r.raise_for_status()
         request_id = r.headers.get("x-request-id", "")
         for line in r.iter_lines():
-            if first is None and line.startswith("data:") and '"content"' in line:
+            if first is None and line.startswith("data:") and _has_text(line[5:]):
                 first = time.perf_counter() - began
     return (first if first is not None else time.perf_counter() - began), request_id
+
+
+def _has_text(data: str) -> bool:
+    """Does this SSE chunk carry generated text (not a role-only chunk, whose content is null or "")?"""
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        return False
+    return any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ())
+
+
+def llama_router(tmp: Path, models_dir: Path, warm_n: int, alternating_n: int) -> dict | None:
+    """The same two files behind llama-server's router mode (`--models-dir`, `--models-max 1`: one
+    model loaded at a time, each in a child llama-server it spawns): the first request's TTFT,
+    warm TTFTs, and requests alternating between the two. The router reports no load time, so
+    its load is estimated as cold TTFT - warm TTFT p50."""
+    if not LLAMA_SERVER.is_file():
+        return None
+    from benchmarks.procs import free_port, stop_group, wait_healthy
+
+    port = free_port()
+    log = tmp / "llama-router.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(LLAMA_SERVER), "--models-dir", str(models_dir), "--models-max", "1", "--host",
+                                 "127.0.0.1", "--port", str(port), "-t", "2", "-c", "1024"], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(port, proc, log, 60)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
+            cold = stream_ttft(c, "smol-a")[0]
+            warm = [stream_ttft(c, "smol-a", cache_prompt=False)[0] for _ in range(warm_n)]
+            statuses, began = [], time.perf_counter()
+            for i in range(alternating_n):
+                r = c.post("/v1/chat/completions", json={"model": "smol-b" if i % 2 == 0 else "smol-a",
+                                                         "messages": PROMPT, "max_tokens": 8, "temperature": 0})
+                statuses.append(r.status_code)
+            wall = time.perf_counter() - began
+    finally:
+        stop_group(proc)
+    warm_p50 = statistics.median(warm)
+    return {"cold_ttft_s": round(cold, 3), "warm_ttft_p50_s": round(warm_p50, 3),
+            "load_estimate_s": round(cold - warm_p50, 3), "alternating": alternating_n,
+            "alternating_served_200": statuses.count(200), "alternating_wall_s": round(wall, 1)}
 
 
 def card(client: httpx.Client, model: str) -> dict:
@@ -171,6 +217,9 @@ def main() -> int:
     ap.add_argument("--alternating", type=int, default=20, help="requests alternating between two models (0: skip)")
     ap.add_argument("--replicas", type=int, default=1, help="each model as N engine processes (1: in-process)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--llama-router", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time llama-server's router mode on the same files (the build of "
+                         "benchmarks/engine_vs_llamacpp.py; skipped when it is not built)")
     args = ap.parse_args()
     from tokenpath.engine.loader import resolve_model_path
 
@@ -186,10 +235,11 @@ def main() -> int:
         first = cold_warm_idle(tmp, models_dir, args.warm, flags)
         alt = (alternating(tmp, models_dir, args.alternating, int(first["footprint_mib"] * MIB), flags)
                if args.alternating else None)
+        router = llama_router(tmp, models_dir, args.warm, args.alternating) if args.llama_router else None
     result = {"host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
               "note": "not quiet: a shared 2-core box with other work running", "replicas": args.replicas,
               "cold_warm_idle": first,
-              "alternating": alt}
+              "alternating": alt, "llama_router": router}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "model_load" if args.replicas <= 1 else f"model_load-replicas{args.replicas}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -202,6 +252,17 @@ def main() -> int:
 | loads' measured time | {a['loads_measured_s']} s |
 | `model_load` stage, summed | {a['model_load_stage_sum_s']} s ({a['stage_vs_measured_pct']}% vs measured) |
 | wall | {a['wall_s']} s |
+"""
+    lr = router
+    router_md = ("Not measured: llama-server's router mode (its build, benchmarks/engine_vs_llamacpp.py's, is "
+                 "missing).\n") if lr is None else f"""
+| the same files, side by side | tokenpath (`--models-dir`) | llama-server router (`--models-dir --models-max 1`) |
+|---|---|---|
+| first request's TTFT (cold) | {c['cold_ttft_s']} s | {lr['cold_ttft_s']} s |
+| warm TTFT p50 | {c['warm_ttft_p50_s']} s | {lr['warm_ttft_p50_s']} s |
+| the load | {c['load_s']} s (measured) | {lr['load_estimate_s']} s (cold - warm: it reports none) |
+| {lr['alternating']} requests alternating, one model loaded at a time: served | {'-' if a is None else a['served_200']} | {lr['alternating_served_200']} |
+| their wall time | {'-' if a is None else a['wall_s']} s | {lr['alternating_wall_s']} s |
 """
     md = f"""# Models on demand (benchmarks/model_load.py)
 
@@ -225,8 +286,7 @@ RSS is the server's and its engine processes', together.
 | after the idle unload | {c['rss_after_idle_unload_mib']} MiB ({'within' if c['rss_within_10pct'] else 'not within'} 10%) |
 
 {alt_md}
-Not measured: llama-server's router mode on the same file (no llama-server binary on this box).
-"""
+{router_md}"""
     (args.out / f"{stem}.md").write_text(md)
     print(md)
     return 0

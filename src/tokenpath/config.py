@@ -192,6 +192,10 @@ class EngineConfig(BaseModel):
     # (engine/kv_groups.py); True: every layer's blocks for the whole context (the baseline).
     disable_hybrid_kv_cache_manager: bool = Field(
         False, description="keep every layer's KV blocks for the whole context (sliding-window layers too)")
+    # llama.cpp's --warmup (on by default there too): the first forward pass pays one-time costs,
+    # which would otherwise land on the first request's TTFT (EngineCore._warm_up).
+    warmup: bool = Field(True, description="run one short request through the engine before it serves, so the "
+                         "first user's time to first token does not pay the engine's one-time set-up")
     seed: int = Field(0, description="seed of the engine's sampling generator")
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.

@@ -50,3 +50,31 @@ def test_random_mix_frees_everything(tmp_path):
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
     assert not core.requests and not core.scheduler.waiting and not core.scheduler.running
     assert core.blocks.check_consistency() == []
+
+
+def test_the_warm_up_runs_before_serving_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """EngineCore's warm-up (llama.cpp's --warmup) runs the model before the engine serves, then
+    leaves no trace: no request, no cached block (its 8 prompt tokens fill two 4-token blocks),
+    counters at zero, and the first request's output what an engine without it gives."""
+    from tokenpath.engine.runner import ModelRunner
+
+    calls: list[int] = []
+    run = ModelRunner.execute
+
+    def counted(self, scheduled):  # noqa: ANN001, ANN202
+        calls.append(len(scheduled))
+        return run(self, scheduled)
+
+    monkeypatch.setattr(ModelRunner, "execute", counted)
+    path = str(save_tiny("llama", tmp_path / "tiny"))
+    cold = LLM(path, dtype="float32", block_size=4, warmup=False)
+    assert calls == []
+    warm = LLM(path, dtype="float32", block_size=4)
+    assert len(calls) == 2  # its prefill and one decode step
+    core = warm.engine
+    assert not core.requests and core.steps == core.prompt_tokens == core.generation_tokens == 0
+    assert core.blocks.prefix_queries == core.blocks.prefix_hits == 0 and not core.blocks.cached_hashes()
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks and core.blocks.check_consistency() == []
+    params = SamplingParams(temperature=0.8, max_tokens=12)  # (the engine's own generator: not advanced)
+    got = [llm.generate("the river and the stone", params)[0].outputs[0].token_ids for llm in (warm, cold)]
+    assert got[0] == got[1]

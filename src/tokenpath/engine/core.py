@@ -26,7 +26,7 @@ from tokenpath.engine.runner import ModelRunner
 from tokenpath.engine.sampler import Sampler, SampleResult, log_softmax, topk
 from tokenpath.engine.scheduler import Scheduler
 from tokenpath.engine.sequence import Sequence
-from tokenpath.engine.spec.decoder import SpecDecoder
+from tokenpath.engine.spec.decoder import SpecDecoder, SpecStats
 from tokenpath.engine.spec.verify import verify
 from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
@@ -84,6 +84,26 @@ class EngineCore:
         self.step_observers: list[Callable[[list[tuple[Sequence, int]], float, float], None]] = []
         self._lora_waiters: set[str] = set()  # requests whose adapter was not in memory when they came
         self.last_scheduled = 0  # sequences the last step ran (0: nothing could run)
+        if config.warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One short greedy request (8 prompt tokens, 2 generated) run before the engine serves,
+        as llama.cpp's `--warmup` does: the first prefill and decode steps pay one-time costs (the
+        kernels' threads, first touches of pages, lazy set-up along the step), which otherwise land
+        on the first user's TTFT: a cold catalog load's first request was ~35 ms slower than a
+        warm one (benchmarks/model_load.py). Its blocks leave the prefix cache and the counters
+        start from zero after it, so a served engine looks unused."""
+        ids = (self.tokenizer.encode("The engine warms up before it serves.") * 8)[:8] or [0] * 8
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.add_request(GenerateRequest("tokenpath-warmup", ids, params))
+        while self.has_work():
+            self.step()
+        self.prompt_tokens = self.generation_tokens = self.steps = 0
+        self.blocks.reset_prefix_cache()
+        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
+        if self.spec is not None:
+            self.spec.stats = SpecStats()
 
     # ------------------------------------------------------------ requests
     def _runnable_params(self, request: GenerateRequest) -> SamplingParams:
