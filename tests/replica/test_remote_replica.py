@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import socket
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -15,7 +16,7 @@ from tokenpath.errors import InvalidRequestError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, Submission
 from tokenpath.protocol.sampling_params import SamplingParams
 from tokenpath.replica.base import ReplicaBusyError
-from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics
+from tokenpath.replica.remote import RemoteReplica, RemoteReplicaConfig, parse_metrics, parse_slots
 from tokenpath.telemetry.timeline import Timeline
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -222,3 +223,71 @@ async def test_death_and_recovery_are_logged_once_each(caplog):
     assert (logging.WARNING, "replica remote-log: unhealthy: /health answered 503") in lines, lines
     assert (logging.INFO, "replica remote-log: healthy again") in lines, lines
     assert len(lines) == 2, lines  # one line per change, none per poll
+
+
+SLOTS = json.loads((Path(__file__).parent / "data" / "llamacpp_slots.json").read_text())
+# (a real llama-server's /slots, the llama.cpp vendored by llama-cpp-python 0.3.36, `-np 2 -c 2048`,
+# one request decoding: 53 prompt tokens, 20 decoded)
+
+
+def test_parse_llamacpp_slots():
+    s = parse_slots(SLOTS, "x")
+    assert (s.running, s.waiting, s.max_num_seqs) == (1, 0, 2)
+    assert s.kv_usage == pytest.approx((53 + 20) / 2048)
+    with pytest.raises(ValueError, match="/slots"):
+        parse_slots({"error": "no"}, "x")
+
+
+class LlamaServerLike:
+    """/health, /metrics answering 501 (llama-server without --metrics), /slots from a real one;
+    /health can be slowed to make polls lag."""
+
+    def __init__(self) -> None:
+        self.health_delay = 0.0
+        self.app = FastAPI()
+        self.app.get("/health")(self._health)
+        self.app.get("/metrics")(lambda: PlainTextResponse("metrics are off", status_code=501))
+        self.app.get("/slots")(lambda: SLOTS)
+
+    async def _health(self) -> PlainTextResponse:
+        await asyncio.sleep(self.health_delay)
+        return PlainTextResponse('{"status":"ok"}')
+
+
+async def test_a_llama_server_without_metrics_is_read_from_its_slots():
+    """llama-server answers /metrics with 501 unless started with --metrics: that is not a failed
+    poll (it was: the replica went unhealthy after two polls); its /slots gives the load."""
+    fake = LlamaServerLike()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("llama-0", RemoteReplicaConfig(url=url, poll_interval_s=0.05), model="m")
+        await rep.start()
+        await asyncio.sleep(0.3)  # several polls
+        s = rep.state()
+        assert s.healthy, s.detail
+        assert (s.running, s.max_num_seqs) == (1, 2) and s.kv_usage == pytest.approx(73 / 2048)
+        await rep.close()
+
+
+async def test_stale_load_figures_count_as_saturated():
+    """Polls that lag (here /health answers after 1.5 s) leave the last figures in place; past
+    `stale_after_s` they count as saturated (kv 1.0, a batch more waiting) while the replica is
+    still healthy, so a least-loaded pick prefers a replica whose figures are fresh."""
+    from tokenpath.routing.replicas import load_score
+
+    fake = LlamaServerLike()
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("llama-0", RemoteReplicaConfig(url=url, poll_interval_s=0.05, stale_after_s=0.4,
+                                                           connect_timeout_s=5.0), model="m")
+        await rep.start()
+        fresh = rep.state()
+        assert fresh.healthy and fresh.kv_usage < 0.1 and fresh.detail is None
+        fake.health_delay = 1.5
+        await asyncio.sleep(0.9)
+        stale = rep.state()
+        assert stale.healthy and stale.kv_usage == 1.0 and stale.waiting == fresh.waiting + 2
+        assert "s old: counted as saturated" in (stale.detail or "")
+        assert load_score(stale) > load_score(fresh) + 1.5
+        fake.health_delay = 0.0
+        await asyncio.sleep(1.2)  # the lagging poll answers, the next ones are prompt
+        assert rep.state().kv_usage < 0.1 and rep.state().detail is None
+        await rep.close()

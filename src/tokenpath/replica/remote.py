@@ -8,8 +8,13 @@ vLLM and tokenpath both treat a vanished client.
 
 State comes from polling the server's Prometheus `/metrics` (parsed with prometheus_client's own
 parser): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
-mapped onto them. A server without `/metrics` is probed on `/health` for liveness only. Failed
-polls mark the replica unhealthy, which ejects it from routing until a poll succeeds again.
+mapped onto them. A llama-server without `--metrics` (its /metrics answers 501) is read from its
+`/slots` (slots busy, their tokens against their context). A server with neither is probed on
+`/health` for liveness only. Failed polls mark the replica unhealthy, which ejects it from
+routing until a poll succeeds again. Figures older than `stale_after_s` (polls failing or lagging,
+not yet enough to eject) count as saturated, as llm-d's saturation detector treats stale
+metrics: the least-loaded pick and admission's drain estimate do not trust a number that may
+have been overtaken.
 
 A server that stops answering altogether (frozen, paused, cut off) is a stall, as for an engine
 process (`replica.liveness`): nothing heard for the stall bound (no successful poll, no chunk on
@@ -59,6 +64,20 @@ def _wanted_lines(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if _WANTED.search(line)) + "\n"
 
 
+def parse_slots(slots: object, name: str) -> ReplicaState:
+    """llama-server's `GET /slots` -> ReplicaState: the busy slots run, the slot count is the batch,
+    and KV usage is the busy slots' tokens (prompt and decoded) over all slots' context. It
+    reports no queue (a request waits for a free slot unseen), so `waiting` stays 0."""
+    if not isinstance(slots, list) or not all(isinstance(x, dict) for x in slots):
+        raise ValueError("/slots: expected a list of slot objects")
+    busy = [x for x in slots if x.get("is_processing")]
+    ctx = sum(int(x.get("n_ctx") or 0) for x in slots)
+    used = sum(int(x.get("n_prompt_tokens") or 0) + sum(int(t.get("n_decoded") or 0) for t in x.get("next_token") or ())
+               for x in busy)
+    return ReplicaState(name=name, running=len(busy), max_num_seqs=len(slots),
+                        kv_usage=min(1.0, used / ctx) if ctx else 0.0)
+
+
 def parse_metrics(text: str, name: str) -> ReplicaState:
     """Prometheus exposition text -> ReplicaState (sums across label sets, e.g. several engines)."""
     values: dict[str, float] = {}
@@ -94,6 +113,7 @@ class RemoteReplicaConfig:
     headers: dict[str, str] = field(default_factory=dict)
     kv_events: str | None = None  # vLLM's KV-event publisher (ZMQ), for the prefix index
     kv_events_replay: str | None = None  # and its replay endpoint (the past, after a gateway restart)
+    stale_after_s: float = 1.0  # load figures older than this count as saturated (module docstring)
 
 
 class RemoteReplica(PolledState):
@@ -121,6 +141,8 @@ class RemoteReplica(PolledState):
                                    max_num_seqs=config.max_num_seqs, block_size=config.block_size or 16)
         self._poll_failures = 0
         self._has_metrics = True
+        self._has_slots = True  # (llama-server's /slots, read where /metrics is off)
+        self._polled_at: float | None = None  # monotonic time of the last poll that answered
         self._poller: asyncio.Task | None = None
         self._open: dict[str, httpx.Response] = {}
         self.liveness = Liveness(name)
@@ -155,9 +177,13 @@ class RemoteReplica(PolledState):
         if self.kv_index is not None:  # the backend's own cache, from its KV events (the live set, no copy)
             state.prefix_hashes, state.prefix_reported = self.kv_index.held, self.kv_index.reported
         detail = self.liveness.detail()
-        if detail is None:
-            return state
-        return replace(state, healthy=False, detail=detail)
+        if detail is not None:
+            return replace(state, healthy=False, detail=detail)
+        age = None if self._polled_at is None else time.monotonic() - self._polled_at
+        if state.healthy and age is not None and age > self.config.stale_after_s:
+            return replace(state, kv_usage=1.0, waiting=state.waiting + max(state.max_num_seqs, 1),
+                           detail=f"load figures {age:.1f} s old: counted as saturated")
+        return state
 
     def _release(self, request_id: str, exc: BaseException) -> None:
         """Liveness gave up on a stream: interrupt the read it waits in (before the response or in
@@ -179,11 +205,19 @@ class RemoteReplica(PolledState):
                 return self._state
             if self._has_metrics:
                 r = await self._client.get("/metrics", timeout=self.config.connect_timeout_s)
-                if r.status_code == 404:
+                if r.status_code in (404, 501):  # (501: llama-server without --metrics)
                     self._has_metrics = False
                 else:
                     r.raise_for_status()
                     self._set(parse_metrics(r.text, self.name))
+                    return self._state
+            if self._has_slots:
+                r = await self._client.get("/slots", timeout=self.config.connect_timeout_s)
+                if r.status_code in (404, 501):  # (not llama-server, or started with --no-slots)
+                    self._has_slots = False
+                else:
+                    r.raise_for_status()
+                    self._set(parse_slots(r.json(), self.name))
                     return self._state
             self._set(ReplicaState(name=self.name, running=len(self._open)))
         except Exception as exc:  # any failure to reach it counts against its health
@@ -206,7 +240,8 @@ class RemoteReplica(PolledState):
 
     def _set(self, state: ReplicaState) -> None:
         self._poll_failures = 0
-        self.liveness.heard(time.monotonic())
+        self._polled_at = time.monotonic()
+        self.liveness.heard(self._polled_at)
         state.max_num_seqs = self.config.max_num_seqs or state.max_num_seqs
         if self.config.block_size:
             state.block_size = self.config.block_size
