@@ -52,7 +52,7 @@ CLIENT_ID_HEADERS = ("x-client-request-id", "x-request-id")
 # The request endpoints (each answered through a RequestRun) and the prefix of the ids they mint.
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
                "/tokenize": "tok", "/detokenize": "tok", "/v1/messages": "msg_", "/v1/messages/count_tokens": "msg_",
-               "/v1/responses": "resp", "/v1/score": "score", "/v1/rerank": "rerank"}
+               "/v1/responses": "resp_", "/v1/score": "score", "/v1/rerank": "rerank"}
 _MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 

@@ -90,7 +90,9 @@ class _Create:
                     f"this conversation is {size} bytes, over this server's cap of {config.responses_max_bytes} bytes "
                     "per stored response (responses_max_bytes); start a new chain, or send \"store\": false",
                     param="previous_response_id" if prior else "input", code="conversation_too_large")
-        self.turn = Turn(req, conversation, store if keep else None, run.principal.tenant)
+        # The response's id is the request's own (`resp_<hex>`, OpenAI's form): the id a client holds
+        # finds its audit row, trace and log line (they were two ids, resp_ and resp-).
+        self.turn = Turn(req, conversation, store if keep else None, run.principal.tenant, id=run.id)
         names = ["previous_response_id"] * len(prior) + names
         return chat_request(req, chat_messages(conversation, req.instructions, names, self.origins))
 
@@ -107,7 +109,7 @@ class _Create:
 @router.post("/v1/responses", responses=_ERRORS)
 async def create_response(body: ResponsesRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     call = _Create(state, request, body)
-    edge = generation.Edge("/v1/responses", "resp", prepare=call.prepare, make=call.make, rename=call.rename)
+    edge = generation.Edge("/v1/responses", "resp_", prepare=call.prepare, make=call.make, rename=call.rename)
     return await generation.handle(state, request, None, edge)
 
 
