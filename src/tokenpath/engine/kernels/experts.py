@@ -23,6 +23,7 @@ from tokenpath.engine.kernels import (
     BF16,
     BLOCK_BYTES,
     F16,
+    F32,
     GGUF_BLOCKS,
     GROUP_ROWS,
     Q8_0,
@@ -34,7 +35,6 @@ from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.loader_hf import hf_weights
 from tokenpath.errors import ModelLoadError
 
-F32 = 0  # ggml's type number for float32
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 

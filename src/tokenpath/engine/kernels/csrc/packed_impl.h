@@ -231,7 +231,7 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
 template <int WT, int MR, bool RES>
 static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
     if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out);
-    else if constexpr (WT == W_F16X16 || WT == W_BF16X16) float_tile<WT, MR>(wg, h, a, rows, out);
+    else if constexpr (WT == W_F16X16 || WT == W_BF16X16 || WT == W_F32X16) float_tile<WT, MR>(wg, h, a, rows, out);
     else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
 }
 
