@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(kind):
     one prompt at a time: the same greedy tokens as transformers' generate."""
     path = cached_tiny(kind)
     llm = LLM(str(path), dtype="float32", quantization="none", max_num_batched_tokens=48, max_num_seqs=8)
-    assert llm.engine.runner.native is None  # torch's own path (a float32 checkpoint runs natively under auto: test_moe_native.py)
+    assert llm.engine.runner.native is None  # torch's own (under auto a float32 checkpoint runs natively)
     prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 8, 61], seed=3)
     ref = hf_greedy(_hf(path), prompts, 16, None)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

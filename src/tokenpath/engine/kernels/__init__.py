@@ -55,7 +55,8 @@ GROUP_ROWS = 16
 # padded so that a group-block (super-block) is a multiple of 64 bytes.
 GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 360, Q6KX16: 424, F16X16: 1024,
                      BF16X16: 1024, F32X16: 2048}
-TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", F32X16: "F32X16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", F32X16: "F32X16",
+              Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
               Q6_K: "Q6_K", Q4X16: "Q4X16", Q5X16: "Q5X16", Q8X16: "Q8X16", Q4KX16: "Q4KX16", Q5KX16: "Q5KX16",
               Q6KX16: "Q6KX16"}
 

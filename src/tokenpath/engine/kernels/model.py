@@ -110,7 +110,8 @@ def select_native(loaded: LoadedModel, quantization: str, device: str,
         own = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(kind or "")
         if own is None or dtype not in ("auto", "float32", own):
             log.info("safetensors checkpoint (%s matrices, --dtype %s): torch path (the native kernels run bf16, "
-                     "fp16 and fp32 checkpoints in their own dtype; --quantization q8_0 runs any natively)", kind, dtype)
+                     "fp16 and fp32 checkpoints in their own dtype; --quantization q8_0 runs any natively)",
+                     kind, dtype)
             return None
         lib = native_library()
         if lib is not None:

@@ -26,8 +26,8 @@ constexpr int QK = 32;  // weights per block, all formats
 // float32 rows (a float32 safetensors checkpoint's); its number is tokenpath's own, as 100 + F32's
 // 0 is Q4X16's.
 enum WType : int {
-    W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q5_1 = 7, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
-    W_BF16 = 30,
+    W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q5_1 = 7, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13,
+    W_Q6_K = 14, W_BF16 = 30,
     W_Q4X16 = 100, W_F16X16 = 101, W_Q5X16 = 106, W_Q8X16 = 108, W_Q4KX16 = 112, W_Q5KX16 = 113, W_Q6KX16 = 114,
     W_BF16X16 = 130, W_F32X16 = 131
 };
