@@ -138,18 +138,18 @@ class EngineConfig(BaseModel):
     model: str = DEFAULT_CHAT_MODEL
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bf16/fp16 safetensors run on the native CPU kernels on their own values "
+        "auto", description="auto: bf16/fp16/fp32 safetensors run on the native CPU kernels on their own values "
                             "(float32 activations); on torch, bfloat16 on CPUs with BF16 (a float32 checkpoint "
                             "included, as vLLM downcasts it), else float32; float16 on CUDA without bf16")
     device: str = Field("auto", description="torch device; auto: CUDA when present, else CPU")
-    # auto: GGUF weights run on the native CPU kernels in their own blocks, and bf16/fp16
-    # safetensors on their own values (torch when the kernels are not built or the CPU lacks AVX2;
-    # float32 safetensors stay on torch); none: torch float path; q8_0: every matrix Q8_0 on the
-    # native kernels, any checkpoint (quantized at load). The default
+    # auto: GGUF weights run on the native CPU kernels in their own blocks, and bf16/fp16/fp32
+    # safetensors on their own values (torch when the kernels are not built or the CPU lacks AVX2,
+    # or when --dtype asks for a 16-bit type other than the file's); none: torch float path; q8_0:
+    # every matrix Q8_0 on the native kernels, any checkpoint (quantized at load). The default
     # comes from TOKENPATH_QUANTIZATION when set, so CI can run the whole suite on one path.
     quantization: Literal["auto", "none", "q8_0"] = Field(
         default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True,
-        description="auto: native kernels on GGUF blocks and bf16/fp16 safetensors; none: torch float; "
+        description="auto: native kernels on GGUF blocks and bf16/fp16/fp32 safetensors; none: torch float; "
                     "q8_0: every matrix Q8_0 "
                     "(default: $TOKENPATH_QUANTIZATION, else auto)")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")

@@ -1,5 +1,5 @@
-"""The native kernels on the 5-bit, K-quant and float blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
-against gguf-py.
+"""The native kernels on the 5-bit, K-quant and float blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16,
+and F32 rows) against gguf-py (numpy for F32).
 
 The weights are random GGUF blocks (random bytes, with fp16 scales set to sane values), so every
 bit pattern of the quants and 6-bit scales is exercised, and the reference is gguf-py's own
@@ -8,7 +8,7 @@ output, relative to the largest |output|:
   - against the activations as the kernels quantize them (int8 per 32-block, or int8 plus
     residual bytes), then float64: 1e-5, the float32 accumulation only;
   - against the float activations: 3e-2 with int8 activations, 2e-4 with residual bytes;
-  - F16 and BF16 weights take the float activations: 1e-5.
+  - F16, BF16 and F32 weights take the float activations: 1e-5.
 AVX2 and AVX-512 VNNI give the same bits, and a row's result does not depend on its batch.
 """
 
@@ -25,7 +25,8 @@ lib = K.native_library()
 pytestmark = pytest.mark.requires("kernels")
 
 ISAS = [] if lib is None else lib.available_isas()
-TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K, K.F16, K.BF16]
+TYPES = [K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K, K.F16, K.BF16, K.F32]
+FLOATS = (K.F16, K.BF16, K.F32)
 # (M, N, K): the tile sizes 8/4/2/1 and their tails; K multiples of 256 (a K-quant row is whole
 # super-blocks; Q5 runs on them too).
 SHAPES = [(1, 16, 256), (3, 48, 512), (16, 32, 256), (33, 64, 768)]
@@ -36,10 +37,12 @@ SCALE_FIELDS = {K.Q8_0: (0,), K.Q5_0: (0,), K.Q5_1: (0, 2), K.Q4_K: (0, 2), K.Q5
 def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: float = 1 / 64) -> np.ndarray:
     """[n, row bytes] of random blocks: random quants and sub-block scales, fp16 scales of
     magnitude `size` / 5 to `size`, either sign."""
-    if wtype in (K.F16, K.BF16):  # values, not blocks: normal floats of magnitude `size` * 8
+    if wtype in FLOATS:  # values, not blocks: normal floats of magnitude `size` * 8
         w = (rng.standard_normal((n, k)) * size * 8).astype(np.float32)
+        if wtype == K.F32:
+            return w.view(np.uint8)
         return (w.astype(np.float16) if wtype == K.F16 else (w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
-    per_block, block_bytes = K.GGUF_BLOCKS[wtype]
+    per_block, block_bytes = K.REPACK_BLOCKS[wtype]
     nb = k // per_block
     blocks = rng.integers(0, 256, size=(n * nb, block_bytes), dtype=np.uint8)
     for off in SCALE_FIELDS[wtype]:
@@ -51,6 +54,8 @@ def random_blocks(wtype: int, n: int, k: int, rng: np.random.Generator, size: fl
 def dequantized(wtype: int, q: np.ndarray) -> np.ndarray:
     if wtype == K.F16:
         return q.view(np.float16).astype(np.float32)
+    if wtype == K.F32:
+        return q.view(np.float32).copy()
     return gguf_dequantize(q, GGMLQuantizationType(wtype)).reshape(q.shape[0], -1)
 
 
@@ -128,7 +133,7 @@ def test_new_types_run_repacked_only():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("wtype", [t for t in TYPES if t not in (K.F16, K.BF16)], ids=lambda t: K.TYPE_NAMES[t])
+@pytest.mark.parametrize("wtype", [t for t in TYPES if t not in FLOATS], ids=lambda t: K.TYPE_NAMES[t])
 def test_largest_weights_and_activations_keep_exact_integer_sums(isa, wtype):
     """Every quant at its largest value against activations whose int8 bytes (and residual bytes)
     sit at the clamp: the integer sums are as large as the formats allow. The AVX2 kernels add

@@ -46,8 +46,8 @@ def test_greedy_matches_transformers(kind):
     """Batched, chunked prefill mixed with decode (tokens of many sequences routed in one step) and
     one prompt at a time: the same greedy tokens as transformers' generate."""
     path = cached_tiny(kind)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, max_num_seqs=8)
-    assert llm.engine.runner.native is None  # a float32 checkpoint runs on torch (native: test_moe_native.py)
+    llm = LLM(str(path), dtype="float32", quantization="none", max_num_batched_tokens=48, max_num_seqs=8)
+    assert llm.engine.runner.native is None  # torch's own (under auto a float32 checkpoint runs natively)
     prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 8, 61], seed=3)
     ref = hf_greedy(_hf(path), prompts, 16, None)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) on the native kernels (csrc/moe.h, kernels/experts.py).
 
-bf16 and fp16 checkpoints made by transformers (tests/engine/tiny_models.py: 8 experts, top-2;
+bf16, fp16 and fp32 checkpoints made by transformers (tests/engine/tiny_models.py: 8 experts, top-2;
 Qwen3-MoE with a dense layer between sparse ones) run natively on their own expert values, so
 the reference is the torch path in float32 on the same checkpoint: the two agree to float32
 rounding, with the same greedy tokens through the engine (batched prefill mixed with decode, so
@@ -40,13 +40,13 @@ def _checkpoint(kind: str, dtype: torch.dtype, path) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
-def test_16_bit_moe_runs_natively_like_torch_float32(kind, dtype, tmp_path):
+def test_float_moe_runs_natively_like_torch_float32(kind, dtype, tmp_path):
     loaded = load_model(_checkpoint(kind, dtype, tmp_path))
     native = runner(loaded)
     assert native.native is not None
-    stored = K.TYPE_NAMES[K.BF16X16 if dtype == torch.bfloat16 else K.F16X16]
+    stored = K.TYPE_NAMES[{torch.bfloat16: K.BF16X16, torch.float16: K.F16X16, torch.float32: K.F32X16}[dtype]]
     assert native.native.weight_types == (stored,)  # the experts kept the file's values, repacked
     ids = torch.randint(3, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     got = all_logits(native, ids)

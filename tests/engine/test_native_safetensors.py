@@ -1,16 +1,18 @@
-"""bf16 and fp16 safetensors checkpoints run on the native kernels by default, on their own values.
+"""bf16, fp16 and fp32 safetensors checkpoints run on the native kernels by default, on their own values.
 
 What users bring are HF safetensors in bf16: they used to go to the torch path (0.38x vLLM's CPU
 build on the same file). Under `--quantization auto` they now run natively: the kernels' BF16/F16
 matrices keep the file's exact values and multiply float32 activations, which is `--dtype float32`'s
 arithmetic on those weights. So the reference is the torch path in float32 on the same checkpoint,
-and the two agree to float32 rounding (summation order only). A float32 checkpoint stays on torch.
+and the two agree to float32 rounding (summation order only). A float32 checkpoint runs the same
+way on the kernels' F32 matrices (F32X16), unless a 16-bit --dtype asks for a conversion.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ from tokenpath.engine.runner import ModelRunner
 
 lib = K.native_library()
 pytestmark = pytest.mark.requires("kernels")
+# Native F32X16 against torch float32 logits, relative to the largest: summation order only.
+F32_BOUND = 1e-5
 
 
 def runner(loaded, quantization: str = "auto", dtype: str = "auto") -> ModelRunner:
@@ -61,9 +65,36 @@ def test_16_bit_checkpoints_run_natively_on_their_own_values(kind, dtype, tmp_pa
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen3", "gemma3"])
+def test_float32_checkpoints_run_natively_on_their_own_values(kind, tmp_path, caplog):
+    """The F32X16 matrices hold the file's float32 values and multiply float32 activations: the
+    torch float32 path's arithmetic but for the order of the sums (the kernels add each output's
+    products in K order; torch's GEMM in blocks), so the logits agree to a few float32 roundings."""
+    loaded = load_model(save_family(kind, tmp_path / "f32"))
+    assert isinstance(loaded.weights, HFWeights)
+    # the rows the repack reads: the file's bytes in place (a view of the map), 4 per weight
+    view = loaded.weights.matrix_bytes("layers.0.q_proj.weight")
+    dense = loaded.weights.dense("layers.0.q_proj.weight")
+    assert view is not None and view.base is not None and view.shape == (dense.shape[0], 4 * dense.shape[1])
+    assert np.array_equal(view.view(np.float32), dense)
+    with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
+        native = runner(loaded)
+    assert native.native is not None
+    assert "own F32 matrices" in caplog.text
+    assert native.native.weight_types == ("F32X16",)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = all_logits(native, ids)
+    ref = all_logits(runner(loaded, "none"), ids)  # torch, float32 (the file's dtype)
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    print(f"{kind} float32: max |native - torch float32| / max |torch| = {err:.2e}")
+    assert err <= F32_BOUND
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_dtype_choices(tmp_path):
     """auto and float32 (the kernels' arithmetic) and the file's own dtype run natively; another
-    16-bit dtype, quantization none, and a float32 file stay on torch; q8_0 quantizes any."""
+    16-bit dtype (on a float32 file too: a conversion) and quantization none stay on torch; q8_0
+    quantizes any."""
     bf16 = load_model(checkpoint("llama3-rope", torch.bfloat16, tmp_path))
     assert runner(bf16, dtype="float32").native is not None
     assert runner(bf16, dtype="bfloat16").native is not None
@@ -72,7 +103,13 @@ def test_dtype_choices(tmp_path):
     q8 = runner(bf16, quantization="q8_0").native
     assert q8 is not None and q8.weight_types == ("Q8X16",)
     f32 = load_model(str(tmp_path / "f32"))
-    assert runner(f32).native is None
+    assert runner(f32).native is not None
+    assert runner(f32, dtype="float32").native is not None
+    assert runner(f32, dtype="bfloat16").native is None
+    assert runner(f32, dtype="float16").native is None
+    assert runner(f32, quantization="none").native is None
+    q8 = runner(f32, quantization="q8_0").native
+    assert q8 is not None and q8.weight_types == ("Q8X16",)
 
 
 def test_a_16_bit_checkpoint_loads_and_generates_natively_without_importing_torch(tmp_path):

@@ -214,17 +214,19 @@ class HFWeights(Mapping):
         return out
 
     def matrix_bytes(self, name: str) -> np.ndarray | None:
-        """A 2-D 16-bit tensor's bytes, [rows, 2 * cols], as a view of its file's memory map (no
-        copy: the native path repacks from it chunk by chunk, `release_view`-ing each chunk), or
-        None for other tensors. The maps live as long as this mapping (the load)."""
+        """A 2-D float tensor's bytes (BF16, F16 or F32), [rows, itemsize * cols], as a view of its
+        file's memory map (no copy: the native path repacks from it chunk by chunk,
+        `release_view`-ing each chunk), or None for other tensors. The maps live as long as this
+        mapping (the load)."""
         shape = self.shapes.get(name)
-        if self.dtypes.get(name) not in ("BF16", "F16") or shape is None or len(shape) != 2:
+        itemsize = {"BF16": 2, "F16": 2, "F32": 4}.get(self.dtypes.get(name, ""))
+        if itemsize is None or shape is None or len(shape) != 2:
             return None
         data = self._bytes(name)
         rows, cols = shape
-        if data.nbytes != rows * cols * 2:
+        if data.nbytes != rows * cols * itemsize:
             return None
-        return data.reshape(rows, cols * 2)
+        return data.reshape(rows, cols * itemsize)
 
     def release_view(self, view: np.ndarray) -> None:
         """Drop the pages under `view` (a chunk of `matrix_bytes`) from RSS once it was copied."""

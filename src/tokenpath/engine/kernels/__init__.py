@@ -33,24 +33,30 @@ from tokenpath.engine.kernels.library import (
 )
 
 # ggml's GGMLQuantizationType numbers
-F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-# The kernels' 16-row interleaved repacks (csrc/packed_impl.h, csrc/kquant_impl.h)
-Q4X16, F16X16, Q5X16, Q8X16, Q4KX16, Q5KX16, Q6KX16, BF16X16 = 100, 101, 106, 108, 112, 113, 114, 130
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+# The kernels' 16-row interleaved repacks (csrc/packed_impl.h, csrc/kquant_impl.h); F32X16's
+# number is tokenpath's own (100 + F32's 0 is Q4X16's).
+Q4X16, F16X16, Q5X16, Q8X16, Q4KX16, Q5KX16, Q6KX16, BF16X16, F32X16 = 100, 101, 106, 108, 112, 113, 114, 130, 131
 # Bytes per GGUF block; the row kernels (GGUF layout, float activations too) read only these.
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-# Every type the kernels read, with (weights, bytes) per GGUF block (F16/BF16: 32 weights, as
-# the repack groups them): the 5-bit, K-quant and float types run repacked only.
+# Every type the kernels read from a GGUF file, with (weights, bytes) per GGUF block (F16/BF16: 32
+# weights, as the repack groups them): the 5-bit, K-quant and float types run repacked only.
 GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
                Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), F16: (32, 64), BF16: (32, 64)}
+# What tp_repack takes: GGUF_BLOCKS and float32 rows (a float32 safetensors checkpoint's, 32 weights
+# of 4 bytes per block). A GGUF file's F32 matrices are not among GGUF_BLOCKS: they stay Q8_0 at
+# load as before (kernels/model.py _as_blocks; tiny test files are their only source).
+REPACK_BLOCKS = {**GGUF_BLOCKS, F32: (32, 128)}
 PACKED_FROM = {Q4_0: Q4X16, Q4_1: Q4X16, Q5_0: Q5X16, Q5_1: Q5X16, Q8_0: Q8X16, Q4_K: Q4KX16, Q5_K: Q5KX16,
-               Q6_K: Q6KX16, F16: F16X16, BF16: BF16X16}
-FLOAT_PACKED = (F16X16, BF16X16)  # float weights: they multiply the float activations
+               Q6_K: Q6KX16, F16: F16X16, BF16: BF16X16, F32: F32X16}
+FLOAT_PACKED = (F16X16, BF16X16, F32X16)  # float weights: they multiply the float activations
 GROUP_ROWS = 16
 # Bytes of 16 rows x 32 weights with their scales (the K-quants' super-blocks are 8 of these),
 # padded so that a group-block (super-block) is a multiple of 64 bytes.
 GROUP_BLOCK_BYTES = {Q4X16: 320, Q5X16: 384, Q8X16: 576, Q4KX16: 296, Q5KX16: 360, Q6KX16: 424, F16X16: 1024,
-                     BF16X16: 1024}
-TYPE_NAMES = {F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+                     BF16X16: 1024, F32X16: 2048}
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", F16X16: "F16X16", BF16X16: "BF16X16", F32X16: "F32X16",
+              Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
               Q6_K: "Q6_K", Q4X16: "Q4X16", Q5X16: "Q5X16", Q8X16: "Q8X16", Q4KX16: "Q4KX16", Q5KX16: "Q5KX16",
               Q6KX16: "Q6KX16"}
 
@@ -93,7 +99,7 @@ def repack(lib: NativeLibrary, wtype: int, w: np.ndarray) -> tuple[int, np.ndarr
     """GGUF blocks [N, row_bytes] -> (PACKED_FROM[wtype], [N / 16, group row bytes]): 16 rows
     interleaved so one vector instruction serves 16 outputs (8 on AVX2; csrc/packed_impl.h).
     Returns (wtype, w) unchanged when N is not a multiple of 16."""
-    per_block, block_bytes = GGUF_BLOCKS[wtype]
+    per_block, block_bytes = REPACK_BLOCKS[wtype]
     n, nb = w.shape[0], w.shape[1] // block_bytes
     w = np.ascontiguousarray(w)
     if n % GROUP_ROWS:
@@ -109,7 +115,7 @@ def repack_parts(lib: NativeLibrary, wtype: int, parts: list[np.ndarray],
     of 16), written straight into the one output allocation `chunk_rows` rows at a time (16-row
     groups repack independently): no concatenated copy, and `done(chunk)` is told each source
     chunk once copied, so a memory-mapped source can drop its pages as the repack goes."""
-    per_block, block_bytes = GGUF_BLOCKS[wtype]
+    per_block, block_bytes = REPACK_BLOCKS[wtype]
     n, nb = sum(p.shape[0] for p in parts), parts[0].shape[1] // block_bytes
     pt = PACKED_FROM[wtype]
     group_bytes = nb * GROUP_BLOCK_BYTES[pt] * per_block // 32

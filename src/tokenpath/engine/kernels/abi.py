@@ -40,9 +40,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
 # 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
 # halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs; 7: dims[12] is the
-# KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test). A library reporting
-# another is refused at load.
-MODEL_ABI = 7
+# KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test; 8: the F32X16 weight
+# type, which an older library would run as Q8_0 rows). A library reporting another is refused at load.
+MODEL_ABI = 8
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

@@ -4,9 +4,10 @@ Each of the experts' gate, up and down matrices becomes one allocation holding e
 rows, expert e at e * stride: GGUF's stacked 3D tensors (ffn_{gate,up,down}_exps [experts, rows,
 cols]) are already that, rows of expert after expert, and a safetensors checkpoint's per-expert 2D
 tensors are concatenated. They keep the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K,
-F16, BF16) and are repacked 16 rows at a time like the dense matrices (an expert's rows are a
-multiple of 16, so no 16-row group straddles two experts); no float copy is made. float32 experts
-(tiny test files) and every expert under `--quantization q8_0` are quantized to Q8_0. Any other
+F16, BF16, and a safetensors checkpoint's F32) and are repacked 16 rows at a time like the dense
+matrices (an expert's rows are a multiple of 16, so no 16-row group straddles two experts); no
+float copy is made. A GGUF file's float32 experts (tiny test files) and every expert under
+`--quantization q8_0` are quantized to Q8_0. Any other
 type (Q2_K, Q3_K, the IQ types, MXFP4, ...) is refused at load naming the tensor: requantizing
 tens of gigabytes of experts at load is not a fallback worth having.
 The router stays float32 ([experts, hidden], a few MiB at most): routing decides which weights are
@@ -23,9 +24,11 @@ from tokenpath.engine.kernels import (
     BF16,
     BLOCK_BYTES,
     F16,
+    F32,
     GGUF_BLOCKS,
     GROUP_ROWS,
     Q8_0,
+    REPACK_BLOCKS,
     NativeLibrary,
     quantize,
     repack,
@@ -34,7 +37,6 @@ from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.loader_hf import hf_weights
 from tokenpath.errors import ModelLoadError
 
-F32 = 0  # ggml's type number for float32
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -64,7 +66,8 @@ def _float(loaded: LoadedModel, i: int, proj: str, rows: int) -> np.ndarray:
 
 
 def _stored(loaded: LoadedModel, i: int, proj: str) -> tuple[int, np.ndarray | None, str]:
-    """(ggml type, blocks [experts * rows, row bytes] or None for float32, the tensor's name in the file)."""
+    """(ggml type, blocks [experts * rows, row bytes] or None where they must be quantized (a GGUF's
+    float32, mixed dtypes), the tensor's name in the file)."""
     if loaded.gguf is not None:
         name = f"layers.{i}.experts.{proj}.weight"
         raw = loaded.gguf.raw(name)
@@ -73,10 +76,10 @@ def _stored(loaded: LoadedModel, i: int, proj: str) -> tuple[int, np.ndarray | N
     weights = hf_weights(loaded)
     names = [f"layers.{i}.experts.{e}.{proj}.weight" for e in range(loaded.config.num_experts)]
     dtype = weights.dtypes[names[0]]
-    kind = {"BF16": BF16, "F16": F16}.get(dtype)
+    kind = {"BF16": BF16, "F16": F16, "F32": F32}.get(dtype)
     views = [v for n in names if (v := weights.matrix_bytes(n)) is not None]
     if kind is None or any(weights.dtypes[n] != dtype for n in names) or len(views) != len(names):
-        return F32, None, names[0]
+        return F32, None, names[0]  # dequantized to float32 and quantized to Q8_0 by the caller
     blocks = np.concatenate(views)
     for v in views:
         weights.release_view(v)
@@ -104,7 +107,7 @@ def expert_matrix(lib: NativeLibrary, loaded: LoadedModel, i: int, proj: str, wa
                              f"{', '.join(sorted(_type_name(k) for k in GGUF_BLOCKS))} (and float32, as Q8_0)")
     if blocks is None or want not in (None, t):
         t, blocks = Q8_0, quantize(lib, Q8_0, _float(loaded, i, proj, rows))
-    if pack and rows % GROUP_ROWS == 0 and cols % GGUF_BLOCKS[t][0] == 0:
+    if pack and rows % GROUP_ROWS == 0 and cols % REPACK_BLOCKS[t][0] == 0:
         return repack(lib, t, blocks)
     if t not in BLOCK_BYTES:  # unpacked, the kernels run Q4_0/Q4_1/Q8_0 rows only
         t, blocks = Q8_0, quantize(lib, Q8_0, _float(loaded, i, proj, rows))

@@ -6,9 +6,9 @@ norm offset, per-layer sliding windows and rope tables).
 What it holds: per layer the fused QKV and gate/up matrices (rows of the GGUF tensors stacked,
 which keeps their blocks intact), the output and down projections, the norms; the embedding
 (also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
-F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), and so do bf16/fp16
-safetensors checkpoints (their values are BF16/F16 rows); other types (F32, Q2_K, Q3_K, ...), a
-matrix of those types whose rows are not a multiple of 16, and any checkpoint under
+F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), and so do bf16/fp16/fp32
+safetensors checkpoints (their values are BF16/F16/F32 rows); other types (a GGUF file's F32, Q2_K,
+Q3_K, ...), a matrix of those types whose rows are not a multiple of 16, and any checkpoint under
 `--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
 The KV cache stays the engine's own block pool, float32, float16, one-byte fp8 (e4m3, e5m2) or
 llama.cpp's q8_0 blocks (csrc/kv_fp8.h): the kernels read and write it in place, converting in
@@ -29,11 +29,13 @@ from tokenpath.engine.kernels import (
     BF16,
     BLOCK_BYTES,
     F16,
+    F32,
     FLOAT_PACKED,
     GGUF_BLOCKS,
     GROUP_ROWS,
     ISA_NAMES,
     Q8_0,
+    REPACK_BLOCKS,
     TYPE_NAMES,
     NativeLibrary,
     native_library,
@@ -83,11 +85,12 @@ def select_native(loaded: LoadedModel, quantization: str, device: str,
                   dtype: str = "auto") -> NativeLibrary | None:
     """The kernels to run this model with, or None for the torch path (saying why in one line).
 
-    auto: GGUF checkpoints run natively on their own blocks; bf16 and fp16 safetensors run
-    natively on their own values (the kernels' BF16/F16 matrices times float32 activations: the
+    auto: GGUF checkpoints run natively on their own blocks; bf16, fp16 and fp32 safetensors run
+    natively on their own values (the kernels' BF16/F16/F32 matrices times float32 activations: the
     arithmetic of `--dtype float32` on those weights, so `dtype` may be auto, float32 or the file's
-    own). A float32 checkpoint, or a 16-bit dtype other than the file's, stays on torch, which
-    computes exactly the dtype asked for. q8_0: any checkpoint, every matrix Q8_0. none: torch.
+    own). A 16-bit dtype other than the file's (bfloat16 or float16 on a float32 checkpoint, too)
+    asks for a conversion and stays on torch, which computes exactly the dtype asked for. q8_0: any
+    checkpoint, every matrix Q8_0. none: torch.
     `device`: the engine's device type ("cpu", "cuda", ...).
     """
     if quantization == "none":
@@ -104,10 +107,11 @@ def select_native(loaded: LoadedModel, quantization: str, device: str,
         return None
     if quantization == "auto" and loaded.gguf is None:
         kind = checkpoint_float_type(loaded)
-        own = {"BF16": "bfloat16", "F16": "float16"}.get(kind or "")
+        own = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(kind or "")
         if own is None or dtype not in ("auto", "float32", own):
-            log.info("safetensors checkpoint (%s matrices, --dtype %s): torch path (the native kernels run bf16 and "
-                     "fp16 checkpoints in their own dtype; --quantization q8_0 runs any natively)", kind, dtype)
+            log.info("safetensors checkpoint (%s matrices, --dtype %s): torch path (the native kernels run bf16, "
+                     "fp16 and fp32 checkpoints in their own dtype; --quantization q8_0 runs any natively)",
+                     kind, dtype)
             return None
         lib = native_library()
         if lib is not None:
@@ -118,7 +122,7 @@ def select_native(loaded: LoadedModel, quantization: str, device: str,
 
 def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | None,
                requantized: set[str]) -> tuple[int, np.ndarray]:
-    """(ggml type, [rows, bytes]) of one matrix: the file's own blocks (GGUF) or bf16/fp16 values
+    """(ggml type, [rows, bytes]) of one matrix: the file's own blocks (GGUF) or bf16/fp16/fp32 values
     (safetensors) when the kernels read that type (and `want` allows it), else quantized here to
     Q8_0 (the type's name goes to `requantized`, for the load's log line)."""
     if loaded.gguf is not None:
@@ -131,8 +135,8 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
     else:
         weights = hf_weights(loaded)
         view = weights.matrix_bytes(name)
-        if view is not None:  # a 2-D BF16/F16 tensor: the file's bytes, repacked from the map without a copy
-            vtype = {"BF16": BF16, "F16": F16}[weights.dtypes[name]]
+        if view is not None:  # a 2-D BF16/F16/F32 tensor: the file's bytes, repacked from the map without a copy
+            vtype = {"BF16": BF16, "F16": F16, "F32": F32}[weights.dtypes[name]]
             if want in (None, vtype):
                 return vtype, view
         dense = weights.dense(name)
@@ -174,8 +178,8 @@ def _matrix(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int
 def _matrix_parts(lib: NativeLibrary, loaded: LoadedModel, names: list[str], want: int | None, pack: bool,
                   requantized: set[str]) -> list[Part]:
     parts = [_as_blocks(lib, loaded, n, want, requantized) for n in names]
-    # F16/BF16 rows in whole 32-weight blocks only (the quantized types' rows always are).
-    if pack and all(b.shape[0] % GROUP_ROWS == 0 and b.shape[1] % GGUF_BLOCKS[t][1] == 0 for t, b in parts):
+    # F16/BF16/F32 rows in whole 32-weight blocks only (the quantized types' rows always are).
+    if pack and all(b.shape[0] % GROUP_ROWS == 0 and b.shape[1] % REPACK_BLOCKS[t][1] == 0 for t, b in parts):
         runs: list[tuple[int, list[np.ndarray]]] = []
         for t, b in parts:
             if runs and runs[-1][0] == t:

@@ -177,9 +177,11 @@ void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float*
     if (wtype == W_Q6KX16) return packed_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_F16X16) return packed_gemm<W_F16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #if !TP_VNNI
-    if (wtype == W_BF16X16) return bf16_gemm16(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_BF16X16) return float_gemm16<W_BF16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_F32X16) return float_gemm16<W_F32X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #endif
     if (wtype == W_BF16X16) return packed_gemm<W_BF16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if (wtype == W_F32X16) return packed_gemm<W_F32X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (exact) {
         switch (wtype) {
             case W_Q4_0: return gemm_t<W_Q4_0, true>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);

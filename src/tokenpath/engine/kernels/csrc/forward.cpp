@@ -132,7 +132,7 @@ struct Model {
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
-    int float_w;  // 1: some matrix has F16/BF16 parts, which read float activations
+    int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -164,7 +164,7 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
         b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
     QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
     a.qsum16 = b.qsum16.data();
-    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16 weights
+    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16/F32 weights
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
         a.f = b.f.data(), a.fs = b.fs.data();
     }
@@ -331,7 +331,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
 // 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
-int tp_model_abi() { return 7; }
+// 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
+int tp_model_abi() { return 8; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).

@@ -230,19 +230,24 @@ static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* r
     for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
-// F16X16 / BF16X16 (1024 bytes per 16 rows x 32 weights: weight e of lane i at 32 e + 2 i): the
-// float activations (QAct::f) times the weights widened in registers, one FMA per weight and row,
-// in K order on both ISAs.
+// F16X16 / BF16X16 (1024 bytes per 16 rows x 32 weights: weight e of lane i at 32 e + 2 i) and
+// F32X16 (2048 bytes: weight e of lane i at 64 e + 4 i): the float activations (QAct::f) times the
+// weights (16-bit ones widened in registers), one FMA per weight and row, in K order on both ISAs.
 template <int WT, int MR>
 static inline void float_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+    constexpr int ES = WT == W_F32X16 ? 4 : 2;  // bytes per weight
     const int nb = a.nb;
     VF acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = vfzero();
-    for (int b = 0; b < nb; ++b, wg += 1024) {
+    for (int b = 0; b < nb; ++b, wg += 16 * QK * ES) {
         const float* x[MR];
         for (int r = 0; r < MR; ++r) x[r] = a.f + (size_t(rows[r]) * nb + b) * QK;
         for (int e = 0; e < QK; ++e) {
-            const VF w = WT == W_F16X16 ? vf16(wg + 32 * e + 2 * L * h) : vbf16(wg + 32 * e + 2 * L * h);
+            const uint8_t* p = wg + 16 * ES * e + ES * L * h;
+            VF w;
+            if constexpr (WT == W_F32X16) w = vfload(reinterpret_cast<const float*>(p));
+            else if constexpr (WT == W_F16X16) w = vf16(p);
+            else w = vbf16(p);
             for (int r = 0; r < MR; ++r) acc[r] = vfma(w, vfset(x[r][e]), acc[r]);
         }
     }

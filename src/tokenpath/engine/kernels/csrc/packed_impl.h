@@ -231,7 +231,7 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
 template <int WT, int MR, bool RES>
 static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
     if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out);
-    else if constexpr (WT == W_F16X16 || WT == W_BF16X16) float_tile<WT, MR>(wg, h, a, rows, out);
+    else if constexpr (WT == W_F16X16 || WT == W_BF16X16 || WT == W_F32X16) float_tile<WT, MR>(wg, h, a, rows, out);
     else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
 }
 
@@ -278,23 +278,34 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
 }
 
 #if !TP_VNNI
-// AVX2, BF16X16: all 16 rows of a group in one pass. One 32-byte load holds weight e of the 16
-// rows (bf16, row i at 2 i); a shift and a mask widen its even and odd rows to float on the ALU
-// ports (the widening load, vpmovzxwd, takes the shuffle port per 8 rows), and each loaded vector
-// feeds 2 MR FMAs where the 8-lane float_tile fed MR: 1.3x the GEMM rate at M >= 4 (measured in
-// benchmarks/kquant_gemv.py's style on this 2-core AVX2 host), the same bytes read at M = 1.
-template <int MR>
-static inline void bf16_tile16(const uint8_t* wg, const QAct& a, int m0, __m256* ev, __m256* od) {
+// AVX2, BF16X16 and F32X16: all 16 rows of a group in one pass. BF16: one 32-byte load holds
+// weight e of the 16 rows (bf16, row i at 2 i); a shift and a mask widen its even and odd rows to
+// float on the ALU ports (the widening load, vpmovzxwd, takes the shuffle port per 8 rows). F32:
+// two 32-byte loads, rows 0-7 and 8-15. Either way each activation broadcast feeds 2 MR FMAs where
+// the 8-lane float_tile fed MR: 1.3x the GEMM rate at M >= 4 for BF16 (measured in
+// benchmarks/kquant_gemv.py's style on this 2-core AVX2 host). F32, 3072 x 576 on that host, A/B
+// against float_tile: 11 -> 19, 43 -> 68, 47 -> 84 GFLOP/s at M = 1, 4, 32 (its 8-lane tile spent
+// 5 loads per 4 FMAs). Each output is still one FMA chain in K order, so the bits equal
+// float_tile's (the AVX-512 kernels'; checked A/B for F32).
+template <int WT, int MR>
+static inline void float_tile16(const uint8_t* wg, const QAct& a, int m0, __m256* ev, __m256* od) {
+    constexpr int ES = WT == W_F32X16 ? 4 : 2;  // bytes per weight
     const __m256i odd_mask = _mm256_set1_epi32(int(0xFFFF0000u));
     const int nb = a.nb;
     for (int r = 0; r < MR; ++r) ev[r] = od[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b, wg += 1024) {
+    for (int b = 0; b < nb; ++b, wg += 16 * QK * ES) {
         const float* x[MR];
         for (int r = 0; r < MR; ++r) x[r] = a.f + (size_t(m0 + r) * nb + b) * QK;
         for (int e = 0; e < QK; ++e) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * e));
-            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+            __m256 we, wo;  // BF16: even and odd rows; F32: rows 0-7 and 8-15
+            if constexpr (WT == W_F32X16) {
+                we = _mm256_loadu_ps(reinterpret_cast<const float*>(wg + 64 * e));
+                wo = _mm256_loadu_ps(reinterpret_cast<const float*>(wg + 64 * e + 32));
+            } else {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * e));
+                we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+            }
             for (int r = 0; r < MR; ++r) {
                 const __m256 xr = _mm256_broadcast_ss(x[r] + e);
                 ev[r] = _mm256_fmadd_ps(we, xr, ev[r]);
@@ -304,20 +315,25 @@ static inline void bf16_tile16(const uint8_t* wg, const QAct& a, int m0, __m256*
     }
 }
 
-static void bf16_gemm16(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
-                        const float* bias, bool accumulate) {
+template <int WT>
+static void float_gemm16(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+                         const float* bias, bool accumulate) {
     constexpr int MR = 4;  // 8 accumulators, 2 weight vectors, a broadcast and the mask: 12 of 16 registers
+    const size_t GB = group_block_bytes(WT);
     __m256 ev[MR], od[MR];
     for (int g = n0 / 16; g < n1 / 16; ++g) {
-        const uint8_t* wg = w + size_t(g) * nb * 1024;
+        const uint8_t* wg = w + size_t(g) * nb * GB;
         const int n = 16 * g;
         const __m256 b0 = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
         const __m256 b1 = bias ? _mm256_loadu_ps(bias + n + 8) : _mm256_setzero_ps();
-        auto store = [&](int m, __m256 e, __m256 o) {  // lanes (even rows, odd rows) -> rows 0..7, 8..15
-            const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);  // rows 0-3|8-11, 4-7|12-15
+        auto store = [&](int m, __m256 e, __m256 o) {  // -> rows 0..7, 8..15
+            __m256 r0 = e, r1 = o;
+            if constexpr (WT != W_F32X16) {  // lanes (even rows, odd rows)
+                const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);  // rows 0-3|8-11, 4-7|12-15
+                r0 = _mm256_permute2f128_ps(lo, hi, 0x20), r1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+            }
             float* dst = y + size_t(m) * ldy + n;
-            __m256 r0 = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), b0);
-            __m256 r1 = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x31), b1);
+            r0 = _mm256_add_ps(r0, b0), r1 = _mm256_add_ps(r1, b1);
             if (accumulate) {
                 r0 = _mm256_add_ps(r0, _mm256_loadu_ps(dst));
                 r1 = _mm256_add_ps(r1, _mm256_loadu_ps(dst + 8));
@@ -327,13 +343,13 @@ static void bf16_gemm16(const uint8_t* w, int nb, const QAct& a, int M, float* y
         };
         int m0 = 0;
         for (; m0 + MR <= M; m0 += MR) {
-            bf16_tile16<MR>(wg, a, m0, ev, od);
+            float_tile16<WT, MR>(wg, a, m0, ev, od);
             for (int r = 0; r < MR; ++r) store(m0 + r, ev[r], od[r]);
         }
         for (int rest; (rest = M - m0) > 0;) {
             const int mr = rest >= 2 ? 2 : 1;
-            if (mr == 2) bf16_tile16<2>(wg, a, m0, ev, od);
-            else bf16_tile16<1>(wg, a, m0, ev, od);
+            if (mr == 2) float_tile16<WT, 2>(wg, a, m0, ev, od);
+            else float_tile16<WT, 1>(wg, a, m0, ev, od);
             for (int r = 0; r < mr; ++r) store(m0 + r, ev[r], od[r]);
             m0 += mr;
         }

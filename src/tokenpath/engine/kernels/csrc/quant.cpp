@@ -175,9 +175,12 @@ void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, fl
     const uint8_t* g = w + size_t(n / kGroupRows) * nb * gb;
     const int i = n % kGroupRows;
     if (is_float_packed(wtype)) {
+        const int es = wtype == W_F32X16 ? 4 : 2;  // bytes per weight
         for (int k = 0; k < K; ++k) {
-            const uint8_t* p = g + size_t(k / QK) * gb + 32 * (k % QK) + 2 * i;
-            if (wtype == W_F16X16) {
+            const uint8_t* p = g + size_t(k / QK) * gb + 16 * es * (k % QK) + es * i;
+            if (wtype == W_F32X16) {
+                std::memcpy(dst + k, p, 4);
+            } else if (wtype == W_F16X16) {
                 dst[k] = h2f(p);
             } else {
                 const uint32_t bits = uint32_t(p[0] | p[1] << 8) << 16;
@@ -289,7 +292,8 @@ extern "C" {
 
 // GGUF rows (N of them, nb blocks each) -> the 16-row interleaved layout packed_impl.h describes.
 // Returns the packed type (W_Q4X16 for Q4_0 and Q4_1, W_Q5X16 for Q5_0 and Q5_1, W_Q8X16 for
-// Q8_0, W_Q4KX16 / W_Q5KX16 / W_Q6KX16 for the K-quants), or -1 when N is not a multiple of 16 or
+// Q8_0, W_Q4KX16 / W_Q5KX16 / W_Q6KX16 for the K-quants, W_F16X16 / W_BF16X16 / W_F32X16 for
+// F16 / BF16 / F32 rows), or -1 when N is not a multiple of 16 or
 // the type has no packed form (the caller keeps the GGUF layout then). nb: GGUF blocks per row. Load-time work: a few milliseconds for this model.
 int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
     int pt;
@@ -302,6 +306,7 @@ int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
         case W_Q6_K: pt = W_Q6KX16; break;
         case W_F16: pt = W_F16X16; break;
         case W_BF16: pt = W_BF16X16; break;
+        case W_F32: pt = W_F32X16; break;
         default: return -1;
     }
     if (N % kGroupRows) return -1;
@@ -314,8 +319,9 @@ int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst) {
             std::memset(out, 0, gb);  // Q8X16's and Q6KX16's padding
             for (int i = 0; i < kGroupRows; ++i) {
                 const uint8_t* blk = src + size_t(kGroupRows * g + i) * row + b * bb;
-                if (is_float_packed(pt)) {  // 32 weights of 2 bytes: weight e at 32 e + 2 i
-                    for (int e = 0; e < QK; ++e) std::memcpy(out + 32 * e + 2 * i, blk + 2 * e, 2);
+                if (is_float_packed(pt)) {  // 32 weights of es bytes: weight e at 16 es e + es i
+                    const int es = pt == W_F32X16 ? 4 : 2;
+                    for (int e = 0; e < QK; ++e) std::memcpy(out + 16 * es * e + es * i, blk + es * e, es);
                     continue;
                 }
                 if (pt == W_Q5X16) {

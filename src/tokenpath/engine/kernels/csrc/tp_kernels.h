@@ -1,7 +1,7 @@
 // Shared declarations of tokenpath's native CPU kernels.
 //
 // Weights keep GGUF's own numbers (ggml's Q4_0, Q4_1, Q8_0: 32 weights per block, one fp16
-// scale, Q4_1 also an fp16 minimum; Q5_0/Q5_1, the K-quants Q4_K/Q5_K/Q6_K and F16/BF16 run
+// scale, Q4_1 also an fp16 minimum; Q5_0/Q5_1, the K-quants Q4_K/Q5_K/Q6_K and F16/BF16/F32 run
 // repacked only, kquant_impl.h). Activations are quantized per 32-block to int8 on the
 // fly ("QAct": int8 values, the block's scale d and d * sum(q)), so a block's dot product is one
 // integer multiply-add instruction sequence plus one float FMA, as in llama.cpp's
@@ -22,12 +22,14 @@ constexpr int QK = 32;  // weights per block, all formats
 
 // ggml's GGMLQuantizationType numbers, and tokenpath's own 16-row interleaved repacks of them
 // (packed_impl.h, kquant_impl.h): Q4X16 holds Q4_0 or Q4_1 rows, Q8X16 Q8_0 rows, Q5X16 Q5_0 or
-// Q5_1 rows, Q4KX16 / Q5KX16 / Q6KX16 the K-quants' rows (256-weight super-blocks).
+// Q5_1 rows, Q4KX16 / Q5KX16 / Q6KX16 the K-quants' rows (256-weight super-blocks). F32X16 holds
+// float32 rows (a float32 safetensors checkpoint's); its number is tokenpath's own, as 100 + F32's
+// 0 is Q4X16's.
 enum WType : int {
-    W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q5_1 = 7, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
-    W_BF16 = 30,
+    W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q5_1 = 7, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13,
+    W_Q6_K = 14, W_BF16 = 30,
     W_Q4X16 = 100, W_F16X16 = 101, W_Q5X16 = 106, W_Q8X16 = 108, W_Q4KX16 = 112, W_Q5KX16 = 113, W_Q6KX16 = 114,
-    W_BF16X16 = 130
+    W_BF16X16 = 130, W_F32X16 = 131
 };
 
 // Bytes of one GGUF block (32 weights, or 256 for the K-quants).
@@ -41,13 +43,14 @@ inline size_t block_bytes(int t) {
         case W_Q5_K: return 176;
         case W_Q6_K: return 210;
         case W_F16: case W_BF16: return 64;  // 32 weights, as the repack counts them
+        case W_F32: return 128;
         default: return 34;
     }
 }
 inline bool is_packed(int t) { return t >= W_Q4X16; }
 inline bool is_kquant_packed(int t) { return t >= W_Q4KX16 && t <= W_Q6KX16; }
-// Float weights (F16, BF16) multiply float activations (QAct::f), not int8 ones.
-inline bool is_float_packed(int t) { return t == W_F16X16 || t == W_BF16X16; }
+// Float weights (F16, BF16, F32) multiply float activations (QAct::f), not int8 ones.
+inline bool is_float_packed(int t) { return t == W_F16X16 || t == W_BF16X16 || t == W_F32X16; }
 constexpr int kGroupRows = 16;  // rows per repacked group
 constexpr int kSuper = 8;       // 32-blocks per K-quant super-block
 // Bytes of one group-block, per 32 weights of each of the 16 rows (the K-quant layouts are
@@ -61,6 +64,7 @@ inline size_t group_block_bytes(int t) {
         case W_Q5KX16: return 2880 / 8;
         case W_Q6KX16: return 3392 / 8;
         case W_F16X16: case W_BF16X16: return 1024;
+        case W_F32X16: return 2048;
         default: return 576;
     }
 }
