@@ -155,16 +155,22 @@ class WellBehaved(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.key, self.stop = url, key, threading.Event()
         self.results: list[tuple[int, float]] = []  # (status or 0 for a transport error, seconds)
+        self.slowest: tuple[float, str] = (0.0, "")  # (seconds, its Server-Timing): where its time went
 
     def run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=300, headers=auth(self.key)) as http:
             while not self.stop.is_set():
                 t0 = time.monotonic()
+                timing = ""
                 try:
-                    code = http.post("/v1/chat/completions", json=SHORT).status_code
+                    r = http.post("/v1/chat/completions", json=SHORT)
+                    code, timing = r.status_code, r.headers.get("server-timing", "")
                 except httpx.HTTPError:
                     code = 0
-                self.results.append((code, time.monotonic() - t0))
+                took = time.monotonic() - t0
+                self.results.append((code, took))
+                if took > self.slowest[0]:
+                    self.slowest = (took, timing)
 
 
 def flood(url: str, port: int, pid: int, data: Path, streams: int, tag: str, keys: dict[str, str | None],
@@ -208,6 +214,7 @@ def flood(url: str, port: int, pid: int, data: Path, streams: int, tag: str, key
         "well_behaved": len(client.results), "well_behaved_ok": len(ok), "well_behaved_failed": failed,
         "well_behaved_p50_s": round(statistics.median(ok), 2) if ok else None,
         "well_behaved_max_s": round(max(ok), 2) if ok else None,
+        "well_behaved_slowest_timing": client.slowest[1],
         "rss_start": round(start), "rss_peak": round(peak), "rss_after": round(after),
         "engines_start": round(engines_start), "engines_peak": round(engines_peak),
         "engines_after": round(engine_rss(pid)),
