@@ -112,7 +112,7 @@ def test_a_flooding_tenant_neither_holds_slots_past_the_bound_nor_delays_another
         assert stall["freed_s"] <= 1.25 * STALL_S + LOOP_SLACK_S, stall
 
     # B went ahead of A's backlog: A's streams were still leaving the queue after B's first reply
-    # (3 in each of four runs; when B waits behind the backlog it is 0 by construction: B leaves
+    # (3 in each run watched; when B waits behind the backlog it is 0 by construction: B leaves
     # after the last of A's).
     first_reply = replies[0][2]
     later = [t for r in stalled if (t := dispatched_wall(r)) is not None and t > first_reply]
