@@ -99,3 +99,20 @@ def test_a_request_preempted_by_its_own_growth_names_the_one_holding_the_pool():
     out = sched.schedule()
     assert out.preempted == [late] and [s.request_id for s, _ in out.scheduled] == ["big"]
     assert [r[1] for r in late.events.preempted] == ["big"]
+
+
+def test_waiting_requests_keep_the_order_the_gateway_dispatched_them_in():
+    """The gateway's fair queue sends tenant B's new request ahead of tenant A's older backlog;
+    A's requests then come one by one as slots free. The engine's waiting queue keeps that order:
+    sorted by arrival, each older A request went back ahead of B, which waited for A's whole
+    backlog (tests/reliability/test_stall_tenants.py). Preempted ones still go first."""
+    sched = Scheduler(BlockManager(256, 16), max_num_batched_tokens=1024, max_num_seqs=1)
+    sched.add(_seq("a-running", 16, 0.0))
+    _advance(sched.schedule())
+    sched.add(_seq("b-new", 16, 5.0))  # dispatched first, arrived last
+    sched.add(_seq("a-old", 16, 1.0))  # dispatched after it, arrived before it
+    assert [s.request_id for s in sched.waiting] == ["b-new", "a-old"]
+    preempted = _seq("p", 16, 9.0)
+    preempted.num_preemptions = 1
+    sched.add(preempted)
+    assert [s.request_id for s in sched.waiting] == ["p", "b-new", "a-old"]

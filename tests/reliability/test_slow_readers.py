@@ -47,8 +47,8 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
-def non_reader(port: int, request_id: str, body: dict = STREAM) -> socket.socket:
-    """A streaming request whose client never reads a byte of the answer."""
+def non_reader(port: int, request_id: str, body: dict = STREAM, api_key: str | None = None) -> socket.socket:
+    """A streaming request whose client never reads a byte of the answer (as `api_key`'s tenant)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # Before connect: the window it offers, and a small MSS. On loopback (MSS 64 KiB) the server's
     # kernel would otherwise size its send buffer for ten full segments and take ~2.6 MB before a
@@ -59,7 +59,8 @@ def non_reader(port: int, request_id: str, body: dict = STREAM) -> socket.socket
     payload = json.dumps(body).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"x-request-id: " + request_id.encode() + b"\r\n"
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                 + (b"Authorization: Bearer " + api_key.encode() + b"\r\n" if api_key else b"")
+                 + b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     return sock
 
 

@@ -158,6 +158,12 @@ class SSEResponse(Response):
     (so a stall is seen within 1.25x of it) and looks at when the send in progress began: per event
     the writer only notes that time, two attribute writes, where a timer per send cost ~5x the
     whole event's CPU (`benchmarks/sse_cpu.py`).
+
+    A stalled stream's Timeline gets `client_stall`: from the start of the send that waited (its
+    writes blocking), the seconds until the stall was found (`found_s`) and until its generation
+    was closed (`freed_s`: the engine's abort sent, which it applies before its next step, and the
+    admission slot given back). The product's bound is `freed_s` within 1.25x `stall_timeout`;
+    `benchmarks/slow_reader_flood.py` reads it per stream from the audit row's timing.
     """
 
     media_type = "text/event-stream"
@@ -183,6 +189,7 @@ class SSEResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
         self._sending_since: float | None = None  # monotonic start of the send in progress
         self._stalled = False
+        self._stall: tuple[float, float] | None = None  # (blocked since, found at), monotonic
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
@@ -204,6 +211,8 @@ class SSEResponse(Response):
             clock = time.monotonic
             async for chunk in self.events:
                 if transport is not None and _buffered(transport) > self.max_unsent:
+                    now = clock()
+                    self._stall = (now, now)  # (no send waited: the cap, found before one)
                     raise ClientStalled
                 self._sending_since = t0 = clock()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -231,16 +240,26 @@ class SSEResponse(Response):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await self.events.aclose()
+                await self.events.aclose()  # (closes the generation: the engine's abort, the slot back)
+            if self._stall is not None and self.timeline is not None:
+                since, found = self._stall
+                self.timeline.attrs["client_stall"] = {"found_s": round(found - since, 4),
+                                                       "freed_s": round(time.monotonic() - since, 4)}
             await self.on_close()
 
     async def _watchdog(self, writer: asyncio.Task) -> None:
-        """Cancel the writer once a send has waited past the stall bound (checked every quarter of it)."""
+        """Cancel the writer once a send has waited past the stall bound. It looks every quarter of
+        the bound, and while a send waits it wakes at that send's bound itself, not at the next
+        quarter after it: a stall is then found at the bound plus the event loop's lateness, not
+        up to a quarter later (a flood of 200 found at up to 6.25 s of a 5 s bound, 1.25x with
+        no room left for a loaded loop's lateness)."""
         every = max(0.05, self.stall_timeout / 4)
         while True:
-            await asyncio.sleep(every)
             since = self._sending_since
-            if since is not None and time.monotonic() - since >= self.stall_timeout:
+            now = time.monotonic()
+            if since is not None and now - since >= self.stall_timeout:
                 self._stalled = True
+                self._stall = (since, now)
                 writer.cancel()
                 return
+            await asyncio.sleep(every if since is None else min(every, since + self.stall_timeout - now))

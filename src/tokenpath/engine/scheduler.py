@@ -4,9 +4,14 @@ One rule covers prefill, chunked prefill, prefix hits and decode: every sequence
 `num_tokens - num_computed_tokens` more tokens computed, and each step grants
 `{sequence: n}` under a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`). Running sequences go first (so decodes are never starved by a long prompt,
-which instead advances one chunk per step), then waiting ones by priority and arrival. When the
-pool runs out of blocks, the lowest-priority, latest-arrived running sequence is preempted by
-recompute: its blocks are freed and it goes back to the front of its priority.
+which instead advances one chunk per step), then waiting ones by priority and the order they were
+handed to the engine. Not by their arrival at the gateway: the gateway's fair queue chose that
+order, and re-sorting by arrival undid it (a flooding tenant's older requests, dispatched one by one
+as slots freed, each went back ahead of another tenant's newer request already in this queue, which
+then waited until the flood's whole backlog had passed: 16.5 s of 19.3 s in
+tests/reliability/test_stall_tenants.py). When the pool runs out of blocks, the lowest-priority,
+latest-arrived running sequence is preempted by recompute: its blocks are freed and it goes back
+to the front of its priority.
 
 With `long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that
 arrives behind a long one is prefilled in the next step rather than after the whole long prompt.
@@ -111,8 +116,9 @@ class Scheduler:
 
     @staticmethod
     def _wait_key(seq: Sequence) -> tuple:
-        # A preempted sequence returns to the front of its priority band.
-        return (seq.priority, 0 if seq.num_preemptions else 1, seq.arrival_time, seq.seq_id)
+        # A preempted sequence returns to the front of its priority band; the rest keep the order
+        # they were added in (`seq_id`: the gateway's dispatch order; see the module docstring).
+        return (seq.priority, 0 if seq.num_preemptions else 1, seq.seq_id)
 
     def holders(self, limit: int = 8) -> list[list]:
         """Who holds the engine now (a request arriving to a full engine waits behind them):

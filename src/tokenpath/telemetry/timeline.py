@@ -89,6 +89,7 @@ ATTRS: dict[str, str] = {
     "lora_base": "the deployment serving that adapter (api/run.py)",
     "grammar": "the structured-output grammar: kind, compile ms, cache hit, mask cost (api/generation.py, api/replies.py)",
     "client_blocked_s": "seconds the stream waited on a client that did not read (api/sse.py)",
+    "client_stall": "a stalled stream: seconds from its writes blocking to the stall found and to its slot freed (api/sse.py)",
     # routing/: which model and deployment
     "deployment": "the deployment that served it (api/run.py, routing/models.py, admission/controller.py)",
     "policy": "the routing policy of the pick (routing/models.py, admission/controller.py)",
