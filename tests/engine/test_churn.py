@@ -78,3 +78,5 @@ def test_the_warm_up_runs_before_serving_and_leaves_nothing_behind(tmp_path, mon
     params = SamplingParams(temperature=0.8, max_tokens=12)  # (the engine's own generator: not advanced)
     got = [llm.generate("the river and the stone", params)[0].outputs[0].token_ids for llm in (warm, cold)]
     assert got[0] == got[1]
+    short = LLM(path, dtype="float32", max_model_len=6)  # (too short for the warm-up: it serves unwarmed)
+    assert len(short.generate([5, 6], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0].token_ids) == 3

@@ -96,7 +96,10 @@ class EngineCore:
         start from zero after it, so a served engine looks unused."""
         ids = (self.tokenizer.encode("The engine warms up before it serves.") * 8)[:8] or [0] * 8
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        self.add_request(GenerateRequest("tokenpath-warmup", ids, params))
+        try:
+            self.add_request(GenerateRequest("tokenpath-warmup", ids, params))
+        except ContextLengthError:  # (a context or KV cache under 10 tokens: it serves unwarmed)
+            return
         while self.has_work():
             self.step()
         self.prompt_tokens = self.generation_tokens = self.steps = 0
