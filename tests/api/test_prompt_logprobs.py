@@ -175,3 +175,27 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(server, text_ids):
         plain = http.post("/v1/completions", json={"model": CHAT_MODEL, "prompt": prompt, "max_tokens": 3,
                                                     "temperature": 0, "echo": True}).json()["choices"][0]
         assert plain["text"].startswith(prompt) and plain["logprobs"] is None
+
+
+def test_a_streamed_echo_starts_each_choice_with_its_prompt(server):
+    """OpenAI's and vLLM's `echo` with `stream` (a 400 before): each choice's first chunk starts
+    with its prompt's text, and the streamed text equals the unstreamed reply's. With `logprobs`
+    it stays a 400 naming `echo` (the prompt's logprobs come whole, not streamed)."""
+    body = {"model": CHAT_MODEL, "prompt": ["The sky is", "Water is"], "max_tokens": 4, "temperature": 0,
+            "echo": True, "n": 2}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        texts: dict[int, list[str]] = {}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        texts.setdefault(c["index"], []).append(c["text"])
+        assert sorted(texts) == [0, 1, 2, 3]
+        for c in whole:
+            prompt = body["prompt"][c["index"] // 2]
+            assert texts[c["index"]][0].startswith(prompt)
+            assert "".join(texts[c["index"]]) == c["text"] and c["text"].startswith(prompt)
+        bad = http.post("/v1/completions", json={**body, "stream": True, "logprobs": 1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo", bad.text

@@ -53,6 +53,7 @@ class Generation:
         assert run.acc is not None
         self.acc: fmt.Accumulator = run.acc
         self.answered = False  # the first choice is past its think block (or never had one)
+        self.echoed: set[int] = set()  # streamed `echo`: the choices whose prompt text went out already
 
     def _add(self, part: int, out: RequestOutput) -> list:
         touched = self.acc.add(part, out)
@@ -140,10 +141,15 @@ class Generation:
             if self.chat:
                 if c.text or c.finish_reason or c.logprobs or not ch.started:
                     chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
-            elif c.text or c.finish_reason or c.logprobs or (c.token_ids and self.acc.keep_token_ids):
-                chunks.append(self._chunk([fmt.completion_chunk_choice(
-                    ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs,
-                    c.token_ids if self.acc.keep_token_ids else None)]))
+            else:
+                text = c.text
+                if self.acc.echo is not None and ch.index not in self.echoed:  # OpenAI's and vLLM's streamed
+                    self.echoed.add(ch.index)  # echo: a choice's first chunk starts with its prompt's text
+                    text = self.acc.echo[ch.index // self.acc.n][0] + text
+                if text or c.finish_reason or c.logprobs or (c.token_ids and self.acc.keep_token_ids):
+                    chunks.append(self._chunk([fmt.completion_chunk_choice(
+                        ch, text, c.logprobs, c.finish_reason, self.want_logprobs,
+                        c.token_ids if self.acc.keep_token_ids else None)]))
         return chunks
 
     def _last(self, chunks: list[dict]) -> list[dict]:
