@@ -130,6 +130,14 @@ class Call(threading.Thread):
         return self.ended - self.started
 
 
+def running(srv: Server, model: str) -> int:
+    """The deployment's running requests, from /metrics (the engines' own report, every 100 ms)."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    found = re.search(r'^tokenpath:num_requests_running\{[^}]*model_name="' + re.escape(model) + r'"[^}]*\} (\S+)$',
+                      text, re.M)
+    return int(float(found[1])) if found else 0
+
+
 def queued_in(log_dir: Path, replica: str, rid: str) -> bool:
     return f"request {rid} queued" in (log_dir / f"{replica}.log").read_text()
 
@@ -167,8 +175,12 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
     wait_until(lambda: len(streaming.lines) >= 3, 60, "the long stream never started")
     whole = Call(srv, body(name, 3500), "long-whole", on_victim)
     whole.start()
+    # `whole` is generating: both run on the victim (the other engine is idle). Its stream's progress
+    # alone was no sign of it: once `whole` had not reached the engine yet, and the freeze then
+    # found it unstarted, so it was retried elsewhere (a 200, rightly) where this test expects 503.
+    wait_until(lambda: running(srv, name) >= 2, 60, "the non-streamed request never started on the victim")
     sent = len(streaming.lines)
-    wait_until(lambda: len(streaming.lines) >= sent + 30, 60, "the long stream stopped")  # `whole` is generating
+    wait_until(lambda: len(streaming.lines) >= sent + 30, 60, "the long stream stopped")
     assert streaming.is_alive() and whole.is_alive(), "the long requests finished before the freeze"
 
     os.kill(pids[VICTIM], signal.SIGSTOP)
