@@ -24,6 +24,8 @@ from tokenpath.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from tokenpath.engine.loader import LoadedModel
+
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "MixtralForCausalLM": "mixtral"}
@@ -210,7 +212,7 @@ class HFWeights(Mapping):
             out = (view.astype(np.uint32) << 16).view(np.float32)
         else:
             out = view.astype(np.float32)
-        self.release_view(self._bytes(name))
+        self.release_view(view)
         return out
 
     def matrix_bytes(self, name: str) -> np.ndarray | None:
@@ -254,7 +256,7 @@ class HFWeights(Mapping):
         return len(self._index)
 
 
-def hf_weights(loaded: Any) -> HFWeights:
+def hf_weights(loaded: LoadedModel) -> HFWeights:
     """A loaded safetensors checkpoint's weights (a LoadedModel's), whose numpy readers the native
     path uses instead of torch tensors."""
     if not isinstance(loaded.weights, HFWeights):

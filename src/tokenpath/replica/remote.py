@@ -204,19 +204,15 @@ class RemoteReplica(PolledState):
                 self._state.detail = f"/health answered {health.status_code}"
                 return self._state
             if self._has_metrics:
-                r = await self._client.get("/metrics", timeout=self.config.connect_timeout_s)
-                if r.status_code in (404, 501):  # (501: llama-server without --metrics)
-                    self._has_metrics = False
-                else:
-                    r.raise_for_status()
+                r = await self._optional("/metrics")  # (501: llama-server without --metrics)
+                self._has_metrics = r is not None
+                if r is not None:
                     self._set(parse_metrics(r.text, self.name))
                     return self._state
             if self._has_slots:
-                r = await self._client.get("/slots", timeout=self.config.connect_timeout_s)
-                if r.status_code in (404, 501):  # (not llama-server, or started with --no-slots)
-                    self._has_slots = False
-                else:
-                    r.raise_for_status()
+                r = await self._optional("/slots")  # (not llama-server, or started with --no-slots)
+                self._has_slots = r is not None
+                if r is not None:
                     self._set(parse_slots(r.json(), self.name))
                     return self._state
             self._set(ReplicaState(name=self.name, running=len(self._open)))
@@ -226,6 +222,15 @@ class RemoteReplica(PolledState):
                 self._state.healthy = False
                 self._state.detail = f"poll failed: {type(exc).__name__}: {exc}"
         return self._state
+
+    async def _optional(self, path: str) -> httpx.Response | None:
+        """GET an endpoint the server may not have: None when it answers 404 or 501 (so it is not
+        asked again), the response when it answers, an error for any other failure."""
+        r = await self._client.get(path, timeout=self.config.connect_timeout_s)
+        if r.status_code in (404, 501):
+            return None
+        r.raise_for_status()
+        return r
 
     def _yield_point(self, rid: str) -> None:
         self._readers.pop(rid, None)

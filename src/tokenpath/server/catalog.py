@@ -227,14 +227,12 @@ def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir
     from tokenpath.server.routing_config import build_deployment
 
     by_id = {s.name: s for s in specs}
-    from_dir = make_loader(config, log_dir=log_dir) if config.models_dir is not None else None
+    from_dir = make_loader(config, log_dir=log_dir)  # (the entries not in the routing file: --models-dir's)
 
     async def load(entry: CatalogEntry) -> Loaded:
         spec = by_id.get(entry.id)
-        if spec is None and from_dir is not None:
-            return await from_dir(entry)
         if spec is None:
-            raise KeyError(entry.id)  # (the catalog holds only these two kinds of entry)
+            return await from_dir(entry)
         before = rss_mib()
         dep, closers = await build_deployment(spec, log_dir=log_dir)
         dep.name = entry.id

@@ -202,8 +202,8 @@ class ResponsesGeneration(Generation):
             run.status, run.error_type = 500, "internal_error"
             yield self._failed("server_error", "internal server error while streaming")
             return
-        closing = self._open_message()[1] if self.open is None and not self.output else []  # (an empty reply: one empty message)
-        closing += self._close()
+        empty = self.open is None and not self.output  # an empty reply is still one (empty) message
+        closing = [*(self._open_message()[1] if empty else []), *self._close()]
         run.done()
         status, incomplete = status_of(reason)
         body = turn.response(self.model, status, self.output, self.acc.usage(), incomplete)
