@@ -74,3 +74,33 @@ def test_diagnose_speaks_of_the_window():
     assert "kv_pressure" in {f.kind for f in diagnose([], [since_start])}
     hot = replace(w, kv_usage_max=0.95)
     assert "kv_pressure" in {f.kind for f in diagnose([], [hot])}
+
+
+def test_expert_figures_are_windowed_and_a_scattered_batch_is_named():
+    """A mixture of experts' counters are window differences like the others. Steps of 8 tokens
+    (top-8 of 128 experts, 24 sparse layers) whose 64 rows per layer went to 60 experts: each
+    expert read served ~1.07 rows, so `expert_scatter` names it; steps whose tokens shared their
+    experts (rows per read 4) do not get it, nor does a dense model or a window of single tokens."""
+    def moe(steps: int, reads_per_layer: float, tokens: float, up: float) -> EngineFigures:
+        ls = steps * 24
+        return replace(figs(steps, 0.05 * steps, steps, 0, 0.2, up), tokens_scheduled=tokens * steps,
+                       moe_expert_rows=int(ls * tokens * 8), moe_experts_read=int(ls * reads_per_layer),
+                       moe_busiest_expert_rows=ls * 3, moe_layer_steps=ls)
+
+    h = EngineHistory(sample_s=5.0)
+    h.add(1005.0, [moe(100, 8, 1, 5)])  # single tokens so far
+    (w,) = h.window(1005.0, 1010.0, [moe(300, 60, 8, 10)])
+    assert w.moe_layer_steps == 200 * 24 and w.moe_expert_rows == 300 * 24 * 64 - 100 * 24 * 8
+    scattered = [f for f in diagnose([], [w]) if f.kind == "expert_scatter"]
+    fig = moe(300, 60, 8, 10).experts()
+    assert fig is not None and fig["expert_rows_per_read"] == pytest.approx(64 / 60, abs=1e-3)
+    assert fig["busiest_expert_vs_mean"] == pytest.approx(3 / (64 / 60), abs=1e-3)
+    (f,) = [f for f in diagnose([], [moe(300, 60, 8, 10)]) if f.kind == "expert_scatter"]
+    assert f.evidence["experts_read_per_layer_step"] == 60 and "8.0 tokens" in f.figure
+    assert scattered  # the window's figures say the same: its steps held (300 * 8 - 100) / 200 tokens
+    engine_busy = next(f for f in diagnose([], [w]) if f.kind == "engine_busy")
+    assert "expert_rows_per_read" in engine_busy.evidence
+    assert not [f for f in diagnose([], [moe(300, 16, 8, 10)]) if f.kind == "expert_scatter"]  # 4 rows a read
+    assert not [f for f in diagnose([], [moe(300, 8, 1, 10)]) if f.kind == "expert_scatter"]  # one token a step
+    dense = figs(300, 15.0, 300, 0, 0.2, 10)
+    assert dense.experts() is None and "expert_rows_per_read" not in dense.summary()

@@ -444,5 +444,6 @@ class EngineCore:
             waiting_loras=list(dict.fromkeys(s.lora.name for s in list(self.scheduler.waiting) if s.lora)),
             max_loras=self.loras.max_loras,
             spec_decode=[] if self.spec is None else self.spec.stats.as_list(self.spec.k),
+            moe_experts=self.runner.moe_counters(),
         )
 

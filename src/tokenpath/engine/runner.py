@@ -163,6 +163,13 @@ class ModelRunner:
             raise AttributeError("this runner runs the native kernels: it has no torch model")
         return self.torch.model
 
+    def moe_counters(self) -> list[int]:
+        """Mixture-of-experts counters since load (pairs routed, experts read, the busiest expert's
+        rows, sparse layer-steps: `telemetry.engine_steps.MOE_COUNTERS`); empty for a dense model."""
+        if self.native is not None:
+            return self.native.moe_counters()
+        return self.torch.moe_counters() if self.torch is not None else []
+
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence], PromptRows]:
         """Run one step. Returns float32 logits [S + P, vocab]: S rows for the sequences whose
         scheduled tokens reach the end of what they know (they sample; the rest were mid-prompt

@@ -21,6 +21,7 @@ from tokenpath.engine.kv_cache import KVCache
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.lora_batch import TorchLoraBatch, row_groups
 from tokenpath.engine.models.llama import LlamaModel
+from tokenpath.engine.models.moe import MoEBlock
 from tokenpath.engine.runner import PromptRows, _prompt_rows, _sampling_rows
 from tokenpath.engine.sequence import Sequence
 
@@ -63,8 +64,14 @@ class TorchForward:
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device).eval()
         self.model.rope.to(torch.float32)  # keep cos/sin tables exact
+        self._moe_blocks = [m for m in self.model.modules() if isinstance(m, MoEBlock)]
         if self.device.type == "cpu" and (threads := env_num_threads()) is not None:
             torch.set_num_threads(threads)
+
+    def moe_counters(self) -> list[int]:
+        """The sparse layers' counters summed (models/moe.py), or empty for a dense model."""
+        blocks = self._moe_blocks
+        return [sum(b.counters[i] for b in blocks) for i in range(4)] if blocks else []
 
     def execute(self, scheduled: list[tuple[Sequence, int]], cache: KVCache, block_size: int, num_groups: int,
                 tables: Callable[[Sequence, type], np.ndarray], adapter: Callable[[Sequence], Any],

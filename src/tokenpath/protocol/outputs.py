@@ -160,6 +160,9 @@ class EngineState:
     # Speculative decoding's counters (vLLM's spec_decode_* metrics): [drafts, draft tokens,
     # accepted tokens, accepted at position 0, 1, ...]; empty when the engine does not speculate.
     spec_decode: list[int] = field(default_factory=list)
+    # Mixture-of-experts counters (`telemetry.engine_steps.MOE_COUNTERS`: pairs routed, experts
+    # read, the busiest expert's rows, sparse layer-steps); empty for a dense model.
+    moe_experts: list[int] = field(default_factory=list)
     # The step thread, for the replica's liveness (`replica.liveness`: one rule in the gateway for
     # an engine in its process and one behind the link): how long it had been in its current step
     # when this state was taken (0 while it waits for work), and how long a normal step of this

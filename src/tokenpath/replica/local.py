@@ -109,6 +109,7 @@ class InProcessReplica:
             waiting_loras=tuple(s.waiting_loras),
             max_loras=s.max_loras,
             spec_decode=tuple(s.spec_decode),
+            moe_experts=tuple(s.moe_experts),
         )
 
     def _supervise(self) -> None:

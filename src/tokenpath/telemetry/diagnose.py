@@ -12,7 +12,10 @@ preemptions, KV usage mean and max). The map:
 - `prefix_benefit_lost`: the prefix-cache hit rate achieved against the one achievable had each
   request gone to the replica holding most of its prompt (the router hashed every prompt's blocks
   against every replica when it chose; `prefix_elsewhere` keeps what it passed over);
-- `engine_busy`: the share of the window each engine spent stepping, with its window's figures;
+- `engine_busy`: the share of the window each engine spent stepping, with its window's figures
+  (for a mixture of experts, its routing too: rows per expert read, the busiest expert's load);
+- `expert_scatter`: a mixture of experts whose batched tokens went to experts of their own, so
+  batching did not share the experts' weight reads;
 - `admission_rejections`: refusals by reason;
 - `model_thrash`: catalog models evicting each other and reloaded soon after, who evicted whom,
   the loads and their seconds, and whether the budget or the keep-alive is the remedy
@@ -28,9 +31,12 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tokenpath.telemetry.engine_steps import MOE_COUNTERS
 from tokenpath.telemetry.thrash import thrash
 from tokenpath.telemetry.timeline import PATH_STAGES
 
+# EngineFigures' fields of the sparse layers' counters, in EngineState.moe_experts' order.
+MOE_FIELDS = tuple(name for name, _ in MOE_COUNTERS)
 TTFT_STAGES = PATH_STAGES[:PATH_STAGES.index("prefill") + 1]  # every stage up to the first token
 
 
@@ -68,15 +74,34 @@ class EngineFigures:
     window_s: float | None = None  # the seconds the counters cover (None: since the server started)
     kv_usage_mean: float | None = None
     kv_usage_max: float | None = None
+    # Mixture-of-experts counters (engine_steps.MOE_COUNTERS); zeros for a dense model.
+    moe_expert_rows: int = 0
+    moe_experts_read: int = 0
+    moe_busiest_expert_rows: int = 0
+    moe_layer_steps: int = 0
 
     @property
     def span_s(self) -> float:
         return self.window_s if self.window_s is not None else self.uptime_s
 
+    def experts(self) -> dict[str, float] | None:
+        """A mixture of experts' routing over the window, None for a dense model (or no sparse
+        step): rows per expert read (how many tokens one read of an expert's weights served: 1.0
+        when each token's experts were read for it alone), experts read per layer-step, and the
+        busiest expert's rows against the mean of those read (1.0: an even load)."""
+        if not self.moe_layer_steps or not self.moe_experts_read:
+            return None
+        per_read = self.moe_expert_rows / self.moe_experts_read
+        return {"expert_rows_per_read": round(per_read, 3),
+                "experts_read_per_layer_step": round(self.moe_experts_read / self.moe_layer_steps, 2),
+                "expert_rows_per_layer_step": round(self.moe_expert_rows / self.moe_layer_steps, 2),
+                "busiest_expert_vs_mean": round(self.moe_busiest_expert_rows / self.moe_layer_steps / per_read, 3)}
+
     def summary(self) -> dict[str, float | int | None]:
-        """The figures an operator reads first: per step and per window."""
+        """The figures an operator reads first: per step and per window (and the experts' routing,
+        for a mixture of experts)."""
         steps = max(1, self.steps)
-        return {"window_s": round(self.span_s, 1), "steps": self.steps,
+        return {"window_s": round(self.span_s, 1), "steps": self.steps, **(self.experts() or {}),
                 "busy_fraction": round(self.step_seconds / self.span_s, 4) if self.span_s > 0 else 0.0,
                 "mean_step_ms": round(1000 * self.step_seconds / steps, 2) if self.steps else None,
                 "mean_batch_seqs": round(self.seqs_scheduled / steps, 3) if self.steps else None,
@@ -253,6 +278,9 @@ def _engine(e: EngineFigures, rows: list[dict[str, Any]]) -> list[Finding]:
                 "batches_not_forming", f"mean batch {mean:.2f} of max_num_seqs {e.max_num_seqs} on {e.replica} "
                 f"(cause: {why})", 0.0, {"replica": e.replica, "mean_batch": round(mean, 3), "cause": why,
                                          "steps": e.steps}, lever))
+    scatter = _expert_scatter(e)
+    if scatter is not None:
+        out.append(scatter)
     preempted = [r for r in rows if any(c.get("kind") == "preempted" for c in r.get("causes") or ())]
     if e.preemptions or kv_peak > 0.9:
         out.append(Finding(
@@ -263,6 +291,31 @@ def _engine(e: EngineFigures, rows: list[dict[str, Any]]) -> list[Finding]:
              "kv_usage_max": e.kv_usage_max,
              "request_ids": [r["request_id"] for r in preempted[:10]]}, _LEVERS["preempted"]))
     return out
+
+
+# A mixture of experts' batch "scatters" when its tokens chose experts of their own: one read of an
+# expert's weights serves at most this many rows on average, while steps held several tokens.
+SCATTER_ROWS_PER_READ = 1.5
+SCATTER_MIN_TOKENS = 2.0
+
+
+def _expert_scatter(e: EngineFigures) -> Finding | None:
+    """`expert_scatter`: steps of several tokens whose tokens went to different experts, so each
+    expert's weights were read for one token or little more and the step cost about what its
+    tokens cost one at a time: batching bought these steps almost nothing."""
+    moe = e.experts()
+    if moe is None or not e.steps or e.tokens_scheduled / e.steps < SCATTER_MIN_TOKENS:
+        return None
+    if moe["expert_rows_per_read"] > SCATTER_ROWS_PER_READ:
+        return None
+    return Finding(
+        "expert_scatter", f"steps on {e.replica} held {e.tokens_scheduled / e.steps:.1f} tokens on average, but "
+        f"their tokens scattered over the experts: each expert read served {moe['expert_rows_per_read']} rows "
+        f"({moe['experts_read_per_layer_step']} experts read per layer-step), so a step cost about what its "
+        "tokens cost one at a time", 0.0, {"replica": e.replica, **moe},
+        "this traffic's routing: larger batches (more concurrent requests, a larger --max-num-batched-tokens "
+        "for prefill) let more tokens share each expert's read; decode of a mixture of experts costs what a "
+        "dense model of its active size costs")
 
 
 def _rejections(rows: list[dict[str, Any]]) -> Finding | None:
@@ -316,5 +369,7 @@ def engine_figures(deployments: Any, uptime_s: float) -> list[EngineFigures]:
                                      preemptions=int(s.num_preemptions), kv_usage=float(s.kv_usage),
                                      waiting=int(s.waiting), running=int(s.running), uptime_s=uptime_s,
                                      prefix_cache_queries=int(s.prefix_cache_queries),
-                                     prefix_cache_hits=int(s.prefix_cache_hits)))
+                                     prefix_cache_hits=int(s.prefix_cache_hits),
+                                     **dict(zip(MOE_FIELDS, map(int, getattr(s, "moe_experts", ()) or ()),
+                                                strict=False))))
     return out

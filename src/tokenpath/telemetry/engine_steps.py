@@ -30,6 +30,16 @@ SERIES: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "tokens": ("iteration_tokens_total", "Tokens scheduled per engine step.", BATCH_TOKENS_BUCKETS),
 }
 
+# The sparse layers' cumulative counters (`EngineState.moe_experts`, in this order: csrc/moe.h and
+# engine/models/moe.py count them), as /metrics names them after the `tokenpath:` prefix.
+MOE_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("moe_expert_rows", "(token, expert) pairs the sparse layers routed: tokens x top-k, per layer."),
+    ("moe_experts_read", "Experts whose weights a sparse layer read (those that got a token), summed over "
+                         "layer-steps."),
+    ("moe_busiest_expert_rows", "Rows of each layer-step's busiest expert, summed over layer-steps."),
+    ("moe_layer_steps", "Sparse layer-steps: engine steps times sparse layers."),
+)
+
 
 class CumulativeHistogram:
     """Per-bucket counts (the last one is +Inf) and the sum: Prometheus' histogram, without a lock

@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from tokenpath.telemetry.diagnose import EngineFigures
+from tokenpath.telemetry.diagnose import MOE_FIELDS, EngineFigures
 
 SAMPLE_S = 5.0
 KEEP_S = 2 * 3600.0
 _COUNTERS = ("steps", "step_seconds", "seqs_scheduled", "tokens_scheduled", "preemptions",
-             "prefix_cache_queries", "prefix_cache_hits")
+             "prefix_cache_queries", "prefix_cache_hits", *MOE_FIELDS)
 
 
 class EngineHistory:

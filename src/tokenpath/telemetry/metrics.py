@@ -28,8 +28,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from tokenpath.telemetry.engine_steps import MOE_COUNTERS, prometheus_buckets
 from tokenpath.telemetry.engine_steps import SERIES as STEP_SERIES
-from tokenpath.telemetry.engine_steps import prometheus_buckets
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.series import RoutingMetricsCollector
 from tokenpath.telemetry.stages import after_first_token
@@ -79,7 +79,7 @@ class _StateCollector(Collector):
         lora_info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
                                       labels=["model_name", "max_lora", "waiting_lora_adapters",
                                               "running_lora_adapters"])
-        spec = SpecDecodeMetrics()
+        spec, moe = SpecDecodeMetrics(), MoeMetrics()
         for dep in self._deployments():  # (embedding models too: their replicas report running requests)
             running = waiting = 0
             usage: list[float] = []
@@ -100,6 +100,7 @@ class _StateCollector(Collector):
                 hits += st.prefix_cache_hits
                 preemptions += st.num_preemptions
                 spec.add(dep.name, getattr(st, "spec_decode", None))  # (embedding replicas have none)
+                moe.add(dep.name, getattr(st, "moe_experts", None))
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
             for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
@@ -117,11 +118,12 @@ class _StateCollector(Collector):
         yield lora_info
         yield from c.values()
         yield from spec.families()
+        yield from moe.families()
 
 
-class SpecDecodeMetrics:
-    """vLLM's spec_decode_* counters, summed per model over its replicas; only models whose
-    engines speculate get series (an engine without it reports an empty list)."""
+class ModelSums:
+    """Lists of cumulative counters summed per model over its replicas; a replica that reports an
+    empty list (an engine without the feature) adds nothing, so such models get no series."""
 
     def __init__(self) -> None:
         self._sums: dict[str, list[int]] = {}
@@ -133,6 +135,10 @@ class SpecDecodeMetrics:
         total.extend([0] * (len(counts) - len(total)))
         for i, v in enumerate(counts):
             total[i] += v
+
+
+class SpecDecodeMetrics(ModelSums):
+    """vLLM's spec_decode_* counters, for models whose engines speculate."""
 
     def families(self) -> Iterator[Metric]:
         if not self._sums:
@@ -150,6 +156,20 @@ class SpecDecodeMetrics:
                 per_pos.add_metric([model, str(pos)], v)
         yield from fams.values()
         yield per_pos
+
+
+class MoeMetrics(ModelSums):
+    """The sparse layers' expert counters (`engine_steps.MOE_COUNTERS`), for mixture-of-experts
+    models: rows / experts read is how many tokens one read of an expert's weights served."""
+
+    def families(self) -> Iterator[Metric]:
+        if not self._sums:
+            return
+        fams = [CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, doc in MOE_COUNTERS]
+        for model, sums in self._sums.items():
+            for fam, v in zip(fams, sums, strict=False):
+                fam.add_metric([model], v)
+        yield from fams
 
 
 class EngineStepCollector(Collector):

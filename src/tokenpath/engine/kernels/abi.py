@@ -28,6 +28,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_create": (_P, [_P, _F, _I, _P, _P, _P, _P]),
     "tp_model_free": (None, [_P]),
     "tp_model_set_moe": (_I, [_P, _I, _P, _P, _P, _P]),
+    "tp_model_moe_counters": (None, [_P, _P]),
     "tp_model_abi": (_I, []),
     "tp_model_forward": (_I, FORWARD_ARGS),
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
@@ -41,8 +42,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
 # halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs; 7: dims[12] is the
 # KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test; 8: the F32X16 weight
-# type, which an older library would run as Q8_0 rows). A library reporting another is refused at load.
-MODEL_ABI = 8
+# type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters). A library
+# reporting another is refused at load.
+MODEL_ABI = 9
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

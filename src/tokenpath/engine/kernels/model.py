@@ -361,6 +361,7 @@ class NativeLlama:
                                         ex.types.ctypes.data, ex.ptrs.ctypes.data):
                 raise ValueError(f"layer {i}: the kernels refused its experts ({ex.dims.tolist()})")
         self._keep = keep
+        self.sparse_layers = len(sparse)
         self.num_groups = max(cache.layer_group) + 1
         # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
         not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
@@ -399,6 +400,15 @@ class NativeLlama:
                                                         lora.ranks.ctypes.data, lora.scales.ctypes.data)
         check_forward(status)
         return logits
+
+    def moe_counters(self) -> list[int]:
+        """The experts' cumulative counters (csrc/moe.h: pairs routed, experts read, the busiest
+        expert's rows, sparse layer-steps); empty for a dense model."""
+        if not self.sparse_layers:
+            return []
+        out: np.ndarray = np.zeros(4, dtype=np.uint64)
+        self.lib.lib.tp_model_moe_counters(self._handle, out.ctypes.data)
+        return [int(v) for v in out]
 
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)

@@ -35,6 +35,9 @@ class MoEBlock(nn.Module):
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype))
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.down = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        # Cumulative, as csrc/moe.h counts them: pairs routed, experts read, the busiest expert's
+        # rows, layer-steps (the engine's `moe_experts` figures; one writer, the step thread).
+        self.counters = [0, 0, 0, 0]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert indices [T, k]) for each token."""
@@ -51,6 +54,8 @@ class MoEBlock(nn.Module):
         tokens = order // self.top_k
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        c = self.counters
+        c[0], c[1], c[2], c[3] = c[0] + len(flat), c[1] + sum(n > 0 for n in counts), c[2] + max(counts), c[3] + 1
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):

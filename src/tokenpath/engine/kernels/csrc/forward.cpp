@@ -332,7 +332,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
 // 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
 // 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
-int tp_model_abi() { return 8; }
+// 9: tp_model_moe_counters.
+int tp_model_abi() { return 9; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).

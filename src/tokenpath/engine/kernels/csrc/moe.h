@@ -18,6 +18,11 @@
 //   down        per item, as gate_up
 //   combine     x += sum of each row's experts' outputs times their weights, ascending expert
 //               index (the order the torch path and transformers add them in)
+// The plan phase also counts, cumulatively over the model's life (tp_model_moe_counters): the
+// (row, expert) pairs routed, the experts read (those that got a row), and each layer's busiest
+// expert's rows; with the sparse layer-steps, these say how much one weight read of an expert is
+// shared by a step's tokens (pairs / reads: 1.0 when every token went to experts of its own) and
+// how uneven the load was (the busiest expert against the mean of those read).
 // Experts keep their own blocks: each of gate, up and down is one allocation holding every
 // expert's rows (repacked 16 rows at a time like the dense matrices), expert e at e * stride.
 #pragma once
@@ -49,6 +54,7 @@ struct MoeBuf {
     // which rewrites the item lists: the count it reads on entry must still be this layer's (it
     // then claims nothing; a wrong count would leave it waiting for items that never come).
     std::vector<int> n_items;
+    uint64_t counters[4] = {0, 0, 0, 0};  // pairs routed, experts read, busiest experts' rows, layer-steps
     ActBuf act;
     QAct view;  // over `act`: T * top-k rows of max(hidden, ff) values
 };
@@ -160,6 +166,10 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
             const int r = b.next[b.sel[p]]++;
             b.at[p] = r, b.tok[r] = p / k;
         }
+        int read = 0;
+        for (int e = 0; e < E; ++e) read += b.counts[e] > 0;
+        b.counters[0] += uint64_t(P), b.counters[1] += uint64_t(read), b.counters[2] += uint64_t(b.counts[b.order[0]]);
+        b.counters[3] += 1;
         moe_items(b.gu_items, b, E, 2 * ff, nthreads, T);
         moe_items(b.dn_items, b, E, H, nthreads, T);
         b.n_items[2 * L.layer] = int(b.gu_items.size()), b.n_items[2 * L.layer + 1] = int(b.dn_items.size());
@@ -235,6 +245,12 @@ int tp_model_set_moe(void* handle, int layer, const int32_t* dims, const float* 
     m.moes.push_back(std::move(L));
     if (!m.moe_buf) m.moe_buf = std::make_unique<MoeBuf>();
     return 0;
+}
+
+// The cumulative expert counters (MoeBuf::counters) into out[0..4); zeros for a dense model.
+void tp_model_moe_counters(void* handle, uint64_t* out) {
+    const Model& m = *static_cast<const Model*>(handle);
+    for (int i = 0; i < 4; ++i) out[i] = m.moe_buf ? m.moe_buf->counters[i] : 0;
 }
 
 }  // extern "C"

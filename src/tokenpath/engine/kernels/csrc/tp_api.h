@@ -22,6 +22,9 @@ void tp_model_free(void* handle);
 // moe.h: makes a layer's MLP a mixture of experts (after tp_model_create); 0, or 1 for bad arguments.
 int tp_model_set_moe(void* handle, int layer, const int32_t* dims, const float* router, const int32_t* types,
                      const uint64_t* ptrs);
+// moe.h: the expert counters since the model was made (pairs routed, experts read, the busiest
+// expert's rows summed over layer-steps, sparse layer-steps); zeros for a dense model.
+void tp_model_moe_counters(void* handle, uint64_t* out);
 int tp_model_abi();
 // Both return a status: 0, or one of the TP_STATUS_* codes below (kernels/abi.py names them).
 int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
