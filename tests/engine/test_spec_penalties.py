@@ -49,6 +49,46 @@ def test_each_draft_row_is_rewritten_as_plain_decoding_would_at_that_position():
     assert np.isfinite(got[2, eos])  # 4 output tokens before row 2: EOS allowed from there
 
 
+def _dense_rewrite(row: np.ndarray, seq: Sequence, eos: int) -> None:
+    """The sampler's rewrite as it was written before it went sparse: vocabulary-wide counts."""
+    p, vocab, out = seq.params, row.shape[-1], seq.output_token_ids
+    seen = np.array(sorted(set(seq.token_ids)), dtype=np.int64)
+    seen = seen[(seen >= 0) & (seen < vocab)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        if p.repetition_penalty != 1.0:
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / np.float32(p.repetition_penalty), vals * np.float32(p.repetition_penalty))
+        if out:
+            ids = np.asarray(out, dtype=np.int64)
+            counts = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)[:vocab].astype(np.float32)
+            row -= np.float32(p.frequency_penalty) * counts
+            row -= np.float32(p.presence_penalty) * (counts > 0).astype(np.float32)
+    for t, b in p.logit_bias.items():
+        if 0 <= t < vocab:
+            row[t] += np.float32(b)
+    if seq.num_output_tokens < p.min_tokens and not p.ignore_eos:
+        row[eos] = -np.inf
+
+
+def test_the_sparse_rewrite_gives_the_dense_formulas_values():
+    """Ids past the row (a padded vocabulary), inf and NaN logits, negative penalties included."""
+    rng = np.random.default_rng(3)
+    sampler = Sampler(eos_token_id=2)
+    for _ in range(100):
+        vocab = int(rng.integers(5, 2000))
+        params = SamplingParams(temperature=0, max_tokens=50, repetition_penalty=float(rng.choice([1.0, 0.5, 1.3])),
+                                presence_penalty=float(rng.choice([0.0, -1.0, 0.7])),
+                                frequency_penalty=float(rng.choice([0.0, -0.5, 1.1])), min_tokens=int(rng.integers(0, 5)),
+                                logit_bias={int(rng.integers(0, vocab)): 2.0})
+        tokens = rng.integers(0, vocab + 20, int(rng.integers(1, 300))).tolist()
+        seq = Sequence("r", 0, tokens, int(rng.integers(0, len(tokens))), params)
+        logits = (rng.normal(size=(1, vocab)) * 3).astype(np.float32)
+        logits[0, rng.integers(0, vocab, 3)] = rng.choice([np.inf, -np.inf, np.nan])
+        want = logits[0].copy()
+        _dense_rewrite(want, seq, 2)
+        np.testing.assert_array_equal(sampler._apply_penalties(logits, [seq])[0], want)
+
+
 def test_rejection_sampling_with_penalties_keeps_each_rows_rewritten_distribution():
     """Vocabulary of 5, two drafts, repetition/presence/frequency penalties: the first emitted
     token is distributed as row 0 rewritten with the output so far, and given it is the first
