@@ -218,3 +218,17 @@ def test_greedy_with_per_token_rewrites_is_the_plain_engines_on_smollm2(smol_pai
         assert len(want.outputs[0].token_ids) <= 41 and want.outputs[0].finish_reason == "stop"
     assert _accepted(got) > 0, got.events.spec  # drafts were accepted: speculation ran
     assert llm.engine.blocks.check_consistency() == []
+
+
+@pytest.mark.slow  # (loads SmolLM2: not the fast tier)
+@pytest.mark.requires("kernels")
+def test_seeded_sampled_choices_with_penalties_speculate_and_reproduce(smol_pair):
+    """n = 2, sampled, seeded, with penalties: both choices draft and accept, each draws from its
+    own stream (seed + i: the choices differ), and the same request gives the same tokens again."""
+    _, llm = smol_pair
+    p = SamplingParams(temperature=0.5, max_tokens=64, seed=11, n=2, frequency_penalty=0.2)
+    first, again = llm.chat(COPY, p)[0], llm.chat(COPY, p)[0]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert first.outputs[0].token_ids != first.outputs[1].token_ids
+    assert _accepted(first) > 0, first.events.spec
+    assert llm.engine.blocks.check_consistency() == []
