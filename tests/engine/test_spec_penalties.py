@@ -232,3 +232,20 @@ def test_seeded_sampled_choices_with_penalties_speculate_and_reproduce(smol_pair
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
     assert _accepted(first) > 0, first.events.spec
     assert llm.engine.blocks.check_consistency() == []
+
+
+@pytest.mark.slow  # (loads SmolLM2: not the fast tier)
+@pytest.mark.requires("kernels")
+def test_penalties_and_min_tokens_under_a_grammar_are_the_plain_engines(smol_pair):
+    """Rewrites first, then the grammar's masks, row by row, as the plain sampler orders them."""
+    from tests.engine.test_spec_grammar import COPY as RECORD_COPY
+    from tests.engine.test_spec_grammar import SCHEMA
+
+    plain, llm = smol_pair
+    p = SamplingParams(temperature=0, max_tokens=120, structured=SCHEMA, min_tokens=30, repetition_penalty=1.05,
+                       presence_penalty=0.2)
+    want, got = plain.chat(RECORD_COPY, p)[0].outputs[0], llm.chat(RECORD_COPY, p)[0]
+    g = got.outputs[0]
+    assert (g.token_ids, g.text, g.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert _accepted(got) > 0, got.events.spec
+    assert llm.engine.blocks.check_consistency() == []
