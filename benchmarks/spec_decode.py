@@ -3,14 +3,18 @@
 Workloads: `edit` (a ~400-token Python file in the prompt, reproduced with one rename), `quote`
 (a passage in the prompt, answered by quoting it), `free` (a story: nothing to copy), and two under
 a grammar: `json` (a record in the prompt copied under its JSON schema) and `tool` (a `required`
-call of a write_file tool whose arguments are in the prompt, under the tool-call grammar). Each
+call of a write_file tool whose arguments are in the prompt, under the tool-call grammar), and
+`edit_penalties`: the `edit` prompt with a repetition penalty of 1.1 and a presence penalty of 0.3
+(what agent and chat clients send; the sampler rewrites each verification row at its own
+position, `Sampler.draft_rows`). `--workloads` picks some of them, `--out` names the results. Each
 mode runs in its own subprocess (so peak RSS is per engine), in interleaved rounds off, on, off,
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
 
-    nice -n 10 .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--spec JSON]
+    nice -n 10 .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--spec JSON] [--workloads edit,edit_penalties]
+        [--out spec_decode]
 
-Writes benchmarks/results/spec_decode.{md,json}.
+Writes benchmarks/results/{out}.{md,json} (default spec_decode).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ WORKLOADS = {
     "json": ("", 160),  # (the messages and the grammar: `constrained`)
     "tool": ("", 160),
 }
+WORKLOADS["edit_penalties"] = WORKLOADS["edit"]
+# Sampling parameters a workload adds to greedy decoding.
+PARAMS: dict[str, dict] = {"edit_penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.3}}
 RECORD = {"name": "Ada Lovelace", "born": "10 December 1815, London", "field": "mathematics",
           "known_for": "the first published computer program, for Babbage's Analytical Engine"}
 TOOL = {"type": "function", "function": {
@@ -78,18 +85,20 @@ def constrained(name: str):  # noqa: ANN201 - (messages, StructuredOutput) of a 
     return None
 
 
-def worker(spec: str | None) -> dict:
+def worker(spec: str | None, names: list[str]) -> dict:
     from tokenpath import LLM, SamplingParams
 
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="128MiB", speculative_config=spec)
     llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4))  # warm-up
     out = {}
-    for name, (prompt, max_tokens) in WORKLOADS.items():
+    for name in names:
+        prompt, max_tokens = WORKLOADS[name]
         before = llm.engine.spec.stats if llm.engine.spec else None
         drafted = (before.num_draft_tokens, before.num_accepted_tokens) if before else (0, 0)
         grammar = constrained(name)
         messages, structured = grammar if grammar else ([{"role": "user", "content": prompt}], None)
-        r = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured))[0]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured, **PARAMS.get(name, {}))
+        r = llm.chat(messages, params)[0]
         n = len(r.outputs[0].token_ids)
         ev = r.events
         dt = ev.finished - ev.first_token
@@ -108,23 +117,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", default=json.dumps(SPEC))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
+    ap.add_argument("--out", default="spec_decode", help="results file stem under benchmarks/results")
     ap.add_argument("--worker", choices=["off", "on"])
     args = ap.parse_args()
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        ap.error(f"--workloads: unknown {unknown}; known: {list(WORKLOADS)}")
     if args.worker:
-        print(json.dumps(worker(args.spec if args.worker == "on" else None)))
+        print(json.dumps(worker(args.spec if args.worker == "on" else None, names)))
         return
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     loads = []
     for _ in range(args.rounds):
         for mode in ("off", "on"):
             loads.append(os.getloadavg()[0])
-            proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--spec", args.spec],
+            proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--spec", args.spec,
+                                   "--workloads", ",".join(names)],
                                   capture_output=True, text=True, check=True)
             runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(mode, {k: v.get("decode_tok_s") if isinstance(v, dict) else v for k, v in runs[mode][-1].items()},
                   file=sys.stderr)
     rows = []
-    for name in WORKLOADS:
+    for name in names:
         off = [r[name] for r in runs["off"]]
         on = [r[name] for r in runs["on"]]
         same = all(a["token_ids"] == b["token_ids"] for a in off for b in on)
@@ -139,20 +155,22 @@ def main() -> None:
                      "identical_output": same})
     for mode in runs:
         for r in runs[mode]:
-            for name in WORKLOADS:
+            for name in names:
                 r[name].pop("token_ids")
     rss = {m: max(r["peak_rss_mib"] for r in runs[m]) for m in runs}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
             "cpus": os.cpu_count(), "spec": json.loads(args.spec), "rounds": args.rounds,
+            "workload_params": {n: PARAMS[n] for n in names if n in PARAMS},
             "load_avg_before_each_run": [round(x, 2) for x in loads], "peak_rss_mib": rss}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "spec_decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     lines = [
         "# Speculative decoding (n-gram): SmolLM2-135M-Instruct GGUF, one stream, greedy",
         "",
         f"Run {meta['date']} on {meta['cpus']} shared cores (Python {meta['python']}). Command: "
-        f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds}`; speculative config "
-        f"`{args.spec}`.",
+        f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds} --workloads {','.join(names)} "
+        f"--out {args.out}`; speculative config `{args.spec}`; sampling parameters added to greedy: "
+        f"{json.dumps(meta['workload_params']) if meta['workload_params'] else 'none'}.",
         "",
         f"Interleaved runs (off, on, off, on, ...), each its own process: the machine was shared with other "
         f"work, not quiet (1-min load average before each run: {meta['load_avg_before_each_run']}), so the "
@@ -176,7 +194,7 @@ def main() -> None:
               "`free` story repeats its own phrases, so the n-gram proposer finds matches there too (its acceptance "
               "column): it is not a workload with nothing to copy for this model. Greedy output was identical with "
               "speculation on and off in every run (the last column).", ""]
-    (RESULTS / "spec_decode.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -195,16 +195,13 @@ def _check_observability(llm: LLM, out) -> None:
 
 @pytest.mark.slow  # (loads SmolLM2: not the fast tier)
 @pytest.mark.requires("kernels")
-def test_max_tokens_and_stop_strings_hold_mid_draft_and_ineligible_requests_do_not_draft():
+def test_max_tokens_and_stop_strings_hold_mid_draft():
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", speculative_config=json.dumps(SPEC))
     plain = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB")
     for p in (SamplingParams(temperature=0, max_tokens=37), SamplingParams(temperature=0, max_tokens=80, stop=["n_full"])):
         got, want = llm.chat(COPY, p)[0].outputs[0], plain.chat(COPY, p)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
-    before = llm.engine.spec.stats.num_drafts
-    llm.chat(COPY, SamplingParams(temperature=0, max_tokens=24, n=2))
-    llm.chat(COPY, SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.5))
-    assert llm.engine.spec.stats.num_drafts == before
+    # (penalties, logit_bias, min_tokens and n > 1 draft too: tests/engine/test_spec_penalties.py)
 
 
 # ---------------------------------------------------------------- the distribution

@@ -319,9 +319,11 @@ class EngineCore:
 
     def _verify(self, logits: np.ndarray, sampling: list[Sequence]) -> tuple[list[list[int]], list[list[Logprob]]]:
         """A step with draft tokens: the plain rows sample as always (one batch through the
-        sampler), each drafting sequence's 1 + K rows are verified (`spec.verify`). Logprobs, one
-        per emitted token: a drafting sequence's come from its raw rows (before the grammar's
-        masks), row j for the token emitted at j, as plain decoding reports them."""
+        sampler), each drafting sequence's 1 + K rows are processed as plain decoding would
+        process each (`Sampler.draft_rows`: penalties, logit_bias, min_tokens, grammar) and
+        verified (`spec.verify`). Logprobs, one per emitted token: a drafting sequence's come from
+        its raw rows (before penalties and masks), row j for the token emitted at j, as plain
+        decoding reports them."""
         starts, row = [], 0
         for seq in sampling:
             starts.append(row)
@@ -335,9 +337,8 @@ class EngineCore:
             tokens[i], logprobs[i] = [result.token_ids[j]], [result.logprobs[j]]
         raw = {i: log_softmax(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)])
                for i, seq in enumerate(sampling) if seq.draft_ids and seq.params.logprobs is not None}
-        constrained = [(starts[i], seq) for i, seq in enumerate(sampling) if seq.draft_ids and seq.grammar is not None]
-        if constrained:  # (after the plain rows: the sampler has collected the masks it prefetched)
-            self.sampler.mask_drafts(logits, constrained)
+        # (after the plain rows: the sampler has collected the grammar masks it prefetched)
+        logits = self.sampler.draft_rows(logits, [(starts[i], seq) for i, seq in enumerate(sampling) if seq.draft_ids])
         for i, seq in enumerate(sampling):
             if seq.draft_ids:
                 tokens[i] = verify(logits[starts[i] : starts[i] + 1 + len(seq.draft_ids)], seq,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenpath.engine.penalties import TokenHistory, rewrites
 from tokenpath.engine.rng import Generator
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.structured.masking import MaskBuilder, additive_mask, apply_grammar_masks, draft_masks
@@ -76,20 +77,42 @@ class Sampler:
             self._masks = MaskBuilder(self.grammar_vocab or vocab)
         return self._masks
 
-    def mask_drafts(self, logits: np.ndarray, drafting: list[tuple[int, Sequence]]) -> None:
-        """Speculation: mask, in place, the 1 + K verification rows (from row `start`) of each
-        drafting sequence with a grammar, row j by the grammar state after its first j drafts
-        (engine/spec/grammar.py). The matchers are not advanced: the engine's output loop does that,
-        token by token, as the tokens are emitted."""
-        items = [(s.grammar, s.draft_ids) for _, s in drafting if s.grammar is not None]
-        if len(items) != len(drafting):  # (the rows below are counted over `drafting`)
-            raise ValueError("mask_drafts: every drafting sequence given must have a grammar")
-        add = additive_mask(draft_masks(self._builder(logits.shape[-1]), items), logits.shape[-1])
-        row = 0
-        for start, s in drafting:
-            n = 1 + len(s.draft_ids)
-            logits[start : start + n] += add[row : row + n]
-            row += n
+    def draft_rows(self, logits: np.ndarray, drafting: list[tuple[int, Sequence]]) -> np.ndarray:
+        """Speculation: the 1 + K verification rows (from row `start`) of each drafting sequence,
+        processed as plain decoding would process each of them: row j at the position after the
+        sequence's first j drafts, so penalties, logit_bias and min_tokens see those drafts among
+        the tokens (`penalties.TokenHistory`), and a grammar masks it by its state after them
+        (engine/spec/grammar.py). Then greedy verification takes each row's argmax and rejection
+        sampling draws against each row's distribution, both what plain decoding would have used.
+        Returns `logits` itself when no drafting sequence needs any of this, else a processed copy
+        (the raw rows stay for logprobs). The matchers are not advanced: the engine's output loop
+        does that, token by token, as the tokens are emitted."""
+        rewritten = [(start, s) for start, s in drafting if rewrites(s)]
+        constrained = [(start, s) for start, s in drafting if s.grammar is not None]
+        if not rewritten and not constrained:
+            return logits
+        raw, logits = logits, np.array(logits, dtype=np.float32)
+        banned: set[int] = set()  # rows where min_tokens banned EOS / stop tokens
+        for start, s in rewritten:
+            history = TokenHistory(s, self.eos_token_id)
+            for j in range(1 + len(s.draft_ids)):
+                if j:
+                    history.advance(s.draft_ids[j - 1])
+                if history.bans():
+                    banned.add(start + j)
+                history.rewrite(logits[start + j])
+        if constrained:
+            items = [(s.grammar, s.draft_ids) for _, s in constrained if s.grammar is not None]
+            add = additive_mask(draft_masks(self._builder(logits.shape[-1]), items), logits.shape[-1])
+            row = 0
+            for start, s in constrained:
+                n = 1 + len(s.draft_ids)
+                logits[start : start + n] += add[row : row + n]
+                for j in range(n):  # (apply_grammar_masks' rule: the grammar wins over min_tokens)
+                    if start + j in banned and bool(np.isinf(logits[start + j]).all()):
+                        logits[start + j] = raw[start + j] + add[row + j]
+                row += n
+        return logits
 
     def __call__(self, logits: np.ndarray, seqs: list[Sequence]) -> SampleResult:
         """`logits`: [rows, vocab], one row per sequence (float32; other float dtypes are widened)."""
@@ -118,34 +141,13 @@ class Sampler:
 
     # ------------------------------------------------------------ logits processing
     def _apply_penalties(self, logits: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
-        rows = [i for i, s in enumerate(seqs) if _needs_processing(s)]
+        """Each row rewritten at its sequence's position (`penalties.TokenHistory`), on a copy."""
+        rows = [i for i, s in enumerate(seqs) if rewrites(s)]
         if not rows:
             return logits
         logits = logits.copy()
-        vocab = logits.shape[-1]
         for i in rows:
-            seq, p = seqs[i], seqs[i].params
-            row = logits[i]
-            out_ids = seq.output_token_ids
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                if p.repetition_penalty != 1.0:
-                    seen = np.array(sorted(set(seq.token_ids)), dtype=np.int64)
-                    seen = seen[(seen >= 0) & (seen < vocab)]
-                    vals = row[seen]
-                    row[seen] = np.where(vals > 0, vals / np.float32(p.repetition_penalty),
-                                         vals * np.float32(p.repetition_penalty))
-                if out_ids and (p.presence_penalty or p.frequency_penalty):
-                    ids = np.asarray(out_ids, dtype=np.int64)
-                    counts = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)[:vocab].astype(np.float32)
-                    row -= np.float32(p.frequency_penalty) * counts
-                    row -= np.float32(p.presence_penalty) * (counts > 0).astype(np.float32)
-            if p.logit_bias:
-                _add_logit_bias(row, p.logit_bias)
-            if seq.num_output_tokens < p.min_tokens:
-                banned = [t for t in [*p.stop_token_ids, *([] if p.ignore_eos else [self.eos_token_id])]
-                          if 0 <= t < vocab]
-                if banned:
-                    row[banned] = -np.inf
+            TokenHistory(seqs[i], self.eos_token_id).rewrite(logits[i])
         return logits
 
     def _sample(self, logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
@@ -233,20 +235,6 @@ def _search(cdf: np.ndarray, target: float) -> int:
     found = int(np.searchsorted(cdf, target, side="right"))
     last = int(np.searchsorted(cdf, cdf[-1], side="left"))
     return min(found, last, cdf.shape[-1] - 1)
-
-
-def _needs_processing(seq: Sequence) -> bool:
-    p = seq.params
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or seq.num_output_tokens < p.min_tokens or bool(p.logit_bias))
-
-
-def _add_logit_bias(row: np.ndarray, bias: dict[int, float]) -> None:
-    """OpenAI's logit_bias: added to the logits before sampling (greedy included); ids beyond this
-    row (a padded vocabulary) are ignored rather than trusted."""
-    ids = [t for t in bias if 0 <= t < row.shape[-1]]
-    if ids:
-        row[ids] += np.array([bias[t] for t in ids], dtype=row.dtype)
 
 
 def _filter(probs: np.ndarray, params: list) -> np.ndarray:

@@ -13,9 +13,22 @@ appended. The engine's pieces:
   cache hashes full blocks of computed, accepted tokens only, so it never sees one.
 - under a grammar (structured output, tools), `grammar.py`: the proposal is cut where the grammar
   refuses it, and each verification row is masked by the grammar state after the drafts before it.
+- penalties (repetition, presence, frequency), logit_bias and min_tokens (`Sampler.draft_rows`,
+  `engine/penalties.py`): row j is rewritten with the first j drafts counted among the tokens seen,
+  the output's counts and its length, as plain decoding would have rewritten it after emitting
+  them; greedy accepts a draft iff it is that row's argmax, sampling rejects against that row's
+  distribution, so the output stays exact (greedy) or the target's (sampled).
+- n > 1: each choice is its own sequence and drafts on its own (its own n-gram index, its own
+  tail blocks, its own random stream when seeded: seed + i). Choices share only full prompt
+  blocks through the prefix cache; drafts write at positions after the last known token, in the
+  choice's own blocks, so no choice ever sees another's draft.
 - logprobs (`core._verify`): each emitted token's from its own row's raw logits, before any mask.
 
-Who does not speculate (plain decode, per sequence, same batch): LoRA requests, n > 1, and
-requests whose logits the sampler rewrites per token (penalties, logit_bias, min_tokens).
+Who does not speculate (plain decode, per sequence, same batch): LoRA requests (verification with
+the request's adapter is not shown exact yet: issue 39 asks for it).
+
+A seeded sampled request is reproducible with speculation on, but it draws other random numbers
+than with it off (acceptance tests take uniforms), so its tokens differ from the plain engine's
+while keeping the same distribution.
 """
 

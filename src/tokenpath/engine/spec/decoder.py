@@ -38,11 +38,12 @@ class SpecStats:
 
 
 def speculates(seq: Sequence) -> bool:
-    """May this sequence draft at all (the module docstring's list)?"""
-    p = seq.params
-    return (seq.lora is None and p.n == 1
-            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logit_bias and not p.min_tokens)
+    """May this sequence draft at all (the package docstring's list: every sequence but a LoRA
+    request's)? Penalties, logit_bias and min_tokens draft: each verification row is rewritten at
+    its own position (`Sampler.draft_rows`). n > 1 drafts: each choice is its own sequence with
+    its own proposer, blocks and random stream (a seeded choice i draws from seed + i), and choices
+    share only full prompt blocks, which no draft ever writes into."""
+    return seq.lora is None
 
 
 class SpecDecoder:
