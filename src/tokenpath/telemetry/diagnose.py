@@ -296,7 +296,7 @@ def _engine(e: EngineFigures, rows: list[dict[str, Any]]) -> list[Finding]:
 # A mixture of experts' batch "scatters" when its tokens chose experts of their own: one read of an
 # expert's weights serves at most this many rows on average, while steps held several tokens.
 SCATTER_ROWS_PER_READ = 1.5
-SCATTER_MIN_TOKENS = 2.0
+SCATTER_BATCH_TOKENS = 2.0
 
 
 def _expert_scatter(e: EngineFigures) -> Finding | None:
@@ -304,7 +304,7 @@ def _expert_scatter(e: EngineFigures) -> Finding | None:
     expert's weights were read for one token or little more and the step cost about what its
     tokens cost one at a time: batching bought these steps almost nothing."""
     moe = e.experts()
-    if moe is None or not e.steps or e.tokens_scheduled / e.steps < SCATTER_MIN_TOKENS:
+    if moe is None or not e.steps or e.tokens_scheduled / e.steps < SCATTER_BATCH_TOKENS:
         return None
     if moe["expert_rows_per_read"] > SCATTER_ROWS_PER_READ:
         return None
