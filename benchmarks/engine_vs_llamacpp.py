@@ -161,15 +161,20 @@ def read_bandwidth(threads: int, nbytes: int = 2**30, reps: int = 5) -> float:
 def bytes_per_token(model: str) -> int:
     """Weight bytes one decoded token reads, from the GGUF's own tensor table: every tensor once,
     except the input embedding when the file has a separate output matrix (a decode step gathers
-    one row of it). With a tied head the embedding is the LM head and is read whole. The same bytes
-    for both engines: they run the same file."""
+    one row of it). With a tied head the embedding is the LM head and is read whole. A mixture of
+    experts' stacked expert tensors (`*_exps`) count top-k of their experts: a token reads only the
+    experts it was routed to. The same bytes for both engines: they run the same file."""
     sys.path.insert(0, str(ROOT / "src"))
     from tokenpath.engine.gguf_file import GGUFFile
 
-    tensors = {t.name: t.n_bytes for t in GGUFFile(gguf_path(model)).tensors}
+    f = GGUFFile(gguf_path(model))
+    arch = f.fields["general.architecture"].contents()
+    experts = f.fields.get(f"{arch}.expert_count")
+    active = f.fields[f"{arch}.expert_used_count"].contents() / experts.contents() if experts else 1.0
+    tensors = {t.name: t.n_bytes * (active if "_exps." in t.name else 1.0) for t in f.tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
-    return sum(tensors.values())
+    return int(sum(tensors.values()))
 
 
 def run_tokenpath(threads: int, quantization: str, reps: int, model: str) -> dict:

