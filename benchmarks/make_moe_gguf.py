@@ -14,10 +14,12 @@ Q6_K for `attn_v` and `ffn_down(_exps)` in the layers its `use_more_bits` picks 
 embedding (the output matrix), Q4_K elsewhere; the router and norms are float32 as the converter writes them. The metadata (the
 tokenizer, the chat template) is the small file's, with the shape's fields replaced.
 
-    .venv/bin/python benchmarks/make_moe_gguf.py [--layers 24]      (prints the file's path)
+    .venv/bin/python benchmarks/make_moe_gguf.py [--layers 24] [--dense]      (prints the file's path)
     .venv/bin/python benchmarks/moe_vs_llamacpp.py --model "$(.venv/bin/python benchmarks/make_moe_gguf.py | tail -1)"
 
-The result is cached under .cache/peers/ (gitignored).
+`--dense`: its dense twin of the same active size (the issue's "cost grows with active parameters,
+not total"): a Qwen3 whose one MLP per layer is top-k x expert FFN = 6144 wide, the same attention,
+embedding and block pool, no router. The result is cached under .cache/peers/ (gitignored).
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def block_pools(reader: object) -> dict[int, np.ndarray]:
     return {k: np.concatenate(v) for k, v in pools.items()}
 
 
-def tensors(layers: int, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+def tensors(layers: int, vocab: int, dense: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, numpy shape in elements, kind): kind is 'norm', 'router', 'q4' or 'q6'."""
     h, d, e, ff = LAYER["hidden"], LAYER["head_dim"], LAYER["experts"], LAYER["expert_ff"]
+    wide = LAYER["top_k"] * ff
     q, kv = LAYER["heads"] * d, LAYER["kv_heads"] * d
     out = [("token_embd.weight", (vocab, h), "q6")]  # tied: it is the output matrix too
     for i in range(layers):
@@ -67,20 +70,26 @@ def tensors(layers: int, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
         out += [(p + "attn_norm.weight", (h,), "norm"), (p + "attn_q.weight", (q, h), "q4"),
                 (p + "attn_k.weight", (kv, h), "q4"), (p + "attn_v.weight", (kv, h), more),
                 (p + "attn_output.weight", (h, q), "q4"), (p + "attn_q_norm.weight", (d,), "norm"),
-                (p + "attn_k_norm.weight", (d,), "norm"), (p + "ffn_norm.weight", (h,), "norm"),
-                (p + "ffn_gate_inp.weight", (e, h), "router"), (p + "ffn_gate_exps.weight", (e, ff, h), "q4"),
-                (p + "ffn_up_exps.weight", (e, ff, h), "q4"), (p + "ffn_down_exps.weight", (e, h, ff), more)]
+                (p + "attn_k_norm.weight", (d,), "norm"), (p + "ffn_norm.weight", (h,), "norm")]
+        if dense:
+            out += [(p + "ffn_gate.weight", (wide, h), "q4"), (p + "ffn_up.weight", (wide, h), "q4"),
+                    (p + "ffn_down.weight", (h, wide), more)]
+        else:
+            out += [(p + "ffn_gate_inp.weight", (e, h), "router"), (p + "ffn_gate_exps.weight", (e, ff, h), "q4"),
+                    (p + "ffn_up_exps.weight", (e, ff, h), "q4"), (p + "ffn_down_exps.weight", (e, h, ff), more)]
     out.append(("output_norm.weight", (h,), "norm"))
     return out
 
 
-def make(layers: int = 24, seed: int = 0) -> Path:
+def make(layers: int = 24, seed: int = 0, dense: bool = False) -> Path:
     from benchmarks.engine_vs_llamacpp import CACHE
     from benchmarks.moe_vs_llamacpp import make_gguf
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
     from gguf import GGMLQuantizationType as T
 
-    out = CACHE / f"qwen3moe-a128e8-{layers}l-random.Q4_K_M.gguf"
+    arch = "qwen3" if dense else ARCH
+    out = CACHE / (f"qwen3-a128e8-dense-twin-{layers}l-random.Q4_K_M.gguf" if dense else
+                   f"qwen3moe-a128e8-{layers}l-random.Q4_K_M.gguf")
     if out.exists():
         return out
     small = GGUFReader(make_gguf())
@@ -88,25 +97,30 @@ def make(layers: int = 24, seed: int = 0) -> Path:
     vocab = int(small.fields[f"{ARCH}.vocab_size"].contents()) if f"{ARCH}.vocab_size" in small.fields else \
         len(small.fields["tokenizer.ggml.tokens"].contents())
     h, d = LAYER["hidden"], LAYER["head_dim"]
-    shape_keys = {"block_count": layers, "embedding_length": h, "feed_forward_length": 6144,
+    shape_keys = {"block_count": layers, "embedding_length": h, "feed_forward_length": LAYER["top_k"] * LAYER["expert_ff"],
                   "attention.head_count": LAYER["heads"], "attention.head_count_kv": LAYER["kv_heads"],
-                  "attention.key_length": d, "attention.value_length": d, "expert_count": LAYER["experts"],
-                  "expert_used_count": LAYER["top_k"], "expert_feed_forward_length": LAYER["expert_ff"]}
+                  "attention.key_length": d, "attention.value_length": d}
+    if not dense:
+        shape_keys.update(expert_count=LAYER["experts"], expert_used_count=LAYER["top_k"],
+                          expert_feed_forward_length=LAYER["expert_ff"])
     tmp = out.with_name(out.name + ".tmp")
-    writer = GGUFWriter(tmp, ARCH)
+    writer = GGUFWriter(tmp, arch)
     for field in small.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
             continue
-        short = field.name.removeprefix(f"{ARCH}.")
         vtype = field.types[0]
-        value = shape_keys.get(short, field.contents()) if field.name.startswith(f"{ARCH}.") else field.contents()
-        writer.add_key_value(field.name, value, vtype,
-                             sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+        name, value = field.name, field.contents()
+        if name.startswith(f"{ARCH}."):  # the shape's fields, under the written architecture's prefix
+            short = name.removeprefix(f"{ARCH}.")
+            if short.startswith("expert_") and dense:
+                continue
+            name, value = f"{arch}.{short}", shape_keys.get(short, value)
+        writer.add_key_value(name, value, vtype, sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     for short, value in shape_keys.items():
         if f"{ARCH}.{short}" not in small.fields:
-            writer.add_key_value(f"{ARCH}.{short}", value, GGUFValueType.UINT32)
+            writer.add_key_value(f"{arch}.{short}", value, GGUFValueType.UINT32)
     kinds = {"q4": T.Q4_K, "q6": T.Q6_K}
-    plan = tensors(layers, vocab)
+    plan = tensors(layers, vocab, dense)
     for name, shape, kind in plan:
         if kind in kinds:
             qt = kinds[kind]
@@ -131,7 +145,7 @@ def make(layers: int = 24, seed: int = 0) -> Path:
             n = int(np.prod(shape)) // block
             data = pool[rng.integers(0, len(pool), n)].reshape(*shape[:-1], shape[-1] // block * size)
         writer.write_tensor_data(data)
-        if name.endswith("ffn_down_exps.weight"):
+        if "ffn_down" in name:
             print(f"{name} {kind}", file=sys.stderr)
     writer.close()
     os.replace(tmp, out)
@@ -141,8 +155,9 @@ def make(layers: int = 24, seed: int = 0) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3-30B-A3B has 48)")
+    ap.add_argument("--dense", action="store_true", help="the dense twin of the same active size")
     args = ap.parse_args()
-    print(make(args.layers))
+    print(make(args.layers, dense=args.dense))
 
 
 if __name__ == "__main__":
