@@ -113,7 +113,10 @@ def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> N
         os.environ["TOKENPATH_NUM_THREADS"] = str(threads)  # what the native kernels read
     from tokenpath import LLM, SamplingParams
 
-    llm = LLM(model, quantization=quantization, dtype="float32", kv_cache_memory="256MiB",
+    # The KV pool holds what the longest run needs (a 512-token prompt; 129 tokens), as llama-bench
+    # sizes its context to each test: a larger pool's pages become resident as requests take fresh
+    # blocks, and its size would then be compared, not the engines.
+    llm = LLM(model, quantization=quantization, dtype="float32", num_kv_blocks=(512 + 16) // 16 + 2,
               max_num_batched_tokens=512, enable_prefix_caching=False)
     ids = [1000 + (i * 7919) % 40000 for i in range(512)]  # arbitrary ordinary tokens (below both vocabularies)
     llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
