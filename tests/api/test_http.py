@@ -183,6 +183,10 @@ def test_health_and_metrics(http, metric):
                  "prompt_tokens_total", "generation_tokens_total"):
         metric(text, name)
     assert metric(text, "generation_tokens_total") >= 2
+    # vLLM's waiting by reason: the two reasons sum to num_requests_waiting (nothing waits here).
+    by_reason = {r: float(v) for r, v in re.findall(
+        rf'^tokenpath:num_requests_waiting_by_reason\{{model_name="{re.escape(CHAT)}",reason="(\w+)"\}} (\S+)$', text, re.M)}
+    assert by_reason == {"capacity": 0.0, "deferred": 0.0}
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "time_per_output_token_seconds", "request_inference_time_seconds", "request_prompt_tokens",

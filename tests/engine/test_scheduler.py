@@ -116,3 +116,29 @@ def test_waiting_requests_keep_the_order_the_gateway_dispatched_them_in():
     preempted.num_preemptions = 1
     sched.add(preempted)
     assert [s.request_id for s in sched.waiting] == ["p", "b-new", "a-old"]
+
+
+def test_waiting_sequences_passed_over_for_their_own_reason_are_deferred_not_waiting_for_capacity():
+    """vLLM's num_requests_waiting_by_reason: `twin` waits for `first`'s prefix blocks in flight
+    (deferred) while `other` goes ahead; once the sequence cap is reached, what waits waits for
+    capacity (deferred 0)."""
+    blocks = BlockManager(256, 16)
+    sched = Scheduler(blocks, max_num_batched_tokens=1024, max_num_seqs=3, long_prefill_token_threshold=128)
+    sched.add(_seq("first", 512 + 16, 0.0, first_token=1))
+    out = sched.schedule()
+    _advance(out)
+    blocks.commit_computed(out.scheduled[0][0])
+    sched.add(Sequence("twin", 0, list(range(1, 513)) + list(range(90_000, 90_016)), 528,
+                       SamplingParams(max_tokens=4), arrival_time=1.0))
+    sched.add(_seq("other", 32, 2.0))
+    out = sched.schedule()
+    assert {s.request_id for s, _ in out.scheduled} == {"first", "other"}
+    assert sched.deferred == 1 and [s.request_id for s in sched.waiting] == ["twin"]
+    _advance(out)
+    sched.add(_seq("late", 32, 3.0))  # the cap: first and other running, twin passed over, late admitted
+    sched.add(_seq("later", 32, 4.0))
+    out = sched.schedule()
+    assert "late" in {s.request_id for s, _ in out.scheduled} and sched.deferred == 1
+    _advance(out)
+    out = sched.schedule()  # three running now: nobody is looked at, so nobody is deferred
+    assert len(sched.running) == 3 and sched.deferred == 0 and len(sched.waiting) == 2

@@ -430,6 +430,7 @@ class EngineCore:
     def state(self) -> EngineState:
         return EngineState(
             waiting=len(self.scheduler.waiting),
+            waiting_deferred=min(self.scheduler.deferred, len(self.scheduler.waiting)),
             running=len(self.scheduler.running),
             kv_usage=self.blocks.usage,
             num_blocks=self.blocks.num_blocks,

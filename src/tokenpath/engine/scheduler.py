@@ -71,6 +71,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _wait_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # Waiting sequences the last step passed over for a reason of their own (an adapter loading
+        # or its slot held, a leader's or another sequence's prefix blocks in flight) rather than
+        # for capacity: vLLM's `deferred` waiting reason (num_requests_waiting_by_reason).
+        self.deferred = 0
         self.last_freed: str | None = None  # the request whose end last gave a slot back
         # (deadline, seq id, seq) of never-scheduled sequences with a deadline; entries of ones
         # scheduled or finished since are dropped lazily, when their deadline comes up.
@@ -155,6 +159,7 @@ class Scheduler:
                 continue  # seq itself was preempted
             out.scheduled.append((seq, n))
             budget -= n
+        self.deferred = 0
         if not out.preempted and self.waiting:  # (the in-flight blocks only matter to waiting ones)
             self._admit_waiting(out, budget, self._prefilling_hashes())
         now = time.monotonic()
@@ -204,6 +209,7 @@ class Scheduler:
             budget -= n
             if self.blocks.enable_prefix_caching:
                 prefilling.update(self._prompt_hashes(seq)[len(seq.block_hashes):])
+        self.deferred = i  # the ones passed over, each for a reason of its own (admitted ones left the queue)
 
     def running_adapters(self) -> set[str]:
         """The adapters (`lora_key`) of the running sequences: they hold their slots."""

@@ -132,6 +132,9 @@ class EngineState:
 
     waiting: int = 0
     running: int = 0
+    # Of `waiting`, those the last step passed over for a reason of their own (an adapter not
+    # ready, shared prefix blocks in flight), not for capacity: vLLM's `deferred` waiting reason.
+    waiting_deferred: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_blocks: int = 0
     block_size: int = 0

@@ -41,6 +41,8 @@ class ReplicaState:
     max_loras: int = 0
     # Speculative decoding's counters (`EngineState.spec_decode`); empty where the engine does not speculate.
     spec_decode: tuple[int, ...] = ()
+    # Of `waiting`, those deferred for a reason of their own, not capacity (`EngineState.waiting_deferred`).
+    waiting_deferred: int = 0
     # Mixture-of-experts counters (`EngineState.moe_experts`); empty for a dense model.
     moe_experts: tuple[int, ...] = ()
 

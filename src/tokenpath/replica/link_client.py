@@ -310,7 +310,8 @@ class LinkReplica(Generic[ReqT, OutT]):
             loras=frozenset(map(str, s.loras)), running_loras=tuple(map(str, s.running_loras)),
             waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras),
             prefix_hashes=self._held, prefix_reported=self._reported,
-            spec_decode=tuple(map(int, s.spec_decode)), moe_experts=tuple(map(int, s.moe_experts)))
+            spec_decode=tuple(map(int, s.spec_decode)), moe_experts=tuple(map(int, s.moe_experts)),
+            waiting_deferred=int(s.waiting_deferred))
 
     def _apply_kv_events(self, events: list[list[int]]) -> None:
         """Group 0's index, as the engine changed it: [kind, hash] pairs (`EngineState.kv_events`)."""

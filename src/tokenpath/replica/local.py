@@ -110,6 +110,7 @@ class InProcessReplica:
             max_loras=s.max_loras,
             spec_decode=tuple(s.spec_decode),
             moe_experts=tuple(s.moe_experts),
+            waiting_deferred=s.waiting_deferred,
         )
 
     def _supervise(self) -> None:

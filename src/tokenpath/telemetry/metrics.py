@@ -69,6 +69,11 @@ class _StateCollector(Collector):
             "num_preemptions": "Cumulative number of preemptions from the engine.",
         }
         g = {k: GaugeMetricFamily(PREFIX + k, doc, labels=["model_name"]) for k, doc in gauges.items()}
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                      "Number of waiting requests by reason: 'capacity' = waiting for scheduling "
+                                      "capacity; 'deferred' = passed over for a reason of their own (an adapter not "
+                                      "ready, shared prefix blocks in flight). The sum is num_requests_waiting.",
+                                      labels=["model_name", "reason"])
         # vLLM's cache_config_info: a remote gateway reads the block size (for prefix hashes) and
         # the pool size (how much of its routing memory the replica can actually hold) from it.
         cache_info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache config.",
@@ -81,7 +86,7 @@ class _StateCollector(Collector):
                                               "running_lora_adapters"])
         spec, moe = SpecDecodeMetrics(), MoeMetrics()
         for dep in self._deployments():  # (embedding models too: their replicas report running requests)
-            running = waiting = 0
+            running = waiting = deferred = 0
             usage: list[float] = []
             queries = hits = preemptions = 0
             config: tuple[int, int] | None = None
@@ -95,6 +100,7 @@ class _StateCollector(Collector):
                     config = (st.block_size, st.num_blocks)
                 running += st.running
                 waiting += st.waiting
+                deferred += min(st.waiting, getattr(st, "waiting_deferred", 0))
                 usage.append(st.kv_usage)
                 queries += st.prefix_cache_queries
                 hits += st.prefix_cache_hits
@@ -103,6 +109,8 @@ class _StateCollector(Collector):
                 moe.add(dep.name, getattr(st, "moe_experts", None))
             g["num_requests_running"].add_metric([dep.name], running)
             g["num_requests_waiting"].add_metric([dep.name], waiting)
+            by_reason.add_metric([dep.name, "capacity"], waiting - deferred)
+            by_reason.add_metric([dep.name, "deferred"], deferred)
             for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
                 g[name].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
             c["prefix_cache_queries"].add_metric([dep.name], queries)
@@ -114,6 +122,7 @@ class _StateCollector(Collector):
                 lora_info.add_metric([dep.name, str(max_lora), ",".join(sorted(lora_wait)),
                                       ",".join(sorted(lora_run))], time.time())
         yield from g.values()
+        yield by_reason
         yield cache_info
         yield lora_info
         yield from c.values()
