@@ -89,7 +89,7 @@ async def test_the_stages_chain_into_frozen_values_and_the_ending_reads_them():
     priced = await intake.price(run, routed, 40, deadline=run.timeline.stamps["received"] + 30)
     params = SamplingParams(max_tokens=5, n=2)
     tokenized = await intake.tokenize(run, priced, [[1, 2, 3]], ["hi there"], 13, 3, params)
-    submitted = intake.submit(run, tokenized, params, Accumulator(n=2))
+    submitted = intake.submit(run, tokenized, params, Accumulator(n=2), "s-1")
 
     for value in (who, routed, priced, tokenized, submitted):
         field = dataclasses.fields(value)[0].name
@@ -107,7 +107,7 @@ async def test_the_stages_chain_into_frozen_values_and_the_ending_reads_them():
     assert (attrs["tenant"], attrs["priority"], attrs["deployment"]) == ("acme", 2, "chat-model")
     (sub,) = submitted.requests
     assert (sub.request.request_id, sub.request.tenant, sub.request.priority) == (run.id, "acme", 2)
-    assert sub.request.prompt_token_ids == [1, 2, 3] and sub.prompt == "hi there"
+    assert sub.request.prompt_token_ids == [1, 2, 3] and sub.prompt == "hi there" and sub.session_id == "s-1"
     assert sub.request.deadline == priced.deadline and sub.timeline is run.timeline
     assert run.state.inflight[run.id] is run.stop
     assert run.headers()["x-ratelimit-limit-tokens"] == "9"  # the reservation's headers, through the record
@@ -168,3 +168,12 @@ def test_each_stage_takes_the_previous_stages_value_in_the_documented_order():
     documented = re.findall(r"^\d\. `(\w+)` -> `(\w+)`", intake.__doc__ or "", re.M)
     assert documented == [(s.__name__, t.__name__) for s, t in zip(STAGES, intake.ORDER, strict=True)]
     assert all(dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen for t in intake.ORDER)
+
+
+def test_session_affinity_prefers_the_header_then_the_cache_key_then_the_user():
+    run = _run(RecordingGuard(), {"x-session-id": "hdr"})
+    assert intake.session_id(run, "key", "user") == "hdr"
+    run = _run(RecordingGuard())
+    assert intake.session_id(run, "key", "user") == "key"
+    assert intake.session_id(run, None, "user") == "user"
+    assert intake.session_id(run, None, None) is None

@@ -33,18 +33,19 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(packed.tobytes()).decode()
 
 
-async def embed(request: Request, run: RequestRun, routed: intake.Routed, raw: EmbeddingInputs) -> list[list[float]]:
+async def embed(request: Request, run: RequestRun, routed: intake.Routed, raw: EmbeddingInputs,
+                user: str | None) -> list[list[float]]:
     """The vectors of `raw` (checked inputs) on the routed deployment: the intake's `priced`
     (admission's precheck, the rate limits on an estimate, before anything is tokenized) and
     `tokenized` stages, then the replica; `finished` stamped. What /v1/embeddings, /v1/score and
-    /v1/rerank share."""
+    /v1/rerank share. `user`: OpenAI's field, the session affinity when no x-session-id is sent."""
     priced = await intake.price(run, routed, embedding_estimate(raw))
     dep = routed.deployment
     ids, texts = await embedding_ids(dep, raw)
     run.prompt_tokens = sum(len(s) for s in ids)  # (recorded before the policy hook: a refusal counts them)
     tokenized = await intake.tokenize(run, priced, ids, texts, run.prompt_tokens, run.prompt_tokens)
     async with watch_disconnect(request, run.stop):
-        out = await race_stop(dep.embed(intake.embedding_request(run, tokenized)), run.stop)
+        out = await race_stop(dep.embed(intake.embedding_request(run, tokenized, intake.session_id(run, None, user))), run.stop)
     run.done()
     return out.vectors
 
@@ -54,12 +55,11 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
     run = RequestRun(state, request, "/v1/embeddings", "embd")
     try:
         who = await intake.authenticate(run)
-        run.user = body.user
         routed = await intake.route(run, who, body.model, "embedding", keep_alive=body.keep_alive)
         dep = routed.deployment
         body.reject_unsupported(dep.dimensions)
         raw = embedding_inputs(body, state.config.caps.max_embedding_inputs)
-        vectors = await embed(request, run, routed, raw)
+        vectors = await embed(request, run, routed, raw, body.user)
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": run.prompt_tokens, "total_tokens": run.prompt_tokens}

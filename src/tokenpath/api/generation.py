@@ -83,7 +83,6 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
             raise TypeError("handle: no body, and no edge to prepare one")
         body.reject_unsupported()
         ignored = openai_fields.check_chat(body) if isinstance(body, ChatCompletionRequest) else []
-        run.user = body.user
         routed = await intake.route(run, who, body.model, "chat" if chat else "completion", body.timeout,
                                     body.keep_alive)
         variables = _template_variables(state, run, routed.deployment, body, ignored, edge)
@@ -120,7 +119,6 @@ def _template_variables(state: AppState, run: RequestRun, dep: Deployment, body:
     own), and the fields the model will not read named in `x-tokenpath-ignored`."""
     if not isinstance(body, ChatCompletionRequest):
         return {}
-    run.session_key = body.prompt_cache_key
     template = getattr(dep.tokenizer, "chat_template", None)
     variables, unread = reasoning.template_variables(template, body.chat_template_kwargs, body.reasoning_effort)
     if edge is not None and edge.variables:
@@ -167,11 +165,13 @@ def _submit(state: AppState, run: RequestRun, tokenized: intake.Tokenized, param
     """The reply's accumulator (a reasoning model's think-block parser, echo's prompt texts), then
     the intake's `submitted` stage."""
     dep, prompts = tokenized.priced.routed.deployment, tokenized.prompts
+    session = intake.session_id(run, body.prompt_cache_key if isinstance(body, ChatCompletionRequest) else None,
+                                body.user)
     acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
                           keep_token_ids=getattr(body, "return_token_ids", False))
     if getattr(body, "echo", False):  # OpenAI's echo: each prompt's text (and first token) before its reply
         acc.echo = [(text, dep.tokenizer.token_text(ids[0])) for text, ids in zip(tokenized.texts, prompts, strict=True)]
-    return intake.submit(run, tokenized, params, acc)
+    return intake.submit(run, tokenized, params, acc, session)
 
 
 def _sources(state: AppState, run: RequestRun, submitted: intake.Submitted, chat: bool,

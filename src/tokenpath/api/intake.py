@@ -201,10 +201,10 @@ async def tokenize(run: RequestRun, priced: Priced, prompts: list[list[int]], te
     return tokenized
 
 
-def _session_id(run: RequestRun) -> str | None:
-    """Session affinity: an explicit x-session-id, else OpenAI's `prompt_cache_key` (what OpenAI
-    routes its own prompt cache by), else its `user` field."""
-    return run.request.headers.get("x-session-id") or run.session_key or run.user
+def session_id(run: RequestRun, prompt_cache_key: str | None, user: str | None) -> str | None:
+    """Session affinity, what a replica picker keeps together: an explicit x-session-id, else
+    OpenAI's `prompt_cache_key` (what OpenAI routes its own prompt cache by), else its `user`."""
+    return run.request.headers.get("x-session-id") or prompt_cache_key or user
 
 
 def _traceparent(run: RequestRun) -> str | None:
@@ -213,8 +213,8 @@ def _traceparent(run: RequestRun) -> str | None:
     return str(value) if value else None
 
 
-def generate_request(run: RequestRun, tokenized: Tokenized, params: SamplingParams,
-                     i: int) -> Submission[GenerateRequest]:
+def generate_request(run: RequestRun, tokenized: Tokenized, params: SamplingParams, i: int,
+                     session: str | None) -> Submission[GenerateRequest]:
     """Prompt `i`'s `GenerateRequest`, in a submission with the run's Timeline (one record for every
     prompt of the run), the prompt's text and the session id."""
     priced, parts, texts = tokenized.priced, len(tokenized.prompts), tokenized.texts
@@ -229,22 +229,23 @@ def generate_request(run: RequestRun, tokenized: Tokenized, params: SamplingPara
         operation="text_completion" if run.endpoint == "/v1/completions" else "chat",
         lora=priced.routed.lora,
     )
-    return Submission(request, run.timeline, prompt=texts[i] if i < len(texts) else None,
-                      session_id=_session_id(run))
+    return Submission(request, run.timeline, prompt=texts[i] if i < len(texts) else None, session_id=session)
 
 
-def submit(run: RequestRun, tokenized: Tokenized, params: SamplingParams, acc: Accumulator) -> Submitted:
+def submit(run: RequestRun, tokenized: Tokenized, params: SamplingParams, acc: Accumulator,
+           session: str | None = None) -> Submitted:
     """The engine's requests, one per prompt, with the run registered in flight (so a shutdown or
-    an abort by id reaches it). The deployment is asked once the caller iterates them."""
-    requests = tuple(generate_request(run, tokenized, params, i) for i in range(len(tokenized.prompts)))
+    an abort by id reaches it). The deployment is asked once the caller iterates them.
+    `session`: `session_id`'s."""
+    requests = tuple(generate_request(run, tokenized, params, i, session) for i in range(len(tokenized.prompts)))
     run.state.inflight[run.id] = run.stop
     return run.reached(Submitted(tokenized, params, acc, requests))
 
 
-def embedding_request(run: RequestRun, tokenized: Tokenized) -> Submission[EmbeddingJob]:
+def embedding_request(run: RequestRun, tokenized: Tokenized, session: str | None = None) -> Submission[EmbeddingJob]:
     """The run's `EmbeddingRequest` of its token-id inputs, in a submission with its Timeline and
-    session id."""
+    session id (`session_id`'s)."""
     priced = tokenized.priced
     request = EmbeddingJob(request_id=run.id, inputs=list(tokenized.prompts), priority=priced.priority,
                            tenant=priced.routed.who.principal.tenant, traceparent=_traceparent(run))
-    return Submission(request, run.timeline, session_id=_session_id(run))
+    return Submission(request, run.timeline, session_id=session)

@@ -93,11 +93,10 @@ def _documents(documents: list[Any]) -> list[str]:
     return out
 
 
-async def _begin(run: RequestRun, model: str, user: str | None) -> Routed:
+async def _begin(run: RequestRun, model: str) -> Routed:
     """Authenticate, then the embedding deployment; any other model is a 400 saying what this
     endpoint runs on."""
     who = await intake.authenticate(run)
-    run.user = user
     endpoint = run.endpoint
     try:
         return await intake.route(run, who, model, "embedding")
@@ -109,8 +108,8 @@ async def _begin(run: RequestRun, model: str, user: str | None) -> Routed:
                                   "/v1/models", param="model", code="model_not_supported") from None
 
 
-async def _vectors(state: AppState, request: Request, run: RequestRun, routed: Routed,
-                   texts: list[str]) -> dict[str, list[float]]:
+async def _vectors(state: AppState, request: Request, run: RequestRun, routed: Routed, texts: list[str],
+                   user: str | None) -> dict[str, list[float]]:
     """Each distinct text's vector, embedded in one request (a query scored against many documents,
     or a repeated document, is embedded once)."""
     distinct = list(dict.fromkeys(texts))
@@ -119,7 +118,7 @@ async def _vectors(state: AppState, request: Request, run: RequestRun, routed: R
         raise InvalidRequestError(f"this request has {len(distinct)} distinct texts to embed, over the limit of "
                                   f"{cap}; send fewer documents", param="documents" if run.endpoint.endswith(
                                       "rerank") else "text_2")
-    vectors = await embed(request, run, routed, list(distinct))
+    vectors = await embed(request, run, routed, list(distinct), user)
     return dict(zip(distinct, vectors, strict=True))
 
 
@@ -132,14 +131,14 @@ def _usage(run: RequestRun) -> dict:
 async def score(body: ScoreRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/score", "score")
     try:
-        routed = await _begin(run, body.model, body.user)
+        routed = await _begin(run, body.model)
         left, right = _texts(body.text_1, "text_1"), _texts(body.text_2, "text_2")
         if len(left) == 1:
             left = left * len(right)
         elif len(left) != len(right):
             raise InvalidRequestError(f"text_1 has {len(left)} texts and text_2 {len(right)}: send one text_1, or "
                                       "as many as text_2 (scored pairwise)", param="text_2")
-        vec = await _vectors(state, request, run, routed, left + right)
+        vec = await _vectors(state, request, run, routed, left + right, body.user)
         data = [{"index": i, "object": "score", "score": cosine(vec[a], vec[b])}
                 for i, (a, b) in enumerate(zip(left, right, strict=True))]
         return JSONResponse({"id": run.id, "object": "list", "created": int(time.time()),
@@ -156,11 +155,11 @@ async def score(body: ScoreRequest, request: Request, state: AppState = Depends(
 async def rerank(body: RerankRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/rerank", "rerank")
     try:
-        routed = await _begin(run, body.model, body.user)
+        routed = await _begin(run, body.model)
         if not body.query:
             raise InvalidRequestError("query is an empty string; rank against non-empty text", param="query")
         documents = _documents(body.documents)
-        vec = await _vectors(state, request, run, routed, [body.query, *documents])
+        vec = await _vectors(state, request, run, routed, [body.query, *documents], body.user)
         scores = [cosine(vec[body.query], vec[d]) for d in documents]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],

@@ -128,8 +128,6 @@ class RequestRun:
         self.status = 200
         self.error_type: str | None = None
         self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
-        self.user: str | None = None  # OpenAI's `user` field
-        self.session_key: str | None = None  # OpenAI's `prompt_cache_key`: session affinity (api/intake.py)
         self.extra_headers: dict[str, str] = {}  # e.g. the fields accepted as no-ops (api/openai_fields.py)
         self.token_times: list[float] = []
         self.stop = StopSignal()

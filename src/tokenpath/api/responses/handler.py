@@ -73,7 +73,6 @@ class _Create:
     async def prepare(self, run: RequestRun, who: Authenticated) -> ChatCompletionRequest:
         req, config = self.req, self.state.config
         req.reject_unsupported()
-        run.user = req.user
         items = [stored_item(it) for it in input_items(req.input)]
         store = _store(self.request, self.state)
         prior: list[dict] = []
