@@ -41,7 +41,7 @@ def test_every_stamp_in_src_is_a_known_event():
 # API's). `routed` has two writers on purpose, see their call sites; `finished` has two roles: the
 # replica boundary stamps the receipt of a request's last output, and `RequestRun.done` ends every
 # request that has none.
-OWNERS = {"body_read": {"api/run.py"}, "authenticated": {"api/run.py"}, "tokenized": {"api/run.py"},
+OWNERS = {"body_read": {"api/run.py"}, "authenticated": {"api/intake.py"}, "tokenized": {"api/intake.py"},
           "admitted": {"admission/controller.py"}, "dequeued": {"admission/controller.py"},
           "dispatched": {"admission/controller.py"}, "finished": {"api/run.py", "replica/events.py"}}
 

@@ -15,18 +15,12 @@ from array import array
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpath.api.inputs import (
-    EmbeddingInputs,
-    embedding_estimate,
-    embedding_ids,
-    embedding_inputs,
-    embedding_request,
-)
+from tokenpath.api import intake
+from tokenpath.api.inputs import EmbeddingInputs, embedding_estimate, embedding_ids, embedding_inputs
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import EmbeddingRequest
 from tokenpath.api.sse import race_stop, watch_disconnect
 from tokenpath.api.state import AppState
-from tokenpath.routing.models import Deployment
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -39,20 +33,19 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(packed.tobytes()).decode()
 
 
-async def embed(state: AppState, request: Request, run: RequestRun, dep: Deployment,
-                raw: EmbeddingInputs) -> list[list[float]]:
-    """The vectors of `raw` (checked inputs) on `dep`, after the run is authenticated and routed:
-    admission's precheck, the rate limits on an estimate, the tokenizer, admission with the exact
-    count, the replica; `finished` stamped. What /v1/embeddings, /v1/score and /v1/rerank share."""
-    priority = run.priority()
-    assert run.principal is not None
-    dep.precheck(priority, run.principal.tenant, run.timeline.stamps["received"])
-    await run.reserve(embedding_estimate(raw))  # the limits are charged before anything is tokenized
+async def embed(request: Request, run: RequestRun, routed: intake.Routed, raw: EmbeddingInputs,
+                user: str | None) -> list[list[float]]:
+    """The vectors of `raw` (checked inputs) on the routed deployment: the intake's `priced`
+    (admission's precheck, the rate limits on an estimate, before anything is tokenized) and
+    `tokenized` stages, then the replica; `finished` stamped. What /v1/embeddings, /v1/score and
+    /v1/rerank share. `user`: OpenAI's field, the session affinity when no x-session-id is sent."""
+    priced = await intake.price(run, routed, embedding_estimate(raw))
+    dep = routed.deployment
     ids, texts = await embedding_ids(dep, raw)
-    run.prompt_tokens = sum(len(s) for s in ids)
-    await run.admit(texts, run.prompt_tokens)
+    run.prompt_tokens = sum(len(s) for s in ids)  # (recorded before the policy hook: a refusal counts them)
+    tokenized = await intake.tokenize(run, priced, ids, texts, run.prompt_tokens, run.prompt_tokens)
     async with watch_disconnect(request, run.stop):
-        out = await race_stop(dep.embed(embedding_request(run, ids, priority)), run.stop)
+        out = await race_stop(dep.embed(intake.embedding_request(run, tokenized, intake.session_id(run, None, user))), run.stop)
     run.done()
     return out.vectors
 
@@ -61,12 +54,12 @@ async def handle_embeddings(state: AppState, request: Request, body: EmbeddingRe
     """Cheapest refusals first, as for chat: key, caps, admission, rate limits, then the tokenizer."""
     run = RequestRun(state, request, "/v1/embeddings", "embd")
     try:
-        await run.authenticate()
-        run.user = body.user
-        dep = await run.route(body.model, "embedding", keep_alive=body.keep_alive)
+        who = await intake.authenticate(run)
+        routed = await intake.route(run, who, body.model, "embedding", keep_alive=body.keep_alive)
+        dep = routed.deployment
         body.reject_unsupported(dep.dimensions)
         raw = embedding_inputs(body, state.config.caps.max_embedding_inputs)
-        vectors = await embed(state, request, run, dep, raw)
+        vectors = await embed(request, run, routed, raw, body.user)
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": run.prompt_tokens, "total_tokens": run.prompt_tokens}

@@ -5,22 +5,23 @@ prompts concurrently and numbers choices `prompt_index * n + choice`, as OpenAI 
 SSE stream and the non-streaming wait stop on a client disconnect, and stopping closes the
 deployment iterator, which aborts the request in the engine and frees its KV blocks.
 
-This module is the request side (`handle`: key, route, caps, constraint, admission, prompt,
-sampling, the reasoning budget); the reply side, deltas -> body or SSE, is `api/replies.py`.
+This module is the request side (`handle`: the intake's stages, `api/intake.py`, with a chat's
+own steps between them: caps, constraint, prompt, sampling, the reasoning budget); the reply side,
+deltas -> body or SSE, is `api/replies.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from tokenpath.api import formatting as fmt
-from tokenpath.api import openai_fields, reasoning, structured, thinking
+from tokenpath.api import intake, openai_fields, reasoning, structured, thinking
 from tokenpath.api import tools as tool_calls
-from tokenpath.api.inputs import check_caps, generate_request, prompt_ids, sampling_params
+from tokenpath.api.inputs import check_caps, prompt_ids, sampling_params
 from tokenpath.api.replies import Body, Generation, Items
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
@@ -28,6 +29,8 @@ from tokenpath.api.sse import SSEResponse, until_stopped
 from tokenpath.api.state import AppState
 from tokenpath.api.streams import merge
 from tokenpath.errors import InvalidRequestError
+from tokenpath.protocol import SamplingParams
+from tokenpath.protocol.outputs import RequestOutput
 from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.routing.models import Deployment
 
@@ -40,9 +43,9 @@ class Edge:
     prefix of its ids, and what it changes, each optional:
     - `body`, `stream` (Anthropic's Messages): reshape the finished chat completion body, and the
       chat stream's items into its events; both get the run's accumulator (finish details);
-    - `prepare` (the Responses API): the chat request it means, built once the key is known (stored
-      turns are per tenant), in place of a body given up front;
-    - `make`: the Generation that writes its replies, `(run, body, chat, parts, plan)`;
+    - `prepare` (the Responses API): the chat request it means, `(run, authenticated)`: built once
+      the key is known (stored turns are per tenant), in place of a body given up front;
+    - `make`: the Generation that writes its replies, `(run, submitted, body, chat, plan)`;
     - `rename`: how a pipeline error names its own fields;
     - `thinking` (Anthropic's `thinking`): the request field that asks for reasoning output, named
       in `x-tokenpath-ignored` when the model has no reasoning parser; `budget`: its thinking
@@ -53,8 +56,8 @@ class Edge:
     prefix: str
     body: Callable[[dict, fmt.Accumulator], dict] | None = None
     stream: Callable[[Items, fmt.Accumulator], AsyncIterator[bytes]] | None = None
-    prepare: Callable[[RequestRun], Awaitable[ChatCompletionRequest]] | None = None
-    make: Callable[[RequestRun, Body, bool, int, tool_calls.ToolPlan | None], Generation] | None = None
+    prepare: Callable[[RequestRun, intake.Authenticated], Awaitable[ChatCompletionRequest]] | None = None
+    make: Callable[[RequestRun, intake.Submitted, Body, bool, tool_calls.ToolPlan | None], Generation] | None = None
     rename: Callable[[Exception], Exception] | None = None
     thinking: str | None = None
     budget: int | None = None
@@ -62,8 +65,9 @@ class Edge:
 
 
 async def handle(state: AppState, request: Request, body: Body | None, edge: Edge | None = None) -> Response:
-    """Cheapest refusals first: the body's size and time (middleware) and shape (schema), then the
-    key, the request's own caps, admission, the rate limits on an estimate, and only then the
+    """The intake's stages in order (`api/intake.py`), cheapest refusals first: the body's size and
+    time (middleware) and shape (schema), then the key, the route, the request's own caps and
+    constraint, admission's precheck and the rate limits on an estimate, and only then the
     tokenizer; the reservation is made exact once the prompt is tokenized. `edge`: another API's
     shape (the body is then its translation to a chat request, or `edge.prepare` makes it)."""
     chat = (edge is not None and edge.prepare is not None) or isinstance(body, ChatCompletionRequest)
@@ -72,72 +76,29 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
                       "chatcmpl" if chat else "cmpl"))
     handed_off = False
     try:
-        await run.authenticate()
+        who = await intake.authenticate(run)
         if edge is not None and edge.prepare is not None:
-            body = await edge.prepare(run)
+            body = await edge.prepare(run, who)
         if body is None:
             raise TypeError("handle: no body, and no edge to prepare one")
         body.reject_unsupported()
         ignored = openai_fields.check_chat(body) if isinstance(body, ChatCompletionRequest) else []
-        run.user = body.user
-        dep = await run.route(body.model, "chat" if chat else "completion", body.timeout, body.keep_alive)
-        variables: dict = {}
-        if isinstance(body, ChatCompletionRequest):
-            run.session_key = body.prompt_cache_key
-            template = getattr(dep.tokenizer, "chat_template", None)
-            variables, unread = reasoning.template_variables(template, body.chat_template_kwargs,
-                                                             body.reasoning_effort)
-            if edge is not None and edge.variables:
-                variables = {**reasoning.known_variables(template, edge.variables), **variables}
-            if edge is not None and edge.thinking and not reasoning.uses_reasoning(state.config.reasoning_parser,
-                                                                                    template):
-                unread.append(edge.thinking)
-            run.extra_headers.update(openai_fields.ignored_header(ignored + unread))
-        floor = check_caps(state, dep, body)
-        bias = body.token_bias(dep.tokenizer.vocab_size)
-        checks: list[tuple[str, str]] = []
-        plan, spec = _constraint(body, getattr(dep.tokenizer, "chat_template", None), checks)
-        if spec is not None or checks:
-            info = await structured.compile_checked(state.grammar_workers, dep.tokenizer, spec,
-                                                    "tools" if spec is None else _spec_param(body, spec), checks)
-            if spec is not None and info is not None:
-                run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,
-                                                 "compile_ms": info.compile_ms, "cache_hit": info.cache_hit}
-        observe_structured(state, plan, spec)
-        priority = run.priority()
+        routed = await intake.route(run, who, body.model, "chat" if chat else "completion", body.timeout,
+                                    body.keep_alive)
+        variables = _template_variables(state, run, routed.deployment, body, ignored, edge)
+        floor = check_caps(state, routed.deployment, body)
+        bias = body.token_bias(routed.deployment.tokenizer.vocab_size)
+        plan, spec = await _constraint(state, run, routed.deployment, body)
         received = run.timeline.stamps["received"]
-        deadline = None if body.timeout is None else received + body.timeout
-        assert run.principal is not None
-        dep.precheck(priority, run.principal.tenant, received, deadline)
-        await run.reserve(floor.tokens)
-        floor.check_context(dep.max_model_len)
-        prompts, texts = await prompt_ids(state, dep, body, plan, variables)
-        params = sampling_params(state, dep, body, prompts, bias, spec)
-        run.sampling = params
-        prompt_tokens = sum(len(p) for p in prompts)
-        if params.max_tokens is None:  # (sampling_params always sets it: what the context leaves, capped)
-            raise TypeError("sampling_params left max_tokens unset")
-        await run.admit(texts, prompt_tokens + params.max_tokens * params.n * len(prompts), prompt_tokens)
-        run.acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
-                                  keep_token_ids=getattr(body, "return_token_ids", False))
-        if getattr(body, "echo", False):  # OpenAI's echo: each prompt's text (and first token) before its reply
-            run.acc.echo = [(text, dep.tokenizer.token_text(ids[0])) for text, ids in zip(texts, prompts, strict=True)]
-        state.inflight[run.id] = run.stop
-        submissions = [generate_request(run, i, len(prompts), ids, params, texts, priority, deadline)
-                       for i, ids in enumerate(prompts)]
-        budget = edge.budget if edge is not None and edge.budget is not None else state.config.reasoning_budget
-        parser = run.acc.reasoning
-        if chat and parser is not None and thinking.applies(budget, submissions[0], parser):
-            assert budget is not None
-            sources = [thinking.budgeted(dep, submissions[0], budget, parser)]
-        else:
-            run.extra_headers.update(thinking.unapplied_header(budget, submissions[0], parser if chat else None))
-            sources = [dep.generate(s) for s in submissions]
-        stream = until_stopped(merge(sources), run.stop)
+        priced = await intake.price(run, routed, floor.tokens, None if body.timeout is None else received + body.timeout)
+        floor.check_context(routed.deployment.max_model_len)
+        tokenized, params = await _tokenize(state, run, priced, body, plan, variables, bias, spec)
+        submitted = _submit(state, run, tokenized, params, body, chat)
+        stream = until_stopped(merge(_sources(state, run, submitted, chat, edge)), run.stop)
         if edge is not None and edge.make is not None:
-            gen = edge.make(run, body, chat, len(prompts), plan)
+            gen = edge.make(run, submitted, body, chat, plan)
         else:
-            gen = Generation(run, body, chat, len(prompts), plan, edge)
+            gen = Generation(run, submitted, body, chat, plan, edge)
         if body.stream:
             first = await gen.first(stream)
             handed_off = True
@@ -152,7 +113,81 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
             await run.finish()
 
 
-def _reasoning_parser(state: AppState, dep: Deployment, prompts: list[list[int]]) -> reasoning.ReasoningParser | None:
+def _template_variables(state: AppState, run: RequestRun, dep: Deployment, body: Body, ignored: list[str],
+                        edge: Edge | None) -> dict:
+    """A chat request's template variables (`chat_template_kwargs`, `reasoning_effort`, the edge's
+    own), and the fields the model will not read named in `x-tokenpath-ignored`."""
+    if not isinstance(body, ChatCompletionRequest):
+        return {}
+    template = getattr(dep.tokenizer, "chat_template", None)
+    variables, unread = reasoning.template_variables(template, body.chat_template_kwargs, body.reasoning_effort)
+    if edge is not None and edge.variables:
+        variables = {**reasoning.known_variables(template, edge.variables), **variables}
+    if edge is not None and edge.thinking and not reasoning.uses_reasoning(state.config.reasoning_parser, template):
+        unread.append(edge.thinking)
+    run.extra_headers.update(openai_fields.ignored_header(ignored + unread))
+    return variables
+
+
+async def _constraint(state: AppState, run: RequestRun, dep: Deployment,
+                      body: Body) -> tuple[tool_calls.ToolPlan | None, StructuredOutput | None]:
+    """The tool plan and the output constraint, compiled and checked off the loop before anything
+    is charged (a bad schema costs the limits nothing), and counted."""
+    checks: list[tuple[str, str]] = []
+    plan, spec = _constraint_of(body, getattr(dep.tokenizer, "chat_template", None), checks)
+    if spec is not None or checks:
+        info = await structured.compile_checked(state.grammar_workers, dep.tokenizer, spec,
+                                                "tools" if spec is None else _spec_param(body, spec), checks)
+        if spec is not None and info is not None:
+            run.timeline.attrs["grammar"] = {"kind": "tools" if spec.tools else info.kind,
+                                             "compile_ms": info.compile_ms, "cache_hit": info.cache_hit}
+    observe_structured(state, plan, spec)
+    return plan, spec
+
+
+async def _tokenize(state: AppState, run: RequestRun, priced: intake.Priced, body: Body,
+                    plan: tool_calls.ToolPlan | None, variables: dict, bias: dict[int, float] | None,
+                    spec: StructuredOutput | None) -> tuple[intake.Tokenized, SamplingParams]:
+    """The prompts' token ids and the sampling parameters their counts allow, then the intake's
+    `tokenized` stage: charged prompt tokens + n x max_tokens for each prompt."""
+    dep = priced.routed.deployment
+    prompts, texts = await prompt_ids(state, dep, body, plan, variables)
+    params = sampling_params(state, dep, body, prompts, bias, spec)
+    prompt_tokens = sum(len(p) for p in prompts)
+    if params.max_tokens is None:  # (sampling_params always sets it: what the context leaves, capped)
+        raise TypeError("sampling_params left max_tokens unset")
+    charge = prompt_tokens + params.max_tokens * params.n * len(prompts)
+    return await intake.tokenize(run, priced, prompts, texts, charge, prompt_tokens, params), params
+
+
+def _submit(state: AppState, run: RequestRun, tokenized: intake.Tokenized, params: SamplingParams, body: Body,
+            chat: bool) -> intake.Submitted:
+    """The reply's accumulator (a reasoning model's think-block parser, echo's prompt texts), then
+    the intake's `submitted` stage."""
+    dep, prompts = tokenized.priced.routed.deployment, tokenized.prompts
+    session = intake.session_id(run, body.prompt_cache_key if isinstance(body, ChatCompletionRequest) else None,
+                                body.user)
+    acc = fmt.Accumulator(n=params.n, reasoning=_reasoning_parser(state, dep, prompts) if chat else None,
+                          keep_token_ids=getattr(body, "return_token_ids", False))
+    if getattr(body, "echo", False):  # OpenAI's echo: each prompt's text (and first token) before its reply
+        acc.echo = [(text, dep.tokenizer.token_text(ids[0])) for text, ids in zip(tokenized.texts, prompts, strict=True)]
+    return intake.submit(run, tokenized, params, acc, session)
+
+
+def _sources(state: AppState, run: RequestRun, submitted: intake.Submitted, chat: bool,
+             edge: Edge | None) -> list[AsyncGenerator[RequestOutput, None]]:
+    """The deployment's output streams, one per prompt; a reasoning model's single prompt under a
+    thinking budget (the edge's, else `--reasoning-budget`) is one budgeted stream."""
+    dep, first = submitted.routed.deployment, submitted.requests[0]
+    budget = edge.budget if edge is not None and edge.budget is not None else state.config.reasoning_budget
+    parser = submitted.acc.reasoning if chat else None
+    if budget is not None and parser is not None and thinking.applies(budget, first, parser):
+        return [thinking.budgeted(dep, first, budget, parser)]
+    run.extra_headers.update(thinking.unapplied_header(budget, first, parser))
+    return [dep.generate(s) for s in submitted.requests]
+
+
+def _reasoning_parser(state: AppState, dep: Deployment, prompts: tuple[list[int], ...]) -> reasoning.ReasoningParser | None:
     """The think-block parser of a reasoning model's chat replies (`serve --reasoning-parser`, else
     the chat template's), knowing whether the prompt itself opened the block."""
     tok = dep.tokenizer
@@ -162,7 +197,7 @@ def _reasoning_parser(state: AppState, dep: Deployment, prompts: list[list[int]]
     return reasoning.ReasoningParser(starts_open=reasoning.prompt_opens_block(tail))
 
 
-def _constraint(body: Body, chat_template: str | None,
+def _constraint_of(body: Body, chat_template: str | None,
                 checks: list[tuple[str, str]]) -> tuple[tool_calls.ToolPlan | None, StructuredOutput | None]:
     """The request's tool plan (chat only) and the one grammar its output must follow, if any; the
     JSON schemas to meta-validate (off the loop, in `compile_checked`) go into `checks`."""

@@ -1,8 +1,7 @@
-"""A body -> what the engine is asked. Chat and completions: token ids, `SamplingParams`, one
-`GenerateRequest` per prompt; embeddings: one `EmbeddingRequest` of token-id inputs. Validated
-once, here; the engines trust what they are given. Each goes down the path in the gateway's
-`Submission`, with what the gateway keeps for itself: the run's Timeline, the prompt's text and
-the session id.
+"""A body -> what the engine is asked. Chat and completions: token ids and `SamplingParams`;
+embeddings: token-id inputs. Validated once, here (the engine link's decoder checks again what
+crosses it). The intake's `submit` and `embedding_request` (`api/intake.py`) wrap them in the
+engine's requests, in the gateway's `Submission`.
 
 Split in the order the handler needs it: `check_caps` is pure arithmetic on the body (run before
 the rate limits are charged, so a refusal costs nothing), `prompt_ids` tokenizes (off the event
@@ -17,44 +16,15 @@ import contextlib
 from dataclasses import dataclass
 
 from tokenpath.api import tools as tool_calls
-from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenpath.api.settings import Caps
 from tokenpath.api.state import AppState
 from tokenpath.errors import ContextLengthError, InvalidRequestError
-from tokenpath.protocol import EmbeddingRequest as EmbeddingJob
-from tokenpath.protocol import GenerateRequest, SamplingParams, Submission
+from tokenpath.protocol import SamplingParams
 from tokenpath.protocol.sampling_params import StructuredOutput
 from tokenpath.routing.models import Deployment
 
 Body = ChatCompletionRequest | CompletionRequest
-
-
-def _session_id(run: RequestRun) -> str | None:
-    """Session affinity: an explicit x-session-id, else OpenAI's `prompt_cache_key` (what OpenAI
-    routes its own prompt cache by), else its `user` field."""
-    return run.request.headers.get("x-session-id") or run.session_key or run.user
-
-
-def generate_request(run: RequestRun, i: int, parts: int, ids: list[int], params: SamplingParams,
-                      texts: list[str], priority: int, deadline: float | None) -> Submission[GenerateRequest]:
-    """Prompt `i` of `parts`: its `GenerateRequest`, in a submission with the run's Timeline (one
-    record for every prompt of the run), the prompt's text and the session id."""
-    assert run.principal is not None
-    request = GenerateRequest(
-        request_id=run.id if parts == 1 else f"{run.id}-{i}",
-        prompt_token_ids=ids,
-        params=params,
-        priority=priority,
-        tenant=run.principal.tenant,
-        deadline=deadline,
-        # The trace context the engine continues (the gateway's dispatch span, when tracing is on).
-        traceparent=str(run.timeline.attrs["traceparent"]) if run.timeline.attrs.get("traceparent") else None,
-        operation="text_completion" if run.endpoint == "/v1/completions" else "chat",
-        lora=run.lora,
-    )
-    return Submission(request, run.timeline, prompt=texts[i] if i < len(texts) else None,
-                      session_id=_session_id(run))
 
 
 # -- caps and prompts --------------------------------------------------------------------------
@@ -175,7 +145,7 @@ def check_fields(caps: Caps, body: Body) -> None:
 
 def check_caps(state: AppState, dep: Deployment, body: Body) -> Floor:
     """The request's own caps, checked before anything is tokenized, and the tokens it costs at
-    least, for the rate limits to be charged with before tokenizing (`RequestRun.admit` makes the
+    least, for the rate limits to be charged with before tokenizing (`intake.tokenize` makes the
     charge exact afterwards). It is a floor, not a guess: prompt bytes / the longest token's bytes,
     token-id prompts counted exactly, + n x max_tokens per prompt. A floor never refuses a request
     that its exact count would admit, so token limits stay exact; and a prompt whose floor is
@@ -354,12 +324,3 @@ async def embedding_ids(dep: Deployment, raw: EmbeddingInputs) -> tuple[list[lis
             raise InvalidRequestError(f"input[{i}] has token id {bad}, outside the vocabulary "
                                       f"[0, {tok.vocab_size})", param="input")
     return ids, texts
-
-
-def embedding_request(run: RequestRun, ids: list[list[int]], priority: int) -> Submission[EmbeddingJob]:
-    """The run's `EmbeddingRequest`, in a submission with its Timeline and session id."""
-    assert run.principal is not None
-    traceparent = run.timeline.attrs.get("traceparent")
-    request = EmbeddingJob(request_id=run.id, inputs=ids, priority=priority, tenant=run.principal.tenant,
-                           traceparent=str(traceparent) if traceparent else None)
-    return Submission(request, run.timeline, session_id=_session_id(run))

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenpath.api import formatting as fmt
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.errors import error_body
+from tokenpath.api.intake import Submitted
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.sse import DONE, STALLED, Interrupted, sse_event, watch_disconnect
@@ -39,19 +40,17 @@ Items = AsyncGenerator[dict | str, None]
 class Generation:
     """Turns the merged delta stream into a JSON body or SSE chunks."""
 
-    def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int,
+    def __init__(self, run: RequestRun, submitted: Submitted, body: Body, chat: bool,
                  plan: tool_calls.ToolPlan | None = None, edge: Edge | None = None) -> None:
         self.run = run
         self.edge = edge
         self.plan = plan if plan is not None and plan.parses else None
         self.body = body
         self.chat = chat
-        self.parts = parts
+        self.parts = len(submitted.tokenized.prompts)
         self.want_logprobs = body.logprobs_count is not None
-        # (a LoRA adapter answers under its own name, as vLLM's do)
-        self.model = run.lora.name if run.lora else run.deployment.name if run.deployment else body.model
-        assert run.acc is not None
-        self.acc: fmt.Accumulator = run.acc
+        self.model = submitted.routed.served_name
+        self.acc: fmt.Accumulator = submitted.acc
         self.answered = False  # the first choice is past its think block (or never had one)
         self.echoed: set[int] = set()  # streamed `echo`: the choices whose prompt text went out already
 

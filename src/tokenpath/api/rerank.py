@@ -26,13 +26,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from tokenpath.api import intake
 from tokenpath.api.embeddings import embed
 from tokenpath.api.errors import OpenApiResponses
+from tokenpath.api.intake import Routed
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import _Body
 from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import InvalidRequestError
-from tokenpath.routing.models import Deployment
 
 router = APIRouter()
 _ERRORS: OpenApiResponses = {400: {"description": "Invalid request (OpenAI error body)"},
@@ -92,14 +93,13 @@ def _documents(documents: list[Any]) -> list[str]:
     return out
 
 
-async def _begin(run: RequestRun, model: str, user: str | None) -> Deployment:
+async def _begin(run: RequestRun, model: str) -> Routed:
     """Authenticate, then the embedding deployment; any other model is a 400 saying what this
     endpoint runs on."""
-    await run.authenticate()
-    run.user = user
+    who = await intake.authenticate(run)
     endpoint = run.endpoint
     try:
-        return await run.route(model, "embedding")
+        return await intake.route(run, who, model, "embedding")
     except InvalidRequestError as exc:
         if exc.param != "model":
             raise
@@ -108,8 +108,8 @@ async def _begin(run: RequestRun, model: str, user: str | None) -> Deployment:
                                   "/v1/models", param="model", code="model_not_supported") from None
 
 
-async def _vectors(state: AppState, request: Request, run: RequestRun, dep: Deployment,
-                   texts: list[str]) -> dict[str, list[float]]:
+async def _vectors(state: AppState, request: Request, run: RequestRun, routed: Routed, texts: list[str],
+                   user: str | None) -> dict[str, list[float]]:
     """Each distinct text's vector, embedded in one request (a query scored against many documents,
     or a repeated document, is embedded once)."""
     distinct = list(dict.fromkeys(texts))
@@ -118,7 +118,7 @@ async def _vectors(state: AppState, request: Request, run: RequestRun, dep: Depl
         raise InvalidRequestError(f"this request has {len(distinct)} distinct texts to embed, over the limit of "
                                   f"{cap}; send fewer documents", param="documents" if run.endpoint.endswith(
                                       "rerank") else "text_2")
-    vectors = await embed(state, request, run, dep, list(distinct))
+    vectors = await embed(request, run, routed, list(distinct), user)
     return dict(zip(distinct, vectors, strict=True))
 
 
@@ -131,18 +131,18 @@ def _usage(run: RequestRun) -> dict:
 async def score(body: ScoreRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/score", "score")
     try:
-        dep = await _begin(run, body.model, body.user)
+        routed = await _begin(run, body.model)
         left, right = _texts(body.text_1, "text_1"), _texts(body.text_2, "text_2")
         if len(left) == 1:
             left = left * len(right)
         elif len(left) != len(right):
             raise InvalidRequestError(f"text_1 has {len(left)} texts and text_2 {len(right)}: send one text_1, or "
                                       "as many as text_2 (scored pairwise)", param="text_2")
-        vec = await _vectors(state, request, run, dep, left + right)
+        vec = await _vectors(state, request, run, routed, left + right, body.user)
         data = [{"index": i, "object": "score", "score": cosine(vec[a], vec[b])}
                 for i, (a, b) in enumerate(zip(left, right, strict=True))]
         return JSONResponse({"id": run.id, "object": "list", "created": int(time.time()),
-                             "model": dep.name, "data": data, "usage": _usage(run)}, headers=run.headers(timing=True))
+                             "model": routed.deployment.name, "data": data, "usage": _usage(run)}, headers=run.headers(timing=True))
     except Exception as exc:
         return run.respond_to(exc)
     finally:
@@ -155,16 +155,16 @@ async def score(body: ScoreRequest, request: Request, state: AppState = Depends(
 async def rerank(body: RerankRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/v1/rerank", "rerank")
     try:
-        dep = await _begin(run, body.model, body.user)
+        routed = await _begin(run, body.model)
         if not body.query:
             raise InvalidRequestError("query is an empty string; rank against non-empty text", param="query")
         documents = _documents(body.documents)
-        vec = await _vectors(state, request, run, dep, [body.query, *documents])
+        vec = await _vectors(state, request, run, routed, [body.query, *documents], body.user)
         scores = [cosine(vec[body.query], vec[d]) for d in documents]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})} for i in order]
-        return JSONResponse({"id": run.id, "model": dep.name, "results": results,
+        return JSONResponse({"id": run.id, "model": routed.deployment.name, "results": results,
                              "usage": _usage(run)}, headers=run.headers(timing=True))
     except Exception as exc:
         return run.respond_to(exc)

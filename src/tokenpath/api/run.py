@@ -1,4 +1,7 @@
-"""One HTTP request's walk through the guard and the router, and its single, certain ending.
+"""One HTTP request's record, and its single, certain ending.
+
+The intake's stages (`api/intake.py`: authenticated, routed, priced, tokenized, submitted) are
+recorded here as each is reached, once; this module reads them only to end the request.
 
 `RequestRun.finish()` reconciles the token reservation, writes the audit record, observes the
 metrics and records the trace exactly once, whichever way the request ended: success, a typed
@@ -13,25 +16,29 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from tokenpath.api.errors import error_response
 from tokenpath.api.formatting import Accumulator
+from tokenpath.api.intake import (
+    MODEL_CHARS,
+    Authenticated,
+    Priced,
+    Routed,
+    Stage,
+    Submitted,
+    Tokenized,
+    authenticate,
+)
 from tokenpath.api.limits import UPLOAD_KEY
 from tokenpath.api.sse import STALLED, Interrupted, StopSignal
 from tokenpath.api.state import AppState
-from tokenpath.config import env_audit_text, parse_duration
-from tokenpath.errors import InvalidRequestError, TokenpathError
-from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Principal, Reservation
-from tokenpath.protocol import SamplingParams
-from tokenpath.protocol.limits import PRIORITY
-from tokenpath.protocol.lora import LoraRef
-from tokenpath.protocol.names import MODEL, check_name
-from tokenpath.protocol.requests import check_priority
-from tokenpath.routing.models import Deployment
+from tokenpath.config import env_audit_text
+from tokenpath.errors import TokenpathError
+from tokenpath.gateway.base import AuditRecord, Principal
 from tokenpath.telemetry.otel import begin_trace
 from tokenpath.telemetry.publish import publish
 from tokenpath.telemetry.record import FinishedRequest
@@ -39,6 +46,7 @@ from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.api")
+S = TypeVar("S", bound=Stage)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in the audit log
 # A client's own id (`x-request-id`, as nginx and Envoy send it, or OpenAI's `X-Client-Request-Id`,
@@ -53,7 +61,6 @@ CLIENT_ID_HEADERS = ("x-client-request-id", "x-request-id")
 ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/embeddings": "embd",
                "/tokenize": "tok", "/detokenize": "tok", "/v1/messages": "msg_", "/v1/messages/count_tokens": "msg_",
                "/v1/responses": "resp_", "/v1/score": "score", "/v1/rerank": "rerank"}
-_MODEL_CHARS = 256  # a refused body's `model`, as kept in the audit row (metrics bound it to served names)
 
 
 async def refuse_early(state: AppState, request: Request, error: TokenpathError, body: object = None) -> Response:
@@ -70,9 +77,9 @@ async def refuse_early(state: AppState, request: Request, error: TokenpathError,
     run = RequestRun(state, request, request.url.path, prefix)
     try:
         with contextlib.suppress(TokenpathError):
-            await run.authenticate()
+            await authenticate(run)
         model = body.get("model") if isinstance(body, dict) else None
-        run.model = model[:_MODEL_CHARS] if isinstance(model, str) else None
+        run.model = model[:MODEL_CHARS] if isinstance(model, str) else None
         return run.respond_to(error)
     finally:
         await run.finish()
@@ -110,104 +117,34 @@ class RequestRun:
             self.timeline.stamps["received"] = began
             self.timeline.stamp("body_read", at=read, body_bytes=size)
         self.created = int(time.time())
-        self.principal: Principal | None = None
-        self.reservation: Reservation | None = None
-        self.deployment: Deployment | None = None
-        self.model: str | None = None
-        self.lora: LoraRef | None = None  # the LoRA adapter `model` named (it runs on its base deployment)
+        self.model: str | None = None  # the name the request gave, kept even when routing refused it
+        # The intake's stages (`api/intake.py`), each recorded once reached (`reached`): read by the
+        # ending alone, never by another stage.
+        self.authenticated: Authenticated | None = None
+        self.routed: Routed | None = None
+        self.priced: Priced | None = None
+        self.tokenized: Tokenized | None = None
+        self.submitted: Submitted | None = None
         self.status = 200
         self.error_type: str | None = None
-        self.acc: Accumulator | None = None
         self.prompt_tokens = 0  # for embeddings (generation counts come from the accumulator)
-        self.user: str | None = None  # OpenAI's `user` field
-        self.session_key: str | None = None  # OpenAI's `prompt_cache_key`: session affinity (api/inputs.py)
         self.extra_headers: dict[str, str] = {}  # e.g. the fields accepted as no-ops (api/openai_fields.py)
-        self.prompt_text: str | None = None  # the gateway keeps it only when text logging is on
         self.token_times: list[float] = []
         self.stop = StopSignal()
         self._finished = False
         self.error_code: str | None = None
-        self.sampling: SamplingParams | None = None  # set once the body is validated (trace attributes)
         self.audit_key = uuid.uuid4().hex  # ties the audit row opened at admission to its close
-        self._release: Callable[[], None] | None = None  # a catalog model's hold (routing.catalog), until finish
         begin_trace(self.timeline, request.headers)
         state.live.started(self.timeline, endpoint, self.token_times)  # (the same list, as it grows)
 
-    # -- the guard, in its fixed order ------------------------------------------------------------
-    async def authenticate(self) -> Principal:
-        self.principal = await self.state.guard.authenticate(self.request.headers)
-        self.timeline.stamp("authenticated", tenant=self.principal.tenant)
-        return self.principal
-
-    async def route(self, model: str, task: str, timeout: float | None = None,
-                    keep_alive: str | float | None = None) -> Deployment:
-        """The model's deployment; a catalog model not loaded is loaded first (the request waits,
-        under its `timeout`, in the `model_load` stage), and held until `finish` (never evicted
-        while this request runs). `keep_alive`: Ollama's field, how long the model stays loaded
-        once idle."""
-        assert self.principal is not None
-        self.model = model[:_MODEL_CHARS]
-        check_name(model, MODEL, "model")  # no served name holds a control character: a 400, not a 404 echoing it
-        self.state.guard.check_model(self.principal, model)
-        keep_s = None
-        if keep_alive is not None:
-            try:
-                keep_s = parse_duration(keep_alive)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="keep_alive") from None
-        deadline = None if timeout is None else self.timeline.stamps["received"] + timeout
-        self.deployment, self._release = await self.state.router.acquire(model, task, self.timeline, deadline, keep_s,
-                                                                         self.stop.set)
-        self.lora = self.state.router.adapter(model)
-        self.timeline.stamp("routed", deployment=self.deployment.name)
-        if self.lora is not None:
-            self.timeline.attrs.update(lora=self.lora.name, lora_base=self.deployment.name)
-        return self.deployment
-
-    def priority(self) -> int:
-        """The principal's priority, or a worse-or-equal one it asks for with `x-priority` (lower is
-        more urgent; nobody may ask for better than their key's `max_priority`)."""
-        assert self.principal is not None
-        raw = self.request.headers.get("x-priority")
-        if raw is None:
-            value = self.principal.priority
-        else:
-            try:
-                asked = int(raw) if len(raw) <= 16 else None  # (no int() of a megabyte of digits)
-            except ValueError:
-                asked = None
-            if asked is None:
-                raise InvalidRequestError(f"x-priority must be an integer between {PRIORITY.least} and {PRIORITY.value}, got "
-                                          f"{raw[:32]!r}", param="x-priority")
-            value = max(check_priority(asked, "x-priority"), self.principal.max_priority)
-        self.timeline.attrs["priority"] = value
-        return value
-
-    async def reserve(self, estimate: int) -> None:
-        """Charge the rate limits on a fast estimate (prompt bytes / 4), before the prompt is
-        tokenized: a key over its limits costs the server no tokenizing. `admit` makes it exact."""
-        assert self.principal is not None and self.deployment is not None
-        self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, estimate)
-
-    async def admit(self, texts: list[str], tokens: int, prompt_tokens: int | None = None) -> None:
-        """The policy hook on the prompt text, then the reservation re-sized to the exact count
-        (re-decided when it grows, so token limits stay exact), then the audit row opened: a gateway
-        that dies from here on leaves a row the next start closes as `gateway_crash`.
-
-        It stamps `tokenized`, not `admitted`: admission (`FlowController.acquire`) owns that event
-        and stamps it when it admits or queues the request, so the `gateway` stage runs up to that
-        decision and a request admission refuses (429/503) ends in `gateway`."""
-        assert self.principal is not None and self.deployment is not None
-        self.timeline.stamp("tokenized")
-        self.prompt_text = "\n".join(texts)
-        await self.state.guard.check_policy(self.principal, texts)
-        if self.reservation is None:
-            self.reservation = await self.state.guard.reserve(self.principal, self.deployment.name, tokens)
-        else:
-            await self.state.guard.adjust(self.reservation, tokens)
-        opened = self._audit_record(None, tokens if prompt_tokens is None else prompt_tokens, 0, {}, None)
-        opened.status, opened.completion_text = OPEN_STATUS, None
-        await self.state.guard.audit_open(opened, lambda: self.completion_tokens)
+    def reached(self, stage: S) -> S:
+        """Record a stage of the intake (`api/intake.py`) as reached, once, for the ending: the
+        audit row, telemetry and the reconcile read what the request got to. Returns `stage`."""
+        name = type(stage).__name__.lower()
+        if getattr(self, name) is not None:
+            raise RuntimeError(f"{self.id}: the {name} stage was reached twice")
+        setattr(self, name, stage)
+        return stage
 
     # -- endings ----------------------------------------------------------------------------------
     def fail(self, exc: TokenpathError) -> None:
@@ -239,7 +176,7 @@ class RequestRun:
         raise exc
 
     def headers(self, *, timing: bool = False) -> dict[str, str]:
-        out = dict(self.reservation.headers) if self.reservation else {}
+        out = dict(self.priced.reservation.headers) if self.priced else {}
         out.update(self.extra_headers)
         out["x-request-id"] = self.id  # the server's id, as OpenAI's API answers
         if self.client_id is not None:
@@ -247,6 +184,11 @@ class RequestRun:
         if timing:
             out["server-timing"] = self.timeline.server_timing()
         return out
+
+    @property
+    def acc(self) -> Accumulator | None:
+        """The reply's accumulator, once the run is submitted (for the ending's counts)."""
+        return self.submitted.acc if self.submitted else None
 
     @property
     def completion_tokens(self) -> int:
@@ -268,8 +210,8 @@ class RequestRun:
             return
         self._finished = True
         self.state.inflight.pop(self.id, None)
-        if self._release is not None:
-            self._release()
+        if self.routed is not None and self.routed.release is not None:
+            self.routed.release()
         self.done()
         if self.stop.reason == STALLED:
             self.stalled()
@@ -278,28 +220,29 @@ class RequestRun:
             finish_reason = STALLED if self.error_type == STALLED else "abort"
         prompt, completion = self.total_prompt_tokens, self.completion_tokens
         guard = self.state.guard
-        if self.reservation is not None:
+        if self.priced is not None:
             try:
-                await guard.reconcile(self.reservation, prompt + completion)
+                await guard.reconcile(self.priced.reservation, prompt + completion)
             except Exception:
                 log.exception("reconcile failed for %s", self.id)
         durations = self.timeline.durations()
         record = self._finished_record(finish_reason, prompt, completion)
         try:
-            await guard.audit(self._audit_record(finish_reason, prompt, completion, durations, record))
+            await guard.audit(self.audit_record(finish_reason, prompt, completion, durations, record))
         except Exception:
             log.exception("audit failed for %s", self.id)
         publish(record, self.state.metrics, self.state.live)
 
     def _finished_record(self, finish_reason: str | None, prompt: int, completion: int) -> FinishedRequest:
         """What telemetry (spans, log line, metrics, dashboard) is told about this request."""
-        p, sp, url = self.principal, self.sampling, self.request.url
+        p, url = self._principal(), self.request.url
+        sp = self.tokenized.params if self.tokenized else None
         text = env_audit_text()  # prompt/completion text leaves the process only when the operator asked
         priority = self.timeline.attrs.get("priority")  # (an int, set by `priority()`, or absent)
         return FinishedRequest(
             timeline=self.timeline, endpoint=self.endpoint, status=self.status, requested_model=self.model,
             derive_causes=self.state.config.causes,
-            model=self.deployment.name if self.deployment else None, error_type=self.error_type,
+            model=self.routed.deployment.name if self.routed else None, error_type=self.error_type,
             error_code=self.error_code, tenant=p.tenant if p else "anonymous", key_prefix=p.key_prefix if p else None,
             client_request_id=self.timeline.client_request_id,
             priority=priority if isinstance(priority, int) else None,
@@ -311,20 +254,28 @@ class RequestRun:
             server_address=url.hostname, server_port=url.port,
             incoming_headers={k: v for k in ("traceparent", "tracestate") if (v := self.request.headers.get(k))},
             token_times=list(self.token_times),
-            prompt_text=self.prompt_text if text else None,
+            prompt_text=self._prompt_text() if text else None,
             completion_text="\n".join(c.text for c in self.acc.sorted()) if text and self.acc else None,
         )
 
-    def _audit_record(self, finish_reason: str | None, prompt: int, completion: int,
-                      durations: dict[str, float], record: FinishedRequest | None) -> AuditRecord:
-        p = self.principal
+    def _principal(self) -> Principal | None:
+        return self.authenticated.principal if self.authenticated else None
+
+    def _prompt_text(self) -> str | None:
+        """The prompt's text, once tokenized (the gateway keeps it only when text logging is on)."""
+        return self.tokenized.prompt_text if self.tokenized else None
+
+    def audit_record(self, finish_reason: str | None, prompt: int, completion: int,
+                     durations: dict[str, float], record: FinishedRequest | None) -> AuditRecord:
+        """The audit row as of now: opened by the intake (`intake.tokenize`), closed by `finish`."""
+        p = self._principal()
         client = self.request.client
         return AuditRecord(
             request_id=self.id,
             time=self.timeline.wall_start,
             tenant=p.tenant if p else "anonymous",
             key_prefix=p.key_prefix if p else None,
-            model=self.deployment.name if self.deployment else self.model,
+            model=self.routed.deployment.name if self.routed else self.model,
             endpoint=self.endpoint,
             status=self.status,
             finish_reason=finish_reason,
@@ -337,7 +288,7 @@ class RequestRun:
             total_s=durations.get("total"),
             client=client.host if client else None,
             error_type=self.error_type,
-            prompt_text=self.prompt_text,
+            prompt_text=self._prompt_text(),
             completion_text="\n".join(c.text for c in self.acc.sorted()) if self.acc else None,
             timing=json.dumps(record.timing_summary()) if record is not None else None,
             audit_key=self.audit_key,

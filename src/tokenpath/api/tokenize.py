@@ -3,8 +3,9 @@
 `/tokenize` takes vLLM's two forms, a completion prompt or chat messages, and tokenizes them with
 the same code a generation request goes through (`inputs.prompt_ids`: the model's chat template,
 the same special tokens), so its count is the `prompt_tokens` the request would be charged. Both
-need a key with access to the model when auth is on, and go through `RequestRun`, so each call is
-authenticated, logged and audited like any other request.
+need a key with access to the model when auth is on, and go through the intake's first two stages
+(`api/intake.py`: authenticated, routed) in a `RequestRun`, so each call is authenticated, logged
+and audited like any other request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from tokenpath.api import intake
 from tokenpath.api.inputs import prompt_ids
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Body
@@ -63,8 +65,8 @@ class DetokenizeRequest(_Body):
 async def tokenize(body: TokenizeRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/tokenize", "tok")
     try:
-        await run.authenticate()
-        dep = await run.route(body.model, "chat" if body.messages is not None else "completion")
+        who = await intake.authenticate(run)
+        dep = (await intake.route(run, who, body.model, "chat" if body.messages is not None else "completion")).deployment
         generation = body.as_generation_body()
         if body.add_special_tokens:
             ids = (await prompt_ids(state, dep, generation))[0][0]
@@ -85,8 +87,8 @@ async def tokenize(body: TokenizeRequest, request: Request, state: AppState = De
 async def detokenize(body: DetokenizeRequest, request: Request, state: AppState = Depends(get_state)) -> Response:
     run = RequestRun(state, request, "/detokenize", "tok")
     try:
-        await run.authenticate()
-        dep = await run.route(body.model, "completion")
+        who = await intake.authenticate(run)
+        dep = (await intake.route(run, who, body.model, "completion")).deployment
         bad = next((t for t in body.tokens if not 0 <= t < dep.tokenizer.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {dep.tokenizer.vocab_size})",

@@ -81,17 +81,17 @@ STAGES = (*PATH_STAGES, "total")  # and their sum: every key `durations()` may r
 # tests/telemetry/test_timeline_attrs.py holds every write and read in src to this table, and
 # every entry here to a writer.
 ATTRS: dict[str, str] = {
-    # api/run.py: the request as the edge saw it
+    # api/run.py and api/intake.py: the request as the edge saw it
     "body_bytes": "the request body's size (api/run.py, with `body_read`)",
-    "tenant": "the authenticated tenant (api/run.py, with `authenticated`)",
-    "priority": "the request's priority class after the gateway's rules (api/run.py)",
-    "lora": "the LoRA adapter asked for (api/run.py)",
-    "lora_base": "the deployment serving that adapter (api/run.py)",
+    "tenant": "the authenticated tenant (api/intake.py, with `authenticated`)",
+    "priority": "the request's priority class after the gateway's rules (api/intake.py)",
+    "lora": "the LoRA adapter asked for (api/intake.py)",
+    "lora_base": "the deployment serving that adapter (api/intake.py)",
     "grammar": "the structured-output grammar: kind, compile ms, cache hit, mask cost (api/generation.py, api/replies.py)",
     "client_blocked_s": "seconds the stream waited on a client that did not read (api/sse.py)",
     "client_stall": "a stalled stream: seconds from its writes blocking to the stall found and to its slot freed (api/sse.py)",
     # routing/: which model and deployment
-    "deployment": "the deployment that served it (api/run.py, routing/models.py, admission/controller.py)",
+    "deployment": "the deployment that served it (api/intake.py, routing/models.py, admission/controller.py)",
     "policy": "the routing policy of the pick (routing/models.py, admission/controller.py)",
     "fallback_from": "the deployment it fell back from (routing/models.py)",
     "fallback_reason": "the error code that made it fall back (routing/models.py)",

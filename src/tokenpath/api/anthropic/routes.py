@@ -7,7 +7,7 @@ import functools
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpath.api import generation, openai_fields
+from tokenpath.api import generation, intake, openai_fields
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.anthropic import signature
 from tokenpath.api.anthropic.errors import reshape
@@ -65,11 +65,11 @@ async def count_tokens(body: CountTokensRequest, request: Request, state: AppSta
     that `/v1/messages` would refuse."""
     run = RequestRun(state, request, "/v1/messages/count_tokens", "msg_")
     try:
-        await run.authenticate()
+        who = await intake.authenticate(run)
         chat = to_chat(body)
         signature.check_history(body.messages, functools.partial(_key, request, state))
         chat.reject_unsupported()
-        dep = await run.route(body.model, "chat")
+        dep = (await intake.route(run, who, body.model, "chat")).deployment
         plan = tool_calls.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                                       getattr(dep.tokenizer, "chat_template", None))
         template = getattr(dep.tokenizer, "chat_template", None)

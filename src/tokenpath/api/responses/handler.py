@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import generation
 from tokenpath.api.errors import OpenApiResponses
+from tokenpath.api.intake import Authenticated, Submitted
 from tokenpath.api.responses.schemas import ResponsesRequest
 from tokenpath.api.responses.stream import ResponsesGeneration
 from tokenpath.api.responses.translate import (
@@ -69,17 +70,15 @@ class _Create:
         self.turn: Turn | None = None
         self.origins = Origins()
 
-    async def prepare(self, run: RequestRun) -> ChatCompletionRequest:
+    async def prepare(self, run: RequestRun, who: Authenticated) -> ChatCompletionRequest:
         req, config = self.req, self.state.config
-        assert run.principal is not None
         req.reject_unsupported()
-        run.user = req.user
         items = [stored_item(it) for it in input_items(req.input)]
         store = _store(self.request, self.state)
         prior: list[dict] = []
         names = [f"input.{i}" for i in range(len(items))] if isinstance(req.input, list) else ["input"]
         if req.previous_response_id is not None:
-            record = await _load(store, req.previous_response_id, run.principal.tenant, "previous_response_id")
+            record = await _load(store, req.previous_response_id, who.principal.tenant, "previous_response_id")
             prior = record["input"] + record["response"]["output"]
         conversation = prior + items
         keep = config.responses_store and req.store is not False
@@ -92,18 +91,18 @@ class _Create:
                     param="previous_response_id" if prior else "input", code="conversation_too_large")
         # The response's id is the request's own (`resp_<hex>`, OpenAI's form): the id a client holds
         # finds its audit row, trace and log line (they were two ids, resp_ and resp-).
-        self.turn = Turn(req, conversation, store if keep else None, run.principal.tenant, id=run.id)
+        self.turn = Turn(req, conversation, store if keep else None, who.principal.tenant, id=run.id)
         names = ["previous_response_id"] * len(prior) + names
         return chat_request(req, chat_messages(conversation, req.instructions, names, self.origins))
 
     def rename(self, exc: Exception) -> Exception:
         return rename(exc, self.origins)
 
-    def make(self, run: RequestRun, body: generation.Body, chat: bool, parts: int,
+    def make(self, run: RequestRun, submitted: Submitted, body: generation.Body, chat: bool,
              plan: ToolPlan | None) -> ResponsesGeneration:
         if self.turn is None:  # (`prepare` sets it, and the pipeline calls `make` only after it)
             raise TypeError("make: no turn, prepare was not called")
-        return ResponsesGeneration(run, body, chat, parts, plan, turn=self.turn)
+        return ResponsesGeneration(run, submitted, body, chat, plan, turn=self.turn)
 
 
 @router.post("/v1/responses", responses=_ERRORS)

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from fastapi.responses import JSONResponse, Response
 
 from tokenpath.api import formatting as fmt
+from tokenpath.api.intake import Submitted
 from tokenpath.api.replies import Body, Generation
 from tokenpath.api.responses.translate import new_id
 from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, reasoning_item, status_of
@@ -37,9 +38,9 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class ResponsesGeneration(Generation):
-    def __init__(self, run: RequestRun, body: Body, chat: bool, parts: int, plan: ToolPlan | None = None, *,
-                 turn: Turn) -> None:
-        super().__init__(run, body, chat, parts, plan)
+    def __init__(self, run: RequestRun, submitted: Submitted, body: Body, chat: bool, plan: ToolPlan | None = None,
+                 *, turn: Turn) -> None:
+        super().__init__(run, submitted, body, chat, plan)
         self.turn = turn
         self.seq = 0
         self.output: list[dict] = []  # finished items
