@@ -59,18 +59,24 @@ def test_the_cap_does_not_touch_decodes_or_the_budget():
     assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 40), ("s1", 40), ("s2", 20)]
 
 
-def test_a_prompt_waits_for_its_prefix_being_prefilled_instead_of_computing_it_twice():
+def _twins(max_num_seqs: int) -> tuple[BlockManager, Scheduler, Sequence]:
+    """`first` (a 512-token system prompt and a question) prefilled one 128-token chunk; then
+    `twin` (the same system prompt, another question) and an unrelated `other` behind it."""
     blocks = BlockManager(256, 16)
-    sched = Scheduler(blocks, max_num_batched_tokens=1024, max_num_seqs=8, long_prefill_token_threshold=128)
+    sched = Scheduler(blocks, max_num_batched_tokens=1024, max_num_seqs=max_num_seqs, long_prefill_token_threshold=128)
     sched.add(_seq("first", 512 + 16, 0.0, first_token=1))
     out = sched.schedule()
     _advance(out)
     blocks.commit_computed(out.scheduled[0][0])
-    # Same 512-token system prompt, another question; and an unrelated prompt behind it.
     twin = Sequence("twin", 0, list(range(1, 513)) + list(range(90_000, 90_016)), 528,
                     SamplingParams(max_tokens=4), arrival_time=1.0)
     sched.add(twin)
     sched.add(_seq("other", 32, 2.0))
+    return blocks, sched, twin
+
+
+def test_a_prompt_waits_for_its_prefix_being_prefilled_instead_of_computing_it_twice():
+    blocks, sched, twin = _twins(8)
     granted: list[dict[str, int]] = []
     while twin.num_computed_tokens < twin.num_prompt_tokens:
         out = sched.schedule()
@@ -122,15 +128,7 @@ def test_waiting_sequences_passed_over_for_their_own_reason_are_deferred_not_wai
     """vLLM's num_requests_waiting_by_reason: `twin` waits for `first`'s prefix blocks in flight
     (deferred) while `other` goes ahead; once the sequence cap is reached, what waits waits for
     capacity (deferred 0)."""
-    blocks = BlockManager(256, 16)
-    sched = Scheduler(blocks, max_num_batched_tokens=1024, max_num_seqs=3, long_prefill_token_threshold=128)
-    sched.add(_seq("first", 512 + 16, 0.0, first_token=1))
-    out = sched.schedule()
-    _advance(out)
-    blocks.commit_computed(out.scheduled[0][0])
-    sched.add(Sequence("twin", 0, list(range(1, 513)) + list(range(90_000, 90_016)), 528,
-                       SamplingParams(max_tokens=4), arrival_time=1.0))
-    sched.add(_seq("other", 32, 2.0))
+    _, sched, _ = _twins(3)
     out = sched.schedule()
     assert {s.request_id for s, _ in out.scheduled} == {"first", "other"}
     assert sched.deferred == 1 and [s.request_id for s in sched.waiting] == ["twin"]
