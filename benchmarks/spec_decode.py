@@ -6,7 +6,10 @@ a grammar: `json` (a record in the prompt copied under its JSON schema) and `too
 call of a write_file tool whose arguments are in the prompt, under the tool-call grammar), and
 `edit_penalties`: the `edit` prompt with a repetition penalty of 1.1 and a presence penalty of 0.3
 (what agent and chat clients send; the sampler rewrites each verification row at its own
-position, `Sampler.draft_rows`). `--workloads` picks some of them, `--out` names the results. Each
+position, `Sampler.draft_rows`), and `edit_lora`: the `edit` prompt with a LoRA adapter (rank 16 on
+every target of every layer, random A and B of std 0.05, written by hand into a temporary folder
+the same way in every run: tests/engine/lora_adapters.py `random_adapter`; it changes SmolLM2's
+greedy tokens while it still copies). `--workloads` picks some of them, `--out` names the results. Each
 mode runs in its own subprocess (so peak RSS is per engine), in interleaved rounds off, on, off,
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
@@ -55,7 +58,7 @@ WORKLOADS = {
     "json": ("", 160),  # (the messages and the grammar: `constrained`)
     "tool": ("", 160),
 }
-WORKLOADS["edit_penalties"] = WORKLOADS["edit"]
+WORKLOADS["edit_penalties"] = WORKLOADS["edit_lora"] = WORKLOADS["edit"]
 # Sampling parameters a workload adds to greedy decoding.
 PARAMS: dict[str, dict] = {"edit_penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.3}}
 RECORD = {"name": "Ada Lovelace", "born": "10 December 1815, London", "field": "mathematics",
@@ -85,6 +88,26 @@ def constrained(name: str):  # noqa: ANN201 - (messages, StructuredOutput) of a 
     return None
 
 
+def adapter(llm, name: str):  # noqa: ANN001, ANN201 - the workload's LoraRef, or None
+    """`edit_lora`'s adapter, written (seeded: the same every run) into a temporary folder and
+    loaded by a warm-up request, so its load is not timed."""
+    if name != "edit_lora":
+        return None
+    import tempfile
+
+    from tokenpath import SamplingParams
+    from tokenpath.protocol.lora import LoraRef
+
+    if str(HERE.parent) not in sys.path:  # (the tests' adapter writer, from the repository root)
+        sys.path.insert(0, str(HERE.parent))
+    from tests.engine.lora_adapters import random_adapter
+
+    folder = Path(tempfile.mkdtemp(prefix="spec_lora_")) / "adapter"
+    ref = LoraRef("edit", str(random_adapter(folder, llm.engine.model_config, std=0.05, seed=1)))
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2), lora=ref)
+    return ref
+
+
 def worker(spec: str | None, names: list[str]) -> dict:
     from tokenpath import LLM, SamplingParams
 
@@ -92,13 +115,14 @@ def worker(spec: str | None, names: list[str]) -> dict:
     llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4))  # warm-up
     out = {}
     for name in names:
+        lora = adapter(llm, name)
         prompt, max_tokens = WORKLOADS[name]
         before = llm.engine.spec.stats if llm.engine.spec else None
         drafted = (before.num_draft_tokens, before.num_accepted_tokens) if before else (0, 0)
         grammar = constrained(name)
         messages, structured = grammar if grammar else ([{"role": "user", "content": prompt}], None)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured, **PARAMS.get(name, {}))
-        r = llm.chat(messages, params)[0]
+        r = llm.generate(llm.tokenizer.apply_chat_template(messages), params, lora=lora)[0]
         n = len(r.outputs[0].token_ids)
         ev = r.events
         dt = ev.finished - ev.first_token
@@ -153,6 +177,9 @@ def main() -> None:
                      "acceptance": round(sum(r["accepted"] for r in on) / prop, 3) if prop else None,
                      "accepted_per_step": round(sum(r["accepted"] for r in on) / len(on) / max(1, on[0]["tokens"]), 3),
                      "identical_output": same})
+    # The adapter matters: edit_lora's tokens are not edit's (when both ran).
+    lora_changes = (runs["off"][0]["edit_lora"]["token_ids"] != runs["off"][0]["edit"]["token_ids"]
+                    if {"edit", "edit_lora"} <= set(names) else None)
     for mode in runs:
         for r in runs[mode]:
             for name in names:
@@ -160,7 +187,7 @@ def main() -> None:
     rss = {m: max(r["peak_rss_mib"] for r in runs[m]) for m in runs}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
             "cpus": os.cpu_count(), "spec": json.loads(args.spec), "rounds": args.rounds,
-            "workload_params": {n: PARAMS[n] for n in names if n in PARAMS},
+            "workload_params": {n: PARAMS[n] for n in names if n in PARAMS}, "lora_changes_output": lora_changes,
             "load_avg_before_each_run": [round(x, 2) for x in loads], "peak_rss_mib": rss}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
@@ -170,7 +197,11 @@ def main() -> None:
         f"Run {meta['date']} on {meta['cpus']} shared cores (Python {meta['python']}). Command: "
         f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds} --workloads {','.join(names)} "
         f"--out {args.out}`; speculative config `{args.spec}`; sampling parameters added to greedy: "
-        f"{json.dumps(meta['workload_params']) if meta['workload_params'] else 'none'}.",
+        f"{json.dumps(meta['workload_params']) if meta['workload_params'] else 'none'}."
+        + (" `edit_lora`: the `edit` prompt through a LoRA adapter (rank 16 on every target, random A and B "
+           "of std 0.05, seed 1: tests/engine/lora_adapters.py `random_adapter`)"
+           + ("" if lora_changes is None else f"; its output {'differs from' if lora_changes else 'EQUALS'} "
+              "`edit`'s") + "." if "edit_lora" in names else ""),
         "",
         f"Interleaved runs (off, on, off, on, ...), each its own process: the machine was shared with other "
         f"work, not quiet (1-min load average before each run: {meta['load_avg_before_each_run']}), so the "

@@ -73,3 +73,23 @@ def q_proj_tensors(r: int, hidden: int, out: int, layer: int = 0) -> dict[str, t
     """PEFT's names for one q_proj adapter of shape A [r, hidden], B [out, r]."""
     pre = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
     return {f"{pre}.lora_A.weight": torch.randn(r, hidden), f"{pre}.lora_B.weight": torch.randn(out, r)}
+
+
+def random_adapter(out: Path, model, r: int = 16, alpha: int = 16, std: float = 0.02, seed: int = 0) -> Path:
+    """A PEFT adapter on every target of every layer of `model` (a ModelConfig), A and B normal with
+    `std`, written by hand: for a base that exists only as a GGUF (SmolLM2), which `peft` cannot
+    load. A small `std` keeps the base model's behaviour (it still copies text) while changing
+    some of its greedy tokens."""
+    from tokenpath.engine.lora import target_shapes
+
+    if (out / "adapter_model.safetensors").is_file():
+        return out
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model.num_layers):
+        for target, (n_in, n_out) in target_shapes(model).items():
+            part = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            pre = f"base_model.model.model.layers.{layer}.{part}.{target}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(r, n_in, generator=g) * std
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * std
+    return write_adapter(out, tensors, {"r": r, "lora_alpha": alpha, "target_modules": ALL_TARGETS})

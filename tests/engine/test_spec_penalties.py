@@ -16,7 +16,6 @@ from tokenpath import LLM, SamplingParams
 from tokenpath.engine.rng import Generator
 from tokenpath.engine.sampler import Sampler
 from tokenpath.engine.sequence import Sequence
-from tokenpath.engine.spec.decoder import speculates
 from tokenpath.engine.spec.verify import verify
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -128,12 +127,6 @@ def test_rejection_sampling_with_penalties_keeps_each_rows_rewritten_distributio
     assert both / n == pytest.approx(float(p0[1] * p1[3]), abs=0.03)
 
 
-def test_only_lora_requests_do_not_speculate():
-    for params in (SamplingParams(**PENALTIES), SamplingParams(logit_bias={3: 1.0}), SamplingParams(min_tokens=5),
-                   SamplingParams(n=2, temperature=0.8, seed=3)):
-        assert speculates(Sequence("r", 0, [1, 2], 2, params))
-
-
 # ---------------------------------------------------------------- tiny checkpoint, both paths
 # The random model never repeats a token by itself, so the penalties here pull towards seen tokens
 # (repetition < 1, presence < 0) while frequency pushes back: the output repeats, and each row's
@@ -157,8 +150,7 @@ def tiny_pair(request) -> tuple[LLM, LLM]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_with_per_token_rewrites_is_exact_on_a_tiny_checkpoint(tiny_pair, case):
     """A random tiny model repeats nothing, so an oracle proposer drafts the plain engine's own
-    continuation, every third draft wrong; it drafts only for sequences the engine lets speculate
-    (`speculates`), as the n-gram proposer does. Through the torch path (none) and the native one."""
+    continuation, every third draft wrong, through the torch path (none) and the native one."""
     plain, llm = tiny_pair
     kw = dict(CASES[case])
     eos = plain.engine.tokenizer.eos_token_id
@@ -174,8 +166,6 @@ def test_greedy_with_per_token_rewrites_is_exact_on_a_tiny_checkpoint(tiny_pair,
     spec = llm.engine.spec
 
     def oracle(seq: Sequence, budget: int) -> list[int]:
-        if not speculates(seq):
-            return []
         at, target = seq.num_output_tokens, want[seq.index]
         k = min(4, budget, seq.params.max_tokens - at - 1)
         return [t if (at + i) % 3 else (t + 1) % 500 for i, t in enumerate(target[at : at + max(k, 0)])]

@@ -85,7 +85,8 @@ def row_groups(spans: list[tuple[int, int, LoraWeights]], device: torch.device) 
 
 def native_step(row_adapters: list[tuple[int, LoraWeights | None]]):  # noqa: ANN201 - NativeLoraStep
     """(rows, adapter or None) per scheduled sequence, in row order -> the kernels' LoRA arguments,
-    or None when no row uses an adapter (the plain forward runs)."""
+    or None when no row uses an adapter (the plain forward runs). A drafting sequence's rows are
+    its 1 + K verification rows (speculative decoding), so its drafts run with its adapter too."""
     from tokenpath.engine.kernels.model import NativeLoraStep
 
     slots: dict[int, int] = {}

@@ -194,7 +194,7 @@ class ModelRunner:
         row_tables: list[np.ndarray] = []
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
-        adapters: list = []  # (rows, adapter or None) per sequence, in row order
+        adapters: list = []  # (rows, adapter or None) per sequence, in row order; rows count its drafts
         extra: list[int] = []
         prompt_rows: PromptRows = []
         row = offset = 0

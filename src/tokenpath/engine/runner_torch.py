@@ -86,7 +86,7 @@ class TorchForward:
         sampling: list[Sequence] = []
         decode: list[Sequence] = []
         prefills: list[PrefillChunk] = []
-        lora_spans: list = []  # (first row, rows, adapter) of the sequences that run one
+        lora_spans: list = []  # (first row, rows, adapter) of the sequences that run one; rows count drafts
         extra: list[int] = []
         prompt_rows: PromptRows = []
         row = 0

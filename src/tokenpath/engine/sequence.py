@@ -61,11 +61,10 @@ class Sequence:
     # scheduled yet leaves the waiting queue unprefilled (`Scheduler.expired`).
     deadline: float | None = None
     # Speculative decoding (engine/spec/): this step's draft tokens (computed after the last
-    # known token, never in `token_ids` until accepted), its proposer state, and whether this
-    # sequence may draft at all (None: not decided yet).
+    # known token, never in `token_ids` until accepted) and its proposer state (None until it
+    # first decodes with speculation on).
     draft_ids: list[int] = field(default_factory=list)
     spec: DraftState | None = None
-    spec_ok: bool | None = None
 
     @property
     def block_table(self) -> list[int]:

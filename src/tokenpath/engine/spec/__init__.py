@@ -24,8 +24,13 @@ appended. The engine's pieces:
   choice's own blocks, so no choice ever sees another's draft.
 - logprobs (`core._verify`): each emitted token's from its own row's raw logits, before any mask.
 
-Who does not speculate (plain decode, per sequence, same batch): LoRA requests (verification with
-the request's adapter is not shown exact yet: issue 39 asks for it).
+- LoRA: a drafting sequence's 1 + K verification rows all run with its adapter. Both runners map
+  adapters per scheduled (sequence, tokens) pair, and a drafting sequence's tokens count its
+  drafts (`runner._execute_native` -> `lora_batch.native_step`, `runner_torch` -> `row_groups`),
+  so a step mixing adapters, the base model and drafts needs nothing more; greedy output is token
+  for token the plain engine's (tests/engine/test_spec_lora.py, both paths).
+
+Every request may speculate; whether a step does is the batch rule (`SpecDecoder.allowed`).
 
 A seeded sampled request is reproducible with speculation on, but it draws other random numbers
 than with it off (acceptance tests take uniforms), so its tokens differ from the plain engine's

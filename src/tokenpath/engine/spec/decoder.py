@@ -37,15 +37,6 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
-def speculates(seq: Sequence) -> bool:
-    """May this sequence draft at all (the package docstring's list: every sequence but a LoRA
-    request's)? Penalties, logit_bias and min_tokens draft: each verification row is rewritten at
-    its own position (`Sampler.draft_rows`). n > 1 drafts: each choice is its own sequence with
-    its own proposer, blocks and random stream (a seeded choice i draws from seed + i), and choices
-    share only full prompt blocks, which no draft ever writes into."""
-    return seq.lora is None
-
-
 class SpecDecoder:
     """The per-engine speculation policy and the per-sequence proposers."""
 
@@ -63,13 +54,11 @@ class SpecDecoder:
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
         `budget` of them, and never past its max_tokens or the context length (`state.py`: how
-        many it drafts adapts to what it had accepted)."""
+        many it drafts adapts to what it had accepted). Every sequence may draft: a LoRA request's
+        1 + K verification rows all run with its adapter, because the runners map adapters per
+        scheduled (sequence, tokens) pair and a drafting sequence's tokens count its drafts."""
         state = seq.spec
         if state is None:
-            if seq.spec_ok is None:
-                seq.spec_ok = speculates(seq)
-            if not seq.spec_ok:
-                return []
             state = seq.spec = DraftState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
                                           self.k)
         if state.pause:
