@@ -11,6 +11,8 @@ from __future__ import annotations
 class TokenpathError(Exception):
     status_code: int = 500
     error_type: str = "internal_error"
+    # The `code` of the error body when the raiser gives none (None: the body's code is the type).
+    default_code: str | None = None
 
     def __init__(
         self,
@@ -23,7 +25,7 @@ class TokenpathError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None else self.default_code
         self.headers = dict(headers or {})
 
     def to_body(self) -> dict:
@@ -49,9 +51,7 @@ class SamplingParamsError(InvalidRequestError):
 
 
 class ContextLengthError(InvalidRequestError):
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("code", "context_length_exceeded")
-        super().__init__(message, **kw)
+    default_code = "context_length_exceeded"
 
 
 class DuplicateRequestIdError(InvalidRequestError):
@@ -59,9 +59,7 @@ class DuplicateRequestIdError(InvalidRequestError):
     taking it on: nothing was started, and the caller must not abort the id (that would stop the
     other request). The gateway mints a unique id per request, so this is defense in depth."""
 
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("code", "duplicate_request_id")
-        super().__init__(message, **kw)
+    default_code = "duplicate_request_id"
 
 
 class AuthenticationError(TokenpathError):
@@ -127,9 +125,7 @@ class RequestFailedError(TokenpathError):
     status_code = 500
     error_type = "server_error"
 
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("code", "engine_failed")
-        super().__init__(message, **kw)
+    default_code = "engine_failed"
 
 
 class EngineDeadError(ServiceUnavailableError):

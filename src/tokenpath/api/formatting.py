@@ -217,6 +217,19 @@ def _message(c: Choice, plan: ToolPlan | None, reasoning: bool = False) -> tuple
     return message, "tool_calls"
 
 
+def _head(obj: str, rid: str, created: int, model: str, choices: list) -> dict:
+    """The fields every OpenAI body and chunk opens with, in OpenAI's order."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": choices}
+
+
+def _final(obj: str, rid: str, created: int, model: str, choices: list, acc: Accumulator,
+           timeline: Timeline) -> dict:
+    """A non-streamed body: the head, then its usage and tokenpath's timing extension."""
+    return {**_head(obj, rid, created, model, choices), "usage": acc.usage(),
+            "tokenpath": timing_extension(timeline)}
+
+
 def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool, timeline: Timeline,
               plan: ToolPlan | None = None) -> dict:
     choices = []
@@ -224,16 +237,7 @@ def chat_body(rid: str, created: int, model: str, acc: Accumulator, want_logprob
         message, reason = _message(c, plan, acc.reasoning is not None)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None, "finish_reason": reason})
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": acc.usage(),
-        "tokenpath": timing_extension(timeline),
-    }
+    return _final("chat.completion", rid, created, model, choices, acc, timeline)
 
 
 def _echoed(acc: Accumulator, echo: list[tuple[str, str]], c: Choice, want_logprobs: bool) -> tuple[str, dict | None]:
@@ -267,16 +271,7 @@ def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_l
         for body in choices:
             part = acc.prompt_logprobs.get(body["index"] // acc.n)
             body["prompt_logprobs"] = None if part is None else prompt_logprobs(part)
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": acc.usage(),
-        "tokenpath": timing_extension(timeline),
-    }
+    return _final("text_completion", rid, created, model, choices, acc, timeline)
 
 
 # -- streaming chunks --------------------------------------------------------------------------
@@ -398,14 +393,7 @@ def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] 
 
 def chunk(rid: str, created: int, model: str, chat: bool, choices: list[dict], *,
           include_usage: bool = False) -> dict:
-    body = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
+    body = _head("chat.completion.chunk" if chat else "text_completion", rid, created, model, choices)
     if include_usage:
         body["usage"] = None
     return body

@@ -15,18 +15,21 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import asdict, replace
+from typing import TypeVar
 
 from tokenpath.config import resolve_data_dir
 from tokenpath.gateway.admin import create_key, set_tenant
-from tokenpath.gateway.base import OPEN_STATUS, Limits
-from tokenpath.gateway.store import GatewayStore, KeyRecord, resolve_store_location
+from tokenpath.gateway.base import OPEN_STATUS, AuditRecord, Limits
+from tokenpath.gateway.store import GatewayStore, KeyRecord, UsageRow, resolve_store_location
 from tokenpath.protocol.limits import PRIORITY
 from tokenpath.protocol.names import MODEL, TENANT, NameKind, name_problem
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+R = TypeVar("R")  # the record type of one listing (keys, audit rows, usage rows)
 
 
 def _priority(text: str) -> int:
@@ -177,13 +180,10 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         secret, record = create_key(store, args.tenant, models=args.models, limits=_limits(args),
                                     priority=args.priority, expires_at=args.expires, name=args.name,
                                     admin=args.admin)
-    finally:
-        store.close()
     print(secret)
     print(f"created key {record.prefix}... for tenant {record.tenant!r}; it is shown only this once",
           file=sys.stderr)
@@ -191,29 +191,17 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         records = store.list_keys(args.tenant)
-    finally:
-        store.close()
-    if args.json:
-        for r in records:
-            print(json.dumps(_key_view(r)))
-        return 0
     header = ("PREFIX", "TENANT", "MODELS", "RPM", "TPM", "DAILY", "PRIO", "ADMIN", "CREATED", "LAST USED",
               "STATUS")
-    rows = [header] + [_key_row(r) for r in records]
-    _print_table(rows)
-    return 0
+    return _print_records(args.json, records, _key_view, header, _key_row)
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         found = store.find_key(args.prefix)
         revoked = store.revoke_key(args.prefix, time.time()) if found else False
-    finally:
-        store.close()
     if not found:
         print(f"no key with prefix {_safe(args.prefix)}", file=sys.stderr)
         return 1
@@ -223,8 +211,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def cmd_keys_tenant(args: argparse.Namespace) -> int:
     """Change the flags given, keep the others; with no flag, just show the tenant."""
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         current = store.get_tenant(args.name)
         limits = current.limits if current else Limits()
         models = current.models if current else None
@@ -234,50 +221,39 @@ def cmd_keys_tenant(args: argparse.Namespace) -> int:
             if args.models is not None:
                 models = None if args.models == _CLEAR else args.models
             set_tenant(store, args.name, limits=limits, models=models)
-    finally:
-        store.close()
     print(f"tenant {_safe(args.name)}: {_limit_text(limits)} models={_models_text(models)}")
     return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         records = store.query_audit(tenant=args.tenant, since=args.since, until=args.until,
                                     request_id=args.request_id, client_request_id=args.client_request_id,
                                     limit=args.limit)
-    finally:
-        store.close()
-    if args.json:
-        for r in records:
-            print(json.dumps(asdict(r)))
-        return 0
     header = ("TIME", "REQUEST", "TENANT", "KEY", "MODEL", "ENDPOINT", "STATUS", "FINISH", "PROMPT", "CACHED",
               "COMPLETION", "TOTAL_S", "CLIENT", "ERROR")
-    rows: list[Sequence[object]] = [header]
-    for r in records:
-        rows.append((_iso(r.time), r.request_id, r.tenant, r.key_prefix, r.model, r.endpoint, r.status,
-                     r.finish_reason or ("(open)" if r.status == OPEN_STATUS else None), r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-                     None if r.total_s is None else f"{r.total_s:.3f}", r.client, r.error_type))
-    _print_table(rows)
-    return 0
+    return _print_records(args.json, records, asdict, header, _audit_row)
+
+
+def _audit_row(r: AuditRecord) -> Sequence[object]:
+    return (_iso(r.time), r.request_id, r.tenant, r.key_prefix, r.model, r.endpoint, r.status,
+            r.finish_reason or ("(open)" if r.status == OPEN_STATUS else None), r.prompt_tokens, r.cached_tokens,
+            r.completion_tokens, None if r.total_s is None else f"{r.total_s:.3f}", r.client, r.error_type)
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    store = _open(args)
-    try:
+    with closing(_open(args)) as store:
         rows = store.usage(tenant=args.tenant, since=args.since, until=args.until)
-    finally:
-        store.close()
-    if args.json:
-        for u in rows:
-            print(json.dumps({**asdict(u), "total_tokens": u.total_tokens}))
-        return 0
-    table: list[Sequence[object]] = [("DAY", "MODEL", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "TOTAL")]
-    table += [(u.day, u.model, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.total_tokens)
-              for u in rows]
-    _print_table(table)
-    return 0
+    header = ("DAY", "MODEL", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "TOTAL")
+    return _print_records(args.json, rows, _usage_view, header, _usage_row)
+
+
+def _usage_view(u: UsageRow) -> dict[str, object]:
+    return {**asdict(u), "total_tokens": u.total_tokens}
+
+
+def _usage_row(u: UsageRow) -> Sequence[object]:
+    return (u.day, u.model, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.total_tokens)
 
 
 def _key_view(r: KeyRecord) -> dict[str, object]:
@@ -314,6 +290,18 @@ def _safe(value: object) -> str:
     """Printable text only: control characters (newlines, ANSI escapes) are shown escaped."""
     text = "-" if value is None else str(value)
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _print_records(as_json: bool, records: Sequence[R], view: Callable[[R], object], header: Sequence[str],
+                   row: Callable[[R], Sequence[object]]) -> int:
+    """A listing's output, the same for every listing: one JSON object a line (`view`) under
+    `--json`, else a table of `header` and one `row` a record. Returns the command's exit code."""
+    if as_json:
+        for r in records:
+            print(json.dumps(view(r)))
+    else:
+        _print_table([header, *(row(r) for r in records)])
+    return 0
 
 
 def _print_table(rows: Sequence[Sequence[object]]) -> None:

@@ -46,21 +46,14 @@ class ReplicaStalledError(ServiceUnavailableError):
     does not eject on it: the replica's own state already does, and recovers the moment it is heard."""
 
     RETRY_AFTER_S = 1
-
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("code", "replica_stalled")
-        super().__init__(message, **kw)
-        self.headers.setdefault("Retry-After", str(self.RETRY_AFTER_S))
+    default_code = "replica_stalled"
 
 
 class ProgressTimeoutError(ServiceUnavailableError):
     """One request made no progress on a live replica within its bound (no first token within
     `first_token_s` of dispatch, or no next token within `next_token_s`)."""
 
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("code", "progress_timeout")
-        super().__init__(message, **kw)
-        self.headers.setdefault("Retry-After", "1")
+    default_code = "progress_timeout"
 
 
 def replica_fault(exc: BaseException) -> bool:

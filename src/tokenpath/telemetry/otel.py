@@ -20,8 +20,8 @@ import contextvars
 import importlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -60,17 +60,48 @@ def preset_ids(trace_id: int | None = None, span_id: int | None = None) -> Itera
         _PRESET.reset(token)
 
 
-def _exporter_kind(otlp_endpoint: str | None) -> str:
+def exporter_kind(signal: str, otlp_endpoint: str | None) -> str:
+    """Which exporter one signal ("traces" or "metrics") asks for: "otlp", "console", another
+    name (refused by `pick_exporter`) or "none", from `--otlp-endpoint` and the OTEL_* variables."""
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return "none"
-    kind = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if otlp_endpoint:
         return "otlp"
+    kind = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
     if kind:
         return kind.split(",")[0].strip()
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    if (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")):
         return "otlp"
     return "none"  # off by default, unlike the SDK's own default
+
+
+def pick_exporter(signal: str, kind: str, otlp_endpoint: str | None, console: Callable[[], Any]) -> Any:
+    """The exporter `exporter_kind` named: OTLP, or the signal's console exporter."""
+    if kind == "otlp":
+        return otlp_exporter(signal, otlp_endpoint)
+    if kind == "console":
+        return console()
+    raise ValueError(f"OTEL_{signal.upper()}_EXPORTER={kind!r} is not supported (use otlp, console or none)")
+
+
+class _Provider(Protocol):
+    def shutdown(self) -> Any: ...
+
+
+P = TypeVar("P", bound=_Provider)  # an SDK TracerProvider or MeterProvider
+
+
+def install_provider(provider: P, set_global: Callable[[P], None], get_global: Callable[[], object],
+                     what: str) -> P | None:
+    """Make `provider` the process's own; None (and the provider shut down) when another was
+    installed first, since the OTel API lets the first one win."""
+    set_global(provider)
+    if get_global() is not provider:
+        log.warning("a %s provider was already installed in this process; tokenpath's is not used", what)
+        provider.shutdown()
+        return None
+    return provider
 
 
 # The OTLP exporter class of each signal, per protocol package (`{}`: http or grpc).
@@ -116,26 +147,16 @@ def setup_tracing(otlp_endpoint: str | None = None, *, service_name: str = "toke
 
     `exporter` is for embedding tokenpath (and tests): any SpanExporter, still batched.
     `fixed_name`: `service_name` wins over OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES (engines)."""
-    kind = "custom" if exporter is not None else _exporter_kind(otlp_endpoint)
+    kind = "custom" if exporter is not None else exporter_kind("traces", otlp_endpoint)
     if kind == "none":
         return None
     if exporter is None:
-        if kind == "otlp":
-            exporter = otlp_exporter("traces", otlp_endpoint)
-        elif kind == "console":
-            exporter = ConsoleSpanExporter()
-        else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER={kind!r} is not supported (use otlp, console or none)")
+        exporter = pick_exporter("traces", kind, otlp_endpoint, ConsoleSpanExporter)
     # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; ours is only the default.
     attrs = {} if os.environ.get("OTEL_SERVICE_NAME") and not fixed_name else {"service.name": service_name}
     provider = TracerProvider(resource=Resource.create(attrs), id_generator=PresetIdGenerator())
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    if trace.get_tracer_provider() is not provider:
-        log.warning("a tracer provider was already installed in this process; tokenpath's is not used")
-        provider.shutdown()
-        return None
-    return provider
+    return install_provider(provider, trace.set_tracer_provider, trace.get_tracer_provider, "tracer")
 
 
 def tracing_provider() -> TracerProvider | None:

@@ -22,7 +22,6 @@ nothing here: the gateway sees every request once.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -35,53 +34,29 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 
-from tokenpath.telemetry.otel import otlp_exporter
+from tokenpath.telemetry.otel import exporter_kind, install_provider, pick_exporter
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.tracing import PROVIDER_NAME
 
-log = logging.getLogger("tokenpath.telemetry")
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
 
-def _exporter_kind(otlp_endpoint: str | None) -> str:
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return "none"
-    if otlp_endpoint:
-        return "otlp"
-    kind = os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower()
-    if kind:
-        return kind.split(",")[0].strip()
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
-        return "otlp"
-    return "none"
-
-
 def setup_metrics(otlp_endpoint: str | None = None, *, service_name: str = "tokenpath",
                   exporter: MetricExporter | None = None) -> MeterProvider | None:
     """Install the process's MeterProvider when OTLP metrics are asked for; None when off.
     `exporter` is for embedders and tests (any MetricExporter, read periodically)."""
-    kind = "custom" if exporter is not None else _exporter_kind(otlp_endpoint)
+    kind = "custom" if exporter is not None else exporter_kind("metrics", otlp_endpoint)
     if kind == "none":
         return None
     if exporter is None:
-        if kind == "otlp":
-            exporter = otlp_exporter("metrics", otlp_endpoint)
-        elif kind == "console":
-            exporter = ConsoleMetricExporter()
-        else:
-            raise ValueError(f"OTEL_METRICS_EXPORTER={kind!r} is not supported (use otlp, console or none)")
+        exporter = pick_exporter("metrics", kind, otlp_endpoint, ConsoleMetricExporter)
     attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
     provider = MeterProvider(resource=Resource.create(attrs), metric_readers=[PeriodicExportingMetricReader(exporter)])
-    metrics.set_meter_provider(provider)
-    if metrics.get_meter_provider() is not provider:
-        log.warning("a meter provider was already installed in this process; tokenpath's is not used")
-        provider.shutdown()
-        return None
-    return provider
+    return install_provider(provider, metrics.set_meter_provider, metrics.get_meter_provider, "meter")
 
 
 def meter_provider() -> MeterProvider | None:

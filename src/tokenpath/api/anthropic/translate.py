@@ -15,7 +15,7 @@ blocks (opaque to this server) are dropped;
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokenpath.api.anthropic.schemas import CountTokensRequest, MessageParam, MessagesRequest
@@ -33,6 +33,19 @@ def _bad(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {message}", param=param)
 
 
+def _unsupported(at: str, kind: str, hint: str = "") -> InvalidRequestError:
+    """A block type Anthropic has and this model cannot take (`_UNSUPPORTED_BLOCKS`), refused by name."""
+    return InvalidRequestError(f"{at}: {_UNSUPPORTED_BLOCKS[kind]} blocks are not supported by this model{hint}",
+                               param=at, code="unsupported_content")
+
+
+def _typed(blocks: list, where: str) -> Iterator[tuple[str, Any, Any]]:
+    """Each block with its path (`where.j`, the error's param) and its type (None when the block is
+    not an object), for the three readers of a block list to dispatch on."""
+    for j, b in enumerate(blocks):
+        yield f"{where}.{j}", (b.get("type") if isinstance(b, dict) else None), b
+
+
 def _text_of(blocks: Any, where: str) -> str:
     """A `system` or `tool_result.content`: a string or a list of text blocks."""
     if isinstance(blocks, str):
@@ -40,12 +53,9 @@ def _text_of(blocks: Any, where: str) -> str:
     if not isinstance(blocks, list):
         raise _bad(where, "must be a string or a list of text blocks")
     out = []
-    for j, b in enumerate(blocks):
-        at = f"{where}.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
+    for at, kind, b in _typed(blocks, where):
         if kind in _UNSUPPORTED_BLOCKS:
-            raise InvalidRequestError(f"{at}: {_UNSUPPORTED_BLOCKS[kind]} blocks are not supported by this model; "
-                                      "send text blocks", param=at, code="unsupported_content")
+            raise _unsupported(at, kind, "; send text blocks")
         if kind != "text" or not isinstance(b.get("text"), str):
             raise _bad(at, "must be a text block {\"type\": \"text\", \"text\": ...}")
         out.append(b["text"])
@@ -60,9 +70,7 @@ def _assistant(m: MessageParam, where: str) -> tuple[ChatMessage, list[str]]:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict] = []
-    for j, b in enumerate(_blocks(m)):
-        at = f"{where}.content.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
+    for at, kind, b in _typed(_blocks(m), f"{where}.content"):
         if kind == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
         elif kind == "tool_use":
@@ -80,8 +88,7 @@ def _assistant(m: MessageParam, where: str) -> tuple[ChatMessage, list[str]]:
         elif kind == "redacted_thinking":  # (encrypted by Anthropic: nothing here can read it)
             continue
         elif kind in _UNSUPPORTED_BLOCKS:
-            raise InvalidRequestError(f"{at}: {_UNSUPPORTED_BLOCKS[kind]} blocks are not supported by this model",
-                                      param=at, code="unsupported_content")
+            raise _unsupported(at, kind)
         else:
             raise _bad(f"{at}.type", f"{kind!r} is not a block an assistant message may carry here; use 'text' "
                        "or 'tool_use'")
@@ -94,9 +101,7 @@ def _user(m: MessageParam, where: str, pending: list[str]) -> list[ChatMessage]:
     """A user turn: its tool results first (as `tool` messages), then its text."""
     results: list[ChatMessage] = []
     texts: list[str] = []
-    for j, b in enumerate(_blocks(m)):
-        at = f"{where}.content.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
+    for at, kind, b in _typed(_blocks(m), f"{where}.content"):
         if kind == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
         elif kind == "tool_result":
@@ -110,8 +115,7 @@ def _user(m: MessageParam, where: str, pending: list[str]) -> list[ChatMessage]:
                 text = "Error: " + text
             results.append(ChatMessage(role="tool", tool_call_id=use_id, content=text))
         elif kind in _UNSUPPORTED_BLOCKS:
-            raise InvalidRequestError(f"{at}: {_UNSUPPORTED_BLOCKS[kind]} blocks are not supported by this model; "
-                                      "send text blocks", param=at, code="unsupported_content")
+            raise _unsupported(at, kind, "; send text blocks")
         else:
             raise _bad(f"{at}.type", f"{kind!r} is not a block a user message may carry here; use 'text' or "
                        "'tool_result'")
