@@ -13,6 +13,7 @@ from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest, Embe
 from tokenpath.api.state import AppState, get_state
 from tokenpath.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, TokenpathError
 from tokenpath.protocol.names import MODEL, check_name
+from tokenpath.routing.catalog import ModelCatalog
 from tokenpath.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -46,7 +47,7 @@ def _model_card(state: AppState, name: str, paths: bool) -> dict:
     target = state.router.aliases.get(name, name)
     catalog = state.router.catalog
     if ref is None and target not in state.router.deployments and catalog is not None and target in catalog:
-        return _catalog_card(state, name, target)  # a catalog model not loaded now
+        return _catalog_card(state, catalog, name, target)  # a catalog model not loaded now
     if ref is not None:
         dep = state.router.deployments[ref.base]
         root, parent = (ref.path if paths else ref.name), ref.base
@@ -70,11 +71,9 @@ def _permission(state: AppState, model: str) -> dict:
             "organization": "*", "group": None, "is_blocking": False}
 
 
-def _catalog_card(state: AppState, name: str, target: str) -> dict:
+def _catalog_card(state: AppState, catalog: ModelCatalog, name: str, target: str) -> dict:
     """The card of a catalog model not loaded now: what a loaded one shows, and its `state`
     (`unloaded`, `loading` or `failed`, with why); its context length is known once it loads."""
-    catalog = state.router.catalog
-    assert catalog is not None
     entry = catalog.entry(target)
     return {"id": name, "object": "model", "created": state.started, "owned_by": "tokenpath", "root": target,
             "parent": None, "max_model_len": None, "permission": [_permission(state, target)], "task": entry.task,

@@ -125,7 +125,9 @@ def expert_layer(lib: NativeLibrary, loaded: LoadedModel, i: int, want: int | No
         router = loaded.gguf.dequantized(f"layers.{i}.router.weight")
     else:
         router = hf_weights(loaded).dense(f"layers.{i}.router.weight")
-    router = np.ascontiguousarray(router, dtype=np.float32).reshape(-1)
+    # A copy: a GGUF's F32 router is otherwise a view of the mapping, whose pages the load drops
+    # after each matrix (kernels/model.py `_matrix`) and every step would fault back in.
+    router = np.array(router, dtype=np.float32, order="C", copy=True).reshape(-1)
     blocks = [np.ascontiguousarray(b) for _, b in mats]
     return ExpertLayer(
         dims=np.array([cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, int(cfg.norm_topk_prob)],
