@@ -50,7 +50,10 @@ TEXT = ROOT.parent / "tests" / "engine" / "data" / "perplexity_text.txt"
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m"]
 # name -> (EngineConfig overrides, what it means). "default" is what `serve` runs.
 PRECISIONS: dict[str, tuple[dict, str]] = {
-    "default": ({}, "int8 activations plus a residual byte (~15 bits) on every matmul"),
+    "default": ({}, "the prompt's rows at int8 (llama.cpp's scheme; perplexity scores prompt rows only), generated "
+                "rows with a residual byte (~15 bits): `engine/kernels/model.py` DEFAULT_PROMPT_FINE"),
+    "fine": ({"kernels_prompt_fine": KERNEL_MASK_ALL}, "int8 activations plus a residual byte on every matmul and "
+             "every row (the default before 2026-12-05)"),
     "int8": ({"kernels_fine": 0}, "int8 activations everywhere (llama.cpp's own scheme)"),
     "exact": ({"kernels_exact": KERNEL_MASK_ALL}, "float32 activations on the quantized weights (dequantized in registers); "
               "the K-quant repacks have no float path, so on a K-quant file those matrices are requantized to Q8_0 at load"),

@@ -222,6 +222,11 @@ class EngineConfig(BaseModel):
         default_factory=lambda: env_kernels_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (1 qkv, 2 o, 4 gate_up, 8 down, 16 head) whose int8 activations "
                     "carry residual bytes, ~15 bits (default: $TOKENPATH_KERNELS_FINE, else 31: all)")
+    kernels_prompt_fine: int | None = Field(
+        default_factory=lambda: env_kernels_prompt_fine(), ge=0, le=KERNEL_MASK_ALL,
+        description="bit mask (as --kernels-fine) of the matmuls whose prompt rows carry residual bytes too; "
+                    "the rest of a prompt runs llama.cpp's int8 activations, as fast as its prefill allows "
+                    "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 0: generated rows only)")
     kernels_exact: int | None = Field(
         default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
@@ -452,6 +457,11 @@ def env_no_kernels() -> bool:
 def env_kernels_fine() -> int | None:
     """TOKENPATH_KERNELS_FINE as a mask (`kernel_mask_from_env`); None: unset."""
     return kernel_mask_from_env("TOKENPATH_KERNELS_FINE")
+
+
+def env_kernels_prompt_fine() -> int | None:
+    """TOKENPATH_KERNELS_PROMPT_FINE as a mask (`kernel_mask_from_env`); None: unset."""
+    return kernel_mask_from_env("TOKENPATH_KERNELS_PROMPT_FINE")
 
 
 def env_kernels_exact() -> int | None:

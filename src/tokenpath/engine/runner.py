@@ -16,7 +16,13 @@ import numpy as np
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import NativeLibrary
-from tokenpath.engine.kernels.model import DEFAULT_EXACT, DEFAULT_FINE, NativeLlama, select_native
+from tokenpath.engine.kernels.model import (
+    DEFAULT_EXACT,
+    DEFAULT_FINE,
+    DEFAULT_PROMPT_FINE,
+    NativeLlama,
+    select_native,
+)
 from tokenpath.engine.kv_cache import NATIVE_ONLY, KVCache, head_bytes
 from tokenpath.engine.kv_groups import KVLayout
 from tokenpath.engine.loader import LoadedModel
@@ -155,7 +161,9 @@ class ModelRunner:
             self.native = NativeLlama(lib, loaded, config.quantization, self.cache, config.block_size, max_model_len,
                                       isa=config.kernels_isa,
                                       fine=DEFAULT_FINE if config.kernels_fine is None else config.kernels_fine,
-                                      exact=DEFAULT_EXACT if config.kernels_exact is None else config.kernels_exact)
+                                      exact=DEFAULT_EXACT if config.kernels_exact is None else config.kernels_exact,
+                                      prompt_fine=DEFAULT_PROMPT_FINE if config.kernels_prompt_fine is None
+                                      else config.kernels_prompt_fine)
 
     @property
     def model(self):  # noqa: ANN201 - the torch path's LlamaModel (tests and benchmarks read it)
@@ -212,11 +220,14 @@ class ModelRunner:
             row += n
             _sampling_rows(seq, start, n, row, logit_rows, sampling)
         pos = np.concatenate(pos_chunks)
+        # Rows past their prompt (generated tokens, drafts) take the finer activations.
+        generated = pos >= np.repeat([seq.num_prompt_tokens for seq, _ in scheduled], [len(c) for c in pos_chunks])
         tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
         rt = np.concatenate(row_tables)
         slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]
         logits = native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
-                                     np.asarray(logit_rows + extra, dtype=np.int32), native_step(adapters))
+                                     np.asarray(logit_rows + extra, dtype=np.int32), native_step(adapters),
+                                     generated)
         return logits, sampling, prompt_rows
 
     def _tables(self, seq: Sequence, dtype: type) -> np.ndarray:

@@ -15,7 +15,7 @@ import ctypes
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 # tp_model_forward's arguments; tp_model_forward_lora takes these, then the step's adapters.
-FORWARD_ARGS: list[type] = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+FORWARD_ARGS: list[type] = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _P]
 
 # name -> (restype, argtypes); restype None: void.
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -42,9 +42,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # 3: tp_model_forward_lora, the LoRA deltas beside the base GEMMs; 4: their A and B^T in IEEE
 # halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs; 7: dims[12] is the
 # KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test; 8: the F32X16 weight
-# type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters). A library
-# reporting another is refused at load.
-MODEL_ABI = 9
+# type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters; 10: the forwards'
+# row_kinds, each row's residual-byte mask). A library reporting another is refused at load.
+MODEL_ABI = 10
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

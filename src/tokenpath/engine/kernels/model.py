@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenpath.config import KERNEL_MASK_ALL, env_kernels_exact, env_kernels_fine, env_num_threads
+from tokenpath.config import (
+    KERNEL_MASK_ALL,
+    env_kernels_exact,
+    env_kernels_fine,
+    env_kernels_prompt_fine,
+    env_num_threads,
+)
 from tokenpath.engine.kernels import (
     BF16,
     BLOCK_BYTES,
@@ -230,14 +236,28 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # with margin, for about 1.8x the integer work of int8 (GEMM time at M >= 32; 1.25x at M = 1, where
 # reading the weights dominates). --kernels-fine 0 (TOKENPATH_KERNELS_FINE=0) selects llama.cpp's
 # all-int8 scheme.
+# Prompt rows are another matter (issue 42): prefill is bound by that integer work, not by reading
+# the weights, and the quality bar is llama.cpp's own perplexity on the same file, which prompt
+# rows at its int8 meet (benchmarks/results/perplexity.md: 0.998x of llama.cpp's on SmolLM2 and
+# Gemma 3). So by default prompt rows run int8 (--kernels-prompt-fine 0) and only the rows of
+# generated tokens carry the residual bytes, where they cost little. A row's precision depends on
+# its position against its own prompt, never on what else shares the step, so batching, chunked
+# prefill and speculation keep giving the same tokens. --kernels-prompt-fine 31 runs prompts fine too.
 DEFAULT_EXACT = 0
 DEFAULT_FINE = KERNEL_MASK_ALL
+DEFAULT_PROMPT_FINE = 0
 
 
 def fine_mask() -> int:
     """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE)."""
     mask = env_kernels_fine()
     return DEFAULT_FINE if mask is None else mask
+
+
+def prompt_fine_mask() -> int:
+    """Which matmuls' prompt rows take residual bytes too (TOKENPATH_KERNELS_PROMPT_FINE)."""
+    mask = env_kernels_prompt_fine()
+    return DEFAULT_PROMPT_FINE if mask is None else mask
 
 
 def exact_mask() -> int:
@@ -263,9 +283,10 @@ class NativeLoraStep:
 class NativeLlama:
     def __init__(self, lib: NativeLibrary, loaded: LoadedModel, quantization: str, cache: KVCache,
                  block_size: int, max_positions: int, *, isa: str | None = None, fine: int | None = None,
-                 exact: int | None = None) -> None:
-        """isa (auto | avx2 | avx512), fine and exact (bit masks): EngineConfig's kernels_* fields;
-        None: their environment variables, else the defaults (for callers without a config)."""
+                 exact: int | None = None, prompt_fine: int | None = None) -> None:
+        """isa (auto | avx2 | avx512), fine, prompt_fine and exact (bit masks): EngineConfig's
+        kernels_* fields; None: their environment variables, else the defaults (for callers without
+        a config)."""
         cfg = loaded.config
         self.lib, self.vocab = lib, cfg.vocab_size
         want = Q8_0 if quantization == "q8_0" else None
@@ -279,6 +300,7 @@ class NativeLlama:
 
         exact = exact_mask() if exact is None else exact
         fine = fine_mask() if fine is None else fine
+        prompt_fine = prompt_fine_mask() if prompt_fine is None else prompt_fine
         requantized: set[str] = set()
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
@@ -356,6 +378,8 @@ class NativeLlama:
                              f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 / fp8 / q8_0 with F16C)")
         self.isa = lib.isa(isa)
         self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
+        self.prompt_fine = prompt_fine & self.fine  # within fine: prompt rows take residual bytes for these
+        self._kinds: np.ndarray | None = None
         self.kv_dtype = cache.dtype
         # Threads per step: None follows kernel_threads() at every step (see there).
         self.threads: int | None = None
@@ -375,18 +399,22 @@ class NativeLlama:
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
-                 "for [%s], int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
+                 "for [%s] (prompt rows: [%s]), int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
                  "/".join(self.weight_types), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1), self.kv_dtype)
+                 ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1),
+                 ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1), self.kv_dtype)
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
-                tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None) -> np.ndarray:
+                tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None,
+                generated: np.ndarray | None = None) -> np.ndarray:
         """One step over T rows -> float32 logits [len(logit_rows), vocab]. int32 inputs except
         slot_mapping (int64); row_table[t] is the offset of row t's block table in `tables`.
         `lora`: the step's adapters, whose float32 deltas run beside the quantized base GEMMs.
         With KV-cache groups, slot_mapping is [G, T] and tables [G, N] (group-major, each group's
-        tables at the same offsets); one group may pass them flat."""
+        tables at the same offsets); one group may pass them flat. `generated`: bool [T], the rows
+        of generated tokens (position past their sequence's prompt), which take `fine`'s residual
+        bytes while prompt rows take `prompt_fine`'s; None: every row as a generated one."""
         groups = 1 if slot_mapping.ndim == 1 else slot_mapping.shape[0]
         if groups != self.num_groups or (tables.ndim == 1) != (slot_mapping.ndim == 1) or \
                 (tables.ndim == 2 and tables.shape[0] != groups):
@@ -397,7 +425,7 @@ class NativeLlama:
         args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
                 logits.ctypes.data, self.threads or kernel_threads(self._cores), slot_mapping.shape[-1],
-                tables.shape[-1])
+                tables.shape[-1], self._row_kinds(generated))
         if lora is None:
             status = self.lib.lib.tp_model_forward(*args)
         else:
@@ -406,6 +434,13 @@ class NativeLlama:
                                                         lora.ranks.ctypes.data, lora.scales.ctypes.data)
         check_forward(status)
         return logits
+
+    def _row_kinds(self, generated: np.ndarray | None) -> int:
+        """tp_model_forward's row_kinds: 0 (null) when every row takes the fine mask."""
+        if generated is None or self.prompt_fine == self.fine or generated.all():
+            return 0
+        self._kinds = np.where(generated, self.fine, self.prompt_fine).astype(np.uint8)  # alive through the call
+        return int(self._kinds.ctypes.data)
 
     def moe_counters(self) -> list[int]:
         """The experts' cumulative counters (csrc/moe.h: pairs routed, experts read, the busiest

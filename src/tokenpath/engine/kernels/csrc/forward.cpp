@@ -130,6 +130,12 @@ struct Model {
     int embed_t, head_t;
     int exact;  // bit mask over (qkv, o, gate_up, down, head): float activations for those matmuls
     int fine;   // the same bits: int8 activations with residual bytes (QAct::q2), ~15 bits
+    // This step's per-row masks over the same bits (tp_model_forward's row_kinds): the matmuls
+    // whose row t takes residual bytes, within `fine`; nullptr: every row takes `fine`'s. The
+    // engine passes them to run prompt rows at llama.cpp's int8 and generated rows finer
+    // (kernels/model.py says why). head_kinds: the same for the head's rows (logit_rows).
+    const uint8_t* kinds = nullptr;
+    std::vector<uint8_t> head_kinds;
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
     int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations
@@ -181,10 +187,51 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
     x.q2 = (m.fine >> kind) & 1 ? all.q2 : nullptr;
 }
 
+// Rows r.. of an activation buffer, as a QAct of its own (the layout of tp_kernels.h QAct).
+inline QAct act_rows(const QAct& a, int r) {
+    QAct v = a;
+    const size_t nb = size_t(a.nb), off = size_t(r) * nb;
+    v.q += off * QK, v.d += off, v.s += off, v.qsum += off;
+    if (v.f) v.f += off * QK, v.fs += off;
+    if (v.q2) v.q2 += off * QK;
+    if (v.q16) v.q16 += off * QK;
+    if (v.qsum16) v.qsum16 += 2 * off;
+    return v;
+}
+
+// The view that quantizes one row for matmul `kind`: `v` (with residual bytes when `kind` is
+// fine), without them where the row's mask (Model::kinds) leaves `kind` out.
+inline QAct row_act(const QAct& v, uint8_t mask, int kind) {
+    QAct r = v;
+    if (!((mask >> kind) & 1)) r.q2 = nullptr;
+    return r;
+}
+inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] : uint8_t(0xff); }
+
+// m.gemm over rows [0, M), as runs of consecutive rows that agree on residual bytes for `kind`
+// (kinds: each row's mask, nullptr for all alike). A run's weights are those the previous run
+// just read, still in cache: a mixed step reads each chunk of the matrix from memory once.
+inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a, int M, float* y, int ldy,
+                      int n0, int n1, const float* bias, bool acc, bool exact, const uint8_t* kinds, int kind) {
+    if (!kinds || !a.q2 || exact) {
+        m.gemm(wtype, w, a.nb, a, M, y, ldy, n0, n1, bias, acc, exact);
+        return;
+    }
+    for (int s = 0; s < M;) {
+        const bool fine = (kinds[s] >> kind) & 1;
+        int e = s + 1;
+        while (e < M && bool((kinds[e] >> kind) & 1) == fine) ++e;
+        QAct v = act_rows(a, s);
+        if (!fine) v.q2 = nullptr;
+        m.gemm(wtype, w, a.nb, v, e - s, y + size_t(s) * ldy, ldy, n0, n1, bias, acc, false);
+        s = e;
+    }
+}
+
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
 // Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
 void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Mat& w, int N, const QAct& a,
-               int T, float* y, int ldy, const float* bias, bool acc) {
+               int T, float* y, int ldy, const float* bias, bool acc, const uint8_t* kinds) {
     const bool exact = (m.exact >> kind) & 1;
     // Decode (a few rows): 16 chunks per thread rather than 4, so that the last chunks even out
     // the threads' finishing times (a chunk is a few microseconds of weight streaming).
@@ -193,7 +240,8 @@ void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Ma
         for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
             const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
             if (lo < hi)
-                m.gemm(w.type[p], w.w[p], a.nb, a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact);
+                gemm_runs(m, w.type[p], w.w[p], a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact,
+                          kinds, kind);
         }
     });
 }
@@ -332,8 +380,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
 // 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
 // 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
-// 9: tp_model_moe_counters.
-int tp_model_abi() { return 9; }
+// 9: tp_model_moe_counters. 10: the forwards' row_kinds (per-row residual-byte masks).
+int tp_model_abi() { return 10; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
@@ -344,13 +392,21 @@ int tp_model_abi() { return 9; }
 //   logit_rows:     [S] rows whose next-token logits are wanted -> logits [S, vocab]
 // With KV-cache groups (a window group's blocks are its own), slot_mapping and tables hold one
 // row per group, slot_stride and table_stride apart; a layer reads its group's row.
+//   row_kinds:      [T] per row, a mask over the matmuls (qkv, o, gate_up, down, head bits, as
+//                   Model::fine) whose inputs take residual bytes, within the model's fine mask;
+//                   nullptr: every row takes the fine mask's
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
 int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                           float* logits, int nthreads, int slot_stride, int table_stride, int n_lora_blocks,
-                           const int32_t* lora_blocks, const int32_t* lora_rows, const uint64_t* lora_ptrs,
-                           const int32_t* lora_ranks, const float* lora_scales) {
+                           float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds,
+                           int n_lora_blocks, const int32_t* lora_blocks, const int32_t* lora_rows,
+                           const uint64_t* lora_ptrs, const int32_t* lora_ranks, const float* lora_scales) {
     Model& m = *static_cast<Model*>(handle);
+    m.kinds = m.fine ? row_kinds : nullptr;
+    if (m.kinds) {
+        m.head_kinds.resize(size_t(S));
+        for (int r = 0; r < S; ++r) m.head_kinds[size_t(r)] = row_kinds[logit_rows[r]];
+    }
     const LoraStep ls{n_lora_blocks, lora_blocks, lora_rows, lora_ptrs, lora_ranks, lora_scales};
     const bool lora = n_lora_blocks > 0;
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
@@ -433,6 +489,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             else team_for(pc, n, grain_for(n, nthreads, 1), fn);
         };
         QAct ah = a, aq = a, ai = a;
+        const uint8_t *kinds = m.kinds, *hkinds = kinds ? m.head_kinds.data() : nullptr;
         ah.nb = (H + QK - 1) / QK, aq.nb = (nq + QK - 1) / QK, ai.nb = (I + QK - 1) / QK;
         use_fine(m, aq, a, 1), use_fine(m, ai, a, 3);  // o, down
         // The adapters' deltas of targets [tg0, tg0 + n) of layer l: one work item per (row block,
@@ -455,10 +512,12 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             const Layer& L = m.layers[l];
             use_fine(m, ah, a, 0);  // qkv
             row_phase(T, [&](int t0, int t1) {
-                for (int t = t0; t < t1; ++t)
-                    norm_quant(m, x + size_t(t) * H, L.attn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
+                for (int t = t0; t < t1; ++t) {
+                    QAct v = row_act(ah, row_mask(kinds, t), 0);
+                    norm_quant(m, x + size_t(t) * H, L.attn_norm, v, t, lora ? lin + size_t(t) * kmax : tmp);
+                }
             });
-            gemm_team(m, pc, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false);
+            gemm_team(m, pc, nthreads, 0, L.qkv, W, ah, T, qkv, W, L.qkv_bias, false, kinds);
             if (lora) lora_phase(l, 0, 3, lin, kmax, H, qkv, W, qkv_offs, qkv_outs);
             // (QK-norm,) RoPE on q and k, then write k and v into their cache slots.
             team_for(pc, T, rg, [&](int t0, int t1) {
@@ -494,25 +553,30 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                 });
             });
             row_phase(T, [&](int t0, int t1) {
-                for (int t = t0; t < t1; ++t) m.quant(attn + size_t(t) * nq, nq, aq, t);
+                for (int t = t0; t < t1; ++t) {
+                    QAct v = row_act(aq, row_mask(kinds, t), 1);
+                    m.quant(attn + size_t(t) * nq, nq, v, t);
+                }
             });
             if (L.attn_out_norm) {  // x += RMSNorm(o(attn))
-                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false);
+                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, sub, H, nullptr, false, kinds);
                 if (lora) lora_phase(l, 3, 1, attn, nq, nq, sub, H, h_off, h_out);
                 team_for(pc, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.attn_out_norm, H, m.eps);
                 });
             } else {
-                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true);  // + residual
+                gemm_team(m, pc, nthreads, 1, L.o, H, aq, T, x, H, nullptr, true, kinds);  // + residual
                 if (lora) lora_phase(l, 3, 1, attn, nq, nq, x, H, h_off, h_out);
             }
             if (L.moe) { moe_ffn(m, pc, nthreads, L.ffn_norm, *L.moe, T, x, tmp); continue; }
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
-                for (int t = t0; t < t1; ++t)
-                    norm_quant(m, x + size_t(t) * H, L.ffn_norm, ah, t, lora ? lin + size_t(t) * kmax : tmp);
+                for (int t = t0; t < t1; ++t) {
+                    QAct v = row_act(ah, row_mask(kinds, t), 2);
+                    norm_quant(m, x + size_t(t) * H, L.ffn_norm, v, t, lora ? lin + size_t(t) * kmax : tmp);
+                }
             });
-            gemm_team(m, pc, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false);
+            gemm_team(m, pc, nthreads, 2, L.gate_up, 2 * I, ah, T, gu, 2 * I, nullptr, false, kinds);
             if (lora) lora_phase(l, 4, 2, lin, kmax, H, gu, 2 * I, gu_offs, gu_outs);
             row_phase(T, [&](int t0, int t1) {  // SiLU(gate) * up, quantized for down
                 for (int t = t0; t < t1; ++t) {
@@ -520,36 +584,40 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                     float* act = lora ? lin + size_t(t) * kmax : tmp;
                     if (m.gelu) gelu_mul(g, g + I, act, I);
                     else silu_mul(g, g + I, act, I);
-                    m.quant(act, I, ai, t);
+                    QAct v = row_act(ai, row_mask(kinds, t), 3);
+                    m.quant(act, I, v, t);
                 }
             });
             if (L.ffn_out_norm) {  // x += RMSNorm(down(act))
-                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false);
+                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, sub, H, nullptr, false, kinds);
                 if (lora) lora_phase(l, 6, 1, lin, kmax, I, sub, H, h_off, h_out);
                 team_for(pc, T, rg, [&](int t0, int t1) {
                     for (int t = t0; t < t1; ++t) add_normed(x + size_t(t) * H, sub + size_t(t) * H, L.ffn_out_norm, H, m.eps);
                 });
             } else {
-                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true);  // + residual
+                gemm_team(m, pc, nthreads, 3, L.down, H, ai, T, x, H, nullptr, true, kinds);  // + residual
                 if (lora) lora_phase(l, 6, 1, lin, kmax, I, x, H, h_off, h_out);
             }
         }
         use_fine(m, ah, a, 4);  // head
         row_phase(S, [&](int r0, int r1) {
-            for (int r = r0; r < r1; ++r) norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, ah, r, tmp);
+            for (int r = r0; r < r1; ++r) {
+                QAct v = row_act(ah, row_mask(hkinds, r), 4);
+                norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, v, r, tmp);
+            }
         });
         Mat head;
         head.parts = 1, head.type[0] = m.head_t, head.rows[0] = m.vocab, head.w[0] = m.head;
-        gemm_team(m, pc, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false);
+        gemm_team(m, pc, nthreads, 4, head, m.vocab, ah, S, logits, m.vocab, nullptr, false, hkinds);
     }
     return overflow.load() ? TP_STATUS_PHASES : TP_STATUS_OK;
 }
 
 int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                       const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                      float* logits, int nthreads, int slot_stride, int table_stride) {
+                      float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds) {
     return tp_model_forward_lora(handle, T, ids, pos, slot_mapping, row_table, tables, S, logit_rows, logits, nthreads,
-                          slot_stride, table_stride, 0, nullptr, nullptr, nullptr, nullptr, nullptr);
+                          slot_stride, table_stride, row_kinds, 0, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.

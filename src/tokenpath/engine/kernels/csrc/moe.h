@@ -48,6 +48,7 @@ struct MoeItem {
 struct MoeBuf {
     std::vector<float> xn, probs, wts, gu, yd;
     std::vector<int> sel, at, tok, counts, offs, order, next;
+    std::vector<uint8_t> kinds;  // per expert-ordered row: its token's Model::kinds mask
     std::vector<MoeItem> gu_items, dn_items;
     // Per layer, this step's counts of gate_up and down items. A thread that was descheduled may
     // enter a phase after the others have finished it and gone on to the next sparse layer's plan,
@@ -68,18 +69,6 @@ inline float dot_f32(const float* a, const float* b, int n) {
     float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
     for (; i < n; ++i) s += a[i] * b[i];
     return s;
-}
-
-// Rows r.. of an activation buffer, as a QAct of its own (the layout of tp_kernels.h QAct).
-inline QAct act_rows(const QAct& a, int r) {
-    QAct v = a;
-    const size_t nb = size_t(a.nb), off = size_t(r) * nb;
-    v.q += off * QK, v.d += off, v.s += off, v.qsum += off;
-    if (v.f) v.f += off * QK, v.fs += off;
-    if (v.q2) v.q2 += off * QK;
-    if (v.q16) v.q16 += off * QK;
-    if (v.qsum16) v.qsum16 += 2 * off;
-    return v;
 }
 
 // Softmax over E logits (in place, float32), then the top k: sel/w ordered by expert index
@@ -115,6 +104,7 @@ void moe_prepare(Model& m, int T) {
     if (b.xn.size() < T * H) b.xn.resize(T * H);
     if (b.probs.size() < size_t(T) * E) b.probs.resize(size_t(T) * E);
     if (b.sel.size() < P) b.sel.resize(P), b.wts.resize(P), b.at.resize(P), b.tok.resize(P);
+    if (b.kinds.size() < P) b.kinds.resize(P);
     if (b.gu.size() < P * 2 * ff) b.gu.resize(P * 2 * ff);
     if (b.yd.size() < P * H) b.yd.resize(P * H);
     if (b.counts.size() < size_t(E) + 1) b.counts.resize(E + 1), b.offs.resize(E + 1), b.order.resize(E), b.next.resize(E);
@@ -165,6 +155,7 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
         for (int p = 0; p < P; ++p) {  // rows in step order within each expert's group
             const int r = b.next[b.sel[p]]++;
             b.at[p] = r, b.tok[r] = p / k;
+            if (m.kinds) b.kinds[r] = m.kinds[p / k];
         }
         int read = 0;
         for (int e = 0; e < E; ++e) read += b.counts[e] > 0;
@@ -180,34 +171,39 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
     ain.q2 = (m.fine >> kind_gu) & 1 ? b.view.q2 : nullptr;
     amid.q2 = (m.fine >> kind_dn) & 1 ? b.view.q2 : nullptr;
     team_for(pc, P, grain_for(P, nthreads, 1), [&](int r0, int r1) {
-        for (int r = r0; r < r1; ++r) m.quant(xn + size_t(b.tok[r]) * H, H, ain, r);
+        for (int r = r0; r < r1; ++r) {
+            QAct v = row_act(ain, m.kinds ? b.kinds[r] : uint8_t(0xff), kind_gu);
+            m.quant(xn + size_t(b.tok[r]) * H, H, v, r);
+        }
     });
     const bool ex_gu = (m.exact >> kind_gu) & 1, ex_dn = (m.exact >> kind_dn) & 1;
     team_for(pc, b.n_items[2 * L.layer], 1, [&](int i, int) {
         const MoeItem it = b.gu_items[i];
         const int r = b.offs[it.e], M = b.offs[it.e + 1] - r;
         const QAct a = act_rows(ain, r);
+        const uint8_t* kinds = m.kinds ? b.kinds.data() + r : nullptr;
         float* y = gu + size_t(r) * 2 * ff;
         if (it.n0 < ff)  // gate rows
-            m.gemm(L.type[0], L.w[0] + it.e * L.stride[0], ain.nb, a, M, y, 2 * ff, it.n0, std::min(it.n1, ff),
-                   nullptr, false, ex_gu);
+            gemm_runs(m, L.type[0], L.w[0] + it.e * L.stride[0], a, M, y, 2 * ff, it.n0, std::min(it.n1, ff),
+                      nullptr, false, ex_gu, kinds, kind_gu);
         if (it.n1 > ff)  // up rows
-            m.gemm(L.type[1], L.w[1] + it.e * L.stride[1], ain.nb, a, M, y + ff, 2 * ff, std::max(it.n0, ff) - ff,
-                   it.n1 - ff, nullptr, false, ex_gu);
+            gemm_runs(m, L.type[1], L.w[1] + it.e * L.stride[1], a, M, y + ff, 2 * ff, std::max(it.n0, ff) - ff,
+                      it.n1 - ff, nullptr, false, ex_gu, kinds, kind_gu);
     });
     team_for(pc, P, grain_for(P, nthreads, 1), [&](int r0, int r1) {
         for (int r = r0; r < r1; ++r) {
             float* g = gu + size_t(r) * 2 * ff;
             if (m.gelu) gelu_mul(g, g + ff, g, ff);  // in place: each lane is read before it is written
             else silu_mul(g, g + ff, g, ff);
-            m.quant(g, ff, amid, r);
+            QAct v = row_act(amid, m.kinds ? b.kinds[r] : uint8_t(0xff), kind_dn);
+            m.quant(g, ff, v, r);
         }
     });
     team_for(pc, b.n_items[2 * L.layer + 1], 1, [&](int i, int) {
         const MoeItem it = b.dn_items[i];
         const int r = b.offs[it.e], M = b.offs[it.e + 1] - r;
-        m.gemm(L.type[2], L.w[2] + it.e * L.stride[2], amid.nb, act_rows(amid, r), M, yd + size_t(r) * H, H, it.n0,
-               it.n1, nullptr, false, ex_dn);
+        gemm_runs(m, L.type[2], L.w[2] + it.e * L.stride[2], act_rows(amid, r), M, yd + size_t(r) * H, H, it.n0,
+                  it.n1, nullptr, false, ex_dn, m.kinds ? b.kinds.data() + r : nullptr, kind_dn);
     });
     team_for(pc, T, grain_for(T, nthreads, 1), [&](int t0, int t1) {
         for (int t = t0; t < t1; ++t) {

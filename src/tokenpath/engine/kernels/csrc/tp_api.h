@@ -29,12 +29,12 @@ int tp_model_abi();
 // Both return a status: 0, or one of the TP_STATUS_* codes below (kernels/abi.py names them).
 int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                      const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                     float* logits, int nthreads, int slot_stride, int table_stride);
+                     float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds);
 int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                           const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
-                          float* logits, int nthreads, int slot_stride, int table_stride, int n_lora_blocks,
-                          const int32_t* lora_blocks, const int32_t* lora_rows, const uint64_t* lora_ptrs,
-                          const int32_t* lora_ranks, const float* lora_scales);
+                          float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds,
+                          int n_lora_blocks, const int32_t* lora_blocks, const int32_t* lora_rows,
+                          const uint64_t* lora_ptrs, const int32_t* lora_ranks, const float* lora_scales);
 // Tests only: at most `cap` work phases per step (0: as many as the step needs), to exercise the
 // overflow check (TP_STATUS_PHASES) that a miscounted phase would trip.
 void tp_model_debug_phase_cap(void* handle, int cap);

@@ -1,0 +1,92 @@
+"""Prompt rows at llama.cpp's int8, generated rows with residual bytes (issue 42).
+
+Prefill is bound by the integer work of its GEMMs and decode by reading the weights, so by default
+the native kernels run a prompt's rows at llama.cpp's own precision (int8 activations, the quality
+bar: its perplexity on the same file) and only the rows of generated tokens carry the second,
+residual byte. Which a row takes is decided by its position against its own prompt, never by what
+else shares the step: a request gives the same numbers alone, batched, or chunked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.conftest import make_prompts
+from tests.engine.tiny_models import cached_tiny, save_gguf
+from tokenpath import LLM, SamplingParams
+from tokenpath.config import EngineConfig
+from tokenpath.engine.loader import LoadedModel, load_model
+from tokenpath.engine.runner import ModelRunner
+
+pytestmark = [pytest.mark.requires("kernels")]
+
+BLOCKS = 8  # 128 positions: slot i holds position i
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3moe"])
+def model(request, smol_loaded) -> LoadedModel:
+    if request.param == "smollm2":
+        return smol_loaded
+    hf_dir = cached_tiny("qwen3moe")  # its sparse MLP groups rows by expert: runs of rows inside a group
+    return load_model(str(save_gguf("qwen3moe", hf_dir, hf_dir.parent / "model.gguf")))
+
+
+def _runner(loaded: LoadedModel, **knobs) -> ModelRunner:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=BLOCKS, disable_hybrid_kv_cache_manager=True, **knobs)
+    r = ModelRunner(loaded, cfg, BLOCKS * 16)
+    assert r.native is not None
+    return r
+
+
+def _forward(r: ModelRunner, ids: list[int], start: int, generated: np.ndarray | None) -> np.ndarray:
+    """Rows at positions start.. of one sequence whose block table is 0..BLOCKS-1."""
+    assert r.native is not None
+    pos = np.arange(start, start + len(ids), dtype=np.int32)
+    return r.native.forward(np.asarray(ids, dtype=np.int32), pos, pos.astype(np.int64),
+                            np.zeros(len(ids), dtype=np.int32), np.arange(BLOCKS, dtype=np.int32),
+                            np.arange(len(ids), dtype=np.int32), generated=generated)
+
+
+def _ids(loaded: LoadedModel, n: int) -> list[int]:
+    return torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_prompt_rows_are_int8_and_generated_rows_fine(model):
+    ids = _ids(model, 40)
+    default, int8, fine = _runner(model), _runner(model, kernels_fine=0), _runner(model, kernels_prompt_fine=31)
+    prompt = np.zeros(40, dtype=bool)
+    # Every row a prompt row: llama.cpp's int8 exactly, and not the finer numbers.
+    got = _forward(default, ids, 0, prompt)
+    assert np.array_equal(got, _forward(int8, ids, 0, None))
+    assert not np.array_equal(got, _forward(fine, ids, 0, prompt))
+    # Every row a generated one: the residual bytes, as every row took them before.
+    assert np.array_equal(_forward(default, ids, 0, ~prompt), _forward(fine, ids, 0, None))
+
+
+def test_a_mixed_step_equals_its_rows_in_steps_of_their_own(model):
+    """24 prompt rows and 16 generated ones in one step (the GEMMs split into runs of rows with and
+    without residual bytes) give what the prompt's step and then 16 one-row decode steps give."""
+    ids, r = _ids(model, 40), _runner(model)
+    generated = np.arange(40) >= 24
+    whole = _forward(r, ids, 0, generated)
+    parts = [_forward(r, ids[:24], 0, generated[:24])]
+    parts += [_forward(r, ids[t:t + 1], t, generated[t:t + 1]) for t in range(24, 40)]
+    assert np.array_equal(whole, np.concatenate(parts))
+    interleaved = np.arange(40) % 3 == 0  # runs of one and two rows, alternating
+    assert np.array_equal(_forward(r, ids, 0, interleaved),
+                          np.concatenate([_forward(r, ids[t:t + 1], t, interleaved[t:t + 1]) for t in range(40)]))
+
+
+def test_a_request_gives_the_same_tokens_and_logprobs_alone_and_batched():
+    """Through the engine, SmolLM2: one request alone, then with three others whose chunked prompts
+    share its decode steps (max_num_batched_tokens 48)."""
+    llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_batched_tokens=48, max_num_seqs=8,
+              kv_cache_memory="64MiB")
+    prompts = make_prompts(llm.tokenizer, [30, 90, 17, 60], seed=5)
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    alone = llm.generate([prompts[0]], p)[0].outputs[0]
+    batched = llm.generate(prompts, p)[0].outputs[0]
+    assert alone.token_ids == batched.token_ids
+    assert alone.logprobs == batched.logprobs
