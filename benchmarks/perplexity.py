@@ -19,6 +19,7 @@ path's own prompt log-probabilities, `SamplingParams.prompt_logprobs`), one engi
 
     .venv/bin/python benchmarks/perplexity.py              # SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M
     .venv/bin/python benchmarks/perplexity.py --models smollm2-135m-instruct --ctx 256
+    .venv/bin/python benchmarks/perplexity.py --prompt-masks 0 8 9 27 31   # the prompt rows' mask
 
 Writes benchmarks/results/perplexity.md and .json. llama.cpp's binaries are built (and cached
 under .cache/peers) as engine_vs_llamacpp.py builds them, plus the two tools used here.
@@ -49,6 +50,7 @@ from tokenpath.engine.loader import resolve_model_path  # noqa: E402
 TEXT = ROOT.parent / "tests" / "engine" / "data" / "perplexity_text.txt"
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m"]
 # name -> (EngineConfig overrides, what it means). "default" is what `serve` runs.
+MATMULS = ("qkv", "o", "gate_up", "down", "head")  # the mask bits, in order
 PRECISIONS: dict[str, tuple[dict, str]] = {
     "default": ({}, "the prompt's rows at int8 (llama.cpp's scheme; perplexity scores prompt rows only), generated "
                 "rows with a residual byte (~15 bits): `engine/kernels/model.py` DEFAULT_PROMPT_FINE"),
@@ -149,8 +151,19 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
-    ap.add_argument("--out", default=str(ROOT / "results" / "perplexity"))
+    ap.add_argument("--prompt-masks", nargs="+", type=int, default=[], metavar="MASK",
+                    help="instead of --precisions: one column per --kernels-prompt-fine mask (the default's "
+                         "choice; e.g. 0 8 9 27 31 -> results/perplexity_prompt_masks)")
+    ap.add_argument("--out", default=None, help="results/perplexity (or perplexity_prompt_masks), without suffix")
     args = ap.parse_args()
+    if args.prompt_masks:
+        for m in args.prompt_masks:
+            PRECISIONS[f"prompt={m}"] = ({"kernels_prompt_fine": m}, f"--kernels-prompt-fine {m}: "
+                                         + ", ".join(n for i, n in enumerate(MATMULS) if m >> i & 1) + " fine on "
+                                         "prompt rows, the rest int8" if m else "--kernels-prompt-fine 0: every "
+                                         "prompt row at int8")
+        args.precisions = [f"prompt={m}" for m in args.prompt_masks]
+    args.out = args.out or str(ROOT / "results" / ("perplexity_prompt_masks" if args.prompt_masks else "perplexity"))
     bin_dir = build_llamacpp()
     rows = []
     for model in args.models:

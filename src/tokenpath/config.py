@@ -225,8 +225,8 @@ class EngineConfig(BaseModel):
     kernels_prompt_fine: int | None = Field(
         default_factory=lambda: env_kernels_prompt_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose prompt rows carry residual bytes too; "
-                    "the rest of a prompt runs llama.cpp's int8 activations, as fast as its prefill allows "
-                    "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 0: generated rows only)")
+                    "the rest of a prompt runs llama.cpp's int8 activations, for a faster prefill "
+                    "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 9: qkv and down)")
     kernels_exact: int | None = Field(
         default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
@@ -377,6 +377,7 @@ ENV_VARS = (
     EnvVar("TOKENPATH_NUM_THREADS", "torch CPU threads per engine (default: cores split among local engines)"),
     EnvVar("TOKENPATH_KERNELS_ISA", "native kernel ISA: auto, avx2 or avx512 (within what the CPU has)"),
     EnvVar("TOKENPATH_KERNELS_FINE", "bit mask: matmuls with int8 activations plus residual bytes"),
+    EnvVar("TOKENPATH_KERNELS_PROMPT_FINE", "bit mask: matmuls whose prompt rows take residual bytes too"),
     EnvVar("TOKENPATH_KERNELS_EXACT", "bit mask: matmuls that keep float activations"),
     EnvVar("TOKENPATH_NO_KERNELS", "1: no native kernels (at install: skip the build; at run: torch path)"),
     EnvVar("TOKENPATH_BENCH_API_KEY", "the default key of `tokenpath bench`"),

@@ -1,9 +1,9 @@
-"""Prompt rows at llama.cpp's int8, generated rows with residual bytes (issue 42).
+"""Prompt rows mostly at llama.cpp's int8, generated rows with residual bytes (issue 42).
 
 Prefill is bound by the integer work of its GEMMs and decode by reading the weights, so by default
-the native kernels run a prompt's rows at llama.cpp's own precision (int8 activations, the quality
-bar: its perplexity on the same file) and only the rows of generated tokens carry the second,
-residual byte. Which a row takes is decided by its position against its own prompt, never by what
+the native kernels run most of a prompt's matmuls at llama.cpp's own precision (int8 activations;
+the quality bar is its perplexity on the same file, which needs qkv and down finer) and the rows
+of generated tokens carry the second, residual byte everywhere. Which a row takes is decided by its position against its own prompt, never by what
 else shares the step: a request gives the same numbers alone, batched, or chunked.
 """
 
@@ -17,6 +17,7 @@ from tests.engine.conftest import make_prompts
 from tests.engine.tiny_models import cached_tiny, save_gguf
 from tokenpath import LLM, SamplingParams
 from tokenpath.config import EngineConfig
+from tokenpath.engine.kernels.model import DEFAULT_PROMPT_FINE
 from tokenpath.engine.loader import LoadedModel, load_model
 from tokenpath.engine.runner import ModelRunner
 
@@ -53,22 +54,28 @@ def _ids(loaded: LoadedModel, n: int) -> list[int]:
     return torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def test_prompt_rows_are_int8_and_generated_rows_fine(model):
+def test_prompt_rows_take_the_prompt_mask_and_generated_rows_the_fine_one(model):
     ids = _ids(model, 40)
-    default, int8, fine = _runner(model), _runner(model, kernels_fine=0), _runner(model, kernels_prompt_fine=31)
+    default, fine = _runner(model), _runner(model, kernels_prompt_fine=31)
     prompt = np.zeros(40, dtype=bool)
-    # Every row a prompt row: llama.cpp's int8 exactly, and not the finer numbers.
+    # Every row a prompt row: the numbers of kernels whose every row takes the prompt mask
+    # (qkv and down with residual bytes), not the all-fine ones.
     got = _forward(default, ids, 0, prompt)
-    assert np.array_equal(got, _forward(int8, ids, 0, None))
+    assert np.array_equal(got, _forward(_runner(model, kernels_fine=DEFAULT_PROMPT_FINE), ids, 0, None))
     assert not np.array_equal(got, _forward(fine, ids, 0, prompt))
-    # Every row a generated one: the residual bytes, as every row took them before.
+    # --kernels-prompt-fine 0: llama.cpp's int8 exactly.
+    int8_prompt = _runner(model, kernels_prompt_fine=0)
+    assert np.array_equal(_forward(int8_prompt, ids, 0, prompt), _forward(_runner(model, kernels_fine=0), ids, 0, None))
+    # Every row a generated one: the residual bytes everywhere, as every row took them before.
     assert np.array_equal(_forward(default, ids, 0, ~prompt), _forward(fine, ids, 0, None))
+    assert np.array_equal(_forward(int8_prompt, ids, 0, ~prompt), _forward(fine, ids, 0, None))
 
 
-def test_a_mixed_step_equals_its_rows_in_steps_of_their_own(model):
+@pytest.mark.parametrize("prompt_mask", [DEFAULT_PROMPT_FINE, 0])
+def test_a_mixed_step_equals_its_rows_in_steps_of_their_own(model, prompt_mask):
     """24 prompt rows and 16 generated ones in one step (the GEMMs split into runs of rows with and
     without residual bytes) give what the prompt's step and then 16 one-row decode steps give."""
-    ids, r = _ids(model, 40), _runner(model)
+    ids, r = _ids(model, 40), _runner(model, kernels_prompt_fine=prompt_mask)
     generated = np.arange(40) >= 24
     whole = _forward(r, ids, 0, generated)
     parts = [_forward(r, ids[:24], 0, generated[:24])]

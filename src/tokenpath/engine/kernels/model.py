@@ -237,15 +237,20 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # reading the weights dominates). --kernels-fine 0 (TOKENPATH_KERNELS_FINE=0) selects llama.cpp's
 # all-int8 scheme.
 # Prompt rows are another matter (issue 42): prefill is bound by that integer work, not by reading
-# the weights, and the quality bar is llama.cpp's own perplexity on the same file, which prompt
-# rows at its int8 meet (benchmarks/results/perplexity.md: 0.998x of llama.cpp's on SmolLM2 and
-# Gemma 3). So by default prompt rows run int8 (--kernels-prompt-fine 0) and only the rows of
-# generated tokens carry the residual bytes, where they cost little. A row's precision depends on
-# its position against its own prompt, never on what else shares the step, so batching, chunked
-# prefill and speculation keep giving the same tokens. --kernels-prompt-fine 31 runs prompts fine too.
+# the weights, and the quality bar is llama.cpp's own perplexity on the same file. Measured
+# (benchmarks/results/perplexity_prompt_masks.md, AVX2, prompt_logprobs over the committed text,
+# ratio to llama-perplexity's on the same GGUF; SmolLM2 Q4_1 / Gemma 3 270M Q4_K_M):
+#   prompt rows all int8 0.999x / 1.002x    down fine 1.008x / 0.986x    qkv + down fine 0.995x / 0.988x
+#   all but gate_up fine 0.996x / 0.988x    all fine (every row) 0.993x / 0.987x
+# So by default a prompt's rows take the residual bytes for qkv and down only (40% of a layer's
+# multiply-adds; gate_up, o and the head run llama.cpp's int8), and the rows of generated tokens
+# for every matmul, where reading the weights bounds the step and the second pass costs little.
+# A row's precision follows its position against its own prompt, never what else shares the step,
+# so batching, chunked prefill and speculation give the same tokens (tests/engine/test_prompt_precision.py).
+# --kernels-prompt-fine 31 runs prompts fine everywhere; 0 all-int8, llama.cpp's own scheme.
 DEFAULT_EXACT = 0
 DEFAULT_FINE = KERNEL_MASK_ALL
-DEFAULT_PROMPT_FINE = 0
+DEFAULT_PROMPT_FINE = EXACT_QKV | EXACT_DOWN
 
 
 def fine_mask() -> int:
