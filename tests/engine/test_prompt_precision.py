@@ -26,10 +26,12 @@ pytestmark = [pytest.mark.requires("kernels")]
 BLOCKS = 8  # 128 positions: slot i holds position i
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen3moe"])
+@pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen3moe"])
 def model(request, smol_loaded) -> LoadedModel:
-    if request.param == "smollm2":
+    if request.param == "smollm2":  # Q4_1 and Q8_0 rows (packed_impl.h)
         return smol_loaded
+    if request.param == "gemma3":  # Q4_K, Q5_0, Q6_K rows (kquant_impl.h) and a GeGLU
+        return load_model("gemma-3-270m")
     hf_dir = cached_tiny("qwen3moe")  # its sparse MLP groups rows by expert: runs of rows inside a group
     return load_model(str(save_gguf("qwen3moe", hf_dir, hf_dir.parent / "model.gguf")))
 
