@@ -59,7 +59,10 @@ def build_llamacpp() -> Path:
     """llama-bench (and llama-server, for run_peers.sh) from the sdist's vendored llama.cpp; cached."""
     src = CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
     bench = src / "build" / "bin" / "llama-bench"
-    if bench.exists() and (bench.parent / "llama-server").exists():
+    flags = _no_amx_flags()
+    stamp = src / "build" / "tokenpath-cflags"  # what the cached build was configured with
+    if bench.exists() and (bench.parent / "llama-server").exists() and \
+            (stamp.read_text() if stamp.exists() else "") == flags:
         return bench.parent
     CACHE.mkdir(parents=True, exist_ok=True)
     tarball = CACHE / "llama_cpp_python-0.3.36.tar.gz"
@@ -70,11 +73,26 @@ def build_llamacpp() -> Path:
         with tarfile.open(tarball) as tf:
             tf.extractall(CACHE, filter="data")
     subprocess.run(["cmake", "-B", "build", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"],
                    cwd=src, check=True, stdout=sys.stderr)
     subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-bench", f"-j{os.cpu_count()}"],
                    cwd=src, check=True, stdout=sys.stderr)
+    stamp.write_text(flags)
     return bench.parent
+
+
+def _no_amx_flags() -> str:
+    """On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul, and in this llama.cpp it crashes
+    the first prompt batch here (SIGSEGV in ggml_backend_amx_mul_mat with 2 threads, SIGILL with 1;
+    llama.cpp issue #20824 reports the same segfault). A llama.cpp user on such a host turns AMX off;
+    so does this build: GCC's explicit -mno-* win over -march=native's implied ISA, and the rest
+    (AVX-512 VNNI, the repacked Q4_K/Q8_0 GEMMs) stays native. Empty on every other CPU."""
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if " amx_int8" in cpu else ""
 
 
 def run_measured(cmd: list[str], env: dict) -> tuple[str, int]:

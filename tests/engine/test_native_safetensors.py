@@ -84,7 +84,7 @@ def test_float32_checkpoints_run_natively_on_their_own_values(kind, tmp_path, ca
     assert native.native.weight_types == ("F32X16",)
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     got = all_logits(native, ids)
-    ref = all_logits(runner(loaded, "none"), ids)  # torch, float32 (the file's dtype)
+    ref = all_logits(runner(loaded, "none", "float32"), ids)  # torch, float32 (the file's dtype)
     err = (got - ref).abs().max().item() / ref.abs().max().item()
     print(f"{kind} float32: max |native - torch float32| / max |torch| = {err:.2e}")
     assert err <= F32_BOUND

@@ -198,7 +198,13 @@ def test_greedy_with_per_token_rewrites_is_the_plain_engines_on_smollm2(smol_pai
                 "min_tokens": dict(min_tokens=40, logit_bias={tok.eos_token_id: 30.0}),  # (EOS first from 40 on)
                 "n2_penalties": dict(n=2, repetition_penalty=1.1, presence_penalty=0.3)}[case]
     p = SamplingParams(temperature=0, max_tokens=96, **kw)
+    stats = llm.engine.spec.stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     want, got = plain.chat(COPY, p)[0], llm.chat(COPY, p)[0]
+    # The request's counters are its choices' sum: the engine-wide ones moved by exactly them
+    # (n = 2: each choice drafts and verifies on its own; the Timeline's `spec_decode` reads these).
+    after = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert [a - b for a, b in zip(after, before, strict=True)] == list(got.events.spec)
     unrewritten = plain.chat(COPY, SamplingParams(temperature=0, max_tokens=96))[0].outputs[0]
     assert want.outputs[0].token_ids != unrewritten.token_ids  # the rewrite matters here
     assert len(got.outputs) == len(want.outputs) == p.n

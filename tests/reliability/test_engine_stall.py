@@ -130,12 +130,11 @@ class Call(threading.Thread):
         return self.ended - self.started
 
 
-def running(srv: Server, model: str) -> int:
-    """The deployment's running requests, from /metrics (the engines' own report, every 100 ms)."""
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    found = re.search(r'^tokenpath:num_requests_running\{[^}]*model_name="' + re.escape(model) + r'"[^}]*\} (\S+)$',
-                      text, re.M)
-    return int(float(found[1])) if found else 0
+def tokens_seen(srv: Server, client_id: str) -> int:
+    """Tokens of an in-flight request (by the client's id) that have reached the gateway: what its
+    retry rule reads (a request that has produced a token is never retried elsewhere)."""
+    rows = httpx.get(srv.url + "/dashboard/data", timeout=10).json()["inflight"]
+    return max((r["tokens"] for r in rows if r["client_request_id"] == client_id), default=0)
 
 
 def queued_in(log_dir: Path, replica: str, rid: str) -> bool:
@@ -175,10 +174,11 @@ def test_frozen_engine_is_ejected_its_requests_retried_or_cut_cleanly_and_it_rec
     wait_until(lambda: len(streaming.lines) >= 3, 60, "the long stream never started")
     whole = Call(srv, body(name, 3500), "long-whole", on_victim)
     whole.start()
-    # `whole` is generating: both run on the victim (the other engine is idle). Its stream's progress
-    # alone was no sign of it: once `whole` had not reached the engine yet, and the freeze then
-    # found it unstarted, so it was retried elsewhere (a 200, rightly) where this test expects 503.
-    wait_until(lambda: running(srv, name) >= 2, 60, "the non-streamed request never started on the victim")
+    # `whole` is generating: its tokens have reached the gateway (the dashboard's in-flight row
+    # counts them). Neither the stream's progress nor the engines' `running` was a sign of that:
+    # under load the freeze twice found `whole` with no token at the gateway yet, so it was rightly
+    # retried elsewhere (a 200) where this test expects 503. The gateway's own view is what decides.
+    wait_until(lambda: tokens_seen(srv, "long-whole") >= 1, 60, "the non-streamed request never started on the victim")
     sent = len(streaming.lines)
     wait_until(lambda: len(streaming.lines) >= sent + 30, 60, "the long stream stopped")
     assert streaming.is_alive() and whole.is_alive(), "the long requests finished before the freeze"
