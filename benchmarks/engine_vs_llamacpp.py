@@ -256,7 +256,8 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
         f" on {cpu} ({os.cpu_count()} cores, {isa}; {platform.python_version()}), "
         f"model {MODELS.get(args.model, Path(args.model).name)}.",
         "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
-        "(GGML_NATIVE). tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
+        f"(GGML_NATIVE{'; ' + _no_amx_flags() + ': its AMX matmul crashes here' if _no_amx_flags() else ''}). "
+        "tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
         "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",
         f"Medians of {args.rounds} alternating rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
