@@ -137,7 +137,6 @@ def test_bad_x_priority_is_400(http):
         {"model": CHAT, "prompt": ""},
         {"model": CHAT, "prompt": []},
         {"model": CHAT, "prompt": [10**9]},
-        {"model": CHAT, "prompt": "x", "echo": True, "stream": True, "logprobs": 1},
         {"model": CHAT, "prompt": "x", "suffix": "y"},
         {"model": CHAT, "prompt": "x", "logprobs": 99},
         {"model": CHAT, "prompt": ["x"] * 100, "max_tokens": 1},

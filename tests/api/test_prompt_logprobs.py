@@ -180,22 +180,33 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(server, text_ids):
 def test_a_streamed_echo_starts_each_choice_with_its_prompt(server):
     """OpenAI's and vLLM's `echo` with `stream` (a 400 before): each choice's first chunk starts
     with its prompt's text, and the streamed text equals the unstreamed reply's. With `logprobs`
-    it stays a 400 naming `echo` (the prompt's logprobs come whole, not streamed)."""
+    (a 400 until this stop) the first chunk carries the prompt's tokens and their logprobs (they
+    ride with the first sampled token) and the later chunks' offsets count from the prompt's start:
+    the chunks' logprobs joined equal the unstreamed reply's, token for token, offsets included."""
     body = {"model": CHAT_MODEL, "prompt": ["The sky is", "Water is"], "max_tokens": 4, "temperature": 0,
             "echo": True, "n": 2}
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        whole = http.post("/v1/completions", json=body).json()["choices"]
-        texts: dict[int, list[str]] = {}
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
-                        texts.setdefault(c["index"], []).append(c["text"])
-        assert sorted(texts) == [0, 1, 2, 3]
-        for c in whole:
-            prompt = body["prompt"][c["index"] // 2]
-            assert texts[c["index"]][0].startswith(prompt)
-            assert "".join(texts[c["index"]]) == c["text"] and c["text"].startswith(prompt)
-        bad = http.post("/v1/completions", json={**body, "stream": True, "logprobs": 1})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo", bad.text
+        for extra in ({}, {"logprobs": 2}):
+            whole = http.post("/v1/completions", json={**body, **extra}).json()["choices"]
+            texts: dict[int, list[str]] = {}
+            joined: dict[int, dict[str, list]] = {}
+            with http.stream("POST", "/v1/completions", json={**body, **extra, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            texts.setdefault(c["index"], []).append(c["text"])
+                            for k, v in (c["logprobs"] or {}).items():
+                                joined.setdefault(c["index"], {}).setdefault(k, []).extend(v)
+            assert sorted(texts) == [0, 1, 2, 3]
+            for c in whole:
+                prompt = body["prompt"][c["index"] // 2]
+                assert texts[c["index"]][0].startswith(prompt)
+                assert "".join(texts[c["index"]]) == c["text"] and c["text"].startswith(prompt)
+                if extra:
+                    lp = c["logprobs"]
+                    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) > 4  # the prompt's, then 4
+                    assert "".join(lp["tokens"]) == c["text"]
+                    assert joined[c["index"]] == lp, (joined[c["index"]], lp)
+                else:
+                    assert c["index"] not in joined

@@ -244,17 +244,23 @@ def _echoed(acc: Accumulator, echo: list[tuple[str, str]], c: Choice, want_logpr
     """A choice's text and logprobs under OpenAI's `echo`: the prompt first, then the reply. The
     prompt's tokens carry their logprobs (the first token has none, as in OpenAI's and vLLM's)."""
     part = c.index // acc.n
-    text, first = echo[part]
-    if not want_logprobs:
-        return text + c.text, None
+    text = echo[part][0]
+    return text + c.text, echo_logprobs(acc, part, c.logprobs) if want_logprobs else None
+
+
+def echo_logprobs(acc: Accumulator, part: int, reply: list[TokenLogprob]) -> dict:
+    """`logprobs` of an echoed prompt followed by `reply`'s tokens: the whole reply's (unstreamed),
+    or a streamed choice's first chunk's. Offsets count from the prompt's first character, so a
+    stream's later chunks add the prompt's length to theirs (`completion_chunk_choice`'s `base`)."""
+    text, first = acc.echo[part] if acc.echo is not None else ("", "")
     prompt = acc.prompt_logprobs.get(part) or []
     head = completion_logprobs([lp for lp in prompt if lp is not None])
-    tail = completion_logprobs(c.logprobs, offset=len(text))
+    tail = completion_logprobs(reply, offset=len(text))
     if prompt and prompt[0] is None:  # the first prompt token: text only
         head = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
                 "top_logprobs": [None, *head["top_logprobs"]],
                 "text_offset": [0, *(o + len(first) for o in head["text_offset"])]}
-    return text + c.text, {k: head[k] + tail[k] for k in head}
+    return {k: head[k] + tail[k] for k in head}
 
 
 def completion_body(rid: str, created: int, model: str, acc: Accumulator, want_logprobs: bool,
@@ -378,8 +384,10 @@ def chat_reasoning_chunk_choices(ch: Choice, logprobs: list[TokenLogprob] | None
 
 
 def completion_chunk_choice(ch: Choice, text: str, logprobs: list[TokenLogprob] | None,
-                            finish_reason: str | None, want_logprobs: bool, token_ids: list[int] | None = None) -> dict:
-    offset = len(ch.text) - len(text)
+                            finish_reason: str | None, want_logprobs: bool, token_ids: list[int] | None = None,
+                            base: int = 0) -> dict:
+    """`base`: where the reply starts in the choice's whole text (an echoed prompt's length)."""
+    offset = base + len(ch.text) - len(text)
     out = {
         "index": ch.index,
         "text": text,

@@ -141,14 +141,20 @@ class Generation:
                 if c.text or c.finish_reason or c.logprobs or not ch.started:
                     chunks.append(self._chunk([make(ch, c.text, c.logprobs, c.finish_reason, self.want_logprobs)]))
             else:
-                text = c.text
-                if self.acc.echo is not None and ch.index not in self.echoed:  # OpenAI's and vLLM's streamed
-                    self.echoed.add(ch.index)  # echo: a choice's first chunk starts with its prompt's text
-                    text = self.acc.echo[ch.index // self.acc.n][0] + text
+                text, base, head = c.text, 0, None
+                if self.acc.echo is not None:  # OpenAI's and vLLM's streamed echo: a choice's first chunk
+                    part = ch.index // self.acc.n  # starts with its prompt's text (and, with `logprobs`,
+                    base = len(self.acc.echo[part][0])  # its tokens'; they ride with the first token)
+                    if ch.index not in self.echoed:
+                        self.echoed.add(ch.index)
+                        text = self.acc.echo[part][0] + text
+                        head = fmt.echo_logprobs(self.acc, part, c.logprobs) if self.want_logprobs else None
                 if text or c.finish_reason or c.logprobs or (c.token_ids and self.acc.keep_token_ids):
-                    chunks.append(self._chunk([fmt.completion_chunk_choice(
-                        ch, text, c.logprobs, c.finish_reason, self.want_logprobs,
-                        c.token_ids if self.acc.keep_token_ids else None)]))
+                    choice = fmt.completion_chunk_choice(ch, text, c.logprobs, c.finish_reason, self.want_logprobs,
+                                                         c.token_ids if self.acc.keep_token_ids else None, base)
+                    if head is not None:
+                        choice["logprobs"] = head
+                    chunks.append(self._chunk([choice]))
         return chunks
 
     def _last(self, chunks: list[dict]) -> list[dict]:

@@ -1,7 +1,7 @@
 """Pydantic request schemas of the OpenAI-compatible API.
 
 Unknown fields are rejected (as OpenAI does) and known fields that would change the output but
-are not implemented (legacy `functions`, suffix, a streamed echo with logprobs...) are 400s with a clear message:
+are not implemented (legacy `functions`, suffix...) are 400s with a clear message:
 silently ignoring them would return something the client did not ask for. Every error names the
 parameter (`param`) and says what to send instead.
 
@@ -321,8 +321,6 @@ class CompletionRequest(_SamplingFields):
                                           f"got {self.prompt_logprobs}", param="prompt_logprobs")
             if self.stream:
                 raise _unsupported("prompt_logprobs", "is not supported with stream; send \"stream\": false")
-        if self.echo and self.stream and self.logprobs is not None:  # (the prompt's logprobs come whole only)
-            raise _unsupported("echo", "with logprobs is supported without stream only; send \"stream\": false")
         if self.suffix:
             raise _unsupported("suffix")
         if self.best_of is not None and self.best_of != self.n:
