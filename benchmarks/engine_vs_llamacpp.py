@@ -246,6 +246,7 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
     flags = Path("/proc/cpuinfo").read_text()
     cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
     isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2"
+    no_amx = _no_amx_flags()
     lc, tp = med["llama.cpp"], med["tokenpath (native)"]
     lines = [
         "# tokenpath engine vs llama.cpp (same GGUF, same threads, same run)",
@@ -256,7 +257,7 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
         f" on {cpu} ({os.cpu_count()} cores, {isa}; {platform.python_version()}), "
         f"model {MODELS.get(args.model, Path(args.model).name)}.",
         "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
-        f"(GGML_NATIVE{'; ' + _no_amx_flags() + ': its AMX matmul crashes here' if _no_amx_flags() else ''}). "
+        f"(GGML_NATIVE{'; ' + no_amx + ': its AMX matmul crashes here' if no_amx else ''}). "
         "tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
         "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",
         f"Medians of {args.rounds} alternating rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "

@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, TypedDict
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -115,19 +116,10 @@ async def _warm_request_path(app: FastAPI) -> None:
     `model_load` stage carried it (issue 38's cold start). One in-process GET /health through the
     whole app (middleware included: loopback is always an allowed Host) pays both; it reads the
     replicas' reports only, so it changes no state, records no request and reaches no engine."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "GET", "scheme": "http", "path": "/health", "raw_path": b"/health", "query_string": b"",
-             "root_path": "", "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 0),
-             "server": ("127.0.0.1", 0)}
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: MutableMapping[str, object]) -> None:
-        return None
-
+    transport = httpx.ASGITransport(app=app)
     try:
-        await app(scope, receive, send)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            await client.get("/health")
     except Exception as exc:  # noqa: BLE001 - a warm-up that fails leaves the first request to pay, nothing worse
         log.warning("warming the HTTP request path failed: %s", exc)
 

@@ -244,16 +244,17 @@ def _echoed(acc: Accumulator, echo: list[tuple[str, str]], c: Choice, want_logpr
     """A choice's text and logprobs under OpenAI's `echo`: the prompt first, then the reply. The
     prompt's tokens carry their logprobs (the first token has none, as in OpenAI's and vLLM's)."""
     part = c.index // acc.n
-    text = echo[part][0]
-    return text + c.text, echo_logprobs(acc, part, c.logprobs) if want_logprobs else None
+    return echo[part][0] + c.text, echo_logprobs(echo[part], acc.prompt_logprobs.get(part), c.logprobs) \
+        if want_logprobs else None
 
 
-def echo_logprobs(acc: Accumulator, part: int, reply: list[TokenLogprob]) -> dict:
-    """`logprobs` of an echoed prompt followed by `reply`'s tokens: the whole reply's (unstreamed),
-    or a streamed choice's first chunk's. Offsets count from the prompt's first character, so a
-    stream's later chunks add the prompt's length to theirs (`completion_chunk_choice`'s `base`)."""
-    text, first = acc.echo[part] if acc.echo is not None else ("", "")
-    prompt = acc.prompt_logprobs.get(part) or []
+def echo_logprobs(echo: tuple[str, str], prompt: list[TokenLogprob | None] | None, reply: list[TokenLogprob]) -> dict:
+    """`logprobs` of an echoed prompt (`echo`: its text and first token's) followed by `reply`'s
+    tokens: the whole reply's (unstreamed), or a streamed choice's first chunk's. Offsets count from
+    the prompt's first character, so a stream's later chunks add the prompt's length to theirs
+    (`completion_chunk_choice`'s `base`)."""
+    text, first = echo
+    prompt = prompt or []
     head = completion_logprobs([lp for lp in prompt if lp is not None])
     tail = completion_logprobs(reply, offset=len(text))
     if prompt and prompt[0] is None:  # the first prompt token: text only

@@ -143,16 +143,19 @@ class Generation:
             else:
                 text, base, head = c.text, 0, None
                 if self.acc.echo is not None:  # OpenAI's and vLLM's streamed echo: a choice's first chunk
-                    part = ch.index // self.acc.n  # starts with its prompt's text (and, with `logprobs`,
-                    base = len(self.acc.echo[part][0])  # its tokens'; they ride with the first token)
+                    echo = self.acc.echo[ch.index // self.acc.n]  # starts with its prompt's text (and, with
+                    base = len(echo[0])  # `logprobs`, its tokens': they ride with the first sampled token)
                     if ch.index not in self.echoed:
                         self.echoed.add(ch.index)
-                        text = self.acc.echo[part][0] + text
-                        head = fmt.echo_logprobs(self.acc, part, c.logprobs) if self.want_logprobs else None
+                        text = echo[0] + text
+                        if self.want_logprobs:
+                            head = fmt.echo_logprobs(echo, self.acc.prompt_logprobs.get(ch.index // self.acc.n),
+                                                     c.logprobs)
                 if text or c.finish_reason or c.logprobs or (c.token_ids and self.acc.keep_token_ids):
-                    choice = fmt.completion_chunk_choice(ch, text, c.logprobs, c.finish_reason, self.want_logprobs,
+                    choice = fmt.completion_chunk_choice(ch, text, c.logprobs, c.finish_reason,
+                                                         self.want_logprobs and head is None,
                                                          c.token_ids if self.acc.keep_token_ids else None, base)
-                    if head is not None:
+                    if head is not None:  # (built once, the prompt's tokens first)
                         choice["logprobs"] = head
                     chunks.append(self._chunk([choice]))
         return chunks
