@@ -227,6 +227,12 @@ class EngineConfig(BaseModel):
         description="bit mask (as --kernels-fine) of the matmuls whose prompt rows carry residual bytes too; "
                     "the rest of a prompt runs llama.cpp's int8 activations, for a faster prefill "
                     "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 9: qkv and down)")
+    kernels_bf16: int | None = Field(
+        default_factory=lambda: env_kernels_bf16(), ge=0, le=KERNEL_MASK_ALL,
+        description="bit mask (as --kernels-fine) of the matmuls whose bf16 weights multiply bf16 activations on "
+                    "AMX tiles, every row, as vLLM and transformers compute a bf16 checkpoint; the rest take float32 "
+                    "activations (default: $TOKENPATH_KERNELS_BF16, else 31: all, on CPUs with AMX-BF16; none "
+                    "elsewhere)")
     kernels_exact: int | None = Field(
         default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
@@ -378,6 +384,7 @@ ENV_VARS = (
     EnvVar("TOKENPATH_KERNELS_ISA", "native kernel ISA: auto, avx2 or avx512 (within what the CPU has)"),
     EnvVar("TOKENPATH_KERNELS_FINE", "bit mask: matmuls with int8 activations plus residual bytes"),
     EnvVar("TOKENPATH_KERNELS_PROMPT_FINE", "bit mask: matmuls whose prompt rows take residual bytes too"),
+    EnvVar("TOKENPATH_KERNELS_BF16", "bit mask: matmuls whose bf16 weights take bf16 activations (AMX)"),
     EnvVar("TOKENPATH_KERNELS_EXACT", "bit mask: matmuls that keep float activations"),
     EnvVar("TOKENPATH_NO_KERNELS", "1: no native kernels (at install: skip the build; at run: torch path)"),
     EnvVar("TOKENPATH_BENCH_API_KEY", "the default key of `tokenpath bench`"),
@@ -463,6 +470,11 @@ def env_kernels_fine() -> int | None:
 def env_kernels_prompt_fine() -> int | None:
     """TOKENPATH_KERNELS_PROMPT_FINE as a mask (`kernel_mask_from_env`); None: unset."""
     return kernel_mask_from_env("TOKENPATH_KERNELS_PROMPT_FINE")
+
+
+def env_kernels_bf16() -> int | None:
+    """TOKENPATH_KERNELS_BF16 as a mask (`kernel_mask_from_env`); None: unset."""
+    return kernel_mask_from_env("TOKENPATH_KERNELS_BF16")
 
 
 def env_kernels_exact() -> int | None:

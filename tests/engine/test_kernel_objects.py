@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,9 +75,18 @@ def test_with_only_the_avx2_object_the_engine_runs_avx2_kernels(tmp_path, caplog
 @pytest.mark.requires("avx512_object")
 def test_with_only_the_avx512_object_it_runs_what_the_cpu_has(tmp_path):
     got = load_library(only(tmp_path, AVX512_OBJECT))
-    assert got is not None and got.lib.tp_kernel_isas() == 3
+    assert got is not None and got.lib.tp_kernel_isas() == 1 | 2 | 4  # AVX2, AVX-512 VNNI, the AMX-BF16 GEMM
     want = [K.ISA_AVX2, K.ISA_AVX512] if got.cpu_features & K.FEATURE_AVX512_VNNI else [K.ISA_AVX2]
     assert got.available_isas() == want
+    # The tiles where the CPU has them and Linux grants them to this process (tp_cpu_features).
+    assert got.has_amx_bf16 == bool(got.cpu_features & K.FEATURE_AMX_BF16)
+    assert got.has_amx_bf16 == (" amx_bf16" in Path("/proc/cpuinfo").read_text())
+
+
+@pytest.mark.requires("avx2_object")
+def test_the_avx2_object_never_offers_amx_tiles(tmp_path):
+    got = load_library(only(tmp_path, AVX2_OBJECT))
+    assert got is not None and not got.has_amx_bf16
 
 
 def test_an_old_single_object_is_not_loaded(tmp_path, caplog):

@@ -162,3 +162,38 @@ def test_largest_weights_and_activations_keep_exact_integer_sums(isa, wtype):
         y = K.gemm(lib, packed_type, packed, x, k, isa, threads=1, fine=fine)
         ref = activations(x, fine) @ wd.T
         assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), (K.TYPE_NAMES[wtype], fine)
+
+
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 (nearest even), as float64: the activations the AMX tiles multiply."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return r.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 64), (5, 48, 160), (17, 32, 576), (37, 80, 1536), (64, 64, 256)], ids=str)
+def test_bf16_activations_on_amx_tiles(shape):
+    """BF16X16 weights with bf16 activations (csrc/amx_bf16.cpp): float32 sums of the bf16 products,
+    each row alone what it is in any batch (one row is a tile of its own, up to 32 rows stream the
+    weights, more pack them once). Without AMX the request runs float32 activations, exactly."""
+    m, n, k = shape
+    rng = np.random.default_rng(m + n + k)
+    q = random_blocks(K.BF16, n, k, rng)
+    wd = dequantized(K.BF16, q).astype(np.float64)
+    packed_type, packed = K.repack(lib, K.BF16, q)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    isa = max(ISAS)
+    y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, bf16=True)
+    float32 = K.gemm(lib, packed_type, packed, x, k, isa, threads=2)
+    if not (lib.has_amx_bf16 and isa == K.ISA_AVX512):
+        assert np.array_equal(y, float32)
+        return
+    ref, plain = bf16_rounded(x) @ wd.T, x.astype(np.float64) @ wd.T
+    scale = np.abs(plain).max()
+    assert np.abs(y - ref).max() <= 1e-5 * scale  # float32 accumulation only
+    assert 1e-5 * scale < np.abs(y - plain).max() <= 2e-2 * scale  # bf16 activations, not float32 ones
+    rows = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, bf16=True) for i in range(m)])
+    assert np.array_equal(rows, y)
+    if m > 32:
+        head = K.gemm(lib, packed_type, packed, x[:32], k, isa, threads=2, bf16=True)  # one streaming pass
+        assert np.array_equal(head, y[:32])

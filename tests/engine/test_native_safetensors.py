@@ -6,6 +6,10 @@ matrices keep the file's exact values and multiply float32 activations, which is
 arithmetic on those weights. So the reference is the torch path in float32 on the same checkpoint,
 and the two agree to float32 rounding (summation order only). A float32 checkpoint runs the same
 way on the kernels' F32 matrices (F32X16), unless a 16-bit --dtype asks for a conversion.
+
+On a CPU with AMX-BF16 a bf16 checkpoint's matmuls take bf16 activations on tiles by default, as
+vLLM CPU and transformers compute it (`--kernels-bf16`, kernels/model.py DEFAULT_BF16); the exact
+comparison runs with `--kernels-bf16 0`, and the default is held to torch's own bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from tests.engine.test_native_families import VOCAB, save_family
 from tests.engine.test_quantized_quality import WINDOW, all_logits
-from tokenpath.config import EngineConfig
+from tokenpath.config import KERNEL_MASK_ALL, EngineConfig
 from tokenpath.engine import kernels as K
 from tokenpath.engine.loader import load_model
 from tokenpath.engine.loader_hf import HFWeights
@@ -30,9 +34,9 @@ pytestmark = pytest.mark.requires("kernels")
 F32_BOUND = 1e-5
 
 
-def runner(loaded, quantization: str = "auto", dtype: str = "auto") -> ModelRunner:
+def runner(loaded, quantization: str = "auto", dtype: str = "auto", bf16: int | None = None) -> ModelRunner:
     cfg = EngineConfig(quantization=quantization, dtype=dtype, num_kv_blocks=WINDOW // 16, kv_cache_dtype="float32",
-                       disable_hybrid_kv_cache_manager=True)
+                       disable_hybrid_kv_cache_manager=True, kernels_bf16=bf16)
     return ModelRunner(loaded, cfg, WINDOW)
 
 
@@ -51,8 +55,8 @@ def test_16_bit_checkpoints_run_natively_on_their_own_values(kind, dtype, tmp_pa
     loaded = load_model(checkpoint(kind, dtype, tmp_path))
     assert isinstance(loaded.weights, HFWeights)  # read lazily: no copy of the checkpoint held beside the model
     with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
-        native = runner(loaded)
-    assert native.native is not None
+        native = runner(loaded, bf16=0)  # float32 activations on any CPU
+    assert native.native is not None and native.native.bf16 == 0
     stored = K.BF16X16 if dtype == torch.bfloat16 else K.F16X16
     assert f"own {'BF16' if dtype == torch.bfloat16 else 'F16'} matrices" in caplog.text
     assert native.native.weight_types == (K.TYPE_NAMES[stored],)
@@ -63,6 +67,52 @@ def test_16_bit_checkpoints_run_natively_on_their_own_values(kind, dtype, tmp_pa
     print(f"{kind} {dtype}: max |native - torch float32| / max |torch| = {err:.2e}")
     assert err <= 1e-4
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen3", "gemma3"])
+def test_bf16_checkpoints_take_bf16_activations_on_amx_tiles(kind, tmp_path, caplog):
+    """By default, where the CPU has AMX-BF16: every matmul's rows in bf16 on tiles, and the logits
+    no further from the float32 arithmetic than transformers' own bf16 forward of the checkpoint
+    (the anchor's precision: vLLM CPU computes it in bf16 too). Without AMX the mask has nothing to
+    run on: the model logs none and computes exactly what --kernels-bf16 0 computes."""
+    loaded = load_model(checkpoint(kind, torch.bfloat16, tmp_path))
+    with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
+        native = runner(loaded)
+    assert native.native is not None
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = all_logits(native, ids)
+    exact = all_logits(runner(loaded, bf16=0), ids)
+    if not lib.has_amx_bf16:
+        assert native.native.bf16 == 0 and "bf16 on AMX tiles for []" in caplog.text
+        assert torch.equal(got, exact)
+        return
+    assert native.native.bf16 == KERNEL_MASK_ALL
+    assert "bf16 on AMX tiles for [qkv,o,gate_up,down,head]" in caplog.text
+    ref = all_logits(runner(loaded, "none", "float32"), ids)
+    anchor = all_logits(runner(loaded, "none", "bfloat16"), ids).float()  # torch, every op in bf16
+    ours, theirs = (got - ref).abs().mean().item(), (anchor - ref).abs().mean().item()
+    print(f"{kind}: mean |logit - float32|: native bf16 rows {ours:.2e}, torch bf16 {theirs:.2e}")
+    assert 0 < ours <= theirs  # bf16 rows, not float32 ones, and no worse than the anchor's arithmetic
+    assert not torch.equal(got, exact)
+
+
+def test_a_bf16_row_gives_the_same_numbers_alone_and_in_any_step(tmp_path):
+    """bf16 rows run on tiles whatever their number (one row is a tile of its own; up to 32 stream the
+    weights, more reuse packed tiles), so a step of 40 rows equals a 24-row prompt step followed by
+    16 one-row steps, on AMX and off it."""
+    r = runner(load_model(checkpoint("qwen3", torch.bfloat16, tmp_path)))
+    assert r.native is not None
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def forward(part: list[int], start: int) -> np.ndarray:
+        pos = np.arange(start, start + len(part), dtype=np.int32)
+        return r.native.forward(np.asarray(part, dtype=np.int32), pos, pos.astype(np.int64),
+                                np.zeros(len(part), dtype=np.int32), np.arange(r.num_blocks, dtype=np.int32),
+                                np.arange(len(part), dtype=np.int32))
+
+    whole = forward(ids, 0)
+    parts = [forward(ids[:24], 0)] + [forward(ids[t : t + 1], t) for t in range(24, 40)]
+    assert np.array_equal(whole, np.concatenate(parts))
 
 
 @pytest.mark.parametrize("kind", ["llama3-rope", "qwen3", "gemma3"])

@@ -17,6 +17,7 @@ import numpy as np
 from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import NativeLibrary
 from tokenpath.engine.kernels.model import (
+    DEFAULT_BF16,
     DEFAULT_EXACT,
     DEFAULT_FINE,
     DEFAULT_PROMPT_FINE,
@@ -163,7 +164,8 @@ class ModelRunner:
                                       fine=DEFAULT_FINE if config.kernels_fine is None else config.kernels_fine,
                                       exact=DEFAULT_EXACT if config.kernels_exact is None else config.kernels_exact,
                                       prompt_fine=DEFAULT_PROMPT_FINE if config.kernels_prompt_fine is None
-                                      else config.kernels_prompt_fine)
+                                      else config.kernels_prompt_fine,
+                                      bf16=DEFAULT_BF16 if config.kernels_bf16 is None else config.kernels_bf16)
 
     @property
     def model(self):  # noqa: ANN201 - the torch path's LlamaModel (tests and benchmarks read it)

@@ -21,6 +21,7 @@ import numpy as np
 
 from tokenpath.engine.kernels.abi import MODEL_ABI
 from tokenpath.engine.kernels.library import (
+    FEATURE_AMX_BF16,
     FEATURE_AVX2,
     FEATURE_AVX512_VNNI,
     FEATURE_F16C,
@@ -147,10 +148,11 @@ def dequantize_packed(lib: NativeLibrary, wtype: int, w: np.ndarray, k: int) -> 
 
 
 def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, isa: int, threads: int,
-         exact: bool = False, fine: bool = False) -> np.ndarray:
+         exact: bool = False, fine: bool = False, bf16: bool = False) -> np.ndarray:
     """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly
     (fine: plus residual bytes, ~15 bits), or (exact, GGUF layouts only) kept in float32 against
-    weights dequantized in registers."""
+    weights dequantized in registers. Float weights (F16X16, BF16X16, F32X16) take float32 x; with
+    bf16, BF16X16 takes x rounded to bfloat16 on AMX tiles where `lib.has_amx_bf16` (float32 elsewhere)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape[0], output_rows(wtype, w)
     packed = wtype in GROUP_BLOCK_BYTES
@@ -162,9 +164,10 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     if packed and exact:
         raise ValueError("float activations run on GGUF layouts only; repacked weights take int8 activations")
     y = np.empty((m, n), dtype=np.float32)
-    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, 1 if exact else 2 if fine else 0)
+    mode = 1 if exact else 2 if fine else 3 if bf16 else 0
+    lib.lib.tp_gemm(isa, wtype, _ptr(w), n, k, _ptr(x), m, _ptr(y), threads, mode)
     return y
 
 
-__all__ = ["FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
+__all__ = ["FEATURE_AMX_BF16", "FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
            "NativeLibrary", "load_library", "native_library"]

@@ -43,8 +43,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # halves; 5: the forwards return a status; 6: tp_model_set_moe, sparse MLPs; 7: dims[12] is the
 # KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test; 8: the F32X16 weight
 # type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters; 10: the forwards'
-# row_kinds, each row's residual-byte mask). A library reporting another is refused at load.
-MODEL_ABI = 10
+# row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
+# activations on AMX tiles, and tp_gemm's mode 3). A library reporting another is refused at load.
+MODEL_ABI = 11
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

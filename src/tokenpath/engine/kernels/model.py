@@ -26,6 +26,7 @@ import numpy as np
 
 from tokenpath.config import (
     KERNEL_MASK_ALL,
+    env_kernels_bf16,
     env_kernels_exact,
     env_kernels_fine,
     env_kernels_prompt_fine,
@@ -33,12 +34,14 @@ from tokenpath.config import (
 )
 from tokenpath.engine.kernels import (
     BF16,
+    BF16X16,
     BLOCK_BYTES,
     F16,
     F32,
     FLOAT_PACKED,
     GGUF_BLOCKS,
     GROUP_ROWS,
+    ISA_AVX512,
     ISA_NAMES,
     Q8_0,
     REPACK_BLOCKS,
@@ -251,6 +254,12 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 DEFAULT_EXACT = 0
 DEFAULT_FINE = KERNEL_MASK_ALL
 DEFAULT_PROMPT_FINE = EXACT_QKV | EXACT_DOWN
+# BF16 weights (a bf16 safetensors checkpoint) on a CPU with AMX-BF16 (Sapphire Rapids and later):
+# every matmul's rows take bf16 activations and run on tiles (csrc/amx_bf16.cpp), as vLLM CPU and
+# transformers compute a bf16 checkpoint, prompt and generated rows alike, so a row's precision never
+# depends on what shares its step. Elsewhere BF16 weights multiply float32 activations on FMAs.
+# --kernels-bf16 0 (TOKENPATH_KERNELS_BF16=0) keeps float32 activations on AMX CPUs too.
+DEFAULT_BF16 = KERNEL_MASK_ALL
 
 
 def fine_mask() -> int:
@@ -263,6 +272,12 @@ def prompt_fine_mask() -> int:
     """Which matmuls' prompt rows take residual bytes too (TOKENPATH_KERNELS_PROMPT_FINE)."""
     mask = env_kernels_prompt_fine()
     return DEFAULT_PROMPT_FINE if mask is None else mask
+
+
+def bf16_mask() -> int:
+    """Which matmuls' BF16 weights take bf16 activations on AMX tiles (TOKENPATH_KERNELS_BF16)."""
+    mask = env_kernels_bf16()
+    return DEFAULT_BF16 if mask is None else mask
 
 
 def exact_mask() -> int:
@@ -288,8 +303,8 @@ class NativeLoraStep:
 class NativeLlama:
     def __init__(self, lib: NativeLibrary, loaded: LoadedModel, quantization: str, cache: KVCache,
                  block_size: int, max_positions: int, *, isa: str | None = None, fine: int | None = None,
-                 exact: int | None = None, prompt_fine: int | None = None) -> None:
-        """isa (auto | avx2 | avx512), fine, prompt_fine and exact (bit masks): EngineConfig's
+                 exact: int | None = None, prompt_fine: int | None = None, bf16: int | None = None) -> None:
+        """isa (auto | avx2 | avx512), fine, prompt_fine, bf16 and exact (bit masks): EngineConfig's
         kernels_* fields; None: their environment variables, else the defaults (for callers without
         a config)."""
         cfg = loaded.config
@@ -306,6 +321,11 @@ class NativeLlama:
         exact = exact_mask() if exact is None else exact
         fine = fine_mask() if fine is None else fine
         prompt_fine = prompt_fine_mask() if prompt_fine is None else prompt_fine
+        self.isa = lib.isa(isa)
+        # bf16 activations need the tiles: none with AVX2 kernels or without AMX (csrc/forward.cpp
+        # checks the same), and never for an exact matmul.
+        tiles = lib.has_amx_bf16 and self.isa == ISA_AVX512
+        half = (bf16_mask() if bf16 is None else bf16) & ~exact if tiles else 0
         requantized: set[str] = set()
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
@@ -371,7 +391,8 @@ class NativeLlama:
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
                          exact, KV_KINDS.get(cache.dtype, -1), fine & ~exact,
-                         int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED)))],
+                         int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED))),
+                         half],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
                            dtype=np.float32)
@@ -381,7 +402,6 @@ class NativeLlama:
                 cache.dtype != "float32" and not lib.has_f16c) or cache.k[0].dtype != NUMPY_STORAGE[cache.dtype]:
             raise ValueError(f"the native kernels cannot use a {cache.dtype} KV cache of "
                              f"{type(cache.k[0]).__name__} on this CPU (numpy float32, or float16 / fp8 / q8_0 with F16C)")
-        self.isa = lib.isa(isa)
         self.exact, self.fine = exact, fine & ~exact  # the masks this model runs (fine excludes exact)
         self.prompt_fine = prompt_fine & self.fine  # within fine: prompt rows take residual bytes for these
         self._kinds: np.ndarray | None = None
@@ -403,12 +423,15 @@ class NativeLlama:
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
+        # bf16 activations only where there are BF16 weights to take them
+        self.bf16 = half if BF16X16 in used_types | {head_t} else 0
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
-                 "for [%s] (prompt rows: [%s]), int8 for the rest, %s KV cache", ISA_NAMES[self.isa],
-                 "/".join(self.weight_types), self.weight_bytes / 2**20,
+                 "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s], int8 for the rest, %s KV cache",
+                 ISA_NAMES[self.isa], "/".join(self.weight_types), self.weight_bytes / 2**20,
                  ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1), self.kv_dtype)
+                 ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1),
+                 ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1), self.kv_dtype)
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None,

@@ -176,7 +176,10 @@ void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float*
     if (wtype == W_Q5KX16) return packed_gemm<W_Q5KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q6KX16) return packed_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_F16X16) return packed_gemm<W_F16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-#if !TP_VNNI
+#if TP_VNNI
+    // bf16 activations (forward.cpp sets QAct::bf only where amx_permitted()): tiles, every row.
+    if (wtype == W_BF16X16 && a.bf) return amx::gemm_bf16(w, nb, a.bf, M, y, ldy, n0, n1, bias, accumulate);
+#else
     if (wtype == W_BF16X16) return float_gemm16<W_BF16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_F32X16) return float_gemm16<W_F32X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #endif
@@ -264,6 +267,19 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         }
         a.d[off] = dsc;
         a.s[off] = dsc * float(a.qsum[off]);
+        if (a.bf) {  // bfloat16, rounded to nearest even (the AMX path's rows; finite activations)
+            const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+            __m256i h[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i u = _mm256_castps_si256(v[j]);
+                const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+                h[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
+            }
+            uint16_t* dst = a.bf + off * QK;  // packus interleaves 128-bit lanes: the permute undoes it
+            for (int j = 0; j < 2; ++j)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
+                                    _mm256_permute4x64_epi64(_mm256_packus_epi32(h[2 * j], h[2 * j + 1]), 0xD8));
+        }
         if (a.f) {  // the exact path's copy: padded floats and their block sum
             float* f = a.f + off * QK;
             __m256 t = _mm256_setzero_ps();

@@ -118,6 +118,7 @@ struct ActBuf {
     std::vector<int16_t> q16;
     std::vector<float> d, s, f, fs;
     std::vector<int32_t> qsum, qsum16;
+    std::vector<uint16_t> bf;
 };
 
 struct Model {
@@ -139,6 +140,9 @@ struct Model {
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
     int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations
+    // Bits as `exact`: matmuls whose BF16 weights take bf16 activations on AMX tiles (amx_bf16.cpp),
+    // every row; 0 where amx_permitted() is false (tp_model_create checks) or the weights are not BF16.
+    int half = 0;
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -178,13 +182,19 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
         if (b.q2.size() < need * QK) b.q2.resize(need * QK), b.q16.resize(need * QK);
         a.q2 = b.q2.data(), a.q16 = b.q16.data();
     }
+    if (m.half) {  // callers switch a.bf on per matmul (use_fine); tiles read 16 rows past any view
+        const size_t bneed = (size_t(rows) + 16) * nb * QK;
+        if (b.bf.size() < bneed) b.bf.resize(bneed);
+        a.bf = b.bf.data();
+    }
     return a;
 }
 
 // Activation rows `x` (sharing `all`'s buffers) for matmul `kind`: with residual bytes when its bit
-// of Model::fine is set.
+// of Model::fine is set, with bf16 copies when its bit of Model::half is.
 inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
     x.q2 = (m.fine >> kind) & 1 ? all.q2 : nullptr;
+    x.bf = (m.half >> kind) & 1 ? all.bf : nullptr;
 }
 
 // Rows r.. of an activation buffer, as a QAct of its own (the layout of tp_kernels.h QAct).
@@ -196,6 +206,7 @@ inline QAct act_rows(const QAct& a, int r) {
     if (v.q2) v.q2 += off * QK;
     if (v.q16) v.q16 += off * QK;
     if (v.qsum16) v.qsum16 += 2 * off;
+    if (v.bf) v.bf += off * QK;
     return v;
 }
 
@@ -213,7 +224,7 @@ inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] :
 // just read, still in cache: a mixed step reads each chunk of the matrix from memory once.
 inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a, int M, float* y, int ldy,
                       int n0, int n1, const float* bias, bool acc, bool exact, const uint8_t* kinds, int kind) {
-    if (!kinds || !a.q2 || exact) {
+    if (!kinds || !a.q2 || exact || (a.bf && wtype == W_BF16X16)) {  // bf16 rows: one precision for all
         m.gemm(wtype, w, a.nb, a, M, y, ldy, n0, n1, bias, acc, exact);
         return;
     }
@@ -322,6 +333,9 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->embed_t = dims[9], m->head_t = dims[10], m->exact = dims[11], m->kv_kind = dims[12];
     m->fine = dims[13];  // model.py leaves the exact bits out
     m->gelu = dims[14], m->float_w = dims[15];
+#ifndef TP_NO_AVX512
+    m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
+#endif
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = gemm_rows_for(isa);
@@ -368,7 +382,7 @@ int tp_kernel_isas() {
 #ifdef TP_NO_AVX512
     return 1;
 #else
-    return 1 | 2;
+    return 1 | 2 | 4;  // 4: the AMX-BF16 GEMM (amx_bf16.cpp)
 #endif
 }
 
@@ -381,7 +395,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
 // 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
 // 9: tp_model_moe_counters. 10: the forwards' row_kinds (per-row residual-byte masks).
-int tp_model_abi() { return 10; }
+// 11: dims[16], the matmuls whose BF16 weights take bf16 activations (AMX); tp_gemm's mode 3.
+int tp_model_abi() { return 11; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
@@ -621,10 +636,11 @@ int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos
 }
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
-// mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine).
+// mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine),
+// 3 bf16 activations for BF16X16 weights on AMX tiles (float, as mode 1, where amx_permitted() is false).
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode) {
-    const bool exact = mode == 1 || is_float_packed(wtype);  // float weights take float activations
+    const bool exact = mode == 1 || mode == 3 || is_float_packed(wtype);  // float weights take float activations
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
@@ -634,6 +650,10 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
            mode == 2 ? q2.data() : nullptr, qsum16.data()};
     std::vector<int16_t> q16(q2.size());
     if (mode == 2) a.q16 = q16.data();
+    std::vector<uint16_t> bf;
+#ifndef TP_NO_AVX512
+    if (mode == 3 && isa == 2 && amx_permitted()) bf.resize((size_t(M) + 16) * nb * QK), a.bf = bf.data();
+#endif
     const GemmRowsFn gemm = gemm_rows_for(isa);
     const QuantRowFn quant = quantize_row_for(isa);
 #pragma omp parallel num_threads(nthreads)

@@ -3,6 +3,10 @@
 #include <cmath>
 #include <cstring>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "tp_api.h"
 #include "tp_kernels.h"
 
@@ -40,6 +44,18 @@ uint16_t fp32_to_fp16(float f) {  // round to nearest even; values here are smal
     return uint16_t(sign | h);
 }
 
+bool amx_permitted() {
+    // Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the permission is the process's,
+    // so it is asked once (a C++ static's one-time initialisation); CPUID leaf 7 EDX bits 24 and 22
+    // are AMX-TILE and AMX-BF16.
+    static const bool ok = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 22 & 1)) return false;
+        return syscall(SYS_arch_prctl, 0x1023L, 18L) == 0;
+    }();
+    return ok;
+}
+
 }  // namespace tp
 
 using namespace tp;
@@ -47,7 +63,8 @@ using namespace tp;
 extern "C" {
 
 // Bit 0: AVX2+FMA (the native path's minimum); bit 1: AVX-512 F/BW/VL/VNNI; bit 2: F16C, the
-// half <-> float conversions a float16 KV cache needs (without it the KV cache stays float32).
+// half <-> float conversions a float16 KV cache needs (without it the KV cache stays float32);
+// bit 3: AMX-BF16 tiles, usable by this process (tp::amx_permitted).
 int tp_cpu_features() {
     __builtin_cpu_init();
     int f = 0;
@@ -56,6 +73,7 @@ int tp_cpu_features() {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         f |= 2;
     if ((f & 1) && __builtin_cpu_supports("f16c")) f |= 4;
+    if ((f & 2) && tp::amx_permitted()) f |= 8;
     return f;
 }
 

@@ -8,14 +8,14 @@
 extern "C" {
 
 // quant.cpp
-int tp_cpu_features();  // bits: 1 AVX2+FMA, 2 AVX-512 F/BW/VL/VNNI, 4 F16C (what the CPU has)
+int tp_cpu_features();  // bits: 1 AVX2+FMA, 2 AVX-512 F/BW/VL/VNNI, 4 F16C, 8 AMX-BF16 granted (what the CPU has)
 void tp_quantize(int wtype, const float* src, int N, int K, uint8_t* dst);
 void tp_dequantize_row(int wtype, const uint8_t* src, int K, float* dst);
 int tp_repack(int wtype, const uint8_t* src, int N, int nb, uint8_t* dst);
 void tp_dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst);
 
 // forward.cpp
-int tp_kernel_isas();  // bits: 1 AVX2 kernels, 2 AVX-512 VNNI kernels (what this object carries)
+int tp_kernel_isas();  // bits: 1 AVX2 kernels, 2 AVX-512 VNNI kernels, 4 the AMX-BF16 GEMM (what this object carries)
 void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* glob, const uint64_t* layer_ptrs,
                       const int32_t* layer_types, const float* fparams);
 void tp_model_free(void* handle);

@@ -90,6 +90,10 @@ struct QAct {
     // quantize_row beside q and q2. The AVX2 Q4X16/Q8X16 kernels multiply them with vpmaddwd
     // against weights widened once per tile of rows (packed_impl.h says why).
     int16_t* q16 = nullptr;
+    // Optional [M][nb * 32] the activations as bfloat16 (round to nearest even), zero-padded past K:
+    // with them, BF16X16 weights multiply on AMX tiles (amx_bf16.cpp), which read up to the next
+    // multiple of 16 rows (the buffer's owner allocates those rows too).
+    uint16_t* bf = nullptr;
 };
 
 // y[m * ldy + n] = sum_k W[n, k] * x[m, k] (+ bias[n]) (+ y if accumulate), for n in [n0, n1).
@@ -108,6 +112,12 @@ namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx512
+// amx_bf16.cpp (the AVX-512 object only): y (+)= W x for BF16X16 weights and bf16 rows x on AMX
+// tiles, where amx_permitted().
+namespace amx {
+void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy, int n0, int n1,
+               const float* bias, bool accumulate);
+}  // namespace amx
 #endif
 
 // The kernels of `isa` (2: AVX-512 VNNI, else AVX2). An object built without them
@@ -131,6 +141,10 @@ inline QuantRowFn quantize_row_for(int isa) {
 
 // Row n (of a matrix with nb blocks per row) of a repacked matrix -> K floats.
 void dequantize_packed_row(int wtype, const uint8_t* w, int nb, int n, int K, float* dst);
+
+// quant.cpp: whether this process may run AMX-BF16 tiles: the CPU has AMX-TILE and AMX-BF16 and
+// Linux granted the tile state (arch_prctl, asked once per process; Linux >= 5.16).
+bool amx_permitted();
 
 float fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);

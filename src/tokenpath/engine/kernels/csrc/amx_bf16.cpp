@@ -1,0 +1,146 @@
+// AMX-BF16 GEMM for BF16X16 weights (issue 42): a bf16 checkpoint's linears on tiles, as vLLM CPU
+// and transformers compute that checkpoint (bf16 activations, bf16 weights, float32 sums).
+//
+// Why: on a CPU with AMX (Intel Sapphire Rapids and later), one TDPBF16PS does 16 x 16 x 32
+// multiply-adds. The BF16X16 FMA kernels (kquant_impl.h float_tile) widen the weights to float32
+// and run one FMA per weight and row: 121.6 GFLOP/s against 989.6 for a plain tile loop at
+// SmolLM2's gate/up shape, one thread (benchmarks/probes/amx_probe.py). Prefill and batched decode
+// of a bf16 checkpoint are bound by that arithmetic, not by reading the weights.
+//
+// Layout: BF16X16 keeps, per 16-row group and 32-weight block, weight e of row i at byte
+// 32 e + 2 i (a 32 x 16 [k][n] bf16 matrix). A B tile wants k-pairs side by side: tile row r holds
+// (k = 2r, k = 2r + 1) of each of the 16 columns. One vpermw per 64 bytes turns one into the
+// other; a group's tiles are built once per call into a per-thread scratch and reused by every
+// 16-row tile of activations, so the repacked weights stay the one copy and the FMA kernels keep
+// reading them (rows whose matmul runs float32 activations, and CPUs without AMX).
+//
+// Rows: every row of a matmul that takes bf16 activations runs here, whatever M is (one row is a
+// tile with 15 unused rows), and each output's sum runs over K in the same order whatever else
+// shares the step: a row's result does not depend on the batch. Activation rows past M up to the
+// next multiple of 16 are read and their outputs dropped: callers allocate them (forward.cpp
+// make_act). Callers check tp::amx_permitted() first (quant.cpp): without it a tile instruction
+// is a SIGILL.
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
+#include <immintrin.h>
+#include <cstring>
+#include <vector>
+
+#include "tp_kernels.h"
+
+namespace tp::amx {
+namespace {
+
+struct TileConfig {  // palette 1: 8 tiles of up to 16 rows x 64 bytes
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// B tiles from BF16X16 blocks: 16 rows x 32 bf16 (k-pairs interleaved), 1 KiB each.
+inline void pack_blocks(const uint8_t* wg, size_t nblocks, uint16_t* dst) {
+    alignas(64) static constexpr uint16_t ix[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_load_si512(ix);
+    for (size_t i = 0; i < nblocks * 16; ++i)
+        _mm512_store_si512(dst + 32 * i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wg + 64 * i)));
+}
+
+// C tiles 0..3 = (m-tile i, group j) at 2 i + j; A tiles 4, 5; B tiles 6, 7. NM m-tiles (1 or 2)
+// by NG groups (1 or 2), K in blocks of 32. B: the groups' packed tiles (b0, b1), or with STREAM
+// their BF16X16 blocks (w0, w1), packed a block at a time into `ring` just before use: one pass
+// of rows (M <= 32) reuses no tile, and the weights stream from memory beside the multiplies.
+template <int NM, int NG, bool STREAM>
+void tiles(const uint16_t* x, size_t lda, const uint16_t* b0, const uint16_t* b1, const uint8_t* w0,
+           const uint8_t* w1, int nb, uint16_t* ring) {
+    _tile_zero(0);
+    if (NG == 2) _tile_zero(1);
+    if (NM == 2) _tile_zero(2);
+    if (NM == 2 && NG == 2) _tile_zero(3);
+    for (int b = 0; b < nb; ++b) {
+        const uint16_t *t0 = b0 + 512 * size_t(b), *t1 = b1 + 512 * size_t(b);
+        if constexpr (STREAM) {
+            t0 = ring + 1024 * (b & 1), t1 = t0 + 512;
+            if (b + 4 < nb)  // from memory: ask for the block 4 ahead (the pack's loads wait on it)
+                for (int l = 0; l < 1024; l += 64) {
+                    _mm_prefetch(reinterpret_cast<const char*>(w0 + 1024 * size_t(b + 4) + l), _MM_HINT_T0);
+                    if (NG == 2) _mm_prefetch(reinterpret_cast<const char*>(w1 + 1024 * size_t(b + 4) + l), _MM_HINT_T0);
+                }
+            pack_blocks(w0 + 1024 * size_t(b), 1, ring + 1024 * (b & 1));
+            if (NG == 2) pack_blocks(w1 + 1024 * size_t(b), 1, ring + 1024 * (b & 1) + 512);
+        }
+        _tile_loadd(4, x + 32 * b, lda);
+        _tile_loadd(6, t0, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (NG == 2) {
+            _tile_loadd(7, t1, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (NM == 2) {
+            _tile_loadd(5, x + 16 * (lda / 2) + 32 * b, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            if (NG == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+template <bool STREAM>
+void tiles_any(int nm, int ng, const uint16_t* x, size_t lda, const uint16_t* b0, const uint16_t* b1,
+               const uint8_t* w0, const uint8_t* w1, int nb, uint16_t* ring) {
+    if (nm == 2 && ng == 2) tiles<2, 2, STREAM>(x, lda, b0, b1, w0, w1, nb, ring);
+    else if (nm == 2) tiles<2, 1, STREAM>(x, lda, b0, b1, w0, w1, nb, ring);
+    else if (ng == 2) tiles<1, 2, STREAM>(x, lda, b0, b1, w0, w1, nb, ring);
+    else tiles<1, 1, STREAM>(x, lda, b0, b1, w0, w1, nb, ring);
+}
+
+}  // namespace
+
+void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy, int n0, int n1,
+               const float* bias, bool accumulate) {
+    // Fewer than 16 rows (decode): C and A tiles of M rows, so that neither loads nor multiplies
+    // the rows that would be dropped.
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = uint8_t(t < 6 && M < 16 ? M : 16), cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    // A per-thread scratch for two groups' B tiles (more than one pass of rows), grown once and
+    // kept: no allocation per call.
+    const bool stream = M <= 32;
+    thread_local std::vector<uint16_t> scratch;
+    const size_t per_group = stream ? 1024 : size_t(nb) * 512;
+    if (scratch.size() < 2 * per_group + 32) scratch.resize(2 * per_group + 32);  // + 64 bytes to align
+    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    uint16_t* bt[2] = {base, base + per_group};
+    const size_t lda = size_t(nb) * 64;  // bytes per activation row
+    alignas(64) float c[4][256];
+    const int g0 = n0 / 16, g1 = n1 / 16;
+    for (int g = g0; g < g1; g += 2) {
+        const int ng = g1 - g >= 2 ? 2 : 1;
+        const uint8_t* wg[2] = {w + size_t(g) * nb * 1024, w + size_t(g + ng - 1) * nb * 1024};
+        if (!stream)
+            for (int j = 0; j < ng; ++j) pack_blocks(wg[j], size_t(nb), bt[j]);
+        for (int m0 = 0; m0 < M; m0 += 32) {
+            const int nm = M - m0 > 16 ? 2 : 1;
+            const uint16_t* xa = x + size_t(m0) * nb * 32;
+            if (stream) tiles_any<true>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
+            else tiles_any<false>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
+            _tile_stored(0, c[0], 64);
+            if (ng == 2) _tile_stored(1, c[1], 64);
+            if (nm == 2) _tile_stored(2, c[2], 64);
+            if (nm == 2 && ng == 2) _tile_stored(3, c[3], 64);
+            for (int i = 0; i < nm; ++i)
+                for (int j = 0; j < ng; ++j) {
+                    const int n = 16 * (g + j);
+                    const __m512 vb = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+                    for (int r = 0; r < 16 && m0 + 16 * i + r < M; ++r) {
+                        float* dst = y + size_t(m0 + 16 * i + r) * ldy + n;
+                        __m512 v = _mm512_add_ps(_mm512_load_ps(c[2 * i + j] + 16 * r), vb);
+                        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(dst));
+                        _mm512_storeu_ps(dst, v);
+                    }
+                }
+        }
+    }
+    _tile_release();
+}
+
+}  // namespace tp::amx
