@@ -3,7 +3,8 @@
 bf16, fp16 and fp32 checkpoints made by transformers (tests/engine/tiny_models.py: 8 experts, top-2;
 Qwen3-MoE with a dense layer between sparse ones) run natively on their own expert values, so
 the reference is the torch path in float32 on the same checkpoint: the two agree to float32
-rounding, with the same greedy tokens through the engine (batched prefill mixed with decode, so
+rounding (with float32 activations, `kernels_bf16=0`: on an AMX CPU a bf16 checkpoint's rows
+default to bf16, test_native_safetensors.py holds that default to transformers' own bf16), with the same greedy tokens through the engine (batched prefill mixed with decode, so
 a step's tokens scatter over experts and grouping by expert matters). The float32 GGUF form
 (experts stacked as llama.cpp's converter writes them, quantized to Q8_0 at load) runs natively too.
 The old kernels refused every MoE model (native_unsupported), so each test here failed on them.
@@ -44,7 +45,7 @@ def _checkpoint(kind: str, dtype: torch.dtype, path) -> str:
 @pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
 def test_float_moe_runs_natively_like_torch_float32(kind, dtype, tmp_path):
     loaded = load_model(_checkpoint(kind, dtype, tmp_path))
-    native = runner(loaded)
+    native = runner(loaded, bf16=0)
     assert native.native is not None
     stored = K.TYPE_NAMES[{torch.bfloat16: K.BF16X16, torch.float16: K.F16X16, torch.float32: K.F32X16}[dtype]]
     assert native.native.weight_types == (stored,)  # the experts kept the file's values, repacked
@@ -63,7 +64,8 @@ def test_native_greedy_tokens_match_torch_float32(tmp_path):
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
     for quantization, dtype in (("auto", "auto"), ("none", "float32")):
-        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=48, max_num_seqs=8)
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=48, max_num_seqs=8,
+                  kernels_bf16=0)
         assert (llm.engine.runner.native is not None) == (quantization == "auto")
         prompts = make_prompts(llm.tokenizer, [5, 17, 40, 8], seed=3)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p)])
@@ -102,7 +104,7 @@ def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     group: a gather or scatter that goes wrong past the first few tiles passes them, not this."""
     path = _checkpoint("qwen3moe", torch.bfloat16, tmp_path)
     loaded = load_model(path)
-    native = runner(loaded)
+    native = runner(loaded, bf16=0)
     assert native.native is not None
     n = 160
     ids = torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -111,7 +113,7 @@ def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     scale = ref.abs().max().item()
     assert (got - ref).abs().max().item() <= 1e-4 * scale
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    one = runner(loaded)  # a fresh cache: the same tokens, one row per step
+    one = runner(loaded, bf16=0)  # a fresh cache: the same tokens, one row per step
     rows = []
     for t in range(n):
         p = np.array([t], dtype=np.int32)
@@ -125,8 +127,36 @@ def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = []
     for quantization, dtype in (("auto", "auto"), ("none", "float32")):
-        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=256)
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_batched_tokens=256, kernels_bf16=0)
         prompt = make_prompts(llm.tokenizer, [150], seed=5)[0]
         assert len(prompt) == 150
         outs.append(llm.generate([prompt], p)[0].outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_bf16_experts_on_amx_tiles_keep_each_rows_numbers(tmp_path):
+    """The default on a CPU with AMX-BF16: the experts' rows in bf16 on tiles too. 160 tokens route
+    ~40 rows to each expert (packed tiles, reused by every 16-row tile) and one token a step puts
+    one row on an expert (the streaming path): the two give the same numbers for every position,
+    and they stay no further from float32 than transformers' bf16 forward. Without AMX: float32
+    activations, as with kernels_bf16=0, exactly."""
+    loaded = load_model(_checkpoint("qwen3moe", torch.bfloat16, tmp_path))
+    native = runner(loaded)
+    assert native.native is not None
+    n = 160
+    ids = torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = all_logits(native, ids)
+    if not K.native_library().has_amx_bf16:
+        assert native.native.bf16 == 0 and torch.equal(got, all_logits(runner(loaded, bf16=0), ids))
+        return
+    one = runner(loaded)
+    rows = []
+    for t in range(n):
+        p = np.array([t], dtype=np.int32)
+        rows.append(one.native.forward(np.array(ids[t:t + 1], dtype=np.int32), p, p.astype(np.int64),
+                                       np.zeros(1, dtype=np.int32), np.arange(one.num_blocks, dtype=np.int32),
+                                       np.zeros(1, dtype=np.int32)))
+    assert np.array_equal(got.numpy(), np.concatenate(rows))
+    ref = all_logits(runner(loaded, "none", "float32"), ids)
+    anchor = all_logits(runner(loaded, "none", "bfloat16"), ids).float()
+    assert 0 < (got - ref).abs().mean().item() <= (anchor - ref).abs().mean().item()

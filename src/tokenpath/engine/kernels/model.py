@@ -388,10 +388,13 @@ class NativeLlama:
         if requantized:
             log.warning("native kernels: %s quantized to Q8_0 at load (the kernels do not read them as stored)",
                         ", ".join(sorted(requantized)))
+        # 1: some matrix is float (F16/BF16/F32), 2: every one is, and no row needs int8 activations
+        floats = len((used_types | {head_t}) & set(FLOAT_PACKED))
+        float_w = 0 if not floats else 2 if floats == len(used_types | {head_t}) else 1
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
                          exact, KV_KINDS.get(cache.dtype, -1), fine & ~exact,
-                         int(cfg.hidden_act == "gelu_tanh"), int(bool((used_types | {head_t}) & set(FLOAT_PACKED))),
+                         int(cfg.hidden_act == "gelu_tanh"), float_w,
                          half],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],

@@ -199,7 +199,31 @@ void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float*
     }
 }
 
+// The float copies of one quantized block (QAct::f and fs, QAct::bf), where the row wants them.
+static inline void float_copies(QAct& a, size_t off, const __m256* v) {
+    if (a.bf) {  // bfloat16, rounded to nearest even (the AMX path's rows; finite activations)
+        const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+        __m256i h[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256i u = _mm256_castps_si256(v[j]);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+            h[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
+        }
+        uint16_t* dst = a.bf + off * QK;  // packus interleaves 128-bit lanes: the permute undoes it
+        for (int j = 0; j < 2; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
+                                _mm256_permute4x64_epi64(_mm256_packus_epi32(h[2 * j], h[2 * j + 1]), 0xD8));
+    }
+    if (a.f) {  // the exact path's copy: padded floats and their block sum
+        float* f = a.f + off * QK;
+        __m256 t = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(f + 8 * j, v[j]), t = _mm256_add_ps(t, v[j]);
+        a.fs[off] = hsum8(t);
+    }
+}
+
 // Round-to-nearest symmetric int8 per 32-block: d = max|x| / 127 (llama.cpp's quantize_row_q8_1).
+// Without QAct::q (a model whose every matrix is float: forward.cpp make_act) only the float copies.
 void quantize_row(const float* x, int K, QAct& a, int r) {
     const int nb = a.nb;
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -212,6 +236,11 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
             src = buf;
         }
         __m256 v[4];
+        if (!a.q) {
+            for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(src + 8 * j);
+            float_copies(a, size_t(r) * nb + b, v);
+            continue;
+        }
         __m256 mx = _mm256_setzero_ps();
         for (int j = 0; j < 4; ++j) {
             v[j] = _mm256_loadu_ps(src + 8 * j);
@@ -267,25 +296,7 @@ void quantize_row(const float* x, int K, QAct& a, int r) {
         }
         a.d[off] = dsc;
         a.s[off] = dsc * float(a.qsum[off]);
-        if (a.bf) {  // bfloat16, rounded to nearest even (the AMX path's rows; finite activations)
-            const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-            __m256i h[4];
-            for (int j = 0; j < 4; ++j) {
-                const __m256i u = _mm256_castps_si256(v[j]);
-                const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-                h[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
-            }
-            uint16_t* dst = a.bf + off * QK;  // packus interleaves 128-bit lanes: the permute undoes it
-            for (int j = 0; j < 2; ++j)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
-                                    _mm256_permute4x64_epi64(_mm256_packus_epi32(h[2 * j], h[2 * j + 1]), 0xD8));
-        }
-        if (a.f) {  // the exact path's copy: padded floats and their block sum
-            float* f = a.f + off * QK;
-            __m256 t = _mm256_setzero_ps();
-            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(f + 8 * j, v[j]), t = _mm256_add_ps(t, v[j]);
-            a.fs[off] = hsum8(t);
-        }
+        float_copies(a, off, v);
     }
 }
 

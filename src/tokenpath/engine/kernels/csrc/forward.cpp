@@ -139,7 +139,7 @@ struct Model {
     std::vector<uint8_t> head_kinds;
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
-    int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations
+    int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations; 2: all do (no int8)
     // Bits as `exact`: matmuls whose BF16 weights take bf16 activations on AMX tiles (amx_bf16.cpp),
     // every row; 0 where amx_permitted() is false (tp_model_create checks) or the weights are not BF16.
     int half = 0;
@@ -172,7 +172,8 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     const size_t need = size_t(rows) * nb;
     if (b.d.size() < need)
         b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
-    QAct a{b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
+    // Every matrix float (float_w 2): no int8 activations at all, quantize_row writes the float copies only.
+    QAct a{m.float_w == 2 ? nullptr : b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
     a.qsum16 = b.qsum16.data();
     if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16/F32 weights
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
@@ -201,7 +202,8 @@ inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
 inline QAct act_rows(const QAct& a, int r) {
     QAct v = a;
     const size_t nb = size_t(a.nb), off = size_t(r) * nb;
-    v.q += off * QK, v.d += off, v.s += off, v.qsum += off;
+    if (v.q) v.q += off * QK;
+    v.d += off, v.s += off, v.qsum += off;
     if (v.f) v.f += off * QK, v.fs += off;
     if (v.q2) v.q2 += off * QK;
     if (v.q16) v.q16 += off * QK;

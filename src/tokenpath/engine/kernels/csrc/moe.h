@@ -170,6 +170,8 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
     ain.nb = (H + QK - 1) / QK, amid.nb = (ff + QK - 1) / QK;
     ain.q2 = (m.fine >> kind_gu) & 1 ? b.view.q2 : nullptr;
     amid.q2 = (m.fine >> kind_dn) & 1 ? b.view.q2 : nullptr;
+    ain.bf = (m.half >> kind_gu) & 1 ? b.view.bf : nullptr;  // BF16 experts on AMX tiles (amx_bf16.cpp)
+    amid.bf = (m.half >> kind_dn) & 1 ? b.view.bf : nullptr;
     team_for(pc, P, grain_for(P, nthreads, 1), [&](int r0, int r1) {
         for (int r = r0; r < r1; ++r) {
             QAct v = row_act(ain, m.kinds ? b.kinds[r] : uint8_t(0xff), kind_gu);
