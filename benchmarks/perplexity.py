@@ -52,8 +52,12 @@ MODELS = ["smollm2-135m-instruct", "gemma-3-270m"]
 # name -> (EngineConfig overrides, what it means). "default" is what `serve` runs.
 MATMULS = ("qkv", "o", "gate_up", "down", "head")  # the mask bits, in order
 PRECISIONS: dict[str, tuple[dict, str]] = {
-    "default": ({}, "the prompt's rows at int8 (llama.cpp's scheme; perplexity scores prompt rows only), generated "
-                "rows with a residual byte (~15 bits): `engine/kernels/model.py` DEFAULT_PROMPT_FINE"),
+    "default": ({}, "what `serve` runs: on a CPU with AMX-BF16 the prompt's rows in bf16 on tiles (qkv, o, gate_up, "
+                "down; `engine/kernels/model.py` PROMPT_TILE_KINDS), elsewhere the prompt's rows at int8 (llama.cpp's "
+                "scheme) with a residual byte for qkv and down (DEFAULT_PROMPT_FINE); generated rows take the residual "
+                "byte everywhere (perplexity scores prompt rows only)"),
+    "no-tiles": ({"kernels_bf16": 0}, "the default without AMX tiles: prompt rows at int8, qkv and down with a "
+                 "residual byte (DEFAULT_PROMPT_FINE), what a CPU without AMX runs"),
     "fine": ({"kernels_prompt_fine": KERNEL_MASK_ALL}, "int8 activations plus a residual byte on every matmul and "
              "every row (the default before 2026-12-05)"),
     "int8": ({"kernels_fine": 0}, "int8 activations everywhere (llama.cpp's own scheme)"),

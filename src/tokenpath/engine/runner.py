@@ -222,10 +222,10 @@ class ModelRunner:
             row += n
             _sampling_rows(seq, start, n, row, logit_rows, sampling)
         pos = np.concatenate(pos_chunks)
-        # Rows past their prompt (generated tokens, drafts) take the finer activations; with one mask
-        # for both (--kernels-prompt-fine = --kernels-fine) no row needs telling apart.
+        # Rows past their prompt (generated tokens, drafts) take the finer activations, prompt rows
+        # the tiles where they run; with one mask for both and no tiles no row needs telling apart.
         generated = (pos >= np.repeat([seq.num_prompt_tokens for seq, _ in scheduled], [len(c) for c in pos_chunks])
-                     if native.prompt_fine != native.fine else None)
+                     if native.rows_differ else None)
         tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
         rt = np.concatenate(row_tables)
         slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]

@@ -43,7 +43,13 @@ from tokenpath.engine.kernels import (
     GROUP_ROWS,
     ISA_AVX512,
     ISA_NAMES,
+    Q4KX16,
+    Q4X16,
+    Q5KX16,
+    Q5X16,
+    Q6KX16,
     Q8_0,
+    Q8X16,
     REPACK_BLOCKS,
     TYPE_NAMES,
     NativeLibrary,
@@ -260,6 +266,12 @@ DEFAULT_PROMPT_FINE = EXACT_QKV | EXACT_DOWN
 # depends on what shares its step. Elsewhere BF16 weights multiply float32 activations on FMAs.
 # --kernels-bf16 0 (TOKENPATH_KERNELS_BF16=0) keeps float32 activations on AMX CPUs too.
 DEFAULT_BF16 = KERNEL_MASK_ALL
+# Quantized (GGUF) weights on the same CPUs: a prompt row's qkv, o, gate_up and down take bf16
+# activations on tiles, the 16-row groups dequantized to bf16 once per GEMM (csrc/tile_pack.h);
+# generated rows keep their int8 activations (decode reads the weights, it does not multiply them).
+PROMPT_TILE_KINDS = EXACT_QKV | EXACT_O | EXACT_GATE_UP | EXACT_DOWN
+PROMPT_TILES = 0x80  # a row_kinds bit: a prompt row (csrc/forward.cpp kPromptTiles)
+TILE_PACKED = (Q4X16, Q8X16, Q5X16, Q4KX16, Q5KX16, Q6KX16)  # the repacks tile_pack.h dequantizes
 
 
 def fine_mask() -> int:
@@ -426,8 +438,10 @@ class NativeLlama:
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
-        # bf16 activations only where there are BF16 weights to take them
-        self.bf16 = half if BF16X16 in used_types | {head_t} else 0
+        # bf16 activations where weights take them: BF16 ones in every row, quantized repacks in
+        # their prompt rows (never the head's: csrc/forward.cpp kPromptTiles)
+        self.bf16 = half if BF16X16 in used_types | {head_t} or used_types & set(TILE_PACKED) else 0
+        self.prompt_tiles = bool(half & PROMPT_TILE_KINDS and used_types & set(TILE_PACKED))
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
                  "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s], int8 for the rest, %s KV cache",
                  ISA_NAMES[self.isa], "/".join(self.weight_types), self.weight_bytes / 2**20,
@@ -466,11 +480,18 @@ class NativeLlama:
         check_forward(status)
         return logits
 
+    @property
+    def rows_differ(self) -> bool:
+        """Whether a prompt row computes differently from a generated one (forward's `generated`)."""
+        return self.prompt_fine != self.fine or self.prompt_tiles
+
     def _row_kinds(self, generated: np.ndarray | None) -> int:
-        """tp_model_forward's row_kinds: 0 (null) when every row takes the fine mask."""
-        if generated is None or self.prompt_fine == self.fine or generated.all():
+        """tp_model_forward's row_kinds: 0 (null) when every row takes the fine mask and none is a
+        prompt row on tiles."""
+        if generated is None or not self.rows_differ or generated.all():
             return 0
-        self._kinds = np.where(generated, self.fine, self.prompt_fine).astype(np.uint8)  # alive through the call
+        prompt = self.prompt_fine | (PROMPT_TILES if self.prompt_tiles else 0)
+        self._kinds = np.where(generated, self.fine, prompt).astype(np.uint8)  # alive through the call
         return int(self._kinds.ctypes.data)
 
     def moe_counters(self) -> list[int]:

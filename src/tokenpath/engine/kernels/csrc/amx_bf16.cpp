@@ -95,8 +95,8 @@ void tiles_any(int nm, int ng, const uint16_t* x, size_t lda, const uint16_t* b0
 
 }  // namespace
 
-void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy, int n0, int n1,
-               const float* bias, bool accumulate) {
+void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const uint16_t* x, int M, float* y,
+                int ldy, int n0, int n1, const float* bias, bool accumulate) {
     // Fewer than 16 rows (decode): C and A tiles of M rows, so that neither loads nor multiplies
     // the rows that would be dropped.
     TileConfig cfg;
@@ -104,7 +104,7 @@ void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int
     _tile_loadconfig(&cfg);
     // A per-thread scratch for two groups' B tiles (more than one pass of rows), grown once and
     // kept: no allocation per call.
-    const bool stream = M <= 32;
+    const bool stream = !pack && M <= 32;  // BF16X16 only: a quantized group is dequantized whole
     thread_local std::vector<uint16_t> scratch;
     const size_t per_group = stream ? 1024 : size_t(nb) * 512;
     if (scratch.size() < 2 * per_group + 32) scratch.resize(2 * per_group + 32);  // + 64 bytes to align
@@ -115,9 +115,9 @@ void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int
     const int g0 = n0 / 16, g1 = n1 / 16;
     for (int g = g0; g < g1; g += 2) {
         const int ng = g1 - g >= 2 ? 2 : 1;
-        const uint8_t* wg[2] = {w + size_t(g) * nb * 1024, w + size_t(g + ng - 1) * nb * 1024};
+        const uint8_t* wg[2] = {w + size_t(g) * group_bytes, w + size_t(g + ng - 1) * group_bytes};
         if (!stream)
-            for (int j = 0; j < ng; ++j) pack_blocks(wg[j], size_t(nb), bt[j]);
+            for (int j = 0; j < ng; ++j) pack ? pack(wg[j], nb, bt[j]) : pack_blocks(wg[j], size_t(nb), bt[j]);
         for (int m0 = 0; m0 < M; m0 += 32) {
             const int nm = M - m0 > 16 ? 2 : 1;
             const uint16_t* xa = x + size_t(m0) * nb * 32;

@@ -164,9 +164,20 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
 }
 
 #include "packed_impl.h"
+#include "tile_pack.h"
 
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
+#if TP_VNNI
+    // bf16 activations (forward.cpp sets QAct::bf only where amx_permitted()) on AMX tiles: BF16X16
+    // weights every row, quantized ones the prompt rows (gemm_runs passes QAct::bf only for them).
+    if (a.bf) {
+        const amx::PackFn pack = wtype == W_BF16X16 ? nullptr : tile_packer(wtype);
+        if (pack || wtype == W_BF16X16)
+            return amx::gemm_tiles(pack, size_t(nb) * group_block_bytes(wtype), w, nb, a.bf, M, y, ldy, n0, n1, bias,
+                                   accumulate);
+    }
+#endif
     // Repacked weights: int8 activations only (model.py keeps a float-activation matmul unpacked).
     // The 5-bit and K-quant types run repacked only (tp_repack), so they never reach the row kernels.
     if (wtype == W_Q4X16) return packed_gemm<W_Q4X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
@@ -176,10 +187,7 @@ void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float*
     if (wtype == W_Q5KX16) return packed_gemm<W_Q5KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q6KX16) return packed_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_F16X16) return packed_gemm<W_F16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-#if TP_VNNI
-    // bf16 activations (forward.cpp sets QAct::bf only where amx_permitted()): tiles, every row.
-    if (wtype == W_BF16X16 && a.bf) return amx::gemm_bf16(w, nb, a.bf, M, y, ldy, n0, n1, bias, accumulate);
-#else
+#if !TP_VNNI
     if (wtype == W_BF16X16) return float_gemm16<W_BF16X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_F32X16) return float_gemm16<W_F32X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #endif

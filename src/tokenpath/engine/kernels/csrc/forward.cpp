@@ -140,8 +140,9 @@ struct Model {
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
     int gelu;    // the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)
     int float_w;  // 1: some matrix has F16/BF16/F32 parts, which read float activations; 2: all do (no int8)
-    // Bits as `exact`: matmuls whose BF16 weights take bf16 activations on AMX tiles (amx_bf16.cpp),
-    // every row; 0 where amx_permitted() is false (tp_model_create checks) or the weights are not BF16.
+    // Bits as `exact`: matmuls whose rows take bf16 activations on AMX tiles (amx_bf16.cpp): every
+    // row of BF16 weights, the prompt rows (kPromptTiles) of quantized ones; 0 where amx_permitted()
+    // is false (tp_model_create checks).
     int half = 0;
     float embed_scale, attn_scale;
     const float* out_norm;
@@ -221,21 +222,36 @@ inline QAct row_act(const QAct& v, uint8_t mask, int kind) {
 }
 inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] : uint8_t(0xff); }
 
-// m.gemm over rows [0, M), as runs of consecutive rows that agree on residual bytes for `kind`
-// (kinds: each row's mask, nullptr for all alike). A run's weights are those the previous run
-// just read, still in cache: a mixed step reads each chunk of the matrix from memory once.
+// Bit 7 of a row's mask (tp_model_forward's row_kinds): a prompt row. Its matmuls in Model::half,
+// but for the head, take bf16 activations on AMX tiles where their weights are quantized
+// (tile_pack.h); the head's prompt rows are one per sequence, too few to pay for its dequantization.
+constexpr uint8_t kPromptTiles = 0x80;
+constexpr int kHead = 4;
+
+// m.gemm over rows [0, M), as runs of consecutive rows that agree on residual bytes and on tiles for
+// `kind` (kinds: each row's mask, nullptr for all alike). A run's weights are those the previous
+// run just read, still in cache: a mixed step reads each chunk of the matrix from memory once.
+// BF16 weights with bf16 activations (QAct::bf, Model::half) take the tiles in every row.
 inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a, int M, float* y, int ldy,
                       int n0, int n1, const float* bias, bool acc, bool exact, const uint8_t* kinds, int kind) {
-    if (!kinds || !a.q2 || exact || (a.bf && wtype == W_BF16X16)) {  // bf16 rows: one precision for all
-        m.gemm(wtype, w, a.nb, a, M, y, ldy, n0, n1, bias, acc, exact);
+    const bool all_tiles = a.bf && wtype == W_BF16X16;
+    const bool tiles = a.bf && !all_tiles && kinds && kind != kHead && !exact;
+    if (all_tiles || (!tiles && (!kinds || !a.q2 || exact))) {
+        QAct v = a;
+        if (!all_tiles) v.bf = nullptr;
+        m.gemm(wtype, w, a.nb, v, M, y, ldy, n0, n1, bias, acc, exact);
         return;
     }
+    auto key = [&](int t) {
+        return (tiles && (kinds[t] & kPromptTiles) ? 2 : 0) | (a.q2 && ((kinds[t] >> kind) & 1) ? 1 : 0);
+    };
     for (int s = 0; s < M;) {
-        const bool fine = (kinds[s] >> kind) & 1;
+        const int k = key(s);
         int e = s + 1;
-        while (e < M && bool((kinds[e] >> kind) & 1) == fine) ++e;
+        while (e < M && key(e) == k) ++e;
         QAct v = act_rows(a, s);
-        if (!fine) v.q2 = nullptr;
+        if (!(k & 1)) v.q2 = nullptr;
+        if (!(k & 2)) v.bf = nullptr;
         m.gemm(wtype, w, a.nb, v, e - s, y + size_t(s) * ldy, ldy, n0, n1, bias, acc, false);
         s = e;
     }
@@ -410,8 +426,9 @@ int tp_model_abi() { return 11; }
 // With KV-cache groups (a window group's blocks are its own), slot_mapping and tables hold one
 // row per group, slot_stride and table_stride apart; a layer reads its group's row.
 //   row_kinds:      [T] per row, a mask over the matmuls (qkv, o, gate_up, down, head bits, as
-//                   Model::fine) whose inputs take residual bytes, within the model's fine mask;
-//                   nullptr: every row takes the fine mask's
+//                   Model::fine) whose inputs take residual bytes, within the model's fine mask,
+//                   and bit 7 (kPromptTiles) for a prompt row; nullptr: every row takes the fine
+//                   mask's and none is a prompt row
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
 int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
@@ -419,7 +436,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                            int n_lora_blocks, const int32_t* lora_blocks, const int32_t* lora_rows,
                            const uint64_t* lora_ptrs, const int32_t* lora_ranks, const float* lora_scales) {
     Model& m = *static_cast<Model*>(handle);
-    m.kinds = m.fine ? row_kinds : nullptr;
+    m.kinds = m.fine || m.half ? row_kinds : nullptr;
     if (m.kinds) {
         m.head_kinds.resize(size_t(S));
         for (int r = 0; r < S; ++r) m.head_kinds[size_t(r)] = row_kinds[logit_rows[r]];
@@ -639,10 +656,11 @@ int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos
 
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
 // mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine),
-// 3 bf16 activations for BF16X16 weights on AMX tiles (float, as mode 1, where amx_permitted() is false).
+// 3 bf16 activations on AMX tiles: BF16X16 weights, or quantized ones dequantized into tiles (as
+// prompt rows take them); where amx_permitted() is false, float activations (BF16X16) or int8.
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode) {
-    const bool exact = mode == 1 || mode == 3 || is_float_packed(wtype);  // float weights take float activations
+    const bool exact = mode == 1 || is_float_packed(wtype);  // float weights take float activations
     const int nb = (K + QK - 1) / QK;
     std::vector<int8_t> q(size_t(M) * nb * QK);
     std::vector<float> d(size_t(M) * nb), s(size_t(M) * nb), f(exact ? size_t(M) * nb * QK : 0), fs(f.size() / QK);
@@ -662,9 +680,10 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; ++m) quant(x + size_t(m) * K, K, a, m);
-        const int chunks = (N + 15) / 16;
+        // Chunks of 64 outputs, as the model's GEMMs claim several groups at a time (the tiles pair them).
+        const int chunks = (N + 63) / 64;
 #pragma omp for schedule(static)
-        for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 16, (c + 1) * 16 < N ? (c + 1) * 16 : N,
+        for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 64, (c + 1) * 64 < N ? (c + 1) * 64 : N,
                                               nullptr, false, exact);
     }
 }

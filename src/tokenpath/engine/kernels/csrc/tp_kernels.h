@@ -112,11 +112,13 @@ namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
 }  // namespace avx512
-// amx_bf16.cpp (the AVX-512 object only): y (+)= W x for BF16X16 weights and bf16 rows x on AMX
-// tiles, where amx_permitted().
+// amx_bf16.cpp (the AVX-512 object only): y (+)= W x for bf16 rows x on AMX tiles, where
+// amx_permitted(). W: BF16X16 (pack nullptr), or a quantized repack whose 16-row groups `pack`
+// dequantizes into bf16 tiles (tile_pack.h); group_bytes: one group's bytes (nb group-blocks).
 namespace amx {
-void gemm_bf16(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy, int n0, int n1,
-               const float* bias, bool accumulate);
+using PackFn = void (*)(const uint8_t* wg, int nb, uint16_t* dst);
+void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const uint16_t* x, int M, float* y,
+                int ldy, int n0, int n1, const float* bias, bool accumulate);
 }  // namespace amx
 #endif
 
