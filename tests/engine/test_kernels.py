@@ -13,6 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from tests.engine.test_kquant_kernels import bf16_rounded
 from tokenpath.engine import kernels as K
 
 lib = K.native_library()
@@ -100,6 +101,14 @@ def test_repacked_gemm_matches_float64(isa, wtype, shape):
     # The same arithmetic as the GGUF-layout kernel: exact integer block dots, so equal to rounding.
     y_rows = K.gemm(lib, wtype, q, x, k, isa, threads=2, fine=True)
     assert np.abs(y_fine - y_rows).max() <= 1e-5 * np.abs(plain).max()
+    # A prompt row's tiles (AMX-BF16 where the CPU has them, csrc/tile_pack.h): bf16 activations
+    # against the weights rounded to bf16, float32 sums; elsewhere the int8 kernel's numbers exactly.
+    y_tiles = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, bf16=True)
+    if lib.has_amx_bf16 and isa == K.ISA_AVX512:
+        xb = bf16_rounded(np.pad(x, ((0, 0), (0, -k % 32))))[:, :k]
+        assert np.abs(y_tiles - xb @ bf16_rounded(wd).T).max() <= 1e-5 * np.abs(plain).max()
+    else:
+        assert np.array_equal(y_tiles, y)
 
 
 def test_repack_keeps_the_gguf_layout_when_rows_are_not_a_multiple_of_16():

@@ -171,29 +171,31 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
     return r.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-@pytest.mark.parametrize("shape", [(1, 16, 64), (5, 48, 160), (17, 32, 576), (37, 80, 1536), (64, 64, 256)], ids=str)
-def test_bf16_activations_on_amx_tiles(shape):
-    """BF16X16 weights with bf16 activations (csrc/amx_bf16.cpp): float32 sums of the bf16 products,
-    each row alone what it is in any batch (one row is a tile of its own, up to 32 rows stream the
-    weights, more pack them once). Without AMX the request runs float32 activations, exactly."""
+@pytest.mark.parametrize("wtype", [K.BF16, K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K], ids=lambda t: K.TYPE_NAMES[t])
+@pytest.mark.parametrize("shape", [(1, 16, 256), (5, 48, 256), (17, 32, 512), (37, 80, 1536), (64, 64, 256)], ids=str)
+def test_bf16_activations_on_amx_tiles(wtype, shape):
+    """bf16 activations on AMX tiles (csrc/amx_bf16.cpp): BF16X16 weights as stored, quantized ones
+    dequantized into bf16 tiles (csrc/tile_pack.h, a prompt row's path); float32 sums of the bf16
+    products, each row alone what it is in any batch (one row is a tile of its own; up to 32 rows
+    stream BF16 weights, more pack them once). Without AMX the request runs what it would without
+    it: float32 activations for BF16, int8 for the quantized types, exactly."""
     m, n, k = shape
-    rng = np.random.default_rng(m + n + k)
-    q = random_blocks(K.BF16, n, k, rng)
-    wd = dequantized(K.BF16, q).astype(np.float64)
-    packed_type, packed = K.repack(lib, K.BF16, q)
+    rng = np.random.default_rng(m + n + k + wtype)
+    q = random_blocks(wtype, n, k, rng)
+    wd = dequantized(wtype, q).astype(np.float64)
+    packed_type, packed = K.repack(lib, wtype, q)
     x = rng.standard_normal((m, k)).astype(np.float32) * 3
     isa = max(ISAS)
     y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, bf16=True)
-    float32 = K.gemm(lib, packed_type, packed, x, k, isa, threads=2)
     if not (lib.has_amx_bf16 and isa == K.ISA_AVX512):
-        assert np.array_equal(y, float32)
+        assert np.array_equal(y, K.gemm(lib, packed_type, packed, x, k, isa, threads=2))
         return
-    ref, plain = bf16_rounded(x) @ wd.T, x.astype(np.float64) @ wd.T
+    ref, plain = bf16_rounded(x) @ bf16_rounded(wd).T, x.astype(np.float64) @ wd.T
     scale = np.abs(plain).max()
     assert np.abs(y - ref).max() <= 1e-5 * scale  # float32 accumulation only
     assert 1e-5 * scale < np.abs(y - plain).max() <= 2e-2 * scale  # bf16 activations, not float32 ones
     rows = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, bf16=True) for i in range(m)])
     assert np.array_equal(rows, y)
     if m > 32:
-        head = K.gemm(lib, packed_type, packed, x[:32], k, isa, threads=2, bf16=True)  # one streaming pass
+        head = K.gemm(lib, packed_type, packed, x[:32], k, isa, threads=2, bf16=True)  # BF16: one streaming pass
         assert np.array_equal(head, y[:32])
