@@ -19,7 +19,11 @@ tokenizer, the chat template) is the small file's, with the shape's fields repla
 
 `--dense`: its dense twin of the same active size (the issue's "cost grows with active parameters,
 not total"): a Qwen3 whose one MLP per layer is top-k x expert FFN = 6144 wide, the same attention,
-embedding and block pool, no router. The result is cached under .cache/peers/ (gitignored).
+embedding and block pool, no router. `--qwen3-4b`: issue 42's ~4B dense shape, Qwen3-4B's layer
+(hidden 2560, 32 query and 8 KV heads of 128, FFN 9728) over its 36 layers, ~3.8B parameters with
+this 49k vocabulary, ~2.3 GB. The result is cached under .cache/peers/ (gitignored).
+
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --model "$(.venv/bin/python benchmarks/make_moe_gguf.py --qwen3-4b | tail -1)"
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 # Qwen3-30B-A3B's layer; the layer count is the option.
 LAYER = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, expert_ff=768)
 ARCH = "qwen3moe"
+QWEN3_4B = dict(hidden=2560, heads=32, kv_heads=8, head_dim=128, ffn=9728, layers=36)  # dense
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -58,11 +63,14 @@ def block_pools(reader: object) -> dict[int, np.ndarray]:
     return {k: np.concatenate(v) for k, v in pools.items()}
 
 
-def tensors(layers: int, vocab: int, dense: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, numpy shape in elements, kind): kind is 'norm', 'router', 'q4' or 'q6'."""
-    h, d, e, ff = LAYER["hidden"], LAYER["head_dim"], LAYER["experts"], LAYER["expert_ff"]
-    wide = LAYER["top_k"] * ff
-    q, kv = LAYER["heads"] * d, LAYER["kv_heads"] * d
+def tensors(layers: int, vocab: int, dense: bool = False, shape: dict | None = None) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, numpy shape in elements, kind): kind is 'norm', 'router', 'q4' or 'q6'. `shape`: a
+    dense layer of its own (QWEN3_4B) instead of the MoE's or its twin's."""
+    lay = shape or LAYER
+    h, d = lay["hidden"], lay["head_dim"]
+    e, ff = LAYER["experts"], LAYER["expert_ff"]
+    wide = shape["ffn"] if shape else LAYER["top_k"] * ff
+    q, kv = lay["heads"] * d, lay["kv_heads"] * d
     out = [("token_embd.weight", (vocab, h), "q6")]  # tied: it is the output matrix too
     for i in range(layers):
         more = "q6" if use_more_bits(i, layers) else "q4"
@@ -81,14 +89,16 @@ def tensors(layers: int, vocab: int, dense: bool = False) -> list[tuple[str, tup
     return out
 
 
-def make(layers: int = 24, seed: int = 0, dense: bool = False) -> Path:
+def make(layers: int = 24, seed: int = 0, dense: bool = False, shape: dict | None = None) -> Path:
     from benchmarks.engine_vs_llamacpp import CACHE
     from benchmarks.moe_vs_llamacpp import make_gguf
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
     from gguf import GGMLQuantizationType as T
 
+    dense = dense or shape is not None
     arch = "qwen3" if dense else ARCH
-    out = CACHE / (f"qwen3-a128e8-dense-twin-{layers}l-random.Q4_K_M.gguf" if dense else
+    out = CACHE / ("qwen3-4b-shape-random.Q4_K_M.gguf" if shape else
+                   f"qwen3-a128e8-dense-twin-{layers}l-random.Q4_K_M.gguf" if dense else
                    f"qwen3moe-a128e8-{layers}l-random.Q4_K_M.gguf")
     if out.exists():
         return out
@@ -96,9 +106,11 @@ def make(layers: int = 24, seed: int = 0, dense: bool = False) -> Path:
     pools = block_pools(small)
     vocab = int(small.fields[f"{ARCH}.vocab_size"].contents()) if f"{ARCH}.vocab_size" in small.fields else \
         len(small.fields["tokenizer.ggml.tokens"].contents())
-    h, d = LAYER["hidden"], LAYER["head_dim"]
-    shape_keys = {"block_count": layers, "embedding_length": h, "feed_forward_length": LAYER["top_k"] * LAYER["expert_ff"],
-                  "attention.head_count": LAYER["heads"], "attention.head_count_kv": LAYER["kv_heads"],
+    lay = shape or LAYER
+    h, d = lay["hidden"], lay["head_dim"]
+    ffn = shape["ffn"] if shape else LAYER["top_k"] * LAYER["expert_ff"]
+    shape_keys = {"block_count": layers, "embedding_length": h, "feed_forward_length": ffn,
+                  "attention.head_count": lay["heads"], "attention.head_count_kv": lay["kv_heads"],
                   "attention.key_length": d, "attention.value_length": d}
     if not dense:
         shape_keys.update(expert_count=LAYER["experts"], expert_used_count=LAYER["top_k"],
@@ -120,7 +132,7 @@ def make(layers: int = 24, seed: int = 0, dense: bool = False) -> Path:
         if f"{ARCH}.{short}" not in small.fields:
             writer.add_key_value(f"{arch}.{short}", value, GGUFValueType.UINT32)
     kinds = {"q4": T.Q4_K, "q6": T.Q6_K}
-    plan = tensors(layers, vocab, dense)
+    plan = tensors(layers, vocab, dense, shape)
     for name, shape, kind in plan:
         if kind in kinds:
             qt = kinds[kind]
@@ -156,8 +168,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3-30B-A3B has 48)")
     ap.add_argument("--dense", action="store_true", help="the dense twin of the same active size")
+    ap.add_argument("--qwen3-4b", action="store_true", help="issue 42's ~4B dense shape (Qwen3-4B's layer, 36 layers)")
     args = ap.parse_args()
-    print(make(args.layers, dense=args.dense))
+    if args.qwen3_4b:
+        print(make(QWEN3_4B["layers"], shape=QWEN3_4B))
+    else:
+        print(make(args.layers, dense=args.dense))
 
 
 if __name__ == "__main__":
