@@ -16,8 +16,10 @@ SmolLM2 safetensors (benchmarks/make_smollm2_hf.py) with `--enable-per-request-m
    `prefix_hit` (confirmed by vLLM's KV events), not `prefix_predicted`. Then the gateway is
    restarted and the same prefix sent again: `prefix_hit` again, from vLLM's replayed events,
    where a gateway that predicts from its own memory has none;
-6. overhead: TTFT p50 of `--requests` short streamed requests straight to vLLM and through the
-   gateway, alternating (the gateway's added milliseconds).
+6. overhead: TTFT p50 of `--overhead-requests` short streamed requests straight to vLLM and
+   through the gateway, alternating (the gateway's added milliseconds). One client per side, its
+   connection kept alive, each stream read to its end: a new client per request (a TLS context
+   built inside the timed span, ~10-40 ms on two busy cores) was noise larger than the figure.
 
 Writes benchmarks/results/vllm_behind_gateway.md and .json. Two cores: vLLM and the gateway share
 them, and the load generator runs pinned to core 1 (`taskset`).
@@ -67,19 +69,25 @@ def structured(http: httpx.Client, n: int) -> dict:
     return out
 
 
-def ttft(url: str, prompt: str) -> float:
+def ttft(http: httpx.Client, prompt: str) -> float:
+    """Milliseconds to the first token of a short streamed request; the stream is read to its end, so
+    the connection is reused and the server is not left aborting it while the next one is timed."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    first: float | None = None
+    with http.stream("POST", "/v1/completions", json=body) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                return (time.perf_counter() - t0) * 1000
-    raise RuntimeError("no token")
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                first = (time.perf_counter() - t0) * 1000
+    if first is None:
+        raise RuntimeError("no token")
+    return first
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--overhead-requests", type=int, default=40)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench" / "vllm_behind_gateway")
     args = ap.parse_args()
@@ -122,10 +130,19 @@ def main() -> None:
                        json={"model": NAME, "prompt": PREFIX + "Question 9?", "max_tokens": 4})
             result["after_restart_reason"] = request_lines(args.out / "gateway-2.log")[-1].get("routing_reason")
             direct_ms, via_ms = [], []
-            for i in range(args.requests):
-                prompt = f"Request {i}: say something."
-                direct_ms.append(ttft(f"http://127.0.0.1:{vport}", prompt))
-                via_ms.append(ttft(f"http://127.0.0.1:{gport}", prompt + " "))
+            with httpx.Client(base_url=f"http://127.0.0.1:{vport}", timeout=120) as direct, \
+                    httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=120) as via:
+                for i in range(3):  # (both connections open, both paths warm)
+                    ttft(direct, f"Warm-up {i}.")
+                    ttft(via, f"Warm-up {i}. ")
+                for i in range(args.overhead_requests):
+                    prompt = f"Request {i}: say something."
+                    if i % 2:  # (alternating which goes first)
+                        direct_ms.append(ttft(direct, prompt))
+                        via_ms.append(ttft(via, prompt + " "))
+                    else:
+                        via_ms.append(ttft(via, prompt + " "))
+                        direct_ms.append(ttft(direct, prompt))
             result["ttft_p50_ms"] = {"vllm": round(statistics.median(direct_ms), 1),
                                      "via_gateway": round(statistics.median(via_ms), 1)}
             result["added_ms_p50"] = round(result["ttft_p50_ms"]["via_gateway"] - result["ttft_p50_ms"]["vllm"], 1)

@@ -100,7 +100,11 @@ async def test_the_stages_chain_into_frozen_values_and_the_ending_reads_them():
     assert (run.authenticated, run.routed, run.priced, run.tokenized, run.submitted) == (
         who, routed, priced, tokenized, submitted)
     assert priced.priority == 2  # asked for 2: worse than the key's best (1), so granted
-    assert guard.calls == ["authenticate", "check_model", "reserve 40", "check_policy", "adjust 13", "audit_open"]
+    # The audit row's open write runs beside the dispatch: started by `tokenize`, awaited (`recorded`)
+    # before a reply's first byte.
+    assert guard.calls == ["authenticate", "check_model", "reserve 40", "check_policy", "adjust 13"]
+    await intake.recorded(run)
+    assert guard.calls[-1] == "audit_open"
     stamps = [s for s in run.timeline.stamps if s in ("authenticated", "routed", "tokenized")]
     assert stamps == ["authenticated", "routed", "tokenized"]
     attrs = run.timeline.attrs

@@ -32,6 +32,23 @@ async def test_auth_is_off_until_a_key_exists(store, clock):
         await gw.authenticate({})
 
 
+async def test_a_first_key_made_by_another_process_turns_auth_on_at_the_next_request(store_location, clock):
+    """With no key, the gateway asks the store before every request, on the event loop where the
+    store answers at once (SQLite's `read_nowait`: no thread hop); a key another process made is
+    seen by the next request all the same, and a closed store is asked off the loop (and fails)."""
+    store = GatewayStore(store_location)
+    gw = Gateway(store, clock=clock)
+    assert store.has_keys_nowait() is (False if store.db.kind == "sqlite" else None)
+    assert await gw.authenticate({}) == Principal()
+    other = GatewayStore(store_location)  # another process's connection to the same store
+    create_key(other, "acme", now=clock())
+    other.close()
+    with pytest.raises(AuthenticationError):
+        await gw.authenticate({})
+    store.close()
+    assert store.has_keys_nowait() is None
+
+
 @pytest.mark.parametrize(
     "headers",
     [

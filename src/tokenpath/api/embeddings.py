@@ -46,6 +46,7 @@ async def embed(request: Request, run: RequestRun, routed: intake.Routed, raw: E
     tokenized = await intake.tokenize(run, priced, ids, texts, run.prompt_tokens, run.prompt_tokens)
     async with watch_disconnect(request, run.stop):
         out = await race_stop(dep.embed(intake.embedding_request(run, tokenized, intake.session_id(run, None, user))), run.stop)
+    await intake.recorded(run)  # (the audit row's open write ran beside the engine's work)
     run.done()
     return out.vectors
 

@@ -27,7 +27,7 @@ from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
 from tokenpath.api.sse import SSEResponse, until_stopped
 from tokenpath.api.state import AppState
-from tokenpath.api.streams import merge
+from tokenpath.api.streams import Deltas, merge
 from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol import SamplingParams
 from tokenpath.protocol.outputs import RequestOutput
@@ -94,7 +94,7 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         floor.check_context(routed.deployment.max_model_len)
         tokenized, params = await _tokenize(state, run, priced, body, plan, variables, bias, spec)
         submitted = _submit(state, run, tokenized, params, body, chat)
-        stream = until_stopped(merge(_sources(state, run, submitted, chat, edge)), run.stop)
+        stream = _recorded_first(run, until_stopped(merge(_sources(state, run, submitted, chat, edge)), run.stop))
         if edge is not None and edge.make is not None:
             gen = edge.make(run, submitted, body, chat, plan)
         else:
@@ -111,6 +111,24 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
     finally:
         if not handed_off:
             await run.finish()
+
+
+async def _recorded_first(run: RequestRun, stream: Deltas) -> Deltas:
+    """`stream` with its first output held until the audit row's open write completes (it runs
+    beside the dispatch: `intake.recorded`), so no reply reaches the client unrecorded, whether
+    streamed or whole. A write that failed fails the request before anything is sent, and closing
+    this stream closes the generation (aborted in the engine)."""
+    held = True
+    try:
+        async for item in stream:
+            if held:
+                await intake.recorded(run)
+                held = False
+            yield item
+        if held:  # (no output at all: the reply is still the request's, recorded first)
+            await intake.recorded(run)
+    finally:
+        await stream.aclose()
 
 
 def _template_variables(state: AppState, run: RequestRun, dep: Deployment, body: Body, ignored: list[str],

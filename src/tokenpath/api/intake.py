@@ -11,7 +11,8 @@ every caller to it). In order, with the Timeline stamp each owns:
 3. `price` -> `Priced`: the priority (`x-priority`), admission's precheck, and the rate limits
    charged on a fast estimate, before anything is tokenized. No stamp (attr `priority`).
 4. `tokenize` -> `Tokenized`: the prompt's token ids (tokenized by the endpoint), the policy hook,
-   the reservation made exact, the audit row opened. Stamps `tokenized`.
+   the reservation made exact, the audit row's open write started (it runs beside the dispatch;
+   `recorded` awaits it before a reply's first byte). Stamps `tokenized`.
 5. `submit` -> `Submitted`: the engine's requests, the run registered in flight, the reply's
    accumulator. No stamp: admission owns `admitted`, `dequeued` and `dispatched`.
 
@@ -26,6 +27,7 @@ an argument. Between stages, an endpoint does its own checks (caps, constraints,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -184,8 +186,13 @@ async def tokenize(run: RequestRun, priced: Priced, prompts: list[list[int]], te
                    prompt_tokens: int, params: SamplingParams | None = None) -> Tokenized:
     """The endpoint's token ids, recorded (the audit row keeps the prompt's text even when the
     policy refuses it); then the policy hook on the text, the reservation re-sized to `charge`, the
-    exact count (re-decided when it grows, so token limits stay exact), and the audit row opened:
-    a gateway that dies from here on leaves a row the next start closes as `gateway_crash`.
+    exact count (re-decided when it grows, so token limits stay exact), and the audit row's open
+    write started. It runs beside the dispatch, off the request's path to its first token (a
+    thread hop and a commit: 0.4 ms on a quiet machine, several on busy cores, where the thread
+    waits for the GIL); the endpoint awaits it (`recorded`) before its reply's first byte, so no
+    reply reaches a client unrecorded, and a write that fails fails the request with no token
+    sent. A gateway that dies once a token was sent leaves a row the next start closes as
+    `gateway_crash`.
 
     It stamps `tokenized`, not `admitted`: admission (`FlowController.acquire`) owns that event
     and stamps it when it admits or queues the request, so the `gateway` stage runs up to that
@@ -197,8 +204,18 @@ async def tokenize(run: RequestRun, priced: Priced, prompts: list[list[int]], te
     await guard.adjust(priced.reservation, charge)
     opened = run.audit_record(None, prompt_tokens, 0, {}, None)
     opened.status, opened.completion_text = OPEN_STATUS, None
-    await guard.audit_open(opened, lambda: run.completion_tokens)
+    run.audit_opening = asyncio.create_task(guard.audit_open(opened, lambda: run.completion_tokens),
+                                            name=f"audit-open-{run.id}")
     return tokenized
+
+
+async def recorded(run: RequestRun) -> None:
+    """Wait for the audit row's open write that `tokenize` started: before a reply's first byte
+    leaves (the first token of a stream, a whole body), so no reply reaches a client unrecorded.
+    Its failure is raised here, the request's own, as when the write was awaited before dispatch.
+    Shielded: a request cancelled while it waits does not cancel the write (`finish` awaits it)."""
+    if run.audit_opening is not None:
+        await asyncio.shield(run.audit_opening)
 
 
 def session_id(run: RequestRun, prompt_cache_key: str | None, user: str | None) -> str | None:

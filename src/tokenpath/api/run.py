@@ -10,6 +10,7 @@ error, a client disconnect, a shutdown abort or an unexpected exception.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -134,6 +135,9 @@ class RequestRun:
         self._finished = False
         self.error_code: str | None = None
         self.audit_key = uuid.uuid4().hex  # ties the audit row opened at admission to its close
+        # The open row's write (`intake.tokenize` starts it, `intake.recorded` awaits it before a
+        # reply's first byte); `finish` awaits it before the close, so a close is never overwritten.
+        self.audit_opening: asyncio.Task[None] | None = None
         begin_trace(self.timeline, request.headers)
         state.live.started(self.timeline, endpoint, self.token_times)  # (the same list, as it grows)
 
@@ -227,6 +231,11 @@ class RequestRun:
                 log.exception("reconcile failed for %s", self.id)
         durations = self.timeline.durations()
         record = self._finished_record(finish_reason, prompt, completion)
+        if self.audit_opening is not None:  # the open first: a close written before it would be reopened
+            try:
+                await asyncio.shield(self.audit_opening)
+            except Exception as exc:  # (the request's own error when `recorded` raised it)
+                log.error("audit row open failed for %s: %s: %s", self.id, type(exc).__name__, exc)
         try:
             await guard.audit(self.audit_record(finish_reason, prompt, completion, durations, record))
         except Exception:

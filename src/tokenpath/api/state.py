@@ -52,5 +52,8 @@ class AppState:
                 log.exception("error while shutting down")
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """The app's state, as a FastAPI dependency. A coroutine so that FastAPI calls it on the event
+    loop: a plain `def` dependency runs in its thread pool, a thread hop (0.15-0.5 ms on two busy
+    cores) in front of every request."""
     return request.app.state.tokenpath

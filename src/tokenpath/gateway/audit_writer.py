@@ -4,7 +4,8 @@ Why a writer and not one INSERT per request: when the store cannot be written (d
 PostgreSQL down) the rows must outlive the failure, so every row goes through one queue, the
 spool, which a single task writes in batches (one transaction each). While the store works, a
 caller waits for the batch holding its row (so a row is durable before its request goes on: an
-open row before the engine sees the request, a close before the response ends); once it fails,
+open row before the client gets a reply's first byte, the write running beside the dispatch
+(`api/intake.py`), a close before the response ends); once it fails,
 callers do not wait: their rows stay spooled, up to `max_rows`, and the task retries with a capped
 backoff until the store takes them. A row that finds the spool full is dropped and counted; no
 row is ever lost without a count.

@@ -159,8 +159,10 @@ class Gateway:
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         secret = credential_from(headers)  # ambiguous credentials are a 400 even with auth off
         if not self._static and not self._keys_exist:
-            try:
-                has_keys = await asyncio.to_thread(self.store.has_keys)
+            try:  # (on the loop where the store answers at once: a thread hop is most of this check)
+                has_keys = self.store.has_keys_nowait()
+                if has_keys is None:
+                    has_keys = await asyncio.to_thread(self.store.has_keys)
             except Exception as exc:  # noqa: BLE001
                 if not self._keys_checked:  # fail closed: never seen the store say there are no keys
                     raise store_unavailable(exc, "API keys cannot be checked") from None

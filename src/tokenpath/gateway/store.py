@@ -76,6 +76,7 @@ class UsageRow:
 
 _KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tokens, priority, "
                 "expires_at, created_at, last_used_at, revoked_at, admin")
+_ANY_KEY = "SELECT 1 FROM api_keys LIMIT 1"
 
 
 def _models_out(models: frozenset[str] | None) -> str | None:
@@ -159,7 +160,13 @@ class GatewayStore:
     def has_keys(self) -> bool:
         """Any key, revoked ones included: revoking the last key must not silently turn auth off."""
         with self.db.transaction() as tx:
-            return bool(tx.q("SELECT 1 FROM api_keys LIMIT 1"))
+            return bool(tx.q(_ANY_KEY))
+
+    def has_keys_nowait(self) -> bool | None:
+        """`has_keys` on the event loop, where the database answers at once (`read_nowait`); None:
+        ask `has_keys` off the loop. What a gateway with no keys asks before every request."""
+        rows = self.db.read_nowait(_ANY_KEY)
+        return None if rows is None else bool(rows)
 
     def revoke_key(self, prefix: str, now: float) -> bool:
         with self.db.transaction() as tx:

@@ -54,6 +54,7 @@ _RUNNING = ("tokenpath:num_requests_running", "vllm:num_requests_running", "sgla
 _KV = ("tokenpath:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
        "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")
 _CACHE_INFO = ("tokenpath:cache_config_info", "vllm:cache_config_info")
+DRAIN_S = 0.05  # the longest a stream's end is waited for after its `[DONE]` (`_drain`)
 # A server's whole /metrics page is tens of KB (every histogram bucket), and prometheus_client's
 # parser takes ~8 ms over it: on the gateway's event loop, polled several times a second per
 # replica, that stalls every request. Only the lines of the series read here are parsed.
@@ -381,11 +382,13 @@ class RemoteReplica(PolledState):
 
 
 async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:
-    async for line in resp.aiter_lines():
+    lines = resp.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            await _drain(lines)
             return
         data = json.loads(payload)
         if "error" in data and not data.get("choices"):
@@ -395,6 +398,18 @@ async def _sse_data(resp: httpx.Response) -> AsyncIterator[dict]:
                 raise RequestFailedError(f"replica error: {message}")
             raise ServiceUnavailableError(f"replica error: {message}")
         yield data
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read a stream's end after its `[DONE]` (the chunked body's last, empty chunk follows it at
+    once), so that httpx puts the connection back in its pool: a response closed before its body
+    ended closes its connection, and every request would pay a new one (a TCP connect on the
+    gateway and an accept on the server, ~1 ms of the gateway's added TTFT). A server that keeps
+    the stream open past `[DONE]` costs at most `DRAIN_S`, and then its connection."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 def _http_error(name: str, resp: httpx.Response) -> Exception:
