@@ -1,0 +1,113 @@
+// A step's activation rows and the GEMMs over them: included by forward.cpp inside its anonymous
+// namespace, after Model and the team's helpers (team_for, grain_for). Which precision each row
+// takes for each matmul is decided here: int8, int8 with residual bytes (Model::fine and the row's
+// mask), float (exact, or float weights), bf16 on AMX tiles (Model::half; prompt rows of quantized
+// weights, every row of BF16 ones).
+#pragma once
+
+QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
+    const int nb = (K + QK - 1) / QK;
+    const size_t need = size_t(rows) * nb;
+    if (b.d.size() < need)
+        b.d.resize(need), b.s.resize(need), b.qsum.resize(need), b.qsum16.resize(2 * need), b.q.resize(need * QK);
+    // Every matrix float (float_w 2): no int8 activations at all, quantize_row writes the float copies only.
+    QAct a{m.float_w == 2 ? nullptr : b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
+    a.qsum16 = b.qsum16.data();
+    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16/F32 weights
+        if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
+        a.f = b.f.data(), a.fs = b.fs.data();
+    }
+    if (m.fine) {  // callers switch a.q2 on per matmul (use_fine)
+        if (b.q2.size() < need * QK) b.q2.resize(need * QK), b.q16.resize(need * QK);
+        a.q2 = b.q2.data(), a.q16 = b.q16.data();
+    }
+    if (m.half) {  // callers switch a.bf on per matmul (use_fine); tiles read 16 rows past any view
+        const size_t bneed = (size_t(rows) + 16) * nb * QK;
+        if (b.bf.size() < bneed) b.bf.resize(bneed);
+        a.bf = b.bf.data();
+    }
+    return a;
+}
+
+// Activation rows `x` (sharing `all`'s buffers) for matmul `kind`: with residual bytes when its bit
+// of Model::fine is set, with bf16 copies when its bit of Model::half is.
+inline void use_fine(const Model& m, QAct& x, const QAct& all, int kind) {
+    x.q2 = (m.fine >> kind) & 1 ? all.q2 : nullptr;
+    x.bf = (m.half >> kind) & 1 ? all.bf : nullptr;
+}
+
+// Rows r.. of an activation buffer, as a QAct of its own (the layout of tp_kernels.h QAct).
+inline QAct act_rows(const QAct& a, int r) {
+    QAct v = a;
+    const size_t nb = size_t(a.nb), off = size_t(r) * nb;
+    if (v.q) v.q += off * QK;
+    v.d += off, v.s += off, v.qsum += off;
+    if (v.f) v.f += off * QK, v.fs += off;
+    if (v.q2) v.q2 += off * QK;
+    if (v.q16) v.q16 += off * QK;
+    if (v.qsum16) v.qsum16 += 2 * off;
+    if (v.bf) v.bf += off * QK;
+    return v;
+}
+
+// The view that quantizes one row for matmul `kind`: `v` (with residual bytes when `kind` is
+// fine), without them where the row's mask (Model::kinds) leaves `kind` out.
+inline QAct row_act(const QAct& v, uint8_t mask, int kind) {
+    QAct r = v;
+    if (!((mask >> kind) & 1)) r.q2 = nullptr;
+    return r;
+}
+inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] : uint8_t(0xff); }
+
+// Bit 7 of a row's mask (tp_model_forward's row_kinds): a prompt row. Its matmuls in Model::half,
+// but for the head, take bf16 activations on AMX tiles where their weights are quantized
+// (tile_pack.h); the head's prompt rows are one per sequence, too few to pay for its dequantization.
+constexpr uint8_t kPromptTiles = 0x80;
+constexpr int kHead = 4;
+
+// m.gemm over rows [0, M), as runs of consecutive rows that agree on residual bytes and on tiles for
+// `kind` (kinds: each row's mask, nullptr for all alike). A run's weights are those the previous
+// run just read, still in cache: a mixed step reads each chunk of the matrix from memory once.
+// BF16 weights with bf16 activations (QAct::bf, Model::half) take the tiles in every row.
+inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a, int M, float* y, int ldy,
+                      int n0, int n1, const float* bias, bool acc, bool exact, const uint8_t* kinds, int kind) {
+    const bool all_tiles = a.bf && wtype == W_BF16X16;
+    const bool tiles = a.bf && !all_tiles && kinds && kind != kHead && !exact;
+    if (all_tiles || (!tiles && (!kinds || !a.q2 || exact))) {
+        QAct v = a;
+        if (!all_tiles) v.bf = nullptr;
+        m.gemm(wtype, w, a.nb, v, M, y, ldy, n0, n1, bias, acc, exact);
+        return;
+    }
+    auto key = [&](int t) {
+        return (tiles && (kinds[t] & kPromptTiles) ? 2 : 0) | (a.q2 && ((kinds[t] >> kind) & 1) ? 1 : 0);
+    };
+    for (int s = 0; s < M;) {
+        const int k = key(s);
+        int e = s + 1;
+        while (e < M && key(e) == k) ++e;
+        QAct v = act_rows(a, s);
+        if (!(k & 1)) v.q2 = nullptr;
+        if (!(k & 2)) v.bf = nullptr;
+        m.gemm(wtype, w, a.nb, v, e - s, y + size_t(s) * ldy, ldy, n0, n1, bias, acc, false);
+        s = e;
+    }
+}
+
+// y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
+// Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
+void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Mat& w, int N, const QAct& a,
+               int T, float* y, int ldy, const float* bias, bool acc, const uint8_t* kinds) {
+    const bool exact = (m.exact >> kind) & 1;
+    // Decode (a few rows): 16 chunks per thread rather than 4, so that the last chunks even out
+    // the threads' finishing times (a chunk is a few microseconds of weight streaming).
+    const int grain = grain_for(N, T <= kOwnRowsMax ? 4 * nthreads : nthreads, 16);
+    team_for(pc, N, grain, [&](int n0, int n1) {
+        for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
+            const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
+            if (lo < hi)
+                gemm_runs(m, w.type[p], w.w[p], a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact,
+                          kinds, kind);
+        }
+    });
+}
