@@ -118,3 +118,39 @@ def test_a_flooding_tenant_neither_holds_slots_past_the_bound_nor_delays_another
     later = [t for r in stalled if (t := dispatched_wall(r)) is not None and t > first_reply]
     print(f"B: {[round(s, 2) for _, s, _ in replies]} s; A dispatched after B's first reply: {len(later)}")
     assert len(later) >= 1, (replies, sorted(t for r in stalled if (t := dispatched_wall(r)) is not None))
+
+
+def test_a_client_between_requests_keeps_its_slot_while_another_tenant_floods(
+        two_tenants: tuple[Server, str, str]):
+    """Tenant B sends a request, then A floods the two running slots with non-readers, then B
+    sends its next requests one after another. While B wants a slot, A holds at most its share of
+    the running slots (admission/share.py: 1 of 2), so each of B's requests starts at once, and
+    none waits for one of A's streams to be found stalled and freed. Before, A took every slot
+    (2 running, 2 in the engine's queue) and B's next request waited for one of A's streams to
+    end: its row's `queued_behind` cause named A's stream as the one whose end gave B its slot.
+    (B's next request comes ~1 s after its first ended, well inside `tenant_active_s`, 5 s.)"""
+    srv, flood_key, steady_key = two_tenants
+    ids = [f"tenant-a2-{i}-{time.monotonic_ns()}" for i in range(FLOOD)]
+    b_ids = [f"tenant-b2-{i}-{time.monotonic_ns()}" for i in range(4)]
+    codes = []
+    with httpx.Client(base_url=srv.base_url, timeout=150,
+                      headers={"Authorization": f"Bearer {steady_key}"}) as http:
+        codes.append(http.post("/chat/completions", json=HI, headers={"x-request-id": b_ids[0]}).status_code)
+        socks = [non_reader(srv.port, rid, api_key=flood_key) for rid in ids]
+        try:
+            time.sleep(1.0)  # (A's streams admitted: one of them running, the rest queued)
+            for rid in b_ids[1:]:
+                codes.append(http.post("/chat/completions", json=HI, headers={"x-request-id": rid}).status_code)
+            b_rows = closed_rows(srv, b_ids)
+            a_rows = closed_rows(srv, ids)
+        finally:
+            for s in socks:
+                s.close()
+    assert codes == [200] * 4
+    assert sorted(a_rows) == sorted(ids)  # every one of A's streams still ran and was freed
+    a_server_ids = {r.request_id for r in a_rows.values()}
+    freed_by = {rid: [c["detail"].get("freed_by") for c in json.loads(row.timing or "{}").get("causes", [])
+                      if c.get("kind") == "queued_behind" and c["detail"].get("where") == "admission"]
+                for rid, row in b_rows.items()}
+    print(f"B's requests: the release each waited for: {freed_by}")
+    assert not any(by in a_server_ids for bys in freed_by.values() for by in bys), freed_by

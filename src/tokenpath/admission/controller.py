@@ -6,13 +6,15 @@ recent service time (dispatch to finish, an EWMA). Predicted wait for a new requ
 `requests ahead / drain rate`, with drain rate = slots / service time (`capacity.py`). From that:
 
 - no healthy replica: 503 at once (with Retry-After until the next probe);
-- room on a replica and nobody of equal or better priority waiting: dispatch immediately;
+- room on a replica, nobody of equal or better priority waiting, and the tenant under its share of
+  the slots while other tenants want them (`share.py`): dispatch immediately;
 - queue (or the tenant's share of it) full, or the predicted wait already past the request's
   deadline: 429 at once, `Retry-After` = predicted drain time. Waiting in line for a request that
   cannot make its deadline only burns capacity the others need;
 - otherwise queue it. A queued request leaves when a replica has room, when its deadline passes
   (504, removed at once), when its client goes away (removed at once), or with the same 503 as a
-  new request when every replica reports itself down (stalled, dead).
+  new request when every replica reports itself down (stalled, dead). A tenant at its share
+  of the slots is passed over in the queue while another tenant's request can go.
 
 Rejections are pure bookkeeping (no I/O, no awaits), so they answer in microseconds.
 """
@@ -23,11 +25,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenpath.admission.capacity import CapacityEstimator
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
+from tokenpath.admission.share import SlotShare
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import EmbeddingRequest, GenerateRequest, Submission
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
@@ -52,6 +56,12 @@ class AdmissionConfig:
     ewma_alpha: float = 0.2
     pump_interval_s: float = 0.05  # re-check room while requests wait (remote state is polled)
     reject_unreachable_deadline: bool = True
+    # While more than one tenant wants slots, each holds at most its weighted max-min share of the
+    # running slots (share.py); off: the fair queue only orders what waits. A tenant stays active
+    # (its recent demand reserved) for `tenant_active_s` after its demand last stood at its peak,
+    # so a client's next request, a moment after its last one ended, finds its slot free.
+    tenant_share: bool = True
+    tenant_active_s: float = 5.0
 
 
 @dataclass
@@ -77,6 +87,7 @@ class FlowController:
         self.picker = picker
         self.config = config or AdmissionConfig()
         self.queue = FairQueue(self.config.tenant_weights)
+        self.share = SlotShare(self.queue.weight, self.config.tenant_active_s)
         self.capacity = CapacityEstimator(self.config.initial_service_s, self.config.ewma_alpha)
         self._ticker: asyncio.Task | None = None
         self._depth_seen: set[tuple[int, str]] = set()
@@ -168,6 +179,9 @@ class FlowController:
         self.check(request.priority, request.tenant, deadline, now, first_token_by=request.deadline)
         if self.queue.ahead_of(request.priority) == 0:
             room = self._room(exclude)
+            if room and not self._allowance(now, asking=request.tenant)(request.tenant):
+                timeline.attrs["admission_share"] = self._share_of(request.tenant, now)
+                room = []
             if room:
                 timeline.stamp("admitted", deployment=self.deployment, admission="immediate")
                 metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
@@ -177,11 +191,12 @@ class FlowController:
         ticket.future = asyncio.get_running_loop().create_future()
         ahead = self.queue.ahead_of(request.priority)
         self.queue.push(ticket)
+        self.share.note(request.tenant, self.queue.tenant_depth(request.tenant), now)
         timeline.stamp("admitted", deployment=self.deployment, admission="queued",
                        predicted_wait_s=round(self.predicted_wait(request.priority), 3),
                        admission_ahead=ahead, admission_behind=self._holders())
         metrics.ADMISSIONS.labels(self.deployment, "queued").inc()
-        self._changed()
+        self._changed(self._last_freed, arrived=ticket)
         return await self._wait(ticket)
 
     async def _wait(self, ticket: Ticket) -> Admission:
@@ -212,11 +227,24 @@ class FlowController:
         return [[a.request_id, a.tenant, a.max_tokens, a.handle.name] for a in held]
 
     # -- dispatch ----------------------------------------------------------------------------
+    def _allowance(self, now: float, asking: str | None = None) -> Callable[[str], bool]:
+        """Which tenants may take a slot now (all, with the share off or one tenant active)."""
+        if not self.config.tenant_share:
+            return lambda tenant: True
+        return self.share.allowance(self.pool.run_slots, self.queue.tenant_depths(), now, asking)
+
+    def _share_of(self, tenant: str, now: float) -> dict[str, float]:
+        """This tenant's held slots and share, for its Timeline when the share held it back."""
+        queued = self.queue.tenant_depths()
+        queued[tenant] += 1
+        return self.share.snapshot(self.pool.run_slots(), queued, now).get(tenant, {})
+
     def _room(self, exclude: frozenset[str]) -> list:
         room = self.pool.with_room()
         return [s for s in room if s.name not in exclude] or room
 
-    def _dispatch(self, submission: Request, room: list, queued_s: float) -> Admission:
+    def _dispatch(self, submission: Request, room: list, queued_s: float,
+                  freed_by: str | None = None) -> Admission:
         request, timeline = submission.request, submission.timeline
         pick = self.picker.pick(submission, room)
         handle = self.pool.handles[pick.name]
@@ -228,8 +256,8 @@ class FlowController:
         timeline.stamp("dequeued", queued_s=round(queued_s, 4))
         timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
                        reason=pick.reason, matched_blocks=pick.matched_blocks)
-        if queued_s > 0 and self._last_freed is not None:
-            timeline.attrs.setdefault("admission_freed_by", self._last_freed)
+        if queued_s > 0 and freed_by is not None:
+            timeline.attrs.setdefault("admission_freed_by", freed_by)
         if pick.elsewhere is not None:  # with the requests that held the replica it passed over
             other = pick.elsewhere.get("replica")
             holders = [a.request_id for a in self._holding.values() if a.handle.name == other][:8]
@@ -238,26 +266,33 @@ class FlowController:
         admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
                               tenant=request.tenant, max_tokens=max_tokens)
         self._holding[id(admission)] = admission
+        self.share.take(request.tenant, self.queue.tenant_depth(request.tenant), admission.dispatched_at)
         return admission
 
-    def _pump(self) -> None:
-        """Hand queued tickets to replicas while any has room."""
+    def _pump(self, freed_by: str | None, arrived: Ticket | None = None) -> None:
+        """Hand queued tickets to replicas while any has room, in the queue's order, passing over
+        a tenant at its share of the slots (the shares hold within one pump: a dispatch moves a
+        request from queued to held, the same demand). `freed_by`: the request whose release (the
+        last one, when room came back later) gave the slots; none for the ticket that `arrived`
+        now and found room at once."""
+        allowed = self._allowance(time.monotonic())
         while len(self.queue):
-            head = self.queue.peek()
+            head = self.queue.peek_where(allowed)
             if head is None:
                 break
             submission, exclude = head.payload
             room = self._room(exclude)
             if not room:
                 break
-            self.queue.pop()
+            self.queue.take(head)
             assert head.future is not None
             if head.future.done():
                 continue
-            head.future.set_result(self._dispatch(submission, room, time.monotonic() - head.enqueued_at))
+            head.future.set_result(self._dispatch(submission, room, time.monotonic() - head.enqueued_at,
+                                                  None if head is arrived else freed_by))
 
-    def _changed(self) -> None:
-        self._pump()
+    def _changed(self, freed_by: str | None = None, arrived: Ticket | None = None) -> None:
+        self._pump(freed_by, arrived)
         metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
         if len(self.queue) and (self._ticker is None or self._ticker.done()):
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
@@ -272,7 +307,7 @@ class FlowController:
                         f"request passed its deadline in the queue for model '{self.deployment}'",
                         code="deadline_exceeded"))
                     metrics.REJECTIONS.labels(self.deployment, "deadline").inc()
-            self._pump()
+            self._pump(self._last_freed)
             if len(self.queue) and not any(h.raw_state().healthy for h in self.pool.handles.values()):
                 self._refuse_queued()
             metrics.publish_queue_depth(self.deployment, self.queue.depth(), self._depth_seen)
@@ -306,6 +341,7 @@ class FlowController:
         self._clear_backlog(admission)
         if self._holding.pop(id(admission), None) is not None:
             self._last_freed = admission.request_id
+            self.share.give_back(admission.tenant, self.queue.tenant_depth(admission.tenant), time.monotonic())
         handle = admission.handle
         handle.inflight = max(0, handle.inflight - 1)
         if ok:
@@ -323,7 +359,7 @@ class FlowController:
             self.picker.forget(handle.name)
             metrics.REPLICA_EJECTIONS.labels(self.deployment, handle.name).inc()
         if len(self.queue):
-            self._changed()
+            self._changed(admission.request_id)
 
     async def close(self) -> None:
         if self._ticker is not None:

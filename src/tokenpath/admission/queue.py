@@ -1,12 +1,18 @@
 """The flow-control queue: priority bands, and weighted fair queueing across tenants inside a band.
 
-Bands are strict: a lower band number (a more important request) always leaves first. Inside a
+Bands are strict: a lower band number (a more important request) always leaves first, among the
+tenants under their share of the slots (below). Inside a
 band, tenants share by self-clocked fair queueing (SCFQ): a ticket's virtual finish tag is
 `max(V, tenant's last tag) + cost / weight`, where V is the tag of the ticket that left last.
 A tenant that floods the queue pushes only its *own* tags forward, so a light tenant's next
 request gets a tag near V and leaves almost at once: one tenant's burst cannot starve another's
 trickle. The cost is the request's token estimate (prompt + max_tokens), so fairness is in work,
 not in request counts.
+
+The order decides which request gets the next free slot, not how many slots a tenant holds: that
+is the flow controller's share (`share.py`), which passes over a tenant at its share with
+`peek_where` (the best ticket of another tenant, band by band: a share is a tenant's whatever the
+priority of its requests, so a tenant cannot buy more than its share with `x-priority`).
 
 The queue is a plain data structure (no tasks, no clock of its own): the flow controller pushes,
 pops, removes cancelled tickets and expires deadlines. Removal is O(1) by marking; popped dead
@@ -20,6 +26,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +95,27 @@ class FairQueue:
         ticket = self.peek()
         if ticket is None:
             return None
-        heapq.heappop(self._heaps[ticket.band])
+        return self.take(ticket)
+
+    def peek_where(self, allowed: Callable[[str], bool]) -> Ticket | None:
+        """The next ticket whose tenant is `allowed` (a tenant at its share of the slots is not:
+        `share.py`): the head when it is, else the best of the others, band by band. O(queued)
+        only when the head is passed over."""
+        for band in sorted(self._heaps):
+            self._drop_dead_heads(band)
+            heap = self._heaps[band]
+            if heap and allowed(heap[0][2].tenant):
+                return heap[0][2]
+            best = min(((tag, seq, t) for tag, seq, t in heap if t.live and allowed(t.tenant)), default=None)
+            if best is not None:
+                return best[2]
+        return None
+
+    def take(self, ticket: Ticket) -> Ticket:
+        """Take `ticket` (from `peek` or `peek_where`) out as leaving for a slot."""
+        heap = self._heaps[ticket.band]
+        if heap and heap[0][2] is ticket:
+            heapq.heappop(heap)  # (else it stays in the heap, dead, and is skipped later)
         self._virtual[ticket.band] = max(self._virtual.get(ticket.band, 0.0), ticket.finish_tag)
         self._mark_gone(ticket)
         return ticket
@@ -139,3 +166,10 @@ class FairQueue:
 
     def tenant_depth(self, tenant: str) -> int:
         return sum(n for (_, t), n in self._depth.items() if t == tenant)
+
+    def tenant_depths(self) -> Counter[str]:
+        """Live tickets per tenant, all bands together."""
+        out: Counter[str] = Counter()
+        for (_, tenant), n in self._depth.items():
+            out[tenant] += n
+        return out

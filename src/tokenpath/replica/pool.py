@@ -156,5 +156,12 @@ class ReplicaPool:
         """How many requests the healthy replicas take at once (the dispatch capacity)."""
         return sum(self.handles[s.name].limit(s) for s in self.healthy())
 
+    def run_slots(self) -> int:
+        """How many requests the healthy replicas *run* at once: their batch sizes (capped by
+        `max_inflight`), without the engines' short waiting rooms, where a request dispatched
+        still waits for a running one to end. What tenants' shares divide (admission/share.py)."""
+        return sum(min(lim, s.max_num_seqs or lim) for s in self.healthy()
+                   for lim in (self.handles[s.name].limit(s),))
+
     def inflight(self) -> int:
         return sum(h.inflight for h in self.handles.values())

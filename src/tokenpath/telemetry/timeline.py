@@ -105,6 +105,7 @@ ATTRS: dict[str, str] = {
     "admission_ahead": "requests ahead of it in the fair queue when it queued",
     "admission_behind": "the requests holding slots when it queued: [id, tenant, max_tokens, replica]",
     "admission_freed_by": "the request whose finish gave it a slot",
+    "admission_share": "its tenant's slots held, demand and share when the share held it back (admission/share.py)",
     "queued_s": "seconds in the admission queue (with `dequeued`)",
     "replica": "the replica picked (with `dispatched`)",
     "reason": "why that replica: prefix_hit, prefix_predicted, least_loaded... (with `dispatched`)",
