@@ -49,10 +49,12 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, launch_server) -> Iterator[t
     finally:
         store.close()
     (tmp / "server.yaml").write_text(CONFIG)
-    # Every row's activations fine (--kernels-prompt-fine 31): the Agents SDK loop below needs the
-    # 135M model to stop calling tools within its turns, a greedy choice at a near-tie that the
-    # default prompt mask's int8 matmuls flip (it then calls them until max_turns).
-    srv = launch_server(tmp, "--config", str(tmp / "server.yaml"), "--kernels-prompt-fine", "31")
+    # Every row's activations fine (--kernels-prompt-fine 31, and no bf16 tiles for prompt rows on
+    # an AMX CPU: --kernels-bf16 0): the Agents SDK loop below needs the 135M model to stop calling
+    # tools within its turns, a greedy choice at a near-tie that the default prompt mask's int8
+    # matmuls flip, and the tiles' bf16 rows too (it then calls them until max_turns).
+    srv = launch_server(tmp, "--config", str(tmp / "server.yaml"), "--kernels-prompt-fine", "31",
+                        "--kernels-bf16", "0")
     try:
         yield srv, alpha, beta
     finally:
