@@ -438,17 +438,19 @@ class NativeLlama:
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
-        # bf16 activations where weights take them: BF16 ones in every row, quantized repacks in
-        # their prompt rows (never the head's: csrc/forward.cpp kPromptTiles)
-        self.bf16 = half if BF16X16 in used_types | {head_t} or used_types & set(TILE_PACKED) else 0
-        self.prompt_tiles = bool(half & PROMPT_TILE_KINDS and used_types & set(TILE_PACKED))
+        # bf16 activations on tiles: BF16 weights in every row (bf16), quantized repacks in their
+        # prompt rows, never the head's (prompt_tiles; csrc/forward.cpp kPromptTiles)
+        self.bf16 = half if BF16X16 in used_types | {head_t} else 0
+        tile_kinds = half & PROMPT_TILE_KINDS if used_types & set(TILE_PACKED) else 0
+        self.prompt_tiles = bool(tile_kinds)
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
-                 "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s], int8 for the rest, %s KV cache",
-                 ISA_NAMES[self.isa], "/".join(self.weight_types), self.weight_bytes / 2**20,
-                 ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
+                 "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s] (prompt rows of quantized weights: [%s]), "
+                 "int8 for the rest, %s KV cache", ISA_NAMES[self.isa], "/".join(self.weight_types),
+                 self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1), self.kv_dtype)
+                 ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1),
+                 ",".join(n for i, n in enumerate(names) if tile_kinds >> i & 1), self.kv_dtype)
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None,
