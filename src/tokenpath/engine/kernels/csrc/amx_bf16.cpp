@@ -22,7 +22,6 @@
 // is a SIGILL.
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
 #include <immintrin.h>
-#include <cstring>
 #include <vector>
 
 #include "tp_kernels.h"
@@ -39,9 +38,7 @@ struct TileConfig {  // palette 1: 8 tiles of up to 16 rows x 64 bytes
 
 // B tiles from BF16X16 blocks: 16 rows x 32 bf16 (k-pairs interleaved), 1 KiB each.
 inline void pack_blocks(const uint8_t* wg, size_t nblocks, uint16_t* dst) {
-    alignas(64) static constexpr uint16_t ix[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_load_si512(ix);
+    const __m512i idx = _mm512_load_si512(kPairInterleave);
     for (size_t i = 0; i < nblocks * 16; ++i)
         _mm512_store_si512(dst + 32 * i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wg + 64 * i)));
 }

@@ -442,7 +442,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             use_fine(m, ah, a, 0);  // qkv
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
-                    QAct v = row_act(ah, row_mask(kinds, t), 0);
+                    QAct v = row_act(m, ah, row_mask(kinds, t), 0);
                     norm_quant(m, x + size_t(t) * H, L.attn_norm, v, t, lora ? lin + size_t(t) * kmax : tmp);
                 }
             });
@@ -483,7 +483,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             });
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
-                    QAct v = row_act(aq, row_mask(kinds, t), 1);
+                    QAct v = row_act(m, aq, row_mask(kinds, t), 1);
                     m.quant(attn + size_t(t) * nq, nq, v, t);
                 }
             });
@@ -501,7 +501,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             use_fine(m, ah, a, 2);  // gate_up
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {
-                    QAct v = row_act(ah, row_mask(kinds, t), 2);
+                    QAct v = row_act(m, ah, row_mask(kinds, t), 2);
                     norm_quant(m, x + size_t(t) * H, L.ffn_norm, v, t, lora ? lin + size_t(t) * kmax : tmp);
                 }
             });
@@ -513,7 +513,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                     float* act = lora ? lin + size_t(t) * kmax : tmp;
                     if (m.gelu) gelu_mul(g, g + I, act, I);
                     else silu_mul(g, g + I, act, I);
-                    QAct v = row_act(ai, row_mask(kinds, t), 3);
+                    QAct v = row_act(m, ai, row_mask(kinds, t), 3);
                     m.quant(act, I, v, t);
                 }
             });
@@ -531,7 +531,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
         use_fine(m, ah, a, 4);  // head
         row_phase(S, [&](int r0, int r1) {
             for (int r = r0; r < r1; ++r) {
-                QAct v = row_act(ah, row_mask(hkinds, r), 4);
+                QAct v = row_act(m, ah, row_mask(hkinds, r), 4);
                 norm_quant(m, x + size_t(logit_rows[r]) * H, m.out_norm, v, r, tmp);
             }
         });

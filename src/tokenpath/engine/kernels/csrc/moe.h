@@ -174,7 +174,7 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
     amid.bf = (m.half >> kind_dn) & 1 ? b.view.bf : nullptr;
     team_for(pc, P, grain_for(P, nthreads, 1), [&](int r0, int r1) {
         for (int r = r0; r < r1; ++r) {
-            QAct v = row_act(ain, m.kinds ? b.kinds[r] : uint8_t(0xff), kind_gu);
+            QAct v = row_act(m, ain, row_mask(m.kinds ? b.kinds.data() : nullptr, r), kind_gu);
             m.quant(xn + size_t(b.tok[r]) * H, H, v, r);
         }
     });
@@ -197,7 +197,7 @@ void moe_ffn(Model& m, PhaseCursor& pc, int nthreads, const float* norm_w, const
             float* g = gu + size_t(r) * 2 * ff;
             if (m.gelu) gelu_mul(g, g + ff, g, ff);  // in place: each lane is read before it is written
             else silu_mul(g, g + ff, g, ff);
-            QAct v = row_act(amid, m.kinds ? b.kinds[r] : uint8_t(0xff), kind_dn);
+            QAct v = row_act(m, amid, row_mask(m.kinds ? b.kinds.data() : nullptr, r), kind_dn);
             m.quant(g, ff, v, r);
         }
     });

@@ -50,20 +50,24 @@ inline QAct act_rows(const QAct& a, int r) {
     return v;
 }
 
-// The view that quantizes one row for matmul `kind`: `v` (with residual bytes when `kind` is
-// fine), without them where the row's mask (Model::kinds) leaves `kind` out.
-inline QAct row_act(const QAct& v, uint8_t mask, int kind) {
-    QAct r = v;
-    if (!((mask >> kind) & 1)) r.q2 = nullptr;
-    return r;
-}
-inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] : uint8_t(0xff); }
-
 // Bit 7 of a row's mask (tp_model_forward's row_kinds): a prompt row. Its matmuls in Model::half,
 // but for the head, take bf16 activations on AMX tiles where their weights are quantized
 // (tile_pack.h); the head's prompt rows are one per sequence, too few to pay for its dequantization.
 constexpr uint8_t kPromptTiles = 0x80;
 constexpr int kHead = 4;
+
+// The view that quantizes one row for matmul `kind`: `v` (with residual bytes when `kind` is
+// fine), without them where the row's mask (Model::kinds) leaves `kind` out, and without the bf16
+// copy where no tile reads it: a generated row of a model whose weights are all quantized (its
+// tiles take prompt rows only; BF16 weights take every row).
+inline QAct row_act(const Model& m, const QAct& v, uint8_t mask, int kind) {
+    QAct r = v;
+    if (!((mask >> kind) & 1)) r.q2 = nullptr;
+    if (!(mask & kPromptTiles) && !m.float_w) r.bf = nullptr;
+    return r;
+}
+// Row t's mask; without per-row masks every row takes the fine mask and none is a prompt row.
+inline uint8_t row_mask(const uint8_t* kinds, int t) { return kinds ? kinds[t] : uint8_t(~kPromptTiles); }
 
 // m.gemm over rows [0, M), as runs of consecutive rows that agree on residual bytes and on tiles for
 // `kind` (kinds: each row's mask, nullptr for all alike). A run's weights are those the previous

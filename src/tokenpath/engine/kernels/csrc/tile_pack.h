@@ -18,9 +18,7 @@
 // Chunk q (4 weights of each lane as bytes, signed or unsigned) as w = q * s + o, into dst's two rows.
 template <bool SIGNED>
 TP_TILE_TARGET static inline void tile_chunk(VI q, VF s, VF o, uint16_t* dst) {
-    alignas(64) static constexpr uint16_t ix[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_load_si512(ix);
+    const __m512i idx = _mm512_load_si512(amx::kPairInterleave);
     VF w[4];
     for (int j = 0; j < 4; ++j) {
         const VI qj = SIGNED ? _mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * j), 24)
