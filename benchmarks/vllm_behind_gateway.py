@@ -21,7 +21,7 @@ SmolLM2 safetensors (benchmarks/make_smollm2_hf.py) with `--enable-per-request-m
    connection kept alive, each stream read to its end: a new client per request (a TLS context
    built inside the timed span, ~10-40 ms on two busy cores) was noise larger than the figure.
 
-Writes benchmarks/results/vllm_behind_gateway.md and .json. Two cores: vLLM and the gateway share
+Writes benchmarks/results/vllm_behind_gateway.md and .json (`--results NAME`: NAME.md and .json). Two cores: vLLM and the gateway share
 them, and the load generator runs pinned to core 1 (`taskset`).
 """
 
@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--overhead-requests", type=int, default=40)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench" / "vllm_behind_gateway")
+    ap.add_argument("--results", default="vllm_behind_gateway",
+                    help="the name of the .md and .json in benchmarks/results/ (a loaded run: another name, "
+                         "so the quiet figures stay)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {1})  # (this process generates the load)
@@ -151,11 +154,11 @@ def main() -> None:
     finally:
         vllm.stop()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_behind_gateway.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# tokenpath's gateway in front of vLLM CPU 0.32 (benchmarks/vllm_behind_gateway.py)", "",
              "| check | result |", "|---|---|"]
     lines += [f"| {k} | `{json.dumps(v)}` |" for k, v in result.items()]
-    (RESULTS / "vllm_behind_gateway.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.results}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(result, indent=1))
 
 

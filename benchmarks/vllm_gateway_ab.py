@@ -1,0 +1,141 @@
+"""Two gateways in front of one vLLM, interleaved request by request: the A/B of a gateway change
+on a machine whose load drifts (issue 37's "<= 2 ms added TTFT").
+
+    python benchmarks/vllm_gateway_ab.py --a-src /path/to/worktree/src [--rounds 40] [--repeat 2]
+
+Starts vLLM's CPU build (benchmarks/vllm_peer.py), or uses a running one (`--vllm-port` with its
+KV-event ports), then gateway A (`tokenpath serve` with `PYTHONPATH` to `--a-src`: an older
+checkout's source, e.g. a `git worktree` of the commit before a change) and gateway B (this
+source), each a `url:` replica of that vLLM. Each round sends one short streamed request straight
+to vLLM and one through each gateway, the order rotating every round, so load changes hit all
+three alike. Reported per path: TTFT p50 (and p25/p75), the added p50 against vLLM direct, each
+gateway's CPU per request (its process's, measured around each request), and each gateway's CPU
+per second while idle (its polls of vLLM). One client per path, kept alive, each stream read to
+its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py.
+
+Prints JSON; `--out` keeps it. The Markdown table in results/ is written by hand with the time
+and the machine's load, which this script reports (`loadavg` before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.procs import stop_group  # noqa: E402
+from benchmarks.vllm_peer import NAME, ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
+
+
+def cpu_ms(pid: int) -> float:
+    """User + system CPU of a process (all its threads), in milliseconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def ttft(http: httpx.Client, prompt: str) -> float:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first: float | None = None
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                first = (time.perf_counter() - t0) * 1000
+    if first is None:
+        raise RuntimeError("no token")
+    return first
+
+
+def measure(paths: dict[str, str], pids: dict[str, int], rounds: int) -> dict:
+    clients = {name: httpx.Client(base_url=url, timeout=120) for name, url in paths.items()}
+    names = list(paths)
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, float] = {n: 0.0 for n in pids}
+    try:
+        for i in range(3):  # (every connection open, every path warm)
+            for n in names:
+                ttft(clients[n], f"Warm-up {i}.{' ' if n != 'vllm' else ''}")
+        for i in range(rounds):
+            for n in names[i % len(names):] + names[:i % len(names)]:
+                before = cpu_ms(pids[n]) if n in pids else 0.0
+                ms[n].append(ttft(clients[n], f"Request {i}: say something.{' ' if n != 'vllm' else ''}"))
+                if n in pids:
+                    cpu[n] += cpu_ms(pids[n]) - before
+    finally:
+        for c in clients.values():
+            c.close()
+    out: dict = {}
+    for n, v in ms.items():
+        q = statistics.quantiles(v, n=4)
+        out[n] = {"p50": round(statistics.median(v), 2), "p25": round(q[0], 2), "p75": round(q[2], 2)}
+        if n in pids:
+            out[n]["cpu_ms_per_request"] = round(cpu[n] / rounds, 2)
+    for n in names:
+        if n != "vllm":
+            out[n]["added_p50"] = round(out[n]["p50"] - out["vllm"]["p50"], 2)
+    return out
+
+
+def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
+    before = {n: cpu_ms(p) for n, p in pids.items()}
+    time.sleep(seconds)
+    return {n: round((cpu_ms(p) - before[n]) / seconds, 1) for n, p in pids.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a-src", type=Path, required=True, help="gateway A's source folder (PYTHONPATH)")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=2, help="measurements, each --rounds rounds")
+    ap.add_argument("--vllm-port", type=int, help="a running vLLM (then --kv-live and --kv-replay too)")
+    ap.add_argument("--kv-live", type=int)
+    ap.add_argument("--kv-replay", type=int)
+    ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench" / "vllm_gateway_ab")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.sched_setaffinity(0, {1})
+    vllm = (Vllm(None, args.vllm_port, args.kv_live, args.kv_replay, Path(os.devnull), 0.0)  # type: ignore[arg-type]
+            if args.vllm_port else start_vllm(args.work))
+    gateways = []
+    saved = os.environ.get("PYTHONPATH")
+    try:
+        os.environ["PYTHONPATH"] = str(args.a_src.resolve())
+        gateways.append(start_gateway(vllm, args.work, "A"))
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+        gateways.append(start_gateway(vllm, args.work, "B"))
+        paths = {"vllm": vllm.url, "A": f"http://127.0.0.1:{gateways[0][1]}", "B": f"http://127.0.0.1:{gateways[1][1]}"}
+        pids = {"A": gateways[0][0].pid, "B": gateways[1][0].pid}
+        time.sleep(2.0)
+        result: dict = {"a_src": str(args.a_src), "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
+        for _ in range(args.repeat):
+            load = os.getloadavg()
+            t0 = time.strftime("%H:%M:%S", time.gmtime())
+            run = measure(paths, pids, args.rounds)
+            run.update(utc=f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}",
+                       loadavg=[round(load[0], 2), round(os.getloadavg()[0], 2)])
+            result["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    finally:
+        for proc, _ in gateways:
+            stop_group(proc)
+        if vllm.proc is not None:
+            vllm.stop()
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
