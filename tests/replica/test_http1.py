@@ -84,6 +84,21 @@ async def test_a_stream_is_sent_as_json_with_its_headers_and_its_connection_kept
     assert len(seen) == 3 and len(conns) == 1  # one connection for all three
 
 
+async def test_a_body_without_length_or_chunks_ends_with_its_connection():
+    """HTTP/1.0-style framing (no Content-Length, no chunks): the body is what came before the
+    close, a whole response, not a cut one."""
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + SSE_OK)
+        await writer.drain()
+        return False
+
+    async with raw_server(answer) as (url, _, _):
+        rep = RemoteReplica("lean", RemoteReplicaConfig(url=url))
+        outs = [o async for o in rep.generate(req())]
+        assert [c.text for o in outs for c in o.outputs] == ["a", "b"] and outs[-1].finished
+        await rep.close()
+
+
 @pytest.mark.parametrize("response", [
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nnot hex\r\n",  # a malformed chunk
     STREAM_HEAD + b"40\r\n" + SSE_OK[:20],  # the connection closes mid-chunk

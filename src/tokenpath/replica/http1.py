@@ -145,6 +145,7 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self.paused = False
         self.keep_alive = False  # the last response's keep-alive, as its end said it
+        self.framed = False  # the response in progress has a length or chunks (else: read to close)
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -162,8 +163,16 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if self.resp is not None:
-            self.resp._fail(Http1Error(f"connection closed by the server{f': {exc}' if exc else ''}"))
+        resp = self.resp
+        if resp is not None and resp._headers_in and not self.framed and exc is None:
+            resp.complete = True  # (a body with no length and no chunks ends where the connection does)
+            resp._notify()
+        elif resp is not None:
+            resp._fail(Http1Error(f"connection closed by the server{f': {exc}' if exc else ''}"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
 
     def on_headers_complete(self) -> None:
         if self.resp is not None:
@@ -250,7 +259,7 @@ class Http1Pool:
         head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head}{_header_lines(headers)}{sized}\r\n"
         conn = await self._connect()
         resp = conn.resp = Http1Response(conn, self.read_timeout)
-        conn.parser, conn.keep_alive = httptools.HttpResponseParser(conn), False
+        conn.parser, conn.keep_alive, conn.framed = httptools.HttpResponseParser(conn), False, False
         try:
             if conn.transport is None or conn.lost:
                 raise Http1Error("connection closed before the request was sent")
