@@ -26,7 +26,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from tokenpath.api import grammar_child
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger("tokenpath.api")
@@ -74,6 +73,10 @@ class _Worker:
         self.tokenizers: set[str] = set()
 
     def _start(self) -> None:
+        # Imported here, with the first worker: it imports jsonschema and llguidance (~10 MiB), which
+        # the serving process itself never uses; the worker (spawned) imports it on its own.
+        from tokenpath.api import grammar_child
+
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=grammar_child.serve, args=(child,), name="tokenpath-grammar", daemon=True)

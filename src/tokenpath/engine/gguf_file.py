@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tokenpath.engine.ggml_types import GGML_QUANT_SIZES, GGMLType
 
 # GGUF value types: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool, 8 string, 9 array,
 # 10 u64, 11 i64, 12 f64.
@@ -31,14 +32,31 @@ _STRING, _ARRAY = 8, 9
 _SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                             10: "<Q", 11: "<q", 12: "<d"}
 _FLOAT_TYPES: dict[int, Any] = {
-    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64,
-    GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-    GGMLQuantizationType.I64: np.int64,
+    GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.F64: np.float64,
+    GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64,
 }
 
 
 class GGUFFormatError(ValueError):
     """The bytes are not a GGUF file this reader understands (the loader names the file)."""
+
+
+def _ggml_type(tensor: str, raw_type: int) -> tuple[Any, int, int]:
+    """(type, values per block, bytes per block) of a tensor's ggml type number. A number newer than
+    engine/ggml_types.py's copy is looked up in the installed gguf-py's tables, which may know it."""
+    try:
+        ttype = GGMLType(raw_type)
+        return (ttype, *GGML_QUANT_SIZES[ttype])
+    except ValueError:
+        pass
+    from gguf.constants import GGML_QUANT_SIZES as THEIRS
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        theirs = GGMLQuantizationType(raw_type)
+        return (theirs, *THEIRS[theirs])
+    except (ValueError, KeyError):
+        raise GGUFFormatError(f"tensor '{tensor}' has unknown ggml type {raw_type}") from None
 
 
 class Field:
@@ -59,7 +77,7 @@ class Tensor:
 
     __slots__ = ("_file", "n_bytes", "name", "offset", "shape", "tensor_type")
 
-    def __init__(self, file: GGUFFile, name: str, shape: np.ndarray, tensor_type: GGMLQuantizationType,
+    def __init__(self, file: GGUFFile, name: str, shape: np.ndarray, tensor_type: GGMLType,
                  offset: int, n_bytes: int) -> None:
         self._file, self.name, self.shape, self.tensor_type = file, name, shape, tensor_type
         self.offset, self.n_bytes = offset, n_bytes
@@ -71,7 +89,7 @@ class Tensor:
         dtype = _FLOAT_TYPES.get(self.tensor_type)
         if dtype is not None:
             return raw.view(dtype).reshape(dims)
-        block, size = GGML_QUANT_SIZES[self.tensor_type]
+        _, block, size = _ggml_type(self.name, int(self.tensor_type))
         return raw.reshape(*dims[:-1], dims[-1] // block * size)
 
 
@@ -127,11 +145,7 @@ class GGUFFile:
         start = -(-self._off // align) * align
         self.tensors: list[Tensor] = []
         for name, dims, raw_type, offset in infos:
-            try:
-                ttype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise GGUFFormatError(f"tensor '{name}' has unknown ggml type {raw_type}") from None
-            block, size = GGML_QUANT_SIZES[ttype]
+            ttype, block, size = _ggml_type(name, raw_type)
             n_bytes = int(np.prod(dims, dtype=np.uint64)) // block * size
             if start + offset + n_bytes > len(self._mm):
                 raise GGUFFormatError(f"tensor '{name}' runs past the end of the file ({n_bytes} bytes at "

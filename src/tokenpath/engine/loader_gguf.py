@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tokenpath.engine.ggml_types import GGMLType
 from tokenpath.engine.gguf_file import GGUFFile
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
@@ -42,6 +43,10 @@ _QK_NORM_NAMES = {"q_norm.weight": "attn_q_norm.weight", "k_norm.weight": "attn_
 _MOE_NAMES = {"router.weight": "ffn_gate_inp.weight", "experts.gate_proj.weight": "ffn_gate_exps.weight",
               "experts.up_proj.weight": "ffn_up_exps.weight", "experts.down_proj.weight": "ffn_down_exps.weight"}
 _DENSE_MLP = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# The types read without gguf-py: the floats, and the blocks the native kernels read (gguf-py
+# dequantizes each of these too, for the torch path, importing it then).
+_READ_HERE = frozenset((GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
+                        GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
 _SANDWICH_NAMES = {"attn_out_norm.weight": "post_attention_norm.weight", "ffn_out_norm.weight": "post_ffw_norm.weight"}
 
 
@@ -54,6 +59,20 @@ def _field(reader, key: str, path: Path, default=None):
     return field.contents()
 
 
+def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray:
+    """gguf-py's `dequantize`, its float types done here: a file's norms (F32) are read at every
+    load, and importing gguf-py for them costs ~5 MiB of RSS (engine/ggml_types.py)."""
+    if ggml_type == GGMLType.F32:
+        return data.view(np.float32)
+    if ggml_type == GGMLType.F16:
+        return data.view(np.float16).astype(np.float32)
+    if ggml_type == GGMLType.BF16:
+        return (data.view(np.int16).astype(np.int32) << 16).view(np.float32)
+    from gguf.quants import dequantize
+
+    return dequantize(data, ggml_type)  # (an int: gguf-py's enum is an IntEnum, its tables take ours)
+
+
 def _rope_scaling(reader, arch: str, tensors: dict, path: Path) -> RopeScaling | None:
     """GGUF `rope.scaling.*` keys, and llama.cpp's form of llama3 scaling: `rope_freqs.weight`."""
     kind = _field(reader, f"{arch}.rope.scaling.type", path, "none")
@@ -63,10 +82,8 @@ def _rope_scaling(reader, arch: str, tensors: dict, path: Path) -> RopeScaling |
         _field(reader, f"{arch}.context_length", path)
     freqs = None
     if "rope_freqs.weight" in tensors:
-        from gguf.quants import dequantize
-
         t = tensors["rope_freqs.weight"]
-        freqs = tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
+        freqs = tuple(float(x) for x in _dequantize(t.data, t.tensor_type).reshape(-1))
     if kind in ("none", "") or (kind == "linear" and factor == 1.0):
         return RopeScaling(freq_factors=freqs) if freqs else None
     if kind == "linear":
@@ -177,8 +194,6 @@ class GGUFTensors:
     The native kernels read the quantized blocks as they are; the torch path dequantizes."""
 
     def __init__(self, path: Path, tensors: dict, config: ModelConfig, file: GGUFFile | None = None) -> None:
-        from gguf.quants import _type_traits  # the types gguf-py can dequantize
-
         self.path, self.config = path, config
         self._tensors = tensors
         self._file = file
@@ -201,13 +216,16 @@ class GGUFTensors:
         missing = [t for t in self.names.values() if t not in tensors]
         if missing:
             raise ModelLoadError(f"{path}: tensor '{missing[0]}' is missing")
-        import gguf
+        # The kernels' own types and the float ones are read without gguf-py; any other is
+        # dequantized by it, which is imported (~5 MiB) only for a file that has one.
+        odd = [theirs for theirs in self.names.values() if tensors[theirs].tensor_type not in _READ_HERE]
+        if odd:
+            from gguf.quants import _type_traits  # the types gguf-py can dequantize
 
-        plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-        for theirs in self.names.values():
-            t = tensors[theirs]
-            if t.tensor_type not in plain and t.tensor_type not in _type_traits:
-                raise ModelLoadError(f"{path}: tensor '{theirs}' has unsupported type {t.tensor_type.name}")
+            for theirs in odd:
+                t = tensors[theirs]
+                if t.tensor_type not in _type_traits:
+                    raise ModelLoadError(f"{path}: tensor '{theirs}' has unsupported type {t.tensor_type.name}")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -249,10 +267,8 @@ class GGUFTensors:
 
     def dequantized(self, name: str) -> np.ndarray:
         """float32 in the HF form: Gemma's norms back to w (the file holds 1 + w)."""
-        from gguf.quants import dequantize
-
         t = self._tensors[self.names[name]]
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w: np.ndarray = _dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         heads = self._rope_heads(name)
         if heads:
             w = _reverse_rope_permute(w, heads)
@@ -269,11 +285,9 @@ class GGUFTensors:
         if self._rope_heads(name) or data.ndim < 2 or (self.config.norm_offset and name.endswith("norm.weight")):
             yield self.dequantized(name)
             return
-        from gguf.quants import dequantize
-
         rows = data.reshape(-1, data.shape[-1])
         for lo in range(0, rows.shape[0], chunk_rows):
-            yield dequantize(rows[lo:lo + chunk_rows], t.tensor_type).astype(np.float32, copy=False)
+            yield _dequantize(rows[lo:lo + chunk_rows], t.tensor_type).astype(np.float32, copy=False)
 
     def _rope_heads(self, name: str) -> int:
         """llama's converter permutes Q/K rows (the others do not): the head count to undo it with."""

@@ -20,9 +20,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
@@ -31,6 +30,9 @@ from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 from tokenpath.protocol.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:  # imported by the first structured request (`llg_tokenizer`), not by every engine
+    import llguidance
 
 
 def read_chat_template(path: str | Path) -> str:
@@ -79,6 +81,8 @@ class Tokenizer:
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
         """This tokenizer as llguidance reads it (a new one each call: a second or two for a large
         vocabulary). What `llguidance.hf.from_tokenizer` builds, without transformers."""
+        import llguidance
+
         _, (text, n_vocab, eos) = self.grammar_source()
         return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
 

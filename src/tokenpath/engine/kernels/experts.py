@@ -88,9 +88,9 @@ def _stored(loaded: LoadedModel, i: int, proj: str) -> tuple[int, np.ndarray | N
 
 def _type_name(t: int) -> str:
     try:
-        from gguf import GGMLQuantizationType
+        from tokenpath.engine.ggml_types import GGMLType
 
-        return GGMLQuantizationType(t).name
+        return GGMLType(t).name
     except ValueError:
         return str(t)
 

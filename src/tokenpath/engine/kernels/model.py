@@ -160,9 +160,9 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
 
 def _type_name(ggml_type: int) -> str:
     try:
-        from gguf import GGMLQuantizationType
+        from tokenpath.engine.ggml_types import GGMLType
 
-        return GGMLQuantizationType(ggml_type).name
+        return GGMLType(ggml_type).name
     except ValueError:
         return str(ggml_type)
 

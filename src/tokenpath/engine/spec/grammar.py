@@ -13,7 +13,10 @@ output loop, exactly where plain decoding's sampler would have.
 
 from __future__ import annotations
 
-import llguidance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (a matcher is handed in: only an engine that compiled a grammar ever imports it)
+    import llguidance
 
 
 def grammar_drafts(matcher: llguidance.LLMatcher, drafts: list[int]) -> list[int]:

@@ -14,12 +14,15 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 
 from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:  # imported where a grammar is built: only structured requests pay for it (~6 MiB)
+    import llguidance
 
 # Compact JSON: a small model given flexible whitespace can spend its whole budget on newlines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -62,6 +65,8 @@ def _lark_string(s: str) -> str:
 
 def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar of a spec (raises GrammarError for a spec that is not even well-formed)."""
+    import llguidance
+
     if spec.kind == "json":
         try:
             schema = json.loads(spec.spec)
@@ -96,6 +101,8 @@ class Compiled:
 
 def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> Compiled:
     """Build (and check) a matcher; errors name what the library refused."""
+    import llguidance
+
     start = time.perf_counter()
     text = grammar_text(spec)
     matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)

@@ -20,9 +20,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
+
+if TYPE_CHECKING:  # imported by the first MaskBuilder: an engine that masks nothing never loads it
+    import llguidance
 
 # float32 -inf as an int32 bit pattern: (bit - 1) & NEG_INF is 0 (+0.0) for 1 and -inf for 0.
 NEG_INF_BITS = int(np.array([-np.inf], dtype=np.float32).view(np.int32)[0])
@@ -61,6 +64,8 @@ class MaskBuilder:
     """Owns the executor (a thread pool), the reusable bitmask buffer and the prefetch thread."""
 
     def __init__(self, grammar_vocab: int) -> None:
+        import llguidance  # (built by the first structured request's step: engine/sampler.py)
+
         self.executor = llguidance.LLExecutor()
         self.words = (grammar_vocab + 31) // 32  # the bitmask width the matchers' tokenizer fills
         self._buf: np.ndarray | None = None

@@ -1,0 +1,84 @@
+"""An engine imports only what its requests use (issue 42's peak RSS: each import below is resident
+in every engine process, ~5-10 MiB apiece, beside a 94 MiB model).
+
+- llguidance (and the API's jsonschema) are imported by the first structured request, not at load:
+  engine/structured/, engine/tokenizer.py, api/grammar_worker.py.
+- gguf-py is imported only to dequantize a tensor type the kernels do not read: its type and block
+  tables are engine/ggml_types.py's copy, which must stay equal to the installed gguf-py's.
+
+Each check runs in a fresh interpreter (this test process has imported everything already), and
+the model run also shows the lazy import still happens: a json_schema request after a plain one
+gets llguidance and its grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenpath.engine.ggml_types import GGML_QUANT_SIZES, GGMLType
+
+LAZY = ("llguidance", "jsonschema", "gguf", "torch")
+
+
+def _run(code: str, *args: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_ggml_tables_equal_gguf_py():
+    from gguf.constants import GGML_QUANT_SIZES as THEIRS
+    from gguf.constants import GGMLQuantizationType
+
+    for t in GGMLType:
+        assert GGMLQuantizationType(int(t)).name == t.name
+        assert GGML_QUANT_SIZES[t] == THEIRS[GGMLQuantizationType(int(t))], t.name
+    assert set(GGML_QUANT_SIZES) == set(GGMLType)
+
+
+IMPORTS = r"""
+import json, sys
+import tokenpath.engine.core, tokenpath.engine.async_engine, tokenpath.api.grammar_worker, tokenpath.api.app
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[1:])))
+"""
+
+
+def test_engine_and_api_modules_import_no_grammar_or_gguf_library():
+    assert _run(IMPORTS, *LAZY) == []
+
+
+OFFLINE = r"""
+import json, sys
+from tokenpath import LLM, SamplingParams
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+lazy = sys.argv[2:]
+seen = lambda: sorted(m for m in sys.modules if m.split(".")[0] in lazy)
+llm = LLM("smollm2-135m-instruct", max_model_len=512, kv_cache_memory="16MiB")
+assert llm.engine.runner.native is not None, "not the native path"
+plain = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
+after_plain = seen()
+schema = StructuredOutput("json", sys.argv[1])
+out = llm.chat([{"role": "user", "content": "A person as JSON."}],
+               SamplingParams(temperature=0, max_tokens=40, structured=schema))[0]
+print(json.dumps({"after_plain": after_plain, "after_structured": seen(), "text": out.outputs[0].text,
+                  "plain": plain.outputs[0].text}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.requires("kernels", "smollm2_gguf")
+def test_gguf_engine_imports_llguidance_only_for_a_structured_request():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+              "additionalProperties": False}
+    got = _run(OFFLINE, json.dumps(schema), *LAZY)
+    assert got["plain"]
+    assert got["after_plain"] == [], f"imported by a plain GGUF request: {got['after_plain']}"
+    assert "llguidance" in got["after_structured"]
+    assert "gguf" not in got["after_structured"] and "torch" not in got["after_structured"]
+    assert set(json.loads(got["text"])) == {"name"}
