@@ -11,10 +11,13 @@ and the native kernels read `rope_tables`' cos/sin arrays, without importing tor
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 
 from tokenpath.engine.model_config import ModelConfig, RopeScaling
+
+ROPE_FIRST_ROWS = 256  # positions RopeTables computes at load (1 MiB for Gemma 3's two ropes)
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, float]:
@@ -76,9 +79,11 @@ def rope_keys(cfg: ModelConfig) -> tuple[list[tuple[float, bool]], list[int]]:
     return keys, layer_rope
 
 
-def rope_tables(head_dim: int, theta: float, max_pos: int,
-                scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """float32 cos and sin, [max_pos, head_dim] (each frequency twice: the halves rotate together).
+def rope_tables(head_dim: int, theta: float, max_pos: int, scaling: RopeScaling | None = None,
+                start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """float32 cos and sin, [max_pos - start, head_dim], of positions start..max_pos-1 (each
+    frequency twice: the halves rotate together). Each position's row is computed on its own, so a
+    range is the same rows as the whole table's (RopeTables fills its tables by ranges).
 
     The angles are float32 products, as on the torch path; their cos and sin are computed in
     float64 and rounded once, so each entry is the float32 nearest the exact value, the same on
@@ -86,7 +91,36 @@ def rope_tables(head_dim: int, theta: float, max_pos: int,
     bit depends on the library and the CPU's vector width; the native kernels' int8 activations
     turn such an ulp into logprob differences near 1e-3, so tables that never vary are worth it.)"""
     freq, mscale = inv_freq(head_dim, theta, scaling)
-    freqs: np.ndarray = np.outer(np.arange(max_pos, dtype=np.float32), freq).astype(np.float64)
+    freqs: np.ndarray = np.outer(np.arange(start, max_pos, dtype=np.float32), freq).astype(np.float64)
     emb = np.concatenate((freqs, freqs), axis=-1)
     scale = np.float32(mscale)
     return np.cos(emb).astype(np.float32) * scale, np.sin(emb).astype(np.float32) * scale
+
+
+class RopeTables:
+    """One rope's cos and sin tables for the native kernels, [max_pos, head_dim] float32 at
+    addresses that never move (the kernels keep the pointers), filled only up to the highest
+    position a step has reached (`ensure`, doubling). The tables live in anonymous mappings, whose
+    pages become resident only when written: computed whole, Gemma 3's two ropes (head_dim 256) at
+    8192 positions were 32 MiB resident from the load on, however short the requests (issue 42's
+    peak RSS); llama.cpp computes rope on the fly and holds none."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, scaling: RopeScaling | None = None) -> None:
+        self.head_dim, self.theta, self.max_pos, self.scaling = head_dim, theta, max_pos, scaling
+        count = max_pos * head_dim
+        # (an explicit mapping: numpy's large arrays come from malloc, which may hand back heap pages
+        # that are resident already, or keep them after a free)
+        self._maps = [mmap.mmap(-1, max(count * 4, 1)) for _ in range(2)]
+        self.cos, self.sin = (np.frombuffer(m, dtype=np.float32, count=count).reshape(max_pos, head_dim)
+                              for m in self._maps)
+        self.filled = 0
+        self.ensure(ROPE_FIRST_ROWS)
+
+    def ensure(self, n: int) -> None:
+        """Rows 0..n-1 are computed (n is clipped to max_pos: the kernels refuse a position past it)."""
+        if n <= self.filled or self.filled >= self.max_pos:
+            return
+        end = min(self.max_pos, max(n, 2 * self.filled, ROPE_FIRST_ROWS))
+        self.cos[self.filled:end], self.sin[self.filled:end] = rope_tables(
+            self.head_dim, self.theta, end, self.scaling, start=self.filled)
+        self.filled = end

@@ -65,7 +65,7 @@ from tokenpath.engine.kv_cache import NUMPY_STORAGE, KVCache
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.loader_hf import hf_weights
 from tokenpath.engine.model_config import ModelConfig
-from tokenpath.engine.rope_tables import rope_keys, rope_tables
+from tokenpath.engine.rope_tables import RopeTables, rope_keys
 
 log = logging.getLogger("tokenpath.engine.kernels")
 
@@ -346,8 +346,8 @@ class NativeLlama:
             return _matrix(lib, loaded, names, want, not exact & kind, requantized)
 
         keys, layer_rope = rope_keys(cfg)
-        ropes = [rope_tables(cfg.head_dim, base, max_positions, cfg.rope_scaling if scaled else None)
-                 for base, scaled in keys]
+        ropes = [RopeTables(cfg.head_dim, base, max_positions, cfg.rope_scaling if scaled else None)
+                 for base, scaled in keys]  # computed as far as the steps' positions reach (forward)
 
         def norm(name: str) -> np.ndarray:  # Gemma's (1 + w), added in float32 as the torch path does
             w = _dense(loaded, name)
@@ -374,13 +374,13 @@ class NativeLlama:
                          matrix(EXACT_DOWN, [w("down_proj.weight")])]
             bias = (np.concatenate([_dense(loaded, w(f"{p}_proj.bias")) for p in "qkv"])
                     if cfg.attention_bias else None)
-            cos, sin = ropes[layer_rope[i]]
+            rope = ropes[layer_rope[i]]
             layer_ptrs += [ptr(norm(w("input_norm.weight"))), ptr(norm(w("post_norm.weight"))),
                            ptr(bias), ptr(cache.k[i]), ptr(cache.v[i]),
                            optional_norm(w("q_norm.weight"), cfg.qk_norm), optional_norm(w("k_norm.weight"), cfg.qk_norm),
                            optional_norm(w("attn_out_norm.weight"), cfg.sandwich_norms),
                            optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
-                           ptr(cos), ptr(sin)]
+                           ptr(rope.cos), ptr(rope.sin)]
             for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
                 slots: list[tuple[int, int, np.ndarray | None]] = [*parts, *[(0, 0, None)] * (MAX_PARTS - len(parts))]
                 layer_ptrs += [ptr(b) for _, _, b in slots]
@@ -434,7 +434,8 @@ class NativeLlama:
         self.sparse_layers = len(sparse)
         self.num_groups = max(cache.layer_group) + 1
         # The model's own bytes: not the KV pool or the rope tables, which `keep` holds too (numpy now, as the weights).
-        not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for pair in ropes for t in pair)]}
+        not_weights = {id(a) for a in [*cache.k, *cache.v, *(t for r in ropes for t in (r.cos, r.sin))]}
+        self.ropes = ropes  # (RopeTables: forward computes their rows as far as positions reach)
         self.weight_bytes = sum(a.nbytes for a in {id(a): a for a in keep if id(a) not in not_weights}.values())
         self.weight_types = tuple(sorted({TYPE_NAMES[t] for t in used_types | {head_t}}))  # e.g. ("BF16X16",)
         names = ("qkv", "o", "gate_up", "down", "head")
@@ -468,6 +469,9 @@ class NativeLlama:
             raise ValueError(f"this model's KV cache has {self.num_groups} groups: slot_mapping "
                              f"{slot_mapping.shape} and tables {tables.shape} must have one row each")
         slot_mapping, tables = np.ascontiguousarray(slot_mapping), np.ascontiguousarray(tables)
+        top = int(pos.max()) + 1 if len(pos) else 0
+        for rope in self.ropes:  # (their rows up to this step's last position)
+            rope.ensure(top)
         logits: np.ndarray = np.empty((len(logit_rows), self.vocab), dtype=np.float32)
         args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
                 row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
