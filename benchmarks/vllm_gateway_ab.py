@@ -8,7 +8,8 @@ KV-event ports), then gateway A (`tokenpath serve` with `PYTHONPATH` to `--a-src
 checkout's source, e.g. a `git worktree` of the commit before a change) and gateway B (this
 source), each a `url:` replica of that vLLM. Each round sends one short streamed request straight
 to vLLM and one through each gateway, the order rotating every round, so load changes hit all
-three alike. Reported per path: TTFT p50 (and p25/p75), the added p50 against vLLM direct, each
+three alike. Reported per path: TTFT p50 (and p25/p75), the added p50 against vLLM direct (and
+the median of the per-round differences, paired at the same moment's load; B - A likewise), each
 gateway's CPU per request (its process's, measured around each request), and each gateway's CPU
 per second while idle (its polls of vLLM). One client per path, kept alive, each stream read to
 its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py.
@@ -80,6 +81,12 @@ def measure(paths: dict[str, str], pids: dict[str, int], rounds: int) -> dict:
     for n in names:
         if n != "vllm":
             out[n]["added_p50"] = round(out[n]["p50"] - out["vllm"]["p50"], 2)
+            # Paired within each round (the same moment's load): steadier than a difference of p50s.
+            out[n]["added_paired_median"] = round(statistics.median(
+                [x - d for x, d in zip(ms[n], ms["vllm"], strict=True)]), 2)
+    if "A" in ms and "B" in ms:
+        out["B_minus_A_paired_median"] = round(statistics.median(
+            [b - a for a, b in zip(ms["A"], ms["B"], strict=True)]), 2)
     return out
 
 
