@@ -14,7 +14,8 @@
 // 3 queries x 32 output floats), so each K/V load feeds three FMAs; the 4 scores of a query come
 // out of one transpose-add instead of one horizontal sum per score, and exp runs 8 lanes at once.
 //
-// Included by forward.cpp only, after its `#pragma GCC target("avx2,fma,f16c")`.
+// attn_avx512.cpp is this kernel in 512-bit vectors, with the same bits; `attend` (the end of this file)
+// runs one or the other per model. Included by forward.cpp only, after its `#pragma GCC target("avx2,fma,f16c")`.
 #pragma once
 #include <immintrin.h>
 
@@ -23,7 +24,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attn_tile.h"
 #include "kv_fp8.h"
+#include "tp_kernels.h"
 #include "vec_math.h"
 
 namespace tp {
@@ -32,15 +35,6 @@ namespace paged {
 using vec::exp2_ps;
 using vec::hmax8;
 using vec::hsum8;
-
-constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
-constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
-
-// Floats of per-thread scratch an item needs (widened K/V block of up to `width` features per key,
-// running max and sum per query of up to `queries` per row).
-inline size_t scratch_floats(int width, int queries) {
-    return size_t(2) * kKeyBlock * width + size_t(2) * kTileRows * queries;
-}
 
 // Scores of Q queries against 4 keys, out[i] lane k = q[i] . key[k]: a Q x 4 block of
 // accumulators, so each loaded K chunk feeds Q FMAs and each query chunk 4 (7 loads per 12 FMAs at
@@ -169,16 +163,17 @@ inline const float* widen(const KvE5M2* row, float* buf, int D) { return fp8::de
 inline const float* widen(const KvE4M3* row, float* buf, int D) { return fp8::decode(row, buf, D), buf; }
 inline const float* widen(const KvQ8* row, float* buf, int D) { return q8::decode(row, buf, D), buf; }
 
-// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r, or with a sliding
-// window the last `window` of them: p0 + r - window + 1 .. p0 + r); q0 and o0 point at the first
-// query head of the item's first KV head in row 0 (row r at + r * q_stride / o_stride).
-struct Tile {
-    const float* q0;
-    float* o0;
-    int q_stride, o_stride, nrows, p0;
-    const int32_t* table;  // the sequence's block table
-    int window = 0;        // 0: full causal attention
-};
+// Keys ahead of the one being widened whose K and V rows are prefetched. Why: a sequence's keys
+// lie in blocks scattered over the pool, a few KiB each, too short for the hardware prefetcher to
+// ramp up in; decode at c=32 spent most of its attention time waiting on these loads.
+constexpr int kPrefetchKeys = 8;
+
+template <class KV>
+inline void prefetch_rows(const KV* row, int n) {
+    const char* p = reinterpret_cast<const char*>(row);
+    const size_t bytes = size_t(n) / KvPer<KV> * sizeof(KV);
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
 
 // The item: KV heads g0 .. g1-1 of one tile (query heads g * rep .. g * rep + rep - 1 each). Why
 // several heads: a cache slot holds every KV head's row side by side (kv_width features), so a
@@ -198,8 +193,7 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
     for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * qpr * D);
     const float sl2e = scale * 1.44269504f;  // scores in log2 units: exp(s * scale) = 2^(s * sl2e)
     const int ctx_end = tile.p0 + tile.nrows;  // the last row's context length
-    // The first key row r sees; keys before the first row's are read by no row of the tile.
-    auto key_lo = [&](int r) { return tile.window > 0 && tile.p0 + r + 1 > tile.window ? tile.p0 + r + 1 - tile.window : 0; };
+    auto key_lo = [&](int r) { return tile.key_lo(r); };
     const float* kbase[kKeyBlock];
     const float* vbase[kKeyBlock];
     const float* krow[kKeyBlock + 8];  // + padding lanes past a window's skipped keys
@@ -211,6 +205,12 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
+            const int ahead = j0 + i + kPrefetchKeys;  // a later key's rows, which may be on another page
+            if (ahead < ctx_end) {
+                const size_t aoff = (size_t(tile.table[ahead / bs]) * bs + ahead % bs) * kv_width + first;
+                prefetch_rows(kv_at(k_cache, aoff), span);
+                prefetch_rows(kv_at(v_cache, aoff), span);
+            }
             const size_t off = (size_t(tile.table[page]) * bs + in_page) * kv_width + first;
             kbase[i] = widen(kv_at(k_cache, off), kbuf + size_t(i) * span, span);
             vbase[i] = widen(kv_at(v_cache, off), vbuf + size_t(i) * span, span);
@@ -246,3 +246,23 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
 
 }  // namespace paged
 }  // namespace tp
+
+namespace tp {
+
+// One attention item on the model's kernels: attn_avx512.cpp's (attn512) or attention.h's.
+inline void attend(bool attn512, int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile,
+                   int bs, int kv_width, int g0, int g1, int D, int rep, float scale, float* scratch) {
+#ifndef TP_NO_AVX512
+    if (attn512) return avx512::attend_tile(kv_kind, k_cache, v_cache, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
+#else
+    (void)attn512;
+#endif
+    with_kv_type(kv_kind, [&](auto* type) {
+        using KV = std::remove_pointer_t<decltype(type)>;
+        paged::attend_tile(static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), tile, bs, kv_width, g0,
+                           g1, D, rep, scale, scratch);
+    });
+}
+
+}  // namespace tp
+
