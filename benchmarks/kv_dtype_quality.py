@@ -15,7 +15,7 @@ For SmolLM2-135M and Gemma 3 270M (their GGUFs, the default native path and prec
   stamps: (tokens - 1) / (finished - first_token)), float16 against fp8: at long context decode
   reads the whole cache every token, so the narrower pool is where fp8 could save time.
   Timings on a loaded 2-core host are noisy: the best of --repeats runs is reported.
-- the attention kernel alone (csrc/attention.h through tp_attend_tile_test, one thread): one decode
+- the attention kernel alone (csrc/attention.h, or attn_avx512.cpp on AVX-512, through tp_attend_tile_test, one thread): one decode
   row over --long keys at each model's head shape, per pool dtype, best of many short timed loops;
   less exposed to the host's load than the engine's decode, and it isolates what the conversion
   costs or saves where the pool is read.
@@ -103,7 +103,7 @@ def attention_us(kv: str, shape: tuple[int, int, int], keys: int, loops: int = 3
     q = rng.standard_normal((1, n_kv * rep, d)).astype(np.float32)
     out = np.zeros_like(q)
     args = (KV_KINDS[kv], pools[0].ctypes.data, pools[1].ctypes.data, q.ctypes.data, out.ctypes.data,
-            table.ctypes.data, 1, keys - 1, bs, n_kv, d, rep, d**-0.5, 0)
+            table.ctypes.data, 1, keys - 1, bs, n_kv, d, rep, d**-0.5, 0, lib.isa())
     best = math.inf
     for _ in range(rounds):
         started = time.perf_counter()

@@ -154,13 +154,17 @@ def test_a_float_that_rounds_to_a_half_tie_is_not_rounded_twice():
     assert kernel_decode("fp8_e5m2", kernel_encode("fp8_e5m2", x)).tolist() == [1.25, -1.25]
 
 
+ISAS = lib.available_isas() if lib else []
+
+
 def attend(kind: str, k: np.ndarray, v: np.ndarray, q: np.ndarray, table: np.ndarray, p0: int, bs: int,
-           rep: int, window: int = 0) -> np.ndarray:
-    """tp_attend_tile_test: q [rows, n_kv * rep, D] at positions p0.. over the pool k, v [slots, n_kv, D]."""
+           rep: int, window: int = 0, isa: int = 2) -> np.ndarray:
+    """tp_attend_tile_test: q [rows, n_kv * rep, D] at positions p0.. over the pool k, v [slots, n_kv, D],
+    on the kernels of `isa` (2: attn_avx512.cpp where the object has it and D is a multiple of 16)."""
     rows, heads, d = q.shape
     out = np.zeros_like(q)
     lib.lib.tp_attend_tile_test(KV_KINDS[kind], k.ctypes.data, v.ctypes.data, q.ctypes.data, out.ctypes.data,
-                                table.ctypes.data, rows, p0, bs, k.shape[1], d, rep, d**-0.5, window)
+                                table.ctypes.data, rows, p0, bs, k.shape[1], d, rep, d**-0.5, window, isa)
     return out
 
 
@@ -181,13 +185,14 @@ def attend_numpy(k, v, q, table, p0, bs, rep, window=0) -> np.ndarray:
 
 
 @native_only
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize(("rows", "p0", "d", "window"), [(8, 61, 64, 0), (5, 90, 20, 0), (1, 100, 64, 0),
                                                           (1, 37, 20, 0), (8, 70, 64, 24)])
-def test_attention_over_fp8_is_attention_over_its_decoded_floats(fmt, rows, p0, d, window):
+def test_attention_over_fp8_is_attention_over_its_decoded_floats(fmt, rows, p0, d, window, isa):
     """A prefill tile (8 and 5 rows) and decodes (1 row), head_dim 64 and 20 (the scalar tails),
     several 32-key blocks, a shuffled block table, a sliding window: bit for bit the float32 kernel
-    on the decoded pool, and that within float rounding of a float64 softmax."""
+    (of the same ISA) on the decoded pool, and that within float rounding of a float64 softmax."""
     rng = np.random.default_rng(rows * 1000 + p0)
     n_kv, rep, bs = 2, 3, 16
     table = rng.permutation(8).astype(np.int32)
@@ -195,8 +200,8 @@ def test_attention_over_fp8_is_attention_over_its_decoded_floats(fmt, rows, p0, 
     codes = [kernel_encode(fmt, rng.standard_normal(slots * n_kv * d) * 3).reshape(slots, n_kv, d) for _ in "kv"]
     floats = [kernel_decode(fmt, c.ravel()).reshape(c.shape) for c in codes]
     q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
-    got = attend(fmt, *codes, q, table, p0, bs, rep, window)
-    want = attend("float32", *floats, q, table, p0, bs, rep, window)
+    got = attend(fmt, *codes, q, table, p0, bs, rep, window, isa)
+    want = attend("float32", *floats, q, table, p0, bs, rep, window, isa)
     assert np.array_equal(got, want)
     np.testing.assert_allclose(got, attend_numpy(*floats, q, table, p0, bs, rep, window), atol=2e-5)
 
@@ -302,8 +307,9 @@ def test_q8_0_blocks_are_llama_cpps():
 
 
 @native_only
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("rows", "p0"), [(8, 61), (5, 90), (1, 100)])
-def test_attention_over_q8_0_is_attention_over_its_decoded_floats(rows, p0):
+def test_attention_over_q8_0_is_attention_over_its_decoded_floats(rows, p0, isa):
     rng = np.random.default_rng(rows + p0)
     n_kv, rep, bs, d = 2, 3, 16, 64
     table = rng.permutation(8).astype(np.int32)
@@ -313,8 +319,8 @@ def test_attention_over_q8_0_is_attention_over_its_decoded_floats(rows, p0):
     q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
     out = np.zeros_like(q)
     lib.lib.tp_attend_tile_test(KV_KINDS["q8_0"], blocks[0].ctypes.data, blocks[1].ctypes.data, q.ctypes.data,
-                                out.ctypes.data, table.ctypes.data, rows, p0, bs, n_kv, d, rep, d**-0.5, 0)
-    assert np.array_equal(out, attend("float32", *floats, q, table, p0, bs, rep))
+                                out.ctypes.data, table.ctypes.data, rows, p0, bs, n_kv, d, rep, d**-0.5, 0, isa)
+    assert np.array_equal(out, attend("float32", *floats, q, table, p0, bs, rep, isa=isa))
 
 
 @native_only

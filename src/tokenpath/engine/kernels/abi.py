@@ -34,7 +34,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
     "tp_model_debug_phase_cap": (None, [_P, _I]),
     "tp_kv_convert": (None, [_I, _I, _P, _P, _I]),
-    "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I]),
+    "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
 }
 
@@ -44,8 +44,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # KV kind, kernels/model.py KV_KINDS; tp_kv_convert, tp_attend_tile_test; 8: the F32X16 weight
 # type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters; 10: the forwards'
 # row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
-# activations on AMX tiles, and tp_gemm's mode 3). A library reporting another is refused at load.
-MODEL_ABI = 11
+# activations on AMX tiles, and tp_gemm's mode 3; 12: tp_attend_tile_test's isa, which picks the
+# AVX-512 attention, csrc/attn_avx512.cpp). A library reporting another is refused at load.
+MODEL_ABI = 12
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

@@ -120,6 +120,17 @@ void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const
             const uint16_t* xa = x + size_t(m0) * nb * 32;
             if (stream) tiles_any<true>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
             else tiles_any<false>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
+            // Whole tiles of rows with nothing to add: straight into y (the same values: the
+            // epilogue below adds zero).
+            if (!bias && !accumulate && (m0 + 16 * nm <= M || M < 16)) {
+                float* yb = y + size_t(m0) * ldy + 16 * g;
+                const size_t stride = size_t(ldy) * 4;
+                _tile_stored(0, yb, stride);
+                if (ng == 2) _tile_stored(1, yb + 16, stride);
+                if (nm == 2) _tile_stored(2, yb + size_t(16) * ldy, stride);
+                if (nm == 2 && ng == 2) _tile_stored(3, yb + size_t(16) * ldy + 16, stride);
+                continue;
+            }
             _tile_stored(0, c[0], 64);
             if (ng == 2) _tile_stored(1, c[1], 64);
             if (nm == 2) _tile_stored(2, c[2], 64);

@@ -144,6 +144,7 @@ struct Model {
     // row of BF16 weights, the prompt rows (kPromptTiles) of quantized ones; 0 where amx_permitted()
     // is false (tp_model_create checks).
     int half = 0;
+    bool attn512 = false;  // attention on attn_avx512.cpp's kernels (the AVX-512 ISA, head_dim % 16 == 0)
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -248,6 +249,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->gelu = dims[14], m->float_w = dims[15];
 #ifndef TP_NO_AVX512
     m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
+    m->attn512 = isa == 2 && avx512::attend_runs(dims[5]);
 #endif
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
@@ -309,7 +311,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
 // 9: tp_model_moe_counters. 10: the forwards' row_kinds (per-row residual-byte masks).
 // 11: dims[16], the matmuls whose BF16 weights take bf16 activations (AMX); tp_gemm's mode 3.
-int tp_model_abi() { return 11; }
+// 12: tp_attend_tile_test's isa (the AVX-512 attention, attn_avx512.cpp).
+int tp_model_abi() { return 12; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
@@ -475,11 +478,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                                        attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
                                        m.tiles[it.tile + 1] - t, pos[t],
                                        tables + size_t(L.group) * table_stride + row_table[t], L.window};
-                with_kv_type(m.kv_kind, [&](auto* type) {
-                    using KV = std::remove_pointer_t<decltype(type)>;
-                    paged::attend_tile(static_cast<const KV*>(L.k_cache), static_cast<const KV*>(L.v_cache), tile, bs,
-                                       nkv, it.g0, it.g1, D, rep, scale, scratch);
-                });
+                attend(m.attn512, m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
             });
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {

@@ -26,7 +26,9 @@
 // blocks: head_dim must be a multiple of 32 (runner.py refuses others at load), so a head's
 // features start on a block and kv_at below turns a feature offset into a block pointer.
 //
-// Included by attention.h (inside tp::paged), after forward.cpp's `#pragma GCC target("avx2,fma,f16c")`.
+// Included by attention.h (inside tp::paged), after forward.cpp's `#pragma GCC target("avx2,fma,f16c")`,
+// and by attn_avx512.cpp under its AVX-512 target: the conversions are `static inline` (vec_math.h
+// says why), so each object keeps the copy compiled for its own target.
 #pragma once
 #include <immintrin.h>
 
@@ -94,7 +96,7 @@ struct Format<KvE4M3> {
 
 // 8 floats -> 8 codes (the low 8 bytes of the result).
 template <class T>
-inline __m128i encode8(__m256 x) {
+static inline __m128i encode8(__m256 x) {
     using F = Format<T>;
     if (F::kScale != 1.f) x = _mm256_mul_ps(x, _mm256_set1_ps(F::kScale));
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
@@ -115,7 +117,7 @@ inline __m128i encode8(__m256 x) {
 
 // 8 codes (the low 8 bytes of b) -> 8 floats.
 template <class T>
-inline __m256 decode8(__m128i b);
+static inline __m256 decode8(__m128i b);
 template <>
 inline __m256 decode8<KvE5M2>(__m128i b) {
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
@@ -131,7 +133,7 @@ inline __m256 decode8<KvE4M3>(__m128i b) {
 }
 
 template <class T>
-inline void encode(T* dst, const float* src, int n) {
+static inline void encode(T* dst, const float* src, int n) {
     int i = 0;
     for (; i + 8 <= n; i += 8) _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), encode8<T>(_mm256_loadu_ps(src + i)));
     if (i < n) {  // the tail through a padded copy: one rounding code path
@@ -144,7 +146,7 @@ inline void encode(T* dst, const float* src, int n) {
 }
 
 template <class T>
-inline void decode(const T* src, float* dst, int n) {
+static inline void decode(const T* src, float* dst, int n) {
     int i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, decode8<T>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))));
@@ -162,7 +164,7 @@ inline void decode(const T* src, float* dst, int n) {
 namespace q8 {
 
 // n floats (a multiple of 32) -> n / 32 blocks.
-inline void encode(KvQ8* dst, const float* src, int n) {
+static inline void encode(KvQ8* dst, const float* src, int n) {
     const __m256 sign_bit = _mm256_set1_ps(-0.f);
     for (int b = 0; b < n / 32; ++b) {
         const float* x = src + 32 * b;
@@ -185,7 +187,7 @@ inline void encode(KvQ8* dst, const float* src, int n) {
 }
 
 // n / 32 blocks -> n floats.
-inline void decode(const KvQ8* src, float* dst, int n) {
+static inline void decode(const KvQ8* src, float* dst, int n) {
     for (int b = 0; b < n / 32; ++b) {
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(src[b].d));
         for (int j = 0; j < 4; ++j) {

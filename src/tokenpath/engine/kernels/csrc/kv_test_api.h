@@ -21,19 +21,22 @@ void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n) {
 
 // One attention tile over all n_kv heads: rows 0..nrows-1 (at most paged::kTileRows) at positions
 // p0.., queries q [nrows, n_kv * rep, D], output o alike; the pool [slots, n_kv, D] of KvKind
-// `kind` with block table `table` (block size bs); window 0: full causal attention.
+// `kind` with block table `table` (block size bs); window 0: full causal attention; isa 2: the
+// AVX-512 kernels where the object has them and head_dim allows (as tp_model_create chooses).
 void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
                          const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
-                         int window) {
+                         int window, int isa) {
     if (nrows < 1 || nrows > paged::kTileRows) return;
     std::vector<float> scratch(paged::scratch_floats(n_kv * D, n_kv * rep));
     const int stride = n_kv * rep * D;
     const paged::Tile tile{q, o, stride, stride, nrows, p0, table, window};
-    with_kv_type(kind, [&](auto* type) {
-        using KV = std::remove_pointer_t<decltype(type)>;
-        paged::attend_tile(static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), tile, bs, n_kv * D, 0,
-                           n_kv, D, rep, scale, scratch.data());
-    });
+#ifndef TP_NO_AVX512
+    const bool attn512 = isa == 2 && avx512::attend_runs(D);
+#else
+    const bool attn512 = false;
+    (void)isa;
+#endif
+    attend(attn512, kind, k_cache, v_cache, tile, bs, n_kv * D, 0, n_kv, D, rep, scale, scratch.data());
 }
 
 }  // extern "C"

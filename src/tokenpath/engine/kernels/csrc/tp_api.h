@@ -43,7 +43,7 @@ void tp_model_debug_phase_cap(void* handle, int cap);
 void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n);
 void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
                          const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
-                         int window);
+                         int window, int isa);
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode);
 

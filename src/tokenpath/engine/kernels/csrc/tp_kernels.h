@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "attn_tile.h"
+
 namespace tp {
 
 constexpr int QK = 32;  // weights per block, all formats
@@ -124,6 +126,13 @@ using PackFn = void (*)(const uint8_t* wg, int nb, uint16_t* dst);
 void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const uint16_t* x, int M, float* y,
                 int ldy, int n0, int n1, const float* bias, bool accumulate);
 }  // namespace amx
+// attn_avx512.cpp: attention.h's attend_tile in 512-bit vectors, for any KvKind, where
+// attend_runs(head_dim) (a multiple of 16). forward.cpp's Model::attn512 chooses it per model.
+namespace avx512 {
+bool attend_runs(int head_dim);
+void attend_tile(int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile, int bs, int kv_width,
+                 int g0, int g1, int D, int rep, float scale, float* scratch);
+}  // namespace avx512
 #endif
 
 // The kernels of `isa` (2: AVX-512 VNNI, else AVX2). An object built without them

@@ -1,0 +1,35 @@
+// What the two attention kernels share: a tile of rows (attention.h, the AVX2 kernel forward.cpp
+// compiles, and attn_avx512.cpp), its key blocks and the per-thread scratch it needs. No ISA code
+// here, so both targets include it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace tp {
+namespace paged {
+
+constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
+constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
+
+// Floats of per-thread scratch an item needs (widened K/V block of up to `width` features per key,
+// running max and sum per query of up to `queries` per row).
+inline size_t scratch_floats(int width, int queries) {
+    return size_t(2) * kKeyBlock * width + size_t(2) * kTileRows * queries;
+}
+
+// One tile: rows r = 0..nrows-1 at positions p0 + r (row r sees keys 0..p0 + r, or with a sliding
+// window the last `window` of them: p0 + r - window + 1 .. p0 + r); q0 and o0 point at the first
+// query head of the item's first KV head in row 0 (row r at + r * q_stride / o_stride).
+struct Tile {
+    const float* q0;
+    float* o0;
+    int q_stride, o_stride, nrows, p0;
+    const int32_t* table;  // the sequence's block table
+    int window = 0;        // 0: full causal attention
+
+    // The first key row r sees (keys before the first row's are read by no row of the tile).
+    int key_lo(int r) const { return window > 0 && p0 + r + 1 > window ? p0 + r + 1 - window : 0; }
+};
+
+}  // namespace paged
+}  // namespace tp
