@@ -110,6 +110,7 @@ def test_a_mixed_step_equals_its_rows_in_steps_of_their_own(model, prompt_mask):
                           np.concatenate([_forward(r, ids[t:t + 1], t, interleaved[t:t + 1]) for t in range(40)]))
 
 
+@pytest.mark.slow  # loads the packaged SmolLM2 (tests/tiers.py)
 def test_a_request_gives_the_same_tokens_and_logprobs_alone_and_batched():
     """Through the engine, SmolLM2: one request alone, then with three others whose chunked prompts
     share its decode steps (max_num_batched_tokens 48)."""
