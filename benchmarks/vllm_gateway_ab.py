@@ -32,26 +32,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.procs import stop_group  # noqa: E402
-from benchmarks.vllm_peer import NAME, ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
+from benchmarks.vllm_behind_gateway import ttft  # noqa: E402
+from benchmarks.vllm_peer import ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
 
 
 def cpu_ms(pid: int) -> float:
     """User + system CPU of a process (all its threads), in milliseconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def ttft(http: httpx.Client, prompt: str) -> float:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    first: float | None = None
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                first = (time.perf_counter() - t0) * 1000
-    if first is None:
-        raise RuntimeError("no token")
-    return first
 
 
 def measure(paths: dict[str, str], pids: dict[str, int], rounds: int) -> dict:
