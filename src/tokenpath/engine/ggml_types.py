@@ -3,7 +3,7 @@
 reading a GGUF file does not import the `gguf` package: its `__init__` imports its reader, writer,
 metadata (PyYAML) and vocabulary modules, ~5 MiB of RSS in every engine process for two tables
 (issue 42's peak RSS). gguf-py is still imported where its code is used: dequantizing a type the
-kernels do not read (engine/loader_gguf.py). tests/engine/test_ggml_types.py keeps the copy equal to
+kernels do not read (engine/loader_gguf.py). tests/engine/test_import_footprint.py keeps the copy equal to
 the installed gguf-py's tables.
 """
 
