@@ -29,17 +29,6 @@ NUMPY_STORAGE = {"float32": "float32", "float16": "float16", "fp8_e4m3": "uint8"
 NATIVE_ONLY = ("fp8_e4m3", "fp8_e5m2", "q8_0")  # no torch conversion: the native kernels' own
 
 
-def huge_pages_array(shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A zeroed array in its own anonymous mapping, advised to transparent huge pages."""
-    import mmap
-
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mm = mmap.mmap(-1, max(n, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mm, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-
-
 def head_bytes(dtype: str, head_dim: int) -> int:
     """Bytes of one token's K (or V) row of one KV head."""
     if dtype == "q8_0":
@@ -72,7 +61,8 @@ class KVCache:
             if dtype not in NUMPY_STORAGE:
                 raise ValueError(f"a numpy KV cache cannot hold {dtype} (the native kernels use "
                                  f"{', '.join(NUMPY_STORAGE)})")
-            alloc = lambda: huge_pages_array(shape, NUMPY_STORAGE[dtype])  # noqa: E731
+            make_np = np.zeros if zeroed else np.empty
+            alloc = lambda: make_np(shape, dtype=NUMPY_STORAGE[dtype])  # noqa: E731
         else:
             if dtype in NATIVE_ONLY:
                 raise ValueError(f"a torch KV cache cannot hold {dtype} (only the native kernels convert it)")

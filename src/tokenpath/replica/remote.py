@@ -142,8 +142,8 @@ class RemoteReplica(PolledState):
         self._client = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=timeout,
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                              keepalive_expiry=4.0))
-        # The generate call's own client where it applies (`replica.http1`: ~4 ms less added TTFT).
-        # and its polls' (their own connection, each whole poll bounded by the connect timeout).
+        # The generate call's own client where it applies (`replica.http1`: ~4 ms less added TTFT),
+        # and the polls' (their own connections, each whole poll bounded by the connect timeout).
         lean = lean_applies(self.base)
         self._lean = (Http1Pool(self.base, headers, config.connect_timeout_s, config.read_timeout_s, keepalive_s=4.0)
                       if lean else None)

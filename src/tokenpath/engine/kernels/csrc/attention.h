@@ -34,7 +34,6 @@
 namespace tp {
 namespace paged {
 
-
 // Scores of Q queries against 4 keys, out[i] lane k = q[i] . key[k]: a Q x 4 block of
 // accumulators, so each loaded K chunk feeds Q FMAs and each query chunk 4 (7 loads per 12 FMAs at
 // Q = 3, against 9 per 8 for one query), then one transpose-add per query for the 4 sums.
@@ -149,6 +148,17 @@ void attend_tile(const KV* k_cache, const KV* v_cache, const Tile& tile, int bs,
 }  // namespace tp
 
 namespace tp {
+
+// Whether a model runs attn_avx512.cpp's kernels: the AVX-512 ISA (2), in an object that has them,
+// and a head_dim they take.
+inline bool attn512_for(int isa, int head_dim) {
+#ifndef TP_NO_AVX512
+    return isa == 2 && avx512::attend_runs(head_dim);
+#else
+    (void)isa, (void)head_dim;
+    return false;
+#endif
+}
 
 // One attention item on the model's kernels: attn_avx512.cpp's (attn512) or attention.h's.
 inline void attend(bool attn512, int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile,

@@ -135,8 +135,7 @@ void accumulate(float* const* o, const float* alpha, const float (*p)[kKeyBlock]
     if (D % 16) accumulate8<Q>(o, alpha, p, vrow, n, D - 8);
 }
 
-// A cache row (n features) as floats in buf (float32 rows are used in place).
-inline const float* widen(const float* row, float*, int) { return row; }
+// A cache row (n features) as floats in buf (a float32 pool is always read in place).
 inline const float* widen(const uint16_t* row, float* buf, int n) {
     for (int c = 0; c < n; c += 16) _mm512_storeu_ps(buf + c, load16(row + c));
     return buf;
@@ -181,13 +180,10 @@ void attend_tile(int kv_kind, const void* k_cache, const void* v_cache, const pa
         using KV = std::remove_pointer_t<decltype(type)>;
         const KV* k = static_cast<const KV*>(k_cache);
         const KV* v = static_cast<const KV*>(v_cache);
-        if constexpr (std::is_same_v<KV, float>)
-            attend_tile_as<KV, float>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
-        else if constexpr (std::is_same_v<KV, uint16_t>) {
-            if (tile.nrows == 1) attend_tile_as<KV, KV>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
-            else attend_tile_as<KV, float>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
-        } else
-            attend_tile_as<KV, float>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
+        // In place: a float32 pool always, a float16 one for a lone row; else widened into scratch.
+        if constexpr (std::is_same_v<KV, uint16_t>)
+            if (tile.nrows == 1) return attend_tile_as<KV, KV>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
+        attend_tile_as<KV, float>(k, v, tile, bs, kv_width, g0, g1, D, rep, scale, scratch);
     });
 }
 

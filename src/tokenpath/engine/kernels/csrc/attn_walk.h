@@ -42,7 +42,6 @@ static inline void walk_tile(const KV* k_cache, const KV* v_cache, const Tile& t
     for (int r = 0; r < tile.nrows; ++r) std::memset(tile.o0 + size_t(r) * tile.o_stride, 0, sizeof(float) * qpr * D);
     const float sl2e = scale * 1.44269504f;  // scores in log2 units: exp(s * scale) = 2^(s * sl2e)
     const int ctx_end = tile.p0 + tile.nrows;  // the last row's context length
-    auto key_lo = [&](int r) { return tile.key_lo(r); };
     const S* kbase[kKeyBlock];
     const S* vbase[kKeyBlock];
     const S* krow[kKeyBlock + 8];  // + padding lanes past a window's skipped keys
@@ -50,7 +49,7 @@ static inline void walk_tile(const KV* k_cache, const KV* v_cache, const Tile& t
     const size_t first = size_t(g0) * D;
     // Key blocks stay aligned to multiples of kKeyBlock whatever the tile, so a row sums its keys
     // in the same blocks in any batch (batch invariance).
-    for (int j0 = key_lo(0) / kKeyBlock * kKeyBlock; j0 < ctx_end; j0 += kKeyBlock) {
+    for (int j0 = tile.key_lo(0) / kKeyBlock * kKeyBlock; j0 < ctx_end; j0 += kKeyBlock) {
         const int nk = ctx_end - j0 < kKeyBlock ? ctx_end - j0 : kKeyBlock;
         int page = j0 / bs, in_page = j0 % bs;
         for (int i = 0; i < nk; ++i) {
@@ -70,7 +69,7 @@ static inline void walk_tile(const KV* k_cache, const KV* v_cache, const Tile& t
             for (int i = nk; i < nk + 8; ++i) krow[i] = krow[0];  // padding lanes, masked below
             for (int r = 0; r < tile.nrows; ++r) {
                 int n = tile.p0 + r + 1 - j0 < nk ? tile.p0 + r + 1 - j0 : nk;  // keys row r sees here
-                const int skip = key_lo(r) > j0 ? key_lo(r) - j0 : 0;        // ones before its window
+                const int skip = tile.key_lo(r) > j0 ? tile.key_lo(r) - j0 : 0;        // ones before its window
                 n -= skip;
                 if (n <= 0) continue;
                 const float* q = tile.q0 + size_t(r) * tile.q_stride + size_t(g) * rep * D;

@@ -144,7 +144,7 @@ struct Model {
     // row of BF16 weights, the prompt rows (kPromptTiles) of quantized ones; 0 where amx_permitted()
     // is false (tp_model_create checks).
     int half = 0;
-    bool attn512 = false;  // attention on attn_avx512.cpp's kernels (the AVX-512 ISA, head_dim % 16 == 0)
+    bool attn512 = false;  // attention on attn_avx512.cpp's kernels (attn512_for)
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -249,8 +249,8 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->gelu = dims[14], m->float_w = dims[15];
 #ifndef TP_NO_AVX512
     m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
-    m->attn512 = isa == 2 && avx512::attend_runs(dims[5]);
 #endif
+    m->attn512 = attn512_for(isa, dims[5]);
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = gemm_rows_for(isa);

@@ -30,13 +30,7 @@ void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, con
     std::vector<float> scratch(paged::scratch_floats(n_kv * D, n_kv * rep));
     const int stride = n_kv * rep * D;
     const paged::Tile tile{q, o, stride, stride, nrows, p0, table, window};
-#ifndef TP_NO_AVX512
-    const bool attn512 = isa == 2 && avx512::attend_runs(D);
-#else
-    const bool attn512 = false;
-    (void)isa;
-#endif
-    attend(attn512, kind, k_cache, v_cache, tile, bs, n_kv * D, 0, n_kv, D, rep, scale, scratch.data());
+    attend(attn512_for(isa, D), kind, k_cache, v_cache, tile, bs, n_kv * D, 0, n_kv, D, rep, scale, scratch.data());
 }
 
 }  // extern "C"

@@ -127,7 +127,7 @@ void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const
                 int ldy, int n0, int n1, const float* bias, bool accumulate);
 }  // namespace amx
 // attn_avx512.cpp: attention.h's attend_tile in 512-bit vectors, for any KvKind, where
-// attend_runs(head_dim) (a multiple of 16). forward.cpp's Model::attn512 chooses it per model.
+// attend_runs(head_dim) (a multiple of 8). attention.h's attn512_for chooses it per model.
 namespace avx512 {
 bool attend_runs(int head_dim);
 void attend_tile(int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile, int bs, int kv_width,
