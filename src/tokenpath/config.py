@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -95,20 +95,26 @@ def kernel_mask_from_env(name: str) -> int | None:
 
 
 # llama.cpp's and vLLM's other names for the n-gram (prompt lookup) proposer.
-SPEC_METHOD_ALIASES = {"ngram": "ngram", "prompt_lookup": "ngram", "ngram-simple": "ngram", "ngram_simple": "ngram"}
+SPEC_METHOD_ALIASES = {"ngram": "ngram", "prompt_lookup": "ngram", "ngram-simple": "ngram", "ngram_simple": "ngram",
+                       "draft_model": "draft_model", "draft": "draft_model"}
 MAX_SPEC_TOKENS = 16
 
 
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Only the n-gram
-    (prompt lookup) proposer exists: it proposes the K tokens that followed the most recent earlier
-    occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min),
-    verified in one forward pass (engine/spec/). Checked once, at start-up: a wrong field is an
-    error naming it, never a silently slower engine."""
+    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Two proposers: n-gram
+    (prompt lookup) proposes the K tokens that followed the most recent earlier occurrence of the
+    sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min); draft_model runs
+    a smaller model of the same vocabulary (`model`) greedily for K tokens. Either is verified in
+    one forward pass (engine/spec/). As in vLLM, `model` without a method means draft_model.
+    Checked once, at start-up: a wrong field is an error naming it, never a silently slower
+    engine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple)")
+    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple) or "
+                                             "draft_model (alias: draft)")
+    model: str | None = Field(None, description="draft_model: the draft model (a GGUF file or a checkpoint "
+                                                "directory) sharing the target's vocabulary")
     num_speculative_tokens: int = Field(..., ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
     prompt_lookup_max: int = Field(3, ge=1, le=64, description="longest n-gram matched")
     prompt_lookup_min: int = Field(1, ge=1, le=64, description="shortest n-gram matched")
@@ -124,8 +130,19 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"unknown speculative method {v!r}: expected one of {sorted(SPEC_METHOD_ALIASES)}")
         return method
 
+    @model_validator(mode="before")
+    @classmethod
+    def _method_from_model(cls, data: Any) -> Any:  # noqa: ANN401 - pydantic's raw input
+        if isinstance(data, dict) and data.get("method") is None and data.get("model"):
+            return {**data, "method": "draft_model"}
+        return data
+
     @model_validator(mode="after")
     def _min_le_max(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs `model`: the draft model's path")
+        if self.method != "draft_model" and self.model:
+            raise ValueError(f"`model` is the draft model of method draft_model, not of {self.method}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

@@ -140,12 +140,11 @@ def test_greedy_is_exact_on_a_tiny_checkpoint_on_either_path(quantization):
     llm = LLM(model, speculative_config=json.dumps(SPEC), **kw)
     spec = llm.engine.spec
 
-    def oracle(seq: Sequence, budget: int) -> list[int]:
+    def oracle(seq: Sequence, k: int) -> list[int]:  # (k: SpecDecoder.draft_len's, within max_tokens)
         at = seq.num_output_tokens
-        k = min(4, budget, seq.params.max_tokens - at - 1)
-        return [t if (at + i) % 3 else (t + 1) % 500 for i, t in enumerate(want[at : at + max(k, 0)])]
+        return [t if (at + i) % 3 else (t + 1) % 500 for i, t in enumerate(want[at : at + k])]
 
-    spec.drafts = oracle
+    spec.propose = oracle
     got = llm.generate(prompt, p)[0].outputs[0].token_ids
     assert got == want
     assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0

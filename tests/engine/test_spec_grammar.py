@@ -104,17 +104,17 @@ def test_a_draft_the_grammar_forbids_is_never_accepted(pair):
     refused: list[list[int]] = []
     index = NgramIndex(SPEC["prompt_lookup_min"], SPEC["prompt_lookup_max"])
 
-    def uncut(seq: Sequence, budget: int) -> list[int]:
-        drafts = index.propose(seq.token_ids, min(4, budget, seq.params.max_tokens - seq.num_output_tokens - 1))
+    def uncut(seq: Sequence, k: int) -> list[int]:  # (k: SpecDecoder.draft_len's)
+        drafts = index.propose(seq.token_ids, k)
         if seq.grammar is not None and seq.grammar.matcher.validate_tokens(drafts) < len(drafts):
             refused.append(drafts)
         return drafts
 
-    spec.drafts = uncut
+    spec.propose = uncut
     try:
         out = llm.chat(COPY, p)[0]
     finally:
-        del spec.drafts  # back to the class's method
+        del spec.propose  # back to the class's method
     assert refused, "no draft the grammar forbids: the test tests nothing"
     assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (want.token_ids, "stop")
     _, proposed, accepted = out.events.spec

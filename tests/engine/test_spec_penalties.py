@@ -165,16 +165,15 @@ def test_greedy_with_per_token_rewrites_is_exact_on_a_tiny_checkpoint(tiny_pair,
         assert len(want[0]) <= 13  # ends at the first position EOS is allowed
     spec = llm.engine.spec
 
-    def oracle(seq: Sequence, budget: int) -> list[int]:
+    def oracle(seq: Sequence, k: int) -> list[int]:  # (k: SpecDecoder.draft_len's)
         at, target = seq.num_output_tokens, want[seq.index]
-        k = min(4, budget, seq.params.max_tokens - at - 1)
-        return [t if (at + i) % 3 else (t + 1) % 500 for i, t in enumerate(target[at : at + max(k, 0)])]
+        return [t if (at + i) % 3 else (t + 1) % 500 for i, t in enumerate(target[at : at + k])]
 
-    spec.drafts = oracle
+    spec.propose = oracle
     try:
         out = llm.generate(prompt, p)[0]
     finally:
-        del spec.drafts  # back to the class's method
+        del spec.propose  # back to the class's method
     assert [o.token_ids for o in out.outputs] == want
     assert _accepted(out) > 0, out.events.spec  # drafts were accepted: speculation ran
     assert llm.engine.blocks.check_consistency() == []

@@ -11,10 +11,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenpath.config import EngineConfig
+from tokenpath.config import EngineConfig, SpeculativeConfig
 from tokenpath.engine.block_hash import lora_root
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.heap import trim_heap
@@ -30,10 +31,18 @@ from tokenpath.engine.spec.decoder import SpecDecoder, SpecStats
 from tokenpath.engine.spec.verify import verify
 from tokenpath.engine.structured import GrammarState
 from tokenpath.engine.tokenizer import Tokenizer
-from tokenpath.errors import ContextLengthError, DeadlineExceededError, DuplicateRequestIdError
+from tokenpath.errors import (
+    ContextLengthError,
+    DeadlineExceededError,
+    DuplicateRequestIdError,
+    ModelLoadError,
+)
 from tokenpath.protocol import GenerateRequest
 from tokenpath.protocol.outputs import MAX_STALLS, EngineEvents, EngineState, RequestOutput, TokenLogprob
 from tokenpath.protocol.sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from tokenpath.engine.spec.draft_model import DraftModel
 
 Logprob = tuple[float, list[tuple[int, float]]] | None  # one token's (logprob, top ones), or None
 
@@ -67,7 +76,7 @@ class EngineCore:
                                    max_chunk=min(config.max_num_batched_tokens,
                                                  config.long_prefill_token_threshold or config.max_num_batched_tokens))
         spec = config.speculative_config
-        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len)
+        self.spec = None if spec is None else SpecDecoder(spec, self.max_model_len, self._drafter(spec))
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_token_threshold, loras=self.loras, spec=self.spec)
         self.sampler = Sampler(self.tokenizer.eos_token_id, config.seed, grammar_vocab=self.tokenizer.vocab_size)
@@ -86,6 +95,19 @@ class EngineCore:
         self.last_scheduled = 0  # sequences the last step ran (0: nothing could run)
         if config.warmup:
             self._warm_up()
+
+    def _drafter(self, spec: SpeculativeConfig) -> DraftModel | None:
+        """The draft model of method draft_model (spec/draft_model.py), its KV pool indexed by the
+        target's blocks; None for the n-gram proposer."""
+        if spec.method != "draft_model" or spec.model is None:
+            return None
+        if self.runner.native is None:
+            raise ModelLoadError("speculative_config: a draft model needs the target on the native CPU kernels")
+        from tokenpath.engine.spec.draft_model import DraftModel
+
+        return DraftModel(spec.model, self.config, num_blocks=self.runner.num_blocks,
+                          target_vocab=self.model_config.vocab_size, target_groups=self.runner.layout.num_groups,
+                          max_model_len=self.max_model_len)
 
     def _warm_up(self) -> None:
         """One short greedy request (8 prompt tokens, 2 generated) run before the engine serves,

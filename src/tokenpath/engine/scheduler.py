@@ -174,9 +174,15 @@ class Scheduler:
     def _draft(self, spec: SpecDecoder, seq: Sequence, budget: int) -> int:
         """Give a decoding `seq` this step's draft tokens (`seq.draft_ids`) when the pool has the
         room for them without preempting anybody; returns how many."""
-        drafts = spec.drafts(seq, budget)
-        if drafts and not self.blocks.allocate(seq, 1 + len(drafts)):
-            drafts = []
+        k = spec.draft_len(seq, budget)
+        drafts: list[int] = []
+        if k and spec.writes_kv:  # a draft model writes its KV in the drafted rows' slots: room first
+            if self.blocks.allocate(seq, 1 + k):
+                drafts = spec.propose(seq, k)
+        elif k:
+            drafts = spec.propose(seq, k)
+            if drafts and not self.blocks.allocate(seq, 1 + len(drafts)):
+                drafts = []
         seq.draft_ids = drafts
         return len(drafts)
 
@@ -287,6 +293,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.draft_ids = []
+        if seq.spec is not None:  # its blocks, and a draft model's KV in them, are gone
+            seq.spec.forget_draft_kv()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

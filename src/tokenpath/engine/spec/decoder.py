@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenpath.config import SpeculativeConfig
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec.grammar import grammar_drafts
 from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.state import DraftState
+
+if TYPE_CHECKING:
+    from tokenpath.engine.spec.draft_model import DraftModel
 
 
 @dataclass
@@ -40,11 +44,19 @@ class SpecStats:
 class SpecDecoder:
     """The per-engine speculation policy and the per-sequence proposers."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: DraftModel | None = None) -> None:
+        """`drafter`: the draft model (method draft_model), None for the n-gram proposer."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = SpecStats()
+        self.drafter = drafter
+
+    @property
+    def writes_kv(self) -> bool:
+        """Whether proposing writes KV in the slots of the rows it drafts (a draft model does), so
+        the scheduler allocates them before asking, not after."""
+        return self.drafter is not None
 
     def allowed(self, decoding: int) -> bool:
         """The batch rule: a step with more decoding sequences than `max_batch` drafts nothing
@@ -57,20 +69,36 @@ class SpecDecoder:
         many it drafts adapts to what it had accepted). Every sequence may draft: a LoRA request's
         1 + K verification rows all run with its adapter, because the runners map adapters per
         scheduled (sequence, tokens) pair and a drafting sequence's tokens count its drafts."""
+        return self.propose(seq, self.draft_len(seq, budget))
+
+    def draft_len(self, seq: Sequence, budget: int) -> int:
+        """How many tokens `seq` drafts this step (0: plain decode): its state's adaptive K, at most
+        `budget`, never past its max_tokens or the context length (`state.py`)."""
         state = seq.spec
         if state is None:
-            state = seq.spec = DraftState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
-                                          self.k)
+            index = None if self.drafter else NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            state = seq.spec = DraftState(index, self.k)
         if state.pause:
             state.pause -= 1
-            return []
+            return 0
         k = min(state.k, budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0:
+        return max(k, 0)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """The proposer's `k` tokens for `seq` (fewer or none where the n-gram finds less), cut
+        where a grammar refuses them (grammar_drafts)."""
+        state = seq.spec
+        if k <= 0 or state is None:
             return []
-        drafts = state.index.propose(seq.token_ids, k)
-        if seq.grammar is not None:  # (grammar_drafts: the proposal cut where the grammar refuses it)
+        if self.drafter is not None:
+            drafts = self.drafter.propose(seq, state, k)
+        elif state.index is not None:
+            drafts = state.index.propose(seq.token_ids, k)
+        else:
+            return []
+        if seq.grammar is not None:
             drafts = grammar_drafts(seq.grammar.matcher, drafts)
         return drafts
 

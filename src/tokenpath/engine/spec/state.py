@@ -10,7 +10,7 @@ drafting long runs, free text soon stops paying for rows it does not use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenpath.engine.spec.ngram import NgramIndex
 
@@ -19,10 +19,30 @@ MAX_PAUSE = 32
 
 @dataclass
 class DraftState:
-    index: NgramIndex
+    index: NgramIndex | None  # the n-gram proposer's index (None: a draft model proposes)
     k: int  # the most tokens it drafts next step
     pause: int = 0  # steps left without drafting
     backoff: int = 0  # the pause after the next step that accepts nothing
+    # A draft model's last proposal (draft_model.py): the sequence's length then, and its drafts.
+    proposed_at: int = 0
+    proposed: list[int] = field(default_factory=list)
+
+    def valid_draft_kv(self, tokens: list[int]) -> int:
+        """Positions whose draft-model KV holds this sequence's own tokens: all before the last
+        proposal's first draft, and after them the drafts the target accepted (the last draft
+        was never fed to the draft, so its KV was never written)."""
+        n = m = 0
+        if self.proposed_at:
+            n = self.proposed_at
+            for d in self.proposed[:-1]:
+                if n + m >= len(tokens) or tokens[n + m] != d:
+                    break
+                m += 1
+        return min(n + m, max(len(tokens) - 1, 0))
+
+    def forget_draft_kv(self) -> None:
+        """The sequence lost its blocks (preempted): the draft's KV must be recomputed."""
+        self.proposed_at, self.proposed = 0, []
 
     def settle(self, accepted: int, max_k: int) -> None:
         """After a verification that accepted `accepted` drafts."""
