@@ -119,3 +119,19 @@ def _wide_decode_batch(loaded, text_ids, kv: str) -> None:
     got = batch.step(parts)
     want = torch.cat([own.step([part]) for part in parts])
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"
+
+
+@pytest.mark.parametrize(("loaded", "kv"), [("smollm2", "float16"), ("head_dim_20", "float32")], indirect=["loaded"])
+def test_a_lone_decode_row_split_across_threads_keeps_its_bits(loaded, text_ids, kv):
+    """One decode row has one attention item per KV head (3 on SmolLM2, 2 here), fewer than two per
+    thread: with 2 threads each KV head's query heads are split across items (csrc/forward.cpp,
+    hsplit), with 1 they are not. A query's arithmetic does not depend on its neighbours, so the
+    logits are the same bits, at a context past one key block."""
+    table = [9, 3, 14, 0, 6]
+    ids = text_ids[:71]
+    one, two = Steps(loaded, kv), Steps(loaded, kv)
+    one.runner.native.threads, two.runner.native.threads = 1, 2
+    for s in (one, two):
+        s.step([(table, ids[:70], 0)])
+    got, want = two.step([(table, ids[70:71], 70)]), one.step([(table, ids[70:71], 70)])
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"

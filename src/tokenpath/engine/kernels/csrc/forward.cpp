@@ -107,9 +107,10 @@ struct Layer {
     void *k_cache, *v_cache;  // [slots, n_kv, head_dim] of Model::kv_kind's type
 };
 
-// One attention work item: KV heads [g0, g1) of tile `tile` (an index into Model::tiles).
+// One attention work item: KV heads [g0, g1) of tile `tile` (an index into Model::tiles), and of
+// each, query heads [h0, h1) of its rep.
 struct AttnItem {
-    int tile, g0, g1;
+    int tile, g0, g1, h0, h1;
 };
 
 // The buffers behind one QAct (see make_act).
@@ -144,6 +145,10 @@ struct Model {
     // row of BF16 weights, the prompt rows (kPromptTiles) of quantized ones; 0 where amx_permitted()
     // is false (tp_model_create checks).
     int half = 0;
+    // Every matmul BF16X16 on tiles (half all five, no exact bit, no experts): no row reads the
+    // float32 activation copies (QAct::f), so make_act leaves them out (4 bytes a value written
+    // per row and matmul for nothing: half of quantize_row's time in a bf16 prefill).
+    bool tiles_only = false;
     bool attn512 = false;  // attention on attn_avx512.cpp's kernels (attn512_for)
     float embed_scale, attn_scale;
     const float* out_norm;
@@ -251,6 +256,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
 #endif
     m->attn512 = attn512_for(isa, dims[5]);
+    bool bf16_all = m->head_t == W_BF16X16;
     m->eps = eps;
     m->embed_scale = fparams[0], m->attn_scale = fparams[1];
     m->gemm = gemm_rows_for(isa);
@@ -282,10 +288,12 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
                 if (t[2 * idx + 1] == 0) continue;
                 Mat& M = *mats[j];
                 M.type[M.parts] = t[2 * idx], M.rows[M.parts] = t[2 * idx + 1];
+                bf16_all = bf16_all && t[2 * idx] == W_BF16X16;
                 M.w[M.parts++] = reinterpret_cast<const uint8_t*>(p[kFixed + idx]);
             }
         m->layers.push_back(L);
     }
+    m->tiles_only = bf16_all && (m->half & 0x1f) == 0x1f && !m->exact;  // (tp_model_set_moe clears it)
     return m;
 }
 
@@ -364,11 +372,18 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     // (attention.h says why); prefill tiles, which reuse every K/V read across their rows, and
     // small batches keep one item per head for parallelism.
     const bool whole_rows = ntiles >= 4 * nthreads;
+    // Too few items to share (one decode row has one per KV head: 3 on SmolLM2 for 2 threads, so
+    // one thread did two; Gemma 3 270M's one KV head left a thread idle): each KV head's query
+    // heads are split across items until there are two per thread. A query's arithmetic does not
+    // depend on the heads beside it, so the bits are the same; each part reads the head's K/V.
+    int hsplit = 1;
+    while (!whole_rows && ntiles * m.n_kv * hsplit < 2 * nthreads && hsplit < rep) ++hsplit;
     m.items.clear();
     for (int ti = ntiles - 1; ti >= 0; --ti) {
-        if (whole_rows && m.tiles[ti + 1] - m.tiles[ti] == 1) m.items.push_back({ti, 0, m.n_kv});
+        if (whole_rows && m.tiles[ti + 1] - m.tiles[ti] == 1) m.items.push_back({ti, 0, m.n_kv, 0, rep});
         else
-            for (int g = 0; g < m.n_kv; ++g) m.items.push_back({ti, g, g + 1});
+            for (int g = 0; g < m.n_kv; ++g)
+                for (int s = 0; s < hsplit; ++s) m.items.push_back({ti, g, g + 1, s * rep / hsplit, (s + 1) * rep / hsplit});
     }
     const int nitems = int(m.items.size());
     const size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
@@ -474,11 +489,12 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
             team_for(pc, nitems, 1, [&](int i0, int) {
                 const AttnItem it = m.items[i0];
                 const int t = m.tiles[it.tile];
-                const paged::Tile tile{qkv + size_t(t) * W + size_t(it.g0) * rep * D,
-                                       attn + size_t(t) * nq + size_t(it.g0) * rep * D, W, nq,
+                const size_t q0 = (size_t(it.g0) * rep + it.h0) * D;  // (h0 > 0 only for a lone KV head)
+                const paged::Tile tile{qkv + size_t(t) * W + q0, attn + size_t(t) * nq + q0, W, nq,
                                        m.tiles[it.tile + 1] - t, pos[t],
                                        tables + size_t(L.group) * table_stride + row_table[t], L.window};
-                attend(m.attn512, m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D, rep, scale, scratch);
+                attend(m.attn512, m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D, it.h1 - it.h0,
+                       scale, scratch);
             });
             row_phase(T, [&](int t0, int t1) {
                 for (int t = t0; t < t1; ++t) {

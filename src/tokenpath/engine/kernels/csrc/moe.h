@@ -232,6 +232,7 @@ extern "C" {
 int tp_model_set_moe(void* handle, int layer, const int32_t* dims, const float* router, const int32_t* types,
                      const uint64_t* ptrs) {
     Model& m = *static_cast<Model*>(handle);
+    m.tiles_only = false;  // the experts' GEMMs have their own activation paths
     if (layer < 0 || layer >= m.n_layers || dims[0] < 1 || dims[1] < 1 || dims[1] > dims[0] || dims[2] < 1)
         return 1;
     auto L = std::make_unique<MoeLayer>();

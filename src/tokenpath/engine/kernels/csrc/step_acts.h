@@ -13,7 +13,7 @@ QAct make_act(const Model& m, ActBuf& b, int rows, int K) {
     // Every matrix float (float_w 2): no int8 activations at all, quantize_row writes the float copies only.
     QAct a{m.float_w == 2 ? nullptr : b.q.data(), b.d.data(), b.s.data(), nb, b.qsum.data()};
     a.qsum16 = b.qsum16.data();
-    if (m.exact || m.float_w) {  // float activations: exact matmuls, F16/BF16/F32 weights
+    if (m.exact || (m.float_w && !m.tiles_only)) {  // float activations: exact matmuls, F16/BF16/F32 weights
         if (b.fs.size() < need) b.fs.resize(need), b.f.resize(need * QK);
         a.f = b.f.data(), a.fs = b.fs.data();
     }
