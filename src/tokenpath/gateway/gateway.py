@@ -201,7 +201,8 @@ class Gateway:
         if now - self._touched.get(record.prefix, float("-inf")) >= TOUCH_EVERY_S:
             self._touched[record.prefix] = now
             try:  # `last used` is informational: a store that cannot be written must not fail the request
-                await asyncio.to_thread(self.store.touch_key, record.prefix, now)
+                if not self.store.touch_key_nowait(record.prefix, now):
+                    await asyncio.to_thread(self.store.touch_key, record.prefix, now)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not record the last use of key %s...: %s", record.prefix, type(exc).__name__)
         return await self._principal(record)

@@ -78,6 +78,7 @@ _KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tok
                 "expires_at, created_at, last_used_at, revoked_at, admin")
 _ANY_KEY = "SELECT 1 FROM api_keys LIMIT 1"
 _FIND_KEY = f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE prefix = ?"
+_TOUCH_KEY = "UPDATE api_keys SET last_used_at = ? WHERE prefix = ?"
 _TENANT = "SELECT name, rpm, tpm, daily_tokens, models, created_at FROM tenants WHERE name = ?"
 
 
@@ -193,7 +194,13 @@ class GatewayStore:
 
     def touch_key(self, prefix: str, now: float) -> None:
         with self.db.transaction() as tx:
-            tx.q("UPDATE api_keys SET last_used_at = ? WHERE prefix = ?", (now, prefix))
+            tx.q(_TOUCH_KEY, (now, prefix))
+
+    def touch_key_nowait(self, prefix: str, now: float) -> bool:
+        """`touch_key` on the event loop, where the store can write at once (`write_nowait`);
+        False: nothing written, ask `touch_key` off the loop. (Once a minute per key, on the path
+        of that request.)"""
+        return self.db.write_nowait(lambda tx: tx.q(_TOUCH_KEY, (now, prefix))) is not None
 
     # ---- rate limits -----------------------------------------------------------------------
     def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
