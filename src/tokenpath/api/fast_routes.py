@@ -36,8 +36,8 @@ from tokenpath.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenpath.api.state import get_state
 
 M = TypeVar("M", bound=BaseModel)
-FAST_PATHS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+FAST_PATHS: tuple[tuple[str, type[ChatCompletionRequest] | type[CompletionRequest]], ...] = (
+    ("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest))
 
 
 class _Delegate(Response):
@@ -87,7 +87,7 @@ def _endpoint(model: type[ChatCompletionRequest] | type[CompletionRequest],
 def install(app: FastAPI, router: APIRouter) -> None:
     """Put the fast path in front of the generation endpoints of `router` (already included in
     `app`): matched first; each falls back to its FastAPI route (`router`'s own `APIRoute`)."""
-    for path, model in FAST_PATHS.items():
+    for path, model in FAST_PATHS:
         api = next(r for r in router.routes if isinstance(r, APIRoute) and r.path == path
                    and "POST" in (r.methods or ()))
         app.router.routes.insert(0, Route(path, _endpoint(model, api.app), methods=["POST"], include_in_schema=False))
