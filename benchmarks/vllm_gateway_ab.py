@@ -1,7 +1,7 @@
 """Two gateways in front of one vLLM, interleaved request by request: the A/B of a gateway change
 on a machine whose load drifts (issue 37's "<= 2 ms added TTFT").
 
-    python benchmarks/vllm_gateway_ab.py --a-src /path/to/worktree/src [--rounds 40] [--repeat 2]
+    python benchmarks/vllm_gateway_ab.py --a-src /path/to/worktree/src [--rounds 40] [--repeat 2] [--key]
 
 Starts vLLM's CPU build (benchmarks/vllm_peer.py), or uses a running one (`--vllm-port` with its
 KV-event ports), then gateway A (`tokenpath serve` with `PYTHONPATH` to `--a-src`: an older
@@ -12,7 +12,10 @@ three alike. Reported per path: TTFT p50 (and p25/p75), the added p50 against vL
 the median of the per-round differences, paired at the same moment's load; B - A likewise), each
 gateway's CPU per request (its process's, measured around each request), and each gateway's CPU
 per second while idle (its polls of vLLM). One client per path, kept alive, each stream read to
-its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py.
+its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py. `--key`: each
+gateway's store gets a stored key (`tokenpath keys create`, no limits; its reservations are still
+recorded), sent with every request, so the key's lookups and the rate limits' reservation are on
+the path, as in a gateway with keys on.
 
 Prints JSON; `--out` keeps it. The Markdown table in results/ is written by hand with the time
 and the machine's load, which this script reports (`loadavg` before and after).
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,8 +46,10 @@ def cpu_ms(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
-def measure(paths: dict[str, str], pids: dict[str, int], rounds: int) -> dict:
-    clients = {name: httpx.Client(base_url=url, timeout=120) for name, url in paths.items()}
+def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict[str, str]) -> dict:
+    clients = {name: httpx.Client(base_url=url, timeout=120,
+                                  headers={"Authorization": f"Bearer {keys[name]}"} if name in keys else None)
+               for name, url in paths.items()}
     names = list(paths)
     ms: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, float] = {n: 0.0 for n in pids}
@@ -78,6 +84,14 @@ def measure(paths: dict[str, str], pids: dict[str, int], rounds: int) -> dict:
     return out
 
 
+def stored_key(work: Path, tag: str) -> str:
+    """A key in gateway `tag`'s store (the data dir `start_gateway` gives it), made by the source
+    on PYTHONPATH now (the one the gateway will run): its secret."""
+    out = subprocess.run([sys.executable, "-m", "tokenpath.cli", "keys", "create", "--data-dir",
+                          str(work / f"data-{tag}"), "--tenant", "bench"], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
     before = {n: cpu_ms(p) for n, p in pids.items()}
     time.sleep(seconds)
@@ -94,29 +108,37 @@ def main() -> None:
     ap.add_argument("--kv-replay", type=int)
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench" / "vllm_gateway_ab")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--key", action="store_true", help="a stored key on each gateway, sent with every request")
     args = ap.parse_args()
+    if args.key:  # (stores of their own: a store with a key turns auth on for every later run on it)
+        args.work = args.work / "with-key"
     args.work.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {1})
     vllm = (Vllm(None, args.vllm_port, args.kv_live, args.kv_replay, Path(os.devnull), 0.0)  # type: ignore[arg-type]
             if args.vllm_port else start_vllm(args.work))
     gateways = []
+    keys: dict[str, str] = {}
     saved = os.environ.get("PYTHONPATH")
     try:
         os.environ["PYTHONPATH"] = str(args.a_src.resolve())
+        if args.key:
+            keys["A"] = stored_key(args.work, "A")
         gateways.append(start_gateway(vllm, args.work, "A"))
         if saved is None:
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = saved
+        if args.key:
+            keys["B"] = stored_key(args.work, "B")
         gateways.append(start_gateway(vllm, args.work, "B"))
         paths = {"vllm": vllm.url, "A": f"http://127.0.0.1:{gateways[0][1]}", "B": f"http://127.0.0.1:{gateways[1][1]}"}
         pids = {"A": gateways[0][0].pid, "B": gateways[1][0].pid}
         time.sleep(2.0)
-        result: dict = {"a_src": str(args.a_src), "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
+        result: dict = {"a_src": str(args.a_src), "key": args.key, "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
         for _ in range(args.repeat):
             load = os.getloadavg()
             t0 = time.strftime("%H:%M:%S", time.gmtime())
-            run = measure(paths, pids, args.rounds)
+            run = measure(paths, pids, args.rounds, keys)
             run.update(utc=f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}",
                        loadavg=[round(load[0], 2), round(os.getloadavg()[0], 2)])
             result["runs"].append(run)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tokenpath.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from tokenpath.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from tokenpath.gateway import DenyListPolicy, Gateway, GatewayStore, Principal
 from tokenpath.gateway.admin import create_key, set_tenant
 from tokenpath.gateway.keys import generate_key, hash_key, key_prefix, looks_like_key, verify_key
@@ -47,6 +52,37 @@ async def test_a_first_key_made_by_another_process_turns_auth_on_at_the_next_req
         await gw.authenticate({})
     store.close()
     assert store.has_keys_nowait() is None
+
+
+async def test_the_key_and_its_tenant_are_read_on_the_loop_and_still_see_another_process(store_location, clock):
+    """A stored key and its tenant are read before every request: on the event loop where the store
+    answers at once (SQLite's `read_nowait`: no thread hop), off it otherwise (PostgreSQL, a closed
+    store, which then fails closed). Either way a change another process made is seen by the next
+    request: the tenant's model list, then the key's revocation."""
+    serving, admin = GatewayStore(store_location), GatewayStore(store_location)
+    try:
+        secret, record = create_key(admin, "acme", now=clock())
+        sqlite = serving.db.kind == "sqlite"
+        assert serving.find_key_nowait(record.prefix) == ([record] if sqlite else None)
+        assert serving.find_key_nowait("tp-nokey000") == ([] if sqlite else None)
+        assert serving.get_tenant_nowait("nobody") == ([] if sqlite else None)
+        gw = Gateway(serving, clock=clock)
+        p = await gw.authenticate({"Authorization": f"Bearer {secret}"})
+        assert p.tenant == "acme" and p.allowed_models is None
+        set_tenant(admin, "acme", models=frozenset({"a"}), now=clock())
+        tenant = serving.get_tenant_nowait("acme")
+        assert tenant is None if not sqlite else [t.models for t in tenant] == [frozenset({"a"})]
+        assert (await gw.authenticate({"Authorization": f"Bearer {secret}"})).allowed_models == frozenset({"a"})
+        assert admin.revoke_key(record.prefix, clock())
+        with pytest.raises(AuthenticationError):
+            await gw.authenticate({"Authorization": f"Bearer {secret}"})
+        serving.close()
+        assert serving.find_key_nowait(record.prefix) is None and serving.get_tenant_nowait("acme") is None
+        with pytest.raises(ServiceUnavailableError):  # off the loop, where the closed store fails
+            await gw.authenticate({"Authorization": f"Bearer {secret}"})
+    finally:
+        serving.close()
+        admin.close()
 
 
 @pytest.mark.parametrize(

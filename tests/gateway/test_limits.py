@@ -189,3 +189,46 @@ def test_tpm_exact_across_gateway_processes(store_location, tmp_path, clock):
     refused = [n for n, ok in results if not ok]
     assert admitted <= 1000 and refused
     assert all(n > 1000 - admitted for n in refused)
+
+
+async def test_reservations_are_written_on_the_loop_unless_the_store_is_busy(store_location, clock):
+    """`reserve` and `adjust` run before every request with a stored key: on the event loop where
+    the store can write at once (SQLite: `write_nowait`, no thread hop), else off it. A store whose
+    write lock another writer holds (another gateway process here; the audit writer's thread
+    alike) is not waited for on the loop: nothing is written there, and the reservation goes off
+    the loop, where it waits its turn and is decided the same way. PostgreSQL always goes off it."""
+    import sqlite3
+
+    from tokenpath.gateway.limits_backend import StoreLimits
+
+    store = GatewayStore(store_location)
+    try:
+        secret, record = create_key(store, "acme", limits=Limits(tpm=1000), now=clock())
+        p = await Gateway(store, clock=clock).authenticate(bearer(secret))
+        key, tenant = p.key_limits or Limits(), p.tenant_limits or Limits()
+        sqlite = store.db.kind == "sqlite"
+        first = store.reserve_nowait(record.prefix, "acme", key, tenant, 600, clock())
+        assert (first is not None and first.verdict.allowed and first.admission_id is not None) is sqlite
+        if not sqlite:
+            return
+        assert store.adjust_nowait(first.admission_id, record.prefix, "acme", key, tenant, first.day, 600, 500,
+                                   clock()).allowed
+        refused = store.reserve_nowait(record.prefix, "acme", key, tenant, 600, clock())  # 500 + 600 > 1000
+        assert refused is not None and not refused.verdict.allowed and refused.admission_id is None
+        other = sqlite3.connect(store_location, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another writer holds the store
+        try:
+            assert store.reserve_nowait(record.prefix, "acme", key, tenant, 100, clock()) is None
+            limits = StoreLimits(store)
+            waiting = asyncio.create_task(limits.reserve(record.prefix, "acme", key, tenant, 100, clock()))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # off the loop, waiting its turn (the loop itself is free)
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        admitted = await waiting
+        assert admitted.verdict.allowed and admitted.admission_id is not None
+        (used,) = store.db.read_nowait("SELECT COALESCE(SUM(tokens), 0) FROM admissions") or [(None,)]
+        assert used == (500 + 100,)
+    finally:
+        store.close()

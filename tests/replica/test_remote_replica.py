@@ -48,6 +48,27 @@ def test_parse_tokenpath_and_llamacpp_metrics():
     assert (s.running, s.waiting, s.kv_usage) == (1, 4, 0.75)
 
 
+def test_parse_metrics_reads_whole_names_only_and_skips_what_is_not_a_sample():
+    """The samples are taken by one regex pass over the page (not prometheus_client's parser): a
+    longer series that starts with a wanted name is not it, HELP/TYPE lines and a sample's
+    timestamp are not values, a quoted label value may hold braces and escaped quotes, a value
+    that is not a number is skipped, and a CRLF page reads as an LF one."""
+    page = (
+        "# HELP vllm:num_requests_waiting Number of requests waiting 7\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0 1700000000000\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n'
+        'vllm:num_requests_running{engine="0",model_name="a}\\"b"} 3\n'
+        "vllm:num_requests_running_total 40\n"
+        "vllm:kv_cache_usage_perc NaNx\n"
+        'vllm:cache_config_info{block_size="64",note="x=\\"1\\"",num_gpu_blocks="100"} 1.0\n'
+    )
+    for text in (page, page.replace("\n", "\r\n")):
+        s = parse_metrics(text, "x")
+        assert (s.waiting, s.running, s.kv_usage, s.block_size, s.num_blocks) == (2, 3, 0.0, 64, 100)
+    assert parse_metrics("", "x").running == 0
+
+
 class FakeServer:
     """Streams `max_tokens` text chunks; records bodies, request ids and disconnects."""
 

@@ -18,6 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from tokenpath.api import fast_routes
 from tokenpath.api.anthropic.errors import reshape_for
 from tokenpath.api.anthropic.routes import router as anthropic_routes
 from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
@@ -88,6 +89,7 @@ def create_app(
     app.state.tokenpath = state
     install_error_handlers(app, lambda request, error, body: refuse_early(state, request, error, body), reshape_for)
     app.include_router(api_routes)
+    fast_routes.install(app, api_routes)  # (the generation endpoints' well-formed bodies past FastAPI's machinery)
     app.include_router(anthropic_routes)
     app.include_router(dashboard_routes)
     app.include_router(tokenize_routes)

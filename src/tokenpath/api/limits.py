@@ -97,7 +97,7 @@ class BodyLimitMiddleware:
             # The request's upload (headers in -> whole body read): `RequestRun` starts its
             # Timeline here, so the upload is part of `gateway` and explained by an `upload` cause.
             scope[UPLOAD_KEY] = (started, time.monotonic(), len(body))
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
 
     async def _read_body(self, receive: Receive) -> bytes | object | None:
         """The whole body, None when the client left, `_TOO_LARGE` past the limit."""
@@ -171,7 +171,7 @@ def header_timeout_protocol(timeout: float) -> type[HttpToolsProtocol]:
 _TOO_LARGE = object()  # `_read_body`'s answer for a body past the limit
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """Hand the buffered body out once, then pass through (so disconnects still arrive)."""
     sent = False
 

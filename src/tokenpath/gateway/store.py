@@ -77,6 +77,9 @@ class UsageRow:
 _KEY_COLUMNS = ("prefix, tenant, salt, digest, name, models, rpm, tpm, daily_tokens, priority, "
                 "expires_at, created_at, last_used_at, revoked_at, admin")
 _ANY_KEY = "SELECT 1 FROM api_keys LIMIT 1"
+_FIND_KEY = f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE prefix = ?"
+_TOUCH_KEY = "UPDATE api_keys SET last_used_at = ? WHERE prefix = ?"
+_TENANT = "SELECT name, rpm, tpm, daily_tokens, models, created_at FROM tenants WHERE name = ?"
 
 
 def _models_out(models: frozenset[str] | None) -> str | None:
@@ -85,6 +88,10 @@ def _models_out(models: frozenset[str] | None) -> str | None:
 
 def _models_in(text: str | None) -> frozenset[str] | None:
     return None if text is None else frozenset(json.loads(text))
+
+
+def _tenant_from_row(r: tuple) -> Tenant:
+    return Tenant(r[0], Limits(r[1], r[2], r[3]), _models_in(r[4]), r[5])
 
 
 def _key_from_row(r: tuple) -> KeyRecord:
@@ -127,12 +134,15 @@ class GatewayStore:
 
     def get_tenant(self, name: str) -> Tenant | None:
         with self.db.transaction() as tx:
-            rows = tx.q("SELECT name, rpm, tpm, daily_tokens, models, created_at FROM tenants WHERE name = ?",
-                        (name,))
-        if not rows:
-            return None
-        r = rows[0]
-        return Tenant(r[0], Limits(r[1], r[2], r[3]), _models_in(r[4]), r[5])
+            rows = tx.q(_TENANT, (name,))
+        return _tenant_from_row(rows[0]) if rows else None
+
+    def get_tenant_nowait(self, name: str) -> list[Tenant] | None:
+        """`get_tenant` on the event loop, where the database answers at once (`read_nowait`): the
+        tenant in a list (empty: none of that name); None: ask `get_tenant` off the loop. Asked
+        before every request with a stored key, where the thread hop was the cost (`find_key_nowait`)."""
+        rows = self.db.read_nowait(_TENANT, (name,))
+        return None if rows is None else [_tenant_from_row(r) for r in rows[:1]]
 
     # ---- keys ------------------------------------------------------------------------------
     def add_key(self, new: NewKey, tenant: str, *, name: str | None, models: frozenset[str] | None,
@@ -148,8 +158,16 @@ class GatewayStore:
 
     def find_key(self, prefix: str) -> KeyRecord | None:
         with self.db.transaction() as tx:
-            rows = tx.q(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE prefix = ?", (prefix,))
+            rows = tx.q(_FIND_KEY, (prefix,))
         return _key_from_row(rows[0]) if rows else None
+
+    def find_key_nowait(self, prefix: str) -> list[KeyRecord] | None:
+        """`find_key` on the event loop, where the database answers at once (`read_nowait`): the key
+        in a list (empty: no key has that prefix); None: ask `find_key` off the loop. Asked before
+        every request with a stored key: on two busy cores a thread hop there (waking a worker, the
+        GIL handed over and back) cost more than the read, on the request's way to its first token."""
+        rows = self.db.read_nowait(_FIND_KEY, (prefix,))
+        return None if rows is None else [_key_from_row(r) for r in rows[:1]]
 
     def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
         where, params = ("WHERE tenant = ?", (tenant,)) if tenant else ("", ())
@@ -176,33 +194,60 @@ class GatewayStore:
 
     def touch_key(self, prefix: str, now: float) -> None:
         with self.db.transaction() as tx:
-            tx.q("UPDATE api_keys SET last_used_at = ? WHERE prefix = ?", (now, prefix))
+            tx.q(_TOUCH_KEY, (now, prefix))
+
+    def touch_key_nowait(self, prefix: str, now: float) -> bool:
+        """`touch_key` on the event loop, where the store can write at once (`write_nowait`);
+        False: nothing written, ask `touch_key` off the loop. (Once a minute per key, on the path
+        of that request.)"""
+        return self.db.write_nowait(lambda tx: tx.q(_TOUCH_KEY, (now, prefix))) is not None
 
     # ---- rate limits -----------------------------------------------------------------------
     def reserve(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
                 tokens: int, now: float) -> Admitted:
         """Read both scopes' usage, decide, and record the admission: one transaction, one lock."""
-        day = limiter.day_of(now)
         with self.db.transaction(lock_tenant=tenant) as tx:
-            usages = [
-                self._usage(tx, "key", key_prefix, key_limits, now, day),
-                self._usage(tx, "tenant", tenant, tenant_limits, now, day),
-            ]
-            verdict = limiter.decide(usages, tokens, now)
-            if not verdict.allowed:
-                if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
-                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
-                return Admitted(verdict)
-            admission_id = tx.q("INSERT INTO admissions (key_prefix, tenant, at, tokens) VALUES (?, ?, ?, ?) "
-                                "RETURNING id", (key_prefix, tenant, now, tokens))[0][0]
-            for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
-                tx.q("INSERT INTO daily_usage (scope, day, requests, tokens) VALUES (?, ?, 1, ?) "
-                     "ON CONFLICT (scope, day) DO UPDATE SET requests = daily_usage.requests + 1, "
-                     "tokens = daily_usage.tokens + excluded.tokens", (scope, day, tokens))
-        self._reservations += 1
-        if self._reservations % PRUNE_EVERY == 0:
-            self.prune(now)
+            admitted = self._reserve(tx, key_prefix, tenant, key_limits, tenant_limits, tokens, now)
+        return self._reserved(admitted, now)
+
+    def reserve_nowait(self, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                       tokens: int, now: float) -> Admitted | None:
+        """`reserve` on the event loop, where the store can write at once (`write_nowait`); None: ask
+        `reserve` off the loop (it is not recorded). A reservation that prunes old admissions (one
+        in `PRUNE_EVERY`) is left to `reserve`: a bulk delete is no work for the loop."""
+        if (self._reservations + 1) % PRUNE_EVERY == 0:
+            return None
+        done = self.db.write_nowait(
+            lambda tx: self._reserve(tx, key_prefix, tenant, key_limits, tenant_limits, tokens, now))
+        return None if done is None else self._reserved(done[0], now)
+
+    def _reserve(self, tx: Tx, key_prefix: str, tenant: str, key_limits: Limits, tenant_limits: Limits,
+                 tokens: int, now: float) -> Admitted:
+        day = limiter.day_of(now)
+        usages = [
+            self._usage(tx, "key", key_prefix, key_limits, now, day),
+            self._usage(tx, "tenant", tenant, tenant_limits, now, day),
+        ]
+        verdict = limiter.decide(usages, tokens, now)
+        if not verdict.allowed:
+            if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
+                verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
+            return Admitted(verdict)
+        admission_id = tx.q("INSERT INTO admissions (key_prefix, tenant, at, tokens) VALUES (?, ?, ?, ?) "
+                            "RETURNING id", (key_prefix, tenant, now, tokens))[0][0]
+        for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
+            tx.q("INSERT INTO daily_usage (scope, day, requests, tokens) VALUES (?, ?, 1, ?) "
+                 "ON CONFLICT (scope, day) DO UPDATE SET requests = daily_usage.requests + 1, "
+                 "tokens = daily_usage.tokens + excluded.tokens", (scope, day, tokens))
         return Admitted(verdict, admission_id, day)
+
+    def _reserved(self, admitted: Admitted, now: float) -> Admitted:
+        """An admission recorded: every `PRUNE_EVERY`th prunes the admissions out of every window."""
+        if admitted.admission_id is not None:
+            self._reservations += 1
+            if self._reservations % PRUNE_EVERY == 0:
+                self.prune(now)
+        return admitted
 
     def reconcile(self, admission_id: int, key_prefix: str, tenant: str, day: int, reserved: int,
                   used: int) -> None:
@@ -220,25 +265,39 @@ class GatewayStore:
         as if this admission were not in the window and `tokens` were asked for now (one transaction,
         the tenant lock as in `reserve`). A refusal deletes the admission and its day counts."""
         with self.db.transaction(lock_tenant=tenant) as tx:
-            verdict = limiter.Verdict(allowed=True)
-            if tokens > reserved:
-                usages = [self._usage(tx, "key", key_prefix, key_limits, now, day),
-                          self._usage(tx, "tenant", tenant, tenant_limits, now, day)]
-                for u in usages:  # take this admission back out, then decide afresh
-                    u.requests, u.tokens, u.day_tokens = u.requests - 1, u.tokens - reserved, u.day_tokens - reserved
-                verdict = limiter.decide(usages, tokens, now)
-            if verdict.allowed:
-                tx.q("UPDATE admissions SET tokens = ? WHERE id = ?", (tokens, admission_id))
-                requests, delta = 0, tokens - reserved
-            else:
-                tx.q("DELETE FROM admissions WHERE id = ?", (admission_id,))
-                requests, delta = -1, -reserved
-                # After the delete: the refused admission frees nothing when it would have left the window.
-                if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
-                    verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
-            for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
-                tx.q("UPDATE daily_usage SET requests = requests + ?, tokens = tokens + ? WHERE scope = ? AND day = ?",
-                     (requests, delta, scope, day))
+            return self._adjust(tx, admission_id, key_prefix, tenant, key_limits, tenant_limits, day, reserved,
+                                tokens, now)
+
+    def adjust_nowait(self, admission_id: int, key_prefix: str, tenant: str, key_limits: Limits,
+                      tenant_limits: Limits, day: int, reserved: int, tokens: int,
+                      now: float) -> limiter.Verdict | None:
+        """`adjust` on the event loop, where the store can write at once (`write_nowait`); None: ask
+        `adjust` off the loop (nothing was changed)."""
+        done = self.db.write_nowait(lambda tx: self._adjust(tx, admission_id, key_prefix, tenant, key_limits,
+                                                            tenant_limits, day, reserved, tokens, now))
+        return None if done is None else done[0]
+
+    def _adjust(self, tx: Tx, admission_id: int, key_prefix: str, tenant: str, key_limits: Limits,
+                tenant_limits: Limits, day: int, reserved: int, tokens: int, now: float) -> limiter.Verdict:
+        verdict = limiter.Verdict(allowed=True)
+        if tokens > reserved:
+            usages = [self._usage(tx, "key", key_prefix, key_limits, now, day),
+                      self._usage(tx, "tenant", tenant, tenant_limits, now, day)]
+            for u in usages:  # take this admission back out, then decide afresh
+                u.requests, u.tokens, u.day_tokens = u.requests - 1, u.tokens - reserved, u.day_tokens - reserved
+            verdict = limiter.decide(usages, tokens, now)
+        if verdict.allowed:
+            tx.q("UPDATE admissions SET tokens = ? WHERE id = ?", (tokens, admission_id))
+            requests, delta = 0, tokens - reserved
+        else:
+            tx.q("DELETE FROM admissions WHERE id = ?", (admission_id,))
+            requests, delta = -1, -reserved
+            # After the delete: the refused admission frees nothing when it would have left the window.
+            if verdict.reason in ("requests", "tokens") and verdict.scope is not None:
+                verdict.retry_after = self._retry_after(tx, verdict, tokens, now)
+        for scope in (f"key:{key_prefix}", f"tenant:{tenant}"):
+            tx.q("UPDATE daily_usage SET requests = requests + ?, tokens = tokens + ? WHERE scope = ? AND day = ?",
+                 (requests, delta, scope, day))
         return verdict
 
     def prune(self, now: float) -> None:
