@@ -51,6 +51,10 @@ class Sequence:
     prompt_hashes: list[int] | None = None  # of the prompt's full blocks (the scheduler fills it in)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
     num_preemptions: int = 0
+    # The request whose running slot this one took (`GenerateRequest.preempts`): it waits first,
+    # ahead of every priority, until it runs (then None again), so the slot its victim gave up is
+    # its own and not the next in line's.
+    displaces: str | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: Generator | None = None
