@@ -63,13 +63,13 @@ def test_over_names_tenants_a_whole_slot_past_their_share_counting_paused_ones_a
     s = share()
     for _ in range(4):
         s.take("a", queued=0, now=0.0)
-    assert s.over(4, {}, now=0.0) == {}  # alone: every slot is a's
-    assert s.over(4, {}, now=0.0, asking="b") == {"a": 1.0}  # b asks for one: a's share is 3
-    assert s.over(4, {"b": 3}, now=0.0) == {"a": 2.0}
-    assert s.over(4, {"b": 3}, now=0.0, paused={"a": 2}) == {}  # two paused: a runs its share
+    assert s.over(lambda: 4, {}, now=0.0) == {}  # alone: every slot is a's
+    assert s.over(lambda: 4, {}, now=0.0, asking="b") == {"a": 1.0}  # b asks for one: a's share is 3
+    assert s.over(lambda: 4, {"b": 3}, now=0.0) == {"a": 2.0}
+    assert s.over(lambda: 4, {"b": 3}, now=0.0, paused={"a": 2}) == {}  # two paused: a runs its share
     s.take("b", queued=0, now=0.0)
-    assert s.over(5, {"b": 2}, now=0.0) == {"a": 1.5}  # shares 2.5 each
-    assert s.over(5, {"b": 2}, now=0.0, paused={"a": 1}) == {}  # half a slot over: no change of hands
+    assert s.over(lambda: 5, {"b": 2}, now=0.0) == {"a": 1.5}  # shares 2.5 each
+    assert s.over(lambda: 5, {"b": 2}, now=0.0, paused={"a": 1}) == {}  # half a slot over: no change of hands
 
 
 def test_preempts_crosses_the_engine_link():

@@ -273,11 +273,11 @@ class FlowController:
             return None
         holders = list(self._holding.values())
         for s in room:
-            running = self.pool.handles[s.name].inflight - preempt.paused_on(holders, s.name)
-            if not s.max_num_seqs or running < s.max_num_seqs:
-                return None  # it runs at once there
+            inflight = self.pool.handles[s.name].inflight
+            if not s.max_num_seqs or inflight - preempt.paused_on(holders, s.name) < s.max_num_seqs:
+                return None  # it runs at once there (or the replica does not say how many run)
         tenant = submission.request.tenant
-        over = self.share.over(self.pool.run_slots(), self.queue.tenant_depths(), now,
+        over = self.share.over(self.pool.run_slots, self.queue.tenant_depths(), now,
                                asking=None if queued else tenant, paused=preempt.paused(holders))
         over.pop(tenant, None)
         if not over:

@@ -117,19 +117,20 @@ class SlotShare:
         shares = self.shares(capacity(), demands)
         return lambda tenant: self.held.get(tenant, 0) < shares.get(tenant, 0.0)
 
-    def over(self, capacity: int, queued: Mapping[str, int], now: float, asking: str | None = None,
+    def over(self, capacity: Callable[[], int], queued: Mapping[str, int], now: float, asking: str | None = None,
              paused: Mapping[str, int] | None = None) -> dict[str, float]:
         """Tenants holding at least one whole running slot more than their share while others
         want slots, and by how much: whom a preemption may take a slot from (`preempt.py`).
         `paused`: per tenant, its requests paused now (held, but not running). A fraction over
-        is not enough: the slot would only change hands, and the other would be a fraction over."""
+        is not enough: the slot would only change hands, and the other would be a fraction over.
+        `capacity` (the running slots) is read only when shares are needed, as in `allowance`."""
         if asking is not None:
             queued = Counter(queued)
             queued[asking] += 1
         demands = self.demands(queued, now)
         if len(demands) <= 1:
             return {}
-        shares = self.shares(capacity, demands)
+        shares = self.shares(capacity(), demands)
         paused = paused or {}
         out: dict[str, float] = {}
         for tenant, held in self.held.items():
