@@ -117,6 +117,31 @@ def test_a_victim_not_running_frees_nothing_and_the_taker_still_goes_first():
     assert [s.request_id for s in sched.waiting] == ["b1", "a2"]
 
 
+def test_a_kv_preemption_takes_the_slot_the_share_handed_over_last():
+    """The pool runs out of blocks: the latest arrival would go, and that is the request that
+    just took its slot from the tenant over its share. Its blocks would go straight back to that
+    tenant (the slow-reader flood in a 64 MiB pool: B's request, preempted again and again)."""
+    sched = Scheduler(BlockManager(6, 16), max_num_batched_tokens=512, max_num_seqs=3)
+    a1, a2, a3 = _seq("a1", 0.0, prompt=24), _seq("a2", 1.0, prompt=24), _seq("a3", 2.0, prompt=16)
+    b = _seq("b1", 3.0, prompt=16, tenant="b")
+    for s in (a1, a2, a3):
+        sched.add(s)
+    for step in range(2):
+        out = sched.schedule()
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            seq.token_ids.append(7)  # (its sampled token)
+        if step == 0:  # 5 of the 6 blocks held; b takes a3's slot (and its block)
+            sched.add(b)
+            assert sched.displace([a3], [b]) == 1
+    assert [s.request_id for s, _ in out.scheduled] == ["a1", "a2", "b1"] and b.share_slot
+    for seq in (a1, a2):  # both grow into a third block: one block short
+        seq.token_ids.extend([7] * 8)
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["a2"]  # not b1, the latest arrival
+    assert b.status is Status.RUNNING and a2.events.preempted[-1][1] == "a1"
+
+
 class PausingReplica(SimulatedReplica):
     """A simulated replica that says it can pause a request (as tokenpath's engines do); it
     does not, so a taker waits in its queue: what is checked here is admission's decision."""

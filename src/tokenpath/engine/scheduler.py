@@ -13,7 +13,9 @@ tests/reliability/test_stall_tenants.py). When the pool runs out of blocks, the 
 latest-arrived running sequence is preempted by recompute: its blocks are freed and it goes back
 to the front of its priority. The gateway's tenant share preempts the same way, for a slot rather
 than for blocks: a request that arrives with `preempts` set (admission/preempt.py) pauses that
-running request and takes its slot, ahead of the whole queue (`displace`).
+running request and takes its slot, ahead of the whole queue (`displace`); a KV preemption then
+takes such a request last within its priority (`Sequence.victim_key`), so the blocks it needs do
+not go straight back to the tenant its slot was taken from.
 
 With `long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that
 arrives behind a long one is prefilled in the next step rather than after the whole long prompt.
@@ -227,7 +229,8 @@ class Scheduler:
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
             self.waiting.pop(i)
-            seq.displaces = None  # (it has its slot: a later preemption puts it back like any other)
+            if seq.displaces:  # it has the slot it took: held against KV preemption (`victim_key`)
+                seq.displaces, seq.share_slot = None, True
             if seq.events.behind and seq.events.freed_by is None:
                 seq.events.freed_by = self.last_freed
             seq.status = Status.RUNNING
@@ -291,7 +294,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
-            victim = max(self.running, key=Sequence.sort_key)  # lowest priority, latest arrival
+            victim = max(self.running, key=Sequence.victim_key)  # lowest priority, latest arrival
             victim.events.preempted.append([time.monotonic(), self._forced_by(seq, victim),
                                             victim.num_computed_tokens, None])
             self._preempt(victim, out)
