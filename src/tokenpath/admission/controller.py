@@ -7,14 +7,18 @@ recent service time (dispatch to finish, an EWMA). Predicted wait for a new requ
 
 - no healthy replica: 503 at once (with Retry-After until the next probe);
 - room on a replica, nobody of equal or better priority waiting, and the tenant under its share of
-  the slots while other tenants want them (`share.py`): dispatch immediately;
+  the slots while other tenants want them (`share.py`): dispatch immediately; and if no running
+  slot is free there while another tenant holds more than its share, one of that tenant's running
+  requests is paused in the engine for it (`preempt.py`);
 - queue (or the tenant's share of it) full, or the predicted wait already past the request's
   deadline: 429 at once, `Retry-After` = predicted drain time. Waiting in line for a request that
   cannot make its deadline only burns capacity the others need;
 - otherwise queue it. A queued request leaves when a replica has room, when its deadline passes
   (504, removed at once), when its client goes away (removed at once), or with the same 503 as a
   new request when every replica reports itself down (stalled, dead). A tenant at its share
-  of the slots is passed over in the queue while another tenant's request can go.
+  of the slots is passed over in the queue while another tenant's request can go; the head of the
+  queue, under its share, takes an over-share tenant's running slot by preemption rather than wait
+  for one of its requests to end.
 
 Rejections are pure bookkeeping (no I/O, no awaits), so they answer in microseconds.
 """
@@ -28,14 +32,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenpath.admission import preempt
 from tokenpath.admission.capacity import CapacityEstimator
 from tokenpath.admission.picker import Pick, ReplicaPicker
 from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.admission.share import SlotShare
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
-from tokenpath.protocol import EmbeddingRequest, GenerateRequest, Submission
+from tokenpath.protocol import EmbeddingRequest, GenerateRequest, ReplicaState, Submission
 from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
+from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.admission")
 # What a deployment admits: the gateway's submission of a generation, or of an embedding down the
@@ -62,6 +68,10 @@ class AdmissionConfig:
     # so a client's next request, a moment after its last one ended, finds its slot free.
     tenant_share: bool = True
     tenant_active_s: float = 5.0
+    # With the share on: a request under its tenant's share that finds no running slot free takes
+    # one from a tenant over its share, whose request is paused in the engine by recompute and
+    # resumes later, nothing lost (preempt.py); off: it waits for one of theirs to end.
+    tenant_preempt: bool = True
 
 
 @dataclass
@@ -77,6 +87,15 @@ class Admission:
     request_id: str = ""
     tenant: str = "anonymous"
     max_tokens: int | None = None
+    priority: int = 0
+    timeline: Timeline | None = None
+    preemptible: bool = False  # a generation: its engine can pause it (preempt.py)
+    paused_by: str | None = None  # the request it yielded its running slot to, until it resumes
+    paused_at: float = 0.0
+
+    @property
+    def replica(self) -> str:
+        return self.handle.name
 
 
 class FlowController:
@@ -185,7 +204,7 @@ class FlowController:
             if room:
                 timeline.stamp("admitted", deployment=self.deployment, admission="immediate")
                 metrics.ADMISSIONS.labels(self.deployment, "immediate").inc()
-                return self._dispatch(submission, room, 0.0)
+                return self._dispatch(submission, room, 0.0, victim=self._victim_for(submission, room, exclude, now))
         ticket = Ticket(request.request_id, request.tenant, request.priority,
                         cost=_cost(request), deadline=deadline, payload=(submission, exclude))
         ticket.future = asyncio.get_running_loop().create_future()
@@ -243,9 +262,63 @@ class FlowController:
         room = self.pool.with_room()
         return [s for s in room if s.name not in exclude] or room
 
+    def _victim_for(self, submission: Request, room: list[ReplicaState], exclude: frozenset[str],
+                    now: float, queued: bool = False) -> Admission | None:
+        """The running request this one should take the slot of (`preempt.py`), or None: the
+        share or preemption is off, it is not a generation, a running slot is free in `room`, or
+        no other tenant holds a whole slot beyond its share on a replica that can pause one.
+        `queued`: its ticket is in the queue (its demand counted there), else it is asking."""
+        if not (self.config.tenant_share and self.config.tenant_preempt) or \
+                not isinstance(submission.request, GenerateRequest):
+            return None
+        holders = list(self._holding.values())
+        for s in room:
+            inflight = self.pool.handles[s.name].inflight
+            if not s.max_num_seqs or inflight - preempt.paused_on(holders, s.name) < s.max_num_seqs:
+                return None  # it runs at once there (or the replica does not say how many run)
+        tenant = submission.request.tenant
+        over = self.share.over(self.pool.run_slots, self.queue.tenant_depths(), now,
+                               asking=None if queued else tenant, paused=preempt.paused(holders))
+        over.pop(tenant, None)
+        if not over:
+            return None
+        replicas = {s.name for s in self.pool.healthy() if s.can_preempt}
+        victim = preempt.choose_victim(holders, over, replicas - exclude or replicas)
+        return victim if isinstance(victim, Admission) else None
+
+    def _pause(self, victim: Admission, taker: Request) -> None:
+        """Record on both Timelines that `victim` yields its running slot to `taker` (the engine
+        pauses it when `taker` arrives there with `preempts` set): why the one was slow, and
+        what dispatched the other."""
+        now = time.monotonic()
+        victim.paused_by, victim.paused_at = taker.request_id, now
+        tenant = taker.request.tenant
+        if victim.timeline is not None:
+            pauses = victim.timeline.attrs.get("admission_paused")
+            victim.timeline.attrs["admission_paused"] = [*(pauses if isinstance(pauses, list) else []), {
+                "by": taker.request_id, "tenant": tenant, "replica": victim.replica}]
+        taker.timeline.attrs["admission_preempted"] = {"request_id": victim.request_id, "tenant": victim.tenant,
+                                                       "replica": victim.replica}
+        metrics.SHARE_PREEMPTIONS.labels(self.deployment).inc()
+        log.info("request %s (tenant %s) yields its running slot to %s (tenant %s): over its tenant's share",
+                 victim.request_id, victim.tenant, taker.request_id, tenant,
+                 extra={"event": "share_preemption", "deployment": self.deployment, "replica": victim.replica})
+
+    def resumed(self, admission: Admission) -> None:
+        """Called while `admission` is paused, on each of its outputs: once the engine says it
+        runs again, it counts as running (and may be chosen again) for the shares."""
+        timeline = admission.timeline
+        if timeline is not None and preempt.resumed(admission, timeline.attrs.get("engine_preempted")):
+            admission.paused_by = None
+
     def _dispatch(self, submission: Request, room: list, queued_s: float,
-                  freed_by: str | None = None) -> Admission:
+                  freed_by: str | None = None, victim: Admission | None = None) -> Admission:
         request, timeline = submission.request, submission.timeline
+        if isinstance(request, GenerateRequest):
+            request.preempts = None if victim is None else victim.request_id
+        if victim is not None:  # it goes where the slot it takes is, past the room check
+            room = [self.pool.handles[victim.replica].state()]
+            self._pause(victim, submission)
         pick = self.picker.pick(submission, room)
         handle = self.pool.handles[pick.name]
         handle.inflight += 1
@@ -256,7 +329,7 @@ class FlowController:
         timeline.stamp("dequeued", queued_s=round(queued_s, 4))
         timeline.stamp("dispatched", replica=pick.name, policy=self.picker.policy,
                        reason=pick.reason, matched_blocks=pick.matched_blocks)
-        if queued_s > 0 and freed_by is not None:
+        if queued_s > 0 and freed_by is not None and victim is None:
             timeline.attrs.setdefault("admission_freed_by", freed_by)
         if pick.elsewhere is not None:  # with the requests that held the replica it passed over
             other = pick.elsewhere.get("replica")
@@ -264,7 +337,8 @@ class FlowController:
             timeline.attrs["prefix_elsewhere"] = {**pick.elsewhere, "holders": holders}
         max_tokens = request.params.max_tokens if isinstance(request, GenerateRequest) else None
         admission = Admission(handle, pick, queued_s, prefill_tokens=prefill, request_id=request.request_id,
-                              tenant=request.tenant, max_tokens=max_tokens)
+                              tenant=request.tenant, max_tokens=max_tokens, priority=request.priority,
+                              timeline=timeline, preemptible=isinstance(request, GenerateRequest))
         self._holding[id(admission)] = admission
         self.share.take(request.tenant, self.queue.tenant_depth(request.tenant), admission.dispatched_at)
         return admission
@@ -274,22 +348,24 @@ class FlowController:
         a tenant at its share of the slots (the shares hold within one pump: a dispatch moves a
         request from queued to held, the same demand). `freed_by`: the request whose release (the
         last one, when room came back later) gave the slots; none for the ticket that `arrived`
-        now and found room at once."""
-        allowed = self._allowance(time.monotonic())
+        now and found room at once. With no room, the head (under its share) may still take an
+        over-share tenant's running slot (`preempt.py`), rather than wait for one to end."""
+        now = time.monotonic()
+        allowed = self._allowance(now)
         while len(self.queue):
             head = self.queue.peek_where(allowed)
             if head is None:
                 break
             submission, exclude = head.payload
             room = self._room(exclude)
-            if not room:
+            victim = self._victim_for(submission, room, exclude, now, queued=True)
+            if not room and victim is None:
                 break
             self.queue.take(head)
-            assert head.future is not None
-            if head.future.done():
+            if head.future is None or head.future.done():  # (its client left in the same instant)
                 continue
             head.future.set_result(self._dispatch(submission, room, time.monotonic() - head.enqueued_at,
-                                                  None if head is arrived else freed_by))
+                                                  None if head is arrived else freed_by, victim))
 
     def _changed(self, freed_by: str | None = None, arrived: Ticket | None = None) -> None:
         self._pump(freed_by, arrived)

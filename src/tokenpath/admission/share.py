@@ -17,9 +17,12 @@ a request still waits for a running one to end).
   every slot (work-conserving); a tenant that only lingers reserves no more than it just used.
 - A tenant at or over its share gets **no new slot** while the others want theirs: its next
   request waits in the queue (others' requests pass it there) until one of its own slots ends or
-  the others' demand falls. Nothing already running is preempted: slots come back as requests end
-  (a non-reading stream's within the stall bound), and a request of the under-share tenant takes
-  the first one. The README's "Tenant share of the slots" says why capping suffices.
+  the others' demand falls. The README's "Tenant share of the slots" says why capping suffices
+  for a tenant's *later* requests.
+- Capping cannot take back what a tenant already holds: a tenant that flooded an idle deployment
+  holds every running slot when another's first request comes. For that one, `over` names the
+  tenants holding a whole running slot or more beyond their share, and admission pauses one of
+  their requests in the engine for it (`preempt.py`).
 
 Pure bookkeeping: no clock of its own (the caller passes `now`), no tasks.
 """
@@ -113,6 +116,28 @@ class SlotShare:
             return lambda tenant: True
         shares = self.shares(capacity(), demands)
         return lambda tenant: self.held.get(tenant, 0) < shares.get(tenant, 0.0)
+
+    def over(self, capacity: Callable[[], int], queued: Mapping[str, int], now: float, asking: str | None = None,
+             paused: Mapping[str, int] | None = None) -> dict[str, float]:
+        """Tenants holding at least one whole running slot more than their share while others
+        want slots, and by how much: whom a preemption may take a slot from (`preempt.py`).
+        `paused`: per tenant, its requests paused now (held, but not running). A fraction over
+        is not enough: the slot would only change hands, and the other would be a fraction over.
+        `capacity` (the running slots) is read only when shares are needed, as in `allowance`."""
+        if asking is not None:
+            queued = Counter(queued)
+            queued[asking] += 1
+        demands = self.demands(queued, now)
+        if len(demands) <= 1:
+            return {}
+        shares = self.shares(capacity(), demands)
+        paused = paused or {}
+        out: dict[str, float] = {}
+        for tenant, held in self.held.items():
+            excess = held - paused.get(tenant, 0) - shares.get(tenant, 0.0)
+            if excess >= 1 - 1e-9:
+                out[tenant] = excess
+        return out
 
     def snapshot(self, capacity: int, queued: Mapping[str, int], now: float) -> dict[str, dict[str, float]]:
         """Per active tenant: slots held, demand and share (a held-back request's `admission_share`)."""

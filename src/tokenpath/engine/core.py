@@ -178,6 +178,10 @@ class EngineCore:
             choices.append(ChoiceState(seq=seq, detok=self.tokenizer.detokenizer(params.skip_special_tokens)))
             self.scheduler.add(seq)
         self.prompt_tokens += len(prompt_token_ids)
+        victim = self.requests.get(request.preempts) if request.preempts else None
+        # The gateway's share preemption: this request takes the victim's running slot.
+        if victim is not None and self.scheduler.displace([c.seq for c in victim.choices], [c.seq for c in choices]):
+            events.behind = []  # it waits for nobody's end: its slot is the paused one's
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), params, choices, events)
         if waits:
             self._lora_waiters.add(request_id)

@@ -11,7 +11,11 @@ as slots freed, each went back ahead of another tenant's newer request already i
 then waited until the flood's whole backlog had passed: 16.5 s of 19.3 s in
 tests/reliability/test_stall_tenants.py). When the pool runs out of blocks, the lowest-priority,
 latest-arrived running sequence is preempted by recompute: its blocks are freed and it goes back
-to the front of its priority.
+to the front of its priority. The gateway's tenant share preempts the same way, for a slot rather
+than for blocks: a request that arrives with `preempts` set (admission/preempt.py) pauses that
+running request and takes its slot, ahead of the whole queue (`displace`); a KV preemption then
+takes such a request last within its priority (`Sequence.victim_key`), so the blocks it needs do
+not go straight back to the tenant its slot was taken from.
 
 With `long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that
 arrives behind a long one is prefilled in the next step rather than after the whole long prompt.
@@ -120,9 +124,33 @@ class Scheduler:
 
     @staticmethod
     def _wait_key(seq: Sequence) -> tuple:
-        # A preempted sequence returns to the front of its priority band; the rest keep the order
-        # they were added in (`seq_id`: the gateway's dispatch order; see the module docstring).
-        return (seq.priority, 0 if seq.num_preemptions else 1, seq.seq_id)
+        # One that took a paused request's slot (`displace`) goes first; a preempted sequence
+        # returns to the front of its priority band; the rest keep the order they were added in
+        # (`seq_id`: the gateway's dispatch order; see the module docstring).
+        return (0 if seq.displaces else 1, seq.priority, 0 if seq.num_preemptions else 1, seq.seq_id)
+
+    def displace(self, victims: list[Sequence], takers: list[Sequence]) -> int:
+        """The gateway's share preemption (`GenerateRequest.preempts`): `takers` (a request just
+        added) take the running slots of `victims` (another tenant's request over its share).
+        Each running victim, up to one per taker, is paused by recompute as a KV preemption is
+        (blocks freed, back to the front of its band, its stream resumes later where it stopped);
+        the takers go to the head of the queue, so the next schedule runs them in those slots.
+        Called between steps. Returns the slots freed (0: the victim was not running, finished,
+        or never here: the takers still go first, into the next slot that frees)."""
+        for seq in takers:
+            if seq.status is Status.WAITING and seq in self.waiting:
+                self.waiting.remove(seq)
+                seq.displaces = victims[0].request_id if victims else ""
+                bisect.insort(self.waiting, seq, key=self._wait_key)
+        freed, now = 0, time.monotonic()
+        for seq in victims:
+            if freed >= len(takers):
+                break
+            if seq.status is Status.RUNNING:
+                seq.events.preempted.append([now, takers[0].request_id, seq.num_computed_tokens, None])
+                self._pause(seq)
+                freed += 1
+        return freed
 
     def holders(self, limit: int = 8) -> list[list]:
         """Who holds the engine now (a request arriving to a full engine waits behind them):
@@ -207,6 +235,8 @@ class Scheduler:
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
             self.waiting.pop(i)
+            if seq.displaces:  # it has the slot it took: held against KV preemption (`victim_key`)
+                seq.displaces, seq.share_slot = None, True
             if seq.events.behind and seq.events.freed_by is None:
                 seq.events.freed_by = self.last_freed
             seq.status = Status.RUNNING
@@ -270,7 +300,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
-            victim = max(self.running, key=Sequence.sort_key)  # lowest priority, latest arrival
+            victim = max(self.running, key=Sequence.victim_key)  # lowest priority, latest arrival
             victim.events.preempted.append([time.monotonic(), self._forced_by(seq, victim),
                                             victim.num_computed_tokens, None])
             self._preempt(victim, out)
@@ -290,6 +320,14 @@ class Scheduler:
         return "" if holder is None else holder.request_id
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._pause(seq)
+        out.preempted.append(seq)
+        # It may already be in this step's grants (a decode scheduled before the victim search).
+        out.scheduled = [(s, k) for s, k in out.scheduled if s is not seq]
+
+    def _pause(self, seq: Sequence) -> None:
+        """Preempt by recompute: free its blocks, back to waiting (its tokens kept, recomputed on
+        its return, so its stream resumes with nothing lost or repeated)."""
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.draft_ids = []
@@ -297,7 +335,4 @@ class Scheduler:
             seq.spec.forget_draft_kv()
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(seq)
         self.add(seq)
-        # It may already be in this step's grants (a decode scheduled before the victim search).
-        out.scheduled = [(s, k) for s, k in out.scheduled if s is not seq]

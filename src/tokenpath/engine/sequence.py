@@ -51,6 +51,15 @@ class Sequence:
     prompt_hashes: list[int] | None = None  # of the prompt's full blocks (the scheduler fills it in)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
     num_preemptions: int = 0
+    # The request whose running slot this one took (`GenerateRequest.preempts`): it waits first,
+    # ahead of every priority, until it runs (then None again), so the slot its victim gave up is
+    # its own and not the next in line's.
+    displaces: str | None = None
+    # It runs in a slot the tenant share handed it (it displaced an over-share request): a KV
+    # preemption takes it last within its priority, or the blocks it needs would go straight back
+    # to the tenant its slot was taken from (in a flood that fills the pool, it was always the
+    # latest arrival, so always the one preempted).
+    share_slot: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: Generator | None = None
@@ -91,3 +100,8 @@ class Sequence:
     def sort_key(self) -> tuple[int, float, int]:
         """Lower priority number first, then first come first served."""
         return (self.priority, self.arrival_time, self.seq_id)
+
+    def victim_key(self) -> tuple[int, int, float, int]:
+        """The KV preemption order (the greatest goes first): the lowest priority, then one not in
+        a slot the tenant share handed it, then the latest arrival."""
+        return (self.priority, 0 if self.share_slot else 1, self.arrival_time, self.seq_id)

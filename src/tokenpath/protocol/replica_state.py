@@ -45,6 +45,10 @@ class ReplicaState:
     waiting_deferred: int = 0
     # Mixture-of-experts counters (`EngineState.moe_experts`); empty for a dense model.
     moe_experts: tuple[int, ...] = ()
+    # The engine honours a request's `preempts` (tokenpath's own engines, in-process or over the
+    # engine link): admission's share may pause a request running there. A URL replica cannot
+    # (vLLM has no such call), so admission never preempts on one.
+    can_preempt: bool = False
 
     @property
     def load(self) -> int:

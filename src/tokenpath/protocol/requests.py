@@ -55,6 +55,12 @@ class GenerateRequest:
     operation: str | None = None
     arrival: float = field(default_factory=time.monotonic)  # monotonic, sender's clock
     lora: LoraRef | None = None  # the LoRA adapter to run with (None: the base model)
+    # The running request whose slot this one takes (admission's share preemption,
+    # `admission/preempt.py`): the engine pauses that one by recompute and runs this one first.
+    # It rides on the request rather than in a message of its own, so the slot changes hands
+    # when this request reaches the engine's queue: never before it is there to take it (a
+    # grammar still compiling), and never for a request the engine never got. None: nobody's.
+    preempts: str | None = None
 
     def __post_init__(self) -> None:
         check_priority(self.priority)  # (token ids: the API checks them against the vocabulary)

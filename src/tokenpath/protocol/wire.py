@@ -133,7 +133,8 @@ def encode_request(req: GenerateRequest, now: float | None = None) -> dict:
     return {"id": req.request_id, "ids": req.prompt_token_ids, "params": asdict(req.params),
             "prio": req.priority, "tenant": req.tenant,
             "deadline_in": None if req.deadline is None else req.deadline - now,
-            "trace": req.traceparent, "op": req.operation, "lora": None if req.lora is None else req.lora.wire()}
+            "trace": req.traceparent, "op": req.operation, "lora": None if req.lora is None else req.lora.wire(),
+            "preempts": req.preempts}
 
 
 def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
@@ -145,7 +146,8 @@ def decode_request(d: dict, now: float | None = None) -> GenerateRequest:
                            params=SamplingParams(**d["params"]), priority=int(d.get("prio", 0)),
                            tenant=str(d.get("tenant") or "anonymous"),
                            deadline=None if left is None else now + float(left), traceparent=d.get("trace"),
-                           operation=d.get("op"), arrival=now, lora=LoraRef.from_wire(d.get("lora")))
+                           operation=d.get("op"), arrival=now, lora=LoraRef.from_wire(d.get("lora")),
+                           preempts=None if d.get("preempts") is None else str(d["preempts"]))
 
 
 # -- RequestOutput ------------------------------------------------------------------------------

@@ -185,6 +185,8 @@ class Deployment(Generic[ReqT, OutT]):
                     stamp_events(timeline, out)  # the one place engine events reach the Timeline
                     if not started:
                         self.flow.started(admission)
+                    elif admission.paused_by is not None:  # (yielded its slot to another tenant's)
+                        self.flow.resumed(admission)
                     started = True
                     finished = finished or out.finished
                     yield out

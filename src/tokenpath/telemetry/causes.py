@@ -178,11 +178,14 @@ def _preempted(timeline: Timeline) -> list[Cause]:
         if until is not None:
             ms += max(0.0, float(until) - float(at)) * 1000
     by = [str(w) for _, w, _, _ in records if w]
+    # Those that paused it for the tenant share (admission/preempt.py), not for KV blocks.
+    share = {str(p.get("by")) for p in timeline.attrs.get("admission_paused") or () if isinstance(p, dict)}
     stage = "decode" if timeline.get("first_token") and float(records[0][0]) >= timeline.stamps["first_token"] \
         else "prefill"
     return [Cause("preempted", round(ms, 1), {
         "stage": stage, "times": len(records), "recomputed_tokens": sum(int(r[2]) for r in records),
-        "forced_by": [w or "(its own growth)" for _, w, _, _ in records]}, list(dict.fromkeys(by)))]
+        "forced_by": [w or "(its own growth)" for _, w, _, _ in records],
+        "for_tenant_share": [w for w in dict.fromkeys(by) if w in share]}, list(dict.fromkeys(by)))]
 
 
 SPEC_MIN_PROPOSED = 16  # proposals before a request's acceptance means anything

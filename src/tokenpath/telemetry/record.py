@@ -108,7 +108,7 @@ class FinishedRequest:
                 out[f"time_to_{event}_ms"] = round(at * 1000, 1)
         for key in ("replica", "policy", "reason", "admission", "matched_blocks", "trace_id", "fallback_from",
                     "retried_after", "preemptions", "grammar", "predicted_wait_s", "backend_timing",
-                    "spec_decode", "client_stall"):
+                    "spec_decode", "client_stall", "admission_preempted", "admission_paused"):
             if a.get(key) is not None:
                 out[key] = a[key]
         causes = self.causes()

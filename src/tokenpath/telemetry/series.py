@@ -37,6 +37,12 @@ ADMISSIONS = Counter(
     "Requests admitted, by outcome (immediate or queued).",
     ["deployment", "outcome"], registry=REGISTRY,
 )
+SHARE_PREEMPTIONS = Counter(
+    "tokenpath:share_preemptions",
+    "Running requests paused (by recompute, resumed later) so that another tenant's request under "
+    "its share of the slots could run (admission/preempt.py).",
+    ["deployment"], registry=REGISTRY,
+)
 ROUTING_DECISIONS = Counter(
     "tokenpath:routing_decisions",
     "Replica routing decisions by policy and outcome (prefix_hit, cold, load_escape, ...).",

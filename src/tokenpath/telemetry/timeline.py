@@ -106,6 +106,8 @@ ATTRS: dict[str, str] = {
     "admission_behind": "the requests holding slots when it queued: [id, tenant, max_tokens, replica]",
     "admission_freed_by": "the request whose finish gave it a slot",
     "admission_share": "its tenant's slots held, demand and share when the share held it back (admission/share.py)",
+    "admission_preempted": "the running request whose slot it took, over its tenant's share: id, tenant, replica (admission/preempt.py)",
+    "admission_paused": "each time it yielded its running slot to another tenant's request: by, tenant, replica (admission/preempt.py)",
     "queued_s": "seconds in the admission queue (with `dequeued`)",
     "replica": "the replica picked (with `dispatched`)",
     "reason": "why that replica: prefix_hit, prefix_predicted, least_loaded... (with `dispatched`)",
