@@ -89,3 +89,21 @@ def test_idle_band_forgets_virtual_time():
     drain(q)
     x = q.push(t("next", cost=1))
     assert x.finish_tag == 1.0
+
+
+def test_another_tenants_flood_is_not_ahead_of_a_light_tenants_next_request():
+    """SCFQ: a flood pushes only its own tags forward, so a light tenant's next ticket leaves before
+    almost all of it; `ahead_of` for that tenant says so (the admission check's predicted wait),
+    while the flood's own next ticket is behind its whole backlog."""
+    q = FairQueue()
+    for i in range(100):
+        q.push(t(f"a{i}", "a", cost=10))
+    q.push(t("x", "a", band=-1))  # a more important band is ahead of everyone
+    assert q.ahead_of(0) == 101  # (no tenant: the whole band, an upper bound)
+    assert q.ahead_of(0, "b") == 1
+    assert q.ahead_of(0, "a") == 101
+    q.pop(), q.pop()  # x, then a's first: V moves to its tag
+    assert q.ahead_of(0, "b") == 0
+    q.push(t("b0", "b", cost=10))
+    assert q.ahead_of(0, "b") == 2  # its own ticket, and a's one tagged as early
+    assert [q.pop().request_id for _ in range(3)] == ["a1", "b0", "a2"]

@@ -305,3 +305,21 @@ async def test_a_timeout_shorter_than_the_recent_first_token_time_is_refused_up_
         await run(dep, req(deadline_s=0.1))
     assert e.value.code == "deadline_unreachable" and "first token" in e.value.message
     assert len(await run(dep, req(max_tokens=1, deadline_s=5.0))) >= 1  # a timeout that fits is served
+
+
+async def test_another_tenants_backlog_does_not_make_a_light_tenants_deadline_unreachable():
+    """The predicted wait counts what the fair queue puts ahead of *this* tenant's request: tenant
+    a's backlog of 20 (5 s of service each, one slot: ~100 s) refuses a's next request with a 60 s
+    deadline, while b's, which the queue would dispatch next, passes."""
+    dep, _ = deployment(seqs=1, interval=0.05, initial_service_s=5.0)
+    tasks = [asyncio.create_task(run(dep, req(max_tokens=10, tenant="a"))) for _ in range(21)]
+    await asyncio.sleep(0.02)
+    assert len(dep.flow.queue) == 20
+    deadline = time.monotonic() + 60
+    with pytest.raises(RateLimitError) as e:
+        dep.flow.check(0, "a", deadline, record=False)
+    assert e.value.code == "deadline_unreachable"
+    dep.flow.check(0, "b", deadline, record=False)  # passes: nothing of a's is tagged before it
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

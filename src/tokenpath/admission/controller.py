@@ -128,8 +128,9 @@ class FlowController:
         request = submission.request
         return self.queue_deadline(request.priority, submission.timeline.stamps["received"], request.deadline)
 
-    def predicted_wait(self, band: int) -> float:
-        ahead = self.queue.ahead_of(band) + 1
+    def predicted_wait(self, band: int, tenant: str | None = None) -> float:
+        """The queue wait of a new request in `band` (of `tenant`: the fair queue's own order)."""
+        ahead = self.queue.ahead_of(band, tenant) + 1
         return self.capacity.predicted_wait(ahead, self.pool.slots())
 
     def _reject(self, reason: str, exc: Exception, record: bool = True) -> Exception:
@@ -162,14 +163,14 @@ class FlowController:
             raise self._reject("tenant_queue_full", RateLimitError(
                 f"too many queued requests for tenant '{tenant}' on model '{self.deployment}'",
                 retry_after=drain, code="tenant_queue_full"), record)
-        wait = self.predicted_wait(priority)
+        wait = self.predicted_wait(priority, tenant)
         left = deadline - now
         if self.config.reject_unreachable_deadline and wait > left:
             raise self._reject("deadline_unreachable", RateLimitError(
                 f"model '{self.deployment}' cannot start this request before its deadline "
                 f"(predicted wait {wait:.1f}s, {max(left, 0):.1f}s left)",
                 retry_after=wait, code="deadline_unreachable"), record)
-        cautious = self.capacity.cautious_wait(self.queue.ahead_of(priority) + 1, self.pool.slots())
+        cautious = self.capacity.cautious_wait(self.queue.ahead_of(priority, tenant) + 1, self.pool.slots())
         self._check_first_token(cautious, first_token_by, now, record)
 
     def _no_replica(self, now: float) -> ServiceUnavailableError:

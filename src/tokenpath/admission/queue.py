@@ -156,9 +156,20 @@ class FairQueue:
             self.remove(t)
         return out
 
-    def ahead_of(self, band: int) -> int:
-        """Live tickets that would leave before a new ticket in `band` (an upper bound within it)."""
-        return sum(n for (b, _), n in self._depth.items() if b <= band)
+    def ahead_of(self, band: int, tenant: str | None = None) -> int:
+        """Live tickets that would leave before a new ticket in `band`. Without a `tenant`, the
+        whole band (an upper bound within it). For a tenant, those of more important bands and, in
+        its own band, those whose finish tag is at most the tag its next ticket would start from:
+        under SCFQ another tenant's flood pushed only its own tags forward, so it is not ahead of
+        this tenant's next request (the admission check's predicted wait refused a light tenant's
+        request for a flood it would have passed; issue 41). O(tickets in the band) then."""
+        before = sum(n for (b, _), n in self._depth.items() if b < band)
+        if tenant is None:
+            return before + self._depth_in_band(band)
+        if not self._depth_in_band(band):
+            return before
+        start = max(self._virtual.get(band, 0.0), self._last_tag.get((band, tenant), 0.0))
+        return before + sum(1 for tag, _, t in self._heaps.get(band, ()) if t.live and tag <= start)
 
     def depth(self) -> dict[tuple[int, str], int]:
         """Live tickets per (band, tenant): what /metrics exports as queue depth."""
