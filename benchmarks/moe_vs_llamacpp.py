@@ -14,8 +14,9 @@ residual bytes, ~15 bits, twice the integer multiplies of a prefill GEMM).
 blocks written straight into Q4_K_M by benchmarks/make_moe_gguf.py), where decode is bound by
 memory bandwidth as on a real MoE; `--model PATH`: any GGUF. The bandwidth bound printed is a
 STREAM-like read's GB/s over the bytes one token reads (every tensor once, experts at top-k of
-their count: engine_vs_llamacpp.bytes_per_token).
-Usage: nice -n 10 python benchmarks/moe_vs_llamacpp.py [--model small|big|PATH] [--reps 1] [--rounds 1] [--threads 2]
+their count: engine_vs_llamacpp.bytes_per_token). `--model mixtral`: make_moe_gguf.py's Mixtral
+shape (llama with 8 experts, top-2; 5.1 GiB).
+Usage: nice -n 10 python benchmarks/moe_vs_llamacpp.py [--model small|big|mixtral|PATH] [--reps 1] [--rounds 1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, num_
              initializer_range=0.02)
 
 
-def make_big() -> Path:
-    from benchmarks.make_moe_gguf import make
+def make_big(model: str = "big") -> Path:
+    from benchmarks.make_moe_gguf import make, make_mixtral
 
-    return make()
+    return make_mixtral() if model == "mixtral" else make()
 
 
 def make_gguf() -> Path:
@@ -60,20 +61,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two engines")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default="small", help="small (the default file above), big (make_moe_gguf.py's), "
-                    "or a GGUF path")
+    ap.add_argument("--model", default="small", help="small (the default file above), big or mixtral "
+                    "(make_moe_gguf.py's), or a GGUF path")
     ap.add_argument("--make-only", action="store_true", help="only make the GGUF (what the measuring run does first, "
                     "in a child of its own)")
     args = ap.parse_args()
     if args.make_only:
-        make_gguf() if args.model != "big" else make_big()
+        make_gguf() if args.model == "small" else make_big(args.model)
         return
     # Made in a child: the measuring children are forked from this process, and a forked child's
     # peak RSS (wait4's ru_maxrss) counts the parent's pages it started with: making the file here
     # (a float32 model in memory) put 3 GiB into both engines' peaks.
-    if args.model in ("small", "big"):
+    if args.model in ("small", "big", "mixtral"):
         subprocess.run([sys.executable, __file__, "--make-only", "--model", args.model], check=True)
-    gguf = make_gguf() if args.model == "small" else make_big() if args.model == "big" else Path(args.model)
+    gguf = make_gguf() if args.model == "small" else make_big(args.model) if args.model in ("big", "mixtral") \
+        else Path(args.model)
     size = gguf.stat().st_size / 2**20
     tps, lls = [], []
     for r in range(args.rounds):
