@@ -9,8 +9,8 @@ stream, greedy, each server with speculation off and on.
 
 Decode tok/s per request is (completion tokens - 1) / (last token - first token), from the stream,
 so prefill is left out; a workload's figure is the median over `--rounds` requests (after one
-warm-up request per server). Each server runs alone, with both cores; the client is pinned to
-core 0 (`taskset`, as every HTTP benchmark here: on 2 cores a client slows the server it measures)
+warm-up request per server). Each server runs alone, with both cores (its affinity reset at
+start); the client is pinned to core 0 (`taskset`, as every HTTP benchmark here: on 2 cores a client slows the server it measures)
 and only reads a stream. Ratios are on/off within each server, then tokenpath against llama-server.
 
     .venv/bin/python benchmarks/spec_vs_llamaserver.py [--rounds 3] [--workloads edit,quote,free]
@@ -83,8 +83,9 @@ def run_server(name: str, spec: bool, workloads: list[str], rounds: int, model: 
     with log.open("wb") as out:
         import subprocess
 
+        cores = set(range(os.cpu_count() or 1))  # (the client is pinned to core 0; its servers are not)
         proc = subprocess.Popen(commands(name, spec, port, model), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
     try:
         wait_healthy(port, proc, log, 300)
         url = f"http://127.0.0.1:{port}"
@@ -111,7 +112,7 @@ def main() -> None:
     if not LLAMA_SERVER.is_file():
         sys.exit(f"no llama-server at {LLAMA_SERVER}: run benchmarks/engine_vs_llamacpp.py --build-only first")
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {0})  # the client on core 0 (its servers are started before: both cores)
+        os.sched_setaffinity(0, {0})  # the client on core 0 (each server gets both cores back: run_server)
     workloads = args.workloads.split(",")
     model = model_file()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
