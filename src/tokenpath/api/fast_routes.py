@@ -62,13 +62,13 @@ def _parse(model: type[M], content_type: str | None, raw: bytes) -> M | None:
         return None
     try:
         data = json.loads(raw)
-    except ValueError:  # (UnicodeDecodeError and JSONDecodeError both)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError; too deep a body)
         return None
     if not isinstance(data, dict):
         return None
     try:
         return model.model_validate(data)
-    except ValidationError:
+    except (ValidationError, RecursionError):  # (a schema nested past the depth FastAPI's path refuses)
         return None
 
 

@@ -49,6 +49,8 @@ REQUEST_FIELDS: dict[str, str] = {
     "deadline": "gateway-side: the gateway enforces it up to the first token",
     "arrival": "gateway-side: the Timeline's own stamp",
     "operation": "gateway-side: the trace's operation name",
+    "preempts": "gateway-side: share preemption pauses requests on tokenpath's own engines only (a URL "
+                "replica's `can_preempt` is false, so admission never sets it for one)",
 }
 
 
