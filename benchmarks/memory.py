@@ -39,10 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.procs import free_port, group_status_kib, stop_group  # noqa: E402
+from benchmarks.procs import LLAMA_SERVER, free_port, group_status_kib, stop_group  # noqa: E402
 
 PEERS = ROOT / ".cache" / "peers"
-LLAMA_SERVER = PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 CTX = 4096
 
 

@@ -40,11 +40,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.procs import port_of, serve  # noqa: E402
+from benchmarks.procs import LLAMA_SERVER, port_of, serve  # noqa: E402
 from tests.server_data import seed_tokenizers  # noqa: E402 - the repo's own helper
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LLAMA_SERVER = ROOT / ".cache" / "peers" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 TOKENPATH = str(Path(sys.executable).parent / "tokenpath")
 MIB = 1024 * 1024
 PROMPT = [{"role": "user", "content": "Name three colours."}]

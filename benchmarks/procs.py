@@ -16,6 +16,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+# llama.cpp's server, as benchmarks/engine_vs_llamacpp.py builds it (`--build-only`) from the
+# llama-cpp-python sdist's vendored source.
+LLAMA_SERVER = (Path(__file__).resolve().parents[1] / ".cache" / "peers" / "llama_cpp_python-0.3.36" / "vendor"
+                / "llama.cpp" / "build" / "bin" / "llama-server")
+
 
 def free_port() -> int:
     """A port nothing listens on now (the kernel picks it; never a hard-coded one)."""

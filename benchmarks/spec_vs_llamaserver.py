@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +36,8 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE.parent)]
 
-from benchmarks.procs import free_port, stop_group, wait_healthy  # noqa: E402
+from benchmarks.procs import LLAMA_SERVER, free_port, stop_group, wait_healthy  # noqa: E402
 from benchmarks.spec_decode import SPEC, WORKLOADS  # noqa: E402
-
-LLAMA_SERVER = HERE.parent / ".cache" / "peers" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
 def model_file() -> str:
@@ -81,8 +80,6 @@ def run_server(name: str, spec: bool, workloads: list[str], rounds: int, model: 
     port = free_port()
     log = tmp / f"{name}-{'on' if spec else 'off'}.log"
     with log.open("wb") as out:
-        import subprocess
-
         cores = set(range(os.cpu_count() or 1))  # (the client is pinned to core 0; its servers are not)
         proc = subprocess.Popen(commands(name, spec, port, model), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))

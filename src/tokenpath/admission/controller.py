@@ -272,11 +272,15 @@ class FlowController:
         if not (self.config.tenant_share and self.config.tenant_preempt) or \
                 not isinstance(submission.request, GenerateRequest):
             return None
-        holders = list(self._holding.values())
+        holders: list[Admission] | None = None  # (built only where every slot is held: not per dispatch)
         for s in room:
             inflight = self.pool.handles[s.name].inflight
-            if not s.max_num_seqs or inflight - preempt.paused_on(holders, s.name) < s.max_num_seqs:
+            if not s.max_num_seqs or inflight < s.max_num_seqs:
                 return None  # it runs at once there (or the replica does not say how many run)
+            holders = list(self._holding.values()) if holders is None else holders
+            if inflight - preempt.paused_on(holders, s.name) < s.max_num_seqs:
+                return None  # a paused request's slot is free there
+        holders = list(self._holding.values()) if holders is None else holders
         tenant = submission.request.tenant
         over = self.share.over(self.pool.run_slots, self.queue.tenant_depths(), now,
                                asking=None if queued else tenant, paused=preempt.paused(holders))

@@ -275,7 +275,7 @@ class Gateway:
         """Charge prompt + max_tokens before any work is queued; refuse with 429 over a limit."""
         if principal.key_limits is None or principal.key_prefix is None:  # anonymous (auth off) or a static key:
             return Reservation(principal=principal, model=model, tokens=tokens)  # no limits to hold
-        admitted = await self.limits.reserve(principal.key_prefix, principal.tenant, principal.key_limits or Limits(),
+        admitted = await self.limits.reserve(principal.key_prefix, principal.tenant, principal.key_limits,
                                              principal.tenant_limits or Limits(), tokens, self.clock())
         _raise_refusal(admitted.verdict)
         verdict = admitted.verdict
