@@ -115,6 +115,8 @@ def test_the_engine_starts_beside_the_open_write_and_the_first_token_waits_for_i
     chunks = [json.loads(line[6:]) for line in got["lines"] if line != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "".join(f"t{i} " for i in range(8))
     # The open row first, then its close: a close never written before the open it supersedes.
+    # (The close is written once the reply is out, so the client can have [DONE] before it lands.)
+    _until(lambda: len(guard.events) >= 3, "the request's close row")
     assert [e for e, _ in guard.events] == ["open started", "open done", "close"]
     opened, closed = guard.rows
     assert opened.status == OPEN_STATUS and closed.status == 200 and closed.completion_tokens == 8
