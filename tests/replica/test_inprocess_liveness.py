@@ -7,6 +7,10 @@ tests/reliability/test_inprocess_stall.py."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -96,3 +100,52 @@ async def test_steps_as_slow_as_the_engine_normally_is_are_not_a_stall(gated):
     gate.delay = 0.7  # past the 0.5 s bound, within 3x the normal step
     outs = await asyncio.wait_for(run(replica, "slower", tokens=2), 10)
     assert outs[-1].finished and replica.liveness.ejections == 0
+
+
+class Starved:
+    """Wraps `runner.execute`: while `cpu_s` > 0, a step first runs that many seconds of CPU (by its
+    own thread's clock) on CPU 0, where hog processes compete for it: a step slowed by a crowded
+    machine, running all along, as the 1024-token prefill chunks of a loaded host were. The work
+    releases the GIL, as the kernels do: a Python loop holding it would wait on the event loop's
+    thread too, which this test is not about."""
+
+    def __init__(self, execute) -> None:  # noqa: ANN001
+        self.execute, self.cpu_s, self.walls, self.block = execute, 0.0, [], bytes(1 << 20)
+
+    def __call__(self, scheduled):  # noqa: ANN001, ANN204
+        if self.cpu_s > 0:
+            mask = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {0})  # (this thread only)
+            started, end = time.monotonic(), time.thread_time() + self.cpu_s
+            while time.thread_time() < end:
+                hashlib.sha256(self.block)  # (without the GIL, as the native kernels run)
+            self.walls.append(time.monotonic() - started)
+            os.sched_setaffinity(0, mask)
+        return self.execute(scheduled)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no per-thread schedstat")
+async def test_a_step_slowed_by_a_crowded_cpu_is_running_not_hung(tiny):
+    """Issue 41's rule that only the replica's own faults eject it, for a step that is slow because
+    the machine is oversubscribed: the step thread waits in a run queue, and that wait is not
+    counted as the step's age (engine/cpu_wait.py). On the old rule (wall clock only) the replica
+    was ejected here, as a loaded host's only replica was, failing its 32 requests with 503s."""
+    engine = AsyncEngine(model=str(tiny), dtype="float32", num_kv_blocks=32)
+    starved = engine.core.runner.execute = Starved(engine.core.runner.execute)
+    await engine.start()
+    replica = InProcessReplica(engine, name="local-tiny", deployment="tiny",
+                               liveness=LivenessConfig(stall_after_s=BOUND_S))
+    hogs = [subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+            for _ in range(4)]
+    try:
+        assert (await run(replica, "warm", tokens=3))[-1].finished  # (the first step's allowance, then a price)
+        starved.cpu_s = 0.25
+        outs = await asyncio.wait_for(run(replica, "crowded", tokens=2), 30)
+        assert outs[-1].finished and replica.liveness.ejections == 0 and replica.state().healthy
+        # The steps did take longer than the bound by the wall clock (5 threads on one CPU).
+        assert max(starved.walls) > 2 * BOUND_S, starved.walls
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        await replica.close()

@@ -18,6 +18,9 @@ is noticed and its requests released instead of waiting for as long as it hangs.
 the longest step so far, or its tokens at the costliest per-token price of a big step
 (>= `BIG_STEP_TOKENS`; before one, the first step's, which pays one-time setup too and so errs
 long), so a big model's long prefill chunk is not taken for a hang.
+Both leave out the time the step thread waited for a CPU (`engine.cpu_wait`): a step slowed by an
+oversubscribed machine is running, not hung (a blocked step waits in no run queue, so a hang is
+judged as before).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.core import EngineCore
+from tokenpath.engine.cpu_wait import RunQueueWait
 from tokenpath.engine.structured.grammar import lower_priority
 from tokenpath.errors import DuplicateRequestIdError, EngineDeadError, RequestFailedError
 from tokenpath.protocol import GenerateRequest
@@ -71,6 +75,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.beat = time.monotonic()  # the step thread's last turn of its loop (see the module doc)
         self.idle = True  # the step thread waits for work (no step runs, none can hang)
+        self._cpu_wait = RunQueueWait()  # the step thread's run-queue wait (attached on that thread)
+        self._beat_wait: tuple[float, float | None] = (self.beat, None)  # (beat, that wait when it began)
         # Of steps that ended within `step_ceiling_s`: the first one's price per token, then the
         # longest step and the costliest token of a big step among the later ones.
         self.first_step_s_per_token = 0.0
@@ -98,6 +104,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+            if not self._thread.is_alive():  # (a hung thread's watcher may still read it)
+                self._cpu_wait.close()
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self.core.loras.close()
 
@@ -193,9 +201,15 @@ class AsyncEngine:
 
     def step_beat(self, now: float | None = None) -> tuple[float, float | None]:
         """For the engine's watcher: how long the step thread has been in its current turn of the
-        loop (0 while it waits for work), and `step_allowance_s` (None before a first step has
+        loop, less the time it waited for a CPU meanwhile (0 while it waits for work), and `step_allowance_s` (None before a first step has
         ended: that one pays one-time setup, and there is no price yet)."""
-        age = 0.0 if self.idle else max(0.0, (time.monotonic() if now is None else now) - self.beat)
+        if self.idle:
+            return 0.0, self.step_allowance_s() if self.first_step_s_per_token else None
+        age = (time.monotonic() if now is None else now) - self.beat
+        beat, wait0 = self._beat_wait
+        if beat == self.beat and wait0 is not None and (wait := self._cpu_wait.read()) is not None:
+            age -= wait - wait0  # (waiting for a CPU is not hanging: see the module doc)
+        age = max(0.0, age)
         return age, self.step_allowance_s() if self.first_step_s_per_token else None
 
     def reset_prefix_cache(self) -> int:
@@ -219,13 +233,18 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._cpu_wait.attach()
             while not self._stopping:
+                wait0 = self._cpu_wait.read()
                 self.beat = started = time.monotonic()
+                self._beat_wait = (started, wait0)
                 self.idle = False
                 self._drain_inbox()
                 if self.core.has_work():
                     outs = self.core.step()
                     took = time.monotonic() - started
+                    if wait0 is not None and (wait := self._cpu_wait.read()) is not None:
+                        took -= wait - wait0  # (priced as the hang is judged: without the run-queue wait)
                     if took <= self.step_ceiling_s and (tokens := self.core.step_tokens):
                         if not self.first_step_s_per_token:
                             self.first_step_s_per_token = took / tokens

@@ -19,7 +19,10 @@ second on a healthy replica; per output it costs one attribute store):
     the stall bound or `STEP_SLACK` times what a normal step of that engine takes if longer
     (`FIRST_STEP_S` before its first step has ended: that one pays one-time setup). This is a
     stuck kernel or a deadlock in a process whose event loop, and so its link, still runs: on the
-    link alone it looked alive, and its requests waited for as long as the step hung.
+    link alone it looked alive, and its requests waited for as long as the step hung. The step's
+    age leaves out the time its thread waited for a CPU (`engine.cpu_wait`): on an oversubscribed
+    machine a step runs slowly but is not hung, and ejecting a loaded host's only replica turned
+    its slowness into 503s.
   One rule for every kind of replica, judged here and nowhere else. A stalled replica is ejected
   at once (its `state()` says unhealthy, so no picker can choose it, whatever its prefix score),
   logged once as `replica_ejected` with reason `stalled` (and `cause`: `silent` or `step`), and
