@@ -104,7 +104,7 @@ def extensions() -> list[Extension]:
         return []
     return [
         _kernel_extension("_native_avx2", ("quant.cpp", "dot_avx2.cpp", "forward_avx2.cpp")),
-        _kernel_extension("_native_avx512", ("quant.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "attn_avx512.cpp", "forward.cpp")),
+        _kernel_extension("_native_avx512", ("quant.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "attn_amx.cpp", "attn_avx512.cpp", "forward.cpp")),
     ]
 
 

@@ -249,7 +249,7 @@ class EngineConfig(BaseModel):
         description="bit mask (as --kernels-fine) of the matmuls whose bf16 weights multiply bf16 activations on "
                     "AMX tiles, every row, as vLLM and transformers compute a bf16 checkpoint; the rest take float32 "
                     "activations (default: $TOKENPATH_KERNELS_BF16, else 31: all, on CPUs with AMX-BF16; none "
-                    "elsewhere)")
+                    "elsewhere); where any bit is set, prompt rows' attention runs on the tiles too")
     kernels_exact: int | None = Field(
         default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "

@@ -45,8 +45,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # type, which an older library would run as Q8_0 rows; 9: tp_model_moe_counters; 10: the forwards'
 # row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
 # activations on AMX tiles, and tp_gemm's mode 3; 12: tp_attend_tile_test's isa, which picks the
-# AVX-512 attention, csrc/attn_avx512.cpp). A library reporting another is refused at load.
-MODEL_ABI = 12
+# AVX-512 attention, csrc/attn_avx512.cpp; 13: dims[17], prompt rows' attention on AMX tiles,
+# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3). A library reporting another is refused at load.
+MODEL_ABI = 13
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

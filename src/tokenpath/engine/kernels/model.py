@@ -271,6 +271,12 @@ DEFAULT_BF16 = KERNEL_MASK_ALL
 # generated rows keep their int8 activations (decode reads the weights, it does not multiply them).
 PROMPT_TILE_KINDS = EXACT_QKV | EXACT_O | EXACT_GATE_UP | EXACT_DOWN
 PROMPT_TILES = 0x80  # a row_kinds bit: a prompt row (csrc/forward.cpp kPromptTiles)
+# Where any matmul takes the tiles, a prompt row's attention does too (csrc/attn_amx.cpp: bf16
+# queries, keys, values and weights, float32 sums, as vLLM computes a bf16 checkpoint's prefill),
+# with a float16 or float32 KV cache and a head_dim that is a multiple of 32. Generated rows keep the
+# float32 attention, so speculation and batching still give the same tokens; the prompt's own
+# rows give the same bits in any chunking. --kernels-bf16 0 turns it off with the matmuls' tiles.
+ATTN_TILE_KV = ("float16", "float32")
 TILE_PACKED = (Q4X16, Q8X16, Q5X16, Q4KX16, Q5KX16, Q6KX16)  # the repacks tile_pack.h dequantizes
 
 
@@ -401,13 +407,14 @@ class NativeLlama:
             log.warning("native kernels: %s quantized to Q8_0 at load (the kernels do not read them as stored)",
                         ", ".join(sorted(requantized)))
         # 1: some matrix is float (F16/BF16/F32), 2: every one is, and no row needs int8 activations
+        self.attn_tiles = bool(half) and cache.dtype in ATTN_TILE_KV and cfg.head_dim % 32 == 0
         floats = len((used_types | {head_t}) & set(FLOAT_PACKED))
         float_w = 0 if not floats else 2 if floats == len(used_types | {head_t}) else 1
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.vocab_size, max_positions, block_size, embed_t, head_t,
                          exact, KV_KINDS.get(cache.dtype, -1), fine & ~exact,
                          int(cfg.hidden_act == "gelu_tanh"), float_w,
-                         half],
+                         half, int(self.attn_tiles)],
                         dtype=np.int32)
         fparams = np.array([cfg.embed_scale, cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5],
                            dtype=np.float32)
@@ -446,12 +453,14 @@ class NativeLlama:
         self.prompt_tiles = bool(tile_kinds)
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
                  "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s] (prompt rows of quantized weights: [%s]), "
-                 "int8 for the rest, %s KV cache", ISA_NAMES[self.isa], "/".join(self.weight_types),
+                 "int8 for the rest, %s KV cache, prompt rows' attention %s", ISA_NAMES[self.isa],
+                 "/".join(self.weight_types),
                  self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1),
                  ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if tile_kinds >> i & 1), self.kv_dtype)
+                 ",".join(n for i, n in enumerate(names) if tile_kinds >> i & 1), self.kv_dtype,
+                 "in bf16 on AMX tiles" if self.attn_tiles else "in float32")
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, slot_mapping: np.ndarray, row_table: np.ndarray,
                 tables: np.ndarray, logit_rows: np.ndarray, lora: NativeLoraStep | None = None,
@@ -489,14 +498,14 @@ class NativeLlama:
     @property
     def rows_differ(self) -> bool:
         """Whether a prompt row computes differently from a generated one (forward's `generated`)."""
-        return self.prompt_fine != self.fine or self.prompt_tiles
+        return self.prompt_fine != self.fine or self.prompt_tiles or self.attn_tiles
 
     def _row_kinds(self, generated: np.ndarray | None) -> int:
         """tp_model_forward's row_kinds: 0 (null) when every row takes the fine mask and none is a
         prompt row on tiles."""
         if generated is None or not self.rows_differ or generated.all():
             return 0
-        prompt = self.prompt_fine | (PROMPT_TILES if self.prompt_tiles else 0)
+        prompt = self.prompt_fine | (PROMPT_TILES if self.prompt_tiles or self.attn_tiles else 0)
         self._kinds = np.where(generated, self.fine, prompt).astype(np.uint8)  # alive through the call
         return int(self._kinds.ctypes.data)
 

@@ -24,17 +24,11 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "tp_kernels.h"
 
 namespace tp::amx {
 namespace {
-
-struct TileConfig {  // palette 1: 8 tiles of up to 16 rows x 64 bytes
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // B tiles from BF16X16 blocks: 16 rows x 32 bf16 (k-pairs interleaved), 1 KiB each.
 inline void pack_blocks(const uint8_t* wg, size_t nblocks, uint16_t* dst) {

@@ -10,6 +10,9 @@ namespace paged {
 
 constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
 constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
+// Rows per tile of prompt rows on AMX tiles (attn_amx.cpp): 16 rows x 3 query heads fill three
+// 16-query A tiles, so the block's K and V tiles are built once for 48 queries.
+constexpr int kPromptTileRows = 16;
 
 // Floats of per-thread scratch an item needs (widened K/V block of up to `width` features per key,
 // running max and sum per query of up to `queries` per row).

@@ -150,6 +150,9 @@ struct Model {
     // per row and matmul for nothing: half of quantize_row's time in a bf16 prefill).
     bool tiles_only = false;
     bool attn512 = false;  // attention on attn_avx512.cpp's kernels (attn512_for)
+    // Prompt rows' attention on AMX tiles (attn_amx.cpp; dims[17], kernels/model.py attn_tiles):
+    // tiles of up to kPromptTileRows rows whose rows all carry kPromptTiles.
+    bool attn_tiles = false;
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
@@ -254,6 +257,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->gelu = dims[14], m->float_w = dims[15];
 #ifndef TP_NO_AVX512
     m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
+    m->attn_tiles = m->half && dims[17] && amx::attend_prompt_runs(dims[5], dims[12]);
 #endif
     m->attn512 = attn512_for(isa, dims[5]);
     bool bf16_all = m->head_t == W_BF16X16;
@@ -320,7 +324,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 9: tp_model_moe_counters. 10: the forwards' row_kinds (per-row residual-byte masks).
 // 11: dims[16], the matmuls whose BF16 weights take bf16 activations (AMX); tp_gemm's mode 3.
 // 12: tp_attend_tile_test's isa (the AVX-512 attention, attn_avx512.cpp).
-int tp_model_abi() { return 12; }
+// 13: dims[17], prompt rows' attention on AMX tiles (attn_amx.cpp); tp_attend_tile_test's isa 3.
+int tp_model_abi() { return 13; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
@@ -359,10 +364,12 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     if (m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
+    // Prompt rows on AMX tiles (attn_tiles) make tiles of their own, of up to kPromptTileRows rows.
+    auto amx_row = [&](int t) { return m.attn_tiles && m.kinds && (m.kinds[t] & kPromptTiles); };
     m.tiles.clear();
     for (int t = 0; t < T; ++t)
-        if (t == 0 || row_table[t] != row_table[t - 1] || pos[t] != pos[t - 1] + 1 ||
-            t - m.tiles.back() == paged::kTileRows)
+        if (t == 0 || row_table[t] != row_table[t - 1] || pos[t] != pos[t - 1] + 1 || amx_row(t) != amx_row(t - 1) ||
+            t - m.tiles.back() == (amx_row(t) ? paged::kPromptTileRows : paged::kTileRows))
             m.tiles.push_back(t);
     m.tiles.push_back(T);
     const int ntiles = int(m.tiles.size()) - 1;
@@ -386,7 +393,10 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                 for (int s = 0; s < hsplit; ++s) m.items.push_back({ti, g, g + 1, s * rep / hsplit, (s + 1) * rep / hsplit});
     }
     const int nitems = int(m.items.size());
-    const size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
+    size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
+#ifndef TP_NO_AVX512
+    if (m.attn_tiles) attn_floats = std::max(attn_floats, amx::attend_prompt_scratch_floats(D, paged::kPromptTileRows * rep));
+#endif
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
     if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
     // Rows to quantize for a matmul: with a few rows (decode), every thread quantizes all of them
@@ -493,6 +503,11 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                 const paged::Tile tile{qkv + size_t(t) * W + q0, attn + size_t(t) * nq + q0, W, nq,
                                        m.tiles[it.tile + 1] - t, pos[t],
                                        tables + size_t(L.group) * table_stride + row_table[t], L.window};
+#ifndef TP_NO_AVX512
+                if (amx_row(t))
+                    return amx::attend_prompt_tile(m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D,
+                                                   it.h1 - it.h0, scale, scratch);
+#endif
                 attend(m.attn512, m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D, it.h1 - it.h0,
                        scale, scratch);
             });

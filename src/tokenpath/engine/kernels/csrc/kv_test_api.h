@@ -22,14 +22,25 @@ void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n) {
 // One attention tile over all n_kv heads: rows 0..nrows-1 (at most paged::kTileRows) at positions
 // p0.., queries q [nrows, n_kv * rep, D], output o alike; the pool [slots, n_kv, D] of KvKind
 // `kind` with block table `table` (block size bs); window 0: full causal attention; isa 2: the
-// AVX-512 kernels where the object has them and head_dim allows (as tp_model_create chooses).
+// AVX-512 kernels where the object has them and head_dim allows (as tp_model_create chooses); isa
+// 3: a tile of prompt rows (up to paged::kPromptTileRows) on AMX tiles (attn_amx.cpp), where the
+// object has it, this process may run tiles and the kind and head_dim allow; else o is not written.
 void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
                          const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
                          int window, int isa) {
-    if (nrows < 1 || nrows > paged::kTileRows) return;
+    if (nrows < 1 || nrows > (isa == 3 ? paged::kPromptTileRows : paged::kTileRows)) return;
     std::vector<float> scratch(paged::scratch_floats(n_kv * D, n_kv * rep));
     const int stride = n_kv * rep * D;
     const paged::Tile tile{q, o, stride, stride, nrows, p0, table, window};
+    if (isa == 3) {
+#ifndef TP_NO_AVX512
+        if (amx_permitted() && amx::attend_prompt_runs(D, kind)) {
+            scratch.resize(amx::attend_prompt_scratch_floats(D, nrows * rep));
+            amx::attend_prompt_tile(kind, k_cache, v_cache, tile, bs, n_kv * D, 0, n_kv, D, rep, scale, scratch.data());
+        }
+#endif
+        return;
+    }
     attend(attn512_for(isa, D), kind, k_cache, v_cache, tile, bs, n_kv * D, 0, n_kv, D, rep, scale, scratch.data());
 }
 

@@ -125,6 +125,13 @@ alignas(64) inline constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18
 using PackFn = void (*)(const uint8_t* wg, int nb, uint16_t* dst);
 void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const uint16_t* x, int M, float* y,
                 int ldy, int n0, int n1, const float* bias, bool accumulate);
+// attn_amx.cpp: a tile of prompt rows' attention (attention.h's attend_tile arguments, up to
+// paged::kPromptTileRows rows) in bf16 on tiles, float32 sums, where attend_prompt_runs(head_dim,
+// kv_kind) and amx_permitted(); scratch: attend_prompt_scratch_floats(head_dim, rows * rep) floats.
+bool attend_prompt_runs(int head_dim, int kv_kind);
+size_t attend_prompt_scratch_floats(int head_dim, int queries);
+void attend_prompt_tile(int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile, int bs,
+                        int kv_width, int g0, int g1, int D, int rep, float scale, float* scratch);
 }  // namespace amx
 // attn_avx512.cpp: attention.h's attend_tile in 512-bit vectors, for any KvKind, where
 // attend_runs(head_dim) (a multiple of 8). attention.h's attn512_for chooses it per model.
