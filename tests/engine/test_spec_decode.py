@@ -6,6 +6,7 @@ KV cache never hashes a block holding a rejected draft."""
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pytest
@@ -224,7 +225,7 @@ def _check_observability(llm: LLM, out) -> None:
     timeline = Timeline(out.request_id)
     timeline.stamps["received"] = out.events.queued
     stamp_events(timeline, out)
-    spec = timeline.attrs["spec_decode"]
+    spec = cast(dict, timeline.attrs["spec_decode"])  # (attrs hold any JSON value)
     assert (spec["proposed"], spec["accepted"]) == (stats.num_draft_tokens, stats.num_accepted_tokens)
     dep = SimpleNamespace(name="smol", replicas=[SimpleNamespace(state=llm.engine.state)])
     fams = {f.name: f for f in _StateCollector(lambda: [dep]).collect()}
