@@ -1,7 +1,10 @@
 """Speculative decoding (n-gram / prompt lookup) on SmolLM2-135M: one stream, greedy, off vs on.
 
 Workloads: `edit` (a ~400-token Python file in the prompt, reproduced with one rename), `quote`
-(a passage in the prompt, answered by quoting it), `free` (a story: nothing to copy), and two under
+(a passage in the prompt, and a question asking to quote two of its sentences: SmolLM2-135M
+answers it with a paraphrase that reuses fragments, 82 tokens, not a quote), `quote_copy` (the
+same passage, asked to copy those sentences "exactly as written, in quotation marks": SmolLM2
+then quotes the passage nearly word for word, 144 tokens), `free` (a story: nothing to copy), and two under
 a grammar: `json` (a record in the prompt copied under its JSON schema) and `tool` (a `required`
 call of a write_file tool whose arguments are in the prompt, under the tool-call grammar), and
 `edit_penalties`: the `edit` prompt with a repetition penalty of 1.1 and a presence penalty of 0.3
@@ -14,8 +17,15 @@ mode runs in its own subprocess (so peak RSS is per engine), in interleaved roun
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
 
+`--cpu-time`: each engine runs ONE thread (TOKENPATH_NUM_THREADS=1) and the figure is (output
+tokens - 1) / the process CPU time of the steps after the first token (`time.process_time` around
+each `engine.step`). On a loaded machine the wall clock mostly measures the other work: a step
+waits for a core however few rows it has, so fewer steps look better than they would on a quiet
+machine. One thread's CPU time counts only this engine's own cycles (cache sharing aside), which
+is what a quiet single-stream run is bound by.
+
     nice -n 10 .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--spec JSON] [--workloads edit,edit_penalties]
-        [--out spec_decode]
+        [--out spec_decode] [--cpu-time]
 
 Writes benchmarks/results/{out}.{md,json} (default spec_decode).
 """
@@ -32,10 +42,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 # The copy-heavy workload edits a real file of the project (~400 tokens), renaming one function.
 FILE = (HERE.parent / "src" / "tokenpath" / "engine" / "block_hash.py").read_text()
@@ -54,6 +65,8 @@ WORKLOADS = {
              "renamed to block_key everywhere. Output only the code.", 400),
     "quote": ("Read this passage:\n\n" + PASSAGE + "\n\nQuote, word for word, the sentences of the passage that "
               "say when the lamp was electrified and when the last keeper left.", 160),
+    "quote_copy": ("Read this passage:\n\n" + PASSAGE + "\n\nCopy the two sentences about the lamp being "
+                   "electrified and the last keeper leaving, exactly as written, in quotation marks.", 160),
     "free": ("Write a short story about a fox who learns to play the violin.", 240),
     "json": ("", 160),  # (the messages and the grammar: `constrained`)
     "tool": ("", 160),
@@ -82,6 +95,8 @@ def constrained(name: str):  # noqa: ANN201 - (messages, StructuredOutput) of a 
                 StructuredOutput("json", json.dumps(schema)))
     if name == "tool":
         plan = parse_tools([TOOL], "required", None, None)
+        if plan is None:  # (a required tool choice always plans)
+            raise RuntimeError("parse_tools planned nothing for a required tool choice")
         return ([{"role": "system", "content": tagged_system_prompt(plan)},
                  {"role": "user", "content": 'Call write_file with path "geometry.py" and content '
                                              '"def area(r): return 3.14159 * r * r".'}], constraint(plan))
@@ -108,12 +123,28 @@ def adapter(llm, name: str):  # noqa: ANN001, ANN201 - the workload's LoraRef, o
     return ref
 
 
+def timed_steps(engine) -> list[tuple[float, float]]:  # noqa: ANN001 - the engine whose steps to time
+    """Wrap `engine.step` to record each step's (wall start, process CPU seconds): `--cpu-time`."""
+    steps: list[tuple[float, float]] = []
+    step = engine.step
+
+    def timed():  # noqa: ANN202
+        wall, cpu = time.monotonic(), time.process_time()
+        out = step()
+        steps.append((wall, time.process_time() - cpu))
+        return out
+
+    engine.step = timed
+    return steps
+
+
 def worker(spec: str | None, names: list[str]) -> dict:
     from tokenpath import LLM, SamplingParams
 
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="128MiB", speculative_config=spec)
     llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    out = {}
+    steps = timed_steps(llm.engine)
+    out: dict[str, Any] = {}
     for name in names:
         lora = adapter(llm, name)
         prompt, max_tokens = WORKLOADS[name]
@@ -122,14 +153,17 @@ def worker(spec: str | None, names: list[str]) -> dict:
         grammar = constrained(name)
         messages, structured = grammar if grammar else ([{"role": "user", "content": prompt}], None)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured, **PARAMS.get(name, {}))
+        steps.clear()
         r = llm.generate(llm.tokenizer.apply_chat_template(messages), params, lora=lora)[0]
         n = len(r.outputs[0].token_ids)
         ev = r.events
         dt = ev.finished - ev.first_token
+        cpu = sum(c for wall, c in steps if wall >= ev.first_token)
         stats = llm.engine.spec.stats if llm.engine.spec else None
         proposed = stats.num_draft_tokens - drafted[0] if stats else 0
         accepted = stats.num_accepted_tokens - drafted[1] if stats else 0
         out[name] = {"tokens": n, "decode_s": round(dt, 3), "decode_tok_s": round((n - 1) / dt, 1),
+                     "decode_cpu_tok_s": round((n - 1) / cpu, 1) if cpu > 0 else None, "steps": len(steps),
                      "proposed": proposed, "accepted": accepted,
                      "acceptance": round(accepted / proposed, 3) if proposed else None,
                      "token_ids": r.outputs[0].token_ids}
@@ -144,6 +178,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     ap.add_argument("--out", default="spec_decode", help="results file stem under benchmarks/results")
     ap.add_argument("--worker", choices=["off", "on"])
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="one engine thread; also report decode tok/s by the process CPU time (see the docstring)")
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -154,12 +190,13 @@ def main() -> None:
         return
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     loads = []
+    env = {**os.environ, "TOKENPATH_NUM_THREADS": "1"} if args.cpu_time else None
     for _ in range(args.rounds):
         for mode in ("off", "on"):
             loads.append(os.getloadavg()[0])
             proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--spec", args.spec,
                                    "--workloads", ",".join(names)],
-                                  capture_output=True, text=True, check=True)
+                                  capture_output=True, text=True, check=True, env=env)
             runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(mode, {k: v.get("decode_tok_s") if isinstance(v, dict) else v for k, v in runs[mode][-1].items()},
                   file=sys.stderr)
@@ -170,13 +207,17 @@ def main() -> None:
         same = all(a["token_ids"] == b["token_ids"] for a in off for b in on)
         m_off = statistics.median(r["decode_tok_s"] for r in off)
         m_on = statistics.median(r["decode_tok_s"] for r in on)
+        c_off = statistics.median(r["decode_cpu_tok_s"] or 0.0 for r in off)
+        c_on = statistics.median(r["decode_cpu_tok_s"] or 0.0 for r in on)
         prop = sum(r["proposed"] for r in on)
         rows.append({"workload": name, "tokens": on[0]["tokens"], "off_tok_s": [r["decode_tok_s"] for r in off],
                      "on_tok_s": [r["decode_tok_s"] for r in on], "ratio": round(m_on / m_off, 2),
                      "round_ratios": [round(b["decode_tok_s"] / a["decode_tok_s"], 2) for a, b in zip(off, on, strict=True)],
                      "acceptance": round(sum(r["accepted"] for r in on) / prop, 3) if prop else None,
                      "accepted_per_step": round(sum(r["accepted"] for r in on) / len(on) / max(1, on[0]["tokens"]), 3),
-                     "identical_output": same})
+                     "identical_output": same, "steps_off": off[0]["steps"], "steps_on": on[0]["steps"],
+                     "cpu_off_tok_s": c_off, "cpu_on_tok_s": c_on,
+                     "cpu_ratio": round(c_on / c_off, 2) if c_off else None})
     # The adapter matters: edit_lora's tokens are not edit's (when both ran).
     lora_changes = (runs["off"][0]["edit_lora"]["token_ids"] != runs["off"][0]["edit"]["token_ids"]
                     if {"edit", "edit_lora"} <= set(names) else None)
@@ -188,7 +229,8 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
             "cpus": os.cpu_count(), "spec": json.loads(args.spec), "rounds": args.rounds,
             "workload_params": {n: PARAMS[n] for n in names if n in PARAMS}, "lora_changes_output": lora_changes,
-            "load_avg_before_each_run": [round(x, 2) for x in loads], "peak_rss_mib": rss}
+            "load_avg_before_each_run": [round(x, 2) for x in loads], "peak_rss_mib": rss,
+            "cpu_time": args.cpu_time}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     lines = [
@@ -196,7 +238,7 @@ def main() -> None:
         "",
         f"Run {meta['date']} on {meta['cpus']} shared cores (Python {meta['python']}). Command: "
         f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds} --workloads {','.join(names)} "
-        f"--out {args.out}`; speculative config `{args.spec}`; sampling parameters added to greedy: "
+        f"--out {args.out}{' --cpu-time' if args.cpu_time else ''}`; speculative config `{args.spec}`; sampling parameters added to greedy: "
         f"{json.dumps(meta['workload_params']) if meta['workload_params'] else 'none'}."
         + (" `edit_lora`: the `edit` prompt through a LoRA adapter (rank 16 on every target, random A and B "
            "of std 0.05, seed 1: tests/engine/lora_adapters.py `random_adapter`)"
@@ -208,20 +250,24 @@ def main() -> None:
         "absolute figures move; the ratio of medians is what to read. Decode tok/s excludes prefill.",
         "",
         "| workload | output tokens | off decode tok/s (runs) | on decode tok/s (runs) | on/off per round "
-        "| on/off (medians) | acceptance | identical output |",
-        "|---|---|---|---|---|---|---|---|",
+        "| on/off (medians) | acceptance | steps off / on | identical output |"
+        + (" CPU-time tok/s off / on (medians) | on/off by CPU time |" if args.cpu_time else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.cpu_time else ""),
     ]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
         lines.append(f"| {r['workload']} | {r['tokens']} | {', '.join(map(str, r['off_tok_s']))} | "
                      f"{', '.join(map(str, r['on_tok_s']))} | {', '.join(f'{x:.2f}x' for x in r['round_ratios'])} | "
-                     f"**{r['ratio']:.2f}x** | {acc} | "
-                     f"{'yes' if r['identical_output'] else 'NO'} |")
+                     f"**{r['ratio']:.2f}x** | {acc} | {r['steps_off']} / {r['steps_on']} | "
+                     f"{'yes' if r['identical_output'] else 'NO'} |"
+                     + (f" {r['cpu_off_tok_s']} / {r['cpu_on_tok_s']} | **{r['cpu_ratio']:.2f}x** |"
+                        if args.cpu_time else ""))
     lines += ["", f"Peak RSS: off {rss['off']} MiB, on {rss['on']} MiB.", "",
-              "Reading it: on these 2 cores a verification row is far from free (a 5-row step measured ~3.5x a "
-              "1-row step under load: the 135M model's decode is compute-bound here, not bound by reading its 94 MiB "
-              "of weights), so the gain is capped well below K + 1 and the adaptive draft length "
-              "(engine/spec/state.py) is what keeps rejected rows from making steps slower. SmolLM2's greedy "
+              "Reading it: a verification row is not free on these 2 cores (benchmarks/step_rows.py, CPU time, "
+              "context 400: a 5-row step 1.62x a 1-row step, 17 rows 3.74x, ~0.16 of a step a row), so the "
+              "gain is capped well below K + 1 and the adaptive draft length (engine/spec/state.py: one more "
+              "than accepted, doubling after a step that accepted every draft, pauses after misses) is what "
+              "keeps rejected rows from making steps slower. SmolLM2's greedy "
               "`free` story repeats its own phrases, so the n-gram proposer finds matches there too (its acceptance "
               "column): it is not a workload with nothing to copy for this model. Greedy output was identical with "
               "speculation on and off in every run (the last column).", ""]

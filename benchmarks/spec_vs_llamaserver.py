@@ -3,9 +3,9 @@
 stream, greedy, each server with speculation off and on.
 
 - tokenpath: `tokenpath serve --model FILE`, on: `--speculative-config` with spec_decode.py's SPEC
-  (n-gram, K = 4, n-grams of 2-3 tokens);
+  (n-gram, K = 16, n-grams of 2-3 tokens);
 - llama-server (the build of engine_vs_llamacpp.py): on: `--spec-type ngram-simple
-  --spec-draft-n-max 4` (its prompt-lookup proposer; K = 4 as ours).
+  --spec-draft-n-max 16` (its prompt-lookup proposer; the same K as ours).
 
 Decode tok/s per request is (completion tokens - 1) / (last token - first token), from the stream,
 so prefill is left out; a workload's figure is the median over `--rounds` requests (after one

@@ -6,6 +6,7 @@ KV cache never hashes a block holding a rejected draft."""
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from tokenpath.config import EngineConfig, SpeculativeConfig
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.rng import Generator
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.spec.decoder import SpecDecoder
 from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.state import DraftState
 from tokenpath.engine.spec.verify import verify
@@ -77,6 +79,19 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
     assert NgramIndex(1, 1).propose([4, 1, 2, 4], 5) == [1, 2, 4]  # runs up to the end
 
 
+def test_a_copy_in_progress_continues_from_its_source_not_the_latest_short_ngram():
+    index = NgramIndex(2, 3)
+    #         the source ............  a distractor repeating (5, 6, 7)  the copy starts
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 5, 6, 7, 20, 21, 50, 1, 2]
+    assert index.propose(tokens, 4) == [3, 4, 5, 6]
+    tokens += [3, 4, 5, 6, 7]  # all four accepted, and the target's own token followed the source too
+    assert index.propose(tokens, 2) == [8, 9]  # the lookup of (5, 6, 7) alone would say [20, 21]
+    tokens += [8, 30]  # the copy broke off: back to the lookup
+    assert index.propose(tokens, 2) == []
+    assert NgramIndex(2, 3).propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 5, 6, 7, 20, 21, 50, 1, 2, 3, 4, 5, 6, 7], 2) \
+        == [20, 21]  # (without the copy's history, the latest occurrence wins as before)
+
+
 def test_the_proposer_costs_microseconds_per_step():
     import time
 
@@ -93,14 +108,43 @@ def test_the_proposer_costs_microseconds_per_step():
 
 def test_a_sequence_drafts_one_more_than_it_had_accepted_and_pauses_after_misses():
     state = DraftState(NgramIndex(1, 2), k=4)
-    state.settle(accepted=1, max_k=4)
+    state.settle(accepted=1, max_k=4, proposed=4)
     assert (state.k, state.pause) == (2, 0)
-    state.settle(accepted=0, max_k=4)
-    state.settle(accepted=0, max_k=4)
+    state.settle(accepted=0, max_k=4, proposed=2)
+    state.settle(accepted=0, max_k=4, proposed=1)
     assert (state.k, state.pause) == (1, 2)  # paused 1, then 2 steps: backing off
-    state.settle(accepted=1, max_k=4)
-    state.settle(accepted=2, max_k=4)
+    state.settle(accepted=1, max_k=4, proposed=2)
+    state.settle(accepted=2, max_k=4, proposed=3)
     assert (state.k, state.backoff) == (3, 0)
+
+
+def test_a_sequence_that_accepts_every_draft_doubles_its_draft_length_up_to_k():
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=16), max_model_len=4096)
+    seq = Sequence("r", 0, [1, 2, 3, 1, 2], 5, SamplingParams(temperature=0, max_tokens=100))
+    lengths = []
+    for _ in range(6):
+        k = spec.draft_len(seq, budget=64)
+        lengths.append(k)
+        spec.settle(seq, proposed=k, accepted=k)  # a copy: every draft accepted
+    assert lengths == [16, 16, 16, 16, 16, 16]
+    spec.settle(seq, proposed=16, accepted=0)  # a miss: one token, after a pause of one step
+    assert spec.draft_len(seq, budget=64) == 0
+    lengths = []
+    for _ in range(6):
+        k = spec.draft_len(seq, budget=64)
+        lengths.append(k)
+        spec.settle(seq, proposed=k, accepted=k)
+    assert lengths == [1, 2, 4, 8, 16, 16]  # (one more a step would be 1, 2, 3, 4, 5, 6)
+    spec.settle(seq, proposed=16, accepted=5)  # a partial acceptance: one more than accepted
+    assert spec.draft_len(seq, budget=64) == 6
+
+
+def test_by_default_a_step_with_more_than_four_decoding_sequences_drafts_nothing():
+    # benchmarks/spec_batch.py: on/off 1.31x at c = 2, 0.99x at c = 4, 0.88x at c = 8 (K = 16)
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=16), max_model_len=4096)
+    assert [spec.allowed(d) for d in (1, 4, 5, 8)] == [True, True, False, False]
+    wide = SpecDecoder(SpeculativeConfig(num_speculative_tokens=16, max_batch=8), max_model_len=4096)
+    assert wide.allowed(8) and not wide.allowed(9)
 
 
 # ---------------------------------------------------------------- exactness
@@ -181,7 +225,7 @@ def _check_observability(llm: LLM, out) -> None:
     timeline = Timeline(out.request_id)
     timeline.stamps["received"] = out.events.queued
     stamp_events(timeline, out)
-    spec = timeline.attrs["spec_decode"]
+    spec = cast(dict, timeline.attrs["spec_decode"])  # (attrs hold any JSON value)
     assert (spec["proposed"], spec["accepted"]) == (stats.num_draft_tokens, stats.num_accepted_tokens)
     dep = SimpleNamespace(name="smol", replicas=[SimpleNamespace(state=llm.engine.state)])
     fams = {f.name: f for f in _StateCollector(lambda: [dep]).collect()}

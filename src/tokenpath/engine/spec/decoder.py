@@ -106,4 +106,4 @@ class SpecDecoder:
         """Count a verification, and let the sequence adapt its next draft length."""
         self.stats.record(proposed, accepted, self.k)
         if seq.spec is not None:
-            seq.spec.settle(accepted, self.k)
+            seq.spec.settle(accepted, self.k, proposed)
