@@ -11,6 +11,9 @@ llama.cpp keeps its KV cache in float32 (`-ctk f32 -ctv f32 -fa off`): with its 
 the first token of a random-weight model already differs, which says nothing about either engine.
 The converter's GGUF also gives the safetensors' logits exactly on the torch path, so the loader reads
 the converter's layout (its Q/K row permutation, its stacked experts) as transformers' own.
+A gpt-oss the converter writes is refused at load, naming its experts' type (no gpt-oss GGUF is
+read yet; llama.cpp's YaRN also always truncates its correction range, which gpt-oss' config
+turns off, so its tokens would not be transformers' reference anyway).
 """
 
 from __future__ import annotations
@@ -59,13 +62,17 @@ def hf_dir() -> Path:
     return cached_tiny("mixtral")
 
 
-@pytest.fixture(scope="module")
-def converted(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("converted") / "mixtral-f32.gguf"
+def _convert(hf_dir: Path, out: Path) -> Path:
+    """`hf_dir` as a float32 GGUF, by llama.cpp's own converter."""
     subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(hf_dir), "--outtype", "f32",
                     "--outfile", str(out)], check=True, capture_output=True, timeout=600,
                    env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"})  # nothing written into the vendored tree
     return out
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _convert(hf_dir, tmp_path_factory.mktemp("converted") / "mixtral-f32.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +163,17 @@ def test_transformers_on_the_checkpoint(hf_dir: Path, prompts, llamacpp_tokens):
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     assert hf_greedy(hf, prompts, NEW_TOKENS, None) == llamacpp_tokens
+
+
+def test_converted_gpt_oss_gguf_is_refused(tmp_path: Path):
+    """The tiny gpt-oss through the same converter (float experts, split into ffn_{gate,up}_exps):
+    tokenpath reads no gpt-oss GGUF yet, and says so at load naming an expert tensor's type,
+    rather than computing a llama with experts from it (its safetensors run on torch:
+    tests/engine/test_gpt_oss.py)."""
+    from tests.engine.tiny_models import cached_tiny
+    from tokenpath.engine.loader import load_model
+    from tokenpath.errors import ModelLoadError
+
+    gguf = _convert(cached_tiny("gpt-oss"), tmp_path / "gpt-oss-f32.gguf")
+    with pytest.raises(ModelLoadError, match=r"gpt-oss GGUF is not supported yet \(blk\.0\.ffn_\w+_exps\.weight is F32\)"):
+        load_model(str(gguf))
