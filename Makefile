@@ -47,10 +47,13 @@ test-fast: install
 	$(BIN)/python -m pytest -q -ra --fast --durations=10
 
 # The peers tier (tests/peers/, `pytest --peers`): the gateway in front of a real vLLM CPU build,
-# installed into a venv of its own (scripts/vllm_venv.sh, ~3.5 GB, minutes the first time). Apart
-# from `make test` because that install and vLLM's start-up would double the suite's time.
+# installed into a venv of its own (scripts/vllm_venv.sh, ~3.5 GB, minutes the first time), and
+# llama.cpp's converter and llama-server beside the engine (built from the llama-cpp-python sdist,
+# minutes the first time). Apart from `make test` because those installs and vLLM's start-up would
+# double the suite's time.
 test-peers: install
 	bash scripts/vllm_venv.sh
+	$(BIN)/python benchmarks/engine_vs_llamacpp.py --build-only
 	$(BIN)/python -m pytest -q -ra --peers tests/peers
 
 bench: install

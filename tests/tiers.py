@@ -41,7 +41,8 @@ SERVICE_FIXTURES = frozenset({
 
 # Capabilities that are services (started by scripts/services.sh) or whole systems: their tests
 # are integration tests, outside the fast tier.
-SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root", "vllm"})
+SERVICE_CAPABILITIES = frozenset({"postgres", "redis", "prometheus", "chromium", "ray", "gemma3", "root", "vllm",
+                                  "llamacpp"})
 
 # Modules outside the fast tier that no fixture name gives away (measured by a `--fast` run,
 # 2026-12-04, on 2 cores under load 4-6).

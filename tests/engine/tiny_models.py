@@ -52,6 +52,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                          "norm_topk_prob": False}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # gpt-oss: 3 layers (sliding, full, sliding; window 8), 8 experts top-4 with biases, attention
+    # sinks, YaRN without truncation. swiglu_limit 1.0 (the real one is 7.0): these random
+    # activations reach it often, so the clamps are exercised.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 8,
+                 "num_experts_per_tok": 4, "sliding_window": 8, "swiglu_limit": 1.0, "tie_word_embeddings": False,
+                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 32,
+                                     "rope_theta": 150000.0}}),
 }
 
 
@@ -120,6 +129,8 @@ def save_tiny(kind: str, path: Path, tie: bool = True, seed: int = 0, **config) 
                 p.normal_(0, 0.5)
             elif "norm" in name:  # Gemma norms multiply by 1 + w (init 0), the others by w (init 1)
                 p.copy_(p + torch.randn_like(p) * 0.3)
+            elif name.endswith(".sinks"):  # gpt-oss' sink logits: a weight in the softmax comparable to a score's
+                p.normal_(0, 1.0)
     model.save_pretrained(str(path), safe_serialization=True)
     tok.save_pretrained(str(path))
     return path

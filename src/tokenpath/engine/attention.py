@@ -13,6 +13,9 @@ each group has its own block table, so every slot tensor below may carry a leadi
 ([G, ...]); a layer reads the row of its own group. Without it, one table serves every layer.
 The pool may store a narrower dtype than the model computes in (--kv-cache-dtype float16 with a
 float32 model): K/V are rounded on write and widened back after each gather.
+Attention sinks (gpt-oss: a learned logit per head in each query's softmax denominator, with no
+value) ride on SDPA as one more key: a zero key (score 0) and zero value whose additive mask entry
+is the head's sink, so the softmax is exactly that over [scores, sink] and the sink adds nothing.
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ class AttentionMetadata:
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]. `window`: this
-    layer attends only to the last `window` positions (its own included)."""
+    layer attends only to the last `window` positions (its own included). `sinks`: [Hq] logits
+    that join each head's softmax denominator."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     group = cache.layer_group[layer]
     slot_mapping = _of_group(meta.slot_mapping, group, 1)
@@ -95,7 +100,9 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         rows = slice(g.start, g.start + b)
         kd = _gather(k_cache, slots, q.dtype).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = _gather(v_cache, slots, q.dtype).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        mask = meta.decode_mask(gi, window)
+        mask: torch.Tensor | None = meta.decode_mask(gi, window)
+        if sinks is not None:
+            kd, vd, mask = _with_sinks(kd, vd, mask, sinks, 1, q.dtype)
         out[rows] = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa).squeeze(2)
     for pi, p in enumerate(meta.prefills):
@@ -108,10 +115,30 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             slots = _of_group(p.slots, group, 1)
             kp, vp = _gather(k_cache, slots, q.dtype), _gather(v_cache, slots, q.dtype)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+        if sinks is not None:
+            if mask is None:  # plain causal from position 0, spelled out: the sink column joins it
+                mask = torch.ones(p.num_tokens, p.num_tokens, dtype=torch.bool, device=q.device).tril()
+            kp, vp, mask = _with_sinks(kp, vp, mask, sinks, p.num_tokens, q.dtype)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _with_sinks(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, n: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V [B, Hkv, L, D] with a zero key and value appended, and the boolean mask [.., n, L] as an
+    additive float one [B, Hq, n, L + 1] whose last column is each head's sink logit."""
+    b, hkv, _, d = k.shape
+    zero = k.new_zeros(b, hkv, 1, d)
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    hq = sinks.shape[0]
+    if mask is None:
+        mask = torch.ones(1, 1, n, k.shape[2] - 1, dtype=torch.bool, device=k.device)
+    add = torch.zeros(mask.shape, dtype=dtype, device=k.device).masked_fill(~mask, float("-inf"))
+    add = add.expand(b, hq, n, add.shape[-1])  # (decode [B, 1, 1, L]; prefill [n, L])
+    sink = sinks.to(dtype).view(1, hq, 1, 1).expand(b, hq, n, 1)
+    return k, v, torch.cat([add, sink], dim=-1)
 
 
 def _of_group(slots: torch.Tensor, group: int, dims: int) -> torch.Tensor:

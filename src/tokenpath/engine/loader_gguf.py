@@ -119,6 +119,12 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors]:
     except (OSError, ValueError) as exc:  # truncated or not a GGUF file at all (GGUFFormatError)
         raise ModelLoadError(f"{path}: cannot read GGUF ({type(exc).__name__}: {exc})") from exc
     arch = _field(reader, "general.architecture", path)
+    if arch == "gpt-oss":  # named apart: its experts' type is what the loader lacks, not the name
+        experts = next((t for t in reader.tensors if "_exps." in t.name), None)
+        held = f"{experts.name} is {experts.tensor_type.name}" if experts is not None else "no expert tensors found"
+        raise ModelLoadError(f"{path}: gpt-oss GGUF is not supported yet ({held}): neither its experts (MXFP4 in "
+                             "the released files) nor its sinks, biases and clamped SwiGLU are read from GGUF; a bf16 "
+                             "or float32 gpt-oss safetensors checkpoint runs on the torch path")
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(GGUF_ARCHS)})")
     n_heads = int(_field(reader, f"{arch}.attention.head_count", path))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tokenpath.engine.gpt_oss import check_gpt_oss_weights, gpt_oss_fields, gpt_oss_windows
 from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
 from tokenpath.errors import ModelLoadError
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
-            "MixtralForCausalLM": "mixtral"}
+            "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss"}
 _ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -41,8 +42,6 @@ def _rope(params: dict, cfg_file: Path, max_pos: int) -> tuple[float, RopeScalin
     for key in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
         if params.get(key) not in (None, 1.0):
             raise ModelLoadError(f"{cfg_file}: rope parameter '{key}' is not supported")
-    if kind == "yarn" and params.get("truncate", True) is not True:
-        raise ModelLoadError(f"{cfg_file}: rope parameter 'truncate' = false is not supported")
     if kind == "default":
         return theta, None
     orig = params.get("original_max_position_embeddings") or max_pos
@@ -52,14 +51,14 @@ def _rope(params: dict, cfg_file: Path, max_pos: int) -> tuple[float, RopeScalin
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"))
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
 
 
 def _moe_fields(cfg: dict, arch: str, n_layers: int, cfg_file: Path) -> dict:
     """The mixture-of-experts fields of ModelConfig: Qwen3-MoE's sparse layers are those not in
     `mlp_only_layers` whose (index + 1) is a multiple of `decoder_sparse_step`; Mixtral's are all,
     each with `intermediate_size` experts and renormalized top-k weights."""
-    if arch not in ("qwen3moe", "mixtral"):
+    if arch not in ("qwen3moe", "mixtral", "gpt_oss"):
         return {}
     n = cfg.get("num_experts", cfg.get("num_local_experts"))
     k = cfg.get("num_experts_per_tok")
@@ -68,6 +67,8 @@ def _moe_fields(cfg: dict, arch: str, n_layers: int, cfg_file: Path) -> dict:
     if arch == "mixtral":
         return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=cfg["intermediate_size"],
                     norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
+    if arch == "gpt_oss":
+        return gpt_oss_fields(cfg, n, k, n_layers)
     step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
     return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -88,6 +89,10 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{cfg_file}: unsupported architecture {archs or cfg.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHS)})")
     quant = cfg.get("quantization_config")
+    if quant and arch == "gpt_oss":  # the released gpt-oss checkpoints: experts as MXFP4 blocks and scales
+        raise ModelLoadError(f"{cfg_file}: quantization_config {quant.get('quant_method', quant)!r}: gpt-oss experts "
+                             "stored as MXFP4 (*_blocks / *_scales tensors) are not read yet; a bf16 or float32 "
+                             "gpt-oss checkpoint runs on the torch path")
     if quant:  # FP8/GPTQ/AWQ/bitsandbytes weights come with scales this loader would ignore: refuse
         raise ModelLoadError(f"{cfg_file}: quantization_config {quant.get('quant_method', quant)!r} is not supported "
                              "(bf16, fp16 and fp32 safetensors are; GGUF files for quantized weights)")
@@ -122,6 +127,8 @@ def read_hf_config(path: Path) -> ModelConfig:
             theta, scaling = _rope(rope, cfg_file, max_pos)
             if arch in ("mistral", "mixtral") and window:
                 extra = dict(layer_windows=(int(window),) * n_layers)
+            if arch == "gpt_oss":
+                extra = dict(layer_windows=gpt_oss_windows(cfg, n_layers, cfg_file))
             extra["qk_norm"] = arch in ("qwen3", "qwen3moe")
             extra.update(_moe_fields(cfg, arch, n_layers, cfg_file))
         return ModelConfig(
@@ -314,6 +321,9 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes both paths compu
 
 
 def check_weights(config: ModelConfig, weights: Mapping[str, Any], path: Path) -> None:
+    if config.architecture == "gpt_oss":  # its experts are fused per layer, and it has biases and sinks
+        check_gpt_oss_weights(config, weights, path)
+        return
     need = ["embed.weight", "norm.weight"]
     per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "post_norm"]
     per_layer += ["q_norm", "k_norm"] if config.qk_norm else []

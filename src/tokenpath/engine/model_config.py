@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -34,6 +34,7 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn (mscale); None = transformers' default
+    truncate: bool = True  # yarn: the correction range rounded to whole dims (gpt-oss: False)
     freq_factors: tuple[float, ...] | None = None
 
 
@@ -79,6 +80,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # gpt-oss (transformers' modeling_gpt_oss.py). `attn_sinks`: a learned logit per head joins
+    # each query's softmax denominator (and takes no value). `attn_output_bias`: o_proj has a bias
+    # too (Qwen2's q/k/v bias does not). `moe_topk_softmax`: the softmax runs over the top-k router
+    # logits only (the same numbers as Mixtral's renormalized softmax, but in another order, and
+    # gpt-oss' router has a bias). `moe_bias`: the router and every expert matrix have biases.
+    # `swiglu_limit`: the clamped SwiGLU, gate clamped to <= limit, up to [-limit, limit], and
+    # (up + 1) * gate * sigmoid(alpha * gate); None = plain act(gate) * up.
+    attn_sinks: bool = False
+    attn_output_bias: bool = False
+    moe_topk_softmax: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""

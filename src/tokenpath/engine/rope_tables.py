@@ -53,8 +53,11 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
         def corr(rot: float) -> float:
             return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
 
-        low = max(math.floor(corr(scaling.beta_fast)), 0)
-        high: float = min(math.ceil(corr(scaling.beta_slow)), head_dim - 1)
+        low: float = corr(scaling.beta_fast)
+        high: float = corr(scaling.beta_slow)
+        if scaling.truncate:  # (transformers' default; gpt-oss keeps the fractional range)
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)

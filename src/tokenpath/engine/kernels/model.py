@@ -81,6 +81,11 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
     mixture-of-experts MLPs (Qwen3-MoE, Mixtral: csrc/moe.h, kernels/experts.py)."""
     checks = {
         f"activation {cfg.hidden_act}": cfg.hidden_act not in ("silu", "gelu_tanh"),
+        "attention sinks": cfg.attn_sinks,  # gpt-oss (engine/gpt_oss.py): these five
+        "an attention output bias": cfg.attn_output_bias,
+        "router and expert biases": cfg.moe_bias,
+        "a softmax over the top-k router logits": cfg.moe_topk_softmax,
+        "the clamped SwiGLU": cfg.swiglu_limit is not None,
     }
     return [name for name, hit in checks.items() if hit]
 

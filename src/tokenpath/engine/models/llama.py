@@ -4,7 +4,8 @@ Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Gemma 3 differ only in switches the Mo
 QK-norm (Qwen3, Gemma 3), sandwich norms around attention and MLP outputs, GeGLU instead of SwiGLU,
 embedding scale, attention scale, per-layer sliding windows and rope bases (Gemma 3), Gemma's
 (1 + w) norms. Qwen3-MoE and Mixtral are the same decoder with a mixture-of-experts MLP
-(`models/moe.py`) in their sparse layers. One module with those switches, rather than a copy per family, keeps the paged
+(`models/moe.py`) in their sparse layers; gpt-oss adds attention sinks, an o_proj bias and its
+clamped SwiGLU (engine/gpt_oss.py). One module with those switches, rather than a copy per family, keeps the paged
 attention and fused projections in one place.
 
 Input is a flat batch of tokens from many sequences (prefill chunks and decode steps mixed); the
@@ -25,7 +26,7 @@ from torch import nn
 from tokenpath.engine.attention import AttentionMetadata, KVCache, paged_attention
 from tokenpath.engine.lora_batch import TorchLoraBatch
 from tokenpath.engine.model_config import ModelConfig
-from tokenpath.engine.models.moe import MoEBlock
+from tokenpath.engine.models.moe import MoEBlock, clamped_swiglu
 from tokenpath.engine.models.rope import LayerRopes, Rope
 
 __all__ = ["DecoderLayer", "LlamaModel", "Rope"]
@@ -49,7 +50,8 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
         self.ffn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attn_output_bias, dtype=dtype)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=dtype)) if cfg.attn_sinks else None
         self.moe = MoEBlock(cfg, dtype) if cfg.is_moe_layer(layer) else None
         dense = self.moe is None
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype) if dense else None
@@ -61,6 +63,12 @@ class DecoderLayer(nn.Module):
 
     def _act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation: act(gate) * up, or gpt-oss' clamped SwiGLU."""
+        if self.cfg.swiglu_limit is not None:
+            return clamped_swiglu(gate, up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return self._act(gate) * up
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 meta: AttentionMetadata, lora: TorchLoraBatch | None = None) -> torch.Tensor:
@@ -78,21 +86,21 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
         q, k = Rope.apply(*rope, q, k)
-        attn = paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx)).reshape(t, self.q_size)
+        attn = paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx), self.sinks).reshape(t, self.q_size)
         a = self.o_proj(attn)
         if lora is not None:
             lora.add(idx, "o", attn, a)
         x = x + (a if self.attn_out_norm is None else self._rms(a, self.attn_out_norm))
         h = self._rms(x, self.post_norm)
         if self.moe is not None:  # LoRA never reaches here: adapters are refused on MoE models
-            m = self.moe(h, self._act)
+            m = self.moe(h, self._glu)
             return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
         gate_up, down = cast(nn.Linear, self.gate_up), cast(nn.Linear, self.down)  # a dense layer: both set
         gu = gate_up(h)
         if lora is not None:
             lora.add(idx, "gate_up", h, gu)
         gate, up = gu.chunk(2, dim=-1)
-        act = self._act(gate) * up
+        act = self._glu(gate, up)
         m = down(act)
         if lora is not None:
             lora.add(idx, "down", act, m)
@@ -153,6 +161,13 @@ class LlamaModel(nn.Module):
                 if layer.qkv.bias is not None:
                     layer.qkv.bias.copy_(torch.cat([w("q_proj.bias"), w("k_proj.bias"), w("v_proj.bias")]))
                 layer.o_proj.weight.copy_(w("o_proj.weight"))
+                if layer.o_proj.bias is not None:
+                    layer.o_proj.bias.copy_(w("o_proj.bias"))
+                if layer.sinks is not None:
+                    layer.sinks.copy_(w("sinks"))
+                if layer.moe is not None and layer.moe.router_bias is not None:  # gpt-oss: fused, with biases
+                    layer.moe.load_fused(w)
+                    continue
                 if layer.moe is not None:
                     layer.moe.load(w, stacked=f"layers.{i}.experts.gate_proj.weight" in weights)
                     continue
