@@ -6,13 +6,14 @@ tokenization, and hence its prefix hashes, are the ones the engine sees). Closin
 closes the HTTP response; the server sees the disconnect and aborts the request, which is how
 vLLM and tokenpath both treat a vanished client.
 
-State comes from polling the server's Prometheus `/metrics` (parsed with prometheus_client's own
-parser): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
+State comes from polling the server's Prometheus `/metrics` (the wanted samples read in one regex
+pass, `parse_metrics`): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
 mapped onto them. A llama-server without `--metrics` (its /metrics answers 501) is read from its
 `/slots` (slots busy, their tokens against their context). A server with neither is probed on
 `/health` for liveness only. Failed polls mark the replica unhealthy, which ejects it from
-routing until a poll succeeds again. Figures older than `stale_after_s` (polls failing or lagging,
-not yet enough to eject) count as saturated, as llm-d's saturation detector treats stale
+routing until a poll succeeds again. An idle backend's /metrics is read less often than its
+/health (`idle_metrics_s`: the page is the expensive one to render). Figures older than
+`stale_after_s` (polls failing or lagging, not yet enough to eject) count as saturated, as llm-d's saturation detector treats stale
 metrics: the least-loaded pick and admission's drain estimate do not trust a number that may
 have been overtaken.
 
