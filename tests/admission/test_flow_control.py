@@ -323,3 +323,34 @@ async def test_another_tenants_backlog_does_not_make_a_light_tenants_deadline_un
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_each_replica_state_is_read_once_per_decision(monkeypatch):
+    """The precheck reads each replica's state once, and admission once more (it read them five
+    times between them: healthy and room passes in each check, then the room list; issue 37)."""
+    dep, reps = deployment(n=2, seqs=4)
+    reads = {r.name: 0 for r in reps}
+    for r in reps:
+        real = r.state
+
+        def counted(real=real, name=r.name):
+            reads[name] += 1
+            return real()
+
+        monkeypatch.setattr(r, "state", counted)
+    dep.precheck(priority=0, tenant="t", received=time.monotonic())
+    assert reads == {"r0": 1, "r1": 1}
+    r = req()
+    await dep._admit(r)
+    assert reads == {"r0": 2, "r1": 2}
+    assert r.timeline.attrs["admission"] == "immediate"
+
+
+async def test_a_pool_view_keeps_the_room_rule():
+    """`PoolView.room` is `with_room`'s answer and `healthy` is `healthy()`'s, from one read."""
+    dep, (full, free) = deployment(n=2, seqs=1)
+    await dep._admit(req())  # one of the two is now full (one running slot each)
+    view = dep.flow.pool.view()
+    assert [s.name for s in view.room] == [s.name for s in dep.flow.pool.with_room()]
+    assert len(view.room) == 1
+    assert [s.name for s in view.healthy] == [s.name for s in dep.flow.pool.healthy()] == ["r0", "r1"]

@@ -61,3 +61,26 @@ async def test_anything_else_is_answered_by_fastapis_route_as_before(taken, kwar
 def test_the_openapi_document_still_lists_each_endpoint_once():
     paths = create_app(ModelRouter([])).openapi()["paths"]
     assert set(paths["/v1/completions"]) == {"post"} and set(paths["/v1/chat/completions"]) == {"post"}
+
+
+async def test_the_fast_path_answers_before_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A well-formed body reaches the handler without Starlette's router having matched a route
+    (no `endpoint` in its scope): its match and the route's wrappers are skipped (issue 37); the
+    body limit still ran first (the upload is stamped). Another method on the path is the router's."""
+    from tokenpath.api import generation
+    from tokenpath.api.limits import UPLOAD_KEY
+
+    scopes: list[dict] = []
+    handle = generation.handle
+
+    async def spy(state, request, body, edge=None):  # noqa: ANN001, ANN202
+        scopes.append(dict(request.scope))
+        return await handle(state, request, body, edge)
+
+    monkeypatch.setattr(generation, "handle", spy)
+    r = await post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert len(scopes) == 1 and "endpoint" not in scopes[0] and UPLOAD_KEY in scopes[0]
+    app = create_app(ModelRouter([]))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+        assert (await client.get("/v1/completions")).status_code == 405

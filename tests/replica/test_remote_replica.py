@@ -327,3 +327,60 @@ async def test_stale_load_figures_count_as_saturated():
         await asyncio.sleep(1.2)  # the lagging poll answers, the next ones are prompt
         assert rep.state().kv_usage < 0.1 and rep.state().detail is None
         await rep.close()
+
+
+class CountingServer(FakeServer):
+    """FakeServer that counts its /health and /metrics GETs."""
+
+    def __init__(self, metrics: str) -> None:
+        super().__init__()
+        self.metrics = metrics
+        self.gets = {"health": 0, "metrics": 0}
+
+    async def _metrics(self) -> PlainTextResponse:
+        self.gets["metrics"] += 1
+        return await super()._metrics()
+
+    async def _health(self) -> PlainTextResponse:
+        self.gets["health"] += 1
+        return await super()._health()
+
+
+IDLE = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.0\n"
+
+
+async def test_an_idle_backends_metrics_are_read_less_often_and_never_go_stale():
+    """Idle (its figures: nothing running or waiting; nothing of ours open), the page is read at
+    most every `stale_after_s / 2`, while /health is still asked every poll; the figures never
+    count as stale meanwhile. Figures that say busy are read every poll, as before (issue 37)."""
+    fake = CountingServer(IDLE)
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("v", RemoteReplicaConfig(url=url, poll_interval_s=0.05, stale_after_s=0.6), model="m")
+        await rep.start()
+        await asyncio.sleep(1.2)
+        idle = dict(fake.gets)
+        assert idle["health"] >= 12
+        assert 2 <= idle["metrics"] <= 6, idle  # every 0.3 s, not every 0.05 s
+        s = rep.state()
+        assert s.healthy and s.detail is None and s.kv_usage == 0.0  # never stale between reads
+        fake.metrics = IDLE.replace("running 0", "running 2")  # another client's requests arrive
+        await asyncio.sleep(0.45)
+        assert rep.state().running == 2  # seen within the idle bound
+        before = dict(fake.gets)
+        await asyncio.sleep(0.5)
+        busy = {k: fake.gets[k] - before[k] for k in before}
+        assert busy["metrics"] >= busy["health"] - 1 >= 3, busy  # busy: every poll reads the page
+        await rep.close()
+
+
+async def test_an_open_stream_keeps_the_metrics_read_every_poll():
+    fake = CountingServer(IDLE)
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("v", RemoteReplicaConfig(url=url, poll_interval_s=0.05), model="m")
+        await rep.start()
+        before = dict(fake.gets)
+        outs = [o async for o in rep.generate(req(max_tokens=40))]  # ~0.4 s of stream
+        during = {k: fake.gets[k] - before[k] for k in before}
+        assert outs[-1].finished
+        assert during["metrics"] >= during["health"] - 1 >= 4, during
+        await rep.close()

@@ -39,7 +39,7 @@ from tokenpath.admission.queue import FairQueue, Ticket
 from tokenpath.admission.share import SlotShare
 from tokenpath.errors import DeadlineExceededError, RateLimitError, ServiceUnavailableError
 from tokenpath.protocol import EmbeddingRequest, GenerateRequest, ReplicaState, Submission
-from tokenpath.replica.pool import ReplicaHandle, ReplicaPool
+from tokenpath.replica.pool import PoolView, ReplicaHandle, ReplicaPool
 from tokenpath.telemetry import series as metrics
 from tokenpath.telemetry.timeline import Timeline
 
@@ -139,18 +139,20 @@ class FlowController:
         return exc
 
     def check(self, priority: int, tenant: str, deadline: float, now: float | None = None,
-              record: bool = True, first_token_by: float | None = None) -> None:
+              record: bool = True, first_token_by: float | None = None, view: PoolView | None = None) -> None:
         """Raise the 503/429 a request would get right now; return if it would be admitted.
 
         It needs no prompt, so the API layer calls it (`record=False`) before tokenizing or
         charging rate limits: a request that will be refused is refused before any work.
         `first_token_by` is the client's own deadline (its `timeout`), which holds until the first
         token: the predicted queue wait plus the replicas' recent dispatch-to-first-token time
-        must fit in it, else 429 now rather than 504 after the whole timeout."""
+        must fit in it, else 429 now rather than 504 after the whole timeout. `view`: the pool's
+        states as the caller read them just now (`acquire` reads them once for both)."""
         now = time.monotonic() if now is None else now
-        if not self.pool.healthy():
+        view = self.pool.view() if view is None else view
+        if not view.healthy:
             raise self._reject("no_healthy_replica", self._no_replica(now), record)
-        if self.queue.ahead_of(priority) == 0 and self.pool.with_room():
+        if self.queue.ahead_of(priority) == 0 and view.room:
             self._check_first_token(0.0, first_token_by, now, record)
             return
         drain = self.capacity.predicted_wait(len(self.queue) + 1, self.pool.slots())
@@ -196,9 +198,10 @@ class FlowController:
         now = time.monotonic()
         request, timeline = submission.request, submission.timeline
         deadline = self.deadline_for(submission)
-        self.check(request.priority, request.tenant, deadline, now, first_token_by=request.deadline)
+        view = self.pool.view()
+        self.check(request.priority, request.tenant, deadline, now, first_token_by=request.deadline, view=view)
         if self.queue.ahead_of(request.priority) == 0:
-            room = self._room(exclude)
+            room = self._room(exclude, view)
             if room and not self._allowance(now, asking=request.tenant)(request.tenant):
                 timeline.attrs["admission_share"] = self._share_of(request.tenant, now)
                 room = []
@@ -259,8 +262,8 @@ class FlowController:
         queued[tenant] += 1
         return self.share.snapshot(self.pool.run_slots(), queued, now).get(tenant, {})
 
-    def _room(self, exclude: frozenset[str]) -> list:
-        room = self.pool.with_room()
+    def _room(self, exclude: frozenset[str], view: PoolView | None = None) -> list:
+        room = self.pool.with_room() if view is None else view.room
         return [s for s in room if s.name not in exclude] or room
 
     def _victim_for(self, submission: Request, room: list[ReplicaState], exclude: frozenset[str],

@@ -89,7 +89,6 @@ def create_app(
     app.state.tokenpath = state
     install_error_handlers(app, lambda request, error, body: refuse_early(state, request, error, body), reshape_for)
     app.include_router(api_routes)
-    fast_routes.install(app, api_routes)  # (the generation endpoints' well-formed bodies past FastAPI's machinery)
     app.include_router(anthropic_routes)
     app.include_router(dashboard_routes)
     app.include_router(tokenize_routes)
@@ -98,6 +97,7 @@ def create_app(
     app.include_router(rerank_routes)
     # (FastAPI's documented way to replace the schema, though its stub declares `openapi` a method)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    fast_routes.install(app)  # (the generation endpoints' well-formed bodies past FastAPI's machinery: inside the limit)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.caps.max_header_bytes, body_timeout=config.body_timeout,
                        refuse=lambda request, error: _refused(state, request, error))

@@ -38,17 +38,50 @@ def sse_event(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+class _Interrupt:
+    """One task's wait that a `StopSignal` cancels when set; `fired` says it did (so the task's
+    `CancelledError` is the stop's, and is taken back)."""
+
+    __slots__ = ("task", "fired", "_set")
+
+    def __init__(self, task: asyncio.Task, waiting: set[_Interrupt]) -> None:
+        self.task, self.fired, self._set = task, False, waiting
+
+    def fire(self) -> None:
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # (set off the loop: no task of ours is running)
+            current = None
+        if self.task is not current:  # (set by the waiting task itself: it sees `is_set` next)
+            self.fired = True
+            self.task.cancel()
+
+    def cancel(self) -> None:
+        self._set.discard(self)
+
+
 class StopSignal:
     """Why a generation should stop early: the client left, or the server is shutting down."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.reason: str | None = None
+        self._waiting: set[_Interrupt] = set()
 
     def set(self, reason: str) -> None:
         if not self.event.is_set():
             self.reason = reason
             self.event.set()
+            waiting, self._waiting = self._waiting, set()
+            for watch in waiting:
+                watch.fire()
+
+    def interrupt(self, task: asyncio.Task) -> _Interrupt:
+        """Cancel `task` when this signal is set, until the returned watch is cancelled: how a
+        task waiting for a generation's next output is woken by a stop (`until_stopped`)."""
+        watch = _Interrupt(task, self._waiting)
+        self._waiting.add(watch)
+        return watch
 
     @property
     def is_set(self) -> bool:
@@ -65,27 +98,38 @@ async def until_stopped(source: AsyncGenerator[T, None], stop: StopSignal) -> As
     """Yield from `source` until it ends or `stop` is set (then raise `Interrupted`).
 
     The source is always closed on the way out, which is what aborts the request in the engine.
+
+    Each item is awaited in the consumer's own task: while it waits, `stop` cancels that wait
+    (`StopSignal.interrupt`), and the cancel is taken back here as `Interrupted`. A task per item
+    raced against the stop event (the way before) cost a task, an `asyncio.wait` and two more
+    turns of the event loop on every output, the first token's included (issue 37: the gateway's
+    added TTFT in front of vLLM).
     """
-    stop_wait = asyncio.ensure_future(stop.event.wait())
-    nxt: asyncio.Future[T] | None = None
     try:
         while True:
-            nxt = asyncio.ensure_future(anext(source))
-            done, _ = await asyncio.wait({nxt, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
+            if stop.is_set:
                 raise Interrupted(stop.reason)
+            task = asyncio.current_task()
+            if task is None:  # (no task: nothing to cancel, so nothing to race)
+                raise RuntimeError("until_stopped must be iterated inside an asyncio task")
+            watch = stop.interrupt(task)
             try:
-                item = nxt.result()
+                item = await anext(source)
             except StopAsyncIteration:
+                if watch.fired:
+                    task.uncancel()  # (it ended as the stop came: nothing left to interrupt)
                 return
+            except asyncio.CancelledError:
+                if watch.fired and task.uncancel() == 0:
+                    raise Interrupted(stop.reason) from None  # our own cancel: the stop, not the caller
+                raise
+            finally:
+                watch.cancel()
+            if watch.fired:  # (the source took the cancel and still gave an item: the stop holds)
+                task.uncancel()
+                raise Interrupted(stop.reason)
             yield item
     finally:
-        stop_wait.cancel()
-        if nxt is not None and not nxt.done():  # cancelled mid-wait (the SSE pump, on a stall): the
-            nxt.cancel()  # source cannot be closed while its anext runs, and must be (the abort)
-            await asyncio.gather(nxt, return_exceptions=True)
         with contextlib.suppress(Exception):
             await source.aclose()
 
@@ -125,8 +169,11 @@ async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[
     try:
         yield
     finally:
+        # Cancelled, not awaited: once cancelled it can no longer set `stop`, and waiting for it to
+        # end took three turns of the event loop after the block's own work was done, between a
+        # stream's first token and its headers (issue 37). A disconnect it missed is still there
+        # for the next reader of `receive` (uvicorn answers every later call with it).
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 class ClientStalled(Exception):

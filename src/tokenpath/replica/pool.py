@@ -13,9 +13,10 @@ the backoff has passed and its state says healthy again, it takes traffic.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tokenpath.protocol import ReplicaState
@@ -74,9 +75,14 @@ class ReplicaHandle:
         healthy = s.healthy and not self.is_ejected(now, s)
         # Our in-flight requests are in the engine somewhere; if its report has not caught up yet,
         # count the difference as waiting (that is where a just-dispatched request sits).
-        waiting = max(s.waiting, self.inflight - s.running)
-        return replace(s, waiting=waiting, healthy=healthy, pending_prefill_tokens=self.pending_prefill,
-                       detail=s.detail if healthy or not self.eject_reason else self.eject_reason)
+        # A shallow copy with four fields set: `dataclasses.replace` rebuilt all ~25 through
+        # `__init__`, on every admission decision (several per request, issue 37).
+        out = copy.copy(s)
+        out.waiting = max(s.waiting, self.inflight - s.running)
+        out.healthy = healthy
+        out.pending_prefill_tokens = self.pending_prefill
+        out.detail = s.detail if healthy or not self.eject_reason else self.eject_reason
+        return out
 
     def is_ejected(self, now: float, state: ReplicaState | None = None) -> bool:
         if self.ejected_until == 0.0:
@@ -124,6 +130,20 @@ class ReplicaHandle:
         )
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """Every replica's overlaid state, read once (`ReplicaPool.view`): what one admission
+    decision reads, where it read each replica's state up to five times per request before
+    (the precheck's healthy and room passes, then admission's again and its room list)."""
+
+    states: list[ReplicaState]
+    room: list[ReplicaState]  # those with room for one more request (`ReplicaHandle.has_room`)
+
+    @property
+    def healthy(self) -> list[ReplicaState]:
+        return [s for s in self.states if s.healthy]
+
+
 class ReplicaPool:
     def __init__(self, replicas: list[AnyReplica], config: PoolConfig | None = None) -> None:
         self.config = config or PoolConfig()
@@ -140,6 +160,17 @@ class ReplicaPool:
 
     def healthy(self) -> list[ReplicaState]:
         return [s for s in self.states() if s.healthy]
+
+    def view(self) -> PoolView:
+        """Each replica's state and whether it has room, from one read of each (`PoolView`)."""
+        now = time.monotonic()
+        states, room = [], []
+        for h in self.handles.values():
+            s = h.state(now)
+            states.append(s)
+            if h.has_room(s):
+                room.append(s)
+        return PoolView(states, room)
 
     def with_room(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[ReplicaState]:
         out = []

@@ -6,13 +6,14 @@ tokenization, and hence its prefix hashes, are the ones the engine sees). Closin
 closes the HTTP response; the server sees the disconnect and aborts the request, which is how
 vLLM and tokenpath both treat a vanished client.
 
-State comes from polling the server's Prometheus `/metrics` (parsed with prometheus_client's own
-parser): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
+State comes from polling the server's Prometheus `/metrics` (the wanted samples read in one regex
+pass, `parse_metrics`): `tokenpath:` and `vllm:` series have the same meanings, and SGLang's and llama.cpp's are
 mapped onto them. A llama-server without `--metrics` (its /metrics answers 501) is read from its
 `/slots` (slots busy, their tokens against their context). A server with neither is probed on
 `/health` for liveness only. Failed polls mark the replica unhealthy, which ejects it from
-routing until a poll succeeds again. Figures older than `stale_after_s` (polls failing or lagging,
-not yet enough to eject) count as saturated, as llm-d's saturation detector treats stale
+routing until a poll succeeds again. An idle backend's /metrics is read less often than its
+/health (`idle_metrics_s`: the page is the expensive one to render). Figures older than
+`stale_after_s` (polls failing or lagging, not yet enough to eject) count as saturated, as llm-d's saturation detector treats stale
 metrics: the least-loaded pick and admission's drain estimate do not trust a number that may
 have been overtaken.
 
@@ -125,6 +126,12 @@ class RemoteReplicaConfig:
     kv_events: str | None = None  # vLLM's KV-event publisher (ZMQ), for the prefix index
     kv_events_replay: str | None = None  # and its replay endpoint (the past, after a gateway restart)
     stale_after_s: float = 1.0  # load figures older than this count as saturated (module docstring)
+    # /metrics while the backend is idle (no stream of ours open, and its last figures had nothing
+    # running or waiting) is read at most this often; None: half of `stale_after_s`, so the figures
+    # never go stale between reads. /health is still asked every poll (liveness, the stall bound).
+    # vLLM renders its whole page (~58 KB, every histogram) per GET: ~5 ms of its API server's CPU,
+    # 4 times a second per polling gateway, on the cores its requests need (issue 37).
+    idle_metrics_s: float | None = None
 
 
 class RemoteReplica(PolledState):
@@ -221,6 +228,9 @@ class RemoteReplica(PolledState):
                 self._state.healthy = False
                 self._state.detail = f"/health answered {health.status_code}"
                 return self._state
+            if self._has_metrics and self._idle_figures_fresh():
+                self._heard()  # (alive, and its idle figures still fresh: the page is not asked again)
+                return self._state
             if self._has_metrics:
                 r = await self._optional("/metrics")  # (501: llama-server without --metrics)
                 self._has_metrics = r is not None
@@ -267,6 +277,21 @@ class RemoteReplica(PolledState):
             raise self._released[rid]
         task = self._readers[rid] = asyncio.current_task()
         return task
+
+    def _idle_figures_fresh(self) -> bool:
+        """The last figures said idle, nothing of ours is open there, and they are younger than
+        `idle_metrics_s`: a new read would say the same, unless another client's requests arrived
+        meanwhile (seen at the next read, within that bound). Busy, every poll reads the page."""
+        s, at = self._state, self._polled_at
+        if at is None or self._open or not s.healthy or s.running or s.waiting:
+            return False
+        every = self.config.idle_metrics_s
+        return time.monotonic() - at < (self.config.stale_after_s / 2 if every is None else every)
+
+    def _heard(self) -> None:
+        """A poll answered: the replica is alive (its failures forgotten), whatever it was asked."""
+        self._poll_failures = 0
+        self.liveness.heard(time.monotonic())
 
     def _set(self, state: ReplicaState) -> None:
         self._poll_failures = 0
