@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.engine.test_attention_kernels import pool
 from tests.engine.test_kv_fp8 import attend, attend_numpy, lib
 
 AMX = 3  # tp_attend_tile_test's isa for the tile kernel
@@ -42,7 +43,7 @@ def test_prompt_tiles_match_a_float64_softmax_of_the_bf16_values(shape):
     table = rng.permutation(blocks).astype(np.int32)
     for dtype in (np.float32, np.float16):
         kind = np.dtype(dtype).name
-        k, v = ((rng.standard_normal((blocks * bs, n_kv, d)) * 2).astype(dtype) for _ in "kv")
+        k, v = pool(rng, blocks * bs, n_kv, d, dtype)
         for p0, rows, window in TILES:
             q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
             got = attend(kind, k, v, q, table, p0, bs, rep, window, AMX)

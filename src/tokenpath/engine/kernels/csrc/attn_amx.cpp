@@ -36,6 +36,7 @@
 #include "attn_tile.h"
 #include "kv_fp8.h"
 #include "tp_kernels.h"
+#include "vec_math.h"
 
 namespace tp::amx {
 namespace {
@@ -64,14 +65,8 @@ inline __m512 exp2_16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-125.f)), _mm512_set1_ps(127.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252734e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(vec::kExp2Poly[0]);
+    for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(vec::kExp2Poly[i]));
     const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
     return _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e)));
 }
