@@ -153,7 +153,10 @@ struct Model {
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
-    std::vector<float> x, qkv, attn, gu, logits_in, scores, sub;  // sub: a sandwich-normed output
+    // work: the qkv, attention and gate/up outputs (step_buffers says where each lies); sub: a
+    // sandwich-normed output, only for models with sandwich norms.
+    std::vector<float> x, work, logits_in, scores, sub;
+    bool sandwich = false;  // some layer has attn_out_norm or ffn_out_norm (sub is used)
     std::vector<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
@@ -279,6 +282,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
         L.k_cache = reinterpret_cast<void*>(p[3]);
         L.v_cache = reinterpret_cast<void*>(p[4]);
         L.q_norm = f32(p[5]), L.k_norm = f32(p[6]), L.attn_out_norm = f32(p[7]), L.ffn_out_norm = f32(p[8]);
+        m->sandwich = m->sandwich || L.attn_out_norm || L.ffn_out_norm;
         L.rope_cos = f32(p[9]), L.rope_sin = f32(p[10]);
         L.window = t[kTypes - 2], L.group = t[kTypes - 1];
         Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
@@ -336,6 +340,22 @@ int tp_model_abi() { return 12; }
 //                   and bit 7 (kPromptTiles) for a prompt row; nullptr: every row takes the fine
 //                   mask's and none is a prompt row
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
+// Where a step's qkv [T, W], attention [T, nq] and gate/up [T, 2I] outputs lie, in m.work. With the
+// rows shared among the threads (every per-row phase a team_for, which returns once the whole phase
+// is done), gate/up overlays qkv and attention: their last reader (the o projection's input
+// quantization, and its LoRA delta) finishes before the gate/up GEMM writes, and the next layer's
+// qkv GEMM starts after the last read of gate/up (the GLU phase). That halves the step's largest
+// buffers at a prefill's peak RSS (SmolLM2, 512 rows: 12 MiB -> 6). With own_rows (decode: each
+// thread runs the per-row phases on its own, without waiting for the others) one thread can reach
+// the next layer's qkv GEMM while another still reads gate/up, so the three stay apart; at a few
+// rows that costs nothing.
+void step_buffers(Model& m, int T, int W, int nq, int gu_w, bool own_rows, float*& qkv, float*& attn, float*& gu) {
+    const size_t qa = size_t(T) * (W + nq), g = size_t(T) * gu_w;
+    const size_t need = own_rows ? qa + g : std::max(qa, g);
+    if (m.work.size() < need) m.work.resize(need);
+    qkv = m.work.data(), attn = qkv + size_t(T) * W, gu = own_rows ? qkv + qa : qkv;
+}
+
 int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
                            float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds,
@@ -353,10 +373,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
     if (m.x.size() < size_t(T) * H) m.x.resize(size_t(T) * H);
-    if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
-    if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
-    if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
-    if (m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
+    if (m.sandwich && m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
     m.tiles.clear();
@@ -401,7 +418,8 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     m.act_views.clear();
     for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
     const std::vector<QAct>& acts = m.act_views;
-    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
+    float *x = m.x.data(), *sub = m.sub.data(), *qkv, *attn, *gu;
+    step_buffers(m, T, W, nq, 2 * I, own_rows, qkv, attn, gu);
     const float scale = m.attn_scale;
 
     size_t need_phases = phases_for_step(m);
