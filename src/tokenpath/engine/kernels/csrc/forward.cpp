@@ -113,13 +113,15 @@ struct AttnItem {
     int tile, g0, g1, h0, h1;
 };
 
+#include "step_alloc.h"  // StepVec: step buffers on pages of their own
+
 // The buffers behind one QAct (see make_act).
 struct ActBuf {
-    std::vector<int8_t> q, q2;
-    std::vector<int16_t> q16;
-    std::vector<float> d, s, f, fs;
-    std::vector<int32_t> qsum, qsum16;
-    std::vector<uint16_t> bf;
+    StepVec<int8_t> q, q2;
+    StepVec<int16_t> q16;
+    StepVec<float> d, s, f, fs;
+    StepVec<int32_t> qsum, qsum16;
+    StepVec<uint16_t> bf;
 };
 
 struct Model {
@@ -155,9 +157,9 @@ struct Model {
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
     // work: the qkv, attention and gate/up outputs (step_buffers says where each lies); sub: a
     // sandwich-normed output, only for models with sandwich norms.
-    std::vector<float> x, work, logits_in, scores, sub;
+    StepVec<float> x, work, logits_in, scores, sub;
     bool sandwich = false;  // some layer has attn_out_norm or ffn_out_norm (sub is used)
-    std::vector<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
+    StepVec<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
@@ -352,7 +354,7 @@ int tp_model_abi() { return 12; }
 void step_buffers(Model& m, int T, int W, int nq, int gu_w, bool own_rows, float*& qkv, float*& attn, float*& gu) {
     const size_t qa = size_t(T) * (W + nq), g = size_t(T) * gu_w;
     const size_t need = own_rows ? qa + g : std::max(qa, g);
-    if (m.work.size() < need) m.work.resize(need);
+    grow(m.work, need);
     qkv = m.work.data(), attn = qkv + size_t(T) * W, gu = own_rows ? qkv + qa : qkv;
 }
 
@@ -372,8 +374,8 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
-    if (m.x.size() < size_t(T) * H) m.x.resize(size_t(T) * H);
-    if (m.sandwich && m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
+    grow(m.x, size_t(T) * H);
+    if (m.sandwich) grow(m.sub, size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
     m.tiles.clear();
@@ -405,14 +407,14 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     const int nitems = int(m.items.size());
     const size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
-    if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
+    grow(m.scores, per_thread * nthreads);
     // Rows to quantize for a matmul: with a few rows (decode), every thread quantizes all of them
     // into its own buffers and goes straight on to its share of the matmul; the phase boundary
     // (and the wait for the one thread doing the work) would cost more than the redundant work.
     // With more rows, the threads share the rows of one phase. Same arithmetic either way.
     // (Not with adapters: their deltas read each row's float input, which one thread must write.)
     const bool own_rows = T <= kOwnRowsMax && nthreads > 1 && !lora;
-    if (lora && m.lin.size() < size_t(T) * kmax) m.lin.resize(size_t(T) * kmax);
+    if (lora) grow(m.lin, size_t(T) * kmax);
     float* lin = m.lin.data();
     if (m.acts.size() < size_t(nthreads) + 1) m.acts.resize(size_t(nthreads) + 1);
     m.act_views.clear();
