@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include <sched.h>
+#include <sys/mman.h>  // step_alloc.h
 
 #include <algorithm>
 #include <atomic>
@@ -113,16 +114,7 @@ struct AttnItem {
     int tile, g0, g1, h0, h1;
 };
 
-#include "step_alloc.h"  // StepVec: step buffers on pages of their own
-
-// The buffers behind one QAct (see make_act).
-struct ActBuf {
-    StepVec<int8_t> q, q2;
-    StepVec<int16_t> q16;
-    StepVec<float> d, s, f, fs;
-    StepVec<int32_t> qsum, qsum16;
-    StepVec<uint16_t> bf;
-};
+#include "step_alloc.h"  // StepVec, grow: step buffers on pages of their own; ActBuf
 
 struct Model {
     int n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, block_size;
@@ -155,10 +147,8 @@ struct Model {
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
-    // work: the qkv, attention and gate/up outputs (step_buffers says where each lies); sub: a
-    // sandwich-normed output, only for models with sandwich norms.
-    StepVec<float> x, work, logits_in, scores, sub;
-    bool sandwich = false;  // some layer has attn_out_norm or ffn_out_norm (sub is used)
+    StepVec<float> x, work, logits_in, scores, sub;  // work: qkv, attention, gate/up (step_buffers)
+    bool sandwich = false;  // some layer has attn_out_norm or ffn_out_norm: sub is used
     StepVec<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
@@ -179,7 +169,7 @@ struct Model {
 constexpr int kPhasesPerLayer = 18, kPhasesPerStep = 3;
 inline size_t phases_for_step(const Model& m) { return kPhasesPerStep + size_t(m.n_layers) * kPhasesPerLayer; }
 
-#include "step_acts.h"  // make_act, use_fine, act_rows, row_act, gemm_runs, gemm_team
+#include "step_acts.h"  // make_act, use_fine, act_rows, row_act, gemm_runs, gemm_team, step_buffers
 
 // RMSNorm(x[0..n)) * w into out (which may be x). The sum of squares stays in double (4 lanes),
 // as it was when scalar: the norm is cheap, and its rounding feeds every layer.
@@ -342,22 +332,6 @@ int tp_model_abi() { return 12; }
 //                   and bit 7 (kPromptTiles) for a prompt row; nullptr: every row takes the fine
 //                   mask's and none is a prompt row
 //   lora_*:         the LoRA adapters of this step (see LoraStep); n_lora_blocks 0 for none
-// Where a step's qkv [T, W], attention [T, nq] and gate/up [T, 2I] outputs lie, in m.work. With the
-// rows shared among the threads (every per-row phase a team_for, which returns once the whole phase
-// is done), gate/up overlays qkv and attention: their last reader (the o projection's input
-// quantization, and its LoRA delta) finishes before the gate/up GEMM writes, and the next layer's
-// qkv GEMM starts after the last read of gate/up (the GLU phase). That halves the step's largest
-// buffers at a prefill's peak RSS (SmolLM2, 512 rows: 12 MiB -> 6). With own_rows (decode: each
-// thread runs the per-row phases on its own, without waiting for the others) one thread can reach
-// the next layer's qkv GEMM while another still reads gate/up, so the three stay apart; at a few
-// rows that costs nothing.
-void step_buffers(Model& m, int T, int W, int nq, int gu_w, bool own_rows, float*& qkv, float*& attn, float*& gu) {
-    const size_t qa = size_t(T) * (W + nq), g = size_t(T) * gu_w;
-    const size_t need = own_rows ? qa + g : std::max(qa, g);
-    grow(m.work, need);
-    qkv = m.work.data(), attn = qkv + size_t(T) * W, gu = own_rows ? qkv + qa : qkv;
-}
-
 int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
                            const int32_t* row_table, const int32_t* tables, int S, const int32_t* logit_rows,
                            float* logits, int nthreads, int slot_stride, int table_stride, const uint8_t* row_kinds,

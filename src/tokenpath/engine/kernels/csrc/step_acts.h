@@ -114,3 +114,19 @@ void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Ma
         }
     });
 }
+
+// Where a step's qkv [T, W], attention [T, nq] and gate/up [T, 2I] outputs lie, in m.work. With the
+// rows shared among the threads (every per-row phase a team_for, which returns once the whole phase
+// is done), gate/up overlays qkv and attention: their last reader (the o projection's input
+// quantization, and its LoRA delta) finishes before the gate/up GEMM writes, and the next layer's
+// qkv GEMM starts after the last read of gate/up (the GLU phase). That halves the step's largest
+// buffers at a prefill's peak RSS (SmolLM2, 512 rows: 12 MiB -> 6). With own_rows (decode: each
+// thread runs the per-row phases on its own, without waiting for the others) one thread can reach
+// the next layer's qkv GEMM while another still reads gate/up, so the three stay apart; at a few
+// rows that costs nothing.
+void step_buffers(Model& m, int T, int W, int nq, int gu_w, bool own_rows, float*& qkv, float*& attn, float*& gu) {
+    const size_t qa = size_t(T) * (W + nq), g = size_t(T) * gu_w;
+    const size_t need = own_rows ? qa + g : std::max(qa, g);
+    grow(m.work, need);
+    qkv = m.work.data(), attn = qkv + size_t(T) * W, gu = own_rows ? qkv + qa : qkv;
+}

@@ -1,6 +1,6 @@
 // Where a step's scratch vectors get their memory: fresh pages straight from the kernel (mmap) for
 // buffers of at least kPageAllocMin bytes, and given straight back (munmap) when a buffer grows.
-// Included by forward.cpp inside its anonymous namespace.
+// Included by forward.cpp inside its anonymous namespace; ActBuf (a QAct's buffers) lives here too.
 //
 // Why not malloc: the step buffers grow with the largest step seen (a 256-row prefill, then a
 // 512-row one), and glibc raises its mmap threshold to the size of each mapped chunk it frees, so
@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <new>
 #include <vector>
 
@@ -56,3 +57,12 @@ inline void grow(StepVec<T>& v, size_t n) {
     StepVec<T>().swap(v);
     v.resize(n);
 }
+
+// The buffers behind one QAct (see make_act in step_acts.h).
+struct ActBuf {
+    StepVec<int8_t> q, q2;
+    StepVec<int16_t> q16;
+    StepVec<float> d, s, f, fs;
+    StepVec<int32_t> qsum, qsum16;
+    StepVec<uint16_t> bf;
+};
