@@ -115,6 +115,18 @@ def test_seeded_uniforms_are_torchs(seed):
     assert [gen.uniform() for _ in range(7)] == torch.rand(7, dtype=torch.float64, generator=ref).tolist()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2**31 + 3, 2**32 - 1, 2**40 + 17])
+def test_seeded_uniforms_are_numpys_legacy_mt19937(seed):
+    """The reference generator the engine drew from before (numpy's MT19937, init_genrand seeding
+    of the low 32 bits), past several regenerations of its 624 words."""
+    bits = np.random.MT19937()
+    bits._legacy_seeding(seed & 0xFFFFFFFF)
+    raw = [int(v) for v in bits.random_raw(2 * 2000)]
+    want = [((raw[2 * i] << 32 | raw[2 * i + 1]) & ((1 << 53) - 1)) * 2.0**-53 for i in range(2000)]
+    gen = Generator(seed)
+    assert [gen.uniform() for _ in range(2000)] == want
+
+
 def test_logprobs_and_filters_match_torch():
     """log_softmax, softmax, topk and the top-k/top-p/min-p filter against torch's float32 ops."""
     rng = np.random.default_rng(3)

@@ -28,6 +28,7 @@ from tokenizers.decoders import DecodeStream
 from tokenpath.engine.chat_template import ChatTemplate
 from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
+from tokenpath.engine.tokenizer_json import read_tokenizer_json
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 from tokenpath.protocol.sampling_params import StructuredOutput
 
@@ -191,7 +192,7 @@ def _load_saved(directory: Path, config: dict | None = None) -> Parts:
         config = json.loads((directory / "tokenizer_config.json").read_text())
     template_file = directory / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-    return Parts(tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")),
+    return Parts(read_tokenizer_json(directory / "tokenizer.json"),
                  {k: config[k] for k in SPECIAL_KEYS if isinstance(config.get(k), str)},
                  template if isinstance(template, str) else None)
 

@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include <sched.h>
+#include <sys/mman.h>  // step_alloc.h
 
 #include <algorithm>
 #include <atomic>
@@ -113,14 +114,7 @@ struct AttnItem {
     int tile, g0, g1, h0, h1;
 };
 
-// The buffers behind one QAct (see make_act).
-struct ActBuf {
-    std::vector<int8_t> q, q2;
-    std::vector<int16_t> q16;
-    std::vector<float> d, s, f, fs;
-    std::vector<int32_t> qsum, qsum16;
-    std::vector<uint16_t> bf;
-};
+#include "step_alloc.h"  // StepVec, grow: step buffers on pages of their own; ActBuf
 
 struct Model {
     int n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, block_size;
@@ -156,8 +150,9 @@ struct Model {
     float embed_scale, attn_scale;
     const float* out_norm;
     // Step buffers, grown on demand and reused: no allocation or page faults per step.
-    std::vector<float> x, qkv, attn, gu, logits_in, scores, sub;  // sub: a sandwich-normed output
-    std::vector<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
+    StepVec<float> x, work, logits_in, scores, sub;  // work: qkv, attention, gate/up (step_buffers)
+    bool sandwich = false;  // some layer has attn_out_norm or ffn_out_norm: sub is used
+    StepVec<float> lin;  // LoRA steps: each row's float matmul input (normed x, or the MLP activation)
     std::vector<int> tiles;  // attention: first row of each tile of rows sharing a sequence, then T
     std::vector<AttnItem> items;
     std::vector<ActBuf> acts;  // [0] the step's shared activation rows, [1 + thread] private ones
@@ -177,7 +172,7 @@ struct Model {
 constexpr int kPhasesPerLayer = 18, kPhasesPerStep = 3;
 inline size_t phases_for_step(const Model& m) { return kPhasesPerStep + size_t(m.n_layers) * kPhasesPerLayer; }
 
-#include "step_acts.h"  // make_act, use_fine, act_rows, row_act, gemm_runs, gemm_team
+#include "step_acts.h"  // make_act, use_fine, act_rows, row_act, gemm_runs, gemm_team, step_buffers
 
 // RMSNorm(x[0..n)) * w into out (which may be x). The sum of squares stays in double (4 lanes),
 // as it was when scalar: the norm is cheap, and its rounding feeds every layer.
@@ -283,6 +278,7 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
         L.k_cache = reinterpret_cast<void*>(p[3]);
         L.v_cache = reinterpret_cast<void*>(p[4]);
         L.q_norm = f32(p[5]), L.k_norm = f32(p[6]), L.attn_out_norm = f32(p[7]), L.ffn_out_norm = f32(p[8]);
+        m->sandwich = m->sandwich || L.attn_out_norm || L.ffn_out_norm;
         L.rope_cos = f32(p[9]), L.rope_sin = f32(p[10]);
         L.window = t[kTypes - 2], L.group = t[kTypes - 1];
         Mat* mats[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
@@ -357,11 +353,8 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     const int H = m.hidden, I = m.inter, D = m.head_dim, nq = m.n_heads * D, nkv = m.n_kv * D;
     const int W = nq + 2 * nkv, rep = m.n_heads / m.n_kv, bs = m.block_size;
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
-    if (m.x.size() < size_t(T) * H) m.x.resize(size_t(T) * H);
-    if (m.qkv.size() < size_t(T) * W) m.qkv.resize(size_t(T) * W);
-    if (m.attn.size() < size_t(T) * nq) m.attn.resize(size_t(T) * nq);
-    if (m.gu.size() < size_t(T) * 2 * I) m.gu.resize(size_t(T) * 2 * I);
-    if (m.sub.size() < size_t(T) * H) m.sub.resize(size_t(T) * H);
+    grow(m.x, size_t(T) * H);
+    if (m.sandwich) grow(m.sub, size_t(T) * H);
     // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
     // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
     // Prompt rows on AMX tiles (attn_tiles) make tiles of their own, of up to kPromptTileRows rows.
@@ -398,20 +391,21 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     if (m.attn_tiles) attn_floats = std::max(attn_floats, amx::attend_prompt_scratch_floats(D, paged::kPromptTileRows * rep));
 #endif
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
-    if (m.scores.size() < per_thread * nthreads) m.scores.resize(per_thread * nthreads);
+    grow(m.scores, per_thread * nthreads);
     // Rows to quantize for a matmul: with a few rows (decode), every thread quantizes all of them
     // into its own buffers and goes straight on to its share of the matmul; the phase boundary
     // (and the wait for the one thread doing the work) would cost more than the redundant work.
     // With more rows, the threads share the rows of one phase. Same arithmetic either way.
     // (Not with adapters: their deltas read each row's float input, which one thread must write.)
     const bool own_rows = T <= kOwnRowsMax && nthreads > 1 && !lora;
-    if (lora && m.lin.size() < size_t(T) * kmax) m.lin.resize(size_t(T) * kmax);
+    if (lora) grow(m.lin, size_t(T) * kmax);
     float* lin = m.lin.data();
     if (m.acts.size() < size_t(nthreads) + 1) m.acts.resize(size_t(nthreads) + 1);
     m.act_views.clear();
     for (int i = 0; i <= (own_rows ? nthreads : 0); ++i) m.act_views.push_back(make_act(m, m.acts[i], T, kmax));
     const std::vector<QAct>& acts = m.act_views;
-    float *x = m.x.data(), *qkv = m.qkv.data(), *attn = m.attn.data(), *gu = m.gu.data(), *sub = m.sub.data();
+    float *x = m.x.data(), *sub = m.sub.data(), *qkv, *attn, *gu;
+    step_buffers(m, T, W, nq, 2 * I, own_rows, qkv, attn, gu);
     const float scale = m.attn_scale;
 
     size_t need_phases = phases_for_step(m);
