@@ -173,6 +173,7 @@ constexpr int kPhasesPerLayer = 18, kPhasesPerStep = 3;
 inline size_t phases_for_step(const Model& m) { return kPhasesPerStep + size_t(m.n_layers) * kPhasesPerLayer; }
 
 #include "step_acts.h"  // make_act, use_fine, act_rows, row_act, gemm_runs, gemm_team, step_buffers
+#include "attn_items.h"  // plan_attention, prompt_tile_row, attention_scratch_floats
 
 // RMSNorm(x[0..n)) * w into out (which may be x). The sum of squares stays in double (4 lanes),
 // as it was when scalar: the norm is cheap, and its rounding feeds every layer.
@@ -355,41 +356,9 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
     const int kmax = std::max({I, H, nq});  // the widest activation row quantized (down, qkv/gate_up, o inputs)
     grow(m.x, size_t(T) * H);
     if (m.sandwich) grow(m.sub, size_t(T) * H);
-    // Attention tiles: runs of up to kTileRows rows of one sequence at consecutive positions (a
-    // prefill chunk's rows share every K/V read); a decode row is a tile of its own.
-    // Prompt rows on AMX tiles (attn_tiles) make tiles of their own, of up to kPromptTileRows rows.
-    auto amx_row = [&](int t) { return m.attn_tiles && m.kinds && (m.kinds[t] & kPromptTiles); };
-    m.tiles.clear();
-    for (int t = 0; t < T; ++t)
-        if (t == 0 || row_table[t] != row_table[t - 1] || pos[t] != pos[t - 1] + 1 || amx_row(t) != amx_row(t - 1) ||
-            t - m.tiles.back() == (amx_row(t) ? paged::kPromptTileRows : paged::kTileRows))
-            m.tiles.push_back(t);
-    m.tiles.push_back(T);
-    const int ntiles = int(m.tiles.size()) - 1;
-    // Work items (tile, first KV head, end): longest contexts first (items are claimed in order, so
-    // short ones fill in at the end; later tiles are the prefill chunks). With enough tiles to keep
-    // every thread busy, a decode row's item covers all its KV heads and reads each cache slot whole
-    // (attention.h says why); prefill tiles, which reuse every K/V read across their rows, and
-    // small batches keep one item per head for parallelism.
-    const bool whole_rows = ntiles >= 4 * nthreads;
-    // Too few items to share (one decode row has one per KV head: 3 on SmolLM2 for 2 threads, so
-    // one thread did two; Gemma 3 270M's one KV head left a thread idle): each KV head's query
-    // heads are split across items until there are two per thread. A query's arithmetic does not
-    // depend on the heads beside it, so the bits are the same; each part reads the head's K/V.
-    int hsplit = 1;
-    while (!whole_rows && ntiles * m.n_kv * hsplit < 2 * nthreads && hsplit < rep) ++hsplit;
-    m.items.clear();
-    for (int ti = ntiles - 1; ti >= 0; --ti) {
-        if (whole_rows && m.tiles[ti + 1] - m.tiles[ti] == 1) m.items.push_back({ti, 0, m.n_kv, 0, rep});
-        else
-            for (int g = 0; g < m.n_kv; ++g)
-                for (int s = 0; s < hsplit; ++s) m.items.push_back({ti, g, g + 1, s * rep / hsplit, (s + 1) * rep / hsplit});
-    }
-    const int nitems = int(m.items.size());
-    size_t attn_floats = paged::scratch_floats(nkv, rep * m.n_kv);
-#ifndef TP_NO_AVX512
-    if (m.attn_tiles) attn_floats = std::max(attn_floats, amx::attend_prompt_scratch_floats(D, paged::kPromptTileRows * rep));
-#endif
+    // The step's attention tiles and work items (attn_items.h), and each thread's scratch for one.
+    const int nitems = plan_attention(m, T, row_table, pos, nthreads);
+    const size_t attn_floats = attention_scratch_floats(m);
     const size_t per_thread = attn_floats + kmax;  // attention scratch + a norm/activation row
     grow(m.scores, per_thread * nthreads);
     // Rows to quantize for a matmul: with a few rows (decode), every thread quantizes all of them
@@ -498,7 +467,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
                                        m.tiles[it.tile + 1] - t, pos[t],
                                        tables + size_t(L.group) * table_stride + row_table[t], L.window};
 #ifndef TP_NO_AVX512
-                if (amx_row(t))
+                if (prompt_tile_row(m, t))
                     return amx::attend_prompt_tile(m.kv_kind, L.k_cache, L.v_cache, tile, bs, nkv, it.g0, it.g1, D,
                                                    it.h1 - it.h0, scale, scratch);
 #endif
