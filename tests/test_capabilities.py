@@ -97,6 +97,7 @@ ALLOWED_SKIPS = {
     ("tests/engine/test_quantized_quality.py", "no AVX-512 VNNI on this CPU"),
     ("tests/reliability/test_gateway_heap.py", "glibc malloc only"),
     ("tests/engine/test_tokenizer_json.py", "glibc's malloc_trim and /proc"),
+    ("tests/replica/test_inprocess_liveness.py", "no per-thread schedstat"),
     ("tests/api/test_tool_cut.py", "required replies are calls only"),
 }
 SKIP_RE = re.compile(r"pytest\.(?:skip\(|importorskip\(|mark\.skipif\()")
