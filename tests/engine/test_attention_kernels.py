@@ -31,27 +31,38 @@ def pool(rng: np.random.Generator, slots: int, n_kv: int, d: int, dtype: type) -
     return k, v
 
 
+BS = 16  # the block size of tile_cases' pools
+
+
+def tile_cases(shape: tuple[int, int, int], tiles: list[tuple[int, int, int]]):  # noqa: ANN201
+    """For one (n_kv, rep, head_dim): a float32 and a float16 pool of 32 shuffled blocks, and for
+    each (p0, rows, window) of `tiles` its queries: yields (kind, k, v, table, q, p0, rows, window),
+    seeded by the shape, so each test sees the same values."""
+    n_kv, rep, d = shape
+    rng = np.random.default_rng(n_kv * 100 + rep * 10 + d)
+    blocks = 32
+    table = rng.permutation(blocks).astype(np.int32)
+    for dtype in (np.float32, np.float16):
+        k, v = pool(rng, blocks * BS, n_kv, d, dtype)
+        for p0, rows, window in tiles:
+            q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
+            yield np.dtype(dtype).name, k, v, table, q, p0, rows, window
+
+
 @native_only
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_attention_matches_a_float64_softmax_and_each_row_alone(shape, isa):
-    n_kv, rep, d = shape
-    rng = np.random.default_rng(n_kv * 100 + rep * 10 + d)
-    bs, blocks = 16, 32
-    table = rng.permutation(blocks).astype(np.int32)
-    for dtype in (np.float32, np.float16):
-        kind = np.dtype(dtype).name
-        k, v = pool(rng, blocks * bs, n_kv, d, dtype)
-        for p0, rows, window in TILES:
-            q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
-            got = attend(kind, k, v, q, table, p0, bs, rep, window, isa)
-            want = attend_numpy(k.astype(np.float32), v.astype(np.float32), q, table, p0, bs, rep, window)
-            np.testing.assert_allclose(got, want, atol=3e-5, err_msg=f"{kind} p0={p0} rows={rows} w={window}")
-            for r in range(rows):  # a row alone (a decode) gives the bits it got in the tile
-                alone = attend(kind, k, v, q[r:r + 1], table, p0 + r, bs, rep, window, isa)
-                assert np.array_equal(alone[0], got[r]), (kind, p0, rows, window, r)
-            # and every ISA gives the AVX2 kernel's bits (a model computes the same on any host)
-            assert np.array_equal(got, attend(kind, k, v, q, table, p0, bs, rep, window, ISAS[0])), (kind, p0, rows)
+    rep, bs = shape[1], BS
+    for kind, k, v, table, q, p0, rows, window in tile_cases(shape, TILES):
+        got = attend(kind, k, v, q, table, p0, bs, rep, window, isa)
+        want = attend_numpy(k.astype(np.float32), v.astype(np.float32), q, table, p0, bs, rep, window)
+        np.testing.assert_allclose(got, want, atol=3e-5, err_msg=f"{kind} p0={p0} rows={rows} w={window}")
+        for r in range(rows):  # a row alone (a decode) gives the bits it got in the tile
+            alone = attend(kind, k, v, q[r:r + 1], table, p0 + r, bs, rep, window, isa)
+            assert np.array_equal(alone[0], got[r]), (kind, p0, rows, window, r)
+        # and every ISA gives the AVX2 kernel's bits (a model computes the same on any host)
+        assert np.array_equal(got, attend(kind, k, v, q, table, p0, bs, rep, window, ISAS[0])), (kind, p0, rows)
 
 
 @native_only

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.test_attention_kernels import pool
+from tests.engine.test_attention_kernels import BS, tile_cases
 from tests.engine.test_kv_fp8 import attend, attend_numpy, lib
 
 AMX = 3  # tp_attend_tile_test's isa for the tile kernel
@@ -41,27 +41,20 @@ def bf16(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_prompt_tiles_match_a_float64_softmax_of_the_bf16_values(shape):
-    n_kv, rep, d = shape
-    rng = np.random.default_rng(n_kv * 100 + rep * 10 + d)
-    bs, blocks = 16, 32
-    table = rng.permutation(blocks).astype(np.int32)
-    for dtype in (np.float32, np.float16):
-        kind = np.dtype(dtype).name
-        k, v = pool(rng, blocks * bs, n_kv, d, dtype)
-        for p0, rows, window in TILES:
-            q = rng.standard_normal((rows, n_kv * rep, d)).astype(np.float32)
-            got = attend(kind, k, v, q, table, p0, bs, rep, window, AMX)
-            if not tiles_here():  # (no tiles: nothing computed, and the engine never asks)
-                assert not got.any()
-                continue
-            want = attend_numpy(bf16(k.astype(np.float32)), bf16(v.astype(np.float32)), bf16(q), table, p0, bs, rep,
-                                window)
-            # the weights' bf16 rounding: ~2^-9 relative per weight, on outputs of magnitude ~2
-            np.testing.assert_allclose(got, want, atol=2e-2, rtol=1e-2, err_msg=f"{kind} p0={p0} rows={rows} w={window}")
-            assert np.abs(got - want).mean() < 3e-3, (kind, p0, rows, window)
-            for r in range(rows):  # a row alone gives the bits it got in the tile
-                alone = attend(kind, k, v, q[r:r + 1], table, p0 + r, bs, rep, window, AMX)
-                assert np.array_equal(alone[0], got[r]), (kind, p0, rows, window, r)
+    rep, bs = shape[1], BS
+    for kind, k, v, table, q, p0, rows, window in tile_cases(shape, TILES):
+        got = attend(kind, k, v, q, table, p0, bs, rep, window, AMX)
+        if not tiles_here():  # (no tiles: nothing computed, and the engine never asks)
+            assert not got.any()
+            continue
+        want = attend_numpy(bf16(k.astype(np.float32)), bf16(v.astype(np.float32)), bf16(q), table, p0, bs, rep,
+                            window)
+        # the weights' bf16 rounding: ~2^-9 relative per weight, on outputs of magnitude ~2
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=1e-2, err_msg=f"{kind} p0={p0} rows={rows} w={window}")
+        assert np.abs(got - want).mean() < 3e-3, (kind, p0, rows, window)
+        for r in range(rows):  # a row alone gives the bits it got in the tile
+            alone = attend(kind, k, v, q[r:r + 1], table, p0 + r, bs, rep, window, AMX)
+            assert np.array_equal(alone[0], got[r]), (kind, p0, rows, window, r)
 
 
 def test_more_rows_than_a_prompt_tile_or_an_odd_head_dim_are_not_computed():
