@@ -19,13 +19,18 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
+from operator import attrgetter
 
 from tokenpath.gateway import limiter
 from tokenpath.gateway.base import CRASH_STATUS, GATEWAY_CRASH, AuditRecord
 from tokenpath.gateway.db import Tx
 
 AUDIT_COLUMNS = tuple(f.name for f in fields(AuditRecord))
+# A row's values in column order. Not `dataclasses.asdict`: it deep-copies field by field (~0.2 ms a
+# row, twice per request, holding the GIL in the writer's thread while the event loop dispatches);
+# the fields are scalars, so reading them is the whole job (~2 us).
+_VALUES = attrgetter(*AUDIT_COLUMNS)
 _WRITE_COLUMNS = (*AUDIT_COLUMNS, "day", "open_by")
 _INSERT = (f"INSERT INTO audit_log ({', '.join(_WRITE_COLUMNS)}) "
            f"VALUES ({', '.join('?' * len(_WRITE_COLUMNS))})")
@@ -82,8 +87,7 @@ def write_batch(tx: Tx, ops: Sequence[AuditOp], instance: Instance | None, now: 
     """Every op of the batch and this instance's heartbeat, in the caller's single transaction.
     `instance` None: closes only, written outside a gateway (tests, imports)."""
     for op in ops:
-        values = asdict(op.record)
-        params = [values[c] for c in AUDIT_COLUMNS] + [limiter.day_of(op.record.time)]
+        params = [*_VALUES(op.record), limiter.day_of(op.record.time)]
         if op.kind == "open" and instance is not None:
             tx.q(_OPEN, [*params, instance.id])
         elif op.kind == "close":
