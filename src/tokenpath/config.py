@@ -164,12 +164,15 @@ class EngineConfig(BaseModel):
     # auto: GGUF weights run on the native CPU kernels in their own blocks, and bf16/fp16/fp32
     # safetensors on their own values (torch when the kernels are not built or the CPU lacks AVX2,
     # or when --dtype asks for a 16-bit type other than the file's); none: torch float path; q8_0:
-    # every matrix Q8_0 on the native kernels, any checkpoint (quantized at load). The default
-    # comes from TOKENPATH_QUANTIZATION when set, so CI can run the whole suite on one path.
-    quantization: Literal["auto", "none", "q8_0"] = Field(
+    # every matrix Q8_0 on the native kernels, any checkpoint (quantized at load); q4_k: every
+    # matrix Q4_K (Q5_0 where a row is not whole 256-weight super-blocks), the embedding and head
+    # Q8_0 (engine/kernels/model.py). The default comes from TOKENPATH_QUANTIZATION when set, so CI
+    # can run the whole suite on one path.
+    quantization: Literal["auto", "none", "q8_0", "q4_k"] = Field(
         default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True,
         description="auto: native kernels on GGUF blocks and bf16/fp16/fp32 safetensors; none: torch float; "
-                    "q8_0: every matrix Q8_0 "
+                    "q8_0: every matrix Q8_0; q4_k: Q4_K (Q5_0 where rows are not whole 256-blocks; "
+                    "embedding and head Q8_0), quantized at load "
                     "(default: $TOKENPATH_QUANTIZATION, else auto)")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
@@ -396,7 +399,7 @@ ENV_VARS = (
     EnvVar("TOKENPATH_API_KEY", "a static API key (as --api-key; also the default of `trace --api-key`)"),
     EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
     EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
-    EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0)"),
+    EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0, q4_k)"),
     EnvVar("TOKENPATH_KV_CACHE_DTYPE", "the default of --kv-cache-dtype (auto, float32, float16, fp8, fp8_e4m3, "
            "fp8_e5m2, q8_0)"),
     EnvVar("TOKENPATH_NUM_THREADS", "torch CPU threads per engine (default: cores split among local engines)"),

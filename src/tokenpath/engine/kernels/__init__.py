@@ -71,12 +71,32 @@ def row_bytes(wtype: int, k: int) -> int:
 
 
 def quantize(lib: NativeLibrary, wtype: int, w: np.ndarray) -> np.ndarray:
-    """float32 [N, K] -> GGUF blocks [N, row_bytes] (rows zero-padded to a multiple of 32)."""
+    """float32 [N, K] -> GGUF blocks [N, row_bytes]: Q4_0/Q4_1/Q8_0 rows zero-padded to a multiple of
+    32; Q5_0 and Q4_K rows must be whole blocks (32, 256 weights)."""
     w = np.ascontiguousarray(w, dtype=np.float32)
     n, k = w.shape
-    out = np.empty((n, row_bytes(wtype, k)), dtype=np.uint8)
+    if wtype in (Q5_0, Q4_K):
+        per, size = GGUF_BLOCKS[wtype]
+        if k % per:
+            raise ValueError(f"{TYPE_NAMES[wtype]} rows are whole blocks of {per} weights, not {k}")
+        out = np.empty((n, k // per * size), dtype=np.uint8)
+    else:
+        out = np.empty((n, row_bytes(wtype, k)), dtype=np.uint8)
     lib.lib.tp_quantize(wtype, _ptr(w), n, k, _ptr(out))
     return out
+
+
+def quantize_as(lib: NativeLibrary, want: int | None, w: np.ndarray) -> tuple[int, np.ndarray]:
+    """(type, blocks) of a float matrix quantized at load for `--quantization` (`want`: Q8_0 or Q4_K;
+    None: Q8_0, the conversion of a type the kernels do not read). Q4_K needs rows of whole 256-weight
+    super-blocks: a matrix whose rows are not (SmolLM2's 576 inputs) takes Q5_0, and one whose rows
+    are not whole 32-blocks Q8_0, as llama.cpp's quantizer falls back for Q4_K."""
+    k = w.shape[1]
+    if want == Q4_K and k % GGUF_BLOCKS[Q4_K][0] == 0:
+        return Q4_K, quantize(lib, Q4_K, w)
+    if want == Q4_K and k % GGUF_BLOCKS[Q5_0][0] == 0:
+        return Q5_0, quantize(lib, Q5_0, w)
+    return Q8_0, quantize(lib, Q8_0, w)
 
 
 def dequantize(lib: NativeLibrary, wtype: int, q: np.ndarray, k: int) -> np.ndarray:

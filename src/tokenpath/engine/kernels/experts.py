@@ -31,6 +31,7 @@ from tokenpath.engine.kernels import (
     REPACK_BLOCKS,
     NativeLibrary,
     quantize,
+    quantize_as,
     repack,
 )
 from tokenpath.engine.loader import LoadedModel
@@ -106,7 +107,7 @@ def expert_matrix(lib: NativeLibrary, loaded: LoadedModel, i: int, proj: str, wa
         raise ModelLoadError(f"expert tensor '{name}' has type {_type_name(t)}: the native expert kernels run "
                              f"{', '.join(sorted(_type_name(k) for k in GGUF_BLOCKS))} (and float32, as Q8_0)")
     if blocks is None or want not in (None, t):
-        t, blocks = Q8_0, quantize(lib, Q8_0, _float(loaded, i, proj, rows))
+        t, blocks = quantize_as(lib, want, _float(loaded, i, proj, rows))
     if pack and rows % GROUP_ROWS == 0 and cols % REPACK_BLOCKS[t][0] == 0:
         return repack(lib, t, blocks)
     if t not in BLOCK_BYTES:  # unpacked, the kernels run Q4_0/Q4_1/Q8_0 rows only

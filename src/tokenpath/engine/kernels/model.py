@@ -8,8 +8,10 @@ which keeps their blocks intact), the output and down projections, the norms; th
 (also the LM head when tied) and the RoPE tables. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
 F16 and BF16 matrices keep the file's own blocks (repacked 16 rows at a time), and so do bf16/fp16/fp32
 safetensors checkpoints (their values are BF16/F16/F32 rows); other types (a GGUF file's F32, Q2_K,
-Q3_K, ...), a matrix of those types whose rows are not a multiple of 16, and any checkpoint under
-`--quantization q8_0` are quantized to Q8_0 at load (logged once per type).
+Q3_K, ...) and a matrix of those types whose rows are not a multiple of 16 are quantized to Q8_0 at
+load (logged once per type); under `--quantization q8_0` every matrix of any checkpoint is Q8_0, and
+under `--quantization q4_k` Q4_K (Q5_0 where a row is not whole 256-weight super-blocks; the
+embedding and the LM head Q8_0, as llama.cpp's Q4_K_M keeps the output matrix at more bits).
 The KV cache stays the engine's own block pool, float32, float16, one-byte fp8 (e4m3, e5m2) or
 llama.cpp's q8_0 blocks (csrc/kv_fp8.h): the kernels read and write it in place, converting in
 registers.
@@ -43,6 +45,7 @@ from tokenpath.engine.kernels import (
     GROUP_ROWS,
     ISA_AVX512,
     ISA_NAMES,
+    Q4_K,
     Q4KX16,
     Q4X16,
     Q5KX16,
@@ -55,7 +58,7 @@ from tokenpath.engine.kernels import (
     NativeLibrary,
     native_library,
     output_rows,
-    quantize,
+    quantize_as,
     repack,
     repack_parts,
 )
@@ -70,6 +73,8 @@ from tokenpath.engine.rope_tables import RopeTables, rope_keys
 log = logging.getLogger("tokenpath.engine.kernels")
 
 # KV-cache dtype name -> the kernels' KvKind (csrc/kv_fp8.h), tp_model_create's dims[12].
+# --quantization's conversions at load (None: each matrix as stored where the kernels read it).
+QUANTIZATIONS = {"q8_0": Q8_0, "q4_k": Q4_K}
 KV_KINDS = {"float32": 0, "float16": 1, "fp8_e5m2": 2, "fp8_e4m3": 3, "q8_0": 4}
 
 
@@ -151,7 +156,8 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             return raw.ggml_type, np.ascontiguousarray(raw.data).view(np.uint8)  # F16: values -> bytes
         if want is None:
             requantized.add(_type_name(raw.ggml_type))
-        return Q8_0, np.concatenate([quantize(lib, Q8_0, rows) for rows in loaded.gguf.dequantized_rows(name)])
+        chunks = [quantize_as(lib, want, rows) for rows in loaded.gguf.dequantized_rows(name)]
+        return chunks[0][0], np.concatenate([b for _, b in chunks])
     else:
         weights = hf_weights(loaded)
         view = weights.matrix_bytes(name)
@@ -160,7 +166,7 @@ def _as_blocks(lib: NativeLibrary, loaded: LoadedModel, name: str, want: int | N
             if want in (None, vtype):
                 return vtype, view
         dense = weights.dense(name)
-    return Q8_0, quantize(lib, Q8_0, dense)
+    return quantize_as(lib, want, dense)
 
 
 def _type_name(ggml_type: int) -> str:
@@ -332,7 +338,10 @@ class NativeLlama:
         a config)."""
         cfg = loaded.config
         self.lib, self.vocab = lib, cfg.vocab_size
-        want = Q8_0 if quantization == "q8_0" else None
+        want = QUANTIZATIONS.get(quantization)
+        # The embedding and the LM head take Q8_0 under q4_k (llama.cpp's Q4_K_M gives the output
+        # matrix Q6_K): the head's error reaches every logit directly.
+        outer_want = Q8_0 if want == Q4_K else want
         keep: list[np.ndarray] = []  # everything the C++ side points into
 
         def ptr(a: np.ndarray | None) -> int:
@@ -399,12 +408,14 @@ class NativeLlama:
                 used_types |= {t for t, rows, _ in slots if rows}
             layer_types += [cfg.window(i) or 0, cache.layer_group[i]]  # window, KV-cache group
         if cfg.tie_word_embeddings:  # one copy: embedding lookups read the head's rows in either layout
-            [(head_t, _, head)] = matrix(EXACT_HEAD, ["embed.weight"])
+            [(head_t, _, head)] = _matrix(lib, loaded, ["embed.weight"], outer_want, not exact & EXACT_HEAD,
+                                          requantized)
             embed_t, embed = head_t, head
         else:
-            [(head_t, _, head)] = matrix(EXACT_HEAD, ["lm_head.weight"])
+            [(head_t, _, head)] = _matrix(lib, loaded, ["lm_head.weight"], outer_want, not exact & EXACT_HEAD,
+                                          requantized)
             # Embedding lookups read GGUF rows of the row-kernel types or repacked rows (16-row groups).
-            [(embed_t, _, embed)] = _matrix(lib, loaded, ["embed.weight"], want, True, requantized)
+            [(embed_t, _, embed)] = _matrix(lib, loaded, ["embed.weight"], outer_want, True, requantized)
         glob = [ptr(embed), ptr(head), ptr(norm("norm.weight"))]
         if loaded.gguf is not None:  # the final norm's copy, read after the head's release, mapped 1 MiB back
             loaded.gguf.release_all()

@@ -44,6 +44,8 @@ uint16_t fp32_to_fp16(float f) {  // round to nearest even; values here are smal
     return uint16_t(sign | h);
 }
 
+bool quantize_rows_more(int wtype, const float* src, int N, int K, uint8_t* dst);  // quantize_more.cpp
+
 bool amx_permitted() {
     // Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the permission is the process's,
     // so it is asked once (a C++ static's one-time initialisation); CPUID leaf 7 EDX bits 24 and 22
@@ -78,8 +80,10 @@ int tp_cpu_features() {
 }
 
 // Quantizes N rows of K floats into GGUF blocks (rows padded with zeros to a multiple of 32):
-// the q8_0 option for safetensors checkpoints, and random weights for the kernel tests.
+// the q8_0 option for safetensors checkpoints, and random weights for the kernel tests. Q4_K and
+// Q5_0 (`--quantization q4_k`) go to quantize_more.cpp, whose rows are whole blocks (the caller's check).
 void tp_quantize(int wtype, const float* src, int N, int K, uint8_t* dst) {
+    if (quantize_rows_more(wtype, src, N, K, dst)) return;
     const int nb = (K + QK - 1) / QK;
     const size_t bb = block_bytes(wtype);
     for (int n = 0; n < N; ++n) {
