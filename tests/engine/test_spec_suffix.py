@@ -18,7 +18,7 @@ from tokenpath.cli import build_parser
 from tokenpath.config import EngineConfig, SpeculativeConfig
 from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec.decoder import SpecDecoder
-from tokenpath.engine.spec.suffix import SuffixCache, SuffixProposer, SuffixTrie
+from tokenpath.engine.spec.suffix import MAX_OWN_PROMPT, SuffixCache, SuffixProposer, SuffixTrie
 from tokenpath.server.config import build_config
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
@@ -62,6 +62,7 @@ def test_it_drafts_the_most_frequent_continuation_of_the_longest_match():
     # max_spec_factor: at most factor x the match length (here a match of 2: 2 tokens)
     assert SuffixProposer(SuffixCache(24, 0), 1.0, 0.1).propose([1, 2, 3, 4, 5, 6, 0, 1, 2], 8) == [3, 4]
     assert SuffixProposer(SuffixCache(24, 0), 1.0, 0.1).propose([1, 2, 3, 4], 8) == []  # nothing repeats
+    assert SuffixProposer(SuffixCache(24, 0), 4.0, 0.1).propose([1, 2, 3, 4, 1], 8) == []  # a lone token: no
 
 
 def test_min_token_prob_stops_a_draft_where_the_history_disagrees():
@@ -90,9 +91,9 @@ def test_the_global_trie_is_bounded_in_requests_and_nodes():
     for i in range(10):
         cache.add([10 * i + 1, 10 * i + 2, 10 * i + 3])  # request i's output
     assert len(cache.tries) == 2 and all(t.size == 1 + 2 * 6 for t in cache.tries)  # two generations of 2
-    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 1], 4) == []  # request 0 went with its generation
-    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 61], 4) == [62]  # requests 6 to 9 draft
-    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 91], 4) == [92]
+    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 1, 2], 4) == []  # request 0 went with its generation
+    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 61, 62], 4) == [63]  # requests 6 to 9 draft
+    assert SuffixProposer(cache, 1.0, 0.1).propose([7, 91, 92], 4) == [93]
     small = SuffixCache(depth=8, max_cached_requests=10000, max_nodes=50)
     for i in range(100):
         small.add(list(range(100 * i, 100 * i + 20)))
@@ -112,6 +113,14 @@ def test_the_proposer_costs_well_under_a_decode_step():
         proposer.propose(tokens, 16)
     per_step = (time.thread_time() - started) / 200
     assert per_step < 2e-3  # ~50 us on these loaded cores (the n-gram index: ~5 us)
+
+
+def test_a_long_prompt_is_indexed_from_its_last_tokens_only():
+    tokens = [(i * 7919) % 49000 for i in range(MAX_OWN_PROMPT + 3000)]
+    proposer = SuffixProposer(SuffixCache(8, 0), 1.0, 0.1)
+    proposer.propose(tokens, 4)
+    assert proposer.own.size <= 1 + 8 * MAX_OWN_PROMPT  # not the whole prompt's
+    assert proposer.propose([*tokens, *tokens[-4000:-3990]], 4) == tokens[-3990:-3986]  # (within the window)
 
 
 def test_a_trie_counts_each_substring_up_to_its_depth():

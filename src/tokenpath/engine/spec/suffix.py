@@ -13,7 +13,10 @@ depth x the tokens it gained. A lookup binary-searches the longest suffix of the
 node has an earlier continuation (the property is monotone: a shorter suffix occurs wherever a
 longer one does), about depth x log2(depth) dict lookups, then walks the most frequent child,
 each token's estimated probability the product of the shares so far, stopping below
-`min_token_prob`, after `max_spec_factor` x the match length tokens, or at the trie's depth.
+`min_token_prob`, after `max_spec_factor` x the match length tokens, or at the trie's depth. A
+match of one token drafts nothing (`MIN_MATCH`, as `prompt_lookup_min` 2 for the n-gram): measured
+on the `free` workload (benchmarks/spec_decode.py, depth 64, factor 2), lone-token matches took
+211 steps for 240 tokens where 2 took 182, their drafts mostly missing.
 Between the request's trie and the global one the higher score (sum of probabilities) wins.
 
 The global trie is bounded: two generations, each of at most half `max_cached_requests` requests
@@ -31,6 +34,12 @@ from dataclasses import dataclass, field
 # file's layout: a dict entry with an int key and value, four 8-byte array slots): ~140 bytes a
 # node (tracemalloc), so both generations stay under ~40 MiB whatever the traffic.
 MAX_GLOBAL_NODES = 1 << 17
+# A request's own trie starts at most this many tokens before the end of what it had when it first
+# drafted (its prompt): ~35 us and ~140 bytes x depth a token in CPython, so a long prompt would
+# otherwise cost a stall of ~0.15 s and ~14 MiB at depth 24 per 4096 tokens. Its output is all
+# indexed.
+MAX_OWN_PROMPT = 4096
+MIN_MATCH = 2  # the shortest match drafted from (1: a lone token drafts, and misses)
 _SHIFT = 32  # a child's key: parent << 32 | token (vocabularies are far below 2**32)
 
 
@@ -98,7 +107,7 @@ class SuffixTrie:
                 lo, node = mid, found
             else:
                 hi = mid - 1
-        if lo == 0:
+        if lo < MIN_MATCH:
             return 0.0, []
         # The context to draft from: as long as matched, but leaving room below the depth for
         # the drafts its length allows (the trie stores nothing deeper).
@@ -164,7 +173,7 @@ class SuffixProposer:
     min_token_prob: float
     own: SuffixTrie = field(init=False)
     active: list[int] = field(default_factory=lambda: [0])
-    upto: int = 0  # tokens inserted into `own`
+    upto: int = -1  # tokens inserted into `own` (-1: none yet)
 
     def __post_init__(self) -> None:
         self.own = SuffixTrie(self.cache.depth)
@@ -172,7 +181,9 @@ class SuffixProposer:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` draft tokens for what follows `tokens` (empty: nothing matched)."""
         if len(tokens) < self.upto:  # the sequence got shorter (never in the engine): start over
-            self.own, self.active, self.upto = SuffixTrie(self.cache.depth), [0], 0
+            self.own, self.active, self.upto = SuffixTrie(self.cache.depth), [0], -1
+        if self.upto < 0:
+            self.upto = max(0, len(tokens) - MAX_OWN_PROMPT)
         own, active = self.own, self.active
         for t in tokens[self.upto :]:
             active = own.extend(active, t)
