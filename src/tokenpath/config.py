@@ -126,7 +126,7 @@ class SpeculativeConfig(BaseModel):
     # time): c = 2 1.31x, c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
-    suffix_decoding_max_tree_depth: int = Field(24, ge=2, le=256, description="suffix: the tries' depth, which "
+    suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")
     suffix_decoding_max_cached_requests: int = Field(10000, ge=0, description="suffix: recent requests whose "
                                                      "outputs the global trie holds (0: none; also bounded in nodes)")

@@ -37,7 +37,7 @@ def test_the_suffix_method_takes_vllms_names_and_defaults():
 
 
 @pytest.mark.parametrize("bad, field", [
-    ({**SUFFIX, "suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth"),
+    ({**SUFFIX, "suffix_decoding_max_tree_depth": 2}, "suffix_decoding_max_tree_depth"),  # (matches of 2+)
     ({**SUFFIX, "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob"),
     ({**SUFFIX, "suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor"),
     ({**SUFFIX, "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),

@@ -115,7 +115,7 @@ class SuffixTrie:
             return min(k, int(factor * m) or 1, self.depth - m)
 
         m = lo
-        while m > 1 and limit(m) < limit(m - 1):  # (unimodal in m)
+        while m > MIN_MATCH and limit(m) < limit(m - 1):  # (unimodal in m)
             m -= 1
         if m != lo:
             node = self._find(tokens, m)
