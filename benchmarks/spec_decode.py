@@ -12,7 +12,9 @@ call of a write_file tool whose arguments are in the prompt, under the tool-call
 position, `Sampler.draft_rows`), and `edit_lora`: the `edit` prompt with a LoRA adapter (rank 16 on
 every target of every layer, random A and B of std 0.05, written by hand into a temporary folder
 the same way in every run: tests/engine/lora_adapters.py `random_adapter`; it changes SmolLM2's
-greedy tokens while it still copies). `--workloads` picks some of them, `--out` names the results. Each
+greedy tokens while it still copies), and three of repeated traffic for the suffix proposer's
+global trie (`repeat`, `repeat_edit`, `repeat_tool`: a priming request first, untimed; see
+PRIMES). `--workloads` picks some of them, `--out` names the results. Each
 mode runs in its own subprocess (so peak RSS is per engine), in interleaved rounds off, on, off,
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
