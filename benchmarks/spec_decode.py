@@ -12,7 +12,9 @@ call of a write_file tool whose arguments are in the prompt, under the tool-call
 position, `Sampler.draft_rows`), and `edit_lora`: the `edit` prompt with a LoRA adapter (rank 16 on
 every target of every layer, random A and B of std 0.05, written by hand into a temporary folder
 the same way in every run: tests/engine/lora_adapters.py `random_adapter`; it changes SmolLM2's
-greedy tokens while it still copies). `--workloads` picks some of them, `--out` names the results. Each
+greedy tokens while it still copies), and three of repeated traffic for the suffix proposer's
+global trie (`repeat`, `repeat_edit`, `repeat_tool`: a priming request first, untimed; see
+PRIMES). `--workloads` picks some of them, `--out` names the results. Each
 mode runs in its own subprocess (so peak RSS is per engine), in interleaved rounds off, on, off,
 on, ...: the machine is shared, and interleaving spreads the other load over both modes. Decode
 tok/s is (output tokens - 1) / (finish - first token) of the request, so prefill is left out.
@@ -72,6 +74,19 @@ WORKLOADS = {
     "tool": ("", 160),
 }
 WORKLOADS["edit_penalties"] = WORKLOADS["edit_lora"] = WORKLOADS["edit"]
+# Repeated traffic (the suffix proposer's global trie, engine/spec/suffix.py): a priming request
+# runs first, untimed, then the measured one. `repeat`: the `free` story asked twice; `repeat_edit`:
+# the same file edited before with another rename; `repeat_tool`: the same tool called before
+# with other arguments (the same JSON shape). Each workload starts from an empty global trie.
+WORKLOADS["repeat"] = WORKLOADS["free"]
+WORKLOADS["repeat_edit"] = WORKLOADS["edit"]
+WORKLOADS["repeat_tool"] = WORKLOADS["tool"]
+PRIMES = {"repeat": WORKLOADS["free"][0],
+          "repeat_edit": "Here is a Python file:\n\n" + FILE + "\nRewrite the whole file with the function "
+                         "block_hashes renamed to hashes_of_blocks everywhere. Output only the code.",
+          "repeat_tool": "tool_prime"}
+TOOL_CALL = 'Call write_file with path "geometry.py" and content "def area(r): return 3.14159 * r * r".'
+TOOL_PRIME = 'Call write_file with path "notes.txt" and content "buy milk, eggs and flour".'
 # Sampling parameters a workload adds to greedy decoding.
 PARAMS: dict[str, dict] = {"edit_penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.3}}
 RECORD = {"name": "Ada Lovelace", "born": "10 December 1815, London", "field": "mathematics",
@@ -93,13 +108,12 @@ def constrained(name: str):  # noqa: ANN201 - (messages, StructuredOutput) of a 
                   "additionalProperties": False}
         return ([{"role": "user", "content": "Copy this record as JSON exactly:\n" + json.dumps(RECORD)}],
                 StructuredOutput("json", json.dumps(schema)))
-    if name == "tool":
+    if name in ("tool", "repeat_tool", "tool_prime"):
         plan = parse_tools([TOOL], "required", None, None)
         if plan is None:  # (a required tool choice always plans)
             raise RuntimeError("parse_tools planned nothing for a required tool choice")
         return ([{"role": "system", "content": tagged_system_prompt(plan)},
-                 {"role": "user", "content": 'Call write_file with path "geometry.py" and content '
-                                             '"def area(r): return 3.14159 * r * r".'}], constraint(plan))
+                 {"role": "user", "content": TOOL_PRIME if name == "tool_prime" else TOOL_CALL}], constraint(plan))
     return None
 
 
@@ -148,6 +162,13 @@ def worker(spec: str | None, names: list[str]) -> dict:
     for name in names:
         lora = adapter(llm, name)
         prompt, max_tokens = WORKLOADS[name]
+        if llm.engine.spec is not None and llm.engine.spec.suffix is not None:
+            llm.engine.spec.suffix.clear()  # (each workload on its own: no earlier workload's output)
+        if name in PRIMES:
+            prime = constrained(PRIMES[name])
+            msgs, st = prime if prime else ([{"role": "user", "content": PRIMES[name]}], None)
+            llm.generate(llm.tokenizer.apply_chat_template(msgs), SamplingParams(
+                temperature=0, max_tokens=max_tokens, structured=st))
         before = llm.engine.spec.stats if llm.engine.spec else None
         drafted = (before.num_draft_tokens, before.num_accepted_tokens) if before else (0, 0)
         grammar = constrained(name)
@@ -234,7 +255,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     lines = [
-        "# Speculative decoding (n-gram): SmolLM2-135M-Instruct GGUF, one stream, greedy",
+        f"# Speculative decoding ({meta['spec'].get('method', 'ngram')}): SmolLM2-135M-Instruct GGUF, one stream, greedy",
         "",
         f"Run {meta['date']} on {meta['cpus']} shared cores (Python {meta['python']}). Command: "
         f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds} --workloads {','.join(names)} "

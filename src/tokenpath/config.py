@@ -96,23 +96,25 @@ def kernel_mask_from_env(name: str) -> int | None:
 
 # llama.cpp's and vLLM's other names for the n-gram (prompt lookup) proposer.
 SPEC_METHOD_ALIASES = {"ngram": "ngram", "prompt_lookup": "ngram", "ngram-simple": "ngram", "ngram_simple": "ngram",
-                       "draft_model": "draft_model", "draft": "draft_model"}
+                       "draft_model": "draft_model", "draft": "draft_model", "suffix": "suffix"}
 MAX_SPEC_TOKENS = 16
 
 
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Two proposers: n-gram
+    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Three proposers: n-gram
     (prompt lookup) proposes the K tokens that followed the most recent earlier occurrence of the
     sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min); draft_model runs
-    a smaller model of the same vocabulary (`model`) greedily for K tokens. Either is verified in
-    one forward pass (engine/spec/). As in vLLM, `model` without a method means draft_model.
+    a smaller model of the same vocabulary (`model`) greedily for K tokens; suffix drafts the most
+    frequent continuation from suffix tries over the request and recent requests' outputs
+    (engine/spec/suffix.py, the suffix_decoding_* fields). Each is verified in one forward pass
+    (engine/spec/). As in vLLM, `model` without a method means draft_model.
     Checked once, at start-up: a wrong field is an error naming it, never a silently slower
     engine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple) or "
-                                             "draft_model (alias: draft)")
+    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple), "
+                                             "draft_model (alias: draft) or suffix")
     model: str | None = Field(None, description="draft_model: the draft model (a GGUF file or a checkpoint "
                                                 "directory) sharing the target's vocabulary")
     num_speculative_tokens: int = Field(..., ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
@@ -123,6 +125,15 @@ class SpeculativeConfig(BaseModel):
     # 4, measured (benchmarks/spec_batch.py, a mix of copy and free streams, K = 16, by CPU
     # time): c = 2 1.31x, c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
+    # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
+    suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
+                                                "bounds the match length plus the drafts")
+    suffix_decoding_max_cached_requests: int = Field(10000, ge=0, description="suffix: recent requests whose "
+                                                     "outputs the global trie holds (0: none; also bounded in nodes)")
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: drafts at most this "
+                                                   "times the match length")
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: drafts only tokens whose "
+                                                  "estimated probability (from the counts) is at least this")
 
     @field_validator("method")
     @classmethod
@@ -145,6 +156,10 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("method draft_model needs `model`: the draft model's path")
         if self.method != "draft_model" and self.model:
             raise ValueError(f"`model` is the draft model of method draft_model, not of {self.method}")
+        stray = sorted(f for f, info in type(self).model_fields.items()  # (a dump of a config repeats defaults)
+                       if f.startswith("suffix_decoding_") and getattr(self, f) != info.default)
+        if stray and self.method != "suffix":
+            raise ValueError(f"{stray[0]} is a field of method suffix, not of {self.method}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

@@ -81,7 +81,7 @@ def test_speculation_that_kept_failing_is_a_cause_and_a_finding_with_its_lever()
     row = {"request_id": "me", "status": 200, "total_ms": 2100.0, "causes": [spec.as_dict()],
            "stages": [{"stage": "decode", "ms": 2000.0}]}
     finding = next(f for f in diagnose([row]) if f.kind == "speculation_wasted")
-    assert "num_speculative_tokens" in finding.lever
+    assert "num_speculative_tokens" in finding.lever and "suffix_decoding_min_token_prob" in finding.lever
     t.attrs["spec_decode"] = {"steps": 40, "proposed": 120, "accepted": 90, "acceptance": 0.75}  # it paid
     assert not [c for c in derive(t, completion_tokens=100) if c.kind == "speculation_wasted"]
     t.attrs["spec_decode"] = {"steps": 4, "proposed": 8, "accepted": 0, "acceptance": 0.0}  # too few to judge

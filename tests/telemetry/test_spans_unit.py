@@ -108,3 +108,18 @@ def test_dispatched_embeddings_get_queue_and_encoder_spans_under_dispatch(traced
     assert spans["engine.queue"].parent.span_id == dispatch.context.span_id
     assert spans["engine.embed"].attributes["gen_ai.usage.input_tokens"] == 9
     assert "engine.decode" not in spans and "engine.prefill" not in spans
+
+
+def test_a_speculating_requests_counts_reach_its_root_span_and_audit_row(traced):
+    """Issue 39's observability: the Timeline's `spec_decode` (replica/events.py) becomes the root
+    span's tokenpath.spec_decode.* attributes and the audit row's timing column."""
+    provider, exporter = traced
+    t = _timeline({}, provider)
+    t.attrs["spec_decode"] = {"steps": 12, "proposed": 40, "accepted": 30, "acceptance": 0.75}
+    rec = FinishedRequest(t, "/v1/chat/completions", 200, requested_model="m", model="m", prompt_tokens=15,
+                          completion_tokens=42, finish_reasons=["stop"])
+    record_trace(rec, provider)
+    root = {s.name: s for s in exporter.get_finished_spans()}["chat m"]
+    assert {k: root.attributes[f"tokenpath.spec_decode.{k}"] for k in ("proposed", "accepted", "acceptance")} \
+        == {"proposed": 40, "accepted": 30, "acceptance": 0.75}
+    assert rec.timing_summary()["spec_decode"] == t.attrs["spec_decode"]

@@ -129,6 +129,8 @@ class EngineCore:
         self.blocks.prefix_queries = self.blocks.prefix_hits = 0
         if self.spec is not None:
             self.spec.stats = SpecStats()
+            if self.spec.suffix is not None:  # (the warm-up's output is no request's)
+                self.spec.suffix.clear()
 
     # ------------------------------------------------------------ requests
     def _runnable_params(self, request: GenerateRequest) -> SamplingParams:
@@ -443,6 +445,8 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.finished(seq)
         if all(c.seq.is_finished for c in self.requests[seq.request_id].choices):
             seq.events.finished = now
 

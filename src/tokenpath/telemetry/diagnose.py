@@ -124,7 +124,8 @@ _LEVERS = {
     "upload": "the client uploads slowly: compress or shorten the request body",
     "model_load": "warm it up (POST /v1/models/{id}/load), pin it, or raise --keep-alive / --models-memory",
     "speculation_wasted": "this traffic has little to copy: lower num_speculative_tokens or raise "
-                          "prompt_lookup_min in --speculative-config, or serve it without speculation",
+                          "prompt_lookup_min (ngram) or suffix_decoding_min_token_prob (suffix) in "
+                          "--speculative-config, or serve it without speculation",
 }
 
 

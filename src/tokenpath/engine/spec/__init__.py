@@ -3,9 +3,10 @@ verifies all K + 1 positions, and the accepted prefix plus one token the target 
 appended. The engine's pieces:
 
 - `decoder.SpecDecoder` (called by the scheduler): which sequences draft this step, how many
-  (`draft_len`) and what (`propose`: the n-gram index, `ngram.py`, or a draft model,
-  `draft_model.py`, whose KV pool the target's block tables index, so its 1 + K rows are allocated
-  before it proposes); `state.DraftState`: how many tokens a sequence drafts next, adapted to what
+  (`draft_len`) and what (`propose`: the n-gram index, `ngram.py`, the suffix tries over the
+  request and recent requests' outputs, `suffix.py`, whose engine-wide trie takes each finished
+  sequence's output (`SpecDecoder.finished`), or a draft model, `draft_model.py`, whose KV pool the
+  target's block tables index, so its 1 + K rows are allocated before it proposes); `state.DraftState`: how many tokens a sequence drafts next, adapted to what
   it had accepted, and which of a draft model's KV positions still hold the sequence's tokens;
 - the runner returns logits at every row of a drafting sequence (K + 1 rows, not one);
 - `verify.verify` (called by the engine core): greedy rows accept the drafts equal to the argmax,

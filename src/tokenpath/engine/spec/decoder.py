@@ -11,6 +11,7 @@ from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec.grammar import grammar_drafts
 from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.state import DraftState
+from tokenpath.engine.spec.suffix import SuffixCache, SuffixProposer
 
 if TYPE_CHECKING:
     from tokenpath.engine.spec.draft_model import DraftModel
@@ -51,6 +52,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.drafter = drafter
+        # method suffix: the global trie over recent requests' outputs (suffix.py), one an engine.
+        self.suffix = (SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
+                       if config.method == "suffix" else None)
 
     @property
     def writes_kv(self) -> bool:
@@ -76,8 +80,7 @@ class SpecDecoder:
         `budget`, never past its max_tokens or the context length (`state.py`)."""
         state = seq.spec
         if state is None:
-            index = None if self.drafter else NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-            state = seq.spec = DraftState(index, self.k)
+            state = seq.spec = DraftState(self._index(), self.k)
         if state.pause:
             state.pause -= 1
             return 0
@@ -86,8 +89,22 @@ class SpecDecoder:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(k, 0)
 
+    def _index(self) -> NgramIndex | SuffixProposer | None:
+        """A new sequence's proposer index (None: the draft model proposes)."""
+        c = self.config
+        if self.drafter is not None:
+            return None
+        if self.suffix is not None:
+            return SuffixProposer(self.suffix, c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob)
+        return NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence is done: method suffix remembers its output for later requests' drafts."""
+        if self.suffix is not None:
+            self.suffix.add(seq.token_ids[seq.num_prompt_tokens :])
+
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        """The proposer's `k` tokens for `seq` (fewer or none where the n-gram finds less), cut
+        """The proposer's `k` tokens for `seq` (fewer or none where it finds less), cut
         where a grammar refuses them (grammar_drafts)."""
         state = seq.spec
         if k <= 0 or state is None:

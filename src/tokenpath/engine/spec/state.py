@@ -1,4 +1,4 @@
-"""One sequence's speculation state: its proposer index and how much it drafts next.
+"""One sequence's speculation state: its proposer (n-gram or suffix index) and how much it drafts next.
 
 Why adaptive: a draft row is not free here. On CPUs a verification row costs a sizeable part of
 a decode step (measured on 2 cores with SmolLM2-135M: a 5-row step ~3.5x a 1-row step under load),
@@ -19,13 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenpath.engine.spec.ngram import NgramIndex
+from tokenpath.engine.spec.suffix import SuffixProposer
 
 MAX_PAUSE = 32
 
 
 @dataclass
 class DraftState:
-    index: NgramIndex | None  # the n-gram proposer's index (None: a draft model proposes)
+    index: NgramIndex | SuffixProposer | None  # the n-gram or suffix proposer (None: a draft model proposes)
     k: int  # the most tokens it drafts next step
     pause: int = 0  # steps left without drafting
     backoff: int = 0  # the pause after the next step that accepts nothing

@@ -4,11 +4,11 @@ Row j's logits are the target model's distribution for the token after draft j -
 the last known token). Greedy: drafts are accepted while each equals the row's argmax, then the
 argmax of the first mismatching row (or of the last row, the bonus token) follows, so the output
 is token for token what plain greedy decoding gives. Sampled: rejection sampling (Leviathan et
-al. 2023; Chen et al. 2023) with the n-gram proposer's one-hot proposal q: draft x is accepted with
-probability p(x); on rejection the token is drawn from max(0, p - q) renormalised, which is p
-with x removed; after K acceptances a bonus token is drawn from the last row. Each emitted token
-is thus distributed exactly as p, the filtered (temperature, top-k, top-p, min-p) distribution
-the plain sampler draws from.
+al. 2023; Chen et al. 2023) with the proposer's one-hot proposal q (n-gram, suffix, a greedy draft
+model): draft x is accepted with probability p(x); on rejection the token is drawn from
+max(0, p - q) renormalised, which is p with x removed; after K acceptances a bonus token is drawn
+from the last row. Each emitted token is thus distributed exactly as p, the filtered (temperature,
+top-k, top-p, min-p) distribution the plain sampler draws from.
 """
 
 from __future__ import annotations
