@@ -52,6 +52,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                          "norm_topk_prob": False}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # OLMoE: q/k norms over the whole projection, softmax top-k not renormalized (its default).
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # Granite MoE: stacked experts, top-k logits then softmax, and its four multipliers (none 1).
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                    "embedding_multiplier": 4.0, "attention_multiplier": 0.2, "residual_multiplier": 0.6,
+                    "logits_scaling": 3.0}),
     # gpt-oss: 3 layers (sliding, full, sliding; window 8), 8 experts top-4 with biases, attention
     # sinks, YaRN without truncation. swiglu_limit 1.0 (the real one is 7.0): these random
     # activations reach it often, so the clamps are exercised.
