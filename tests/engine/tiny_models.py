@@ -51,6 +51,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3moe-unnorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                          "norm_topk_prob": False}),
+    # Qwen3-MoE as llama.cpp's qwen3moe graph computes it: a router in every layer, top-k always
+    # renormalized (tests/peers/test_llamacpp_moe.py converts it with llama.cpp's converter).
+    "qwen3moe-sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
     # OLMoE: q/k norms over the whole projection, softmax top-k not renormalized (its default).
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
@@ -213,8 +218,9 @@ def _tokenizer_fields() -> list[tuple]:
             for key, f in src.fields.items() if key.startswith("tokenizer.")]
 
 
-def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
-    """The HF checkpoint in `hf_dir` as a float32 GGUF, with SmolLM2's tokenizer metadata.
+def save_gguf(kind: str, hf_dir: Path, out: Path, chat_template: str | None = None) -> Path:
+    """The HF checkpoint in `hf_dir` as a float32 GGUF, with SmolLM2's tokenizer metadata
+    (`chat_template`: another `tokenizer.chat_template` than SmolLM2's, as a model's GGUF ships it).
     Kept when it exists already (its tokenizer, built from it, is cached by path and mtime)."""
     if out.is_file():
         return out
@@ -241,6 +247,8 @@ def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
     if getattr(cfg, "sliding_window", None) and arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
     for key, value, vtype, sub in _tokenizer_fields():
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            value = chat_template
         w.add_key_value(key, value, vtype, sub_type=sub)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     names = dict(_TENSOR_NAMES)
