@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from tests.engine.tiny_models import cached_tiny, save_gguf
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
