@@ -94,6 +94,26 @@ def test_gguf_moe_runs_natively(kind):
     assert err <= 5e-2
 
 
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 1), (128, 8), (128, 2)])
+def test_routing_ties_broken_as_transformers(tmp_path, experts, top_k):
+    """test_moe.tied_checkpoint natively (its float32 experts as F32X16, float32 rows): every
+    token's top-k is chosen among tied experts, and csrc/moe.h's topk_select leaves them where
+    torch.topk's CPU kernel does in transformers (nth_element for 8 of 8 and 8 of 128, partial_sort
+    for 2 of 128): the logits are transformers' to float32 rounding. The old kernels gave a tie to
+    the lower index (torch.topk gives [0, 0, 0, 1, 0, 1, 0, 0] to expert 5): logits off by ~3."""
+    from tests.engine.test_moe import _hf, _hf_logits, tied_checkpoint
+
+    path = tied_checkpoint(tmp_path / "tied", experts, top_k)
+    loaded = load_model(str(path))
+    native = runner(loaded, bf16=0)
+    assert native.native is not None
+    ids = np.random.default_rng(2).integers(3, loaded.config.vocab_size, 40).tolist()
+    got = all_logits(native, ids)
+    ref = _hf_logits(_hf(path), ids)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     """The grouped prefill GEMM (csrc/moe.h): one 160-token step over 8 experts top-2 routes ~40
     rows to each expert, gathered into one contiguous block per expert (many 4-row tiles of the

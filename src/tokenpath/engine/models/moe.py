@@ -2,7 +2,8 @@
 
 Routing is transformers' own arithmetic, so greedy tokens and tie-breaking match it: router logits
 in the model's dtype, softmax over all experts in float32, `torch.topk` for the chosen experts (a
-tie goes to the lower expert index, as torch.topk orders it), the chosen weights renormalized to sum
+tie goes where torch.topk's CPU kernel leaves it, not always to the lower index: csrc/moe.h's
+topk_select does the same), the chosen weights renormalized to sum
 to one when `norm_topk_prob` (Mixtral's softmax over the top-k logits is the same numbers), then
 cast to the model's dtype.
 
