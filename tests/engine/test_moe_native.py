@@ -114,6 +114,22 @@ def test_routing_ties_broken_as_transformers(tmp_path, experts, top_k):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_gguf_expert_type_the_kernels_do_not_run_is_refused(tmp_path):
+    """Stacked experts in IQ4_NL (a type gguf-py reads, so the file loads and the torch path could
+    dequantize it, but no expert kernel runs): refused when the native model is built, naming the
+    tensor and the types the kernels run, rather than requantized at load."""
+    from gguf import GGMLQuantizationType
+
+    from tokenpath.errors import ModelLoadError
+
+    path = save_gguf("qwen3moe", cached_tiny("qwen3moe"), tmp_path / "iq4nl.gguf",
+                     expert_type=GGMLQuantizationType.IQ4_NL)
+    loaded = load_model(str(path))
+    with pytest.raises(ModelLoadError, match=r"expert tensor 'blk\.0\.ffn_gate_exps\.weight' has type IQ4_NL: "
+                                             r"the native expert kernels run .*Q4_K.*\(and float32, as Q8_0\)"):
+        runner(loaded)
+
+
 def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     """The grouped prefill GEMM (csrc/moe.h): one 160-token step over 8 experts top-2 routes ~40
     rows to each expert, gathered into one contiguous block per expert (many 4-row tiles of the

@@ -218,9 +218,11 @@ def _tokenizer_fields() -> list[tuple]:
             for key, f in src.fields.items() if key.startswith("tokenizer.")]
 
 
-def save_gguf(kind: str, hf_dir: Path, out: Path, chat_template: str | None = None) -> Path:
+def save_gguf(kind: str, hf_dir: Path, out: Path, chat_template: str | None = None,
+              expert_type: int | None = None) -> Path:
     """The HF checkpoint in `hf_dir` as a float32 GGUF, with SmolLM2's tokenizer metadata
-    (`chat_template`: another `tokenizer.chat_template` than SmolLM2's, as a model's GGUF ships it).
+    (`chat_template`: another `tokenizer.chat_template` than SmolLM2's, as a model's GGUF ships it;
+    `expert_type`: the stacked experts as all-zero blocks of that GGML type, for refusal tests).
     Kept when it exists already (its tokenizer, built from it, is cached by path and mtime)."""
     if out.is_file():
         return out
@@ -270,6 +272,11 @@ def save_gguf(kind: str, hf_dir: Path, out: Path, chat_template: str | None = No
             a = _permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             a = a + 1.0
+        if expert_type is not None and a.ndim == 3:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(expert_type)]
+            raw = np.zeros((*a.shape[:-1], a.shape[-1] // block * size), dtype=np.uint8)
+            w.add_tensor(names[name], raw, raw_dtype=gguf.GGMLQuantizationType(expert_type))
+            continue
         w.add_tensor(names[name], np.ascontiguousarray(a))
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
