@@ -58,7 +58,7 @@ SLOW_MODULES = frozenset({
     "tests/telemetry/test_causes.py", "tests/telemetry/test_dashboard_replicas.py",
     # Over ~12 s in all: tiny checkpoints saved and run by transformers and the engine, real
     # tokenizers built, nested pytest/mypy/bench runs, engine processes bound and killed.
-    "tests/engine/test_moe.py", "tests/engine/test_native_attention.py", "tests/engine/test_model_families.py",
+    "tests/engine/test_moe.py", "tests/engine/test_moe_families.py", "tests/engine/test_native_attention.py", "tests/engine/test_model_families.py",
     "tests/engine/test_sampler_safety.py", "tests/engine/test_tiny_checkpoints.py",
     "tests/engine/test_kv_cache_dtype.py", "tests/engine/test_kv_window.py", "tests/engine/test_tokenizer_cache.py",
     "tests/engine/test_quantized_engine.py", "tests/engine/test_churn.py",

@@ -69,22 +69,35 @@ def test_logits_match_transformers(kind):
     assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
-def test_routing_ties_broken_as_transformers(tmp_path):
-    """Top-1 routing where every router logit ties with another: experts 3 and 5 have the same
-    router row and the others a zero one, so each token's best logit is shared by 3 and 5 (or by
-    the six zero experts). The experts' own weights differ, so a tie broken differently from
+def tied_checkpoint(path: Path, experts: int = 8, top_k: int = 1) -> Path:
+    """A float32 Qwen3-MoE whose router logits all tie with others. 8 experts top-1: experts 3 and
+    5 have the same router row and the others a zero one, so each token's best logit is shared by
+    3 and 5 (or by the six zero experts). More experts: expert e's router row is one of three
+    random rows, or zero, by e % 4, so each value is shared by a quarter of the experts and top-k
+    picks among many equals. The experts' own weights differ, so a tie broken differently from
     torch.topk (transformers' choice) changes the logits."""
     from safetensors.torch import load_file, save_file
 
-    path = save_tiny("qwen3moe-unnorm", tmp_path / "tied", num_experts_per_tok=1)
+    path = save_tiny("qwen3moe-unnorm", path, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32)
     f = path / "model.safetensors"
     tensors = load_file(str(f))
     for i in range(2):
         router = tensors[f"model.layers.{i}.mlp.gate.weight"]
         router.zero_()
-        row = torch.randn(router.shape[1], generator=torch.Generator().manual_seed(i))
-        router[3], router[5] = row, row
+        rows = torch.randn(3, router.shape[1], generator=torch.Generator().manual_seed(i))
+        if experts == 8:
+            router[3], router[5] = rows[0], rows[0]
+        else:
+            for e in range(experts):
+                if e % 4:
+                    router[e] = rows[e % 4 - 1]
     save_file(tensors, str(f), metadata={"format": "pt"})
+    return path
+
+
+def test_routing_ties_broken_as_transformers(tmp_path):
+    """tied_checkpoint on the torch path (the native kernels: test_moe_native.py)."""
+    path = tied_checkpoint(tmp_path / "tied")
     loaded = load_model(str(path))
     layer = runner(loaded, "none").model.layers[0]
     x = torch.randn(64, loaded.config.hidden_size, generator=torch.Generator().manual_seed(7))

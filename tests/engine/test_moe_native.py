@@ -94,6 +94,42 @@ def test_gguf_moe_runs_natively(kind):
     assert err <= 5e-2
 
 
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 1), (128, 8), (128, 2)])
+def test_routing_ties_broken_as_transformers(tmp_path, experts, top_k):
+    """test_moe.tied_checkpoint natively (its float32 experts as F32X16, float32 rows): every
+    token's top-k is chosen among tied experts, and csrc/moe.h's topk_select leaves them where
+    torch.topk's CPU kernel does in transformers (nth_element for 8 of 8 and 8 of 128, partial_sort
+    for 2 of 128): the logits are transformers' to float32 rounding. The old kernels gave a tie to
+    the lower index (torch.topk gives [0, 0, 0, 1, 0, 1, 0, 0] to expert 5): logits off by ~3."""
+    from tests.engine.test_moe import _hf, _hf_logits, tied_checkpoint
+
+    path = tied_checkpoint(tmp_path / "tied", experts, top_k)
+    loaded = load_model(str(path))
+    native = runner(loaded, bf16=0)
+    assert native.native is not None
+    ids = np.random.default_rng(2).integers(3, loaded.config.vocab_size, 40).tolist()
+    got = all_logits(native, ids)
+    ref = _hf_logits(_hf(path), ids)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_gguf_expert_type_the_kernels_do_not_run_is_refused(tmp_path):
+    """Stacked experts in IQ4_NL (a type gguf-py reads, so the file loads and the torch path could
+    dequantize it, but no expert kernel runs): refused when the native model is built, naming the
+    tensor and the types the kernels run, rather than requantized at load."""
+    from gguf import GGMLQuantizationType
+
+    from tokenpath.errors import ModelLoadError
+
+    path = save_gguf("qwen3moe", cached_tiny("qwen3moe"), tmp_path / "iq4nl.gguf",
+                     expert_type=GGMLQuantizationType.IQ4_NL)
+    loaded = load_model(str(path))
+    with pytest.raises(ModelLoadError, match=r"expert tensor 'blk\.0\.ffn_gate_exps\.weight' has type IQ4_NL: "
+                                             r"the native expert kernels run .*Q4_K.*\(and float32, as Q8_0\)"):
+        runner(loaded)
+
+
 def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     """The grouped prefill GEMM (csrc/moe.h): one 160-token step over 8 experts top-2 routes ~40
     rows to each expert, gathered into one contiguous block per expert (many 4-row tiles of the

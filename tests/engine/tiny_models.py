@@ -51,7 +51,19 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3moe-unnorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                          "norm_topk_prob": False}),
+    # Qwen3-MoE as llama.cpp's qwen3moe graph computes it: a router in every layer, top-k always
+    # renormalized (tests/peers/test_llamacpp_moe.py converts it with llama.cpp's converter).
+    "qwen3moe-sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # OLMoE: q/k norms over the whole projection, softmax top-k not renormalized (its default).
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # Granite MoE: stacked experts, top-k logits then softmax, and its four multipliers (none 1).
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                    "embedding_multiplier": 4.0, "attention_multiplier": 0.2, "residual_multiplier": 0.6,
+                    "logits_scaling": 3.0}),
     # gpt-oss: 3 layers (sliding, full, sliding; window 8), 8 experts top-4 with biases, attention
     # sinks, YaRN without truncation. swiglu_limit 1.0 (the real one is 7.0): these random
     # activations reach it often, so the clamps are exercised.
@@ -206,8 +218,11 @@ def _tokenizer_fields() -> list[tuple]:
             for key, f in src.fields.items() if key.startswith("tokenizer.")]
 
 
-def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
-    """The HF checkpoint in `hf_dir` as a float32 GGUF, with SmolLM2's tokenizer metadata.
+def save_gguf(kind: str, hf_dir: Path, out: Path, chat_template: str | None = None,
+              expert_type: int | None = None) -> Path:
+    """The HF checkpoint in `hf_dir` as a float32 GGUF, with SmolLM2's tokenizer metadata
+    (`chat_template`: another `tokenizer.chat_template` than SmolLM2's, as a model's GGUF ships it;
+    `expert_type`: the stacked experts as all-zero blocks of that GGML type, for refusal tests).
     Kept when it exists already (its tokenizer, built from it, is cached by path and mtime)."""
     if out.is_file():
         return out
@@ -234,6 +249,8 @@ def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
     if getattr(cfg, "sliding_window", None) and arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
     for key, value, vtype, sub in _tokenizer_fields():
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            value = chat_template
         w.add_key_value(key, value, vtype, sub_type=sub)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     names = dict(_TENSOR_NAMES)
@@ -255,6 +272,11 @@ def save_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
             a = _permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             a = a + 1.0
+        if expert_type is not None and a.ndim == 3:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(expert_type)]
+            raw = np.zeros((*a.shape[:-1], a.shape[-1] // block * size), dtype=np.uint8)
+            w.add_tensor(names[name], raw, raw_dtype=gguf.GGMLQuantizationType(expert_type))
+            continue
         w.add_tensor(names[name], np.ascontiguousarray(a))
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))

@@ -1,7 +1,9 @@
-"""A Mixtral made by llama.cpp's own converter gives llama.cpp's greedy tokens: the peers tier.
+"""A Mixtral and a Qwen3-MoE made by llama.cpp's own converter give llama.cpp's greedy tokens: the peers tier.
 
-The tiny random Mixtral of tests/engine/tiny_models.py (8 experts, top-2, SmolLM2's vocabulary) is
-converted to a float32 GGUF by the vendored `convert_hf_to_gguf.py` (not by the suite's own gguf-py
+The tiny random Mixtral and Qwen3-MoE of tests/engine/tiny_models.py (8 experts, top-2, SmolLM2's
+vocabulary; the Qwen3-MoE with head_dim 32 over a hidden size of 64, every layer sparse and its
+top-k renormalized, since llama.cpp's qwen3moe graph needs a router in each layer and always
+renormalizes) are each converted to a float32 GGUF by the vendored `convert_hf_to_gguf.py` (not by the suite's own gguf-py
 writer, whose layout is tokenpath's reading of the converter's), and served by the vendored
 `llama-server`. Its greedy tokens, prompt by prompt, are those of:
 - tokenpath's torch path on that very GGUF (float32 throughout, like llama.cpp here);
@@ -55,11 +57,11 @@ convert_hf_to_gguf.main()
 """
 
 
-@pytest.fixture(scope="module")
-def hf_dir() -> Path:
+@pytest.fixture(scope="module", params=["mixtral", "qwen3moe-sparse"])
+def hf_dir(request: pytest.FixtureRequest) -> Path:
     from tests.engine.tiny_models import cached_tiny
 
-    return cached_tiny("mixtral")
+    return cached_tiny(request.param)
 
 
 def _convert(hf_dir: Path, out: Path) -> Path:
@@ -72,7 +74,7 @@ def _convert(hf_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _convert(hf_dir, tmp_path_factory.mktemp("converted") / "mixtral-f32.gguf")
+    return _convert(hf_dir, tmp_path_factory.mktemp("converted") / f"{hf_dir.parent.name}-f32.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,8 @@ def test_converted_gguf_reads_as_the_checkpoint(converted: Path, hf_dir: Path):
 
     gguf, hf = load_model(str(converted)), load_model(str(hf_dir))
     assert (gguf.config.num_experts, gguf.config.num_experts_per_tok) == (8, 2)
+    assert (gguf.config.architecture, gguf.config.moe_layers, gguf.config.head_dim) == \
+        ({"mixtral": "llama", "qwen3moe": "qwen3moe"}[hf.config.architecture], hf.config.moe_layers, hf.config.head_dim)
     ids = np.random.default_rng(0).integers(3, hf.config.vocab_size, 40).tolist()
     assert torch.equal(all_logits(runner(gguf, "none"), ids), all_logits(runner(hf, "none"), ids))
 

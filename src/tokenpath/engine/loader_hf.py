@@ -20,6 +20,12 @@ import numpy as np
 
 from tokenpath.engine.gpt_oss import check_gpt_oss_weights, gpt_oss_fields, gpt_oss_windows
 from tokenpath.engine.model_config import ROPE_TYPES, ModelConfig, RopeScaling
+from tokenpath.engine.moe_families import (
+    GRANITE_RENAMES,
+    granitemoe_fields,
+    olmoe_fields,
+    stacked_expert_shapes,
+)
 from tokenpath.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -29,7 +35,8 @@ if TYPE_CHECKING:
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
-            "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss"}
+            "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
+            "GptOssForCausalLM": "gpt_oss"}
 _ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -57,8 +64,9 @@ def _rope(params: dict, cfg_file: Path, max_pos: int) -> tuple[float, RopeScalin
 def _moe_fields(cfg: dict, arch: str, n_layers: int, cfg_file: Path) -> dict:
     """The mixture-of-experts fields of ModelConfig: Qwen3-MoE's sparse layers are those not in
     `mlp_only_layers` whose (index + 1) is a multiple of `decoder_sparse_step`; Mixtral's are all,
-    each with `intermediate_size` experts and renormalized top-k weights."""
-    if arch not in ("qwen3moe", "mixtral", "gpt_oss"):
+    each with `intermediate_size` experts and renormalized top-k weights (OLMoE, Granite MoE:
+    engine/moe_families.py; gpt-oss: engine/gpt_oss.py)."""
+    if arch not in ("qwen3moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"):
         return {}
     n = cfg.get("num_experts", cfg.get("num_local_experts"))
     k = cfg.get("num_experts_per_tok")
@@ -69,6 +77,10 @@ def _moe_fields(cfg: dict, arch: str, n_layers: int, cfg_file: Path) -> dict:
                     norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
     if arch == "gpt_oss":
         return gpt_oss_fields(cfg, n, k, n_layers)
+    if arch == "olmoe":
+        return olmoe_fields(cfg, n, k, n_layers, cfg_file)
+    if arch == "granitemoe":
+        return granitemoe_fields(cfg, n, k, n_layers)
     step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
     return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -157,7 +169,8 @@ def read_hf_config(path: Path) -> ModelConfig:
 # output's), while in Llama/Qwen it is the norm before the MLP (ours: post_norm).
 _RENAMES = [("embed_tokens.", "embed."), ("self_attn.", ""), ("mlp.gate.", "router."),
             ("block_sparse_moe.gate.", "router."), ("block_sparse_moe.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."),
-            ("pre_feedforward_layernorm.", "post_norm."), ("post_feedforward_layernorm.", "ffn_out_norm.")]
+            ("pre_feedforward_layernorm.", "post_norm."), ("post_feedforward_layernorm.", "ffn_out_norm."),
+            *GRANITE_RENAMES]
 
 
 class HFWeights(Mapping):
@@ -347,6 +360,8 @@ def check_weights(config: ModelConfig, weights: Mapping[str, Any], path: Path) -
 
 def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """One sparse layer's router and expert matrices (our names, relative to the layer) -> shape."""
+    if config.architecture == "granitemoe":  # its experts stacked per layer
+        return stacked_expert_shapes(config)
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"router.weight": (e, h)}
     for x in range(e):

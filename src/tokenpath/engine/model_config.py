@@ -1,7 +1,8 @@
 """Hyperparameters of a decoder, read from GGUF metadata or a HF config.json.
 
 One typed record for every decoder family the engine runs (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
-Qwen3-MoE and Mixtral add mixture-of-experts MLPs (`num_experts` > 0); dense models keep 0. The
+Qwen3-MoE, Mixtral, OLMoE, Granite MoE and gpt-oss add mixture-of-experts MLPs (`num_experts` > 0);
+dense models keep 0. The
 torch path (`engine/models/`), the native kernels (`engine/kernels/model.py`) and the KV cache
 manager all read the same fields, so a feature a path lacks is refused where that path is chosen
 (`unsupported_by`), never silently ignored. Defaults are the Llama ones: a config that names none
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "olmoe", "granitemoe",
+                 "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -60,6 +62,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the rope base of windowed layers
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before rope
+    # OLMoE: with qk_norm, one RMSNorm over the whole q (and k) projection, before it is split into
+    # heads (weights of num_heads * head_dim and num_kv_heads * head_dim), not one per head.
+    qk_norm_full: bool = False
     sandwich_norms: bool = False  # Gemma 3: post-attention and post-feedforward norms too
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
@@ -69,6 +74,11 @@ class ModelConfig:
     # hand weights over in this form (GGUF's gemma3 norms already hold 1 + w: the loader subtracts).
     norm_offset: float = 0.0
     add_bos_token: bool = True
+    # Granite MoE (transformers' modeling_granitemoe.py): each sublayer's output times
+    # `residual_scale` before it joins the residual stream, and the logits divided by
+    # `logits_scaling` (its embedding and attention multipliers are embed_scale and attn_scale).
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
     # Mixture of experts (Qwen3-MoE, Mixtral). 0 experts = every MLP dense. A sparse layer routes
     # each token to `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`,
     # weighted by the softmax over all router logits, renormalized over the chosen ones when

@@ -91,6 +91,9 @@ def native_unsupported(cfg: ModelConfig) -> list[str]:
         "router and expert biases": cfg.moe_bias,
         "a softmax over the top-k router logits": cfg.moe_topk_softmax,
         "the clamped SwiGLU": cfg.swiglu_limit is not None,
+        "q/k norms over the whole projection": cfg.qk_norm_full,  # OLMoE (engine/moe_families.py)
+        "a residual multiplier": cfg.residual_scale != 1.0,  # Granite MoE: these two and the top-k softmax
+        "logits scaling": cfg.logits_scaling != 1.0,
     }
     return [name for name, hit in checks.items() if hit]
 

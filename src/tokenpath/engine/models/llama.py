@@ -3,8 +3,9 @@
 Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Gemma 3 differ only in switches the ModelConfig carries:
 QK-norm (Qwen3, Gemma 3), sandwich norms around attention and MLP outputs, GeGLU instead of SwiGLU,
 embedding scale, attention scale, per-layer sliding windows and rope bases (Gemma 3), Gemma's
-(1 + w) norms. Qwen3-MoE and Mixtral are the same decoder with a mixture-of-experts MLP
-(`models/moe.py`) in their sparse layers; gpt-oss adds attention sinks, an o_proj bias and its
+(1 + w) norms. Qwen3-MoE, Mixtral, OLMoE and Granite MoE are the same decoder with a mixture-of-experts
+MLP (`models/moe.py`) in their sparse layers (OLMoE's q/k norms span the whole projection; Granite
+scales each sublayer's output and the logits: engine/moe_families.py); gpt-oss adds attention sinks, an o_proj bias and its
 clamped SwiGLU (engine/gpt_oss.py). One module with those switches, rather than a copy per family, keeps the paged
 attention and fused projections in one place.
 
@@ -45,8 +46,9 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.input_norm = _norm_param(h, dtype)
         self.post_norm = _norm_param(h, dtype)  # before the MLP
-        self.q_norm = _norm_param(d, dtype) if cfg.qk_norm else None
-        self.k_norm = _norm_param(d, dtype) if cfg.qk_norm else None
+        qn, kn = (self.q_size, self.kv_size) if cfg.qk_norm_full else (d, d)  # OLMoE: over the projection
+        self.q_norm = _norm_param(qn, dtype) if cfg.qk_norm else None
+        self.k_norm = _norm_param(kn, dtype) if cfg.qk_norm else None
         self.attn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
         self.ffn_out_norm = _norm_param(h, dtype) if cfg.sandwich_norms else None
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
@@ -80,20 +82,26 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.add(idx, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and cfg.qk_norm_full:
+            q, k = self._rms(q, self.q_norm), self._rms(k, cast(torch.Tensor, self.k_norm))
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not cfg.qk_norm_full:
             q, k = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
         q, k = Rope.apply(*rope, q, k)
         attn = paged_attention(idx, q, k, v, cache, meta, self.scale, cfg.window(idx), self.sinks).reshape(t, self.q_size)
         a = self.o_proj(attn)
         if lora is not None:
             lora.add(idx, "o", attn, a)
+        if cfg.residual_scale != 1.0:  # Granite MoE: each sublayer's output scaled (a Python float, as transformers)
+            a = a * cfg.residual_scale
         x = x + (a if self.attn_out_norm is None else self._rms(a, self.attn_out_norm))
         h = self._rms(x, self.post_norm)
         if self.moe is not None:  # LoRA never reaches here: adapters are refused on MoE models
             m = self.moe(h, self._glu)
+            if cfg.residual_scale != 1.0:
+                m = m * cfg.residual_scale
             return x + (m if self.ffn_out_norm is None else self._rms(m, self.ffn_out_norm))
         gate_up, down = cast(nn.Linear, self.gate_up), cast(nn.Linear, self.down)  # a dense layer: both set
         gu = gate_up(h)
@@ -134,7 +142,10 @@ class LlamaModel(nn.Module):
             x = layer(i, x, tables[self.rope.layer_rope[i]], cache, meta, lora)
         x = F.rms_norm(x[logit_rows], (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        logits = F.linear(x, head)
+        if self.cfg.logits_scaling != 1.0:  # Granite MoE: divided in the model's dtype, as transformers
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Our checkpoint names -> fused parameters, cast to the parameters' dtype one by one.
@@ -169,7 +180,9 @@ class LlamaModel(nn.Module):
                     layer.moe.load_fused(w)
                     continue
                 if layer.moe is not None:
-                    layer.moe.load(w, stacked=f"layers.{i}.experts.gate_proj.weight" in weights)
+                    stacked = f"layers.{i}.experts.gate_proj.weight" in weights  # GGUF's ffn_*_exps
+                    fused = f"layers.{i}.experts.gate_up.weight" in weights  # Granite MoE's input_linear
+                    layer.moe.load(w, stacked=stacked, fused_gate_up=fused)
                     continue
                 cast(nn.Linear, layer.gate_up).weight.copy_(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]))
                 cast(nn.Linear, layer.down).weight.copy_(w("down_proj.weight"))

@@ -1,8 +1,9 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss, on the torch path.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, OLMoE, Granite MoE and gpt-oss, on the torch path.
 
 Routing is transformers' own arithmetic, so greedy tokens and tie-breaking match it: router logits
 in the model's dtype, softmax over all experts in float32, `torch.topk` for the chosen experts (a
-tie goes to the lower expert index, as torch.topk orders it), the chosen weights renormalized to sum
+tie goes where torch.topk's CPU kernel leaves it, not always to the lower index: csrc/moe.h's
+topk_select does the same), the chosen weights renormalized to sum
 to one when `norm_topk_prob` (Mixtral's softmax over the top-k logits is the same numbers), then
 cast to the model's dtype.
 
@@ -12,9 +13,10 @@ An expert's weights are read once per step however many tokens it got, and exper
 are not read at all. Experts are added in ascending index order, as transformers adds them, so a
 token's sum is computed in the same order.
 
-gpt-oss (ModelConfig.moe_topk_softmax / moe_bias): router logits with a bias, torch.topk over the
-logits, a softmax over the k chosen ones in the logits' dtype; every expert matrix has a bias, and
-its fused, interleaved gate/up columns are split into this block's gate rows and up rows at load.
+gpt-oss and Granite MoE (ModelConfig.moe_topk_softmax): torch.topk over the router logits, a
+softmax over the k chosen ones in the logits' dtype. gpt-oss (moe_bias): the router and every
+expert matrix have biases, and its fused, interleaved gate/up columns are split into this block's
+gate rows and up rows at load.
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ class MoEBlock(nn.Module):
             start += n
         return out
 
-    def load(self, w: Callable[[str], torch.Tensor], stacked: bool = False) -> None:
+    def load(self, w: Callable[[str], torch.Tensor], stacked: bool = False, fused_gate_up: bool = False) -> None:
         """Copy in `router.weight` and `experts.{e}.{gate,up,down}_proj.weight` (our names, one
-        layer's; `stacked`: `experts.{gate,up,down}_proj.weight` [E, rows, cols], GGUF's form),
-        each cast as it is copied."""
+        layer's; `stacked`: `experts.{gate,up,down}_proj.weight` [E, rows, cols], GGUF's form;
+        `fused_gate_up`: `experts.gate_up.weight` [E, 2I, H] and `experts.down.weight` [E, H, I],
+        Granite MoE's, already in this block's layout), each cast as it is copied."""
         self.router.copy_(w("router.weight"))
+        if fused_gate_up:
+            self.gate_up.copy_(w("experts.gate_up.weight"))
+            self.down.copy_(w("experts.down.weight"))
+            return
         i = self.down.shape[2]
         if stacked:
             self.gate_up[:, :i].copy_(w("experts.gate_proj.weight"))

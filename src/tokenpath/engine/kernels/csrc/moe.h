@@ -5,9 +5,9 @@
 // One sparse layer is 9 work phases of the step (all threads walk them alike):
 //   norm        RMSNorm of each row into float rows (the router reads floats: routing is exact)
 //   router      float32 router logits, items of (16 experts x 64 rows) so router rows stay in cache
-//   route       per row: softmax in float32, top-k (a tie goes to the lower expert index, as
-//               torch.topk and transformers choose), renormalised when norm_topk (Mixtral's
-//               softmax over the top-k logits is the same numbers)
+//   route       per row: softmax in float32, top-k as torch.topk picks it on a CPU (so tied
+//               experts go where transformers sends them: topk_select), renormalised when
+//               norm_topk (Mixtral's softmax over the top-k logits is the same numbers)
 //   plan        one item: the step's (row, expert) pairs grouped by expert (rows in step order),
 //               and the GEMM work items: (expert, output-row chunk), busiest experts first
 //   quantize    each pair's normed row, quantized at its place in its expert's group
@@ -26,6 +26,9 @@
 // Experts keep their own blocks: each of gate, up and down is one allocation holding every
 // expert's rows (repacked 16 rows at a time like the dense matrices), expert e at e * stride.
 #pragma once
+
+#include <cstdint>
+#include <utility>  // std::pair: topk_select
 
 namespace {
 
@@ -71,6 +74,29 @@ inline float dot_f32(const float* a, const float* b, int n) {
     return s;
 }
 
+// The k largest of p[0..E) in torch.topk's order (largest, sorted), as its CPU kernel picks them
+// (aten/src/ATen/native/TopKImpl.h, topk_impl_loop): (value, index) pairs, std::partial_sort when
+// k * 64 <= E, else std::nth_element at k - 1 and a std::sort of the first k - 1, each comparing
+// values only (NaN first). Which of tied experts wins is what those algorithms leave where, not the
+// lower index (topk of [0, 0, 0, 1, 0, 1, 0, 0] is expert 5), and the same libstdc++ algorithms
+// over the same comparisons leave them in the same places here.
+inline void topk_select(const float* p, int E, int k, int* sel) {
+    using elem = std::pair<float, int>;
+    thread_local std::vector<elem> q;
+    q.resize(size_t(E));
+    for (int e = 0; e < E; ++e) q[size_t(e)] = {p[e], e};
+    auto larger = [](const elem& x, const elem& y) {
+        return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+    };
+    if (int64_t(k) * 64 <= E) {
+        std::partial_sort(q.begin(), q.begin() + k, q.end(), larger);
+    } else {
+        std::nth_element(q.begin(), q.begin() + (k - 1), q.end(), larger);
+        std::sort(q.begin(), q.begin() + (k - 1), larger);
+    }
+    for (int j = 0; j < k; ++j) sel[j] = q[size_t(j)].second;
+}
+
 // Softmax over E logits (in place, float32), then the top k: sel/w ordered by expert index
 // ascending, each chosen expert's probability (renormalised to sum 1 when norm).
 inline void route_row(float* p, int E, int k, bool norm, int* sel, float* w) {
@@ -79,15 +105,7 @@ inline void route_row(float* p, int E, int k, bool norm, int* sel, float* w) {
     float sum = 0.f;
     for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
     for (int e = 0; e < E; ++e) p[e] /= sum;
-    int n = 0;  // sel[0..n): the best so far, by probability descending, ties by index ascending
-    for (int e = 0; e < E; ++e) {
-        int j = n < k ? n : k;
-        while (j > 0 && p[e] > p[sel[j - 1]]) --j;  // strictly greater: an equal later index stays behind
-        if (j >= k) continue;
-        for (int i = std::min(n, k - 1); i > j; --i) sel[i] = sel[i - 1];
-        sel[j] = e;
-        n = std::min(n + 1, k);
-    }
+    topk_select(p, E, k, sel);
     float tot = 0.f;
     for (int j = 0; j < k; ++j) tot += p[sel[j]];  // in topk's order, as weights.sum() adds them
     std::sort(sel, sel + k);
