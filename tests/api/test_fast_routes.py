@@ -84,3 +84,25 @@ async def test_the_fast_path_answers_before_the_router(monkeypatch: pytest.Monke
     app = create_app(ModelRouter([]))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
         assert (await client.get("/v1/completions")).status_code == 405
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
+    """A body over OFF_LOOP_BYTES (a 3.5 MB schema pattern took ~20 ms to parse and validate) is
+    parsed on a thread, so the loop goes on sending every stream's tokens; a small one on the loop.
+    Before: every body on the loop (issue 41: one gap per such request in each concurrent stream)."""
+    import threading
+
+    threads: list[bool] = []
+    parse = fast_routes._parse
+
+    def spy(model, content_type, raw):  # noqa: ANN001, ANN202
+        threads.append(threading.current_thread() is threading.main_thread())
+        return parse(model, content_type, raw)
+
+    monkeypatch.setattr(fast_routes, "_parse", spy)
+    small = {"model": "nope", "prompt": "hi", "max_tokens": 4}
+    large = {**small, "prompt": "x" * (2 * fast_routes.OFF_LOOP_BYTES)}
+    for body in (small, large):
+        r = await post("/v1/completions", json=body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert threads == [True, False]

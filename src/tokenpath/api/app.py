@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from tokenpath.api import fast_routes
+from tokenpath.api import fast_routes, structured
 from tokenpath.api.anthropic.errors import reshape_for
 from tokenpath.api.anthropic.routes import router as anthropic_routes
 from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
@@ -70,13 +70,18 @@ def create_app(
         # What the first request of each model would pay once (its longest-token scan, the chat
         # template's compile; ~35 ms on SmolLM2), paid before serving: at c=32 the first wave of
         # requests all waited behind it (gateway stage p50 ~100 ms, warm ~20 ms).
-        await asyncio.to_thread(warm_tokenizers, [d.tokenizer for d in router.deployments.values()])
+        tokenizers = [d.tokenizer for d in router.deployments.values()]
+        await asyncio.to_thread(warm_tokenizers, tokenizers)
+        # Structured output's one-time costs, off the first structured request (api/structured.py).
+        await asyncio.to_thread(structured.warm_grammar_caches, tokenizers)
+        grammars = asyncio.create_task(structured.warm_grammars(state.grammar_workers, tokenizers))
         await _warm_request_path(app)
         sampler = asyncio.create_task(sample_engines(state))
         yield
-        sampler.cancel()
-        with contextlib.suppress(BaseException):
-            await sampler
+        for task in (sampler, grammars):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         await state.close()
 
     # FastAPI's own HTTP spans (newer releases emit them whenever a tracer provider exists) would

@@ -2,8 +2,10 @@
 finite-instance check and the llguidance compile, one job at a time, answered over a pipe.
 
 Imports only jsonschema, llguidance and the grammar module (not torch, not transformers), so a
-fresh worker is ready in about a second. Every reply is a tuple: ("ok", seconds) or
-("bad", param, message, code); nothing is raised across the pipe.
+fresh worker is ready in about a second. Every reply is a tuple: ("ok", seconds), or ("ok",
+seconds, grammar text) for a compiled spec (the gateway builds its own matcher from that text: making
+it from a schema holds the GIL, the matcher's constructor does not), or ("bad", param, message,
+code); nothing is raised across the pipe.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jsonschema
 import llguidance
 
 from tokenpath.engine.structured.finite import has_finite_instance
-from tokenpath.engine.structured.grammar import GrammarError, compile_grammar, lower_priority
+from tokenpath.engine.structured.grammar import GrammarError, compile_grammar, grammar_text, lower_priority
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 Reply = tuple[Any, ...]
@@ -47,10 +49,11 @@ def check(tokenizer: llguidance.LLTokenizer, schemas: list[tuple[str, str]], spe
                 "its own object at every level), so no reply could ever match it; make the recursion optional",
                 "invalid_grammar")
     try:
-        compile_grammar(tokenizer, spec)
+        text = grammar_text(spec)
+        compile_grammar(tokenizer, spec, text)
     except GrammarError as exc:
         return ("bad", param, f"{param}: {exc.message}", "invalid_grammar")
-    return ("ok", time.perf_counter() - start)
+    return ("ok", time.perf_counter() - start, text)
 
 
 def serve(conn: Connection) -> None:

@@ -8,9 +8,10 @@ fire to end it. A worker process can be killed: a job over its bound (`COMPILE_T
 own CPU time, see WALL_FACTOR) kills the worker, the request gets a 400 `grammar_too_complex`, and a fresh worker is started for the
 next job. The gateway meanwhile only waits on a pipe.
 
-The pool is small (two workers by default), started lazily on the first structured request (spawn:
-about a second, plus a fraction of one to load each tokenizer's vocabulary into llguidance, once per
-worker; neither counts against the bound) and owned by the app's state. Verdicts are cached by spec,
+The pool is small (two workers by default) and owned by the app's state. One worker is started at
+server start with each tokenizer loaded (`start`: a spawn, about a second, plus a fraction of one to
+load each tokenizer's vocabulary into llguidance; on the first structured request this took ~2 s
+of CPU beside the streams), the other on the first overlap; neither start counts against the bound. Verdicts are cached by spec,
 refusals too, so a repeated spec, or a repeated bomb, costs nothing.
 """
 
@@ -22,10 +23,12 @@ import multiprocessing
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from tokenpath.engine.structured.grammar import lower_priority
 from tokenpath.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger("tokenpath.api")
@@ -113,8 +116,8 @@ class _Worker:
             if cpu is not None and cpu0 is not None and cpu - cpu0 >= timeout:
                 return False
 
-    def run(self, tokenizer: TokenizerSource, job: tuple, timeout: float) -> Reply:
-        """Start the worker and load the tokenizer if needed (not counted), then the job, bounded."""
+    def load(self, tokenizer: TokenizerSource) -> None:
+        """Start the worker and load the tokenizer, if not done yet (neither counts against a job's bound)."""
         if self.proc is None or not self.proc.is_alive():
             self.kill()
             self._start()
@@ -123,7 +126,11 @@ class _Worker:
             text, n_vocab, eos = source
             self._call(("tokenizer", key, text, n_vocab, eos), START_TIMEOUT_S)
             self.tokenizers.add(key)
-        return self._call(("check", key, *job), timeout)
+
+    def run(self, tokenizer: TokenizerSource, job: tuple, timeout: float) -> Reply:
+        """Start the worker and load the tokenizer if needed (not counted), then the job, bounded."""
+        self.load(tokenizer)
+        return self._call(("check", tokenizer[0], *job), timeout)
 
     def kill(self) -> None:
         if self.conn is not None:
@@ -142,7 +149,15 @@ class GrammarWorkers:
     def __init__(self, size: int = 2, timeout: float = COMPILE_TIMEOUT_S) -> None:
         self.timeout = timeout
         self._workers = [_Worker() for _ in range(size)]
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        # The gateway's own compile of a passed spec (for its grammar cache, which an in-process
+        # engine shares) runs on these threads, below the engine's priority as the workers are:
+        # llguidance's matcher constructor releases the GIL but takes 0.1-0.8 s of CPU for a large
+        # schema, which at the step's priority is a core taken from the step's threads.
+        self.local = ThreadPoolExecutor(size, thread_name_prefix="tokenpath-grammar-local",
+                                        initializer=lower_priority, initargs=(True,))
+        # Last returned, first taken: the warm worker (started by `start`, or by the last job) is
+        # reused, and the second is spawned only when two jobs overlap.
+        self._idle: asyncio.Queue[_Worker] = asyncio.LifoQueue()
         for w in self._workers:
             self._idle.put_nowait(w)
         self._verdicts: OrderedDict[tuple, Reply] = OrderedDict()
@@ -180,6 +195,21 @@ class GrammarWorkers:
             log.warning("the grammar worker died during a job; a fresh one will be started")
             return ("died",)
 
+    async def start(self, tokenizer: TokenizerSource) -> None:
+        """Start one worker and load `tokenizer` into it now (at server start), so the first
+        structured request does not pay the spawn, the imports and the vocabulary (~2 s of CPU at
+        full priority, beside whatever streams are running then). One worker: the second starts
+        on the first burst that needs it."""
+        worker = await self._idle.get()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, worker.load, tokenizer)
+        except Exception as exc:  # (a background start: nothing waits for it to raise)
+            log.warning("the grammar worker did not start (%s); it is started again on first use", exc)
+            worker.kill()
+        finally:
+            self._idle.put_nowait(worker)
+
     async def close(self) -> None:
+        self.local.shutdown(wait=False, cancel_futures=True)
         for w in self._workers:
             await asyncio.to_thread(w.kill)

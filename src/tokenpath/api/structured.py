@@ -12,13 +12,16 @@ metaschema), and the compile is bounded in time: a grammar that takes longer is 
 Cheapest first: on the event loop only linear, bounded checks (api/spec_limits.py: depth, size,
 enums, regexes); the meta-validation, the finite-instance check and the compile run in a worker
 process (api/grammar_worker.py) that is killed at the bound. Only a spec the worker compiled within
-it is then compiled here for the gateway's grammar cache (which an in-process engine shares), on a
-thread: llguidance's constructor and mask computation release the GIL.
+it is then compiled here for the gateway's grammar cache (which an in-process engine shares), from
+the grammar text the worker made (making it from a schema holds the GIL), on a thread below the
+engine's priority (`GrammarWorkers.local`): llguidance's constructor and mask computation release
+the GIL, but at full priority they took a core from the step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ from tokenpath.errors import InvalidRequestError
 from tokenpath.protocol.limits import CHOICES, SPEC_BYTES
 from tokenpath.protocol.sampling_params import StructuredOutput
 
-__all__ = ["COMPILE_TIMEOUT_S", "CompileInfo", "check_schema", "compile_checked", "requested"]
+__all__ = ["COMPILE_TIMEOUT_S", "CompileInfo", "check_schema", "compile_checked", "requested", "warm_grammars"]
 
 
 def _bad(param: str, message: str) -> InvalidRequestError:
@@ -188,11 +191,37 @@ async def compile_checked(workers: GrammarWorkers, tokenizer: Any, spec: Structu
         raise InvalidRequestError(message, param=where)
     if spec is None:
         return None
-    cache: GrammarCache = await asyncio.to_thread(lambda: tokenizer.grammars)  # first use: ~1 s, once
+    loop = asyncio.get_running_loop()
+    cache: GrammarCache = await loop.run_in_executor(workers.local, lambda: tokenizer.grammars)  # first use: ~1 s
+    text = reply[2] if len(reply) > 2 else None  # the grammar the worker made: making it holds the GIL
     start = time.perf_counter()
     try:
-        found = await asyncio.to_thread(cache.get, spec)
+        found = await loop.run_in_executor(workers.local, cache.get, spec, text)
     except GrammarError as exc:
         raise GrammarError(f"{param}: {exc.message}", param=param) from None
     return CompileInfo(spec.kind, round(1000 * (time.perf_counter() - start), 3) if not found.hit else 0.0,
                        found.hit)
+
+
+def grammar_tokenizers(tokenizers: list[Any]) -> list[Any]:
+    """The tokenizers that structured output can use (a chat model's; not an embedding model's)."""
+    return [t for t in tokenizers if t is not None and hasattr(t, "grammar_source")]
+
+
+def warm_grammar_caches(tokenizers: list[Any]) -> None:
+    """At start-up, before serving (blocking: run it on a thread): serialize each tokenizer for the
+    grammar workers and read its vocabulary into llguidance for the gateway's grammar cache. Both
+    hold the GIL (~0.3 s and ~0.8 s for SmolLM2's 49k tokens), so on the first structured request
+    they froze every stream of the process for a second; here they delay start-up instead."""
+    for tok in grammar_tokenizers(tokenizers):
+        with contextlib.suppress(Exception):  # (if it cannot be read, the first structured request says why)
+            tok.grammar_source()
+            _ = tok.grammars
+
+
+async def warm_grammars(workers: GrammarWorkers, tokenizers: list[Any]) -> None:
+    """Start a grammar worker with each tokenizer loaded (in the background, once serving: a
+    spawn, imports and a vocabulary, ~2 s of CPU in a process of its own, which the first
+    structured request paid before)."""
+    for tok in grammar_tokenizers(tokenizers):
+        await workers.start(tok.grammar_source())

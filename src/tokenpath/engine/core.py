@@ -193,8 +193,8 @@ class EngineCore:
     def _grammar(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for one choice, from the tokenizer's cache (the API compiled the spec once
         already, bounded in time, so a miss here costs milliseconds; an in-process engine shares the
-        API's cache and hits). An engine process pays once, on its first structured request, for
-        reading the vocabulary into llguidance (about a second)."""
+        API's cache and hits). An engine process reads the vocabulary into llguidance (about a
+        second, GIL held) at start-up (server/engine_process.py), not on its first structured request."""
         found = self.tokenizer.grammars.get(spec)
         return GrammarState(found.matcher, found.compile_seconds, found.hit)
 

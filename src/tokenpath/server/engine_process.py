@@ -130,6 +130,10 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
     from tokenpath.telemetry.engine_spans import setup_engine_tracing
 
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
+    # The vocabulary read into llguidance now, not on the first structured request: that holds the
+    # GIL about a second, which would freeze this process's step (api/structured.py warms the gateway's).
+    with contextlib.suppress(Exception):  # (if it cannot be read, the first structured request says why)
+        await asyncio.to_thread(lambda: engine.core.tokenizer.grammars)
     provider = setup_engine_tracing(engine.core.step_observers)
     await engine.start()
     freeze_startup_heap()  # (a full GC walking the loaded model's objects stalled a step ~100 ms)

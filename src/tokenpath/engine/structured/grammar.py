@@ -99,12 +99,15 @@ class Compiled:
     seconds: float
 
 
-def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> Compiled:
-    """Build (and check) a matcher; errors name what the library refused."""
+def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput, text: str | None = None) -> Compiled:
+    """Build (and check) a matcher; errors name what the library refused. `text`: the spec's
+    grammar already made (`grammar_text`, by a grammar worker process): making it holds the GIL
+    (~40 ms for a 2,000-value enum schema), where the matcher's constructor releases it."""
     import llguidance
 
     start = time.perf_counter()
-    text = grammar_text(spec)
+    if text is None:
+        text = grammar_text(spec)
     matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
     if matcher.is_error():
         raise GrammarError(_describe(spec, matcher.get_error()),
@@ -156,14 +159,15 @@ class GrammarCache:
         with self._lock:
             return StructuredOutput(spec.kind, spec.spec) in self._cache
 
-    def get(self, spec: StructuredOutput) -> Lookup:
+    def get(self, spec: StructuredOutput, text: str | None = None) -> Lookup:
+        """A copy of the spec's matcher, compiled on a miss (from `text`, its grammar, if given)."""
         key = StructuredOutput(spec.kind, spec.spec)  # the `tools` flag does not change the grammar
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
                 return Lookup(found.matcher.deep_copy(), 0.0, True)
-        compiled = compile_grammar(self.tokenizer, key)
+        compiled = compile_grammar(self.tokenizer, key, text)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.size:
