@@ -185,8 +185,10 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
 // consecutive in memory), as the K-quant decode does (kquant_impl.h). Measured on SmolLM2's own
 // matrices, one thread by its CPU time, interleaved A/B on a loaded machine (benchmarks/kquant_gemv.py
 // --lib): the Q4X16 layers 10.1-10.6 -> 7.5-8.9 ms a pass, the Q8X16 LM head 1.3-2.8 -> 1.3-2.6 ms,
-// faster for int8 and fine activations and on AVX2 alike; a whole decode step of the forward did
-// not move measurably under that load. No arithmetic changes: the logits are bit-identical.
+// faster for int8 and fine activations and on AVX2 alike. SmolLM2's tg128 through the engine,
+// one pinned thread, the process's CPU time per decode step, the same Python with either build,
+// interleaved: 12.2-16.3 -> 9.0-11.2 ms (benchmarks/results/step_cost.md). No arithmetic changes:
+// the logits are bit-identical.
 constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
 
 // Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
