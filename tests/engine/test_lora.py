@@ -142,3 +142,24 @@ def test_native_path_matches_peft(base, adapters, prompts, references, torch_llm
     mix = [adapters["a"], None, adapters["b"], adapters["a"]]
     alone = [_tokens(llm, [p], lora)[0] for p, lora in zip(prompts, mix, strict=True)]
     assert _tokens(llm, prompts, mix) == alone
+
+
+@pytest.mark.requires("kernels")
+def test_native_steps_without_adapters_build_no_lora_arguments(base, adapters, prompts, monkeypatch):
+    """LoRA off costs nothing per step (issue 42's step-cost table): a step with no adapter in it
+    does not build the kernels' LoRA arguments at all; one with an adapter still does."""
+    import tokenpath.engine.runner as runner_mod
+
+    calls: list[int] = []
+    real = runner_mod.native_step
+
+    def counted(row_adapters):  # noqa: ANN001, ANN202 - the real function, counted
+        calls.append(len(row_adapters))
+        return real(row_adapters)
+
+    monkeypatch.setattr(runner_mod, "native_step", counted)
+    llm = LLM(str(base), quantization="q8_0", num_kv_blocks=64, max_num_seqs=4)
+    llm.generate(prompts[:2], GREEDY)
+    assert calls == []
+    llm.generate(prompts[:2], GREEDY, lora=adapters["a"])
+    assert calls

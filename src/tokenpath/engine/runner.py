@@ -205,11 +205,14 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
         adapters: list = []  # (rows, adapter or None) per sequence, in row order; rows count its drafts
+        uses_lora = False  # no row has an adapter: no LoRA arguments built (LoRA off costs nothing)
         extra: list[int] = []
         prompt_rows: PromptRows = []
         row = offset = 0
         for seq, n in scheduled:
-            adapters.append((n, self.loras.get(seq.lora) if seq.lora is not None and self.loras else None))
+            adapter = self.loras.get(seq.lora) if seq.lora is not None and self.loras else None
+            adapters.append((n, adapter))
+            uses_lora = uses_lora or adapter is not None
             start = seq.num_computed_tokens
             _prompt_rows(seq, start, n, row, extra, prompt_rows)
             ids.extend(seq.token_ids[start : start + n])
@@ -230,8 +233,8 @@ class ModelRunner:
         rt = np.concatenate(row_tables)
         slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]
         logits = native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
-                                     np.asarray(logit_rows + extra, dtype=np.int32), native_step(adapters),
-                                     generated)
+                                np.asarray(logit_rows + extra, dtype=np.int32),
+                                native_step(adapters) if uses_lora else None, generated)
         return logits, sampling, prompt_rows
 
     def _tables(self, seq: Sequence, dtype: type) -> np.ndarray:

@@ -179,6 +179,18 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
 }
 #endif
 
+// Decode (tiles of 1-2 rows) streams each weight byte once, in address order; in perf annotate the
+// weight loads took most of the GEMV's cycles, at 6-10 GB/s a core. Each block prefetches its own
+// size kPackedPrefetch bytes ahead (past a group's end into the next group: a thread's groups are
+// consecutive in memory), as the K-quant decode does (kquant_impl.h). Measured on SmolLM2's own
+// matrices, one thread by its CPU time, interleaved A/B on a loaded machine (benchmarks/kquant_gemv.py
+// --lib): the Q4X16 layers 10.1-10.6 -> 7.5-8.9 ms a pass, the Q8X16 LM head 1.3-2.8 -> 1.3-2.6 ms,
+// faster for int8 and fine activations and on AVX2 alike. SmolLM2's tg128 through the engine,
+// one pinned thread, the process's CPU time per decode step, the same Python with either build,
+// interleaved: 12.2-16.3 -> 9.0-11.2 ms (benchmarks/results/step_cost.md). No arithmetic changes:
+// the logits are bit-identical.
+constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
+
 // Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
 // over all nb blocks: out[r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or
 // d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are the same
@@ -191,6 +203,8 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
     VF acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b, wg += GB) {
+        if constexpr (MR <= 2)  // decode: see kPackedPrefetch
+            for (size_t i = 0; i < GB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + kPackedPrefetch + i), _MM_HINT_T0);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
         VI isum[MR];
