@@ -2,11 +2,17 @@
 
 Qwen3-MoE of benchmarks/moe_vs_llamacpp.py's SHAPE (64 experts, top-8, expert FFN 256) against a
 dense Qwen3 with intermediate 2048 (= 8 x 256): the issue's "cost grows with active parameters,
-not total" target. One process per model: python benchmarks/moe_active_vs_dense.py qwen3moe|qwen3 [dir]
+not total" target. One process per model:
+
+    python benchmarks/moe_active_vs_dense.py qwen3moe|qwen3 [--experts 128] [--dir DIR]
+
+`--experts 128`: the issue's own figure (top-8 of 128 experts) with the same active size; the dense
+twin is the same whatever the expert count.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -25,10 +31,17 @@ def main() -> None:
 
     from tokenpath import LLM, SamplingParams
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=["qwen3moe", "qwen3"])
+    ap.add_argument("--experts", type=int, default=SHAPE["num_experts"])
+    ap.add_argument("--dir", type=Path)
+    args = ap.parse_args()
     torch.set_num_threads(2)
-    kind = sys.argv[1]
-    d = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / ".cache" / "bench" / f"moe-active-{kind}"
-    shape = SHAPE if kind == "qwen3moe" else {k: SHAPE[k] for k in DENSE_KEYS} | {"intermediate_size": 2048}
+    kind = args.kind
+    moe = SHAPE | {"num_experts": args.experts}
+    tag = f"{kind}-{args.experts}" if kind == "qwen3moe" and args.experts != SHAPE["num_experts"] else kind
+    d = args.dir or ROOT / ".cache" / "bench" / f"moe-active-{tag}"
+    shape = moe if kind == "qwen3moe" else {k: SHAPE[k] for k in DENSE_KEYS} | {"intermediate_size": 2048}
     if not (d / "config.json").exists():
         save_tiny(kind, d, **shape)
     llm = LLM(str(d), quantization="q8_0", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=512,
@@ -42,7 +55,7 @@ def main() -> None:
     llm.generate([ids[:1]], SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))
     tg = 64 / (time.perf_counter() - t)
     native = llm.engine.runner.native
-    print(json.dumps({"kind": kind, "pp512": round(pp, 1), "tg64": round(tg, 1),
+    print(json.dumps({"kind": kind, "experts": args.experts if kind == "qwen3moe" else 0, "pp512": round(pp, 1), "tg64": round(tg, 1),
                       "weight_mib": round(native.weight_bytes / 2**20) if native else None}))
 
 
