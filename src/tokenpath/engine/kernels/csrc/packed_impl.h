@@ -189,6 +189,10 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
 // one pinned thread, the process's CPU time per decode step, the same Python with either build,
 // interleaved: 12.2-16.3 -> 9.0-11.2 ms (benchmarks/results/step_cost.md). No arithmetic changes:
 // the logits are bit-identical.
+// Tiles of 4 rows prefetch too: speculation's 1 + K verification rows (M = 5: a 4-row tile reads
+// the group first, then a 1-row tile from cache) streamed unprefetched, so once plain decode
+// prefetched, a verification step's cost rose against a plain one's, and n-gram speculation on
+// SmolLM2 fell from faster than off to 0.74-0.89x on the `quote` and `free` workloads.
 constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
 
 // Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
@@ -203,7 +207,7 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
     VF acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b, wg += GB) {
-        if constexpr (MR <= 2)  // decode: see kPackedPrefetch
+        if constexpr (MR <= 4)  // decode and verification rows: see kPackedPrefetch
             for (size_t i = 0; i < GB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + kPackedPrefetch + i), _MM_HINT_T0);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
