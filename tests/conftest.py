@@ -4,6 +4,7 @@ runs the fast tier only (tests/tiers.py)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     capabilities.configure(config)
     tiers.configure(config)
+    # The suite starts a few hundred servers and engine processes, most never asked for a grammar:
+    # each would read the vocabulary into llguidance and start a grammar worker at start-up (~3 s of
+    # CPU, `serve --grammar-warmup`, on by default). Off here (inherited by every server the tests
+    # start); tests/api/test_grammar_warm.py turns it on where it is the subject.
+    os.environ.setdefault("TOKENPATH_GRAMMAR_WARMUP", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -414,6 +414,7 @@ ENV_VARS = (
     EnvVar("TOKENPATH_API_KEY", "a static API key (as --api-key; also the default of `trace --api-key`)"),
     EnvVar("TOKENPATH_POLICY", "the gateway's default tenant policy"),
     EnvVar("TOKENPATH_AUDIT_TEXT", "1: keep prompt and completion text in the audit log and request logs"),
+    EnvVar("TOKENPATH_GRAMMAR_WARMUP", "0: the default of --grammar-warmup is off (the test suite's servers)"),
     EnvVar("TOKENPATH_QUANTIZATION", "the default of --quantization (auto, none, q8_0, q4_k)"),
     EnvVar("TOKENPATH_KV_CACHE_DTYPE", "the default of --kv-cache-dtype (auto, float32, float16, fp8, fp8_e4m3, "
            "fp8_e5m2, q8_0)"),
@@ -481,6 +482,11 @@ def env_audit_text() -> bool:
     """TOKENPATH_AUDIT_TEXT (1, true, yes or on): keep prompt and completion text in the audit log
     and request logs. One reading for the gateway and the log records alike."""
     return (_env("TOKENPATH_AUDIT_TEXT") or "").lower() in _TRUE
+
+
+def env_grammar_warmup() -> bool:
+    """TOKENPATH_GRAMMAR_WARMUP (0 turns it off): the default of `serve --grammar-warmup`."""
+    return (_env("TOKENPATH_GRAMMAR_WARMUP") or "1").lower() in _TRUE
 
 
 def env_num_threads() -> int | None:
@@ -551,13 +557,8 @@ def env_help() -> str:
 
 def resolve_data_dir(explicit: str | None = None) -> Path:
     """`--data-dir`, else `TOKENPATH_DATA_DIR`, else a per-user default (XDG data home)."""
-    if explicit:
-        path = Path(explicit)
-    elif os.environ.get("TOKENPATH_DATA_DIR"):
-        path = Path(os.environ["TOKENPATH_DATA_DIR"])
-    else:
-        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-        path = Path(base) / "tokenpath"
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    path = Path(explicit or os.environ.get("TOKENPATH_DATA_DIR") or Path(base) / "tokenpath")
     path.mkdir(parents=True, exist_ok=True, mode=0o700)  # keys and the audit log live here: owner only
     _private_dir(path)
     return path
@@ -590,8 +591,7 @@ def data_subdir(name: str) -> Path:
 
 
 def version() -> str:
-    """The installed distribution's version (pyproject.toml), so `--version`, the startup banner and
-    bug reports all name the same thing."""
+    """The installed distribution's version (pyproject.toml): `--version`, the banner, bug reports."""
     from importlib import metadata
 
     try:

@@ -21,6 +21,7 @@ import pytest
 
 from tokenpath.api.app import create_app
 from tokenpath.api.grammar_worker import GrammarWorkers
+from tokenpath.api.settings import ApiSettings
 from tokenpath.engine.loader import resolve_model_path
 from tokenpath.engine.structured.grammar import COMPILE_NICENESS, GrammarCache, grammar_text
 from tokenpath.engine.tokenizer import Tokenizer
@@ -72,7 +73,9 @@ def test_start_up_reads_the_vocabulary_and_starts_a_worker_before_any_request(to
     """Before: both waited for the first structured request (the tokenizer's grammar cache was
     None, and no worker process existed)."""
     fresh = Tokenizer(resolve_model_path("smollm2-135m-instruct"))
-    app = create_app(ModelRouter([Deployment(name="m", task="completion", tokenizer=fresh)]))
+    # (on by default; the suite's own servers run with TOKENPATH_GRAMMAR_WARMUP=0, tests/conftest.py)
+    app = create_app(ModelRouter([Deployment(name="m", task="completion", tokenizer=fresh)]),
+                     config=ApiSettings(grammar_warmup=True))
     workers: GrammarWorkers = app.state.tokenpath.grammar_workers
 
     async def go() -> tuple[bool, bool]:
@@ -86,3 +89,16 @@ def test_start_up_reads_the_vocabulary_and_starts_a_worker_before_any_request(to
             return built, False
 
     assert asyncio.run(go()) == (True, True)
+
+
+def test_without_the_warmup_nothing_is_read_before_the_first_structured_request():
+    fresh = Tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    app = create_app(ModelRouter([Deployment(name="m", task="completion", tokenizer=fresh)]),
+                     config=ApiSettings(grammar_warmup=False))
+
+    async def go() -> bool:
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0.5)
+            return fresh._grammars is None and all(w.proc is None for w in app.state.tokenpath.grammar_workers._workers)
+
+    assert asyncio.run(go())

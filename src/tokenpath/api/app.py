@@ -73,8 +73,10 @@ def create_app(
         tokenizers = [d.tokenizer for d in router.deployments.values()]
         await asyncio.to_thread(warm_tokenizers, tokenizers)
         # Structured output's one-time costs, off the first structured request (api/structured.py).
-        await asyncio.to_thread(structured.warm_grammar_caches, tokenizers)
-        grammars = asyncio.create_task(structured.warm_grammars(state.grammar_workers, tokenizers))
+        warm = config.grammar_warmup
+        if warm:
+            await asyncio.to_thread(structured.warm_grammar_caches, tokenizers)
+        grammars = asyncio.create_task(structured.warm_grammars(state.grammar_workers, tokenizers if warm else []))
         await _warm_request_path(app)
         sampler = asyncio.create_task(sample_engines(state))
         yield

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenpath.config import Flag, parse_bytes
+from tokenpath.config import Flag, env_grammar_warmup, parse_bytes
 from tokenpath.protocol import limits
 
 
@@ -72,6 +72,15 @@ class ApiSettings(BaseModel):
     causes: bool = Field(
         True, description="derive causes (trace, audit row, log, spans) and sample engine figures for /diagnose's "
         "windows; --no-causes is what benchmarks/causes_overhead.py compares against")
+    # Structured output's one-time costs paid at start-up, not by the first structured request
+    # (api/structured.py: the vocabulary read into llguidance, ~1 s holding the GIL, and a grammar
+    # worker started, ~2 s of CPU and ~100 MiB in a process of its own), which otherwise froze every
+    # stream of the process for a second. Off: paid on first use, as before (the test suite's
+    # servers, most of which never ask for a grammar: TOKENPATH_GRAMMAR_WARMUP=0).
+    grammar_warmup: bool = Field(
+        default_factory=env_grammar_warmup, description="read the vocabulary into the grammar engine and start "
+        "a grammar worker at start-up, so the first structured request does not stall other streams "
+        "(default: on; $TOKENPATH_GRAMMAR_WARMUP=0 turns it off)")
     # Streaming clients that stop reading (`api.sse.SSEResponse`): a stream whose client has taken
     # nothing for `stream_stall_timeout` seconds (one send to it waited that long on a full socket),
     # or whose output waiting in the gateway for it passes `stream_max_unsent`, is ended at once:

@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     ("stall_timeout", "first_token_timeout", "token_timeout"))
     add_model_flags(serve.add_argument_group("slow streaming clients"), ServerConfig,
                     ("stream_stall_timeout", "stream_max_unsent"))
-    add_model_flags(serve, ServerConfig, ("reasoning_parser", "reasoning_budget", "causes"))
+    add_model_flags(serve, ServerConfig, ("reasoning_parser", "reasoning_budget", "causes", "grammar_warmup"))
     serve.set_defaults(func=run_serve, gateway=True, exit_fast=True)
     engine = sub.add_parser("engine", help="serve one model over the engine link to a tokenpath gateway",
                             epilog=env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)

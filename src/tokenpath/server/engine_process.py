@@ -27,7 +27,7 @@ import socket
 import sys
 
 from tokenpath.api.browser import is_loopback
-from tokenpath.config import DEFAULT_CHAT_MODEL, ENGINE_SECRET_ENV, EngineLaunch
+from tokenpath.config import DEFAULT_CHAT_MODEL, ENGINE_SECRET_ENV, EngineLaunch, env_grammar_warmup
 from tokenpath.server.config import build_config
 from tokenpath.server.memory import freeze_startup_heap
 
@@ -132,8 +132,9 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     # The vocabulary read into llguidance now, not on the first structured request: that holds the
     # GIL about a second, which would freeze this process's step (api/structured.py warms the gateway's).
-    with contextlib.suppress(Exception):  # (if it cannot be read, the first structured request says why)
-        await asyncio.to_thread(lambda: engine.core.tokenizer.grammars)
+    if env_grammar_warmup():  # (serve's --grammar-warmup; its environment variable reaches here)
+        with contextlib.suppress(Exception):  # (if it cannot be read, the first structured request says why)
+            await asyncio.to_thread(lambda: engine.core.tokenizer.grammars)
     provider = setup_engine_tracing(engine.core.step_observers)
     await engine.start()
     freeze_startup_heap()  # (a full GC walking the loaded model's objects stalled a step ~100 ms)
