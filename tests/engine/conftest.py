@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,29 @@ def gemma3_270m(_gemma3_270m_hybrid: LoadedLLM) -> Iterator[LoadedLLM]:
 def gemma3_270m_flat(_gemma3_270m_flat: LoadedLLM) -> Iterator[LoadedLLM]:
     """The same with one block table for every layer (--disable-hybrid-kv-cache-manager)."""
     yield from _fresh(_gemma3_270m_flat)
+
+
+def hf_float32(path):
+    """transformers' model of a checkpoint folder, float32, in eval mode: the tiny-model tests' reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def random_ids(vocab: int, n: int = 40) -> list[int]:
+    return np.random.default_rng(0).integers(3, vocab, n).tolist()
+
+
+def assert_greedy_as_transformers(llm, path, alone: int) -> None:
+    """Six prompts (5-90 tokens) batched, chunked and mixed with decodes, then prompt `alone` by
+    itself: each gives transformers' greedy tokens (16) on the checkpoint at `path`."""
+    from tokenpath.protocol import SamplingParams
+
+    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 8, 61], seed=3)
+    ref = hf_greedy(hf_float32(path), prompts, 16, None)
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+    assert llm.generate([prompts[alone]], p)[0].outputs[0].token_ids == ref[alone]
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:

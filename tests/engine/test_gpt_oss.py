@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.conftest import hf_greedy, make_prompts
+from tests.engine.conftest import assert_greedy_as_transformers, hf_float32, random_ids
 from tests.engine.test_quantized_quality import all_logits, runner
 from tests.engine.tiny_models import cached_tiny
-from tokenpath import LLM, SamplingParams
+from tokenpath import LLM
 from tokenpath.engine.kernels.model import native_unsupported
 from tokenpath.engine.loader import load_model
 from tokenpath.errors import ModelLoadError
@@ -34,22 +34,14 @@ from tokenpath.errors import ModelLoadError
 pytestmark = pytest.mark.slow  # transformers builds and runs the reference: seconds under load
 
 
-def _hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _ids(vocab: int) -> list[int]:
-    return np.random.default_rng(0).integers(3, vocab, 40).tolist()  # 40 > the window of 8
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[Path, list[int], torch.Tensor]:
     path = cached_tiny("gpt-oss")
-    ids = _ids(load_model(str(path)).config.vocab_size)
+    ids = random_ids(load_model(str(path)).config.vocab_size)
     with torch.inference_mode():
-        ref = _hf(path)(torch.tensor([ids])).logits[0].float()
+        ref = hf_float32(path)(torch.tensor([ids])).logits[0].float()
     return path, ids, ref
 
 
@@ -92,11 +84,7 @@ def test_greedy_matches_transformers():
         "a softmax over the top-k router logits", "the clamped SwiGLU"]
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, max_num_seqs=8)
     assert llm.engine.runner.native is None
-    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 8, 61], seed=3)
-    ref = hf_greedy(_hf(path), prompts, 16, None)
-    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
-    assert llm.generate([prompts[3]], p)[0].outputs[0].token_ids == ref[3]
+    assert_greedy_as_transformers(llm, path, alone=3)
 
 
 # ---------------------------------------------------------------- refused at load

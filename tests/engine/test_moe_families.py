@@ -15,14 +15,13 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from tests.engine.conftest import hf_greedy, make_prompts
+from tests.engine.conftest import assert_greedy_as_transformers, hf_float32, random_ids
 from tests.engine.test_quantized_quality import all_logits, runner
 from tests.engine.tiny_models import cached_tiny
-from tokenpath import LLM, SamplingParams
+from tokenpath import LLM
 from tokenpath.engine.kernels.model import native_unsupported
 from tokenpath.engine.loader import load_model
 from tokenpath.errors import ModelLoadError
@@ -32,14 +31,6 @@ LACKS = {"olmoe": ["q/k norms over the whole projection"],
          "granitemoe": ["a softmax over the top-k router logits", "a residual multiplier", "logits scaling"]}
 
 
-def _hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _ids(vocab: int) -> list[int]:
-    return np.random.default_rng(0).integers(3, vocab, 40).tolist()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -50,10 +41,10 @@ def test_logits_match_transformers(kind):
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == (kind, 8, 2)
     assert cfg.moe_layers == tuple(range(cfg.num_layers)) and cfg.norm_topk_prob == (kind == "granitemoe")
     assert native_unsupported(cfg) == LACKS[kind]
-    ids = _ids(cfg.vocab_size)
+    ids = random_ids(cfg.vocab_size)
     ours = all_logits(runner(loaded, "none"), ids)
     with torch.inference_mode():
-        ref = _hf(path)(torch.tensor([ids])).logits[0].float()
+        ref = hf_float32(path)(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
@@ -64,11 +55,7 @@ def test_greedy_matches_transformers(kind):
     path = cached_tiny(kind)
     llm = LLM(str(path), dtype="float32", quantization="auto", max_num_batched_tokens=48, max_num_seqs=8)
     assert llm.engine.runner.native is None
-    prompts = make_prompts(llm.tokenizer, [5, 17, 40, 90, 8, 61], seed=3)
-    ref = hf_greedy(_hf(path), prompts, 16, None)
-    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
-    assert llm.generate([prompts[2]], p)[0].outputs[0].token_ids == ref[2]
+    assert_greedy_as_transformers(llm, path, alone=2)
 
 
 @pytest.mark.parametrize(("kind", "change"), [
@@ -81,7 +68,7 @@ def test_each_switch_changes_the_logits(kind, change):
     Granite's top-k-then-softmax is not among them: it is the renormalized softmax's numbers in
     another order (transformers' order, kept for 16-bit runs)."""
     loaded = load_model(str(cached_tiny(kind)))
-    ids = _ids(loaded.config.vocab_size)
+    ids = random_ids(loaded.config.vocab_size)
     base = all_logits(runner(loaded, "none"), ids)
     if "qk_norm_full" in change:  # the per-head form reads head_dim-sized norms: give it the first ones
         w = dict(loaded.weights)
