@@ -180,8 +180,6 @@ class SuffixProposer:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` draft tokens for what follows `tokens` (empty: nothing matched)."""
-        if len(tokens) < self.upto:  # the sequence got shorter (never in the engine): start over
-            self.own, self.active, self.upto = SuffixTrie(self.cache.depth), [0], -1
         if self.upto < 0:
             self.upto = max(0, len(tokens) - MAX_OWN_PROMPT)
         own, active = self.own, self.active

@@ -44,8 +44,6 @@ uint16_t fp32_to_fp16(float f) {  // round to nearest even; values here are smal
     return uint16_t(sign | h);
 }
 
-bool quantize_rows_more(int wtype, const float* src, int N, int K, uint8_t* dst);  // quantize_more.cpp
-
 bool amx_permitted() {
     // Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the permission is the process's,
     // so it is asked once (a C++ static's one-time initialisation); CPUID leaf 7 EDX bits 24 and 22

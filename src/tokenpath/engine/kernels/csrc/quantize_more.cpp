@@ -10,9 +10,6 @@
 
 namespace tp {
 
-uint16_t fp32_to_fp16(float f);
-float fp16_to_fp32(uint16_t h);
-
 namespace {
 
 constexpr int kSub = 32;         // weights per Q4_K sub-block

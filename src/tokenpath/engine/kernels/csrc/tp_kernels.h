@@ -170,5 +170,7 @@ bool amx_permitted();
 
 float fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);
+// Rows of K floats -> Q4_K or Q5_0 blocks (quantize_more.cpp); false for any other type.
+bool quantize_rows_more(int wtype, const float* src, int N, int K, uint8_t* dst);
 
 }  // namespace tp
