@@ -158,16 +158,48 @@ def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> N
     print(json.dumps(res))
 
 
-def read_bandwidth(threads: int, nbytes: int = 2**30, reps: int = 5) -> float:
-    """GB/s of a STREAM-like read: `threads` threads each sum their own slice of a 1 GiB float32
-    array with numpy (its reductions release the GIL), best of `reps`. The bound on decode, which
-    reads every weight byte once per token. numpy, not torch: the figure must not depend on which
-    runtime the benchmark happens to import, and the native engine runs without torch."""
+def read_buffer_bytes() -> int:
+    """The read benchmarks' buffer: 1 GiB, or 4x the last-level cache where that is larger (a host
+    with a 300 MiB L3 would otherwise serve a third of the read from cache). Linux's sysfs says the
+    cache's size ("307200K"); elsewhere 1 GiB."""
+    l3 = 0
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        l3 = max(l3, int(size.rstrip("KMG") or 0) * scale)
+    return max(2**30, -(-4 * l3 // 2**20) * 2**20)
+
+
+def read_bandwidth(threads: int, reps: int = 5) -> float:
+    """GB/s of a STREAM-like read: the native kernels' own read (tokenpath.engine.kernels.stream_read:
+    `threads` threads of their OpenMP team XOR their slices in the widest vectors the CPU has), the
+    fastest of `reps` passes over read_buffer_bytes(). The bound on decode, which reads every weight
+    byte once per token. NaN without the native kernels."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from tokenpath.engine import kernels as K
+
+    lib = K.native_library()
+    if lib is None:
+        return float("nan")
+    buf = np.arange(read_buffer_bytes() // 8, dtype=np.uint64)  # touched pages: not the shared zero page
+    return K.stream_read(lib, buf.view(np.uint8), threads, reps)[0]
+
+
+def numpy_read_bandwidth(threads: int, reps: int = 5) -> float:
+    """GB/s of `threads` threads each summing their slice of a float32 array with numpy (its
+    reductions release the GIL), best of `reps`: the bound this benchmark used before
+    read_bandwidth, printed beside it. It is not a memory read everywhere: numpy's pairwise float
+    sum is compute-bound on some hosts (11-13 GB/s with 2 threads where the engine's GEMVs read 20+)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    x = np.ones(nbytes // 4, dtype=np.float32)
+    x = np.ones(read_buffer_bytes() // 4, dtype=np.float32)
     parts = np.array_split(x, threads)
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(np.add.reduce, parts))  # first touch
@@ -238,11 +270,13 @@ def main() -> None:
             print(f"round {r + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
     best = {k: {m: (min if m == "rss_mib" else max)(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-    write_table(Path(args.out), med, best, runs, args, loads, read_bandwidth(args.threads), bytes_per_token(args.model))
+    write_table(Path(args.out), med, best, runs, args, loads, (read_bandwidth(args.threads), numpy_read_bandwidth(args.threads)),
+                bytes_per_token(args.model))
 
 
 def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Namespace, loads: list[float],
-                gbps: float, token_bytes: int) -> None:
+                gbps: tuple[float, float], token_bytes: int) -> None:
+    """gbps: (the native read, numpy's float sum), GB/s."""
     flags = Path("/proc/cpuinfo").read_text()
     cpu = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
     isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2"
@@ -278,9 +312,10 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
         lines.append(f"| {m} ({unit}) | " + " | ".join(f"{med[k][m]:.1f}" for k in med) + f" | {tp[m] / lc[m]:.2f}x | "
                      + " | ".join(f"{best[k][m]:.1f}" for k in best) + f" | {tb[m] / lb[m]:.2f}x |")
     weight_mb = token_bytes / 1e6
-    bound = gbps * 1e3 / weight_mb
-    lines += ["", f"Bandwidth bound: a STREAM-like read (numpy, {args.threads} threads, 1 GiB) does {gbps:.1f} GB/s "
-              f"here; a decoded token reads {weight_mb:.0f} MB of the file's weights (every tensor once, the "
+    bound = gbps[0] * 1e3 / weight_mb
+    lines += ["", f"Bandwidth bound: a STREAM-like read (the native kernels' XOR read, {args.threads} threads, "
+              f"{read_buffer_bytes() / 2**30:.1f} GiB) does {gbps[0]:.1f} GB/s here (numpy's float sum: "
+              f"{gbps[1]:.1f} GB/s, the bound before the native read); a decoded token reads {weight_mb:.0f} MB of the file's weights (every tensor once, the "
               f"input embedding only if it is also the LM head), so at most {bound:.0f} tok/s. tg128 median: "
               f"tokenpath {tp['tg128'] / bound:.0%} of that bound, llama.cpp {lc['tg128'] / bound:.0%}; best "
               f"round: tokenpath {tb['tg128'] / bound:.0%}, llama.cpp {lb['tg128'] / bound:.0%}. (tokenpath "

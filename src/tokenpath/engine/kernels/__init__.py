@@ -189,5 +189,22 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     return y
 
 
+def stream_read(lib: NativeLibrary, buf: np.ndarray, threads: int, reps: int = 5,
+                isa: int | None = None) -> tuple[float, int]:
+    """(GB/s, checksum): `threads` threads of the kernels' own OpenMP team each XOR their slice of
+    `buf` in the widest vectors of `isa` (default: the best here), the fastest of `reps` reads
+    (csrc/read_bw.h). The checksum is the XOR of buf's 64-bit words, which a caller can recompute
+    to see that every byte was read. The read-bandwidth bound a decode is measured against: buf
+    should be several times the last-level cache, and its pages touched (not the shared zero page)."""
+    import ctypes
+
+    if buf.dtype != np.uint8 or not buf.flags.c_contiguous or buf.nbytes % 2**20 or not buf.nbytes:
+        raise ValueError("stream_read reads a contiguous uint8 buffer of whole MiB")
+    seconds, checksum = ctypes.c_double(), ctypes.c_uint64()
+    lib.lib.tp_stream_read(lib.isa() if isa is None else isa, _ptr(buf), buf.nbytes // 2**20, threads, reps,
+                           ctypes.addressof(seconds), ctypes.addressof(checksum))
+    return buf.nbytes / seconds.value / 1e9, checksum.value
+
+
 __all__ = ["FEATURE_AMX_BF16", "FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
            "NativeLibrary", "load_library", "native_library"]

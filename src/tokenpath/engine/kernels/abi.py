@@ -35,6 +35,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_debug_phase_cap": (None, [_P, _I]),
     "tp_kv_convert": (None, [_I, _I, _P, _P, _I]),
     "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I]),
+    "tp_stream_read": (None, [_I, _P, _I, _I, _I, _P, _P]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
 }
 

@@ -7,3 +7,4 @@
 #define TP_VNNI 1
 #define TP_NS tp::avx512
 #include "dot_impl.h"
+#include "stream_read.h"  // stream_xor: tp_stream_read's 512-bit read

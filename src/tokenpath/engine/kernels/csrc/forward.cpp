@@ -239,6 +239,7 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 
 #include "moe.h"  // the sparse MLPs: moe_prepare, moe_ffn, tp_model_set_moe
 #include "kv_test_api.h"  // tests: tp_kv_convert, tp_attend_tile_test
+#include "read_bw.h"  // tp_stream_read: the read-bandwidth bound
 
 extern "C" {
 

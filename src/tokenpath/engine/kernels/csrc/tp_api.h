@@ -44,6 +44,10 @@ void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n);
 void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
                          const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,
                          int window, int isa);
+// read_bw.h: buf's first `mib` MiB read by nthreads threads, reps times; the fastest rep's seconds and
+// the XOR of the buffer's 64-bit words.
+void tp_stream_read(int isa, const uint8_t* buf, int mib, int nthreads, int reps, double* seconds,
+                    uint64_t* checksum);
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode);
 

@@ -108,11 +108,13 @@ using QuantRowFn = void (*)(const float* x, int K, QAct& a, int r);
 namespace avx2 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
+uint64_t stream_xor(const uint8_t* p, size_t n);  // stream_read.h
 }  // namespace avx2
 #ifndef TP_NO_AVX512
 namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
 void quantize_row(const float*, int, QAct&, int);
+uint64_t stream_xor(const uint8_t* p, size_t n);  // stream_read.h
 }  // namespace avx512
 // amx_bf16.cpp (the AVX-512 object only): y (+)= W x for bf16 rows x on AMX tiles, where
 // amx_permitted(). W: BF16X16 (pack nullptr), or a quantized repack whose 16-row groups `pack`
