@@ -186,7 +186,7 @@ def read_bandwidth(threads: int, reps: int = 5) -> float:
     lib = K.native_library()
     if lib is None:
         return float("nan")
-    buf = np.arange(read_buffer_bytes() // 8, dtype=np.uint64)  # touched pages: not the shared zero page
+    buf: np.ndarray = np.arange(read_buffer_bytes() // 8, dtype=np.uint64)  # touched pages: not the shared zero page
     return K.stream_read(lib, buf.view(np.uint8), threads, reps)[0]
 
 
