@@ -9,7 +9,7 @@ own CPU time, see WALL_FACTOR) kills the worker, the request gets a 400 `grammar
 next job. The gateway meanwhile only waits on a pipe.
 
 The pool is small (two workers by default) and owned by the app's state. One worker is started at
-server start with each tokenizer loaded (`start`: a spawn, about a second, plus a fraction of one to
+server start with each tokenizer loaded (`start`: a process start, about a second, plus a fraction of one to
 load each tokenizer's vocabulary into llguidance; on the first structured request this took ~2 s
 of CPU beside the streams), the other on the first overlap; neither start counts against the bound. Verdicts are cached by spec,
 refusals too, so a repeated spec, or a repeated bomb, costs nothing.
@@ -18,14 +18,17 @@ refusals too, so a repeated spec, or a repeated bomb, costs nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from tokenpath.engine.structured.grammar import lower_priority
@@ -59,6 +62,15 @@ TokenizerSource = tuple[str, tuple[str, int, int]]
 Reply = tuple[Any, ...]
 
 
+def _child_env() -> dict[str, str]:
+    """The worker's environment: this process's, with the folder this `tokenpath` was imported
+    from first on its path (spawn passed the parent's sys.path; a plain child gets PYTHONPATH)."""
+    import tokenpath
+
+    root = str(Path(tokenpath.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 class WorkerTimeout(Exception):
     """A job ran past its bound; its worker was killed."""
 
@@ -71,24 +83,29 @@ class _Worker:
     """One process and its pipe; every method blocks, so each runs on a thread, never on the loop."""
 
     def __init__(self) -> None:
-        self.proc: BaseProcess | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.tokenizers: set[str] = set()
 
     def _start(self) -> None:
-        # Imported here, with the first worker: it imports jsonschema and llguidance (~10 MiB), which
-        # the serving process itself never uses; the worker (spawned) imports it on its own.
-        from tokenpath.api import grammar_child
-
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=grammar_child.serve, args=(child,), name="tokenpath-grammar", daemon=True)
-        proc.start()
-        child.close()
-        self.proc, self.conn, self.tokenizers = proc, parent, set()
+        """A plain child, `python -m tokenpath.api.grammar_child FD`, over one end of a socket pair.
+        Not multiprocessing's spawn: that ran the server's own main module again in the worker
+        (`tokenpath.cli`, which imports pydantic: 12 MiB of the worker's 98) and started
+        multiprocessing's resource tracker beside it (another process, 12 MiB), which only cleans
+        up named semaphores and shared memory, and the workers have neither."""
+        parent, child = socket.socketpair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "tokenpath.api.grammar_child", str(child.fileno())],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env())
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.proc, self.conn, self.tokenizers = proc, Connection(parent.detach()), set()
 
     def _call(self, msg: tuple, timeout: float) -> Reply:
-        if self.conn is None or self.proc is None or self.proc.pid is None:
+        if self.conn is None or self.proc is None:
             raise WorkerDied
         try:
             self.conn.send(msg)
@@ -118,7 +135,7 @@ class _Worker:
 
     def load(self, tokenizer: TokenizerSource) -> None:
         """Start the worker and load the tokenizer, if not done yet (neither counts against a job's bound)."""
-        if self.proc is None or not self.proc.is_alive():
+        if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self._start()
         key, source = tokenizer
@@ -136,9 +153,10 @@ class _Worker:
         if self.conn is not None:
             self.conn.close()
         if self.proc is not None:
-            if self.proc.is_alive():
+            if self.proc.poll() is None:
                 self.proc.kill()
-            self.proc.join(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
         self.proc, self.conn, self.tokenizers = None, None, set()
 
 
