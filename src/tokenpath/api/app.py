@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -138,7 +138,7 @@ async def asgi_get(app: FastAPI, path: str) -> int:
     status = 0
     first = True
 
-    async def receive() -> dict:
+    async def receive() -> dict[str, Any]:
         nonlocal first
         if first:
             first = False
@@ -146,7 +146,7 @@ async def asgi_get(app: FastAPI, path: str) -> int:
         await done.wait()  # (a disconnect only once the response is complete)
         return {"type": "http.disconnect"}
 
-    async def send(message: dict) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
