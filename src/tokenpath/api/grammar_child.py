@@ -11,7 +11,6 @@ code); nothing is raised across the pipe.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -91,9 +90,5 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m tokenpath.api.grammar_child FD`: the worker over the socket FD its parent passed."""
+    """The worker over the socket whose descriptor its parent passed as argv[1] (grammar_worker._start)."""
     serve(Connection(int(argv[1])))
-
-
-if __name__ == "__main__":
-    main(sys.argv)

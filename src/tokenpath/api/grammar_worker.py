@@ -28,7 +28,6 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from tokenpath.engine.structured.grammar import lower_priority
@@ -62,15 +61,6 @@ TokenizerSource = tuple[str, tuple[str, int, int]]
 Reply = tuple[Any, ...]
 
 
-def _child_env() -> dict[str, str]:
-    """The worker's environment: this process's, with the folder this `tokenpath` was imported
-    from first on its path (spawn passed the parent's sys.path; a plain child gets PYTHONPATH)."""
-    import tokenpath
-
-    root = str(Path(tokenpath.__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-
-
 class WorkerTimeout(Exception):
     """A job ran past its bound; its worker was killed."""
 
@@ -88,15 +78,17 @@ class _Worker:
         self.tokenizers: set[str] = set()
 
     def _start(self) -> None:
-        """A plain child, `python -m tokenpath.api.grammar_child FD`, over one end of a socket pair.
+        """A plain child running `grammar_child.main` over one end of a socket pair, with this
+        process's sys.path (as spawn passed it).
         Not multiprocessing's spawn: that ran the server's own main module again in the worker
         (`tokenpath.cli`, which imports pydantic: 12 MiB of the worker's 98) and started
         multiprocessing's resource tracker beside it (another process, 12 MiB), which only cleans
         up named semaphores and shared memory, and the workers have neither."""
+        code = f"import sys; sys.path[:] = {sys.path!r}; from tokenpath.api.grammar_child import main; main(sys.argv)"
         parent, child = socket.socketpair()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "tokenpath.api.grammar_child", str(child.fileno())],
-                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env())
+            proc = subprocess.Popen([sys.executable, "-c", code, str(child.fileno())], pass_fds=(child.fileno(),),
+                                    stdin=subprocess.DEVNULL)
         except BaseException:
             parent.close()
             raise
