@@ -10,6 +10,7 @@ counted (a count, not a clock: the same on a loaded machine) against the second'
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -49,3 +50,21 @@ async def test_the_first_request_after_start_up_costs_what_the_next_one_does():
     # Measured: 8,449 calls for the first request with nothing warmed, 1,814 with the warm-up
     # (httpx's own first use is part of it), 1,222 for the second.
     assert first <= 2 * second, (first, second)
+
+
+def test_the_warm_up_request_reaches_the_app_without_httpx():
+    """The warm-up GET goes through the whole app (status 200 from /health), and building the
+    command line and the app imports no httpx (issue 42: its CLI's rich and pygments came with it,
+    ~4 MiB of a server's RSS beside what uvicorn shares). Before: app.py and `bench`'s parser
+    imported it at module level."""
+    import subprocess
+
+    code = ("import asyncio, sys\n"
+            "from tokenpath.cli import build_parser\n"
+            "build_parser()\n"
+            "from tokenpath.api.app import asgi_get, create_app\n"
+            "from tokenpath.routing.models import ModelRouter\n"
+            "print(asyncio.run(asgi_get(create_app(ModelRouter([])), '/health')), 'httpx' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split() == ["200", "False"], out.stderr[-2000:]

@@ -83,7 +83,7 @@ def test_start_up_reads_the_vocabulary_and_starts_a_worker_before_any_request(to
             built = fresh._grammars is not None  # built before serving
             key = fresh.grammar_source()[0]
             for _ in range(1200):  # the worker starts in the background, once serving
-                if any(w.proc is not None and w.proc.is_alive() and key in w.tokenizers for w in workers._workers):
+                if any(w.proc is not None and w.proc.poll() is None and key in w.tokenizers for w in workers._workers):
                     return built, True
                 await asyncio.sleep(0.1)
             return built, False

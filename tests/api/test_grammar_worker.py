@@ -92,3 +92,55 @@ def test_a_worker_that_gets_no_cpu_is_still_ended(source, monkeypatch):
     reply, seconds = asyncio.run(go())
     assert reply == ("timeout",)
     assert 1.4 <= seconds < 30, seconds  # 3 x 0.5 s of wall time, not 0.5 s, and not forever
+
+
+_LEAN_WORKER = """
+import asyncio, os, sys
+from tokenpath.api.grammar_worker import GrammarWorkers
+from tokenpath.engine.loader import resolve_model_path
+from tokenpath.engine.tokenizer import Tokenizer
+from tokenpath.protocol.sampling_params import StructuredOutput
+
+def children():
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid == os.getpid():
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+async def go():
+    workers = GrammarWorkers(size=1)
+    source = Tokenizer(resolve_model_path("smollm2-135m-instruct")).grammar_source()
+    try:
+        reply = await workers.check(source, [], StructuredOutput("regex", "[0-9]{2}"), "guided_regex")
+        with open(f"/proc/{workers._workers[0].proc.pid}/maps") as f:
+            maps = f.read()
+        return reply[0], children(), maps
+    finally:
+        await workers.close()
+
+status, kids, maps = asyncio.run(go())
+print(status)
+print(len(kids), "resource_tracker" in " ".join(kids))
+print("_multiarray_umath" in maps, "_pydantic_core" in maps)
+"""
+
+
+def test_a_worker_is_one_lean_process(tmp_path):
+    """The worker is the only process started, and maps neither numpy nor pydantic (issue 42's
+    memory target). Before: multiprocessing's spawn started its resource tracker beside the worker
+    (12 MiB, for named semaphores the workers never make), the worker imported numpy for one
+    scratch buffer (21 MiB) and re-ran the parent's main module (pydantic, when it was
+    `tokenpath.cli`): 98 MiB per worker, 60 now."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LEAN_WORKER], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split("\n")[:3] == ["ok", "1 False", "False False"], out.stderr[-2000:]

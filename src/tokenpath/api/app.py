@@ -10,11 +10,10 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -125,12 +124,41 @@ async def _warm_request_path(app: FastAPI) -> None:
     `model_load` stage carried it (issue 38's cold start). One in-process GET /health through the
     whole app (middleware included: loopback is always an allowed Host) pays both; it reads the
     replicas' reports only, so it changes no state, records no request and reaches no engine."""
-    transport = httpx.ASGITransport(app=app)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            await client.get("/health")
+        await asgi_get(app, "/health")
     except Exception as exc:  # noqa: BLE001 - a warm-up that fails leaves the first request to pay, nothing worse
         log.warning("warming the HTTP request path failed: %s", exc)
+
+
+async def asgi_get(app: FastAPI, path: str) -> int:
+    """GET `path` through the ASGI app in process, as a client on loopback; its status. Not httpx's
+    ASGITransport: importing httpx imports its command line's rich and pygments too (~16 MiB of the
+    server's RSS, issue 42), and nothing else in a server needs it."""
+    done = asyncio.Event()
+    status = 0
+    first = True
+
+    async def receive() -> dict[str, Any]:
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await done.wait()  # (a disconnect only once the response is complete)
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            done.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "GET", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 0),
+             "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return status
 
 
 async def _refused(state: AppState, request: Request, error: TokenpathError) -> Response:

@@ -9,7 +9,7 @@ own CPU time, see WALL_FACTOR) kills the worker, the request gets a 400 `grammar
 next job. The gateway meanwhile only waits on a pipe.
 
 The pool is small (two workers by default) and owned by the app's state. One worker is started at
-server start with each tokenizer loaded (`start`: a spawn, about a second, plus a fraction of one to
+server start with each tokenizer loaded (`start`: a process start, about a second, plus a fraction of one to
 load each tokenizer's vocabulary into llguidance; on the first structured request this took ~2 s
 of CPU beside the streams), the other on the first overlap; neither start counts against the bound. Verdicts are cached by spec,
 refusals too, so a repeated spec, or a repeated bomb, costs nothing.
@@ -18,14 +18,16 @@ refusals too, so a repeated spec, or a repeated bomb, costs nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tokenpath.engine.structured.grammar import lower_priority
@@ -71,24 +73,31 @@ class _Worker:
     """One process and its pipe; every method blocks, so each runs on a thread, never on the loop."""
 
     def __init__(self) -> None:
-        self.proc: BaseProcess | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.tokenizers: set[str] = set()
 
     def _start(self) -> None:
-        # Imported here, with the first worker: it imports jsonschema and llguidance (~10 MiB), which
-        # the serving process itself never uses; the worker (spawned) imports it on its own.
-        from tokenpath.api import grammar_child
-
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=grammar_child.serve, args=(child,), name="tokenpath-grammar", daemon=True)
-        proc.start()
-        child.close()
-        self.proc, self.conn, self.tokenizers = proc, parent, set()
+        """A plain child running `grammar_child.main` over one end of a socket pair, with this
+        process's sys.path (as spawn passed it).
+        Not multiprocessing's spawn: that ran the server's own main module again in the worker
+        (`tokenpath.cli`, which imports pydantic: 12 MiB of the worker's 98) and started
+        multiprocessing's resource tracker beside it (another process, 12 MiB), which only cleans
+        up named semaphores and shared memory, and the workers have neither."""
+        code = f"import sys; sys.path[:] = {sys.path!r}; from tokenpath.api.grammar_child import main; main(sys.argv)"
+        parent, child = socket.socketpair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", code, str(child.fileno())], pass_fds=(child.fileno(),),
+                                    stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.proc, self.conn, self.tokenizers = proc, Connection(parent.detach()), set()
 
     def _call(self, msg: tuple, timeout: float) -> Reply:
-        if self.conn is None or self.proc is None or self.proc.pid is None:
+        if self.conn is None or self.proc is None:
             raise WorkerDied
         try:
             self.conn.send(msg)
@@ -118,7 +127,7 @@ class _Worker:
 
     def load(self, tokenizer: TokenizerSource) -> None:
         """Start the worker and load the tokenizer, if not done yet (neither counts against a job's bound)."""
-        if self.proc is None or not self.proc.is_alive():
+        if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self._start()
         key, source = tokenizer
@@ -136,9 +145,10 @@ class _Worker:
         if self.conn is not None:
             self.conn.close()
         if self.proc is not None:
-            if self.proc.is_alive():
+            if self.proc.poll() is None:
                 self.proc.kill()
-            self.proc.join(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
         self.proc, self.conn, self.tokenizers = None, None, set()
 
 

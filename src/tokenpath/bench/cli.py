@@ -8,14 +8,17 @@ import itertools
 import os
 import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from tokenpath.bench.metrics import parse_slo
 from tokenpath.bench.records import EXACT_MODES, LoadPoint, Target
-from tokenpath.bench.runner import Bounds, RunResult, run_all
 from tokenpath.bench.workload import INPUT_LEN_MODES, WORKLOAD_KINDS, LengthDist, Workload, WorkloadConfig
 from tokenpath.config import env_bench_api_key
+
+if TYPE_CHECKING:  # (the runner is imported by `bench` itself: it imports httpx, whose CLI imports rich and
+    # pygments, ~16 MiB that every other subcommand, `serve` included, paid for building this parser)
+    from tokenpath.bench.runner import RunResult
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DESCRIPTION = """Load-test OpenAI-compatible servers and compare them side by side: TTFT, TPOT, ITL and E2EL
@@ -162,6 +165,7 @@ def _targets(args: argparse.Namespace) -> list[Target]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tokenpath.bench.runner import Bounds, run_all
     from tokenpath.bench.tokens import load_tokens
 
     targets = _targets(args)

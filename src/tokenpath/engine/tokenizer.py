@@ -77,6 +77,7 @@ class Tokenizer:
         with self._grammar_lock:
             if self._grammars is None:
                 self._grammars = GrammarCache(self.llg_tokenizer())
+                trim_heap()  # the build's freed buffers: 16 MiB of SmolLM2's 52 stayed resident without it
             return self._grammars
 
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -106,6 +107,8 @@ class Tokenizer:
                 text = backend.to_str()
                 key = hashlib.sha256(text.encode()).hexdigest()[:16]
                 self._grammar_source = (key, (text, self.vocab_size, self.eos_token_id))
+                del backend
+                trim_heap()  # the backend's copy and its JSON, freed: 35 of the 38 MiB it left resident (SmolLM2)
             return self._grammar_source
 
     def encode(self, text: str) -> list[int]:
