@@ -72,6 +72,7 @@ class AsyncEngine:
                                             initargs=(True,))
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stepped = False  # a step ran since the step buffers were last released (core.release_step_buffers)
         self.error: BaseException | None = None
         self.beat = time.monotonic()  # the step thread's last turn of its loop (see the module doc)
         self.idle = True  # the step thread waits for work (no step runs, none can hang)
@@ -242,6 +243,7 @@ class AsyncEngine:
                 self._drain_inbox()
                 if self.core.has_work():
                     outs = self.core.step()
+                    self._stepped = True
                     took = time.monotonic() - started
                     if wait0 is not None and (wait := self._cpu_wait.read()) is not None:
                         took -= wait - wait0  # (priced as the hang is judged: without the run-queue wait)
@@ -263,6 +265,9 @@ class AsyncEngine:
                         self._wake.clear()
                 else:
                     self.idle = True
+                    if self._stepped:  # just went idle: the burst's step buffers go back to the OS
+                        self._stepped = False
+                        self.core.release_step_buffers()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
         except BaseException as exc:  # the engine is dead: fail every request, loudly

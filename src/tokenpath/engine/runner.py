@@ -180,6 +180,10 @@ class ModelRunner:
             return self.native.moe_counters()
         return self.torch.moe_counters() if self.torch is not None else []
 
+    def step_buffer_bytes(self, release: bool = False) -> int:
+        """The native kernels' step buffers (NativeLlama.step_buffer_bytes); 0 on the torch path."""
+        return self.native.step_buffer_bytes(release) if self.native is not None else 0
+
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence], PromptRows]:
         """Run one step. Returns float32 logits [S + P, vocab]: S rows for the sequences whose
         scheduled tokens reach the end of what they know (they sample; the rest were mid-prompt

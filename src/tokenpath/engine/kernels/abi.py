@@ -29,6 +29,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_free": (None, [_P]),
     "tp_model_set_moe": (_I, [_P, _I, _P, _P, _P, _P]),
     "tp_model_moe_counters": (None, [_P, _P]),
+    "tp_model_step_buffers": (None, [_P, _I, _P]),
     "tp_model_abi": (_I, []),
     "tp_model_forward": (_I, FORWARD_ARGS),
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
@@ -47,8 +48,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
 # activations on AMX tiles, and tp_gemm's mode 3; 12: tp_attend_tile_test's isa, which picks the
 # AVX-512 attention, csrc/attn_avx512.cpp; 13: dims[17], prompt rows' attention on AMX tiles,
-# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3). A library reporting another is refused at load.
-MODEL_ABI = 13
+# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3; 14: tp_model_step_buffers). A library reporting
+# another is refused at load.
+MODEL_ABI = 14
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

@@ -537,6 +537,15 @@ class NativeLlama:
         self.lib.lib.tp_model_moe_counters(self._handle, out.ctypes.data)
         return [int(v) for v in out]
 
+    def step_buffer_bytes(self, release: bool = False) -> int:
+        """Bytes the kernels' step buffers hold: grown to the widest step seen (rows x the model's
+        widths; ~30 MiB for SmolLM2 after a 1024-row prefill) and kept, so a steady step allocates
+        nothing. `release`: hand them back to the OS first (unmapped); the next step grows what it
+        needs again. Only between steps (the engine's step thread)."""
+        out: np.ndarray = np.zeros(1, dtype=np.uint64)
+        self.lib.lib.tp_model_step_buffers(self._handle, int(release), out.ctypes.data)
+        return int(out[0])
+
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)
         if handle:

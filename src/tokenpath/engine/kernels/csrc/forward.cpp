@@ -301,6 +301,25 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
 
 void tp_model_free(void* handle) { delete static_cast<Model*>(handle); }
 
+// The step buffers' bytes (grown to the largest step seen: a 1024-row prefill holds ~30 MiB of
+// them for SmolLM2), and with `release` they go back to the OS first (their pages unmapped) and
+// the next step grows what it needs again. The engine releases them when it goes idle, so a burst
+// of wide steps (a flood's recomputed prompts) does not leave its high-water mark resident.
+// Never during a forward (the engine's step thread calls both). MoE scratch is not counted.
+void tp_model_step_buffers(void* handle, int release, uint64_t* out) {
+    Model& m = *static_cast<Model*>(handle);
+    if (release) {
+        drop(m.x), drop(m.work), drop(m.logits_in), drop(m.scores), drop(m.sub), drop(m.lin);
+        std::vector<ActBuf>().swap(m.acts);
+        m.act_views.clear();
+    }
+    size_t n = held(m.x) + held(m.work) + held(m.logits_in) + held(m.scores) + held(m.sub) + held(m.lin);
+    for (const ActBuf& b : m.acts)
+        n += held(b.q) + held(b.q2) + held(b.q16) + held(b.d) + held(b.s) + held(b.f) + held(b.fs) + held(b.qsum) +
+             held(b.qsum16) + held(b.bf);
+    *out = uint64_t(n);
+}
+
 // The kernel sets this object carries (setup.py: _native_avx2 compiles forward_avx2.cpp, which
 // defines TP_NO_AVX512).
 int tp_kernel_isas() {
@@ -323,7 +342,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 11: dims[16], the matmuls whose BF16 weights take bf16 activations (AMX); tp_gemm's mode 3.
 // 12: tp_attend_tile_test's isa (the AVX-512 attention, attn_avx512.cpp).
 // 13: dims[17], prompt rows' attention on AMX tiles (attn_amx.cpp); tp_attend_tile_test's isa 3.
-int tp_model_abi() { return 13; }
+// 14: tp_model_step_buffers (the step buffers' bytes; released when the engine goes idle).
+int tp_model_abi() { return 14; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).

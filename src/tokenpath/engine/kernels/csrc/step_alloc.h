@@ -58,6 +58,13 @@ inline void grow(StepVec<T>& v, size_t n) {
     v.resize(n);
 }
 
+// A step buffer's bytes, and giving them all back (tp_model_step_buffers: the engine went idle);
+// a buffer of kPageAllocMin or more is unmapped.
+template <class T>
+inline size_t held(const StepVec<T>& v) { return v.capacity() * sizeof(T); }
+template <class T>
+inline void drop(StepVec<T>& v) { StepVec<T>().swap(v); }
+
 // The buffers behind one QAct (see make_act in step_acts.h).
 struct ActBuf {
     StepVec<int8_t> q, q2;

@@ -25,6 +25,7 @@ int tp_model_set_moe(void* handle, int layer, const int32_t* dims, const float* 
 // moe.h: the expert counters since the model was made (pairs routed, experts read, the busiest
 // expert's rows summed over layer-steps, sparse layer-steps); zeros for a dense model.
 void tp_model_moe_counters(void* handle, uint64_t* out);
+void tp_model_step_buffers(void* handle, int release, uint64_t* out);
 int tp_model_abi();
 // Both return a status: 0, or one of the TP_STATUS_* codes below (kernels/abi.py names them).
 int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos, const int64_t* slot_mapping,
