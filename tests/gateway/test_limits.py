@@ -232,3 +232,43 @@ async def test_reservations_are_written_on_the_loop_unless_the_store_is_busy(sto
         assert used == (500 + 100,)
     finally:
         store.close()
+
+
+async def test_reconcile_is_written_on_the_loop_unless_the_store_is_busy(store_location, clock):
+    """Every request with a stored key reconciles its reservation once the reply is out: on the event
+    loop where SQLite can write at once (`reconcile_nowait`, as `reserve_nowait`), else off it,
+    waiting its turn behind another writer; the day's count ends the same either way."""
+    import sqlite3
+
+    from tokenpath.gateway.limits_backend import StoreLimits
+
+    store = GatewayStore(store_location)
+    try:
+        secret, record = create_key(store, "acme", limits=Limits(tpm=1000), now=clock())
+        p = await Gateway(store, clock=clock).authenticate(bearer(secret))
+        key, tenant = p.key_limits or Limits(), p.tenant_limits or Limits()
+        if store.db.kind != "sqlite":  # (PostgreSQL is never written on the loop)
+            assert not store.reconcile_nowait(1, record.prefix, "acme", 0, 0, 0)
+            return
+        a = store.reserve_nowait(record.prefix, "acme", key, tenant, 600, clock())
+        b = store.reserve_nowait(record.prefix, "acme", key, tenant, 300, clock())
+        assert a is not None and b is not None and a.admission_id is not None and b.admission_id is not None
+        assert store.reconcile_nowait(a.admission_id, record.prefix, "acme", a.day, 600, 250)
+        other = sqlite3.connect(store_location, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another writer holds the store
+        try:
+            assert not store.reconcile_nowait(b.admission_id, record.prefix, "acme", b.day, 300, 100)
+            waiting = asyncio.create_task(StoreLimits(store).reconcile(b.admission_id, record.prefix, "acme",
+                                                                       b.day, 300, 100))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # off the loop, waiting its turn (the loop itself is free)
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        await waiting
+        used = store.db.read_nowait("SELECT tokens FROM admissions ORDER BY id")
+        assert used == [(250,), (100,)]
+        day = store.db.read_nowait("SELECT tokens FROM daily_usage WHERE scope = ?", (f"key:{record.prefix}",))
+        assert day == [(350,)]
+    finally:
+        store.close()

@@ -213,6 +213,7 @@ class ServerMetrics:
     def __init__(self, deployments: Callable[[], Iterable[Any]]) -> None:
         self.registry = CollectorRegistry()
         self._deployments = deployments
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # (`_of`)
         self.registry.register(_StateCollector(deployments))
         # Queue depth per band and tenant, rejections by reason, routing decisions by policy.
         self.registry.register(RoutingMetricsCollector())
@@ -330,38 +331,49 @@ class ServerMetrics:
             return rec.requested_model
         return UNKNOWN_MODEL
 
+    def _of(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, each label set's child looked up once: prometheus_client's
+        `labels` checks, converts and locks on every call, and a finished request made ~45 of them
+        (3% of the gateway's CPU per request in front of vLLM, cProfile, issue 37). No series is
+        ever removed from these metrics, so a child once made stays the registry's."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def observe_finished(self, rec: FinishedRequest) -> None:
         """Every finished request, whatever its ending: status, rejection, tenant tokens, stages."""
         model = self.model_label(rec)
-        self.requests.labels(model, rec.endpoint, str(rec.status), rec.error_code or rec.error_type or "").inc()
+        self._of(self.requests, model, rec.endpoint, str(rec.status), rec.error_code or rec.error_type or "").inc()
         reason = rec.rejection_reason
         if reason is not None:
-            self.rejections.labels(model, reason).inc()
+            self._of(self.rejections, model, reason).inc()
         for kind, n in (("prompt", rec.prompt_tokens), ("cached", rec.cached_tokens),
                         ("generation", rec.completion_tokens)):
             if n:
-                self.tenant_tokens.labels(model, rec.tenant, kind).inc(n)
+                self._of(self.tenant_tokens, model, rec.tenant, kind).inc(n)
         if rec.status not in (200, 499) or rec.model is None:
             return
         stages = rec.stages()
         for stage in PATH_STAGES:
             if stage in stages:
-                self.stage.labels(model, stage).observe(stages[stage])
+                self._of(self.stage, model, stage).observe(stages[stage])
         if rec.operation == "embeddings":  # (and score, rerank) no first token, no decode: series of their own
-            self.embed_tokens.labels(model).inc(rec.prompt_tokens)
-            self.embed_latency.labels(model).observe(rec.timeline.durations()["total"])
+            self._of(self.embed_tokens, model).inc(rec.prompt_tokens)
+            self._of(self.embed_latency, model).observe(rec.timeline.durations()["total"])
             return
         decode = after_first_token(stages)
         if decode is not None and rec.completion_tokens > 1:
-            self.tpot.labels(model).observe(decode / (rec.completion_tokens - 1))
-        self.req_prompt_tokens.labels(model).observe(rec.prompt_tokens)
-        self.req_generation_tokens.labels(model).observe(rec.completion_tokens)
+            self._of(self.tpot, model).observe(decode / (rec.completion_tokens - 1))
+        self._of(self.req_prompt_tokens, model).observe(rec.prompt_tokens)
+        self._of(self.req_generation_tokens, model).observe(rec.completion_tokens)
         if rec.max_tokens is not None:
-            self.req_max_tokens.labels(model).observe(rec.max_tokens)
-            self.req_params_max_tokens.labels(model).observe(rec.max_tokens)
-        self.prompt_tokens_cached.labels(model).inc(rec.cached_tokens)
-        self.req_kv_computed.labels(model).observe(max(0, rec.prompt_tokens - rec.cached_tokens))
-        self.req_preemptions.labels(model).observe(int(rec.timeline.attrs.get("preemptions", 0) or 0))  # type: ignore[call-overload]
+            self._of(self.req_max_tokens, model).observe(rec.max_tokens)
+            self._of(self.req_params_max_tokens, model).observe(rec.max_tokens)
+        self._of(self.prompt_tokens_cached, model).inc(rec.cached_tokens)
+        self._of(self.req_kv_computed, model).observe(max(0, rec.prompt_tokens - rec.cached_tokens))
+        self._of(self.req_preemptions, model).observe(int(rec.timeline.attrs.get("preemptions", 0) or 0))  # type: ignore[call-overload]
         finish_reason = rec.finish_reasons[0] if rec.finish_reasons else None
         self.observe_request(model, rec.timeline, prompt_tokens=rec.prompt_tokens,
                              completion_tokens=rec.completion_tokens, finish_reason=finish_reason,
@@ -370,31 +382,31 @@ class ServerMetrics:
     def observe_request(self, model: str, timeline: Timeline, *, prompt_tokens: int, completion_tokens: int,
                         finish_reason: str | None, token_times: list[float]) -> None:
         """Everything about one finished generation, derived from its Timeline."""
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.generation_tokens.labels(model).inc(completion_tokens)
+        self._of(self.prompt_tokens, model).inc(prompt_tokens)
+        self._of(self.generation_tokens, model).inc(completion_tokens)
         if finish_reason in ("stop", "length", "abort"):
-            self.request_success.labels(model, finish_reason).inc()
+            self._of(self.request_success, model, finish_reason).inc()
         ttft = timeline.between("received", "first_token")
         if ttft is not None:
-            self.ttft.labels(model).observe(ttft)
+            self._of(self.ttft, model).observe(ttft)
         ttfa = timeline.between("received", "first_answer")  # (a reply that thought, then answered)
         if ttfa is not None:
-            self.ttfa.labels(model).observe(ttfa)
+            self._of(self.ttfa, model).observe(ttfa)
         d = timeline.durations()
-        self.e2e.labels(model).observe(d["total"])
+        self._of(self.e2e, model).observe(d["total"])
         for name, hist in (("gateway", self.gateway), ("queue", self.gateway_queue), ("engine_queue", self.queue),
                            ("prefill", self.prefill)):
             if name in d:
-                hist.labels(model).observe(d[name])
+                self._of(hist, model).observe(d[name])
         decode = after_first_token(d)
         if decode is not None:
-            self.decode.labels(model).observe(decode)
+            self._of(self.decode, model).observe(decode)
         if "prefill" in d:
-            self.inference.labels(model).observe(d["prefill"] + (decode or 0.0))
+            self._of(self.inference, model).observe(d["prefill"] + (decode or 0.0))
         for a, b in zip(token_times, token_times[1:], strict=False):
             gap = max(0.0, b - a)
-            self.itl.labels(model).observe(gap)
-            self.tpot_token.labels(model).observe(gap)
+            self._of(self.itl, model).observe(gap)
+            self._of(self.tpot_token, model).observe(gap)
 
     def render(self, tenants: bool = True) -> bytes:
         """The exposition text; without `tenants`, series with a tenant label are summed over it
