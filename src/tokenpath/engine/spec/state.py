@@ -21,10 +21,10 @@ Why both: the cap is what ramps a copy up quickly and stops at once when a copy 
 alone takes a few misses to fall); the price is what stops paraphrase and free text from paying
 for rows that one configuration can afford and another cannot. Measured on 2 cores, SmolLM2-135M
 Q4_1, context 400 (benchmarks/step_rows.py): one thread by CPU time, a 2-row step 1.18x a 1-row
-step, 5 rows 1.48x, 9 rows 2.31x, 17 rows 4.24x (of a 11.7 ms step); on two threads by the wall
-clock the extra rows cost more relative to the 1-row step (see the results file of issue 39's
-pricing work, benchmarks/results/spec_cost.md), which is why the same fixed rule won on one
-thread and lost on `quote` (0.86x) on two.
+step, 5 rows 1.48x, 9 rows 2.31x, 17 rows 4.24x (of a 11.7 ms step); two threads, by their CPU,
+17 rows 3.40x of an 18.6 ms step, and by the wall clock under load 5.78x, noise mostly
+(benchmarks/results/spec_cost.md). The same fixed rule won on one thread and lost on `quote`
+(0.86x) on two by the wall clock: what a row costs is the configuration's, so it is measured.
 """
 
 from __future__ import annotations
