@@ -99,7 +99,7 @@ class SpecDecoder:
         k = min(state.k, budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0 or self.config.draft_policy != "cost" or self._timing_blind(seq):
+        if k <= 0 or self.config.draft_policy != "cost" or self._timing_blind(seq) or state.full:
             return max(k, 0)
         best = best_drafts(self.prices, state.accept, k, rows)
         if best == 0 and state.probe:

@@ -17,6 +17,10 @@ decide how many tokens a sequence drafts next:
    step by 5%: no drafts, and a pause, after which one draft probes whether drafting pays again.
    In a batch the step's other rows count (cost.best_drafts): extra rows are cheaper there.
 
+After a step that accepted every draft the doubled cap itself is drafted, unpriced: pricing a
+fresh copy from an estimate starting at 0.5 ramped it up too slowly (`quote_copy`, 144 tokens:
+18 steps against the doubling's 14, 0.75x by CPU time, loaded).
+
 Why both: the cap is what ramps a copy up quickly and stops at once when a copy ends (the EWMA
 alone takes a few misses to fall); the price is what stops paraphrase and free text from paying
 for rows that one configuration can afford and another cannot. Measured on 2 cores, SmolLM2-135M
@@ -48,6 +52,7 @@ class DraftState:
     # The chance a draft is accepted given the drafts before it were (an EWMA over verified
     # drafts: an accepted one counts 1, the first rejected one 0), the cost policy's input.
     accept: float = ACCEPT_PRIOR
+    full: bool = False  # the last verification accepted every draft: the doubling decides, not the prices
     probe: bool = False  # the pause just ended: draft at least one token, to see whether drafts pay again
     # A draft model's last proposal (draft_model.py): the sequence's length then, and its drafts.
     proposed_at: int = 0
@@ -73,7 +78,7 @@ class DraftState:
     def settle(self, accepted: int, max_k: int, proposed: int) -> None:
         """After a verification that accepted `accepted` of its `proposed` drafts: all of them
         doubles the next draft length, fewer sets it to one more than were accepted."""
-        full = 0 < proposed == accepted
+        full = self.full = 0 < proposed == accepted
         for _ in range(accepted):
             self.accept += ACCEPT_RATE * (1.0 - self.accept)
         if accepted < proposed:
