@@ -27,7 +27,11 @@ machine. One thread's CPU time counts only this engine's own cycles (cache shari
 is what a quiet single-stream run is bound by.
 
     nice -n 10 .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--spec JSON] [--workloads edit,edit_penalties]
-        [--out spec_decode] [--cpu-time]
+        [--out spec_decode] [--cpu-time] [--off-spec JSON]
+
+`--off-spec JSON`: the `off` side speculates too, with that config: one draft policy against
+another in the same run (e.g. the SPEC with `"draft_policy": "adaptive"`, the rule before the
+cost policy, against the default `cost`; engine/spec/state.py).
 
 Writes benchmarks/results/{out}.{md,json} (default spec_decode).
 """
@@ -199,6 +203,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     ap.add_argument("--out", default="spec_decode", help="results file stem under benchmarks/results")
     ap.add_argument("--worker", choices=["off", "on"])
+    ap.add_argument("--off-spec", help="run the `off` side with this speculative config instead of none: one "
+                                       "policy against another, e.g. '{..., \"draft_policy\": \"adaptive\"}'")
     ap.add_argument("--cpu-time", action="store_true",
                     help="one engine thread; also report decode tok/s by the process CPU time (see the docstring)")
     args = ap.parse_args()
@@ -207,7 +213,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--workloads: unknown {unknown}; known: {list(WORKLOADS)}")
     if args.worker:
-        print(json.dumps(worker(args.spec if args.worker == "on" else None, names)))
+        print(json.dumps(worker(args.spec if args.worker == "on" else args.off_spec, names)))
         return
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     loads = []
@@ -216,7 +222,8 @@ def main() -> None:
         for mode in ("off", "on"):
             loads.append(os.getloadavg()[0])
             proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--spec", args.spec,
-                                   "--workloads", ",".join(names)],
+                                   "--workloads", ",".join(names)]
+                                  + (["--off-spec", args.off_spec] if args.off_spec else []),
                                   capture_output=True, text=True, check=True, env=env)
             runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(mode, {k: v.get("decode_tok_s") if isinstance(v, dict) else v for k, v in runs[mode][-1].items()},
@@ -251,7 +258,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "spec": json.loads(args.spec), "rounds": args.rounds,
             "workload_params": {n: PARAMS[n] for n in names if n in PARAMS}, "lora_changes_output": lora_changes,
             "load_avg_before_each_run": [round(x, 2) for x in loads], "peak_rss_mib": rss,
-            "cpu_time": args.cpu_time}
+            "cpu_time": args.cpu_time, "off_spec": json.loads(args.off_spec) if args.off_spec else None}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     lines = [
@@ -259,7 +266,9 @@ def main() -> None:
         "",
         f"Run {meta['date']} on {meta['cpus']} shared cores (Python {meta['python']}). Command: "
         f"`nice -n 10 python benchmarks/spec_decode.py --rounds {args.rounds} --workloads {','.join(names)} "
-        f"--out {args.out}{' --cpu-time' if args.cpu_time else ''}`; speculative config `{args.spec}`; sampling parameters added to greedy: "
+        f"--out {args.out}{' --cpu-time' if args.cpu_time else ''}`; speculative config `{args.spec}`"
+        + (f"; `off` is NOT plain decoding but speculation with `{args.off_spec}`" if args.off_spec else "")
+        + "; sampling parameters added to greedy: "
         f"{json.dumps(meta['workload_params']) if meta['workload_params'] else 'none'}."
         + (" `edit_lora`: the `edit` prompt through a LoRA adapter (rank 16 on every target, random A and B "
            "of std 0.05, seed 1: tests/engine/lora_adapters.py `random_adapter`)"
@@ -286,9 +295,10 @@ def main() -> None:
     lines += ["", f"Peak RSS: off {rss['off']} MiB, on {rss['on']} MiB.", "",
               "Reading it: a verification row is not free on these 2 cores (benchmarks/step_rows.py, CPU time, "
               "context 400: a 5-row step 1.62x a 1-row step, 17 rows 3.74x, ~0.16 of a step a row), so the "
-              "gain is capped well below K + 1 and the adaptive draft length (engine/spec/state.py: one more "
-              "than accepted, doubling after a step that accepted every draft, pauses after misses) is what "
-              "keeps rejected rows from making steps slower. SmolLM2's greedy "
+              "gain is capped well below K + 1, and the draft length (engine/spec/state.py: capped at one more "
+              "than accepted, doubling after a step that accepted every draft, pauses after misses, and under "
+              "that cap the length whose expected tokens per unit of the engine's measured step time is best) is "
+              "what keeps rejected rows from making steps slower. SmolLM2's greedy "
               "`free` story repeats its own phrases, so the n-gram proposer finds matches there too (its acceptance "
               "column): it is not a workload with nothing to copy for this model. Greedy output was identical with "
               "speculation on and off in every run (the last column).", ""]

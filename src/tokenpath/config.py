@@ -125,6 +125,11 @@ class SpeculativeConfig(BaseModel):
     # 4, measured (benchmarks/spec_batch.py, a mix of copy and free streams, K = 16, by CPU
     # time): c = 2 1.31x, c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
+    # How many tokens a sequence drafts (engine/spec/state.py): "cost" prices the verification
+    # rows by the engine's own step timings and drafts only what pays at its acceptance rate;
+    # "adaptive" is the earlier rule (one more than accepted, doubling, pauses), kept for A/B runs.
+    draft_policy: Literal["cost", "adaptive"] = Field("cost", description="draft length policy: cost "
+                                                      "(priced by measured step times) or adaptive")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
     suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")

@@ -172,7 +172,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        spec = self.spec if self.spec is not None and self.spec.allowed(self._decoding()) else None
+        decoding = self._decoding()
+        spec = self.spec if self.spec is not None and self.spec.allowed(decoding) else None
+        rows = decoding  # the step's decode rows so far: a draft's price depends on them (spec/cost.py)
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -182,7 +184,9 @@ class Scheduler:
             if n <= 0:
                 continue
             if spec is not None and n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                n += self._draft(spec, seq, budget - 1)
+                drafted = self._draft(spec, seq, budget - 1, rows)
+                n += drafted
+                rows += drafted
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted
             out.scheduled.append((seq, n))
@@ -199,10 +203,11 @@ class Scheduler:
     def _decoding(self) -> int:
         return sum(1 for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens)
 
-    def _draft(self, spec: SpecDecoder, seq: Sequence, budget: int) -> int:
+    def _draft(self, spec: SpecDecoder, seq: Sequence, budget: int, rows: int) -> int:
         """Give a decoding `seq` this step's draft tokens (`seq.draft_ids`) when the pool has the
-        room for them without preempting anybody; returns how many."""
-        k = spec.draft_len(seq, budget)
+        room for them without preempting anybody, in a step of `rows` decode rows so far; returns
+        how many."""
+        k = spec.draft_len(seq, budget, max(1, rows))
         drafts: list[int] = []
         if k and spec.writes_kv:  # a draft model writes its KV in the drafted rows' slots: room first
             if self.blocks.allocate(seq, 1 + k):

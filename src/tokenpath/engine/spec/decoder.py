@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from tokenpath.config import SpeculativeConfig
 from tokenpath.engine.sequence import Sequence
+from tokenpath.engine.spec.cost import StepPrices, best_drafts
 from tokenpath.engine.spec.grammar import grammar_drafts
 from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.state import DraftState
@@ -52,6 +53,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.drafter = drafter
+        self.prices = StepPrices()  # decode steps' times by their rows (cost.py), fed by `observe_step`
         # method suffix: the global trie over recent requests' outputs (suffix.py), one an engine.
         self.suffix = (SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
                        if config.method == "suffix" else None)
@@ -67,6 +69,11 @@ class SpecDecoder:
         (docs/architecture.md: there the step is compute-bound and rejected drafts cost the batch)."""
         return decoding <= self.config.max_batch
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows (drafts included) took `seconds`, drafting and
+        verifying included: the prices the cost policy drafts by."""
+        self.prices.observe(rows, seconds)
+
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
         `budget` of them, and never past its max_tokens or the context length (`state.py`: how
@@ -75,19 +82,39 @@ class SpecDecoder:
         scheduled (sequence, tokens) pair and a drafting sequence's tokens count its drafts."""
         return self.propose(seq, self.draft_len(seq, budget))
 
-    def draft_len(self, seq: Sequence, budget: int) -> int:
-        """How many tokens `seq` drafts this step (0: plain decode): its state's adaptive K, at most
-        `budget`, never past its max_tokens or the context length (`state.py`)."""
+    def draft_len(self, seq: Sequence, budget: int, rows: int = 1) -> int:
+        """How many tokens `seq` drafts this step (0: plain decode), in a step already holding
+        `rows` decode rows (its own included): at most its state's adaptive K and `budget`, never
+        past its max_tokens or the context length; under the cost policy, the length whose
+        expected tokens per unit of step time (at the engine's measured prices) is best, 0 when no
+        length beats a plain step (then it pauses, and probes with one draft after the pause).
+        `state.py` says why."""
         state = seq.spec
         if state is None:
             state = seq.spec = DraftState(self._index(), self.k)
         if state.pause:
             state.pause -= 1
+            state.probe = state.pause == 0
             return 0
         k = min(state.k, budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(k, 0)
+        if k <= 0 or self.config.draft_policy != "cost" or self._timing_blind(seq) or state.full:
+            return max(k, 0)
+        best = best_drafts(self.prices, state.accept, k, rows)
+        if best == 0 and state.probe:
+            best = 1  # the cheapest look at whether drafting pays again
+        elif best == 0:
+            state.hold_off()
+        state.probe = False
+        return best
+
+    @staticmethod
+    def _timing_blind(seq: Sequence) -> bool:
+        """A seeded sampled sequence keeps the rule that ignores step timings: its acceptance
+        tests draw from its random stream once per draft, so draft lengths that followed the
+        host's timings would make its output irreproducible (greedy and unseeded ones are not)."""
+        return seq.params.seed is not None and not seq.params.greedy
 
     def _index(self) -> NgramIndex | SuffixProposer | None:
         """A new sequence's proposer index (None: the draft model proposes)."""

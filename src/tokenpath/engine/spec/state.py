@@ -1,17 +1,34 @@
 """One sequence's speculation state: its proposer (n-gram or suffix index) and how much it drafts next.
 
 Why adaptive: a draft row is not free here. On CPUs a verification row costs a sizeable part of
-a decode step (measured on 2 cores with SmolLM2-135M: a 5-row step ~3.5x a 1-row step under load),
-so drafting K tokens that get rejected makes a step slower for nothing. Each sequence drafts
-one more token than it last had accepted (up to K), and after a step that accepted nothing it
-pauses drafting for 1, 2, 4, ... 32 steps (reset by any acceptance): text that copies keeps
-drafting long runs, free text soon stops paying for rows it does not use.
+a decode step, so drafting K tokens that get rejected makes a step slower for nothing. Two rules
+decide how many tokens a sequence drafts next:
 
-After a step that accepted *every* draft it doubles instead (1, 2, 4, 8, 16, up to K): a copy
-that keeps matching is the case where long drafts pay, and growing one token a step spent most
-of a copied run on short drafts. Measured (stop of 2026-12-05): a row costs ~0.16 of a 1-row
-step on SmolLM2 (benchmarks/step_rows.py, CPU time), and on the `edit` workload's greedy output
-K = 16 with doubling takes 140 steps for 400 tokens where one more a step took 165.
+1. The cap (the earlier rule, kept): at most one more than it last had accepted (up to K), and
+   after a step that accepted *every* draft, double instead (1, 2, 4, 8, 16): a copy that keeps
+   matching is the case where long drafts pay, and growing one token a step spent most of a
+   copied run on short drafts (the `edit` workload's greedy output, K = 16: 140 steps for 400
+   tokens with doubling, 165 with one more a step). After a step that accepted nothing it pauses
+   drafting for 1, 2, 4, ... 32 steps (reset by any acceptance).
+2. The price (draft_policy "cost", the default; cost.py): under the cap, it drafts the k that
+   maximizes expected tokens per unit of step time, (1 + a + ... + a^k) / price(1 + k rows) over
+   price(1 row), with `accept` (a) an EWMA of its drafts' acceptance and the prices the engine's
+   own recent decode-step times by rows (threads, model, host as they are). None beating a plain
+   step by 5%: no drafts, and a pause, after which one draft probes whether drafting pays again.
+   In a batch the step's other rows count (cost.best_drafts): extra rows are cheaper there.
+
+After a step that accepted every draft the doubled cap itself is drafted, unpriced: pricing a
+fresh copy from an estimate starting at 0.5 ramped it up too slowly (`quote_copy`, 144 tokens:
+18 steps against the doubling's 14, 0.75x by CPU time, loaded).
+
+Why both: the cap is what ramps a copy up quickly and stops at once when a copy ends (the EWMA
+alone takes a few misses to fall); the price is what stops paraphrase and free text from paying
+for rows that one configuration can afford and another cannot. Measured on 2 cores, SmolLM2-135M
+Q4_1, context 400 (benchmarks/step_rows.py): one thread by CPU time, a 2-row step 1.18x a 1-row
+step, 5 rows 1.48x, 9 rows 2.31x, 17 rows 4.24x (of a 11.7 ms step); two threads, by their CPU,
+17 rows 3.40x of an 18.6 ms step, and by the wall clock under load 5.78x, noise mostly
+(benchmarks/results/spec_cost.md). The same fixed rule won on one thread and lost on `quote`
+(0.86x) on two by the wall clock: what a row costs is the configuration's, so it is measured.
 """
 
 from __future__ import annotations
@@ -22,6 +39,8 @@ from tokenpath.engine.spec.ngram import NgramIndex
 from tokenpath.engine.spec.suffix import SuffixProposer
 
 MAX_PAUSE = 32
+ACCEPT_PRIOR = 0.5  # a new sequence's acceptance estimate: drafts a few tokens at a 1-row step's prices
+ACCEPT_RATE = 0.2  # the estimate's step toward each verified draft's outcome (EWMA)
 
 
 @dataclass
@@ -30,6 +49,11 @@ class DraftState:
     k: int  # the most tokens it drafts next step
     pause: int = 0  # steps left without drafting
     backoff: int = 0  # the pause after the next step that accepts nothing
+    # The chance a draft is accepted given the drafts before it were (an EWMA over verified
+    # drafts: an accepted one counts 1, the first rejected one 0), the cost policy's input.
+    accept: float = ACCEPT_PRIOR
+    full: bool = False  # the last verification accepted every draft: the doubling decides, not the prices
+    probe: bool = False  # the pause just ended: draft at least one token, to see whether drafts pay again
     # A draft model's last proposal (draft_model.py): the sequence's length then, and its drafts.
     proposed_at: int = 0
     proposed: list[int] = field(default_factory=list)
@@ -54,10 +78,19 @@ class DraftState:
     def settle(self, accepted: int, max_k: int, proposed: int) -> None:
         """After a verification that accepted `accepted` of its `proposed` drafts: all of them
         doubles the next draft length, fewer sets it to one more than were accepted."""
-        full = 0 < proposed == accepted
+        full = self.full = 0 < proposed == accepted
+        for _ in range(accepted):
+            self.accept += ACCEPT_RATE * (1.0 - self.accept)
+        if accepted < proposed:
+            self.accept -= ACCEPT_RATE * self.accept
         self.k = min(max_k, max(accepted + 1, 2 * self.k) if full else accepted + 1)
         if accepted:
             self.backoff = 0
         else:
-            self.backoff = min(MAX_PAUSE, 2 * self.backoff or 1)
-            self.pause = self.backoff
+            self.hold_off()
+
+    def hold_off(self) -> None:
+        """Stop drafting for the next 1, 2, 4, ... `MAX_PAUSE` steps (doubling each time until
+        an acceptance resets it)."""
+        self.backoff = min(MAX_PAUSE, 2 * self.backoff or 1)
+        self.pause = self.backoff
