@@ -108,8 +108,7 @@ class SpeculativeConfig(BaseModel):
     frequent continuation from suffix tries over the request and recent requests' outputs
     (engine/spec/suffix.py, the suffix_decoding_* fields). Each is verified in one forward pass
     (engine/spec/). As in vLLM, `model` without a method means draft_model.
-    Checked once, at start-up: a wrong field is an error naming it, never a silently slower
-    engine."""
+    Checked once, at start-up: a wrong field is an error naming it, never a silently slower engine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -120,16 +119,12 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(..., ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
     prompt_lookup_max: int = Field(3, ge=1, le=64, description="longest n-gram matched")
     prompt_lookup_min: int = Field(1, ge=1, le=64, description="shortest n-gram matched")
-    # Batching: with more decoding sequences than this in a step, nobody drafts (the step is
-    # compute-bound there, and verifying rejected drafts costs compute the batch could use).
-    # 4, measured (benchmarks/spec_batch.py, a mix of copy and free streams, K = 16, by CPU
-    # time): c = 2 1.31x, c = 4 0.99x, c = 8 0.88x on/off; it was 8.
+    # Batching: above this many decoding sequences nobody drafts (the step is compute-bound, rejected drafts
+    # cost the batch). 4, measured (benchmarks/spec_batch.py, copy + free, K = 16, CPU time): c = 2 1.31x,
+    # c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
-    # How many tokens a sequence drafts (engine/spec/state.py): "cost" prices the verification
-    # rows by the engine's own step timings and drafts only what pays at its acceptance rate;
-    # "adaptive" is the earlier rule (one more than accepted, doubling, pauses), kept for A/B runs.
-    draft_policy: Literal["cost", "adaptive"] = Field("cost", description="draft length policy: cost "
-                                                      "(priced by measured step times) or adaptive")
+    # engine/spec/state.py: "cost" drafts what pays at the engine's measured step prices; "adaptive", the earlier rule.
+    draft_policy: Literal["cost", "adaptive"] = Field("cost", description="draft length policy: cost or adaptive")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
     suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")
