@@ -65,6 +65,21 @@ def test_room_counts_gateway_inflight_engine_queue_and_kv():
     assert not full.has_room(full.state())
 
 
+def test_preempted_requests_back_in_the_engine_queue_leave_room_for_new_ones():
+    """Issue 41: a flooding tenant's KV-preempted requests wait in the engine's queue (they are in
+    flight already, `limit` counts them). Counted as queue, they shut every tenant out at the
+    gateway, and the other tenant's request waited there instead of in the engine."""
+    state = ReplicaState("a", waiting=3, waiting_preempted=3, running=2, max_num_seqs=8)
+    h = ReplicaHandle(StaticReplica(state), PoolConfig(max_engine_waiting=1))
+    h.inflight = 5
+    assert h.has_room(h.state())
+    h.inflight = 9
+    assert not h.has_room(h.state())  # (the in-flight limit, 8 + 1, still holds)
+    fresh = ReplicaHandle(StaticReplica(ReplicaState("b", waiting=3, waiting_preempted=1, max_num_seqs=4)),
+                          PoolConfig(max_engine_waiting=1))
+    assert not fresh.has_room(fresh.state())  # two new ones queued: over the engine-queue bound
+
+
 def test_ejection_backoff_doubles_and_probe_needs_health():
     rep = StaticReplica(ReplicaState("a"))
     h = ReplicaHandle(rep, PoolConfig(eject_base_s=1.0, eject_max_s=3.0))

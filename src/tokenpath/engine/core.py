@@ -480,6 +480,7 @@ class EngineCore:
         return EngineState(
             waiting=len(self.scheduler.waiting),
             waiting_deferred=min(self.scheduler.deferred, len(self.scheduler.waiting)),
+            waiting_preempted=sum(1 for s in list(self.scheduler.waiting) if s.num_preemptions),
             running=len(self.scheduler.running),
             kv_usage=self.blocks.usage,
             num_blocks=self.blocks.num_blocks,

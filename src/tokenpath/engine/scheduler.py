@@ -10,12 +10,14 @@ order, and re-sorting by arrival undid it (a flooding tenant's older requests, d
 as slots freed, each went back ahead of another tenant's newer request already in this queue, which
 then waited until the flood's whole backlog had passed: 16.5 s of 19.3 s in
 tests/reliability/test_stall_tenants.py). When the pool runs out of blocks, the lowest-priority,
-latest-arrived running sequence is preempted by recompute: its blocks are freed and it goes back
-to the front of its priority. The gateway's tenant share preempts the same way, for a slot rather
-than for blocks: a request that arrives with `preempts` set (admission/preempt.py) pauses that
-running request and takes its slot, ahead of the whole queue (`displace`); a KV preemption then
-takes such a request last within its priority (`Sequence.victim_key`), so the blocks it needs do
-not go straight back to the tenant its slot was taken from.
+latest-arrived running sequence is preempted by recompute (of the tenant furthest over its share of
+the pool, when several tenants run: `kv_share`): its blocks are freed and it goes back to the front
+of its priority (behind other tenants' requests while its own tenant is over its share). The
+gateway's tenant share preempts the same way, for a slot rather than for blocks: a request that
+arrives with `preempts` set (admission/preempt.py) pauses that running request and takes its slot,
+ahead of the whole queue (`displace`); a KV preemption then takes such a request last within its
+priority (`Sequence.victim_key`), so the blocks it needs do not go straight back to the tenant its
+slot was taken from.
 
 With `long_prefill_token_threshold`, one sequence's chunk is capped, so a short prompt that
 arrives behind a long one is prefilled in the next step rather than after the whole long prompt.
@@ -40,6 +42,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from tokenpath.engine import kv_share
 from tokenpath.engine.block_hash import block_hashes
 from tokenpath.engine.block_manager import BlockManager
 from tokenpath.engine.lora import LoraManager, lora_key
@@ -222,16 +225,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prefilling: set[int]) -> None:
         i = 0
         adapters = self.running_adapters()
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
+        # (A copy when tenants over their KV share wait beside others: `kv_share.admission_order`.)
+        queue = kv_share.admission_order(self.waiting, self.running, self.blocks.num_blocks)
+        j = 0  # (the position in `queue`; `i` counts the ones passed over)
+        while j < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = queue[j]
             if seq.lora is not None and not self._lora_admissible(seq.lora, adapters):
-                i += 1  # its adapter is loading, or every slot is held by running requests
+                i, j = i + 1, j + 1  # its adapter is loading, or every slot is held by running requests
                 continue
             if seq.leader is not None and self._leader_prefilling(seq.leader):
-                i += 1  # n > 1: wait for the leader's prompt blocks, then share them
+                i, j = i + 1, j + 1  # n > 1: wait for the leader's prompt blocks, then share them
                 continue
             if prefilling and not seq.block_table and self._next_block_in_flight(seq, prefilling):
-                i += 1  # its prefix is being computed by another sequence: share it once cached
+                i, j = i + 1, j + 1  # its prefix is being computed by another sequence: share it once cached
                 continue
             if not seq.block_table:
                 self.blocks.lookup_prefix(seq)
@@ -239,7 +245,11 @@ class Scheduler:
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq)  # do not pin its prefix hits while it waits
                 break  # FCFS within the band: do not let later, smaller requests jump ahead
-            self.waiting.pop(i)
+            if queue is self.waiting:
+                self.waiting.pop(j)
+            else:
+                self.waiting.remove(seq)
+                j += 1
             if seq.displaces:  # it has the slot it took: held against KV preemption (`victim_key`)
                 seq.displaces, seq.share_slot = None, True
             if seq.events.behind and seq.events.freed_by is None:
@@ -305,7 +315,9 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `seq`, preempting victims until it fits. False if `seq` itself went."""
         while not self.blocks.allocate(seq, n):
-            victim = max(self.running, key=Sequence.victim_key)  # lowest priority, latest arrival
+            # The lowest priority, then the tenant furthest over its share of the pool, then the
+            # latest arrival (`kv_share`).
+            victim = kv_share.victim(self.running, self.blocks.num_blocks)
             victim.events.preempted.append([time.monotonic(), self._forced_by(seq, victim),
                                             victim.num_computed_tokens, None])
             self._preempt(victim, out)

@@ -135,6 +135,10 @@ class EngineState:
     # Of `waiting`, those the last step passed over for a reason of their own (an adapter not
     # ready, shared prefix blocks in flight), not for capacity: vLLM's `deferred` waiting reason.
     waiting_deferred: int = 0
+    # Of `waiting`, those preempted (by the KV pool or the gateway's share) and back in the queue:
+    # the gateway already counts them in flight, and leaves them out of its engine-queue room test
+    # (`ReplicaHandle.has_room`). An older engine does not send it (0: every waiting one counts).
+    waiting_preempted: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_blocks: int = 0
     block_size: int = 0

@@ -43,6 +43,8 @@ class ReplicaState:
     spec_decode: tuple[int, ...] = ()
     # Of `waiting`, those deferred for a reason of their own, not capacity (`EngineState.waiting_deferred`).
     waiting_deferred: int = 0
+    # Of `waiting`, those preempted and back in the queue (`EngineState.waiting_preempted`).
+    waiting_preempted: int = 0
     # Mixture-of-experts counters (`EngineState.moe_experts`); empty for a dense model.
     moe_experts: tuple[int, ...] = ()
     # The engine honours a request's `preempts` (tokenpath's own engines, in-process or over the

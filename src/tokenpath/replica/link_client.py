@@ -311,7 +311,8 @@ class LinkReplica(Generic[ReqT, OutT]):
             waiting_loras=tuple(map(str, s.waiting_loras)), max_loras=int(s.max_loras),
             prefix_hashes=self._held, prefix_reported=self._reported,
             spec_decode=tuple(map(int, s.spec_decode)), moe_experts=tuple(map(int, s.moe_experts)),
-            waiting_deferred=int(s.waiting_deferred), can_preempt=True)
+            waiting_deferred=int(s.waiting_deferred), waiting_preempted=int(s.waiting_preempted),
+            can_preempt=True)
 
     def _apply_kv_events(self, events: list[list[int]]) -> None:
         """Group 0's index, as the engine changed it: [kind, hash] pairs (`EngineState.kv_events`)."""

@@ -111,6 +111,7 @@ class InProcessReplica:
             spec_decode=tuple(s.spec_decode),
             moe_experts=tuple(s.moe_experts),
             waiting_deferred=s.waiting_deferred,
+            waiting_preempted=s.waiting_preempted,
             can_preempt=True,
         )
 

@@ -120,8 +120,13 @@ class ReplicaHandle:
 
     def has_room(self, state: ReplicaState) -> bool:
         """`state` is this handle's overlaid state; the engine-queue test uses the replica's own
-        report, so our in-flight requests that it has not seen yet do not block dispatch."""
-        raw_waiting = self.last_raw.waiting if self.last_raw is not None else state.waiting
+        report, so our in-flight requests that it has not seen yet do not block dispatch. Nor do
+        its preempted requests back in its queue (`waiting_preempted`): they are in flight already
+        (`limit` counts them), and in a flood they are the flooding tenant's, which the engine
+        queues behind another tenant's request (engine/kv_share.py); counted, they shut that
+        tenant's requests out at the gateway instead (issue 41)."""
+        raw = self.last_raw if self.last_raw is not None else state
+        raw_waiting = raw.waiting - min(raw.waiting, raw.waiting_preempted)
         return (
             state.healthy
             and self.inflight < self.limit(state)
