@@ -382,5 +382,7 @@ async def test_an_open_stream_keeps_the_metrics_read_every_poll():
         outs = [o async for o in rep.generate(req(max_tokens=40))]  # ~0.4 s of stream
         during = {k: fake.gets[k] - before[k] for k in before}
         assert outs[-1].finished
-        assert during["metrics"] >= during["health"] - 1 >= 4, during
+        # A poll at each edge may still see nothing of ours open (before the response is registered,
+        # after it ends), so two may skip the page; idle, it would be read at most once in 0.4 s.
+        assert during["metrics"] >= during["health"] - 2 >= 3, during
         await rep.close()
