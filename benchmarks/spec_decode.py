@@ -30,8 +30,8 @@ is what a quiet single-stream run is bound by.
         [--out spec_decode] [--cpu-time] [--off-spec JSON]
 
 `--off-spec JSON`: the `off` side speculates too, with that config: one draft policy against
-another in the same run (e.g. the SPEC with `"draft_policy": "adaptive"`, the rule before the
-cost policy, against the default `cost`; engine/spec/state.py).
+another in the same run (e.g. the SPEC with `"draft_policy": "cost"` against the default
+`"adaptive"`; engine/spec/state.py).
 
 Writes benchmarks/results/{out}.{md,json} (default spec_decode).
 """

@@ -123,8 +123,8 @@ class SpeculativeConfig(BaseModel):
     # cost the batch). 4, measured (benchmarks/spec_batch.py, copy + free, K = 16, CPU time): c = 2 1.31x,
     # c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
-    # engine/spec/state.py: "cost" drafts what pays at the engine's measured step prices; "adaptive", the earlier rule.
-    draft_policy: Literal["cost", "adaptive"] = Field("cost", description="draft length policy: cost or adaptive")
+    # engine/spec/state.py: "adaptive" (the rule); "cost" also prices rows by measured step times (lost, quiet).
+    draft_policy: Literal["cost", "adaptive"] = Field("adaptive", description="draft length policy: adaptive or cost")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
     suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")

@@ -21,7 +21,7 @@ def _seq() -> Sequence:
 
 def _priced(per_row: float, k: int = 16) -> SpecDecoder:
     """A decoder whose engine timed 1..17-row steps at 10 ms + `per_row` of that a row."""
-    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=k), max_model_len=4096)
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=k, draft_policy="cost"), max_model_len=4096)
     for rows in (1, 2, 5, 9, 17):
         for _ in range(3):
             spec.observe_step(rows, 0.010 * (1 + per_row * (rows - 1)))

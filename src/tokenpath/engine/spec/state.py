@@ -10,7 +10,7 @@ decide how many tokens a sequence drafts next:
    copied run on short drafts (the `edit` workload's greedy output, K = 16: 140 steps for 400
    tokens with doubling, 165 with one more a step). After a step that accepted nothing it pauses
    drafting for 1, 2, 4, ... 32 steps (reset by any acceptance).
-2. The price (draft_policy "cost", the default; cost.py): under the cap, it drafts the k that
+2. The price (draft_policy "cost", selectable, not the default; cost.py): under the cap, it drafts the k that
    maximizes expected tokens per unit of step time, (1 + a + ... + a^k) / price(1 + k rows) over
    price(1 row), with `accept` (a) an EWMA of its drafts' acceptance and the prices the engine's
    own recent decode-step times by rows (threads, model, host as they are). None beating a plain
@@ -29,6 +29,10 @@ step, 5 rows 1.48x, 9 rows 2.31x, 17 rows 4.24x (of a 11.7 ms step); two threads
 17 rows 3.40x of an 18.6 ms step, and by the wall clock under load 5.78x, noise mostly
 (benchmarks/results/spec_cost.md). The same fixed rule won on one thread and lost on `quote`
 (0.86x) on two by the wall clock: what a row costs is the configuration's, so it is measured.
+Measured quiet afterwards (2 threads, wall clock, benchmarks/results/spec_cost_vs_adaptive_quiet.md),
+the prices drafted too little: against the cap alone `edit` 0.87x, `free` 0.95x, `quote` 1.05x,
+while the cap alone lost nowhere against no speculation (`quote` 1.03x, `free` 1.19x). So the
+default is "adaptive", the cap alone; "cost" stays for A/B runs on other hosts.
 """
 
 from __future__ import annotations
