@@ -41,14 +41,17 @@ def test_prices_are_learned_from_step_timings():
     assert prices.observed(9) == 3 and prices.observed(2) == 0
 
 
-def test_the_engine_feeds_its_decode_step_times_to_the_prices():
+@pytest.mark.parametrize("policy", ["cost", "adaptive"])
+def test_the_engine_feeds_its_decode_step_times_to_the_prices(policy: str):
+    """Under the cost policy only: the default rule does not use them, so it keeps none."""
     model = str(cached_tiny("llama"))
     llm = LLM(model, num_kv_blocks=64, block_size=4, dtype="float32", quantization="none",
-              speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+              speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 4, "draft_policy": policy}))
     prompt = llm.tokenizer.encode("a b c d e f a b c d e f")
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     prices = llm.engine.spec.prices
-    assert sum(prices.observed(n) for n in range(1, 6)) >= 5  # decode steps (1 + up to 4 drafts)
+    decode_prices = sum(prices.observed(n) for n in range(1, 6))  # decode steps (1 + up to 4 drafts)
+    assert decode_prices >= 5 if policy == "cost" else decode_prices == 0
     assert len(prompt) > 5 and prices.observed(len(prompt)) == 0  # a prefill is no decode price
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.api.conftest import Server, running_server
 from tests.reliability.nasty_bodies import CHAT_MODEL
-from tests.reliability.test_share_preemption import Stream
+from tests.reliability.test_share_preemption import streams
 from tests.reliability.test_stall_tenants import HI, closed_rows, create_key
 
 pytestmark = pytest.mark.slow
@@ -44,12 +44,7 @@ def small_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 
 def test_another_tenants_requests_are_not_the_victims_of_a_full_pool(small_pool: tuple[Server, str, str]):
     srv, a_key, b_key = small_pool
-    flood = []
-    for i, prompt in enumerate(PROMPTS):
-        s = Stream(srv, a_key, f"a-{i}-{time.monotonic_ns()}", prompt)
-        s.start()
-        assert s.first.wait(120), "no first token"
-        flood.append(s)
+    flood = streams(srv, a_key, "a", PROMPTS)
     deadline = time.monotonic() + 120
     while sum(len(s.parts) for s in flood) < 150 and time.monotonic() < deadline:
         time.sleep(0.1)  # (three prompts and 150 tokens: more than the pool holds)

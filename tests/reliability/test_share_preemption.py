@@ -76,11 +76,11 @@ class Stream(threading.Thread):
         return "".join(self.parts)
 
 
-def streams(srv: Server, key: str, tag: str) -> list[Stream]:
-    """A's two streams, started one after the other (each once its first token came), so which
+def streams(srv: Server, key: str, tag: str, prompts: tuple[str, ...] = PROMPTS) -> list[Stream]:
+    """A's streams, started one after the other (each once its first token came), so which
     one was dispatched last, the one to pause, is known."""
     out = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         s = Stream(srv, key, f"{tag}-{i}-{time.monotonic_ns()}", prompt)
         s.start()
         assert s.first.wait(120), "no first token"

@@ -71,8 +71,9 @@ class SpecDecoder:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows (drafts included) took `seconds`, drafting and
-        verifying included: the prices the cost policy drafts by."""
-        self.prices.observe(rows, seconds)
+        verifying included: the prices the cost policy drafts by (kept only under that policy)."""
+        if self.config.draft_policy == "cost":
+            self.prices.observe(rows, seconds)
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
