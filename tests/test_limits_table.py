@@ -34,6 +34,7 @@ INTERNAL = {
     "engine/spec/suffix.py:MAX_GLOBAL_NODES": "the suffix proposer's shared trie, per generation (its memory bound)",
     "engine/spec/suffix.py:MAX_OWN_PROMPT": "how much of a prompt the suffix proposer indexes (its stall bound)",
     "engine/spec/suffix.py:MIN_MATCH": "the shortest match the suffix proposer drafts from (measured, not a cap)",
+    "engine/spec/cost.py:MAX_ROWS": "the largest decode step whose time the cost draft policy keeps (its memory bound)",
     "engine/core.py:MAX_CONTEXT_DEFAULT": "the engine's default context when a model names none",
     "engine/kernels/model.py:MAX_PARTS": "a kernel's layout (csrc/forward.cpp kMaxParts)",
     "engine/lora_batch.py:MAX_NATIVE_RANK": "a kernel's bound on LoRA rank (kLoraMaxRank)",
