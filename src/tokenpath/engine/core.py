@@ -249,13 +249,15 @@ class EngineCore:
         if self._lora_waiters:
             self._note_lora_loads(sched.scheduled)
         self.step_tokens = sum(n for _, n in sched.scheduled)
-        decode_only = all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq, _ in sched.scheduled)
+        # (Read before the step moves them; only where the cost draft policy keeps prices.)
+        priced = self.spec is not None and self.spec.keeps_prices and \
+            all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq, _ in sched.scheduled)
         try:
             outs = self._run_step(sched.scheduled)
         except Exception as exc:
             log.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
             return self._fail_step(sched.scheduled, exc)
-        if self.spec is not None and decode_only:  # the prices of verification rows (spec/cost.py)
+        if priced and self.spec is not None:  # the prices of verification rows (spec/cost.py)
             self.spec.observe_step(self.step_tokens, time.monotonic() - started)
         for observe in self.step_observers:
             observe(sched.scheduled, started, time.monotonic())

@@ -71,9 +71,15 @@ class SpecDecoder:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows (drafts included) took `seconds`, drafting and
-        verifying included: the prices the cost policy drafts by (kept only under that policy)."""
-        if self.config.draft_policy == "cost":
-            self.prices.observe(rows, seconds)
+        verifying included: the prices the cost policy drafts by (the engine calls it only under
+        that policy, `keeps_prices`)."""
+        self.prices.observe(rows, seconds)
+
+    @property
+    def keeps_prices(self) -> bool:
+        """Whether the engine times its decode steps for this decoder (the cost policy reads them;
+        the default rule does not, so the step does nothing for it)."""
+        return self.config.draft_policy == "cost"
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
