@@ -149,3 +149,47 @@ async def test_a_step_slowed_by_a_crowded_cpu_is_running_not_hung(tiny):
             h.kill()
             h.wait()
         await replica.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no per-thread schedstat")
+async def test_a_step_waiting_for_the_gil_of_a_crowded_loop_thread_is_not_hung(tiny):
+    """The same crowded CPU, but the step's Python work holds the GIL, and the event loop's thread
+    shares the crowded CPU and runs Python too: the step thread then also sleeps on the GIL while
+    the loop's thread waits in a run queue with it, which the step thread's own run-queue wait
+    does not show. The loop thread's wait is counted too (engine/cpu_wait.py); on the step
+    thread's alone, this replica was ejected (as one was in a test at load 17)."""
+    engine = AsyncEngine(model=str(tiny), dtype="float32", num_kv_blocks=32)
+    starved = engine.core.runner.execute = Starved(engine.core.runner.execute)
+    starved.block = bytes(1 << 12)  # short hashes: the step thread takes the GIL back thousands of times
+    await engine.start()
+    replica = InProcessReplica(engine, name="local-tiny", deployment="tiny",
+                               liveness=LivenessConfig(stall_after_s=BOUND_S))
+    busy = True
+
+    async def python_on_the_loop() -> None:  # the loop's thread: Python work, a yield every 2 ms
+        while busy:
+            end = time.thread_time() + 0.002
+            while time.thread_time() < end:
+                pass
+            await asyncio.sleep(0)
+
+    mask = os.sched_getaffinity(0)
+    hogs = [subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+            for _ in range(4)]
+    try:
+        assert (await run(replica, "warm", tokens=3))[-1].finished
+        os.sched_setaffinity(0, {0})  # (this thread, the loop's, only)
+        spinner = asyncio.create_task(python_on_the_loop())
+        starved.cpu_s = 0.25
+        outs = await asyncio.wait_for(run(replica, "crowded", tokens=2), 60)
+        busy = False
+        await spinner
+        assert outs[-1].finished and replica.liveness.ejections == 0 and replica.state().healthy
+        assert max(starved.walls) > 2 * BOUND_S, starved.walls
+    finally:
+        busy = False
+        os.sched_setaffinity(0, mask)
+        for h in hogs:
+            h.kill()
+            h.wait()
+        await replica.close()

@@ -18,9 +18,9 @@ is noticed and its requests released instead of waiting for as long as it hangs.
 the longest step so far, or its tokens at the costliest per-token price of a big step
 (>= `BIG_STEP_TOKENS`; before one, the first step's, which pays one-time setup too and so errs
 long), so a big model's long prefill chunk is not taken for a hang.
-Both leave out the time the step thread waited for a CPU (`engine.cpu_wait`): a step slowed by an
-oversubscribed machine is running, not hung (a blocked step waits in no run queue, so a hang is
-judged as before).
+Both leave out the time the step thread (and the event loop's, whose GIL it waits for) waited for
+a CPU (`engine.cpu_wait`): a step slowed by an oversubscribed machine is running, not hung (a
+blocked step waits in no run queue, so a hang is judged as before).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.beat = time.monotonic()  # the step thread's last turn of its loop (see the module doc)
         self.idle = True  # the step thread waits for work (no step runs, none can hang)
-        self._cpu_wait = RunQueueWait()  # the step thread's run-queue wait (attached on that thread)
+        self._cpu_wait = RunQueueWait()  # the step and loop threads' run-queue wait (each attaches itself)
         self._beat_wait: tuple[float, float | None] = (self.beat, None)  # (beat, that wait when it began)
         # Of steps that ended within `step_ceiling_s`: the first one's price per token, then the
         # longest step and the costliest token of a big step among the later ones.
@@ -95,6 +95,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._cpu_wait.attach()  # the loop's thread: it holds the GIL the step thread waits for
         self._thread = threading.Thread(target=self._run, name="tokenpath-engine", daemon=True)
         self._thread.start()
 

@@ -17,34 +17,44 @@ watcher judges by the wall clock, as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
 class RunQueueWait:
-    """The run-queue wait of the thread that called `attach()`, readable from any thread."""
+    """The summed run-queue wait of the threads that called `attach()`, readable from any thread.
+
+    Why more than one thread: the step thread runs Python between its kernels, and for that it
+    needs the GIL. On a crowded machine the thread holding the GIL (the event loop's) may itself
+    be waiting in a run queue, and then the step thread sleeps on the GIL: blocked, not runnable,
+    so its own run-queue wait does not show it. Attaching the loop's thread too counts that wait
+    (a step failed a liveness test at load 17 by it). It can count a little too much, a loop wait
+    while the step ran native code without the GIL; that only happens on a crowded machine, and
+    a hung step's age still grows at nearly the wall clock's rate (an idle loop waits in no run
+    queue), so a hang is still noticed, a little later."""
 
     def __init__(self) -> None:
-        self._fd: int | None = None
+        self._fds: list[int] = []
 
     def attach(self) -> None:
-        """Open the calling thread's schedstat (`/proc/thread-self` resolves to it at open time, so
+        """Add the calling thread's schedstat (`/proc/thread-self` resolves to it at open time, so
         the descriptor keeps naming this thread whichever thread reads it later)."""
-        try:
-            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
+        with contextlib.suppress(OSError):
+            self._fds.append(os.open("/proc/thread-self/schedstat", os.O_RDONLY))
 
     def read(self) -> float | None:
-        """Seconds the attached thread has waited for a CPU since it started, or None (no attached
-        thread, no schedstat, or the thread has exited)."""
-        if self._fd is None:
-            return None
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return None
+        """Seconds the attached threads have waited for a CPU since they started, summed, or None
+        (no attached thread, no schedstat, or every attached thread has exited)."""
+        total, seen = 0, False
+        for fd in self._fds:
+            try:
+                total += int(os.pread(fd, 64, 0).split()[1])
+                seen = True
+            except (OSError, IndexError, ValueError):
+                continue
+        return total / 1e9 if seen else None
 
     def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
+        fds, self._fds = self._fds, []
+        for fd in fds:
             os.close(fd)
