@@ -83,8 +83,8 @@ class DraftState:
         """After a verification that accepted `accepted` of its `proposed` drafts: all of them
         doubles the next draft length, fewer sets it to one more than were accepted."""
         full = self.full = 0 < proposed == accepted
-        for _ in range(accepted):
-            self.accept += ACCEPT_RATE * (1.0 - self.accept)
+        if accepted:  # (`accepted` EWMA steps towards 1 at once: each keeps 1 - ACCEPT_RATE of the gap)
+            self.accept = 1.0 - (1.0 - self.accept) * (1.0 - ACCEPT_RATE) ** accepted
         if accepted < proposed:
             self.accept -= ACCEPT_RATE * self.accept
         self.k = min(max_k, max(accepted + 1, 2 * self.k) if full else accepted + 1)
