@@ -28,6 +28,10 @@ LOG_FORMATS = ("json", "text")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+# One encoder for every line (`json.dumps` with arguments builds one per call); it keeps no state.
+_ENCODE = json.JSONEncoder(default=str, separators=(",", ":")).encode
+
+
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
 
@@ -45,7 +49,7 @@ class JsonFormatter(logging.Formatter):
         out.update(_extras(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, separators=(",", ":"))
+        return _ENCODE(out)
 
 
 class TextFormatter(logging.Formatter):
