@@ -12,7 +12,9 @@ three alike. Reported per path: TTFT p50 (and p25/p75), the added p50 against vL
 the median of the per-round differences, paired at the same moment's load; B - A likewise), each
 gateway's CPU per request (its process's, measured around each request), and each gateway's CPU
 per second while idle (its polls of vLLM). One client per path, kept alive, each stream read to
-its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py. `--key`: each
+its end; the load generator runs pinned to core 1, as in vllm_behind_gateway.py. `--whole`: the
+same requests not streamed, each timed to its whole body (a non-streaming reply's latency, where
+the gateway's work after the last token used to come before the reply). `--key`: each
 gateway's store gets a stored key (`tokenpath keys create`, no limits; its reservations are still
 recorded), sent with every request, so the key's lookups and the rate limits' reservation are on
 the path, as in a gateway with keys on.
@@ -30,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -37,7 +40,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.procs import stop_group  # noqa: E402
 from benchmarks.vllm_behind_gateway import ttft  # noqa: E402
-from benchmarks.vllm_peer import ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
+from benchmarks.vllm_peer import NAME, ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
+
+# A gateway's CPU per request is read this long after its reply is in: what it does once the last
+# byte is sent (the audit row's close, the log line, metrics) is that request's cost, and read at
+# once it fell into the next path's request, where no gateway's CPU is read.
+SETTLE_S = 0.02
 
 
 def cpu_ms(pid: int) -> float:
@@ -54,7 +62,19 @@ def cpu_ms(pid: int) -> float:
     return total / 1e6
 
 
-def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict[str, str]) -> dict:
+def whole(http: httpx.Client, prompt: str) -> float:
+    """Milliseconds to the whole body of the same short request, not streamed."""
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    t0 = time.perf_counter()
+    r = http.post("/v1/completions", json=body)
+    ms = (time.perf_counter() - t0) * 1000
+    if r.status_code != 200 or not r.json()["choices"]:
+        raise RuntimeError(f"no reply: {r.status_code} {r.text[:200]}")
+    return ms
+
+
+def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict[str, str],
+            timed: Callable[[httpx.Client, str], float] = ttft) -> dict:
     clients = {name: httpx.Client(base_url=url, timeout=120,
                                   headers={"Authorization": f"Bearer {keys[name]}"} if name in keys else None)
                for name, url in paths.items()}
@@ -64,12 +84,13 @@ def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict
     try:
         for i in range(3):  # (every connection open, every path warm)
             for n in names:
-                ttft(clients[n], f"Warm-up {i}.{' ' if n != 'vllm' else ''}")
+                timed(clients[n], f"Warm-up {i}.{' ' if n != 'vllm' else ''}")
         for i in range(rounds):
             for n in names[i % len(names):] + names[:i % len(names)]:
                 before = cpu_ms(pids[n]) if n in pids else 0.0
-                ms[n].append(ttft(clients[n], f"Request {i}: say something.{' ' if n != 'vllm' else ''}"))
+                ms[n].append(timed(clients[n], f"Request {i}: say something.{' ' if n != 'vllm' else ''}"))
                 if n in pids:
+                    time.sleep(SETTLE_S)  # (its work after the reply's last byte is its request's too)
                     cpu[n] += cpu_ms(pids[n]) - before
     finally:
         for c in clients.values():
@@ -117,6 +138,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench" / "vllm_gateway_ab")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--key", action="store_true", help="a stored key on each gateway, sent with every request")
+    ap.add_argument("--whole", action="store_true", help="non-streaming requests, timed to the whole body")
     args = ap.parse_args()
     if args.key:  # (stores of their own: a store with a key turns auth on for every later run on it)
         args.work = args.work / "with-key"
@@ -142,11 +164,12 @@ def main() -> None:
         paths = {"vllm": vllm.url, "A": f"http://127.0.0.1:{gateways[0][1]}", "B": f"http://127.0.0.1:{gateways[1][1]}"}
         pids = {"A": gateways[0][0].pid, "B": gateways[1][0].pid}
         time.sleep(2.0)
-        result: dict = {"a_src": str(args.a_src), "key": args.key, "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
+        result: dict = {"a_src": str(args.a_src), "key": args.key, "whole": args.whole,
+                        "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
         for _ in range(args.repeat):
             load = os.getloadavg()
             t0 = time.strftime("%H:%M:%S", time.gmtime())
-            run = measure(paths, pids, args.rounds, keys)
+            run = measure(paths, pids, args.rounds, keys, whole if args.whole else ttft)
             run.update(utc=f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}",
                        loadavg=[round(load[0], 2), round(os.getloadavg()[0], 2)])
             result["runs"].append(run)

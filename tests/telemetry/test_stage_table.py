@@ -99,3 +99,21 @@ def test_a_reply_that_never_thought_has_no_reasoning_stage():
     both = timeline("first_reasoning", "first_answer", "finished").durations()
     assert (both["reasoning"], both["decode"]) == (2, 1)
     assert sum(v for k, v in both.items() if k != "total") == both["total"]
+
+
+def test_durations_kept_once_finished_follow_a_later_stamp():
+    """`Timeline.durations` is kept once `finished` is stamped (a request's ending reads it ~9
+    times), and computed afresh when a stamp comes after it; each caller gets its own dict."""
+    from tokenpath.telemetry.timeline import Timeline
+
+    t = Timeline("r", stamps={"received": 10.0})
+    t.stamp("admitted", at=10.1)
+    t.stamp("finished", at=11.0)
+    first = t.durations()
+    assert {k: round(v, 6) for k, v in first.items()} == {"gateway": 0.1, "queue": 0.9, "total": 1.0}
+    first["total"] = 99.0  # (a caller's change is its own)
+    assert t.durations()["total"] == 1.0
+    t.stamp("dispatched", at=10.5)  # (a stamp after `finished`: the kept figures are not reused)
+    again = t.durations()
+    assert {k: round(v, 6) for k, v in again.items()} == {"gateway": 0.1, "queue": 0.4, "engine_queue": 0.5,
+                                                         "total": 1.0}

@@ -22,7 +22,7 @@ from tokenpath.api import formatting as fmt
 from tokenpath.api import intake, openai_fields, reasoning, structured, thinking
 from tokenpath.api import tools as tool_calls
 from tokenpath.api.inputs import check_caps, prompt_ids, sampling_params
-from tokenpath.api.replies import Body, Generation, Items
+from tokenpath.api.replies import Body, Generation, Items, WholeReply
 from tokenpath.api.run import RequestRun
 from tokenpath.api.schemas import ChatCompletionRequest
 from tokenpath.api.sse import SSEResponse, until_stopped
@@ -105,7 +105,9 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
             return SSEResponse(gen.events(first, stream), run.stop, run.finish, headers=run.headers(),
                                timeline=run.timeline, stall_timeout=state.config.stream_stall_timeout,
                                max_unsent=state.config.stream_max_unsent_bytes)
-        return await gen.collect(stream)
+        response = await gen.collect(stream)
+        handed_off = isinstance(response, WholeReply)  # (it finishes the run once it is sent)
+        return response
     except Exception as exc:
         return run.respond_to(edge.rename(exc) if edge is not None and edge.rename is not None else exc)
     finally:

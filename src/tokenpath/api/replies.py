@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api import tools as tool_calls
@@ -35,6 +36,27 @@ log = logging.getLogger("tokenpath.api")
 Body = ChatCompletionRequest | CompletionRequest
 # What the chat stream is before encoding: OpenAI chunk dicts, error bodies and DONE.
 Items = AsyncGenerator[dict | str, None]
+
+
+class WholeReply(JSONResponse):
+    """A whole (non-streaming) reply that ends its request once it is sent: `on_sent` (the run's
+    `finish`: the reconcile, the audit row's close, the log line, metrics) runs after the body's
+    last byte, whether the send succeeded or not, as a stream's does (`SSEResponse`'s `on_close`).
+    Run before the reply, that work was on every non-streaming request's latency: ~1-2 ms in front
+    of vLLM, the close row's write (a thread hop and a SQLite commit) the largest part (issue 37).
+    The reply's own numbers (Server-Timing, the timing extension, usage) are fixed before it is
+    sent, so nothing it carries changes; the close row lands just after the client has the body,
+    as a stream's always did."""
+
+    def __init__(self, content: object, headers: dict[str, str], on_sent: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers=headers)
+        self.on_sent = on_sent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_sent()
 
 
 class Generation:
@@ -115,7 +137,7 @@ class Generation:
                                        token_ids=self.acc.keep_token_ids)
         if self.edge is not None and self.edge.body is not None:
             body = self.edge.body(body, self.acc)
-        return JSONResponse(body, headers=run.headers(timing=True))
+        return WholeReply(body, run.headers(timing=True), run.finish)
 
     # -- streaming ------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:

@@ -32,9 +32,14 @@ STALL_TIMEOUT_S = 30.0  # the defaults of ApiSettings.stream_stall_timeout and s
 T = TypeVar("T")
 
 
+# One encoder for every event: `json.dumps` with arguments builds a new JSONEncoder per call, ~30%
+# of an event's encoding (issue 37: each chunk of each stream). It keeps no state between calls.
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
 def sse_event(data: dict | str) -> bytes:
     """One `data:` event. JSON never contains a raw newline, so one line per event is safe."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), allow_nan=False)
+    payload = data if isinstance(data, str) else _ENCODE(data)
     return f"data: {payload}\n\n".encode()
 
 

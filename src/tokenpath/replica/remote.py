@@ -69,6 +69,8 @@ _SAMPLE = re.compile(r"\n(" + "|".join(re.escape(n) for n in (*_WAITING, *_RUNNI
                      + r")(?:\{([^\n]*)\})?[ \t]+([^ \t\r\n]+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+# The generation's body encoder, made once (`json.dumps` with arguments builds one per call).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
 def _label_value(raw: str) -> str:
@@ -385,7 +387,7 @@ class RemoteReplica(PolledState):
     def _stream(self, body: dict, headers: dict[str, str]) -> contextlib.AbstractAsyncContextManager[
             httpx.Response | Http1Response]:
         """The streamed POST of a generation: on the lean client where it applies, else on httpx."""
-        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        content = _ENCODE(body).encode()
         if self._lean is not None:
             return self._lean.stream("POST", "/v1/completions", content, headers)
         return self._client.stream("POST", "/v1/completions", content=content,

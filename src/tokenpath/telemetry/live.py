@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +42,11 @@ class LiveRequests:
     def started(self, timeline: Timeline, endpoint: str, token_times: list[float]) -> None:
         self.inflight[timeline.request_id] = _Live(timeline, endpoint, token_times)
 
-    def finished(self, rec: FinishedRequest) -> None:
+    def finished(self, rec: FinishedRequest, fields: Callable[[], dict[str, Any]] | None = None) -> None:
+        """The request leaves the in-flight set and joins the recent rows; `fields`: its request
+        line's fields when they are shared (`publish`), else built here."""
         self.inflight.pop(rec.request_id, None)
-        row = request_fields(rec)
+        row = fields() if fields is not None else request_fields(rec)
         row.pop("prompt_text", None)
         row.pop("completion_text", None)
         row["time"] = rec.timeline.wall_start

@@ -19,6 +19,7 @@ for callers allowed to see tenant names (`render(tenants=True)`); the public vie
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -403,15 +404,35 @@ class ServerMetrics:
             self._of(self.decode, model).observe(decode)
         if "prefill" in d:
             self._of(self.inference, model).observe(d["prefill"] + (decode or 0.0))
-        for a, b in zip(token_times, token_times[1:], strict=False):
-            gap = max(0.0, b - a)
-            self._of(self.itl, model).observe(gap)
-            self._of(self.tpot_token, model).observe(gap)
+        if len(token_times) > 1:
+            gaps = [max(0.0, b - a) for a, b in zip(token_times, token_times[1:], strict=False)]
+            observe_many(self._of(self.itl, model), gaps)
+            observe_many(self._of(self.tpot_token, model), gaps)
 
     def render(self, tenants: bool = True) -> bytes:
         """The exposition text; without `tenants`, series with a tenant label are summed over it
         (queue depth) or left out (tenant tokens), so no tenant name leaves."""
         return generate_latest(self.registry if tenants else _WithoutTenants(self.registry))
+
+
+def observe_many(child: Any, values: list[float]) -> None:
+    """`child.observe(v)` for each of `values`, as one update per bucket: the same counts and sum.
+    A finished request's inter-token gaps went into two histograms one `observe` at a time, each
+    ~2.7 us (a bucket walk and two locked increments): 1.4 ms for a 256-token reply, all of it on
+    the event loop (issue 37). A histogram child that is not prometheus_client's own (no bucket
+    list to count into) is observed value by value."""
+    bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:  # (bucket i holds the values <= bounds[i], above bounds[i - 1], as `observe` counts)
+        i = bisect_left(bounds, v)
+        counts[i] = counts.get(i, 0) + 1
+    for i, n in counts.items():
+        buckets[i].inc(n)
+    total.inc(sum(values))
 
 
 class _WithoutTenants(Collector):

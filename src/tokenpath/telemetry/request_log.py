@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tokenpath.telemetry.causes import compact
@@ -25,6 +26,10 @@ REQUEST_LOGGER = "tokenpath.request"
 LOG_FORMATS = ("json", "text")
 # LogRecord's own attributes: everything else on a record came from `extra`.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+# One encoder for every line (`json.dumps` with arguments builds one per call); it keeps no state.
+_ENCODE = json.JSONEncoder(default=str, separators=(",", ":")).encode
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -44,7 +49,7 @@ class JsonFormatter(logging.Formatter):
         out.update(_extras(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, separators=(",", ":"))
+        return _ENCODE(out)
 
 
 class TextFormatter(logging.Formatter):
@@ -100,12 +105,14 @@ def request_fields(rec: FinishedRequest) -> dict[str, Any]:
     return fields
 
 
-def log_request(rec: FinishedRequest) -> None:
+def log_request(rec: FinishedRequest, fields: Callable[[], dict[str, Any]] | None = None) -> None:
+    """The request line; `fields`: where its fields come from when they are shared (`publish`
+    builds them once for this line and the dashboard's row), else `request_fields`."""
     logger = logging.getLogger(REQUEST_LOGGER)
     if not logger.isEnabledFor(logging.INFO):
         return
     level = logging.WARNING if rec.status >= 500 else logging.INFO
-    f = request_fields(rec)
+    f = fields() if fields is not None else request_fields(rec)
     logger.log(level, "%s %s %s %d", rec.endpoint, f["model"], rec.request_id, rec.status, extra=f)
 
 

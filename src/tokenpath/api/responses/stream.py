@@ -15,11 +15,11 @@ import json
 import logging
 from collections.abc import AsyncGenerator
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenpath.api import formatting as fmt
 from tokenpath.api.intake import Submitted
-from tokenpath.api.replies import Body, Generation
+from tokenpath.api.replies import Body, Generation, WholeReply
 from tokenpath.api.responses.translate import new_id
 from tokenpath.api.responses.turn import Turn, call_item, message_item, output_of, reasoning_item, status_of
 from tokenpath.api.run import RequestRun
@@ -55,7 +55,7 @@ class ResponsesGeneration(Generation):
         status, incomplete = status_of(choice["finish_reason"])
         body = self.turn.response(self.model, status, output_of(choice["message"]), chat["usage"], incomplete)
         await self.turn.save(body)
-        return JSONResponse(body, headers=run.headers(timing=True))
+        return WholeReply(body, run.headers(timing=True), run.finish)
 
     # -- streaming ------------------------------------------------------------------------------
     def _emit(self, kind: str, **data: object) -> bytes:
