@@ -1,7 +1,8 @@
 """A prefill step's own buffers (issue 42, peak RSS): the largest ones, the qkv, attention and
 gate/up outputs, share memory where the step's phases leave them dead (csrc/forward.cpp
 step_buffers), the sandwich-norm buffer exists only for models with sandwich norms, and a buffer
-a longer step outgrows is given back rather than left in the heap (csrc/step_alloc.h)."""
+a longer step outgrows is given back rather than left in the heap, and a grown buffer's pages
+become resident only where a step writes them (csrc/step_alloc.h)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ base = status("VmRSS:")
 for n in map(int, sys.argv[2:]):  # prefill steps of n rows, one after the other
     native.forward(ids[:n], pos[:n], pos[:n].astype(np.int64), np.zeros(n, np.int32), table,
                    np.array([n - 1], dtype=np.int32))
-print(json.dumps(status("VmHWM:") - base))
+print(json.dumps([status("VmHWM:") - base, native.step_buffer_bytes() / 2**20, native.prompt_tiles]))
 """
 
 
@@ -51,9 +52,31 @@ def test_a_512_row_prefill_grows_by_its_shared_buffers():
 
 
 def _growth(*steps: str) -> float:
+    return _probe(*steps)[0]
+
+
+def _probe(*steps: str) -> tuple[float, float, bool]:
+    """(MiB the steps grew the peak RSS by, MiB of step buffers held after them, whether prompt
+    rows took AMX tiles)."""
     out = subprocess.run([sys.executable, "-c", _PROBE, "smollm2-135m-instruct", *steps], capture_output=True,
                          text=True, timeout=300, check=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    growth, held, tiles = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(growth), float(held), bool(tiles)
+
+
+@pytest.mark.requires("kernels", "smollm2_gguf")
+def test_buffers_a_step_does_not_write_stay_off_rss():
+    """Where prompt rows take bf16 tiles (AMX-BF16), a 512-row prefill writes the bf16 copies of its
+    activations, not the int8 rows and residual bytes its buffers are also sized for (generated rows
+    take those). Value-initialized on growth, their pages were written all the same: RSS grew by
+    what the buffers hold (12.5 MiB for 12.4, this AMX host); left as the kernel's zero pages until
+    a step writes them, by 9.4. Without tiles every buffer is written (AVX2: 10.8 for 10.7, before
+    and after), so there the step grows RSS by what it holds, as before."""
+    growth, held, tiles = _probe("512")
+    if tiles:
+        assert growth < held - 1.5, f"a 512-row step grew RSS by {growth:.1f} MiB for {held:.1f} MiB of buffers"
+    else:
+        assert growth < held + 0.5, f"a 512-row step grew RSS by {growth:.1f} MiB for {held:.1f} MiB of buffers"
 
 
 @pytest.mark.requires("kernels", "smollm2_gguf")

@@ -8,6 +8,12 @@
 // stay resident until something reuses or trims them: 6 MiB of SmolLM2's peak RSS after a
 // 256-row and a 512-row prefill were such leftovers. A buffer is resized only when a step needs
 // more rows than any before, so the mapping calls are rare; a steady step allocates nothing.
+//
+// A grown buffer is zero without being written: mapped pages are the kernel's zero pages until a
+// step writes them (the small ones are cleared in allocate), so `resize` constructs nothing
+// (construct() default-initializes). A buffer sized for every row but written for some (the
+// residual bytes of a prompt step whose rows take bf16 tiles) then holds only the pages used:
+// value-initializing wrote all of them, 2 MiB of SmolLM2's 512-row prefill peak.
 #pragma once
 
 #include <sys/mman.h>
@@ -27,7 +33,7 @@ struct PageAlloc {
     PageAlloc(const PageAlloc<U>&) {}  // NOLINT(google-explicit-constructor): the allocator contract
     T* allocate(size_t n) {
         const size_t bytes = n * sizeof(T);
-        if (bytes < kPageAllocMin) return static_cast<T*>(::operator new(bytes));
+        if (bytes < kPageAllocMin) return static_cast<T*>(__builtin_memset(::operator new(bytes), 0, bytes));
         void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) throw std::bad_alloc();
         return static_cast<T*>(p);
@@ -37,6 +43,10 @@ struct PageAlloc {
         if (bytes < kPageAllocMin) ::operator delete(p);
         else munmap(p, bytes);
     }
+    template <class U>
+    void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }  // no write: allocate's memory is zero
+    template <class U, class... A>
+    void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(static_cast<A&&>(a)...); }
 };
 template <class T, class U>
 bool operator==(const PageAlloc<T>&, const PageAlloc<U>&) { return true; }
