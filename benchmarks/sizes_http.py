@@ -43,8 +43,14 @@ from benchmarks.safetensors_vs_vllm import command, levels  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 NAME = "qwen3-random"
+# Level c's prompts are seeded SEED + c: the same for every server, new at each level (one seed for
+# all levels sent c=8 the prompts c=1 had cached, and tokenpath and vLLM answered from their prefix caches).
+SEED = 7
 PAIRS = {"gguf": ("tokenpath", "llamacpp"), "bf16": ("vllm", "tokenpath")}  # (first: the ratio's baseline side)
 OUTPUT_LEN = {"1b": 64, "4b": 32}  # a 4B decodes ~4x slower: fewer tokens keep its set near 20 min
+# Each server's KV budget (GiB): c=32 x (128 + 64) tokens need ~0.4 GiB on the 1B and c=32 x (128 + 32) ~0.75 GiB
+# on the 4B; vLLM reserves all of it at start, and its 4B worker held 10.9 GB with 2 GiB (7.1 GiB of weights).
+KV_GIB = {"1b": 2, "4b": 1}
 
 
 def model_files(size: str) -> tuple[Path, Path]:
@@ -98,7 +104,7 @@ def run_server(part: str, peer: str, model: Path, tokenizer: Path, args: argpars
             bench = [sys.executable, "-m", "tokenpath.cli", "bench", "--target",
                      f"{label}=http://127.0.0.1:{port}/v1,model={NAME},api=completions,exact=vllm",
                      "--concurrency", str(c), "--num-requests", str(n), "--input-len", str(args.input_len),
-                     "--output-len", str(args.output_len), "--seed", "7", "--warmup", "2", "--tokenizer",
+                     "--output-len", str(args.output_len), "--seed", str(SEED + c), "--warmup", "2", "--tokenizer",
                      os.path.relpath(tokenizer, ROOT), "--request-timeout", "1200", "--no-progress", "--json", str(path)]
             t1 = time.monotonic()
             done = subprocess.run(["taskset", "-c", "1", *bench], cwd=ROOT)
@@ -153,12 +159,13 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, help="default: 64 (1b), 32 (4b)")
-    ap.add_argument("--kv-gib", type=int, default=2, help="each server's KV budget in GiB")
+    ap.add_argument("--kv-gib", type=int, help="each server's KV budget in GiB (default: 2 for 1b, 1 for 4b)")
     ap.add_argument("--label", default="", help="a note for the results file's title, e.g. 'loaded smoke run'")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.output_len = args.output_len or OUTPUT_LEN[args.size]
+    args.kv_gib = args.kv_gib or KV_GIB[args.size]
     args.out = ROOT / ".cache" / "bench" / f"sizes_http-{args.size}"
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -176,7 +183,7 @@ def main() -> None:
            f"--per-client {args.per_client} --min-requests {args.min_requests} --input-len {args.input_len} "
            f"--output-len {args.output_len} --kv-gib {args.kv_gib}")
     lines = [f"# Issue 42 over HTTP, the ~{args.size.upper()} Qwen3 shape{': ' + args.label if args.label else ''}", "",
-             f"`{cmd}`: {args.input_len} prompt / {args.output_len} output tokens (forced), seed 7, completions API, "
+             f"`{cmd}`: {args.input_len} prompt / {args.output_len} output tokens (forced), seed {SEED} + c, completions API, "
              f"requests per level max({args.min_requests}, {args.per_client} x c) + 2 warm-up; each server alone, "
              f"load generator on core 1, KV budget {args.kv_gib} GiB each. Models: {gguf.name} and {bf16.name}/ "
              f"(.cache/peers; made or found in {made_s:.0f} s). Ratios: tokenpath's out tok/s over the peer's "
