@@ -46,17 +46,17 @@ def peak_rss_mib(pgid: int) -> float:
     return group_status_kib(pgid, "VmHWM") / 1024
 
 
-def command(peer: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def command(peer: str, model_dir: Path, port: int, name: str = NAME) -> tuple[list[str], dict[str, str]]:
     """The server's argv: `vllm` (--dtype bfloat16, the file's), `vllm:DTYPE` (e.g. vllm:float32,
     vLLM's faster choice on a CPU without AVX-512 BF16, where its bf16 matmuls fall back from
-    oneDNN to emulated torch ones), or `tokenpath`."""
+    oneDNN to emulated torch ones), or `tokenpath`; both serve the model as `name`."""
     env = dict(os.environ)
     if peer.startswith("vllm"):
         vllm_dtype = peer.partition(":")[2] or "bfloat16"
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
-        return [str(VLLM), "serve", str(model_dir), "--served-model-name", NAME, "--host", "127.0.0.1", "--port",
+        return [str(VLLM), "serve", str(model_dir), "--served-model-name", name, "--host", "127.0.0.1", "--port",
                 str(port), "--dtype", vllm_dtype, "--max-model-len", "4096"], env
-    return [sys.executable, "-m", "tokenpath.cli", "serve", "--model", str(model_dir), "--served-model-name", NAME,
+    return [sys.executable, "-m", "tokenpath.cli", "serve", "--model", str(model_dir), "--served-model-name", name,
             "--port", str(port), "--host", "127.0.0.1"], env
 
 
