@@ -22,8 +22,11 @@ native_only = pytest.mark.requires("f16c")
 # MoE's 8 query heads per KV head, and rep 5/6/7, which split into groups of 4 and 3.
 SHAPES = [(3, 3, 64), (8, 2, 128), (1, 4, 256), (2, 8, 64), (4, 5, 32), (2, 6, 48), (2, 7, 64), (1, 1, 16),
           (2, 3, 20)]
-# (first position, rows, sliding window): decodes at block edges and deep, prefill tiles, windows.
-TILES = [(0, 1, 0), (31, 1, 0), (32, 1, 0), (300, 1, 0), (100, 8, 0), (29, 3, 0), (200, 1, 50), (200, 8, 50)]
+# (first position, rows, sliding window): decodes at block edges and deep, prefill tiles, windows,
+# and tiles of 9-16 rows (speculation's verification rows of one sequence: one tile since
+# paged::kTileRows is 16, where a 9-row step was a tile of 8 and a lone row).
+TILES = [(0, 1, 0), (31, 1, 0), (32, 1, 0), (300, 1, 0), (100, 8, 0), (29, 3, 0), (200, 1, 50), (200, 8, 50),
+         (100, 16, 0), (250, 9, 0), (200, 12, 50)]
 
 
 def pool(rng: np.random.Generator, slots: int, n_kv: int, d: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:

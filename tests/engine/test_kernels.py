@@ -149,8 +149,8 @@ def fine_activations(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", [K.Q4_1, K.Q8_0], ids=lambda t: K.TYPE_NAMES[t])
 def test_small_m_rows_equal_single_rows_and_the_dequantized_reference(isa, wtype):
-    """A verification step's M = 2..9 rows (every tile size and tail: 4, 2, 1) give each row exactly
-    what a 1-row decode step gives it, on int8 and fine activations (AVX2's Q8X16 fine kernel takes
+    """A verification step's M = 2..17 rows (every tile size: one tile of up to 8 rows on VNNI, two of
+    nearly equal rows, tiles of 4 then the rest) give each row exactly what a 1-row decode step gives it, on int8 and fine activations (AVX2's Q8X16 fine kernel takes
     int16 activations, QAct::q16: the same integer sums by another route), and match the weights
     dequantized row by row times the activations as the kernels quantize them."""
     rng = np.random.default_rng(39)
@@ -159,15 +159,35 @@ def test_small_m_rows_equal_single_rows_and_the_dequantized_reference(isa, wtype
         q = K.quantize(lib, wtype, w)
         packed_type, packed = K.repack(lib, wtype, q)
         wd = K.dequantize_packed(lib, packed_type, packed, k).astype(np.float64)
-        x = rng.standard_normal((9, k)).astype(np.float32) * 3
+        x = rng.standard_normal((17, k)).astype(np.float32) * 3
         for fine in (False, True):
             alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, fine=fine)
-                                    for i in range(9)])
+                                    for i in range(17)])
             ref = (fine_activations(x) if fine else quantized_activations(x)) @ wd.T
             assert np.abs(alone - ref).max() <= 1e-5 * np.abs(ref).max()
-            for m in range(2, 10):
+            for m in range(2, 18):
                 rows = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
                 assert np.array_equal(rows, alone[:m]), (k, fine, m)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_few_row_steps_run_in_few_tiles_of_nearly_equal_rows(isa):
+    """A step of a few rows (speculation's verification: 1 + K rows) runs each 16-row weight group in
+    as few tiles as the registers hold (up to 8 rows for Q4X16 and Q8X16 on AVX-512 VNNI, 4 on AVX2),
+    of nearly equal rows: no tile re-reads the weights for a 1-row tail that waits on its lone chains
+    (the old tiles of 4, 2, 1 ran 5 rows as 4 + 1 and 9 as 4 + 4 + 1). Prefill sizes keep their tiles."""
+    vnni = isa == K.ISA_AVX512
+    for wtype in (K.Q4X16, K.Q8X16):
+        for fine in (False, True):
+            cap = 8 if vnni else 4
+            for m in range(1, 2 * cap + 1):
+                tiles = K.gemm_tiles(lib, wtype, m, isa, fine)
+                assert sum(tiles) == m and len(tiles) == -(-m // cap), (K.TYPE_NAMES[wtype], fine, m, tiles)
+                assert max(tiles) - min(tiles) <= 1, (K.TYPE_NAMES[wtype], fine, m, tiles)
+            mr = 8 if vnni and not fine else 4  # prefill: the tile measured best, until 2 cap rows are left
+            tiles = K.gemm_tiles(lib, wtype, 128, isa, fine)
+            assert sum(tiles) == 128 and tiles[: (128 - 2 * cap) // mr] == [mr] * ((128 - 2 * cap) // mr)
+    assert K.gemm_tiles(lib, K.Q4_1, 5, isa) == []  # GGUF rows: not repacked
 
 
 def test_rows_are_batch_invariant():

@@ -121,6 +121,9 @@ def test_isas_agree_bit_for_bit_and_rows_are_batch_invariant():
                 alone = np.concatenate([K.gemm(lib, packed_type, w, x[i : i + 1], 512, isa, threads=1, fine=fine)
                                         for i in range(len(x))])
                 assert np.array_equal(whole, alone), (K.TYPE_NAMES[wtype], isa, fine)
+                for m in range(2, len(x)):  # every tile size of a few-row step (packed_impl.h tile_rows)
+                    part = K.gemm(lib, packed_type, w, x[:m], 512, isa, threads=1, fine=fine)
+                    assert np.array_equal(part, alone[:m]), (K.TYPE_NAMES[wtype], isa, fine, m)
                 results.append(whole)
             assert all(np.array_equal(results[0], r) for r in results[1:]), (K.TYPE_NAMES[wtype], fine)
 

@@ -189,6 +189,14 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     return y
 
 
+def gemm_tiles(lib: NativeLibrary, wtype: int, m: int, isa: int, fine: bool = False) -> list[int]:
+    """The rows of each tile, in order, that the repacked GEMM of `wtype` runs for an m-row step
+    (csrc/packed_impl.h tile_rows); [] for a type that is not a repacked integer one."""
+    sizes: np.ndarray = np.zeros(max(m, 1), dtype=np.int32)
+    n = lib.lib.tp_gemm_tiles(isa, wtype, int(fine), m, _ptr(sizes))
+    return [int(t) for t in sizes[:n]]
+
+
 def stream_read(lib: NativeLibrary, buf: np.ndarray, threads: int, reps: int = 5,
                 isa: int | None = None) -> tuple[float, int]:
     """(GB/s, checksum): `threads` threads of the kernels' own OpenMP team each XOR their slice of

@@ -38,6 +38,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I]),
     "tp_stream_read": (None, [_I, _P, _I, _I, _I, _P, _P]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
+    "tp_gemm_tiles": (_I, [_I, _I, _I, _I, _P]),
 }
 
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;
@@ -48,9 +49,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
 # activations on AMX tiles, and tp_gemm's mode 3; 12: tp_attend_tile_test's isa, which picks the
 # AVX-512 attention, csrc/attn_avx512.cpp; 13: dims[17], prompt rows' attention on AMX tiles,
-# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3; 14: tp_model_step_buffers). A library reporting
-# another is refused at load.
-MODEL_ABI = 14
+# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3; 14: tp_model_step_buffers; 15: tp_gemm_tiles).
+# A library reporting another is refused at load.
+MODEL_ABI = 15
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

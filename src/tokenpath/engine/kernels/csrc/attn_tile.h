@@ -8,7 +8,13 @@
 namespace tp {
 namespace paged {
 
-constexpr int kTileRows = 8;   // rows per item: 8 rows x 3 query heads (SmolLM2) share each K/V row
+// Rows per item: a tile's rows (x 3 query heads on SmolLM2) share each K/V row read and widened.
+// 16, not 8: speculation verifies 1 + K rows of one sequence in a step, and with the doubling
+// draft lengths (1, 2, 4, 8, 16) a 9-row step ran as a tile of 8 and a lone row that streamed the
+// whole context's K/V again (1.6-1.8 ms of a ~30 ms step on one thread, perf, SmolLM2 at context
+// 400: as much as 2-3 more rows in a tile; benchmarks/results/step_rows_verify.md). A row's sums
+// do not depend on its tile (walk_tile), so the bits do not change.
+constexpr int kTileRows = 16;
 constexpr int kKeyBlock = 32;  // keys per block: K + V of a block (16 KiB at head_dim 64) fit in L1
 // Rows per tile of prompt rows on AMX tiles (attn_amx.cpp): 16 rows x 3 query heads fill three
 // 16-query A tiles, so the block's K and V tiles are built once for 48 queries.

@@ -343,7 +343,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 // 12: tp_attend_tile_test's isa (the AVX-512 attention, attn_avx512.cpp).
 // 13: dims[17], prompt rows' attention on AMX tiles (attn_amx.cpp); tp_attend_tile_test's isa 3.
 // 14: tp_model_step_buffers (the step buffers' bytes; released when the engine goes idle).
-int tp_model_abi() { return 14; }
+// 15: tp_gemm_tiles (the tiles of rows a repacked GEMM runs; few-row steps in one tile of up to 8).
+int tp_model_abi() { return 15; }
 
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
@@ -595,6 +596,15 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
         for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 64, (c + 1) * 64 < N ? (c + 1) * 64 : N,
                                               nullptr, false, exact);
     }
+}
+
+int tp_gemm_tiles(int isa, int wtype, int fine, int M, int32_t* sizes) {
+#ifdef TP_NO_AVX512
+    (void)isa;
+    return avx2::gemm_tiles(wtype, fine != 0, M, sizes);
+#else
+    return isa == 2 ? avx512::gemm_tiles(wtype, fine != 0, M, sizes) : avx2::gemm_tiles(wtype, fine != 0, M, sizes);
+#endif
 }
 
 }  // extern "C"

@@ -90,8 +90,18 @@ static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coars
 // w + 128, so the caller takes 128 * sum(q_a) off.
 template <int WT, int MR, bool RES>
 static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
-    VI coarse[MR], fine[MR];
-    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+#if TP_VNNI
+    // With 1-2 rows each sum runs as S = 2 interleaved chains (Q4X16: the low and the high nibbles;
+    // Q8X16: even and odd chunks), so that one chain of 8 dependent vpdpbusd does not wait on its
+    // latency: a 1-row tile that reads its weights from cache (a verification step's tail) was
+    // latency-bound (kquant_impl.h's kq_isum does the same). Integer sums: the same bits either way.
+    constexpr int S = MR <= 2 ? 2 : 1;
+#else
+    constexpr int S = 1;
+#endif
+    VI coarse[S][MR], fine[S][MR];
+    for (int i = 0; i < S; ++i)
+        for (int r = 0; r < MR; ++r) coarse[i][r] = fine[i][r] = vzero();
     if constexpr (WT == W_Q4X16) {
         const VI m4 = vbyte(0x0F);
         for (int c = 0; c < 4; ++c) {
@@ -99,45 +109,52 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
             const VI lo = vand(raw, m4), hi = vand(vsrl4(raw), m4);
             for (int r = 0; r < MR; ++r) {
 #if TP_VNNI
-                coarse[r] = vdot(vdot(coarse[r], lo, bcast4(qa[r] + 4 * c)), hi, bcast4(qa[r] + 16 + 4 * c));
-                if constexpr (RES) fine[r] = vdot(vdot(fine[r], lo, bcast4(qb[r] + 4 * c)), hi, bcast4(qb[r] + 16 + 4 * c));
+                coarse[0][r] = vdot(coarse[0][r], lo, bcast4(qa[r] + 4 * c));
+                coarse[S - 1][r] = vdot(coarse[S - 1][r], hi, bcast4(qa[r] + 16 + 4 * c));
+                if constexpr (RES) {
+                    fine[0][r] = vdot(fine[0][r], lo, bcast4(qb[r] + 4 * c));
+                    fine[S - 1][r] = vdot(fine[S - 1][r], hi, bcast4(qb[r] + 16 + 4 * c));
+                }
 #else
                 // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so the 8 of a block still fit int16.
-                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
-                                                                         _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
+                coarse[0][r] = _mm256_add_epi16(coarse[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
+                                                                               _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
                 if constexpr (RES)
-                    fine[r] = _mm256_add_epi16(fine[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
-                                                                         _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
+                    fine[0][r] = _mm256_add_epi16(fine[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
+                                                                               _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
 #endif
             }
         }
 #if !TP_VNNI
         for (int r = 0; r < MR; ++r) {
-            coarse[r] = _mm256_madd_epi16(coarse[r], _mm256_set1_epi16(1));
-            if constexpr (RES) fine[r] = _mm256_madd_epi16(fine[r], _mm256_set1_epi16(1));
+            coarse[0][r] = _mm256_madd_epi16(coarse[0][r], _mm256_set1_epi16(1));
+            if constexpr (RES) fine[0][r] = _mm256_madd_epi16(fine[0][r], _mm256_set1_epi16(1));
         }
 #endif
     } else {  // Q8X16: signed weights
         for (int c = 0; c < 8; ++c) {
             const VI w = vload(qs + 64 * c);
+            const int i = c % S;
 #if TP_VNNI
             // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
             const VI wu = vxor(w, vbyte(char(0x80)));
             for (int r = 0; r < MR; ++r) {
-                coarse[r] = vdot(coarse[r], wu, bcast4(qa[r] + 4 * c));
-                if constexpr (RES) fine[r] = vdot(fine[r], wu, bcast4(qb[r] + 4 * c));
+                coarse[i][r] = vdot(coarse[i][r], wu, bcast4(qa[r] + 4 * c));
+                if constexpr (RES) fine[i][r] = vdot(fine[i][r], wu, bcast4(qb[r] + 4 * c));
             }
 #else
             // maddubs would saturate on (w + 128) * q_a pairs: the sign trick keeps |w| unsigned.
             const VI wa = _mm256_sign_epi8(w, w);
             for (int r = 0; r < MR; ++r) {
-                coarse[r] = vadd32(coarse[r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r] + 4 * c), w)));
-                if constexpr (RES) fine[r] = vadd32(fine[r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r] + 4 * c), w)));
+                coarse[i][r] = vadd32(coarse[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r] + 4 * c), w)));
+                if constexpr (RES) fine[i][r] = vadd32(fine[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r] + 4 * c), w)));
             }
 #endif
         }
     }
-    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[r], fine[r]) : coarse[r];
+    for (int i = 1; i < S; ++i)
+        for (int r = 0; r < MR; ++r) coarse[0][r] = vadd32(coarse[0][r], coarse[i][r]), fine[0][r] = vadd32(fine[0][r], fine[i][r]);
+    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[0][r], fine[0][r]) : coarse[0][r];
 }
 
 #if !TP_VNNI
@@ -199,15 +216,16 @@ constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
 // over all nb blocks: out[r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or
 // d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are the same
 // whatever MR is, so results do not depend on the batch.
+// few: a step of a few rows (kFewRows), whose first tile streams the weights from memory.
 template <int WT, int MR, bool RES>
-static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
+static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out, bool few) {
     constexpr size_t GB = WT == W_Q4X16 ? 320 : 576;
     constexpr size_t QS = 64;  // d[16] and m[16] (Q8: padding) come first
     const int nb = a.nb;
     VF acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b, wg += GB) {
-        if constexpr (MR <= 4)  // decode and verification rows: see kPackedPrefetch
+        if (MR <= 4 || few)  // decode and verification rows: see kPackedPrefetch
             for (size_t i = 0; i < GB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + kPackedPrefetch + i), _MM_HINT_T0);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
@@ -247,10 +265,55 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
 #include "kquant_impl.h"
 
 template <int WT, int MR, bool RES>
-static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
-    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out);
+static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out, bool few) {
+    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES>(wg, h, a, rows, out, few);
     else if constexpr (WT == W_F16X16 || WT == W_BF16X16 || WT == W_F32X16) float_tile<WT, MR>(wg, h, a, rows, out);
     else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
+}
+
+// Rows per tile (packed_gemm_t). MR: what the vector registers hold (32 with AVX-512, 16 with
+// AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
+// VNNI at prefill sizes. kFewCap: the most rows one tile takes in a step of a few rows: 8 for the
+// 8-bit and 4-bit formats on VNNI (8 float sums, 16 integer ones and the unpacked weights fit the
+// 32 registers), MR elsewhere.
+template <int WT, bool RES>
+constexpr int kTileMR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
+template <int WT, bool RES>
+constexpr int kFewCap = TP_VNNI && (WT == W_Q4X16 || WT == W_Q8X16) ? 8 : kTileMR<WT, RES>;
+constexpr int kFewRows = 16;  // a step of at most this many rows is a few rows (decode, verification)
+
+// Rows of the tile that starts with `rest` rows of the step left: tiles of MR while more than
+// 2 cap rows are left, then ceil(rest / cap) tiles of nearly equal size (at most cap each). Why:
+// a speculative verification step has 2-17 rows, and tiles of 4, 2 and 1 (the old tail) ran a
+// 5-row step as a 4-row tile that read the weights from memory and a 1-row tile that read them
+// again from cache, latency-bound on its lone chains: 5 rows cost 1.58x one row where 4 cost
+// 1.21x (benchmarks/results/step_rows_quiet.md). One 5-row tile unpacks each weight block once.
+// Each row's arithmetic does not depend on its tile, so the bits do not change.
+inline int tile_rows(int rest, int MR, int cap) {
+    if (rest > 2 * cap) return MR;
+    const int tiles = (rest + cap - 1) / cap;
+    return (rest + tiles - 1) / tiles;
+}
+
+template <int WT, bool RES, int CAP>
+static inline void tile_of(int mr, const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out, bool few) {
+    switch (mr) {
+        case 1: return any_tile<WT, 1, RES>(wg, h, a, rows, out, few);
+        case 2: return any_tile<WT, 2, RES>(wg, h, a, rows, out, few);
+        case 3: return any_tile<WT, 3, RES>(wg, h, a, rows, out, few);
+        default: break;
+    }
+    if constexpr (CAP <= 4) {
+        return any_tile<WT, 4, RES>(wg, h, a, rows, out, few);
+    } else {
+        switch (mr) {
+            case 4: return any_tile<WT, 4, RES>(wg, h, a, rows, out, few);
+            case 5: return any_tile<WT, 5, RES>(wg, h, a, rows, out, few);
+            case 6: return any_tile<WT, 6, RES>(wg, h, a, rows, out, few);
+            case 7: return any_tile<WT, 7, RES>(wg, h, a, rows, out, few);
+            default: return any_tile<WT, 8, RES>(wg, h, a, rows, out, few);
+        }
+    }
 }
 
 // y[m, n0..n1) for all M rows; n0 and n1 multiples of 16 (gemm_team hands out multiples of 16).
@@ -260,11 +323,10 @@ template <int WT, bool RES>
 static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                           const float* bias, bool accumulate) {
     const size_t GB = group_block_bytes(WT);
-    // Rows per tile: what the vector registers hold (32 with AVX-512, 16 with AVX2) with the
-    // residual pass's doubled integer sums; measured best at 4 for fine activations on VNNI.
-    constexpr int MR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
-    int rows[MR];
-    VF out[MR];
+    constexpr int MR = kTileMR<WT, RES>, CAP = kFewCap<WT, RES>;
+    const bool few = M <= kFewRows;
+    int rows[CAP];
+    VF out[CAP];
     for (int g = n0 / 16; g < n1 / 16; ++g) {
         const uint8_t* wg = w + size_t(g) * nb * GB;
         for (int h = 0; h < 16 / L; ++h) {
@@ -276,18 +338,11 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
                 if (accumulate) v = vfadd(v, vfload(dst));
                 vfstore(dst, v);
             };
-            int m0 = 0;
-            for (; m0 + MR <= M; m0 += MR) {
-                for (int r = 0; r < MR; ++r) rows[r] = m0 + r;
-                any_tile<WT, MR, RES>(wg, h, a, rows, out);
-                for (int r = 0; r < MR; ++r) store(m0 + r, out[r]);
-            }
-            for (int rest; (rest = M - m0) > 0;) {  // the tail in tiles of 4, 2, 1 rows
-                const int mr = rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
+            for (int m0 = 0; m0 < M;) {
+                const int mr = tile_rows(M - m0, MR, CAP);
                 for (int r = 0; r < mr; ++r) rows[r] = m0 + r;
-                if (mr == 4) any_tile<WT, 4, RES>(wg, h, a, rows, out);
-                else if (mr == 2) any_tile<WT, 2, RES>(wg, h, a, rows, out);
-                else any_tile<WT, 1, RES>(wg, h, a, rows, out);
+                if (mr == MR) any_tile<WT, MR, RES>(wg, h, a, rows, out, few);
+                else tile_of<WT, RES, CAP>(mr, wg, h, a, rows, out, few);
                 for (int r = 0; r < mr; ++r) store(m0 + r, out[r]);
                 m0 += mr;
             }
@@ -374,6 +429,27 @@ static void float_gemm16(const uint8_t* w, int nb, const QAct& a, int M, float* 
     }
 }
 #endif
+
+// The tiles packed_gemm_t runs for M rows (tp_gemm_tiles, for the tests).
+template <int WT>
+static int tiles_of(bool fine, int M, int32_t* sizes) {
+    const int MR = fine ? kTileMR<WT, true> : kTileMR<WT, false>, cap = fine ? kFewCap<WT, true> : kFewCap<WT, false>;
+    int n = 0;
+    for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = tile_rows(M - m0, MR, cap);
+    return n;
+}
+
+int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes) {
+    switch (wtype) {
+        case W_Q4X16: return tiles_of<W_Q4X16>(fine, M, sizes);
+        case W_Q8X16: return tiles_of<W_Q8X16>(fine, M, sizes);
+        case W_Q5X16: return tiles_of<W_Q5X16>(fine, M, sizes);
+        case W_Q4KX16: return tiles_of<W_Q4KX16>(fine, M, sizes);
+        case W_Q5KX16: return tiles_of<W_Q5KX16>(fine, M, sizes);
+        case W_Q6KX16: return tiles_of<W_Q6KX16>(fine, M, sizes);
+        default: return 0;
+    }
+}
 
 template <int WT>
 static void packed_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,

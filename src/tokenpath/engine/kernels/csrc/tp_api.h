@@ -51,6 +51,9 @@ void tp_stream_read(int isa, const uint8_t* buf, int mib, int nthreads, int reps
                     uint64_t* checksum);
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode);
+// Tests only: the rows of each tile a repacked GEMM of M rows runs (packed_impl.h tile_rows), in
+// order, into sizes (room for M); returns how many tiles (0: not a repacked integer type).
+int tp_gemm_tiles(int isa, int wtype, int fine, int M, int32_t* sizes);
 
 }  // extern "C"
 

@@ -107,12 +107,14 @@ using QuantRowFn = void (*)(const float* x, int K, QAct& a, int r);
 
 namespace avx2 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
+int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes);  // packed_impl.h (tp_gemm_tiles)
 void quantize_row(const float*, int, QAct&, int);
 uint64_t stream_xor(const uint8_t* p, size_t n);  // stream_read.h
 }  // namespace avx2
 #ifndef TP_NO_AVX512
 namespace avx512 {
 void gemm_rows(int, const uint8_t*, int, const QAct&, int, float*, int, int, int, const float*, bool, bool);
+int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes);  // packed_impl.h (tp_gemm_tiles)
 void quantize_row(const float*, int, QAct&, int);
 uint64_t stream_xor(const uint8_t* p, size_t n);  // stream_read.h
 }  // namespace avx512
