@@ -119,32 +119,3 @@ async def test_an_unreachable_store_fails_auth_closed_unless_it_said_there_were_
     assert (await gw.authenticate({})).tenant == "anonymous"  # the store said: no keys
     empty.close()
     assert (await gw.authenticate({})).tenant == "anonymous" and not gw.auth_enabled
-
-
-async def test_a_small_batch_is_written_on_the_loop_while_every_worker_thread_is_busy(tmp_path, clock):
-    """A request's open and close rows on a healthy SQLite store are written on the event loop
-    (`LOOP_BATCH_ROWS`), not through a worker thread: with the loop's only worker held, both still
-    land at once. (Through a thread, each waited for the worker and gave up at `WAIT_MAX_S`.)"""
-    import concurrent.futures
-    import threading
-    import time
-
-    loop = asyncio.get_running_loop()
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    loop.set_default_executor(pool)
-    held = threading.Event()
-    busy = loop.run_in_executor(None, held.wait)
-    store = GatewayStore(tmp_path / "g.sqlite3")
-    writer = AuditWriter(store, Instance.current(), clock=clock)
-    try:
-        t0 = time.monotonic()
-        await writer.open(_open("r1", clock(), "k1"), lambda: 0)
-        assert _rows(store)["r1"].status == OPEN_STATUS
-        await writer.close(record("r1", clock(), audit_key="k1", completion_tokens=3))
-        assert (_rows(store)["r1"].status, _rows(store)["r1"].completion_tokens) == (200, 3)
-        assert time.monotonic() - t0 < 1.0 and writer.health().written_total == 2
-    finally:
-        held.set()
-        await busy
-        await writer.aclose()
-        store.close()

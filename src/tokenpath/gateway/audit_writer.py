@@ -5,8 +5,7 @@ PostgreSQL down) the rows must outlive the failure, so every row goes through on
 spool, which a single task writes in batches (one transaction each). While the store works, a
 caller waits for the batch holding its row (so a row is durable before its request goes on: an
 open row before the client gets a reply's first byte, the write running beside the dispatch
-(`api/intake.py`), a close once the reply's last byte is sent, streamed or whole: `api/replies.py`
-`WholeReply`); once it fails,
+(`api/intake.py`), a close before the response ends); once it fails,
 callers do not wait: their rows stay spooled, up to `max_rows`, and the task retries with a capped
 backoff until the store takes them. A row that finds the spool full is dropped and counted; no
 row is ever lost without a count.
@@ -49,10 +48,6 @@ BATCH_ROWS = 500
 RETRY_MAX_S = 2.0  # the retry backoff's cap while the store fails
 LOG_EVERY_S = 30.0  # while degraded, one summary line this often (the cause was logged once at first)
 SLOW_WRITE_S = 1.0
-# A batch of at most this many rows is written on the event loop where the store can take it at
-# once (`GatewayStore.write_audit_batch_nowait`: ~75 us a row's transaction); a larger one (a
-# backlog) or any write while the store fails goes to a thread, where waits and failures are handled.
-LOOP_BATCH_ROWS = 8
 WAIT_MAX_S = 2.0  # the longest a request waits for its row's write  # a write pending this long makes /health degraded before it fails
 
 
@@ -180,8 +175,7 @@ class AuditWriter:
         ops = [op for _, _, op in batch]
         self._writing_since = time.monotonic()
         try:
-            if not self._written_on_loop(ops):
-                await asyncio.to_thread(self.store.write_audit_batch, ops, self.instance, self.clock())
+            await asyncio.to_thread(self.store.write_audit_batch, ops, self.instance, self.clock())
         except Exception as exc:  # noqa: BLE001 - every store error is a reason to spool, not to lose rows
             self._failed(exc)
             if await asyncio.to_thread(self.store.reclaim_space):  # room made: try again now, not later
@@ -200,17 +194,6 @@ class AuditWriter:
         self._written_total += len(batch)
         if self._error is not None and not self._pending:
             self._recovered()
-
-    def _written_on_loop(self, ops: list[AuditOp]) -> bool:
-        """A small batch written on the loop while the store is healthy, where it can be at once
-        (`LOOP_BATCH_ROWS`); False: nothing was written, the thread path writes it."""
-        nowait = getattr(self.store, "write_audit_batch_nowait", None)  # (a store without one: a test's)
-        if nowait is None or self._error is not None or len(ops) > LOOP_BATCH_ROWS:
-            return False
-        try:
-            return bool(nowait(ops, self.instance, self.clock()))
-        except Exception:  # noqa: BLE001 - whatever it was, the thread path writes it and handles it
-            return False
 
     def _failed(self, exc: Exception) -> None:
         reason = describe_error(exc)

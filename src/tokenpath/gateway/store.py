@@ -351,13 +351,6 @@ class GatewayStore:
         with self.db.transaction() as tx:
             audit_store.write_batch(tx, ops, instance, now)
 
-    def write_audit_batch_nowait(self, ops: Sequence[AuditOp], instance: Instance, now: float) -> bool:
-        """`write_audit_batch` on the event loop, where the store can write at once (`write_nowait`:
-        SQLite with its write lock free); False: nothing written (busy, failing, or PostgreSQL),
-        write it off the loop. A request's open and close rows were two thread hops (a worker woken,
-        then the loop) of ~0.3 ms CPU each in front of vLLM, where the write itself is ~75 us."""
-        return self.db.write_nowait(lambda tx: audit_store.write_batch(tx, ops, instance, now)) is not None
-
     def reclaim_space(self) -> bool:
         """A write failed (perhaps for space): free what the database holds back (its reserve, a
         WAL to truncate). Whether anything was freed; never raises."""
