@@ -5,7 +5,8 @@ PostgreSQL down) the rows must outlive the failure, so every row goes through on
 spool, which a single task writes in batches (one transaction each). While the store works, a
 caller waits for the batch holding its row (so a row is durable before its request goes on: an
 open row before the client gets a reply's first byte, the write running beside the dispatch
-(`api/intake.py`), a close before the response ends); once it fails,
+(`api/intake.py`), a close once the reply's last byte is sent, streamed or whole: `api/replies.py`
+`WholeReply`); once it fails,
 callers do not wait: their rows stay spooled, up to `max_rows`, and the task retries with a capped
 backoff until the store takes them. A row that finds the spool full is dropped and counted; no
 row is ever lost without a count.
