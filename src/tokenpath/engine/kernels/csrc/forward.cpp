@@ -333,19 +333,9 @@ int tp_kernel_isas() {
 void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handle)->phase_cap = cap; }
 
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
-// (kernels/abi.py MODEL_ABI): a library built from older sources is refused, not misread.
-// 2: per-layer KV-cache group, per-group slot_mapping and tables. 3: tp_model_forward_lora.
-// 4: LoRA A and B^T in IEEE halves. 5: the forwards return a status (TP_STATUS_*). 6: tp_model_set_moe.
-// 7: dims[12] is a KvKind (fp8, q8_0 pools); tp_kv_convert, tp_attend_tile_test (kv_test_api.h).
-// 8: the F32X16 weight type (tp_repack of F32 rows): an older library would run it as Q8_0 rows.
-// 9: tp_model_moe_counters. 10: the forwards' row_kinds (per-row residual-byte masks).
-// 11: dims[16], the matmuls whose BF16 weights take bf16 activations (AMX); tp_gemm's mode 3.
-// 12: tp_attend_tile_test's isa (the AVX-512 attention, attn_avx512.cpp).
-// 13: dims[17], prompt rows' attention on AMX tiles (attn_amx.cpp); tp_attend_tile_test's isa 3.
-// 14: tp_model_step_buffers (the step buffers' bytes; released when the engine goes idle).
-// 15: tp_gemm_tiles (the tiles of rows a repacked GEMM runs; few-row steps in one tile of up to 8).
+// (kernels/abi.py MODEL_ABI, which lists what each number added): a library built from older
+// sources is refused, not misread. 15: tp_gemm_tiles.
 int tp_model_abi() { return 15; }
-
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row
