@@ -131,6 +131,7 @@ def main() -> None:
             time.sleep(2.0)  # (the replay is read at start)
             httpx.post(f"http://127.0.0.1:{gport}/v1/completions", timeout=300,
                        json={"model": NAME, "prompt": PREFIX + "Question 9?", "max_tokens": 4})
+            time.sleep(0.5)  # (a whole reply's log line follows its last byte: api/replies.py WholeReply)
             result["after_restart_reason"] = request_lines(args.out / "gateway-2.log")[-1].get("routing_reason")
             direct_ms, via_ms = [], []
             with httpx.Client(base_url=f"http://127.0.0.1:{vport}", timeout=120) as direct, \
