@@ -124,6 +124,18 @@ class Starved:
         return self.execute(scheduled)
 
 
+def start_hogs(n: int = 4) -> list[subprocess.Popen]:
+    """`n` processes spinning on CPU 0: a crowded CPU for the step thread (and the loop's) pinned there."""
+    return [subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+            for _ in range(n)]
+
+
+def stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no per-thread schedstat")
 async def test_a_step_slowed_by_a_crowded_cpu_is_running_not_hung(tiny):
     """Issue 41's rule that only the replica's own faults eject it, for a step that is slow because
@@ -135,8 +147,7 @@ async def test_a_step_slowed_by_a_crowded_cpu_is_running_not_hung(tiny):
     await engine.start()
     replica = InProcessReplica(engine, name="local-tiny", deployment="tiny",
                                liveness=LivenessConfig(stall_after_s=BOUND_S))
-    hogs = [subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
-            for _ in range(4)]
+    hogs = start_hogs()
     try:
         assert (await run(replica, "warm", tokens=3))[-1].finished  # (the first step's allowance, then a price)
         starved.cpu_s = 0.25
@@ -145,9 +156,7 @@ async def test_a_step_slowed_by_a_crowded_cpu_is_running_not_hung(tiny):
         # The steps did take longer than the bound by the wall clock (5 threads on one CPU).
         assert max(starved.walls) > 2 * BOUND_S, starved.walls
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
+        stop_hogs(hogs)
         await replica.close()
 
 
@@ -174,8 +183,7 @@ async def test_a_step_waiting_for_the_gil_of_a_crowded_loop_thread_is_not_hung(t
             await asyncio.sleep(0)
 
     mask = os.sched_getaffinity(0)
-    hogs = [subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
-            for _ in range(4)]
+    hogs = start_hogs()
     try:
         assert (await run(replica, "warm", tokens=3))[-1].finished
         os.sched_setaffinity(0, {0})  # (this thread, the loop's, only)
@@ -189,7 +197,5 @@ async def test_a_step_waiting_for_the_gil_of_a_crowded_loop_thread_is_not_hung(t
     finally:
         busy = False
         os.sched_setaffinity(0, mask)
-        for h in hogs:
-            h.kill()
-            h.wait()
+        stop_hogs(hogs)
         await replica.close()
