@@ -20,9 +20,13 @@ SmolLM2 safetensors (benchmarks/make_smollm2_hf.py) with `--enable-per-request-m
    through the gateway, alternating (the gateway's added milliseconds). One client per side, its
    connection kept alive, each stream read to its end: a new client per request (a TLS context
    built inside the timed span, ~10-40 ms on two busy cores) was noise larger than the figure.
+   Beside it, as benchmarks/gateway_ttft_path.py reports them: the paired median, the added
+   time with vLLM's own queue + prefill of each request taken out (`engine_out`), and the
+   gateway's own time by its Timeline (the log line's `gateway_path_ms`).
 
-Writes benchmarks/results/vllm_behind_gateway.md and .json (`--results NAME`: NAME.md and .json). Two cores: vLLM and the gateway share
-them, and the load generator runs pinned to core 1 (`taskset`).
+Writes benchmarks/results/vllm_behind_gateway.md and .json (`--results NAME`: NAME.md and .json). Two
+cores: vLLM runs pinned to core 0, the gateway and the load generator to core 1, so neither takes
+the other's core (`--no-pin`: vLLM and the gateway share both, the generator on core 1).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import contextlib
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gateway_ttft_path import streamed, summarize  # noqa: E402
 from benchmarks.vllm_peer import MODEL_DIR, NAME, ROOT, request_lines, start_gateway, start_vllm, stop_group  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -69,21 +73,6 @@ def structured(http: httpx.Client, n: int) -> dict:
     return out
 
 
-def ttft(http: httpx.Client, prompt: str) -> float:
-    """Milliseconds to the first token of a short streamed request; the stream is read to its end, so
-    the connection is reused and the server is not left aborting it while the next one is timed."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    first: float | None = None
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                first = (time.perf_counter() - t0) * 1000
-    if first is None:
-        raise RuntimeError("no token")
-    return first
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20)
@@ -93,14 +82,17 @@ def main() -> None:
     ap.add_argument("--results", default="vllm_behind_gateway",
                     help="the name of the .md and .json in benchmarks/results/ (a loaded run: another name, "
                          "so the quiet figures stay)")
+    ap.add_argument("--no-pin", action="store_true", help="vLLM and the gateway on both cores")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {1})  # (this process generates the load)
-    vllm = start_vllm(args.out, args.model_dir)
+    pin = not args.no_pin
+    gw_cpus = "1" if pin else None
+    vllm = start_vllm(args.out, args.model_dir, cpus="0" if pin else None)
     vport = vllm.port
-    result: dict = {"vllm_ready_s": vllm.ready_s}
+    result: dict = {"vllm_ready_s": vllm.ready_s, "pinned": pin}
     try:
-        gw, gport = start_gateway(vllm, args.out, "1")
+        gw, gport = start_gateway(vllm, args.out, "1", cpus=gw_cpus)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=300) as http:
                 result["structured_valid"] = structured(http, args.requests)
@@ -126,30 +118,35 @@ def main() -> None:
             result["backend_timing_logged"] = [r.get("backend_timing") for r in rows[-3:-2]]
         finally:
             stop_group(gw)
-        gw, gport = start_gateway(vllm, args.out, "2")  # a restarted gateway
+        gw, gport = start_gateway(vllm, args.out, "2", cpus=gw_cpus)  # a restarted gateway
         try:
             time.sleep(2.0)  # (the replay is read at start)
             httpx.post(f"http://127.0.0.1:{gport}/v1/completions", timeout=300,
                        json={"model": NAME, "prompt": PREFIX + "Question 9?", "max_tokens": 4})
             time.sleep(0.5)  # (a whole reply's log line follows its last byte: api/replies.py WholeReply)
             result["after_restart_reason"] = request_lines(args.out / "gateway-2.log")[-1].get("routing_reason")
-            direct_ms, via_ms = [], []
+            direct_r, via_r = [], []
             with httpx.Client(base_url=f"http://127.0.0.1:{vport}", timeout=120) as direct, \
                     httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=120) as via:
                 for i in range(3):  # (both connections open, both paths warm)
-                    ttft(direct, f"Warm-up {i}.")
-                    ttft(via, f"Warm-up {i}. ")
+                    streamed(direct, f"Warm-up {i}.")
+                    streamed(via, f"Warm-up {i}. ")
                 for i in range(args.overhead_requests):
                     prompt = f"Request {i}: say something."
                     if i % 2:  # (alternating which goes first)
-                        direct_ms.append(ttft(direct, prompt))
-                        via_ms.append(ttft(via, prompt + " "))
+                        direct_r.append(streamed(direct, prompt))
+                        via_r.append(streamed(via, prompt + " "))
                     else:
-                        via_ms.append(ttft(via, prompt + " "))
-                        direct_ms.append(ttft(direct, prompt))
-            result["ttft_p50_ms"] = {"vllm": round(statistics.median(direct_ms), 1),
-                                     "via_gateway": round(statistics.median(via_ms), 1)}
+                        via_r.append(streamed(via, prompt + " "))
+                        direct_r.append(streamed(direct, prompt))
+            time.sleep(0.5)  # (the last request's log line follows its last byte)
+            part = summarize(direct_r, via_r, args.out / "gateway-2.log")
+            result["ttft_p50_ms"] = {"vllm": round(part["wall"]["direct_p50"], 1),
+                                     "via_gateway": round(part["wall"]["via_p50"], 1)}
             result["added_ms_p50"] = round(result["ttft_p50_ms"]["via_gateway"] - result["ttft_p50_ms"]["vllm"], 1)
+            result["added_ms_paired_median"] = part["wall"]["added_paired_median"]
+            result["added_ms_engine_out"] = part["engine_out"]["added_paired_median"]
+            result["gateway_own_ms_p50"] = part["timeline"]
         finally:
             stop_group(gw)
     finally:

@@ -19,6 +19,15 @@ gateway's store gets a stored key (`tokenpath keys create`, no limits; its reser
 recorded), sent with every request, so the key's lookups and the rate limits' reservation are on
 the path, as in a gateway with keys on.
 
+Pinned by default: vLLM on core 0, the gateways and this load generator on core 1, so vLLM's
+compute and a gateway's work do not take each other's core (unpinned, the added p50 moved by
+several ms between runs); `--no-pin` runs them as before (the generator alone pinned, to core 1).
+Each gateway also gets, from its log lines, its own time per request by its Timeline
+(`gateway_path_ms`: received -> sent to vLLM, vLLM's first token -> the client's first byte; a
+source tree older than those stamps reports none) and the added TTFT with vLLM's own queue +
+prefill of each request taken out, paired (`engine_out`; streamed only: the direct request reads
+them from its usage chunk), as benchmarks/gateway_ttft_path.py reports them.
+
 Prints JSON; `--out` keeps it. The Markdown table in results/ is written by hand with the time
 and the machine's load, which this script reports (`loadavg` before and after).
 """
@@ -38,8 +47,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gateway_ttft_path import streamed, summarize  # noqa: E402
 from benchmarks.procs import stop_group  # noqa: E402
-from benchmarks.vllm_behind_gateway import ttft  # noqa: E402
 from benchmarks.vllm_peer import NAME, ROOT, Vllm, start_gateway, start_vllm  # noqa: E402
 
 # A gateway's CPU per request is read this long after its reply is in: what it does once the last
@@ -62,7 +71,10 @@ def cpu_ms(pid: int) -> float:
     return total / 1e6
 
 
-def whole(http: httpx.Client, prompt: str) -> float:
+Timed = tuple[float, str | None, float | None]  # ms, the server's request id, vLLM's own queue + prefill ms
+
+
+def whole(http: httpx.Client, prompt: str) -> Timed:
     """Milliseconds to the whole body of the same short request, not streamed."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     t0 = time.perf_counter()
@@ -70,16 +82,27 @@ def whole(http: httpx.Client, prompt: str) -> float:
     ms = (time.perf_counter() - t0) * 1000
     if r.status_code != 200 or not r.json()["choices"]:
         raise RuntimeError(f"no reply: {r.status_code} {r.text[:200]}")
-    return ms
+    return ms, r.headers.get("x-request-id"), None
+
+
+def own_time(runs: list[Timed], direct: list[Timed], log: Path) -> dict:
+    """A gateway's own time per request by its Timeline (its log line's `gateway_path_ms`), and
+    the added TTFT with vLLM's own time on each request taken out, paired (`gateway_ttft_path.py`)."""
+    part = summarize(direct, runs, log)
+    return {"engine_out_added_paired_median": part["engine_out"]["added_paired_median"],
+            "timeline_to_backend_p50": part["timeline"]["to_backend_p50"],
+            "timeline_to_client_p50": part["timeline"]["to_client_p50"],
+            "timeline_sum_p50": part["timeline"]["sum_p50"]}
 
 
 def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict[str, str],
-            timed: Callable[[httpx.Client, str], float] = ttft) -> dict:
+            timed: Callable[[httpx.Client, str], Timed] = streamed, logs: dict[str, Path] | None = None) -> dict:
     clients = {name: httpx.Client(base_url=url, timeout=120,
                                   headers={"Authorization": f"Bearer {keys[name]}"} if name in keys else None)
                for name, url in paths.items()}
     names = list(paths)
     ms: dict[str, list[float]] = {n: [] for n in names}
+    got: dict[str, list[Timed]] = {n: [] for n in names}
     cpu: dict[str, float] = {n: 0.0 for n in pids}
     try:
         for i in range(3):  # (every connection open, every path warm)
@@ -88,7 +111,8 @@ def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict
         for i in range(rounds):
             for n in names[i % len(names):] + names[:i % len(names)]:
                 before = cpu_ms(pids[n]) if n in pids else 0.0
-                ms[n].append(timed(clients[n], f"Request {i}: say something.{' ' if n != 'vllm' else ''}"))
+                got[n].append(timed(clients[n], f"Request {i}: say something.{' ' if n != 'vllm' else ''}"))
+                ms[n].append(got[n][-1][0])
                 if n in pids:
                     time.sleep(SETTLE_S)  # (its work after the reply's last byte is its request's too)
                     cpu[n] += cpu_ms(pids[n]) - before
@@ -107,6 +131,10 @@ def measure(paths: dict[str, str], pids: dict[str, int], rounds: int, keys: dict
             # Paired within each round (the same moment's load): steadier than a difference of p50s.
             out[n]["added_paired_median"] = round(statistics.median(
                 [x - d for x, d in zip(ms[n], ms["vllm"], strict=True)]), 2)
+    if logs:
+        time.sleep(0.5)  # (the last request's log line follows its last byte)
+        for n, log in logs.items():
+            out[n].update(own_time(got[n], got["vllm"], log))
     if "A" in ms and "B" in ms:
         out["B_minus_A_paired_median"] = round(statistics.median(
             [b - a for a, b in zip(ms["A"], ms["B"], strict=True)]), 2)
@@ -139,13 +167,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--key", action="store_true", help="a stored key on each gateway, sent with every request")
     ap.add_argument("--whole", action="store_true", help="non-streaming requests, timed to the whole body")
+    ap.add_argument("--no-pin", action="store_true", help="vLLM and the gateways on both cores (the way before)")
     args = ap.parse_args()
+    pin = not args.no_pin
     if args.key:  # (stores of their own: a store with a key turns auth on for every later run on it)
         args.work = args.work / "with-key"
     args.work.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {1})
     vllm = (Vllm(None, args.vllm_port, args.kv_live, args.kv_replay, Path(os.devnull), 0.0)  # type: ignore[arg-type]
-            if args.vllm_port else start_vllm(args.work))
+            if args.vllm_port else start_vllm(args.work, cpus="0" if pin else None))
+    gw_cpus = "1" if pin else None
     gateways = []
     keys: dict[str, str] = {}
     saved = os.environ.get("PYTHONPATH")
@@ -153,23 +184,24 @@ def main() -> None:
         os.environ["PYTHONPATH"] = str(args.a_src.resolve())
         if args.key:
             keys["A"] = stored_key(args.work, "A")
-        gateways.append(start_gateway(vllm, args.work, "A"))
+        gateways.append(start_gateway(vllm, args.work, "A", cpus=gw_cpus))
         if saved is None:
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = saved
         if args.key:
             keys["B"] = stored_key(args.work, "B")
-        gateways.append(start_gateway(vllm, args.work, "B"))
+        gateways.append(start_gateway(vllm, args.work, "B", cpus=gw_cpus))
         paths = {"vllm": vllm.url, "A": f"http://127.0.0.1:{gateways[0][1]}", "B": f"http://127.0.0.1:{gateways[1][1]}"}
         pids = {"A": gateways[0][0].pid, "B": gateways[1][0].pid}
         time.sleep(2.0)
-        result: dict = {"a_src": str(args.a_src), "key": args.key, "whole": args.whole,
+        logs = {tag: args.work / f"gateway-{tag}.log" for tag in ("A", "B")}
+        result: dict = {"a_src": str(args.a_src), "key": args.key, "whole": args.whole, "pinned": pin,
                         "idle_cpu_ms_per_s": idle_cpu(pids), "runs": []}
         for _ in range(args.repeat):
             load = os.getloadavg()
             t0 = time.strftime("%H:%M:%S", time.gmtime())
-            run = measure(paths, pids, args.rounds, keys, whole if args.whole else ttft)
+            run = measure(paths, pids, args.rounds, keys, whole if args.whole else streamed, logs)
             run.update(utc=f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}",
                        loadavg=[round(load[0], 2), round(os.getloadavg()[0], 2)])
             result["runs"].append(run)

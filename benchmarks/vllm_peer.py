@@ -72,8 +72,15 @@ class Vllm:
         stop_group(self.proc)
 
 
-def start_vllm(out: Path, model: Path | None = None, timeout: float = 1200) -> Vllm:
-    """Start vLLM and wait until /health answers (a minute quiet; several under load)."""
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """`argv` run on the CPUs `cpus` (taskset's list, e.g. "0" or "0,1"), or as is for None. vLLM's
+    CPU worker binds its OpenMP threads within the affinity it starts with."""
+    return argv if cpus is None else ["taskset", "-c", cpus, *argv]
+
+
+def start_vllm(out: Path, model: Path | None = None, timeout: float = 1200, cpus: str | None = None) -> Vllm:
+    """Start vLLM and wait until /health answers (a minute quiet; several under load). `cpus`:
+    pinned there (its API server and engine alike), else on every core."""
     exe = venv() / "bin" / "vllm"
     if not exe.exists():
         raise RuntimeError(f"{exe} is missing: run scripts/vllm_venv.sh")
@@ -83,10 +90,10 @@ def start_vllm(out: Path, model: Path | None = None, timeout: float = 1200) -> V
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     log = out / "vllm.log"
     t0 = time.monotonic()
-    proc = start_group([str(exe), "serve", str(model or model_dir()), "--served-model-name", NAME, "--host",
-                        "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096",
-                        "--enable-per-request-metrics", "--enable-prompt-tokens-details", "--kv-events-config", kv],
-                       log, env)
+    proc = start_group(pinned([str(exe), "serve", str(model or model_dir()), "--served-model-name", NAME, "--host",
+                               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096",
+                               "--enable-per-request-metrics", "--enable-prompt-tokens-details", "--kv-events-config",
+                               kv], cpus), log, env)
     try:
         wait_healthy(port, proc, log, timeout)
     except BaseException:
@@ -95,14 +102,18 @@ def start_vllm(out: Path, model: Path | None = None, timeout: float = 1200) -> V
     return Vllm(proc, port, live, replay, log, round(time.monotonic() - t0, 1))
 
 
-def start_gateway(vllm: Vllm, out: Path, tag: str, *flags: str) -> tuple[subprocess.Popen, int]:
-    """`tokenpath serve` whose only replica is `vllm` (JSON logs: one `tokenpath.request` line each)."""
+def start_gateway(vllm: Vllm, out: Path, tag: str, *flags: str, cpus: str | None = None,
+                  module: str = "tokenpath.cli", env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """`tokenpath serve` whose only replica is `vllm` (JSON logs: one `tokenpath.request` line each).
+    `cpus`: pinned there; `module`: what runs it (`benchmarks.ttft_path_hooks`: with its windows
+    timed), with `env` added to the environment."""
     routes = vllm.routes(out / f"routes-{tag}.yaml")
     port = free_port()
     log = out / f"gateway-{tag}.log"
-    proc = start_group([sys.executable, "-m", "tokenpath.cli", "serve", "--model", NAME, "--routing", str(routes),
-                        "--port", str(port), "--host", "127.0.0.1", "--log-format", "json",
-                        "--data-dir", str(out / f"data-{tag}"), *flags], log)
+    proc = start_group(pinned([sys.executable, "-m", module, "serve", "--model", NAME, "--routing", str(routes),
+                               "--port", str(port), "--host", "127.0.0.1", "--log-format", "json",
+                               "--data-dir", str(out / f"data-{tag}"), *flags], cpus), log,
+                       dict(os.environ, **env) if env else None)
     try:
         wait_healthy(port, proc, log, 300)
     except BaseException:

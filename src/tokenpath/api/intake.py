@@ -202,11 +202,19 @@ async def tokenize(run: RequestRun, priced: Priced, prompts: list[list[int]], te
     guard = run.state.guard
     await guard.check_policy(priced.routed.who.principal, list(texts))
     await guard.adjust(priced.reservation, charge)
-    opened = run.audit_record(None, prompt_tokens, 0, {}, None)
-    opened.status, opened.completion_text = OPEN_STATUS, None
-    run.audit_opening = asyncio.create_task(guard.audit_open(opened, lambda: run.completion_tokens),
-                                            name=f"audit-open-{run.id}")
+    run.audit_opening = asyncio.create_task(_open_row(run, prompt_tokens), name=f"audit-open-{run.id}")
     return tokenized
+
+
+async def _open_row(run: RequestRun, prompt_tokens: int) -> None:
+    """The audit row's open write, its record built here, in the task: the task's first step runs
+    when the request's own task first waits, which is for the replica once the request is sent to
+    it, so building the record (tens of microseconds of a URL replica's added TTFT: issue 37) is
+    off the path to the backend. The row is what it was when `tokenize` started it: nothing the
+    request reached since (its accumulator, an early error that `finish` records in the close)."""
+    opened = run.audit_record(None, prompt_tokens, 0, {}, None)
+    opened.status, opened.error_type, opened.cached_tokens, opened.completion_text = OPEN_STATUS, None, 0, None
+    await run.state.guard.audit_open(opened, lambda: run.completion_tokens)
 
 
 async def recorded(run: RequestRun) -> None:

@@ -27,6 +27,7 @@ from tokenpath.api.sse import DONE, STALLED, Interrupted, sse_event, watch_disco
 from tokenpath.api.streams import Deltas
 from tokenpath.errors import TokenpathError
 from tokenpath.protocol.outputs import RequestOutput
+from tokenpath.telemetry.timeline import Timeline
 
 if TYPE_CHECKING:
     from tokenpath.api.generation import Edge
@@ -48,13 +49,17 @@ class WholeReply(JSONResponse):
     sent, so nothing it carries changes; the close row lands just after the client has the body,
     as a stream's always did."""
 
-    def __init__(self, content: object, headers: dict[str, str], on_sent: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, content: object, headers: dict[str, str], on_sent: Callable[[], Awaitable[None]],
+                 timeline: Timeline | None = None) -> None:
         super().__init__(content, headers=headers)
         self.on_sent = on_sent
+        self.timeline = timeline  # stamped `first_sent` once the body is handed to the connection
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+            if self.timeline is not None:
+                self.timeline.stamp("first_sent")
         finally:
             await self.on_sent()
 
@@ -137,7 +142,7 @@ class Generation:
                                        token_ids=self.acc.keep_token_ids)
         if self.edge is not None and self.edge.body is not None:
             body = self.edge.body(body, self.acc)
-        return WholeReply(body, run.headers(timing=True), run.finish)
+        return WholeReply(body, run.headers(timing=True), run.finish, run.timeline)
 
     # -- streaming ------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:

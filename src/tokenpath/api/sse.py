@@ -261,6 +261,9 @@ class SSEResponse(Response):
             # switch interval (5 ms) or two to get it back from the engine thread, which is not
             # the client's doing. Two clock reads per event.
             clock = time.monotonic
+            # The first event's send is the Timeline's `first_sent` (the gateway's own time from the
+            # backend's first token to the client's first byte: `Timeline.own_path`).
+            stamp_first = self.timeline.stamp if self.timeline is not None else None
             async for chunk in self.events:
                 if transport is not None and _buffered(transport) > self.max_unsent:
                     now = clock()
@@ -269,7 +272,11 @@ class SSEResponse(Response):
                 self._sending_since = t0 = clock()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self._sending_since = None
-                took = clock() - t0
+                t1 = clock()
+                if stamp_first is not None:
+                    stamp_first("first_sent", at=t1)
+                    stamp_first = None
+                took = t1 - t0
                 if took > SEND_BLOCKED_S:
                     blocked += took
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -66,6 +66,7 @@ class Http1Response:
         self._error: Http1Error | None = None
         self._wake: asyncio.Future[None] | None = None
         self.content = b""
+        self.sent_at: float | None = None  # monotonic time the request was written (the Timeline's `sent`)
 
     # -- fed by the connection ---------------------------------------------------------------
     def _notify(self) -> None:
@@ -272,6 +273,7 @@ class Http1Pool:
             if conn.transport is None or conn.lost:
                 raise Http1Error("connection closed before the request was sent")
             conn.transport.write(head.encode("latin-1") + (body or b""))
+            resp.sent_at = time.monotonic()
             await resp._headers()
             yield resp
         except BaseException:

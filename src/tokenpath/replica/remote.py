@@ -333,6 +333,8 @@ class RemoteReplica(PolledState):
         reader = self._readers[rid] = asyncio.current_task()
         try:
             async with self._stream(self._body(submission), headers) as resp:
+                # (the lean client's write time; on httpx, which writes inside, the headers' arrival)
+                timeline.stamp("sent", at=getattr(resp, "sent_at", None))
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise _http_error(self.name, resp)

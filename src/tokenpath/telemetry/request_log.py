@@ -98,6 +98,9 @@ def request_fields(rec: FinishedRequest) -> dict[str, Any]:
     }
     if a.get("backend_timing") is not None:  # a URL replica: whose clock its engine stages came from
         fields["backend_timing"] = a["backend_timing"]
+    own = rec.timeline.own_path()
+    if own is not None:  # a URL replica's: the gateway's own ms before the backend and to the client's first byte
+        fields["gateway_path_ms"] = own
     if rec.prompt_text is not None:
         fields["prompt_text"] = rec.prompt_text
     if rec.completion_text is not None:

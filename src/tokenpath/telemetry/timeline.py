@@ -34,6 +34,14 @@ stamped, by routing.catalog): it holds the wait (and the auth before it, a milli
 that fails while waiting (a failed load, its deadline) ends in it.
 `first_reasoning` and `first_answer` are stamped when the gateway sees the first reasoning and the
 first answer text; time to first answer is received -> first_answer.
+
+Two events bound no stage: they mark the gateway's own share of the time to a first byte (issue
+37: what a gateway in front of vLLM adds to TTFT). `sent` is when a URL replica's request was
+written to the backend's connection (received -> sent: everything the gateway did before the
+backend could start), and `first_sent` is when the reply's first byte (a stream's first event, a
+whole reply's body) was handed to the client's connection (first_token -> first_sent: what it did
+with the backend's first token before the client could have it; a whole reply's, from its last
+token). `own_path` reads them.
 """
 
 from __future__ import annotations
@@ -54,8 +62,10 @@ EVENTS = (
     "admitted",  # admission (`FlowController.acquire`) alone: it admitted or queued the request
     "dequeued",
     "dispatched",
+    "sent",  # a URL replica's request written to the backend's connection (replica/remote.py)
     "scheduled",
     "first_token",
+    "first_sent",  # the reply's first byte handed to the client's connection (api/sse.py, api/replies.py)
     "first_reasoning",  # a reasoning model's think block began (the gateway's parser saw it)
     "first_answer",  # ... and its answer: first_token -> first_answer is the `reasoning` stage
     "finished",
@@ -212,6 +222,21 @@ class Timeline:
             out[current] = out.get(current, 0.0) + finished - prev
         out["total"] = max(0.0, (finished or time.monotonic()) - stamps["received"])
         return {k: out[k] for k in STAGES if k in out}
+
+    def own_path(self) -> dict[str, float] | None:
+        """The gateway's own milliseconds on a URL replica's request's way to its first byte:
+        `to_backend` (received -> sent) and `to_client`, from the backend's output that the
+        first byte carried to `first_sent` (a stream's first token; a whole reply's last, i.e.
+        `finished` when it came before the body). None unless these were stamped (another replica
+        kind, or a request that ended before its reply)."""
+        s = self.stamps
+        sent, first, replied = s.get("sent"), s.get("first_token"), s.get("first_sent")
+        if sent is None or first is None or replied is None:
+            return None
+        finished = s.get("finished")
+        carried = finished if finished is not None and first <= finished <= replied else first
+        return {"to_backend": round((sent - s["received"]) * 1000, 2),
+                "to_client": round(max(0.0, replied - carried) * 1000, 2)}
 
     def server_timing(self) -> str:
         """The `Server-Timing` header value (milliseconds)."""

@@ -55,7 +55,7 @@ class ResponsesGeneration(Generation):
         status, incomplete = status_of(choice["finish_reason"])
         body = self.turn.response(self.model, status, output_of(choice["message"]), chat["usage"], incomplete)
         await self.turn.save(body)
-        return WholeReply(body, run.headers(timing=True), run.finish)
+        return WholeReply(body, run.headers(timing=True), run.finish, run.timeline)
 
     # -- streaming ------------------------------------------------------------------------------
     def _emit(self, kind: str, **data: object) -> bytes:
