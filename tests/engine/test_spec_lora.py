@@ -18,10 +18,10 @@ from tokenpath.engine.sequence import Sequence
 from tokenpath.engine.spec import decoder
 from tokenpath.protocol.lora import LoraRef
 
-# The adaptive draft policy: these tests need sequences drafting side by side in a step, which the
-# cost policy decides by the host's step timings (tests/engine/test_spec_cost.py tests that policy).
+# The rule draft policy (no prices): these tests need sequences drafting side by side in a step, which
+# the priced policies decide by the host's step timings (tests/engine/test_spec_policy.py tests those).
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-        "draft_policy": "adaptive"}
+        "draft_policy": "rule"}
 TOKENS = 24
 
 

@@ -74,8 +74,8 @@ def test_min_token_prob_stops_a_draft_where_the_history_disagrees():
 
 
 def test_a_request_drafts_from_an_earlier_requests_output():
-    # (the adaptive policy: a fresh sequence drafts what the proposer finds; the cost policy: what pays)
-    spec = SpecDecoder(SpeculativeConfig(**SUFFIX, draft_policy="adaptive"), max_model_len=4096)
+    # (the rule policy: a fresh sequence drafts what the proposer finds; the priced ones: what pays)
+    spec = SpecDecoder(SpeculativeConfig(**SUFFIX, draft_policy="rule"), max_model_len=4096)
     params = SamplingParams(temperature=0, max_tokens=100)
     first = Sequence("a", 0, [1, 2, 3], 3, params)
     first.token_ids += [40, 41, 42, 43, 44, 45, 46, 47, 48]  # its output

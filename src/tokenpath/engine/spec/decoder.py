@@ -54,6 +54,7 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.drafter = drafter
         self.prices = StepPrices()  # decode steps' times by their rows (cost.py), fed by `observe_step`
+        self.prior = StepPrices()  # never timed: the prior's shape, for timing-blind sequences
         # method suffix: the global trie over recent requests' outputs (suffix.py), one an engine.
         self.suffix = (SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
                        if config.method == "suffix" else None)
@@ -77,9 +78,9 @@ class SpecDecoder:
 
     @property
     def keeps_prices(self) -> bool:
-        """Whether the engine times its decode steps for this decoder (the cost policy reads them;
-        the default rule does not, so the step does nothing for it)."""
-        return self.config.draft_policy == "cost"
+        """Whether the engine times its decode steps for this decoder (the priced policies read
+        them, the default included; the rule alone does not, so the step does nothing for it)."""
+        return self.config.draft_policy != "rule"
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding `seq` for this step (empty: plain decode), at most
@@ -92,10 +93,10 @@ class SpecDecoder:
     def draft_len(self, seq: Sequence, budget: int, rows: int = 1) -> int:
         """How many tokens `seq` drafts this step (0: plain decode), in a step already holding
         `rows` decode rows (its own included): at most its state's adaptive K and `budget`, never
-        past its max_tokens or the context length; under the cost policy, the length whose
+        past its max_tokens or the context length; under the priced policies, the length whose
         expected tokens per unit of step time (at the engine's measured prices) is best, 0 when no
-        length beats a plain step (then it pauses, and probes with one draft after the pause).
-        `state.py` says why."""
+        length beats a plain step (then it pauses, and probes with one draft after the pause);
+        under "rule" the cap itself. `state.py` says why."""
         state = seq.spec
         if state is None:
             state = seq.spec = DraftState(self._index(), self.k)
@@ -106,15 +107,31 @@ class SpecDecoder:
         k = min(state.k, budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0 or self.config.draft_policy != "cost" or self._timing_blind(seq) or state.full:
+        policy = self.config.draft_policy
+        if k <= 0 or policy == "rule":
             return max(k, 0)
-        best = best_drafts(self.prices, state.accept, k, rows)
+        blind = self._timing_blind(seq)
+        if policy == "cost":
+            if blind or state.full:
+                return k
+            accept = state.accept
+        else:  # adaptive: a copy that keeps matching is likelier to go on (state.py)
+            accept = state.expected_accept()
+        # (adaptive drafts whatever is expected to beat a plain step at all: its ledger, not a
+        # margin, stops a stream whose drafts lose)
+        best = best_drafts(self._prices(seq, blind), accept, k, rows, margin=0.05 if policy == "cost" else 0.0)
         if best == 0 and state.probe:
             best = 1  # the cheapest look at whether drafting pays again
         elif best == 0:
             state.hold_off()
         state.probe = False
+        state.rows = rows
         return best
+
+    def _prices(self, seq: Sequence, blind: bool | None = None) -> StepPrices:
+        """The prices `seq` drafts by: the engine's measured ones, or for a timing-blind sequence
+        the prior's fixed shape (its drafts must not follow the host's timings)."""
+        return self.prior if (self._timing_blind(seq) if blind is None else blind) else self.prices
 
     @staticmethod
     def _timing_blind(seq: Sequence) -> bool:
@@ -156,5 +173,13 @@ class SpecDecoder:
     def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification, and let the sequence adapt its next draft length."""
         self.stats.record(proposed, accepted, self.k)
-        if seq.spec is not None:
-            seq.spec.settle(accepted, self.k, proposed)
+        state = seq.spec
+        if state is None:
+            return
+        gain = None
+        if self.config.draft_policy == "adaptive" and proposed:
+            # What plain decoding would have emitted in the drafts' extra time: the step's plain
+            # rows times the share its price grew by (one stream: price(1 + k) / price(1) - 1).
+            prices, rows = self._prices(seq), state.rows
+            gain = accepted - rows * (prices.price(rows + proposed) / prices.price(rows) - 1.0)
+        state.settle(accepted, self.k, proposed, gain)
