@@ -123,10 +123,8 @@ class SpeculativeConfig(BaseModel):
     # cost the batch). 4, measured (benchmarks/spec_batch.py, copy + free, K = 16, CPU time): c = 2 1.31x,
     # c = 4 0.99x, c = 8 0.88x on/off; it was 8.
     max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
-    # engine/spec/state.py: "adaptive" prices rows by measured step times under the rule's cap and stops a
-    # stream whose drafts lose; "rule" is the cap alone (the former default); "cost" the first priced policy.
-    draft_policy: Literal["adaptive", "rule", "cost"] = Field("adaptive", description="draft length policy: "
-                                                                   "adaptive, rule or cost")
+    # engine/spec/state.py: "adaptive" prices rows by measured step times under the cap, stops losing streams.
+    draft_policy: Literal["adaptive", "rule", "cost"] = Field("adaptive", description="draft policy: adaptive|rule|cost")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
     suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")
