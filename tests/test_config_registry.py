@@ -54,7 +54,7 @@ def test_help_lists_every_environment_variable(argv):
 
 def non_default(name: str):
     """A valid value of an EngineConfig field other than its default."""
-    field = EngineConfig.model_fields[name]
+    field = EngineConfig.fields()[name]
     default = EngineConfig().__getattribute__(name)
     if get_origin(field.annotation) is Literal:
         return next(c for c in get_args(field.annotation) if c != default)
@@ -69,9 +69,9 @@ def non_default(name: str):
 
 def test_every_engine_field_has_a_described_flag_on_serve_and_engine():
     names = engine_flag_names()
-    assert set(names) == set(EngineConfig.model_fields) - {"model", "served_model_name"}
+    assert set(names) == set(EngineConfig.fields()) - {"model", "served_model_name"}
     for name in names:
-        assert EngineConfig.model_fields[name].description, f"{name}: no description (its --help text)"
+        assert EngineConfig.fields()[name].description, f"{name}: no description (its --help text)"
     for command in ("serve", "engine"):
         help_text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
         for name in names:
@@ -94,7 +94,7 @@ def test_a_whole_config_round_trips_through_the_flags_a_local_engine_gets():
     config = EngineConfig(**{name: non_default(name) for name in engine_flag_names()})
     argv = model_argv(config, engine_flag_names())
     got = build_config(build_parser().parse_args(["engine", *argv])).engine
-    assert got.model_dump(exclude={"model"}) == config.model_dump(exclude={"model"})
+    assert got.as_dict(exclude={"model"}) == config.as_dict(exclude={"model"})
     assert model_argv(EngineConfig(), engine_flag_names()) == []
 
 
@@ -138,7 +138,7 @@ def test_help_shows_each_settings_default_once_from_its_field(command):
     """Every ServerConfig / ApiSettings / EngineConfig flag is made from its field: described, and
     its default shown once, the field's own (never retyped in the description)."""
     helps = flag_helps(command)
-    settings = {**ServerConfig.model_fields, **EngineConfig.model_fields}
+    settings = {**ServerConfig.model_fields, **EngineConfig.fields()}
     flagged = [name for name in settings if name in helps]
     assert {"host", "port", "models", "insecure", "ssl_certfile", "max_num_seqs"} <= set(flagged)
     if command == "serve":

@@ -3,14 +3,15 @@
 `EngineConfig` holds the engine's knobs, each declared once here with its description: the
 `serve` and `engine` commands generate their engine flags from these fields (`add_model_flags`),
 so a new knob is one field. The server and gateway settings live beside it in `ServerConfig`
-(`tokenpath.server.config`). Both are pydantic models so YAML files, environment variables and
-CLI flags validate the same way. `ENV_VARS` lists every `TOKENPATH_*` environment variable the
+(`tokenpath.server.config`), a pydantic model that takes EngineConfig in as its `engine`. The
+engine's settings are plain dataclasses checked by `tokenpath.knobs`, so the engine path (`LLM`,
+an engine process's engine) imports no pydantic; YAML files, the engine link and CLI flags all
+build them through the same checks. `ENV_VARS` lists every `TOKENPATH_*` environment variable the
 package reads (`tokenpath --help` prints it; a test keeps it complete).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -19,10 +20,12 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from tokenpath.knobs import KnobInfo, Settings, knob
+
+if TYPE_CHECKING:  # argparse is the CLI's (0.4 MiB): `LLM(...)` and an engine build no parser
+    import argparse
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -100,7 +103,8 @@ SPEC_METHOD_ALIASES = {"ngram": "ngram", "prompt_lookup": "ngram", "ngram-simple
 MAX_SPEC_TOKENS = 16
 
 
-class SpeculativeConfig(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig(Settings):
     """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Three proposers: n-gram
     (prompt lookup) proposes the K tokens that followed the most recent earlier occurrence of the
     sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min); draft_model runs
@@ -110,72 +114,61 @@ class SpeculativeConfig(BaseModel):
     (engine/spec/). As in vLLM, `model` without a method means draft_model.
     Checked once, at start-up: a wrong field is an error naming it, never a silently slower engine."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    method: str = Field("ngram", description="proposer: ngram (aliases: prompt_lookup, ngram-simple), "
-                                             "draft_model (alias: draft) or suffix")
-    model: str | None = Field(None, description="draft_model: the draft model (a GGUF file or a checkpoint "
+    method: str | None = knob(None, description="proposer: ngram (aliases: prompt_lookup, ngram-simple), "
+                                                   "draft_model (alias: draft) or suffix (default: draft_model "
+                                                   "where `model` is given, else ngram)")
+    model: str | None = knob(None, description="draft_model: the draft model (a GGUF file or a checkpoint "
                                                 "directory) sharing the target's vocabulary")
-    num_speculative_tokens: int = Field(..., ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
-    prompt_lookup_max: int = Field(3, ge=1, le=64, description="longest n-gram matched")
-    prompt_lookup_min: int = Field(1, ge=1, le=64, description="shortest n-gram matched")
+    num_speculative_tokens: int = knob(ge=1, le=MAX_SPEC_TOKENS, description="K: draft tokens per step")
+    prompt_lookup_max: int = knob(3, ge=1, le=64, description="longest n-gram matched")
+    prompt_lookup_min: int = knob(1, ge=1, le=64, description="shortest n-gram matched")
     # Batching: above this many decoding sequences nobody drafts (the step is compute-bound, rejected drafts
     # cost the batch). 4, measured (benchmarks/spec_batch.py, copy + free, K = 16, CPU time): c = 2 1.31x,
     # c = 4 0.99x, c = 8 0.88x on/off; it was 8.
-    max_batch: int = Field(4, ge=1, description="decoding sequences above which a step does not speculate")
+    max_batch: int = knob(4, ge=1, description="decoding sequences above which a step does not speculate")
     # engine/spec/state.py: "adaptive" prices rows by measured step times under the cap, stops losing streams.
-    draft_policy: Literal["adaptive", "rule", "cost"] = Field("adaptive", description="draft policy: adaptive|rule|cost")
+    draft_policy: Literal["adaptive", "rule", "cost"] = knob("adaptive", description="draft policy: adaptive|rule|cost")
     # method suffix (vLLM's names and defaults; engine/spec/suffix.py).
-    suffix_decoding_max_tree_depth: int = Field(24, ge=3, le=256, description="suffix: the tries' depth, which "
+    suffix_decoding_max_tree_depth: int = knob(24, ge=3, le=256, description="suffix: the tries' depth, which "
                                                 "bounds the match length plus the drafts")
-    suffix_decoding_max_cached_requests: int = Field(10000, ge=0, description="suffix: recent requests whose "
+    suffix_decoding_max_cached_requests: int = knob(10000, ge=0, description="suffix: recent requests whose "
                                                      "outputs the global trie holds (0: none; also bounded in nodes)")
-    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: drafts at most this "
+    suffix_decoding_max_spec_factor: float = knob(1.0, gt=0, le=64, description="suffix: drafts at most this "
                                                    "times the match length")
-    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: drafts only tokens whose "
+    suffix_decoding_min_token_prob: float = knob(0.1, ge=0, le=1, description="suffix: drafts only tokens whose "
                                                   "estimated probability (from the counts) is at least this")
 
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, v: str) -> str:
-        method = SPEC_METHOD_ALIASES.get(v.strip().lower())
+    def check(self) -> None:
+        method = SPEC_METHOD_ALIASES.get((self.method or ("draft_model" if self.model else "ngram")).strip().lower())
         if method is None:
-            raise ValueError(f"unknown speculative method {v!r}: expected one of {sorted(SPEC_METHOD_ALIASES)}")
-        return method
-
-    @model_validator(mode="before")
-    @classmethod
-    def _method_from_model(cls, data: Any) -> Any:  # noqa: ANN401 - pydantic's raw input
-        if isinstance(data, dict) and data.get("method") is None and data.get("model"):
-            return {**data, "method": "draft_model"}
-        return data
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> SpeculativeConfig:
+            raise ValueError(f"SpeculativeConfig.method: unknown speculative method {self.method!r}: expected one "
+                             f"of {sorted(SPEC_METHOD_ALIASES)}")
+        object.__setattr__(self, "method", method)
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs `model`: the draft model's path")
         if self.method != "draft_model" and self.model:
             raise ValueError(f"`model` is the draft model of method draft_model, not of {self.method}")
-        stray = sorted(f for f, info in type(self).model_fields.items()  # (a dump of a config repeats defaults)
+        stray = sorted(f for f, info in self.fields().items()  # (a dump of a config repeats defaults)
                        if f.startswith("suffix_decoding_") and getattr(self, f) != info.default)
         if stray and self.method != "suffix":
             raise ValueError(f"{stray[0]} is a field of method suffix, not of {self.method}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
-        return self
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+@dataclass(kw_only=True)
+class EngineConfig(Settings):
+    """The engine's knobs, checked once at construction (`LLM(...)`, flags, YAML, the engine link):
+    a plain dataclass, so the engine path imports no pydantic (tokenpath.knobs says why)."""
 
     model: str = DEFAULT_CHAT_MODEL
     served_model_name: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", description="auto: bf16/fp16/fp32 safetensors run on the native CPU kernels on their own values "
                             "(float32 activations); on torch, bfloat16 on CPUs with BF16 (a float32 checkpoint "
                             "included, as vLLM downcasts it), else float32; float16 on CUDA without bf16")
-    device: str = Field("auto", description="torch device; auto: CUDA when present, else CPU")
+    device: str = knob("auto", description="torch device; auto: CUDA when present, else CPU")
     # auto: GGUF weights run on the native CPU kernels in their own blocks, and bf16/fp16/fp32
     # safetensors on their own values (torch when the kernels are not built or the CPU lacks AVX2,
     # or when --dtype asks for a 16-bit type other than the file's); none: torch float path; q8_0:
@@ -183,13 +176,13 @@ class EngineConfig(BaseModel):
     # matrix Q4_K (Q5_0 where a row is not whole 256-weight super-blocks), the embedding and head
     # Q8_0 (engine/kernels/model.py). The default comes from TOKENPATH_QUANTIZATION when set, so CI
     # can run the whole suite on one path.
-    quantization: Literal["auto", "none", "q8_0", "q4_k"] = Field(
-        default_factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"), validate_default=True,
+    quantization: Literal["auto", "none", "q8_0", "q4_k"] = knob(
+        factory=lambda: os.environ.get("TOKENPATH_QUANTIZATION", "auto"),
         description="auto: native kernels on GGUF blocks and bf16/fp16/fp32 safetensors; none: torch float; "
                     "q8_0: every matrix Q8_0; q4_k: Q4_K (Q5_0 where rows are not whole 256-blocks; "
                     "embedding and head Q8_0), quantized at load "
                     "(default: $TOKENPATH_QUANTIZATION, else auto)")
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
+    block_size: int = knob(16, ge=1, le=256, description="tokens per KV cache block")
     # What the KV cache stores (vLLM's --kv-cache-dtype). auto: float16 on the native CPU kernels
     # (half the memory per token; converted in registers, needs F16C, else float32), the model's
     # dtype on the torch path. fp8_e4m3 (alias fp8) and fp8_e5m2: one byte per value, native
@@ -199,8 +192,8 @@ class EngineConfig(BaseModel):
     # Bytes per token: 2 * layers * kv_heads * head_dim * (4, 2, 1, 34/32).
     # The default comes from TOKENPATH_KV_CACHE_DTYPE when set (as --quantization's), so CI can run
     # the prefix-cache, speculative and window tests on an fp8 pool unchanged.
-    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0"] = Field(
-        default_factory=lambda: os.environ.get("TOKENPATH_KV_CACHE_DTYPE", "auto"), validate_default=True,
+    kv_cache_dtype: Literal["auto", "float32", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0"] = knob(
+        factory=lambda: os.environ.get("TOKENPATH_KV_CACHE_DTYPE", "auto"),
         description="KV cache storage; auto: float16 on the native CPU kernels, the model dtype on torch; "
                     "float32: 4 bytes per value; float16: 2; fp8_e4m3 (alias fp8: 3 mantissa bits, max 448) "
                     "and fp8_e5m2 (2 mantissa bits, max 57344): 1 byte, native kernels only, no scaling; "
@@ -211,39 +204,39 @@ class EngineConfig(BaseModel):
     # torch path). The block pool's pages become resident as blocks are first used, and the free
     # list hands out the least recently freed block (prefix-cache eviction order), so a long-running
     # server touches the whole budget: this is its steady-state KV memory, not just a cap.
-    kv_cache_memory: str | int = Field("512MiB", description="the KV cache's byte budget, e.g. 512MiB or 2GiB")
+    kv_cache_memory: str | int = knob("512MiB", description="the KV cache's byte budget, e.g. 512MiB or 2GiB")
     # The memory of this many blocks of every layer (a model whose window layers keep only their
     # window gets more, smaller pages from it: engine/kv_groups.py).
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks (overrides --kv-cache-memory)")
-    max_num_batched_tokens: int = Field(1024, ge=1, description="most tokens one engine step computes")
+    num_kv_blocks: int | None = knob(None, ge=1, description="KV cache blocks (overrides --kv-cache-memory)")
+    max_num_batched_tokens: int = knob(1024, ge=1, description="most tokens one engine step computes")
     # Most prompt tokens one sequence may prefill per step (vLLM's name); 0: up to the budget.
     # A cap lets short prompts and decodes share steps with a long prefill instead of waiting
     # behind all of it.
-    long_prefill_token_threshold: int = Field(
+    long_prefill_token_threshold: int = knob(
         0, ge=0, description="most prompt tokens one request prefills per step (0: no cap)")
-    max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
-    max_model_len: int | None = Field(
+    max_num_seqs: int = knob(64, ge=1, description="most requests running at once")
+    max_model_len: int | None = knob(
         None, ge=1, description="longest prompt + completion (default: the model's context, capped at 8192)")
-    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompts seen before")
+    enable_prefix_caching: bool = knob(True, description="reuse the KV blocks of prompts seen before")
     # vLLM's name. False (default): sliding-window layers keep only their window's KV blocks
     # (engine/kv_groups.py); True: every layer's blocks for the whole context (the baseline).
-    disable_hybrid_kv_cache_manager: bool = Field(
+    disable_hybrid_kv_cache_manager: bool = knob(
         False, description="keep every layer's KV blocks for the whole context (sliding-window layers too)")
     # llama.cpp's --warmup (on by default there too): the first forward pass pays one-time costs,
     # which would otherwise land on the first request's TTFT (EngineCore._warm_up).
-    warmup: bool = Field(True, description="run one short request through the engine before it serves, so the "
+    warmup: bool = knob(True, description="run one short request through the engine before it serves, so the "
                          "first user's time to first token does not pay the engine's one-time set-up")
-    seed: int = Field(0, description="seed of the engine's sampling generator")
+    seed: int = knob(0, description="seed of the engine's sampling generator")
     # A Jinja chat template file (vLLM's --chat-template): replaces the model's own, or gives a
     # model without one (a base model such as gemma-3-270m) /v1/chat/completions.
-    chat_template: str | None = Field(
+    chat_template: str | None = knob(
         None, description="Jinja chat template FILE replacing the model's own (needed for chat on a base model)")
     # LoRA adapters (vLLM's flags): how many distinct adapters one step may hold (an LRU of
     # resident slots), the largest rank accepted, and how many parsed adapters stay cached in
     # memory beyond those (default: max_loras), so a returning adapter skips the disk.
-    max_loras: int = Field(4, ge=1, description="most LoRA adapters resident at once (one step may mix them)")
-    max_lora_rank: int = Field(64, ge=1, le=256, description="largest LoRA rank accepted")
-    max_cpu_loras: int | None = Field(
+    max_loras: int = knob(4, ge=1, description="most LoRA adapters resident at once (one step may mix them)")
+    max_lora_rank: int = knob(64, ge=1, le=256, description="largest LoRA rank accepted")
+    max_cpu_loras: int | None = knob(
         None, ge=1, description="parsed LoRA adapters kept in memory (default: --max-loras)")
     # The native CPU kernels' knobs (engine/kernels/), each defaulting to its environment variable
     # (TOKENPATH_KERNELS_ISA, TOKENPATH_KERNELS_FINE, TOKENPATH_KERNELS_EXACT) as before they were
@@ -251,50 +244,40 @@ class EngineConfig(BaseModel):
     # activations are int8 plus residual bytes (~15 bits; all five by default:
     # engine/kernels/model.py says why), "exact" ones stay float (GGUF layouts, slowest). None:
     # the kernels' default.
-    kernels_isa: Literal["auto", "avx2", "avx512"] = Field(
-        default_factory=lambda: kernel_isa_from_env(), validate_default=True,
+    kernels_isa: Literal["auto", "avx2", "avx512"] = knob(
+        factory=lambda: kernel_isa_from_env(),
         description="native kernel set: auto (AVX-512 VNNI where the CPU and build have it, else AVX2), avx2 or "
                     "avx512 (default: $TOKENPATH_KERNELS_ISA, else auto)")
-    kernels_fine: int | None = Field(
-        default_factory=lambda: env_kernels_fine(), ge=0, le=KERNEL_MASK_ALL,
+    kernels_fine: int | None = knob(
+        factory=lambda: env_kernels_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (1 qkv, 2 o, 4 gate_up, 8 down, 16 head) whose int8 activations "
                     "carry residual bytes, ~15 bits (default: $TOKENPATH_KERNELS_FINE, else 31: all)")
-    kernels_prompt_fine: int | None = Field(
-        default_factory=lambda: env_kernels_prompt_fine(), ge=0, le=KERNEL_MASK_ALL,
+    kernels_prompt_fine: int | None = knob(
+        factory=lambda: env_kernels_prompt_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose prompt rows carry residual bytes too; "
                     "the rest of a prompt runs llama.cpp's int8 activations, for a faster prefill "
                     "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 9: qkv and down)")
-    kernels_bf16: int | None = Field(
-        default_factory=lambda: env_kernels_bf16(), ge=0, le=KERNEL_MASK_ALL,
+    kernels_bf16: int | None = knob(
+        factory=lambda: env_kernels_bf16(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose bf16 weights multiply bf16 activations on "
                     "AMX tiles, every row, as vLLM and transformers compute a bf16 checkpoint; the rest take float32 "
                     "activations (default: $TOKENPATH_KERNELS_BF16, else 31: all, on CPUs with AMX-BF16; none "
                     "elsewhere); where any bit is set, prompt rows' attention runs on the tiles too")
-    kernels_exact: int | None = Field(
-        default_factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
+    kernels_exact: int | None = knob(
+        factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "
                     "(default: $TOKENPATH_KERNELS_EXACT, else 0)")
 
     # vLLM's --speculative-config: a JSON object (or, from YAML and `LLM(...)`, a mapping).
-    speculative_config: SpeculativeConfig | None = Field(
+    speculative_config: SpeculativeConfig | None = knob(
         None, description='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (off when not given)')
 
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _parse_speculative(cls, v: object) -> object:
-        if isinstance(v, str):
-            try:
-                return json.loads(v) if v.strip() else None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not a JSON object: {exc}") from None
-        return v
-
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _check_memory(cls, v: str | int) -> str | int:
-        parse_bytes(v)
-        return v
+    def check(self) -> None:
+        try:
+            parse_bytes(self.kv_cache_memory)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.kv_cache_memory: {exc}") from None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -308,7 +291,7 @@ ENGINE_NOT_FLAGS = frozenset({"model", "served_model_name"})
 
 def engine_flag_names() -> tuple[str, ...]:
     """The EngineConfig fields that `serve` and `engine` take as flags of the same name."""
-    return tuple(name for name in EngineConfig.model_fields if name not in ENGINE_NOT_FLAGS)
+    return tuple(name for name in EngineConfig.fields() if name not in ENGINE_NOT_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -326,13 +309,19 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def default_text(field: FieldInfo) -> str | None:
+def model_fields(model: type) -> dict[str, typing.Any]:
+    """A settings class's fields by name: a pydantic model's `FieldInfo`s (the server's settings) or
+    a `Settings` dataclass's `KnobInfo`s (the engine's), which have the attributes read here."""
+    return model.fields() if issubclass(model, Settings) else model.model_fields  # type: ignore[attr-defined]
+
+
+def default_text(field: KnobInfo | typing.Any) -> str | None:  # noqa: ANN401 - or a pydantic FieldInfo
     """A field's default as `--help` shows it, or None: no default worth showing (None, an empty
     list), or a description that already says what the default is (one read from a variable)."""
     if "default" in (field.description or "").lower():
         return None
     value = field.get_default(call_default_factory=True)
-    if value is None or value == [] or value == {} or isinstance(value, BaseModel):
+    if value is None or value == [] or value == {} or hasattr(value, "model_dump") or isinstance(value, Settings):
         return None
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -343,14 +332,16 @@ def default_text(field: FieldInfo) -> str | None:
     return str(value)
 
 
-def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
+def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type,
                     names: typing.Iterable[str]) -> None:
     """One flag per field (`max_num_seqs` -> `--max-num-seqs`), typed and described by the field,
     its help ending with the field's default (`default_text`): declared once, on the field.
     Every default is None, so a flag not given leaves the `--config` file's value or the field's
     default in place (`server.config.build_config`); a bool is `--x` / `--no-x`."""
+    from argparse import BooleanOptionalAction
+
     for name in names:
-        field = model.model_fields[name]
+        field = model_fields(model)[name]
         flag = next((m for m in field.metadata if isinstance(m, Flag)), Flag())
         shown = default_text(field)
         help_text = (field.description or "") + (f" (default: {shown})" if shown is not None else "")
@@ -360,7 +351,7 @@ def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, m
         if typing.get_origin(ann) is Literal:
             kwargs["choices"] = list(typing.get_args(ann))
         elif ann is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = BooleanOptionalAction
         elif ann in (int, float) or (isinstance(ann, types.UnionType) and args in ([int], [float])):
             kwargs["type"] = args[0] if args else ann
         elif typing.get_origin(ann) is list:
@@ -378,7 +369,7 @@ def add_model_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, m
         parser.add_argument("--" + (flag.name or name).replace("_", "-"), **kwargs)
 
 
-def model_argv(config: BaseModel, names: typing.Iterable[str]) -> list[str]:
+def model_argv(config: Settings, names: typing.Iterable[str]) -> list[str]:
     """The flags `add_model_flags` made that give `config`'s values where they are not the
     defaults: what another process (a local engine) must be started with to get the same config."""
     defaults = type(config)()
@@ -390,8 +381,8 @@ def model_argv(config: BaseModel, names: typing.Iterable[str]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, BaseModel):  # a nested config (--speculative-config): its JSON
-            argv += [flag, value.model_dump_json()]
+        elif isinstance(value, Settings):  # a nested config (--speculative-config): its JSON
+            argv += [flag, json.dumps(value.as_dict())]
         else:
             argv += [flag, str(value)]
     return argv

@@ -52,6 +52,36 @@ def test_engine_and_api_modules_import_no_grammar_or_gguf_library():
     assert _run(IMPORTS, *LAZY) == []
 
 
+ENGINE_ONLY = r"""
+import json, sys
+from tokenpath import LLM
+import tokenpath.engine.core, tokenpath.engine.llm, tokenpath.protocol.wire  # (`LLM`: the offline engine)
+from tokenpath.engine.block_hash import lora_root
+from tokenpath.engine.heap import trim_heap
+
+lora_root("a", "/p")
+trim_heap()
+print(json.dumps(sorted(m for m in sys.argv[1:] if m in sys.modules)))
+"""
+# Stdlib modules an engine process has no use for, each 0.4-3.8 MiB resident: _hashlib maps OpenSSL's
+# libcrypto (engine/digests.py), statistics brings decimal and fractions, ctypes.util brings shutil,
+# tempfile, bz2 and lzma, argparse is the CLI's.
+STDLIB_UNUSED = ("_hashlib", "statistics", "ctypes.util", "shutil", "tempfile", "argparse")
+
+
+def test_the_engine_path_imports_no_openssl_statistics_shutil_or_argparse():
+    assert _run(ENGINE_ONLY, *STDLIB_UNUSED) == []
+
+
+def test_the_engine_digests_are_hashlibs():
+    import hashlib
+
+    from tokenpath.engine.digests import blake2b, sha256
+
+    assert sha256(b"tokenpath").hexdigest() == hashlib.sha256(b"tokenpath").hexdigest()
+    assert blake2b(b"x", digest_size=8).digest() == hashlib.blake2b(b"x", digest_size=8).digest()
+
+
 OFFLINE = r"""
 import json, sys
 from tokenpath import LLM, SamplingParams

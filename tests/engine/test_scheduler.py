@@ -140,3 +140,29 @@ def test_waiting_sequences_passed_over_for_their_own_reason_are_deferred_not_wai
     _advance(out)
     out = sched.schedule()  # three running now: nobody is looked at, so nobody is deferred
     assert len(sched.running) == 3 and sched.deferred == 0 and len(sched.waiting) == 2
+
+
+def test_blocks_without_a_hash_are_reused_first_and_cached_ones_evicted_last():
+    """A pool run by turns touches only the blocks the most tokens held at once need (issue 42's
+    peak RSS: each block's pages become resident when first written), and a prompt's partial last
+    block, which no later prompt can find, is reused before any cached block is evicted."""
+    plain = BlockManager(8, 16, enable_prefix_caching=False)
+    touched: set[int] = set()
+    for n in (40, 100, 20):  # three requests one after another: 3, 7, then 2 blocks
+        seq = _seq(f"r{n}", n, n / 1000)
+        assert plain.allocate(seq, n)
+        touched |= set(seq.block_tables[0])
+        plain.release(seq)
+    assert touched == set(range(7))  # before: the least recently freed first, all 8 by the third
+    cached = BlockManager(8, 16)
+    first = _seq("first", 40, 0.0)  # 2 full blocks (hashed once computed) and a partial one
+    cached.lookup_prefix(first)
+    assert cached.allocate(first, 40)
+    first.num_computed_tokens = 40
+    cached.commit_computed(first)
+    full, partial = first.block_tables[0][:2], first.block_tables[0][2]
+    cached.release(first)
+    other = _seq("other", 16 * 6, 1.0)  # every free block but the two cached ones
+    assert cached.allocate(other, 16 * 6)
+    assert partial in other.block_tables[0] and not set(full) & set(other.block_tables[0])
+    assert len(cached.cached) == 2

@@ -51,7 +51,7 @@ BIG_STEP_TOKENS = 64  # a step this big prices a token for `step_allowance_s`
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **engine_kwargs: object) -> None:
-        self.config = config or EngineConfig(**engine_kwargs)
+        self.config = config or EngineConfig.coerce(engine_kwargs)
         self.core = EngineCore(self.config)
         self.core.loras.wake = self._wake_up  # an adapter loaded off the loop: schedule again
         self.tokenizer = self.core.tokenizer

@@ -8,8 +8,9 @@ engine processes and the gateway agree on block identities.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
+
+from tokenpath.engine.digests import blake2b
 
 ROOT_HASH = 0x5EED
 
@@ -22,7 +23,7 @@ def lora_root(name: str, path: str) -> int:
     """The chain's root for a request run with a LoRA adapter: its blocks hold other K/V than the
     base model's for the same tokens, so they must never match them (nor another adapter's).
     A stable digest, not `hash(str)`, which differs between processes."""
-    return int.from_bytes(hashlib.blake2b(f"lora\0{name}\0{path}".encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(blake2b(f"lora\0{name}\0{path}".encode(), digest_size=8).digest(), "little")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None,

@@ -196,7 +196,7 @@ class BlockManager:
                 table[i] = NULL_BLOCK
                 self.ref_counts[block] -= 1
                 if self.ref_counts[block] == 0:
-                    self.free[block] = None  # keeps its hash: a later prompt may still hit it
+                    self._give_back(block)  # keeps its hash: a later prompt may still hit it
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block tables to hold `num_new_tokens` more tokens; False (and no change but
@@ -257,6 +257,17 @@ class BlockManager:
                     self.free[block] = None
                     self.free.move_to_end(block, last=False)
 
+    def _give_back(self, block: int) -> None:
+        """A block whose count reached zero, onto the free list. One with a hash goes to the end
+        (most recently freed: evicted last, LRU). One without (prefix caching off, a prompt's
+        partial last block, a decode's) holds nothing a later prompt can find: it goes to the
+        front and is reused first, so cached blocks are evicted later and the pool's pages are
+        touched only as far as the most tokens ever held at once (a 512-token pool run by turns
+        touched every block before: +0.7 MiB of SmolLM2's offline peak, issue 42)."""
+        self.free[block] = None
+        if self.block_hash[block] is None:
+            self.free.move_to_end(block, last=False)
+
     def release(self, seq: Sequence) -> None:
         """Return every block of `seq` (finish, abort, error or preemption)."""
         for table in seq.block_tables:
@@ -265,7 +276,7 @@ class BlockManager:
                     continue
                 self.ref_counts[block] -= 1
                 if self.ref_counts[block] == 0:
-                    self.free[block] = None  # most recently freed: evicted last
+                    self._give_back(block)
         seq.block_tables = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

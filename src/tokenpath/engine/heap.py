@@ -10,15 +10,16 @@ trim each stage's leftovers add to the next stage's peak. The server also trims 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
 @functools.cache
 def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim from the process's own symbols (libc is loaded already): not through
+    ctypes.util.find_library, whose import (shutil, tempfile, bz2, lzma: 0.8 MiB) and `ldconfig -p`
+    child every engine process would pay for one function."""
     try:
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return getattr(libc, "malloc_trim", None)

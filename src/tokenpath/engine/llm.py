@@ -25,7 +25,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
         if model is not None:
             engine_kwargs["model"] = model
-        self.config = EngineConfig(**engine_kwargs)
+        self.config = EngineConfig.coerce(engine_kwargs)  # (an unknown keyword: a ValueError naming it)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +24,7 @@ import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from tokenpath.engine.chat_template import ChatTemplate
+from tokenpath.engine.digests import sha256
 from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
 from tokenpath.engine.tokenizer_json import read_tokenizer_json
@@ -105,7 +104,7 @@ class Tokenizer:
                 backend.no_padding()
                 backend.no_truncation()
                 text = backend.to_str()
-                key = hashlib.sha256(text.encode()).hexdigest()[:16]
+                key = sha256(text.encode()).hexdigest()[:16]
                 self._grammar_source = (key, (text, self.vocab_size, self.eos_token_id))
                 del backend
                 trim_heap()  # the backend's copy and its JSON, freed: 35 of the 38 MiB it left resident (SmolLM2)
@@ -169,7 +168,7 @@ def gguf_tokenizer_cache(source: Path) -> Path:
     """Where the tokenizer built from the GGUF file `source` is kept: the data dir's tokenizers/,
     under a key of the file's path, size and mtime (a replaced file is built again)."""
     st = source.stat()
-    return _cache_dir() / hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _cache_dir() / sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -272,6 +271,8 @@ def _load_parts(source: Path) -> Parts:
             tok = _load_any_saved(tmp)  # as every later start will load it
             with contextlib.suppress(OSError):  # another process won the race; its copy is identical
                 os.replace(tmp, cached)
+            import shutil  # (here: its import is 0.6 MiB of every engine, for a first load's clean-up)
+
             shutil.rmtree(tmp, ignore_errors=True)  # (left only when that race was lost)
             return tok
         if _generic_fast(source):

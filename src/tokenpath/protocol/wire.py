@@ -26,8 +26,8 @@ from dataclasses import asdict
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel, ValidationError
 
+from tokenpath.knobs import Settings, is_settings
 from tokenpath.protocol.embeddings import EmbeddingOutput, EmbeddingRequest
 from tokenpath.protocol.link import (
     Abort,
@@ -314,8 +314,8 @@ def _fields_of(msg: object) -> dict:
 def _field(v: object) -> object:
     if type(v) in _NESTED:
         return _fields_of(v)
-    if isinstance(v, BaseModel):  # a settings model (LinkInfo.engine): its JSON-safe fields
-        return v.model_dump(mode="json")
+    if isinstance(v, Settings):  # a settings dataclass (LinkInfo.engine): its JSON-safe fields
+        return v.as_dict()
     return v
 
 
@@ -331,23 +331,23 @@ def _build(cls: type, d: dict) -> Any:
             v = _build(nested[k], v)
         elif k in models and v is not None:
             try:
-                v = models[k].model_validate(v)
-            except ValidationError as exc:
-                raise FrameError(f"malformed {cls.__name__}.{k}: {exc.errors()[0].get('msg')}") from None
+                v = models[k].coerce(v)
+            except (TypeError, ValueError) as exc:
+                raise FrameError(f"malformed {cls.__name__}.{k}: {exc}") from None
         out[k] = v
     return cls(**out)
 
 
-def _model_of(hint: object) -> type[BaseModel] | None:
-    """`M` for a field typed `M` or `M | None`, M a pydantic model; else None."""
+def _model_of(hint: object) -> type[Settings] | None:
+    """`M` for a field typed `M` or `M | None`, M a settings dataclass (tokenpath.knobs); else None."""
     for t in (hint, *typing.get_args(hint)):
-        if isinstance(t, type) and issubclass(t, BaseModel):
+        if is_settings(t):
             return t
     return None
 
 
-# Each message class's fields, those that hold another message, and those that hold a pydantic
-# settings model (read once, at import).
+# Each message class's fields, those that hold another message, and those that hold a settings
+# dataclass (read once, at import).
 _NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*FIELD_MESSAGES.values(), *_NESTED)}
 _HINTS = {cls: typing.get_type_hints(cls) for cls in _NAMES}
 _NESTED_FIELDS = {cls: {name: t for name, t in hints.items() if t in _NESTED} for cls, hints in _HINTS.items()}

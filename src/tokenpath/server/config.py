@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, field_validator, model_validator
 
 from tokenpath.api.settings import ApiSettings, Caps  # noqa: F401 - Caps: part of this config's schema
 from tokenpath.config import (
@@ -29,6 +29,10 @@ from tokenpath.config import (
 from tokenpath.protocol.names import MODEL, name_problem
 from tokenpath.replica.liveness import FIRST_TOKEN_S, NEXT_TOKEN_S, STALL_AFTER_S, LivenessConfig
 
+# The engine's settings are a plain dataclass checked by itself (tokenpath.knobs): pydantic hands the
+# YAML mapping to its own checks and dumps it as its dict.
+EngineSettings = Annotated[EngineConfig, PlainValidator(EngineConfig.coerce), PlainSerializer(lambda c: c.as_dict())]
+
 
 class ServerConfig(ApiSettings):
     model_config = ConfigDict(extra="forbid")
@@ -38,7 +42,7 @@ class ServerConfig(ApiSettings):
     models: Annotated[list[str], Flag("model", metavar="NAME_OR_PATH", gather="append")] = Field(
         default_factory=lambda: [DEFAULT_CHAT_MODEL, DEFAULT_EMBEDDING_MODEL], description="model to serve (repeatable)")
     aliases: dict[str, str] = Field(default_factory=dict)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineSettings = Field(default_factory=EngineConfig)
     data_dir: str | None = Field(None, description="keys, audit log and caches (default: $TOKENPATH_DATA_DIR or XDG)")
     database_url: str | None = Field(
         None, description="Postgres URL for keys/audit instead of SQLite in the data dir (default: "
@@ -167,5 +171,5 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     engine = {k: v for k in engine_flag_names() if (v := getattr(args, k, None)) is not None}
     if "chat_template" in engine:  # engine processes may start elsewhere than this command's cwd
         engine["chat_template"] = str(Path(engine["chat_template"]).expanduser().resolve())
-    update["engine"] = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine})  # (parses JSON flags)
-    return ServerConfig.model_validate({**cfg.model_dump(), **update, "engine": update["engine"].model_dump()})
+    update["engine"] = EngineConfig.coerce({**cfg.engine.as_dict(), **engine})  # (parses JSON flags)
+    return ServerConfig.model_validate({**cfg.model_dump(), **update})

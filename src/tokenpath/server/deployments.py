@@ -50,7 +50,7 @@ async def load_chat(name: str, config: ServerConfig,
     from tokenpath.replica.local import InProcessReplica
 
     update: dict[str, Any] = {"model": name} | ({"served_model_name": served} if served else {})
-    engine_cfg = config.engine.model_copy(update=update)
+    engine_cfg = config.engine.replace(**update)
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)
     await engine.start()
     replica = InProcessReplica(engine, deployment=engine.model_name, liveness=config.liveness())

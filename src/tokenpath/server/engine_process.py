@@ -126,7 +126,7 @@ async def _serve(config, args: argparse.Namespace, secret: str) -> int:  # noqa:
     if is_embedding_model(config.models[0]):
         return await _serve_embedding(config, args, secret)
     sock = _socket(config, args)
-    engine_cfg = config.engine.model_copy(update={"model": config.models[0]})
+    engine_cfg = config.engine.replace(model=config.models[0])
     from tokenpath.telemetry.engine_spans import setup_engine_tracing
 
     engine = await asyncio.to_thread(AsyncEngine, engine_cfg)

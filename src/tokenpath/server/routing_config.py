@@ -282,7 +282,7 @@ async def ray_deployment(model: str, n: int, engine: Any, address: str,
     back, so the pool's own ejection backoff is kept short."""
     prefix = Path(model).name if Path(model).exists() else model
     ray = {"num_replicas": n, "address": address, "name_prefix": prefix,
-           "engine": engine.model_dump(exclude_defaults=True, exclude={"model"})}
+           "engine": engine.as_dict(exclude_defaults=True, exclude={"model"})}
     spec = DeploymentSpec(name=model, model=model, policy=policy, pool={"eject_max_s": 5.0},
                           replicas=[ReplicaSpec(ray=ray)])
     dep, closers = await build_deployment(spec)
