@@ -175,13 +175,16 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("wtype", [K.BF16, K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K], ids=lambda t: K.TYPE_NAMES[t])
-@pytest.mark.parametrize("shape", [(1, 16, 256), (5, 48, 256), (17, 32, 512), (37, 80, 1536), (64, 64, 256)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16, 256), (5, 48, 256), (17, 32, 512), (37, 80, 1536), (64, 64, 256),
+                                   (70, 1104, 512), (40, 112, 12288)], ids=str)
 def test_bf16_activations_on_amx_tiles(wtype, shape):
     """bf16 activations on AMX tiles (csrc/amx_bf16.cpp): BF16X16 weights as stored, quantized ones
     dequantized into bf16 tiles (csrc/tile_pack.h, a prompt row's path); float32 sums of the bf16
     products, each row alone what it is in any batch (one row is a tile of its own; up to 32 rows
-    stream BF16 weights, more pack them once). Without AMX the request runs what it would without
-    it: float32 activations for BF16, int8 for the quantized types, exactly."""
+    stream BF16 weights, more pack them once, a panel of up to 8 groups at a time: 1104 outputs
+    give whole panels, a short last one and a lone group, at one thread and two; K = 12288 panels
+    of 2). Without AMX the request runs what it would without it: float32 activations for BF16,
+    int8 for the quantized types, exactly."""
     m, n, k = shape
     rng = np.random.default_rng(m + n + k + wtype)
     q = random_blocks(wtype, n, k, rng)
@@ -199,6 +202,7 @@ def test_bf16_activations_on_amx_tiles(wtype, shape):
     assert 1e-5 * scale < np.abs(y - plain).max() <= 2e-2 * scale  # bf16 activations, not float32 ones
     rows = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, bf16=True) for i in range(m)])
     assert np.array_equal(rows, y)
+    assert np.array_equal(K.gemm(lib, packed_type, packed, x, k, isa, threads=1, bf16=True), y)
     if m > 32:
         head = K.gemm(lib, packed_type, packed, x[:32], k, isa, threads=2, bf16=True)  # BF16: one streaming pass
         assert np.array_equal(head, y[:32])

@@ -22,6 +22,7 @@
 // is a SIGILL.
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
 #include <immintrin.h>
+#include <algorithm>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -84,6 +85,46 @@ void tiles_any(int nm, int ng, const uint16_t* x, size_t lda, const uint16_t* b0
     else tiles<1, 1, STREAM>(x, lda, b0, b1, w0, w1, nb, ring);
 }
 
+// Groups per panel (even, 2 to 8): their B tiles (nb KiB each) take at most ~768 KiB of the
+// core's L2 beside a 32-row block of activations (64 nb bytes a row): 8 groups at K = 2048,
+// 4 at K = 6144.
+inline int panel_groups(int nb) {
+    const int fit = int((size_t(768) << 10) / (size_t(nb) << 10));
+    return std::max(2, std::min(8, fit & ~1));
+}
+
+// The C tiles of m-tiles (m0, nm) x groups (g, ng) into y, adding the bias and what y holds
+// where asked.
+inline void store_tiles(float (*c)[256], float* y, int ldy, int M, int m0, int nm, int g, int ng, const float* bias,
+                        bool accumulate) {
+    // Whole tiles of rows with nothing to add: straight into y (the same values: the epilogue
+    // below adds zero).
+    if (!bias && !accumulate && (m0 + 16 * nm <= M || M < 16)) {
+        float* yb = y + size_t(m0) * ldy + 16 * g;
+        const size_t stride = size_t(ldy) * 4;
+        _tile_stored(0, yb, stride);
+        if (ng == 2) _tile_stored(1, yb + 16, stride);
+        if (nm == 2) _tile_stored(2, yb + size_t(16) * ldy, stride);
+        if (nm == 2 && ng == 2) _tile_stored(3, yb + size_t(16) * ldy + 16, stride);
+        return;
+    }
+    _tile_stored(0, c[0], 64);
+    if (ng == 2) _tile_stored(1, c[1], 64);
+    if (nm == 2) _tile_stored(2, c[2], 64);
+    if (nm == 2 && ng == 2) _tile_stored(3, c[3], 64);
+    for (int i = 0; i < nm; ++i)
+        for (int j = 0; j < ng; ++j) {
+            const int n = 16 * (g + j);
+            const __m512 vb = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+            for (int r = 0; r < 16 && m0 + 16 * i + r < M; ++r) {
+                float* dst = y + size_t(m0 + 16 * i + r) * ldy + n;
+                __m512 v = _mm512_add_ps(_mm512_load_ps(c[2 * i + j] + 16 * r), vb);
+                if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(dst));
+                _mm512_storeu_ps(dst, v);
+            }
+        }
+}
+
 }  // namespace
 
 void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const uint16_t* x, int M, float* y,
@@ -93,53 +134,41 @@ void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = uint8_t(t < 6 && M < 16 ? M : 16), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-    // A per-thread scratch for two groups' B tiles (more than one pass of rows), grown once and
-    // kept: no allocation per call.
     const bool stream = !pack && M <= 32;  // BF16X16 only: a quantized group is dequantized whole
+    // More than one pass of rows: the B tiles of a panel of groups are built once into a
+    // per-thread scratch (grown once and kept: no allocation per call), and every 32-row block
+    // of activations passes over the whole panel before the next block is read, so that block
+    // (32 rows x K, 128 KiB at K = 2048) is read from memory once per panel and from L2 for
+    // the panel's other pairs of groups. Group by group (a panel of 2), each block was read
+    // again for every 32 outputs: a 1024-row prompt's activations (4 MiB at K = 2048) do not
+    // stay in L2, so the tiles waited on the activations. Each output's sum still runs over K
+    // in the same order: the results are the same bits.
+    const int panel = stream ? 2 : panel_groups(nb);
     thread_local std::vector<uint16_t> scratch;
     const size_t per_group = stream ? 1024 : size_t(nb) * 512;
-    if (scratch.size() < 2 * per_group + 32) scratch.resize(2 * per_group + 32);  // + 64 bytes to align
+    if (scratch.size() < panel * per_group + 32) scratch.resize(panel * per_group + 32);  // + 64 bytes to align
     uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-    uint16_t* bt[2] = {base, base + per_group};
     const size_t lda = size_t(nb) * 64;  // bytes per activation row
     alignas(64) float c[4][256];
     const int g0 = n0 / 16, g1 = n1 / 16;
-    for (int g = g0; g < g1; g += 2) {
-        const int ng = g1 - g >= 2 ? 2 : 1;
-        const uint8_t* wg[2] = {w + size_t(g) * group_bytes, w + size_t(g + ng - 1) * group_bytes};
+    for (int gp = g0; gp < g1; gp += panel) {
+        const int gn = std::min(panel, g1 - gp);
         if (!stream)
-            for (int j = 0; j < ng; ++j) pack ? pack(wg[j], nb, bt[j]) : pack_blocks(wg[j], size_t(nb), bt[j]);
+            for (int j = 0; j < gn; ++j) {
+                const uint8_t* wg = w + size_t(gp + j) * group_bytes;
+                pack ? pack(wg, nb, base + j * per_group) : pack_blocks(wg, size_t(nb), base + j * per_group);
+            }
         for (int m0 = 0; m0 < M; m0 += 32) {
             const int nm = M - m0 > 16 ? 2 : 1;
             const uint16_t* xa = x + size_t(m0) * nb * 32;
-            if (stream) tiles_any<true>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
-            else tiles_any<false>(nm, ng, xa, lda, bt[0], bt[1], wg[0], wg[1], nb, base);
-            // Whole tiles of rows with nothing to add: straight into y (the same values: the
-            // epilogue below adds zero).
-            if (!bias && !accumulate && (m0 + 16 * nm <= M || M < 16)) {
-                float* yb = y + size_t(m0) * ldy + 16 * g;
-                const size_t stride = size_t(ldy) * 4;
-                _tile_stored(0, yb, stride);
-                if (ng == 2) _tile_stored(1, yb + 16, stride);
-                if (nm == 2) _tile_stored(2, yb + size_t(16) * ldy, stride);
-                if (nm == 2 && ng == 2) _tile_stored(3, yb + size_t(16) * ldy + 16, stride);
-                continue;
+            for (int g = gp; g < gp + gn; g += 2) {
+                const int ng = gp + gn - g >= 2 ? 2 : 1;
+                const uint8_t *w0 = w + size_t(g) * group_bytes, *w1 = w + size_t(g + ng - 1) * group_bytes;
+                const uint16_t* b0 = base + (g - gp) * per_group;
+                if (stream) tiles_any<true>(nm, ng, xa, lda, b0, b0 + per_group, w0, w1, nb, base);
+                else tiles_any<false>(nm, ng, xa, lda, b0, b0 + per_group, w0, w1, nb, base);
+                store_tiles(c, y, ldy, M, m0, nm, g, ng, bias, accumulate);
             }
-            _tile_stored(0, c[0], 64);
-            if (ng == 2) _tile_stored(1, c[1], 64);
-            if (nm == 2) _tile_stored(2, c[2], 64);
-            if (nm == 2 && ng == 2) _tile_stored(3, c[3], 64);
-            for (int i = 0; i < nm; ++i)
-                for (int j = 0; j < ng; ++j) {
-                    const int n = 16 * (g + j);
-                    const __m512 vb = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-                    for (int r = 0; r < 16 && m0 + 16 * i + r < M; ++r) {
-                        float* dst = y + size_t(m0 + 16 * i + r) * ldy + n;
-                        __m512 v = _mm512_add_ps(_mm512_load_ps(c[2 * i + j] + 16 * r), vb);
-                        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(dst));
-                        _mm512_storeu_ps(dst, v);
-                    }
-                }
         }
     }
     _tile_release();

@@ -580,10 +580,10 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; ++m) quant(x + size_t(m) * K, K, a, m);
-        // Chunks of 64 outputs, as the model's GEMMs claim several groups at a time (the tiles pair them).
-        const int chunks = (N + 63) / 64;
+        // Chunks of outputs as the model's GEMMs claim them (gemm_team: 4 per thread, whole groups).
+        const int g = grain_for(N, nthreads, 16), chunks = (N + g - 1) / g;
 #pragma omp for schedule(static)
-        for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * 64, (c + 1) * 64 < N ? (c + 1) * 64 : N,
+        for (int c = 0; c < chunks; ++c) gemm(wtype, w, nb, a, M, y, N, c * g, (c + 1) * g < N ? (c + 1) * g : N,
                                               nullptr, false, exact);
     }
 }
