@@ -121,6 +121,60 @@ TP_AMX8_TARGET static inline void amx8_super(const uint8_t* g, const QAct& a, in
     (amx8_block<WT, RES, K>(g, a, m0, mr, kSuper * sb + K, dw, dm, bt, cbuf, acc), ...);
 }
 
+// Q4_K / Q5_K, two groups (32 outputs) at once: one A tile load feeds both groups' multiplies,
+// and the two groups' C tiles (0, 1 and 6, 7) are independent chains (tiles are not renamed).
+template <int WT, bool RES, int k>
+TP_AMX8_TARGET static inline void amx8_pair_block(const uint8_t* g0, const uint8_t* g1, const QAct& a, int m0, int mr,
+                                                  int b, const VF* dwm, uint8_t* bt, int32_t* cbuf, VF* acc0, VF* acc1) {
+    const size_t lda = size_t(a.nb) * QK;
+    for (int c = 0; c < 8; ++c) {
+        _mm512_store_si512(bt + 64 * c, kq_weights<WT, k>(g0, 0, c));
+        _mm512_store_si512(bt + 512 + 64 * c, kq_weights<WT, k>(g1, 0, c));
+    }
+    _tile_loadd(4, bt, 64);
+    _tile_loadd(5, bt + 512, 64);
+    _tile_loadd(2, a.q + size_t(m0) * lda + size_t(b) * QK, lda);
+    _tile_zero(0);
+    _tile_zero(6);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(6, 2, 5);
+    if constexpr (RES) {
+        _tile_loadd(3, a.q2 + size_t(m0) * lda + size_t(b) * QK, lda);
+        _tile_zero(1);
+        _tile_zero(7);
+        _tile_dpbsud(1, 3, 4);
+        _tile_dpbsud(7, 3, 5);
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(6, cbuf + 512, 64);
+    if constexpr (RES) {
+        _tile_stored(1, cbuf + 256, 64);
+        _tile_stored(7, cbuf + 768, 64);
+    }
+    for (int j = 0; j < 2; ++j) {
+        const uint8_t* g = j ? g1 : g0;
+        const int32_t* cj = cbuf + 512 * j;
+        VF* acc = j ? acc1 : acc0;
+        const VF dsc = vmul(dwm[2 * j], vcvt(vu8(g + 64 + 16 * k)));
+        const VF mw = vmul(dwm[2 * j + 1], vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k))));
+        for (int r = 0; r < mr; ++r) {
+            const size_t ab = size_t(m0 + r) * a.nb + b;
+            const VI co = _mm512_load_si512(cj + 16 * r);
+            const VI isum = RES ? combine(co, _mm512_load_si512(cj + 256 + 16 * r)) : co;
+            acc[r] = vfma(vcvt(isum), vmul(dsc, vfset(a.d[ab])), acc[r]);
+            acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+        }
+    }
+}
+
+template <int WT, bool RES, int... K>
+TP_AMX8_TARGET static inline void amx8_pair_super(const uint8_t* g0, const uint8_t* g1, const QAct& a, int m0, int mr,
+                                                  int sb, uint8_t* bt, int32_t* cbuf, VF* acc0, VF* acc1,
+                                                  std::integer_sequence<int, K...>) {
+    const VF dwm[4] = {vhalf(g0), vhalf(g0 + 32), vhalf(g1), vhalf(g1 + 32)};
+    (amx8_pair_block<WT, RES, K>(g0, g1, a, m0, mr, kSuper * sb + K, dwm, bt, cbuf, acc0, acc1), ...);
+}
+
 // y[m, n0..n1) for all M rows (as packed_gemm_t, whose store it repeats: + bias, + y).
 template <int WT, bool RES>
 TP_AMX8_TARGET static void amx_int8_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0,
@@ -128,25 +182,35 @@ TP_AMX8_TARGET static void amx_int8_gemm_t(const uint8_t* w, int nb, const QAct&
     constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
     alignas(64) uint8_t bt[1024] = {};  // Q6_K: each half's other rows stay zero
     alignas(64) int32_t cbuf[1024];
-    VF acc[16];
+    VF acc[32];  // [0, 16): group g's rows, [16, 32): group g + 1's (pairs)
     int loaded = 0;
-    for (int g = n0 / 16; g < n1 / 16; ++g) {
+    const int g1 = n1 / 16;
+    for (int g = n0 / 16; g < g1;) {
+        const int ng = WT != W_Q6KX16 && g + 1 < g1 ? 2 : 1;
         const uint8_t* wg = w + size_t(g) * (nb / kSuper) * GB;
-        const VF vb = bias ? vfload(bias + 16 * g) : vfzero();
         for (int m0 = 0; m0 < M;) {
             const int mr = amx_int8_tile_rows(M - m0, M);
             if (mr != loaded) amx_int8_config(mr), loaded = mr;
-            for (int r = 0; r < mr; ++r) acc[r] = vfzero();
-            for (int sb = 0; sb < nb / kSuper; ++sb)
-                amx8_super<WT, RES>(wg + sb * GB, a, m0, mr, sb, bt, cbuf, acc, std::make_integer_sequence<int, kSuper>{});
-            for (int r = 0; r < mr; ++r) {
-                float* dst = y + size_t(m0 + r) * ldy + 16 * g;
-                VF v = vfadd(acc[r], vb);
-                if (accumulate) v = vfadd(v, vfload(dst));
-                vfstore(dst, v);
+            for (int r = 0; r < 32; ++r) acc[r] = vfzero();
+            for (int sb = 0; sb < nb / kSuper; ++sb) {
+                if (ng == 2)
+                    amx8_pair_super<WT, RES>(wg + sb * GB, wg + (nb / kSuper) * GB + sb * GB, a, m0, mr, sb, bt, cbuf,
+                                             acc, acc + 16, std::make_integer_sequence<int, kSuper>{});
+                else
+                    amx8_super<WT, RES>(wg + sb * GB, a, m0, mr, sb, bt, cbuf, acc, std::make_integer_sequence<int, kSuper>{});
+            }
+            for (int j = 0; j < ng; ++j) {
+                const VF vb = bias ? vfload(bias + 16 * (g + j)) : vfzero();
+                for (int r = 0; r < mr; ++r) {
+                    float* dst = y + size_t(m0 + r) * ldy + 16 * (g + j);
+                    VF v = vfadd(acc[16 * j + r], vb);
+                    if (accumulate) v = vfadd(v, vfload(dst));
+                    vfstore(dst, v);
+                }
             }
             m0 += mr;
         }
+        g += ng;
     }
     if (loaded) _tile_release();
 }
