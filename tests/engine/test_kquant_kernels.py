@@ -206,3 +206,45 @@ def test_bf16_activations_on_amx_tiles(wtype, shape):
     if m > 32:
         head = K.gemm(lib, packed_type, packed, x[:32], k, isa, threads=2, bf16=True)  # BF16: one streaming pass
         assert np.array_equal(head, y[:32])
+
+
+KQUANTS = [K.Q4_K, K.Q5_K, K.Q6_K]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kquant_steps_of_8_rows_or_more_run_on_amx_int8_tiles(isa):
+    """A batched decode step of 8+ int8 rows on a K-quant matrix runs on AMX-INT8 tiles of up to 16
+    rows, of nearly equal rows (csrc/amx_int8.h): on the VNNI kernels its cost grew with every row
+    (a 32-row step ~9x a 1-row one on the ~1B Qwen3). Fewer rows keep the VNNI tiles."""
+    amx = isa == K.ISA_AVX512 and lib.has_amx_bf16
+    for wtype in (K.Q4KX16, K.Q5KX16, K.Q6KX16):
+        for fine in (False, True):
+            assert max(K.gemm_tiles(lib, wtype, 7, isa, fine)) <= 8
+            for m, want in ((8, [8]), (16, [16]), (20, [10, 10]), (32, [16, 16]), (33, [11, 11, 11])):
+                tiles = K.gemm_tiles(lib, wtype, m, isa, fine)
+                assert sum(tiles) == m
+                if amx:
+                    assert tiles == want, (K.TYPE_NAMES[wtype], fine, m, tiles)
+                else:
+                    assert max(tiles) <= 8, (K.TYPE_NAMES[wtype], fine, m, tiles)
+
+
+@pytest.mark.parametrize("wtype", KQUANTS, ids=lambda t: K.TYPE_NAMES[t])
+def test_kquant_steps_of_8_and_32_rows_keep_each_rows_bits(wtype):
+    """The tile path gives each row the bits of the same row alone (1-row VNNI step) and of AVX2, and
+    stays within the reference's tolerance: a batch does not change a greedy decode."""
+    rng = np.random.default_rng(42 + wtype)
+    n, k = 80, 768
+    q = random_blocks(wtype, n, k, rng)
+    wd = dequantized(wtype, q).astype(np.float64)
+    packed_type, packed = K.repack(lib, wtype, q)
+    x = rng.standard_normal((40, k)).astype(np.float32) * 3
+    for fine in (False, True):
+        ref = activations(x, fine) @ wd.T
+        for isa in ISAS:
+            alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, isa, threads=1, fine=fine)
+                                    for i in range(len(x))])
+            for m in (8, 9, 17, 32, 40):
+                y = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
+                assert np.array_equal(y, alone[:m]), (isa, fine, m)
+                assert np.abs(y - ref[:m]).max() <= 1e-5 * np.abs(ref[:m]).max()

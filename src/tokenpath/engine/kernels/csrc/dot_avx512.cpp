@@ -6,5 +6,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define TP_VNNI 1
 #define TP_NS tp::avx512
+#include "amx_tiles.h"  // amx_int8.h: the tile configuration
 #include "dot_impl.h"
 #include "stream_read.h"  // stream_xor: tp_stream_read's 512-bit read

@@ -165,6 +165,14 @@ static void gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int
 
 #include "packed_impl.h"
 #include "tile_pack.h"
+#include "amx_int8.h"
+
+int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes) {
+#if TP_VNNI
+    if (const int n = amx_int8_tiles(wtype, M, sizes)) return n;
+#endif
+    return packed_tiles(wtype, fine, M, sizes);
+}
 
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
@@ -183,6 +191,12 @@ void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float*
     if (wtype == W_Q4X16) return packed_gemm<W_Q4X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q8X16) return packed_gemm<W_Q8X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q5X16) return packed_gemm<W_Q5X16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+#if TP_VNNI
+    // K-quants, several int8 rows (batched decode): AMX-INT8 tiles, the same bits (amx_int8.h).
+    if (wtype == W_Q4KX16 && amx_int8_gemm<W_Q4KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate)) return;
+    if (wtype == W_Q5KX16 && amx_int8_gemm<W_Q5KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate)) return;
+    if (wtype == W_Q6KX16 && amx_int8_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate)) return;
+#endif
     if (wtype == W_Q4KX16) return packed_gemm<W_Q4KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q5KX16) return packed_gemm<W_Q5KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if (wtype == W_Q6KX16) return packed_gemm<W_Q6KX16>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);

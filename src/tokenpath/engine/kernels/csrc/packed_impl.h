@@ -439,7 +439,7 @@ static int tiles_of(bool fine, int M, int32_t* sizes) {
     return n;
 }
 
-int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes) {
+static int packed_tiles(int wtype, bool fine, int M, int32_t* sizes) {
     switch (wtype) {
         case W_Q4X16: return tiles_of<W_Q4X16>(fine, M, sizes);
         case W_Q8X16: return tiles_of<W_Q8X16>(fine, M, sizes);
