@@ -161,6 +161,9 @@ def poll_every(seconds: float) -> None:
     def patched(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.config.poll_interval_s = seconds
+        # Figures older than `stale_after_s` count as saturated (replica/remote.py), so polls
+        # sparser than that would route nothing: they stay fresh for four polls here.
+        self.config.stale_after_s = max(self.config.stale_after_s, 4 * seconds)
 
     RemoteReplica.__init__ = patched  # type: ignore[method-assign]
 
