@@ -55,6 +55,23 @@ TP_AMX8_TARGET inline void amx_int8_config(int mr) {
     _tile_loadconfig(&cfg);
 }
 
+// The Q4_K / Q5_K float work of sub-block k for a tile's rows, from their integer sums in c (and
+// the residual bytes' at c + 256): each row's sum times the block's scale and the row's activation
+// scale, plus the block's min times the row's sum of activations; the VNNI kernel's order.
+template <bool RES, int k>
+TP_AMX8_TARGET static inline void amx8_scale_min(const uint8_t* g, VF dw, VF dm, const int32_t* c, const QAct& a,
+                                                 int m0, int mr, int b, VF* acc) {
+    const VF dsc = vmul(dw, vcvt(vu8(g + 64 + 16 * k)));
+    const VF mw = vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k))));
+    for (int r = 0; r < mr; ++r) {
+        const size_t ab = size_t(m0 + r) * a.nb + b;
+        const VI co = _mm512_load_si512(c + 16 * r);
+        const VI isum = RES ? combine(co, _mm512_load_si512(c + 256 + 16 * r)) : co;
+        acc[r] = vfma(vcvt(isum), vmul(dsc, vfset(a.d[ab])), acc[r]);
+        acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+    }
+}
+
 // Sub-block k of super-block g (b = its 32-block index) for rows m0..m0+mr, added into acc.
 template <int WT, bool RES, int k>
 TP_AMX8_TARGET static inline void amx8_block(const uint8_t* g, const QAct& a, int m0, int mr, int b, VF dw, VF dm,
@@ -102,15 +119,7 @@ TP_AMX8_TARGET static inline void amx8_block(const uint8_t* g, const QAct& a, in
             }
         }
     } else {
-        const VF dsc = vmul(dw, vcvt(vu8(g + 64 + 16 * k)));
-        const VF mw = vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k))));
-        for (int r = 0; r < mr; ++r) {
-            const size_t ab = size_t(m0 + r) * a.nb + b;
-            const VI co = _mm512_load_si512(cbuf + 16 * r);
-            const VI isum = RES ? combine(co, _mm512_load_si512(cbuf + 256 + 16 * r)) : co;
-            acc[r] = vfma(vcvt(isum), vmul(dsc, vfset(a.d[ab])), acc[r]);
-            acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
-        }
+        amx8_scale_min<RES, k>(g, dw, dm, cbuf, a, m0, mr, b, acc);
     }
 }
 
@@ -151,20 +160,8 @@ TP_AMX8_TARGET static inline void amx8_pair_block(const uint8_t* g0, const uint8
         _tile_stored(1, cbuf + 256, 64);
         _tile_stored(7, cbuf + 768, 64);
     }
-    for (int j = 0; j < 2; ++j) {
-        const uint8_t* g = j ? g1 : g0;
-        const int32_t* cj = cbuf + 512 * j;
-        VF* acc = j ? acc1 : acc0;
-        const VF dsc = vmul(dwm[2 * j], vcvt(vu8(g + 64 + 16 * k)));
-        const VF mw = vmul(dwm[2 * j + 1], vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k))));
-        for (int r = 0; r < mr; ++r) {
-            const size_t ab = size_t(m0 + r) * a.nb + b;
-            const VI co = _mm512_load_si512(cj + 16 * r);
-            const VI isum = RES ? combine(co, _mm512_load_si512(cj + 256 + 16 * r)) : co;
-            acc[r] = vfma(vcvt(isum), vmul(dsc, vfset(a.d[ab])), acc[r]);
-            acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
-        }
-    }
+    amx8_scale_min<RES, k>(g0, dwm[0], dwm[1], cbuf, a, m0, mr, b, acc0);
+    amx8_scale_min<RES, k>(g1, dwm[2], dwm[3], cbuf + 512, a, m0, mr, b, acc1);
 }
 
 template <int WT, bool RES, int... K>
