@@ -106,6 +106,7 @@ print(json.dumps(rss() - base))
 """
 
 
+@pytest.mark.slow  # two fresh interpreters, each loading tokenizers (the fast tier starts no process)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
 def test_the_engine_keeps_less_of_the_heap_than_from_file(synthetic):
     """The engine's loader (`_load_saved`), against `from_file`, each in a fresh process: 23 MiB
