@@ -53,7 +53,7 @@ SLOW_MODULES = frozenset({
     "tests/reliability/test_audit_faults.py", "tests/reliability/test_nasty_names.py",
     "tests/reliability/test_engine_stall.py", "tests/reliability/test_inprocess_stall.py",
     "tests/reliability/test_schemathesis_real_model.py", "tests/reliability/test_slow_readers.py",
-    "tests/reliability/test_stall_tenants.py",
+    "tests/reliability/test_stall_tenants.py", "tests/reliability/test_share_preemption.py",
     "tests/replica/test_remote_constraints.py", "tests/replica/test_link_hello.py", "tests/api/test_model_catalog.py", "tests/engine/test_native_without_torch.py",
     "tests/telemetry/test_causes.py", "tests/telemetry/test_dashboard_replicas.py",
     # Over ~12 s in all: tiny checkpoints saved and run by transformers and the engine, real
