@@ -195,3 +195,46 @@ async def test_unloading_closes_the_deployments_flow_through_its_public_close():
     flow = bare.flow
     await bare.close_flow()
     assert bare.flow is flow
+
+
+async def test_an_unload_waits_for_a_finishing_request_to_let_go_then_frees():
+    """A request whose reply was sent releases the model and then still holds its deployment while
+    its end runs (the audit write): an unload arriving then must free it once that lets go, not
+    free nothing (CI: 327 MiB before a load, 440 after its unload). `free` records whether the
+    deployment was still alive each time it ran; the unload returns only after it was gone."""
+    import weakref
+
+    alive: list[bool] = []
+    refs: list[weakref.ref[Deployment]] = []
+
+    async def load(entry: CatalogEntry) -> Loaded:
+        dep = Deployment(entry.id, entry.task)
+        refs.append(weakref.ref(dep))
+
+        async def close() -> None:
+            pass
+
+        async def free() -> None:
+            import gc
+
+            gc.collect()
+            alive.append(refs[-1]() is not None)
+
+        return Loaded(dep, close, MIB, free)
+
+    cat = ModelCatalog([CatalogEntry("a", "/models/a.gguf", "chat")], load, CatalogConfig())
+    held, release = await cat.acquire("a")
+    release()  # (the reply was sent; the request's end goes on, holding `held`)
+
+    async def finishing(dep: Deployment) -> None:
+        await asyncio.sleep(0.3)
+        del dep
+
+    ending = asyncio.create_task(finishing(held))
+    del held
+    started = time.monotonic()
+    await cat.unload("a")
+    assert refs[-1]() is None, "the unload returned with the deployment still alive"
+    assert alive[0] and not alive[-1], alive  # held at the first collection, gone at the last
+    assert 0.25 < time.monotonic() - started < 3.0
+    await ending
