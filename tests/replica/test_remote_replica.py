@@ -386,3 +386,12 @@ async def test_an_open_stream_keeps_the_metrics_read_every_poll():
         # after it ends), so two may skip the page; idle, it would be read at most once in 0.4 s.
         assert during["metrics"] >= during["health"] - 2 >= 3, during
         await rep.close()
+
+
+def test_polls_sparser_than_the_stale_bound_are_refused_naming_both():
+    """Figures polled every 5 s with a 1 s stale bound read as saturated between polls: the replica
+    would never be routed to, silently. The config refuses it (the benchmarks' diagnostic hook
+    met exactly this)."""
+    with pytest.raises(ValueError, match=r"stale_after_s \(1.0\) must be above poll_interval_s \(5.0\)"):
+        RemoteReplicaConfig(url="http://127.0.0.1:1", poll_interval_s=5.0)
+    assert RemoteReplicaConfig(url="http://127.0.0.1:1", poll_interval_s=5.0, stale_after_s=20.0).stale_after_s == 20.0

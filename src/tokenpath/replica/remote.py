@@ -135,6 +135,13 @@ class RemoteReplicaConfig:
     # 4 times a second per polling gateway, on the cores its requests need (issue 37).
     idle_metrics_s: float | None = None
 
+    def __post_init__(self) -> None:
+        # Figures polled less often than they go stale would read as saturated between every two
+        # polls: a replica that nothing is ever routed to, with no error saying why.
+        if self.stale_after_s <= self.poll_interval_s:
+            raise ValueError(f"stale_after_s ({self.stale_after_s}) must be above poll_interval_s "
+                             f"({self.poll_interval_s}): figures would be stale between polls")
+
 
 class RemoteReplica(PolledState):
     config: RemoteReplicaConfig
