@@ -13,8 +13,9 @@ import sys
 
 from tokenpath.config import env_help, version
 
+ENGINE_MODULE = "tokenpath.server.cli"  # (`tokenpath engine`'s, with `serve`)
 COMMAND_MODULES = (
-    "tokenpath.server.cli",
+    ENGINE_MODULE,
     "tokenpath.gateway.cli",
     "tokenpath.bench.cli",
     "tokenpath.replica.ray_status",
@@ -22,12 +23,14 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `only`, that command's module alone (`engine`: an engine process
+    launched by a gateway imports no other command's code: measured 9 MiB of its RSS)."""
     parser = argparse.ArgumentParser(prog="tokenpath", description=__doc__.splitlines()[0], epilog=env_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokenpath {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in (COMMAND_MODULES if only is None else (only,)):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:  # an area not built yet; never hide a broken import inside it
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    lean = ENGINE_MODULE if given[:1] == ["engine"] else None
+    args = build_parser(lean).parse_args(argv)
     code = int(args.func(args) or 0)
     if argv is None and getattr(args, "exit_fast", False):
         exit_now(code)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # argparse is the CLI's (0.4 MiB): `LLM(...)` and an engine b
     import argparse
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+DEFAULT_POLICY = "prefix_aware"  # the replica picker when none is named (routing.replicas has them all)
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,

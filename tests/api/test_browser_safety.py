@@ -15,7 +15,7 @@ from tests.simulated_replica import SimulatedReplica
 from tokenpath.api.settings import ApiSettings
 from tokenpath.cli import build_parser
 from tokenpath.gateway import Gateway, GatewayStore
-from tokenpath.server.cli import build_config
+from tokenpath.server.config import build_config
 
 KEY = "tp-" + "k" * 43
 

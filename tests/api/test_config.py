@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenpath.addresses import is_loopback
 from tokenpath.cli import build_parser
-from tokenpath.server.cli import build_config, is_loopback
+from tokenpath.server.config import build_config
 
 
 def parse(*argv: str):
@@ -51,6 +52,6 @@ def test_serve_runs_on_uvloop():
     of vLLM it relayed each request with less CPU and ~1 ms less added TTFT than asyncio's loop."""
     import uvloop
 
-    from tokenpath.server.cli import loop_factory
+    from tokenpath.server.serve import loop_factory
 
     assert loop_factory() is uvloop.new_event_loop

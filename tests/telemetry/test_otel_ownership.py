@@ -24,7 +24,8 @@ from tokenpath.protocol.outputs import EngineEvents
 from tokenpath.protocol.wire import decode_output, decode_request, encode_output, encode_request
 from tokenpath.replica.events import stamp_events
 from tokenpath.telemetry.engine_spans import EngineSpanRecord, record_engine_trace, will_export
-from tokenpath.telemetry.otel import begin_trace, engine_service_name
+from tokenpath.telemetry.otel import begin_trace
+from tokenpath.telemetry.otel_env import engine_service_name
 from tokenpath.telemetry.otel_metrics import DURATION_BUCKETS, TTFT_BUCKETS, record_genai_metrics
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.timeline import Timeline

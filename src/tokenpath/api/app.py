@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from tokenpath.addresses import is_loopback
 from tokenpath.api import fast_routes, structured
 from tokenpath.api.anthropic.errors import reshape_for
 from tokenpath.api.anthropic.routes import router as anthropic_routes
-from tokenpath.api.browser import BrowserGuardMiddleware, is_loopback
+from tokenpath.api.browser import BrowserGuardMiddleware
 from tokenpath.api.dashboard import page_headers, sample_engines
 from tokenpath.api.dashboard import router as dashboard_routes
 from tokenpath.api.errors import install_error_handlers

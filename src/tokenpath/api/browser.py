@@ -17,7 +17,6 @@ A server on loopback with auth off is reachable from any page the operator opens
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
@@ -33,15 +32,6 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 _FRAMED = ("/dashboard",)  # pages: never inside another site's frame
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def host_name(value: str) -> str:

@@ -43,12 +43,12 @@ from collections.abc import Sequence
 from typing import TypedDict, Unpack
 
 from tokenpath.admission.picker import Pick, ReplicaPicker
+from tokenpath.config import DEFAULT_POLICY
 from tokenpath.engine.block_hash import block_hashes, lora_root
 from tokenpath.protocol import ReplicaState, Routable
 from tokenpath.routing.lora_affinity import lora_candidates
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
-DEFAULT_POLICY = "prefix_aware"
 _DEFAULT_BATCH = 8  # normaliser when a replica does not report max_num_seqs
 
 

@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 
-from tokenpath.api.browser import is_loopback
+from tokenpath.addresses import is_loopback
 from tokenpath.config import DEFAULT_CHAT_MODEL, ENGINE_SECRET_ENV, EngineLaunch, env_grammar_warmup
 from tokenpath.server.config import build_config
 from tokenpath.server.memory import freeze_startup_heap

@@ -17,13 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind
+from tokenpath.telemetry.otel_env import engine_service_name, exporter_kind
 
-from tokenpath.telemetry.otel import caller_context, engine_service_name, setup_tracing
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger("tokenpath.telemetry")
 
@@ -32,7 +31,12 @@ def setup_engine_tracing(step_observers: list) -> TracerProvider | None:
     """Tracing for an engine outside the gateway's process (an engine process, a Ray actor), set by
     the OTEL_* environment the gateway passes on (its `--otlp-endpoint` arrives as
     OTEL_EXPORTER_OTLP_ENDPOINT). When on, the engine's steps also record prefill chunks for the
-    trace's prefill span (`annotate_step` joins `step_observers`), as in-process. None: tracing off."""
+    trace's prefill span (`annotate_step` joins `step_observers`), as in-process. None: tracing off,
+    decided before the SDK is imported (an engine process without tracing loads none of it)."""
+    if exporter_kind("traces", None) == "none":
+        return None
+    from tokenpath.telemetry.otel import setup_tracing
+
     try:
         provider = setup_tracing(None, service_name=engine_service_name(), fixed_name=True)
     except ValueError as exc:
@@ -73,6 +77,10 @@ class EngineSpanRecord:
 
 def will_export(provider: TracerProvider | None, traceparent: str | None) -> bool:
     """Whether `record_engine_trace` exports this request's spans (the gateway must then not)."""
+    if provider is None:
+        return False
+    from tokenpath.telemetry.otel import caller_context
+
     return provider is not None and traceparent is not None and caller_context({"traceparent": traceparent}) is not None
 
 
@@ -99,6 +107,10 @@ def record_engine_trace(provider: TracerProvider | None, r: EngineSpanRecord) ->
     if not will_export(provider, r.traceparent) or r.queued is None:
         return
     try:
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        from tokenpath.telemetry.otel import caller_context
         from tokenpath.telemetry.tracing import itl_attributes
 
         parent = caller_context({"traceparent": r.traceparent or ""})

@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from tokenpath.telemetry.otel_env import exporter_kind
 from tokenpath.telemetry.timeline import Timeline
 
 log = logging.getLogger("tokenpath.telemetry")
@@ -58,22 +59,6 @@ def preset_ids(trace_id: int | None = None, span_id: int | None = None) -> Itera
         yield
     finally:
         _PRESET.reset(token)
-
-
-def exporter_kind(signal: str, otlp_endpoint: str | None) -> str:
-    """Which exporter one signal ("traces" or "metrics") asks for: "otlp", "console", another
-    name (refused by `pick_exporter`) or "none", from `--otlp-endpoint` and the OTEL_* variables."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return "none"
-    if otlp_endpoint:
-        return "otlp"
-    kind = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
-    if kind:
-        return kind.split(",")[0].strip()
-    if (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")):
-        return "otlp"
-    return "none"  # off by default, unlike the SDK's own default
 
 
 def pick_exporter(signal: str, kind: str, otlp_endpoint: str | None, console: Callable[[], Any]) -> Any:
@@ -130,15 +115,6 @@ def otlp_exporter(signal: str, endpoint: str | None) -> Any:
         path = f"/v1/{signal}"
         return http(endpoint=endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path)
     return http()
-
-
-def engine_service_name() -> str:
-    """The service an engine outside the gateway's process exports as: `tokenpath-engine`, or
-    `{OTEL_SERVICE_NAME}-engine` when the gateway's service was renamed. Engine processes and Ray
-    actors inherit the gateway's OTEL_* variables; taking OTEL_SERVICE_NAME as it is would merge
-    the two services into one."""
-    gateway = os.environ.get("OTEL_SERVICE_NAME", "").strip()
-    return f"{gateway}-engine" if gateway else "tokenpath-engine"
 
 
 def setup_tracing(otlp_endpoint: str | None = None, *, service_name: str = "tokenpath",

@@ -34,7 +34,8 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 
-from tokenpath.telemetry.otel import exporter_kind, install_provider, pick_exporter
+from tokenpath.telemetry.otel import install_provider, pick_exporter
+from tokenpath.telemetry.otel_env import exporter_kind
 from tokenpath.telemetry.record import FinishedRequest
 from tokenpath.telemetry.stages import after_first_token
 from tokenpath.telemetry.tracing import PROVIDER_NAME
