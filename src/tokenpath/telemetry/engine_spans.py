@@ -119,7 +119,7 @@ def record_engine_trace(provider: TracerProvider | None, r: EngineSpanRecord) ->
         queued = r.queued
         end = r.finished if r.finished is not None else time.monotonic()
         tracer = provider.get_tracer("tokenpath.engine")  # type: ignore[union-attr]
-        root = tracer.start_span(f"engine {r.model}", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),  # type: ignore[arg-type]
+        root = tracer.start_span(f"engine {r.model}", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
                                  kind=SpanKind.SERVER, start_time=ns(queued), attributes=_attributes(r))
         ctx = trace.set_span_in_context(root)
         prev = queued
