@@ -103,8 +103,8 @@ def extensions() -> list[Extension]:
     if os.environ.get("TOKENPATH_NO_KERNELS") == "1" or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     return [
-        _kernel_extension("_native_avx2", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "forward_avx2.cpp")),
-        _kernel_extension("_native_avx512", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "attn_amx.cpp", "attn_avx512.cpp", "forward.cpp")),
+        _kernel_extension("_native_avx2", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "forward_avx2.cpp", "bpe.cpp")),
+        _kernel_extension("_native_avx512", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "attn_amx.cpp", "attn_avx512.cpp", "forward.cpp", "bpe.cpp")),
     ]
 
 

@@ -27,7 +27,9 @@ from tokenpath.engine.chat_template import ChatTemplate
 from tokenpath.engine.digests import sha256
 from tokenpath.engine.heap import trim_heap
 from tokenpath.engine.structured.grammar import GrammarCache
-from tokenpath.engine.tokenizer_json import read_tokenizer_json
+from tokenpath.engine.tokenizer_bpe import CompactBPE
+from tokenpath.engine.tokenizer_bpe import DecodeStream as CompactDecodeStream
+from tokenpath.engine.tokenizer_json import read_tokenizer
 from tokenpath.errors import InvalidRequestError, ModelLoadError
 from tokenpath.protocol.sampling_params import StructuredOutput
 
@@ -48,7 +50,9 @@ class Tokenizer:
         """`chat_template`: a template file that replaces the model's own (--chat-template)."""
         parts = _load_parts(source)
         trim_heap()  # the JSON parse's freed buffers: ~180 MiB for a 262k vocabulary
-        self.backend: tokenizers.Tokenizer = parts.backend
+        # The `tokenizers` object, or for a large SentencePiece-style BPE (Gemma) the compact one of
+        # engine/tokenizer_bpe.py, which answers the same calls (encode, decode, token_to_id, ...).
+        self.backend: tokenizers.Tokenizer | CompactBPE = parts.backend
         specials = parts.specials
         eos = self._id(specials.get("eos_token"))
         self.eos_token_id: int = eos if eos is not None else -1
@@ -100,13 +104,16 @@ class Tokenizer:
         Serialized once; the key is its digest."""
         with self._grammar_lock:
             if self._grammar_source is None:
-                backend = copy.copy(self.backend)
-                backend.no_padding()
-                backend.no_truncation()
-                text = backend.to_str()
+                if isinstance(self.backend, CompactBPE):  # its file has no padding or truncation
+                    text = self.backend.to_str()
+                else:
+                    backend = copy.copy(self.backend)
+                    backend.no_padding()
+                    backend.no_truncation()
+                    text = backend.to_str()
+                    del backend
                 key = sha256(text.encode()).hexdigest()[:16]
                 self._grammar_source = (key, (text, self.vocab_size, self.eos_token_id))
-                del backend
                 trim_heap()  # the backend's copy and its JSON, freed: 35 of the 38 MiB it left resident (SmolLM2)
             return self._grammar_source
 
@@ -147,13 +154,14 @@ class IncrementalDetokenizer:
     BPE splits emoji and CJK across tokens), so partial bytes are held back until they complete.
     """
 
-    def __init__(self, backend, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer | CompactBPE, skip_special_tokens: bool) -> None:
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = (CompactDecodeStream(skip_special_tokens) if isinstance(backend, CompactBPE)
+                        else DecodeStream(skip_special_tokens=skip_special_tokens))
 
     def step(self, token_id: int) -> str:
         try:
-            return self._stream.step(self._backend, token_id) or ""
+            return self._stream.step(self._backend, token_id) or ""  # type: ignore[arg-type]
         except Exception:  # an id outside the vocabulary: emit nothing rather than kill the step loop
             return ""
 
@@ -178,7 +186,7 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
 class Parts:
     """What a tokenizer is made of here: `tokenizers`' object, the special tokens by role (the
     chat template's variables too), and the chat template (a table of named ones in some configs)."""
-    backend: tokenizers.Tokenizer
+    backend: tokenizers.Tokenizer | CompactBPE
     specials: dict[str, Any]
     chat_template: str | dict[str, str] | None
 
@@ -194,7 +202,7 @@ def _load_saved(directory: Path, config: dict | None = None) -> Parts:
         config = json.loads((directory / "tokenizer_config.json").read_text())
     template_file = directory / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-    return Parts(read_tokenizer_json(directory / "tokenizer.json"),
+    return Parts(read_tokenizer(directory / "tokenizer.json"),
                  {k: config[k] for k in SPECIAL_KEYS if isinstance(config.get(k), str)},
                  template if isinstance(template, str) else None)
 

@@ -16,6 +16,9 @@ resolves to the id the file gives it, as it does against the full vocabulary. Th
 to the JSON `from_file`'s does (tests/engine/test_tokenizer_json.py checks it, and that it encodes and
 decodes alike). Gemma 3: 78 MiB resident instead of 97; SmolLM2: 13 instead of 16.
 
+A large SentencePiece-style BPE (Gemma's 262k tokens) is read by `read_tokenizer` into a
+`CompactBPE` instead (engine/tokenizer_bpe.py): ~15 MiB where `tokenizers` holds ~78.
+
 Other models (WordPiece, Unigram, a BPE with merges in the legacy "a b" spelling) go to
 `from_file`: nothing here would change how they read.
 """
@@ -28,6 +31,9 @@ from typing import Any
 
 import tokenizers
 from tokenizers.models import BPE
+
+from tokenpath.engine.tokenizer_bpe import CompactBPE
+from tokenpath.engine.tokenizer_bpe_spec import compact_spec
 
 # models.BPE's keyword arguments that a serialized BPE model carries (None: the default).
 BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
@@ -51,9 +57,25 @@ def _bpe_parts(spec: dict[str, Any]) -> tuple[dict[str, int], list[tuple[str, st
     return vocab, merges
 
 
+def read_tokenizer(path: Path) -> tokenizers.Tokenizer | CompactBPE:
+    """The tokenizer saved at `path`: a `CompactBPE` where it reads the file exactly (a large
+    SentencePiece-style BPE: Gemma's), else `tokenizers`' own (`read_tokenizer_json`)."""
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    if compact_spec(spec):
+        return CompactBPE(spec, path)
+    box = [spec]
+    del spec  # the box holds the only reference: `_from_spec` frees the parse before it builds
+    return _from_spec(box, path)
+
+
 def read_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
     """The tokenizer saved at `path` (a tokenizer.json), as `Tokenizer.from_file` reads it."""
-    spec = json.loads(path.read_text(encoding="utf-8"))
+    return _from_spec([json.loads(path.read_text(encoding="utf-8"))], path)
+
+
+def _from_spec(box: list[dict[str, Any]], path: Path) -> tokenizers.Tokenizer:
+    """The parsed file (taken out of `box`, so that it is freed where this function frees it)."""
+    spec = box.pop()
     parts = _bpe_parts(spec)
     if parts is None:
         del spec

@@ -39,6 +39,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_stream_read": (None, [_I, _P, _I, _I, _I, _P, _P]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
     "tp_gemm_tiles": (_I, [_I, _I, _I, _I, _P]),
+    "tp_bpe_merge": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P]),
 }
 
 # csrc/forward.cpp tp_model_abi: the argument layout this module passes (2: KV-cache groups;

@@ -49,6 +49,12 @@ void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, con
 // the XOR of the buffer's 64-bit words.
 void tp_stream_read(int isa, const uint8_t* buf, int mib, int nthreads, int reps, double* seconds,
                     uint64_t* checksum);
+// bpe.cpp: `tokenizers`' BPE merges over n_words words of initial symbols (syms, word i ending at
+// word_ends[i]); the merged words are written to the front of syms, word i ending at out_ends[i].
+// Returns the symbols written. The merges with left id a: entries starts[a] .. starts[a + 1] - 1 of
+// rights (ascending), ranks and results; starts has n_vocab + 1 entries.
+int tp_bpe_merge(const int32_t* starts, int n_vocab, const uint32_t* rights, const uint32_t* ranks,
+                 const uint32_t* results, int32_t* syms, const int32_t* word_ends, int n_words, int32_t* out_ends);
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode);
 // Tests only: the rows of each tile a repacked GEMM of M rows runs (packed_impl.h tile_rows), in
