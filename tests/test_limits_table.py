@@ -38,6 +38,7 @@ INTERNAL = {
     "engine/core.py:MAX_CONTEXT_DEFAULT": "the engine's default context when a model names none",
     "engine/kernels/model.py:MAX_PARTS": "a kernel's layout (csrc/forward.cpp kMaxParts)",
     "engine/lora_batch.py:MAX_NATIVE_RANK": "a kernel's bound on LoRA rank (kLoraMaxRank)",
+    "engine/tokenizer_bpe_spec.py:MIN_VOCAB": "the vocabulary size from which the compact BPE is used (a memory choice, not a cap)",
     "engine/spec/state.py:MAX_PAUSE": "speculative decoding's internal back-off",
     "gateway/audit_writer.py:RETRY_MAX_S": "the audit store's retry backoff",
     "gateway/audit_writer.py:WAIT_MAX_S": "the audit store's write wait",
