@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <sched.h>
+#include <pthread.h>  // sched_yield, nanosleep (POSIX: it shows <sched.h> and <time.h>)
 #include <sys/mman.h>  // step_alloc.h
 
 #include <algorithm>
@@ -36,26 +36,25 @@ using namespace tp;
 namespace {
 
 constexpr int kOwnRowsMax = 4;  // steps of at most this many rows quantize per thread (see tp_model_forward)
-
+constexpr timespec kNap{0, 20000}; constexpr int kNapRows = 64;  // team_for's waits: see Phase
 // One work-sharing phase of a step. Items are claimed dynamically and a thread waits only until
-// every item is done, not until every thread arrives: on a shared machine a descheduled thread
-// held OpenMP's barriers for a whole time slice each (decode fell from ~90 to under 1 tok/s with
-// another process busy); here it delays the others by at most the one item it holds.
+// every item is done (a descheduled thread held OpenMP's barriers a time slice each). Past a short
+// spin, in a step of at most kNapRows rows (decode), a waiter naps 20 us: its core goes idle and the
+// kernel moves the item's owner over from a core another process took (sched_yield kept this core
+// busy, the owner stuck behind the other). Prompt steps still yield: napping cost them CPU time.
 struct alignas(64) Phase {
     std::atomic<int> next{0};
     alignas(64) std::atomic<int> done{0};
 };
 
-// One thread's walk through a step's phases. Every thread walks the same sequence, so each
-// claims phase `idx` in turn; `n` is how many were allocated (phases_for_step). Should a walk ever
-// go past them (a phase added to the forward without being counted), every thread skips the
-// surplus alike (no write past the array, no thread left waiting) and flags `overflow`, which the
-// forward returns as TP_STATUS_PHASES: Python raises rather than using the step's logits.
+// One thread's walk through a step's phases: each claims phase `idx` in turn; `n` is how many were
+// allocated (phases_for_step). A walk past them (a phase added to the forward, not counted) skips
+// the surplus in every thread alike and flags `overflow`: the forward returns TP_STATUS_PHASES.
 struct PhaseCursor {
     Phase* phases;
     int n;
     std::atomic<int>* overflow;
-    int idx = 0;
+    int idx = 0; bool nap = false;  // nap: a step of at most kNapRows rows
 };
 
 template <class F>
@@ -73,6 +72,7 @@ inline void team_for(PhaseCursor& pc, int n, int grain, F&& fn) {
     }
     for (int spins = 0; p.done.load(std::memory_order_acquire) < chunks; ++spins) {
         if (spins < 4000) _mm_pause();
+        else if (pc.nap) nanosleep(&kNap, nullptr);  // (see Phase)
         else sched_yield();  // the item's owner may be waiting for this core
     }
 }
@@ -399,7 +399,7 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
 
 #pragma omp parallel num_threads(nthreads)
     {
-        PhaseCursor pc{m.phases.get(), int(need_phases), &overflow};  // this thread's walk (the same for all)
+        PhaseCursor pc{m.phases.get(), int(need_phases), &overflow, 0, T <= kNapRows};  // this thread's walk
         float* scratch = m.scores.data() + per_thread * omp_get_thread_num();
         float* tmp = scratch + attn_floats;
         const int enb = (H + QK - 1) / QK;
