@@ -102,7 +102,10 @@ def test_the_engine_starts_beside_the_open_write_and_the_first_token_waits_for_i
     t.start()
     # The row's write is under way and held: the engine has the request all the same (the write
     # no longer stands between admission and dispatch) ...
-    _until(lambda: bool(replica.served), "the engine to start the request while its audit row is being written")
+    # (Both are waited for: the engine takes the request in the dispatch's own step, and the row's
+    # write starts at the event loop's next turn, so this thread could look in between.)
+    _until(lambda: bool(replica.served) and bool(guard.events),
+           "the engine to start the request while its audit row is being written")
     assert [e for e, _ in guard.events] == ["open started"]
     # ... but the client has nothing: no status line, no token (the first is made in 5 ms), for as
     # long as the write takes.

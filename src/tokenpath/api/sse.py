@@ -164,13 +164,25 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 @contextlib.asynccontextmanager
 async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[None]:
-    """While the block runs, a client disconnect sets `stop` (non-streaming requests)."""
+    """While the block runs, a client disconnect sets `stop` (non-streaming requests, and a
+    stream's wait for its first output)."""
 
     async def watch() -> None:
         await _wait_for_disconnect(request.receive)
         stop.set("disconnect")
 
-    task = asyncio.create_task(watch())
+    task: asyncio.Task | None = None
+    done = False
+
+    def start() -> None:
+        nonlocal task
+        if not done:
+            task = asyncio.create_task(watch())
+
+    # The watcher is made at the loop's next turn, not here: a task made here would first run then
+    # anyway (once the block waits, for the replica), and making it was on the request's way to the
+    # backend (issue 37). A block that ends before that turn needed no watcher.
+    starting = asyncio.get_running_loop().call_soon(start)
     try:
         yield
     finally:
@@ -178,7 +190,10 @@ async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[
         # end took three turns of the event loop after the block's own work was done, between a
         # stream's first token and its headers (issue 37). A disconnect it missed is still there
         # for the next reader of `receive` (uvicorn answers every later call with it).
-        task.cancel()
+        done = True
+        starting.cancel()
+        if task is not None:
+            task.cancel()
 
 
 class ClientStalled(Exception):
@@ -248,9 +263,21 @@ class SSEResponse(Response):
             await _wait_for_disconnect(receive)
             self.stop.set("disconnect")
 
-        watcher = asyncio.create_task(watch())
         writer = asyncio.current_task()
-        dog = asyncio.create_task(self._watchdog(writer)) if writer is not None else None
+        tasks: list[asyncio.Task] = []
+        closed = False
+
+        def start_watching() -> None:
+            if not closed:
+                tasks.append(asyncio.create_task(watch()))
+                if writer is not None:
+                    tasks.append(asyncio.create_task(self._watchdog(writer)))
+
+        # The disconnect watcher and the stall watchdog are made at the loop's next turn, not here:
+        # a task made here would first run then anyway (once this writer waits: for the next
+        # event, or on a send the client pushes back), and making two on the way to the first
+        # byte cost tens of microseconds there (issue 37).
+        starting = asyncio.get_running_loop().call_soon(start_watching)
         transport = scope.get(TRANSPORT_KEY)
         blocked = 0.0
         try:
@@ -291,10 +318,11 @@ class SSEResponse(Response):
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
+            closed = True
+            starting.cancel()
             self._sending_since = None
             if self.timeline is not None and blocked:
                 self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
-            tasks = [watcher] + ([dog] if dog is not None else [])
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
