@@ -8,6 +8,7 @@ so every test run also checks graceful shutdown.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -44,6 +45,18 @@ class Server:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def request_log(self, request_id: str, timeout: float = 10) -> dict:
+        """The server's JSON log line for one request. It is written as the request ends, after
+        its reply (a client may read the last byte a moment before): waited for, up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in reversed(self.output().splitlines()):
+                if line.startswith("{") and f'"request_id":"{request_id}"' in line.replace(" ", ""):
+                    return json.loads(line)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line for {request_id}:\n{self.output()[-2000:]}")
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

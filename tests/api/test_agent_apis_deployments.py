@@ -7,9 +7,6 @@ line of each names the replica kind that served it."""
 
 from __future__ import annotations
 
-import json
-import time
-
 import anthropic
 import openai
 import pytest
@@ -22,14 +19,7 @@ GREEDY = {"temperature": 0}  # (this anthropic SDK has no sampling arguments; th
 def _logged(server, request_id: str) -> dict:
     """The server's request log line for one request (written as the request ends: a streamed
     reply's client may read its last event a moment before)."""
-    deadline = time.monotonic() + 10
-    while True:
-        for line in reversed(server.output().splitlines()):
-            if line.startswith("{") and f'"request_id":"{request_id}"' in line.replace(" ", ""):
-                return json.loads(line)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no log line for {request_id}:\n{server.output()[-2000:]}")
-        time.sleep(0.05)
+    return server.request_log(request_id)
 
 
 @pytest.fixture(scope="module")

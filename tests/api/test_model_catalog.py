@@ -6,7 +6,6 @@ catalog dir, and the packaged MiniLM embeddings as the second model), loads coun
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -102,8 +101,7 @@ def test_a_second_model_evicts_the_idle_one_under_max_loaded_models(http):
     r = chat(http, SMOL)  # and back: the embedding model goes
     assert r.status_code == 200 and "model_load;dur=" in r.headers["server-timing"]
     assert cards(http)[EMBED_MODEL]["state"] == "unloaded"
-    line = next(json.loads(ln) for ln in reversed(http.server.output().splitlines())  # type: ignore[attr-defined]
-                if ln.startswith("{") and r.headers["x-request-id"] in ln)
+    line = http.server.request_log(r.headers["x-request-id"])  # type: ignore[attr-defined]
     assert "model_load" in {c["kind"] for c in line["causes"]}
 
 
