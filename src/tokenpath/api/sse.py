@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -162,27 +162,37 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
+class NextTurnTasks:
+    """Tasks made at the loop's next turn, not now: a task made on a request's way to the backend
+    or to its first byte would first run at that turn anyway (once the request waits), and making
+    it there was on the path (issue 37). `cancel` before that turn makes none."""
+
+    def __init__(self, *make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self.tasks: list[asyncio.Task] = []
+        self._starting = asyncio.get_running_loop().call_soon(self._start, make)
+
+    def _start(self, make: tuple[Callable[[], Coroutine[Any, Any, None]], ...]) -> None:
+        self.tasks = [asyncio.create_task(m()) for m in make]
+
+    def cancel(self) -> list[asyncio.Task]:
+        """Cancel them (or their making); the tasks made, for a caller that waits for their end."""
+        self._starting.cancel()
+        for task in self.tasks:
+            task.cancel()
+        return self.tasks
+
+
 @contextlib.asynccontextmanager
 async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[None]:
     """While the block runs, a client disconnect sets `stop` (non-streaming requests, and a
-    stream's wait for its first output)."""
+    stream's wait for its first output). A block that ends before the loop's next turn needs no
+    watcher, and gets none (`NextTurnTasks`)."""
 
     async def watch() -> None:
         await _wait_for_disconnect(request.receive)
         stop.set("disconnect")
 
-    task: asyncio.Task | None = None
-    done = False
-
-    def start() -> None:
-        nonlocal task
-        if not done:
-            task = asyncio.create_task(watch())
-
-    # The watcher is made at the loop's next turn, not here: a task made here would first run then
-    # anyway (once the block waits, for the replica), and making it was on the request's way to the
-    # backend (issue 37). A block that ends before that turn needed no watcher.
-    starting = asyncio.get_running_loop().call_soon(start)
+    watcher = NextTurnTasks(watch)
     try:
         yield
     finally:
@@ -190,10 +200,7 @@ async def watch_disconnect(request: Request, stop: StopSignal) -> AsyncIterator[
         # end took three turns of the event loop after the block's own work was done, between a
         # stream's first token and its headers (issue 37). A disconnect it missed is still there
         # for the next reader of `receive` (uvicorn answers every later call with it).
-        done = True
-        starting.cancel()
-        if task is not None:
-            task.cancel()
+        watcher.cancel()
 
 
 class ClientStalled(Exception):
@@ -264,20 +271,10 @@ class SSEResponse(Response):
             self.stop.set("disconnect")
 
         writer = asyncio.current_task()
-        tasks: list[asyncio.Task] = []
-        closed = False
-
-        def start_watching() -> None:
-            if not closed:
-                tasks.append(asyncio.create_task(watch()))
-                if writer is not None:
-                    tasks.append(asyncio.create_task(self._watchdog(writer)))
-
-        # The disconnect watcher and the stall watchdog are made at the loop's next turn, not here:
-        # a task made here would first run then anyway (once this writer waits: for the next
-        # event, or on a send the client pushes back), and making two on the way to the first
-        # byte cost tens of microseconds there (issue 37).
-        starting = asyncio.get_running_loop().call_soon(start_watching)
+        # The disconnect watcher and the stall watchdog, made at the loop's next turn (once this
+        # writer waits: for the next event, or on a send the client pushes back), not on the way
+        # to the first byte.
+        watchers = NextTurnTasks(watch, *([lambda: self._watchdog(writer)] if writer is not None else []))
         transport = scope.get(TRANSPORT_KEY)
         blocked = 0.0
         try:
@@ -318,14 +315,10 @@ class SSEResponse(Response):
         except OSError:
             self.stop.set("disconnect")  # the socket is gone; nothing more can be sent
         finally:
-            closed = True
-            starting.cancel()
             self._sending_since = None
             if self.timeline is not None and blocked:
                 self.timeline.attrs["client_blocked_s"] = round(blocked, 6)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*watchers.cancel(), return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.events.aclose()  # (closes the generation: the engine's abort, the slot back)
             if self._stall is not None and self.timeline is not None:

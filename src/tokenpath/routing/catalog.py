@@ -370,10 +370,9 @@ class ModelCatalog:
         its unload). Collected again every `LATE_HOLDER_POLL_S` until it is gone, for at most
         `LATE_HOLDER_WAIT_S`; one still held then is logged with what holds it."""
         await free()
-        waited = 0.0
-        while gone() is not None and waited < LATE_HOLDER_WAIT_S:
+        deadline = time.monotonic() + LATE_HOLDER_WAIT_S
+        while gone() is not None and time.monotonic() < deadline:
             await asyncio.sleep(LATE_HOLDER_POLL_S)
-            waited += LATE_HOLDER_POLL_S
             await free()
         if (dep := gone()) is not None:
             import gc

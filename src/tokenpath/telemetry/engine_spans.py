@@ -81,7 +81,7 @@ def will_export(provider: TracerProvider | None, traceparent: str | None) -> boo
         return False
     from tokenpath.telemetry.otel import caller_context
 
-    return provider is not None and traceparent is not None and caller_context({"traceparent": traceparent}) is not None
+    return traceparent is not None and caller_context({"traceparent": traceparent}) is not None
 
 
 def _attributes(r: EngineSpanRecord) -> dict[str, Any]:
