@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,6 +85,23 @@ def server_argv(peer: str, model: Path, port: int, args: argparse.Namespace) -> 
     return argv + ["--kv-cache-memory", f"{args.kv_gib}GiB"], env
 
 
+def kv_resident_mib(port: int) -> float | None:
+    """The KV pool's resident bytes by the server's /metrics (tokenpath:kv_cache_resident_bytes: the
+    blocks ever written, which stay resident), in MiB; None if absent. It only grows, so the value
+    after the last level is the one inside the peak."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    found = re.findall(r"^tokenpath:kv_cache_resident_bytes\{[^}]*\} (\S+)$", text, re.M)
+    return sum(map(float, found)) / 2**20 if found else None
+
+
+def model_mib(model: Path) -> float:
+    """The weights file's size (a GGUF, or a folder's *.safetensors), MiB."""
+    files = [model] if model.is_file() else list(model.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) / 2**20
+
+
 def run_server(part: str, peer: str, model: Path, tokenizer: Path, args: argparse.Namespace) -> dict:
     """Start one server, bench it at every level, stop it; its figures and per-level JSON files."""
     label = f"{peer}-{part}"
@@ -114,6 +132,8 @@ def run_server(part: str, peer: str, model: Path, tokenizer: Path, args: argpars
             if path.is_file():
                 found["jsons"].append(path)
         found["peak_rss_mib"] = group_status_kib(proc.pid, "VmHWM") / 1024
+        found["kv_resident_mib"] = kv_resident_mib(port) if peer == "tokenpath" else None
+        found["model_mib"] = model_mib(model)
     finally:
         stop_group(proc)
     found["total_s"] = time.monotonic() - t0
@@ -141,13 +161,17 @@ def table(part: str, runs: list[dict], args: argparse.Namespace) -> list[str]:
                      if ours and s["output_throughput"] and r["label"] != tp else "")
             lines.append(f"| {c} | {n} | {r['label']} | {s['output_throughput']:.1f} | {ratio} | "
                          f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['median']:.1f} | {s['failed']} |")
-    lines += ["", "| server | ready (s) | RSS at ready (MiB) | peak RSS (MiB) | bench s per level | whole run (s) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| server | ready (s) | RSS at ready (MiB) | peak RSS (MiB) | KV pool resident (MiB) "
+              "| peak less KV / model file | bench s per level | whole run (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         bench = ", ".join(f"c={c}: {s:.0f}" for c, s in r["bench_s"].items())
+        kv, peak, file_mib = r.get("kv_resident_mib"), r.get("peak_rss_mib", 0), r.get("model_mib", 0)
+        less = f"{(peak - kv) / file_mib:.2f}x ({peak - kv:.0f} / {file_mib:.0f})" if kv is not None and file_mib else "-"
         lines.append(f"| {r['label']} | {r.get('ready_s', float('nan')):.1f} | {r.get('ready_rss_mib', 0):.0f} | "
-                     f"{r.get('peak_rss_mib', 0):.0f} | {bench} | {r['total_s']:.0f} |")
-    return lines + [""]
+                     f"{peak:.0f} | {'-' if kv is None else f'{kv:.0f}'} | {less} | {bench} | {r['total_s']:.0f} |")
+    return lines + ["", "KV pool resident: tokenpath's `tokenpath:kv_cache_resident_bytes` after the last level (the "
+                    "blocks ever written; their pages stay resident, so it is the KV share of the peak). vLLM "
+                    "allocates its whole KV budget at start, inside both of its RSS figures.", ""]
 
 
 def main() -> None:

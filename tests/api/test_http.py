@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -176,7 +177,11 @@ def test_unknown_route_and_method_use_the_error_shape(http):
 def test_health_and_metrics(http, metric):
     assert http.get("/health").json()["status"] == "ok"
     http.post("/v1/chat/completions", json={"model": CHAT, "messages": MSG, "max_tokens": 2})
-    text = http.get("/metrics").text
+    # A request is counted as it ends, just after its reply: on a fresh server (this test alone) the
+    # first scrape can come before that.
+    deadline = time.monotonic() + 10
+    while metric(text := http.get("/metrics").text, "generation_tokens_total") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total"):
@@ -196,6 +201,8 @@ def test_health_and_metrics(http, metric):
         assert metric(text, name + "_count") >= 1
     metric(text, "prompt_tokens_cached_total")
     metric(text, "gpu_cache_usage_perc")
+    # The KV pool's resident bytes: the blocks that request wrote, a sliver of the pool (native kernels).
+    assert 0 < metric(text, "kv_cache_resident_bytes") < 64 * 2**20
     # Embeddings have their own series: no first token, no decode (the embedding model has no TTFT).
     http.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hello"})
     text = http.get("/metrics").text

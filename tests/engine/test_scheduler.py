@@ -154,6 +154,7 @@ def test_blocks_without_a_hash_are_reused_first_and_cached_ones_evicted_last():
         touched |= set(seq.block_tables[0])
         plain.release(seq)
     assert touched == set(range(7))  # before: the least recently freed first, all 8 by the third
+    assert plain.touched == 7  # what /metrics' kv_cache_resident_bytes counts: those blocks' pages
     cached = BlockManager(8, 16)
     first = _seq("first", 40, 0.0)  # 2 full blocks (hashed once computed) and a partial one
     cached.lookup_prefix(first)
@@ -166,3 +167,4 @@ def test_blocks_without_a_hash_are_reused_first_and_cached_ones_evicted_last():
     assert cached.allocate(other, 16 * 6)
     assert partial in other.block_tables[0] and not set(full) & set(other.block_tables[0])
     assert len(cached.cached) == 2
+    assert cached.touched == 8  # (every block handed out once: the pool is wholly resident)

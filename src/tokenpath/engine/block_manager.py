@@ -46,6 +46,10 @@ class BlockManager:
         self.block_group = [0] * num_blocks  # the group whose index holds block_hash[b]
         self.group_cached: list[dict[int, int]] = [{} for _ in self.windows]  # per group: hash -> block
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Blocks ever handed out. Never-used blocks leave the free list in id order (freed ones go
+        # to its front or end, never between them), so the used ones are exactly [0, touched): the
+        # pages of an unwritten pool (the native kernels') that are resident, whatever is in use now.
+        self.touched = 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
         # KV events of group 0's index, for whoever subscribed (`subscribe`: an engine link's
@@ -220,6 +224,7 @@ class BlockManager:
                             self._event(KV_REMOVED, old)
                     self.block_hash[block] = None
                 self.ref_counts[block] = 1
+                self.touched = max(self.touched, block + 1)
                 table.append(block)
         return True
 

@@ -489,6 +489,7 @@ class EngineCore:
             waiting_preempted=sum(1 for s in list(self.scheduler.waiting) if s.num_preemptions),
             running=len(self.scheduler.running),
             kv_usage=self.blocks.usage,
+            kv_resident_bytes=self.runner.kv_resident_bytes(self.blocks.touched),
             num_blocks=self.blocks.num_blocks,
             block_size=self.blocks.block_size,
             prefix_cache_queries=self.blocks.prefix_queries,

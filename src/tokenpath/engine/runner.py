@@ -156,6 +156,7 @@ class ModelRunner:
         self.cache = KVCache(cfg.num_layers, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.kv_dtype, None if self.torch is None else self.torch.device,
                              zeroed=lib is None, layout=self.layout)
+        self.kv_unwritten = lib is not None  # (KVCache zeroed=False)
         if lib is not None:
             # The config's kernel knobs (their environment variables were its defaults); a mask
             # left None is the kernels' default.
@@ -179,6 +180,11 @@ class ModelRunner:
         if self.native is not None:
             return self.native.moe_counters()
         return self.torch.moe_counters() if self.torch is not None else []
+
+    def kv_resident_bytes(self, touched_blocks: int) -> int:
+        """The KV pool's bytes in memory: `touched_blocks` (BlockManager.touched) of an unwritten
+        pool, whose other pages were never mapped in; all of a zeroed one."""
+        return self.bytes_per_block * (touched_blocks if self.kv_unwritten else self.num_blocks)
 
     def step_buffer_bytes(self, release: bool = False) -> int:
         """The native kernels' step buffers (NativeLlama.step_buffer_bytes); 0 on the torch path."""

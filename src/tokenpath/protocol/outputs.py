@@ -140,6 +140,10 @@ class EngineState:
     # (`ReplicaHandle.has_room`). An older engine does not send it (0: every waiting one counts).
     waiting_preempted: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    # Bytes of the KV pool in this process's memory: the blocks ever written on the native kernels
+    # (their pool's pages become resident only as used, and stay so), the whole pool elsewhere. What
+    # of the engine's RSS is its configured KV budget rather than weights and buffers (issue 42).
+    kv_resident_bytes: int = 0
     num_blocks: int = 0
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache

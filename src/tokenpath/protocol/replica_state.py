@@ -13,6 +13,7 @@ class ReplicaState:
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    kv_resident_bytes: int = 0  # the KV pool's bytes in the engine's memory (EngineState's); 0: not reported
     healthy: bool = True
     # Block hashes the replica reports it caches (group 0: an in-process engine's index, or the
     # KV events an engine process, a Ray actor or vLLM publishes); empty where it reports none.

@@ -303,6 +303,7 @@ class LinkReplica(Generic[ReqT, OutT]):
             detail = "the engine reports its step loop dead"
         return ReplicaState(
             name=self.name, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage, healthy=detail is None,
+            kv_resident_bytes=s.kv_resident_bytes,
             max_num_seqs=self.max_num_seqs or self.info.max_num_seqs,
             block_size=s.block_size or self.info.block_size, num_blocks=s.num_blocks or self.info.num_blocks,
             detail=detail, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,

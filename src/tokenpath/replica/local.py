@@ -94,6 +94,7 @@ class InProcessReplica:
             waiting=s.waiting,
             running=s.running,
             kv_usage=s.kv_usage,
+            kv_resident_bytes=s.kv_resident_bytes,
             healthy=detail is None,
             prefix_hashes=self.engine.core.blocks.cached_hashes(), prefix_reported=True,
             max_num_seqs=self.engine.config.max_num_seqs,

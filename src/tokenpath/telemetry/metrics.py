@@ -63,6 +63,9 @@ class _StateCollector(Collector):
             "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
             # vLLM's older name for the same gauge, which its published Grafana dashboard still reads.
             "gpu_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage (vLLM's older name).",
+            "kv_cache_resident_bytes": "Bytes of the KV pool in the engines' memory: blocks ever written on the "
+                                       "native kernels (resident from first use), the whole pool elsewhere. The "
+                                       "share of RSS that is the KV budget, not weights.",
         }
         counters = {
             "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
@@ -89,7 +92,7 @@ class _StateCollector(Collector):
         for dep in self._deployments():  # (embedding models too: their replicas report running requests)
             running = waiting = deferred = 0
             usage: list[float] = []
-            queries = hits = preemptions = 0
+            queries = hits = preemptions = resident = 0
             config: tuple[int, int] | None = None
             max_lora, lora_run, lora_wait = 0, {}, {}
             for replica in dep.replicas:
@@ -103,6 +106,7 @@ class _StateCollector(Collector):
                 waiting += st.waiting
                 deferred += min(st.waiting, getattr(st, "waiting_deferred", 0))
                 usage.append(st.kv_usage)
+                resident += st.kv_resident_bytes
                 queries += st.prefix_cache_queries
                 hits += st.prefix_cache_hits
                 preemptions += st.num_preemptions
@@ -114,6 +118,7 @@ class _StateCollector(Collector):
             by_reason.add_metric([dep.name, "deferred"], deferred)
             for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
                 g[name].add_metric([dep.name], sum(usage) / len(usage) if usage else 0.0)
+            g["kv_cache_resident_bytes"].add_metric([dep.name], resident)
             c["prefix_cache_queries"].add_metric([dep.name], queries)
             c["prefix_cache_hits"].add_metric([dep.name], hits)
             c["num_preemptions"].add_metric([dep.name], preemptions)
