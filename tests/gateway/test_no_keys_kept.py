@@ -39,6 +39,8 @@ async def test_no_keys_is_kept_across_requests_without_a_read(tmp_path, clock):
         for _ in range(5):
             assert await gw.authenticate({}) == Principal()
         assert seen == []
+        store.close()
+        assert store.has_keys_nowait() is None  # (closed: nothing answered from what was kept)
     finally:
         store.close()
 

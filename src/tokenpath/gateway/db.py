@@ -182,16 +182,17 @@ class SqliteDatabase:
     def mark_keys(self) -> None:
         """Made before a key is first stored (`GatewayStore.add_key`), and never removed: while it
         is missing, no process has begun to store a key through the store, so a gateway that read
-        "no keys" can keep that answer with one `stat` per request (`keys_unmarked`) and no SQLite
-        read. A database-wide signal would not do: `PRAGMA data_version` and the -wal file's stat
+        "no keys" can keep that answer with one `access()` per request (`keys_unmarked`) and no
+        SQLite read. A database-wide signal would not do: `PRAGMA data_version` and the -wal file's stat
         change at every audit commit, so once per request, and the data_version read itself costs
         what the read of `api_keys` does (benchmarks/results/gateway_ttft_path-stages.md)."""
         fd = os.open(self.keys_marker, os.O_WRONLY | os.O_CREAT, 0o600)
         os.close(fd)
 
     def keys_unmarked(self) -> bool:
-        """No key has been stored through the store since the database was made (`mark_keys`)."""
-        return not os.access(self.keys_marker, os.F_OK)  # (no exception raised and caught: half the cost)
+        """No key has been stored through the store since the database was made (`mark_keys`);
+        False once closed (a closed store answers nothing, as `read_nowait`)."""
+        return not self._closed and not os.access(self.keys_marker, os.F_OK)  # (access: no exception made)
 
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """A read that never waits, for the event loop: on a connection of its own (not behind the

@@ -191,7 +191,7 @@ class GatewayStore:
     def has_keys_nowait(self) -> bool | None:
         """`has_keys` on the event loop, where the database answers at once (`read_nowait`); None:
         ask `has_keys` off the loop. What a gateway with no keys asks before every request: a "no"
-        read is kept while no key is marked (`mark_keys`, one `stat`), up to `NO_KEYS_RECHECK_S`.
+        read is kept while no key is marked (`mark_keys`, one `access()`), up to `NO_KEYS_RECHECK_S`.
         The read it saves was ~75 us of the request's path on two busy cores (the reader's page
         cache reset by the audit writer's commit of the request before)."""
         now = time.monotonic()
