@@ -186,6 +186,17 @@ async def test_closing_the_stream_aborts_in_the_replica():
     assert rep.state().running == 0 and dep.flow.pool.inflight() == 0
 
 
+async def test_closing_the_stream_releases_its_slot_before_aclose_returns():
+    """One generator from the replica's stream to the caller: its close runs the abort and the
+    release itself (a forwarding layer left them to the inner generator's finalizer, a task later)."""
+    dep, (rep,) = deployment(seqs=2, interval=0.02)
+    gen = dep.generate(req(max_tokens=100))
+    await gen.__anext__()
+    assert dep.flow.pool.inflight() == 1
+    await gen.aclose()
+    assert dep.flow.pool.inflight() == 0 and rep.state().running == 0
+
+
 async def test_no_healthy_replica_is_503():
     dep, (rep,) = deployment()
     rep.kill()

@@ -46,6 +46,26 @@ async def test_ambiguous_credentials_are_400(store, clock, headers):
     assert err.value.code == "ambiguous_credentials"
 
 
+@pytest.mark.parametrize("pairs", [
+    [("Authorization", "Bearer k1"), ("Host", "x")],
+    [("API-Key", "k1"), ("x-api-key", " k1 ")],  # the same key twice is one key
+    [("X-Api-Key", "k1")],
+    [("Host", "x")],
+])
+def test_the_credential_is_found_in_every_kind_of_headers(pairs):
+    """One pass over the headers (`_credential_headers`): Starlette's (ASGI's lowercase names),
+    httpx's (whose `raw` keeps the sender's case) and a plain dict give the same key."""
+    import httpx
+    from starlette.datastructures import Headers
+
+    from tokenpath.gateway.gateway import credential_from
+
+    want = None if pairs == [("Host", "x")] else "k1"
+    assert credential_from(Headers(raw=[(k.lower().encode(), v.encode()) for k, v in pairs])) == want
+    assert credential_from(httpx.Headers(pairs)) == want
+    assert credential_from(dict(pairs)) == want
+
+
 def test_sqlite_store_and_its_new_directory_are_private(tmp_path: Path):
     path = tmp_path / "fresh" / "gateway.sqlite3"
     GatewayStore(path).close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -94,7 +95,7 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
         floor.check_context(routed.deployment.max_model_len)
         tokenized, params = await _tokenize(state, run, priced, body, plan, variables, bias, spec)
         submitted = _submit(state, run, tokenized, params, body, chat)
-        stream = _recorded_first(run, until_stopped(merge(_sources(state, run, submitted, chat, edge)), run.stop))
+        stream = _deltas(run, _sources(state, run, submitted, chat, edge))
         if edge is not None and edge.make is not None:
             gen = edge.make(run, submitted, body, chat, plan)
         else:
@@ -115,18 +116,29 @@ async def handle(state: AppState, request: Request, body: Body | None, edge: Edg
             await run.finish()
 
 
-async def _recorded_first(run: RequestRun, stream: Deltas) -> Deltas:
+def _deltas(run: RequestRun, sources: list[AsyncGenerator[RequestOutput, None]]) -> Deltas:
+    """The request's outputs as (prompt index, delta), until `run.stop`, the first held until the
+    audit row is open (`_recorded_first`). One generation (the common case) is numbered by
+    `_recorded_first` itself: a `merge` of one source only numbered its outputs, one more
+    generator on each token's way, the first's included (issue 37: the gateway's added TTFT)."""
+    if len(sources) == 1:
+        return _recorded_first(run, until_stopped(sources[0], run.stop), numbered=False)
+    return _recorded_first(run, until_stopped(merge(sources), run.stop), numbered=True)
+
+
+async def _recorded_first(run: RequestRun, stream: AsyncGenerator[Any, None], numbered: bool) -> Deltas:
     """`stream` with its first output held until the audit row's open write completes (it runs
     beside the dispatch: `intake.recorded`), so no reply reaches the client unrecorded, whether
     streamed or whole. A write that failed fails the request before anything is sent, and closing
-    this stream closes the generation (aborted in the engine)."""
+    this stream closes the generation (aborted in the engine). `numbered`: the stream's items are
+    already (index, delta), else each is prompt 0's delta."""
     held = True
     try:
         async for item in stream:
             if held:
                 await intake.recorded(run)
                 held = False
-            yield item
+            yield item if numbered else (0, item)
         if held:  # (no output at all: the reply is still the request's, recorded first)
             await intake.recorded(run)
     finally:

@@ -123,6 +123,7 @@ class SqliteDatabase:
         self._conn.execute("PRAGMA wal_autocheckpoint=256")
         self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         self.reserve = path.with_name(path.name + ".reserve")
+        self.keys_marker = path.with_name(path.name + ".keys")  # see `mark_keys`
         self.reserve_spent = False  # given back for a full disk, and not made again yet
         self.keep_reserve()
         self._reader: sqlite3.Connection | None = None  # `read_nowait`'s, opened on first use
@@ -177,6 +178,21 @@ class SqliteDatabase:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    def mark_keys(self) -> None:
+        """Made before a key is first stored (`GatewayStore.add_key`), and never removed: while it
+        is missing, no process has begun to store a key through the store, so a gateway that read
+        "no keys" can keep that answer with one `access()` per request (`keys_unmarked`) and no
+        SQLite read. A database-wide signal would not do: `PRAGMA data_version` and the -wal file's stat
+        change at every audit commit, so once per request, and the data_version read itself costs
+        what the read of `api_keys` does (benchmarks/results/gateway_ttft_path-stages.md)."""
+        fd = os.open(self.keys_marker, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+
+    def keys_unmarked(self) -> bool:
+        """No key has been stored through the store since the database was made (`mark_keys`);
+        False once closed (a closed store answers nothing, as `read_nowait`)."""
+        return not self._closed and not os.access(self.keys_marker, os.F_OK)  # (access: no exception made)
 
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """A read that never waits, for the event loop: on a connection of its own (not behind the
@@ -302,6 +318,13 @@ class PostgresDatabase:
                 yield tx
 
     reserve_spent = False  # the server's disk is PostgreSQL's to manage: nothing held here
+
+    def mark_keys(self) -> None:
+        """Nothing: gateways on other hosts share the database, and a file here is not theirs."""
+
+    def keys_unmarked(self) -> bool:
+        """Never known here (see `SqliteDatabase.mark_keys`): the store is read each time."""
+        return False
 
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """Never on the event loop: a read is a network round trip (see `SqliteDatabase`)."""

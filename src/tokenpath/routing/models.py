@@ -117,12 +117,9 @@ class Deployment(Generic[ReqT, OutT]):
         """Each replica's own report (not the pool's ejection view): what `/health` shows."""
         return [h.raw_state() for h in self.flow.pool.handles.values()]
 
-    async def generate(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
+    def generate(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
         """Stream outputs for one request. Closing the iterator aborts the request wherever it is."""
-        submission.timeline.stamp("routed", deployment=self.name, policy=self.policy)
-        deployment, admission = await self._admit(submission)
-        async for out in deployment._run(submission, admission):
-            yield out
+        return self._run(submission)
 
     async def embed(self: Deployment[EmbeddingRequest, EmbeddingOutput],
                     submission: Submission[EmbeddingRequest]) -> EmbeddingOutput:
@@ -166,8 +163,13 @@ class Deployment(Generic[ReqT, OutT]):
         assert first_error is not None
         raise first_error
 
-    async def _run(self, submission: Submission[ReqT], admission: Admission) -> AsyncIterator[OutT]:
+    async def _run(self, submission: Submission[ReqT]) -> AsyncGenerator[OutT, None]:
+        """Admission here or on a fallback (`dep`), then each attempt on a replica of `dep`: one
+        generator from the replica's stream to the caller (a `generate` that only forwarded
+        these outputs was one more step on every token's way, the first's included)."""
         timeline = submission.timeline
+        timeline.stamp("routed", deployment=self.name, policy=self.policy)
+        dep, admission = await self._admit(submission)
         tried: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             replica: Replica[ReqT, OutT] = admission.handle.replica
@@ -181,12 +183,12 @@ class Deployment(Generic[ReqT, OutT]):
             failure: str | None = None
             retry_reason = "busy"
             try:
-                async for out in self._started_by(stream, submission, replica.name):
+                async for out in dep._started_by(stream, submission, replica.name):
                     stamp_events(timeline, out)  # the one place engine events reach the Timeline
                     if not started:
-                        self.flow.started(admission)
+                        dep.flow.started(admission)
                     elif admission.paused_by is not None:  # (yielded its slot to another tenant's)
-                        self.flow.resumed(admission)
+                        dep.flow.resumed(admission)
                     started = True
                     finished = finished or out.finished
                     yield out
@@ -207,7 +209,7 @@ class Deployment(Generic[ReqT, OutT]):
                     log.error("request %s failed on replica %s: %s: %s", submission.request_id, replica.name,
                               type(exc).__name__, exc, exc_info=exc, extra={"event": "request_failed"})
                     raise RequestFailedError(f"request '{submission.request_id}' failed on replica '{replica.name}' "
-                                             f"of model '{self.name}': {type(exc).__name__}: {exc}",
+                                             f"of model '{dep.name}': {type(exc).__name__}: {exc}",
                                              code="request_failed") from exc
                 # A busy replica is retried elsewhere but not ejected; a stalled one has ejected itself
                 # (and recovers the moment it is heard, with no backoff); anything else ejects it.
@@ -218,7 +220,7 @@ class Deployment(Generic[ReqT, OutT]):
                     if isinstance(exc, ServiceUnavailableError):
                         raise
                     raise ServiceUnavailableError(
-                        f"replica '{replica.name}' of model '{self.name}' failed: {exc}",
+                        f"replica '{replica.name}' of model '{dep.name}' failed: {exc}",
                         code="replica_failed") from exc
             finally:
                 with contextlib.suppress(Exception):
@@ -226,12 +228,12 @@ class Deployment(Generic[ReqT, OutT]):
                 if submitted and not finished:
                     with contextlib.suppress(Exception):
                         await replica.abort(submission.request_id)
-                self.flow.release(admission, ok=finished, failure=failure)
+                dep.flow.release(admission, ok=finished, failure=failure)
             # Failed before the first token: once more, elsewhere.
-            metrics.RETRIES.labels(self.name).inc()
+            metrics.RETRIES.labels(dep.name).inc()
             timeline.attrs.update(retried_after=replica.name, retry_reason=retry_reason,
                                   retry_lost_s=round(time.monotonic() - admission.dispatched_at, 4))
-            admission = await self.flow.acquire(submission, exclude=frozenset(tried))
+            admission = await dep.flow.acquire(submission, exclude=frozenset(tried))
 
     def _started_by(self, stream: AsyncIterator[OutT], submission: Submission[ReqT],
                     replica: str) -> AsyncIterator[OutT]:
