@@ -160,17 +160,21 @@ constexpr size_t kPrefetchAhead = 2;  // super-blocks
 template <int WT, int MR, bool RES, int k>
 static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, VF dw, VF dm, VF* acc) {
     const int nb = a.nb, o = 4 * L * h;
-    if constexpr (WT != W_Q5X16 && MR <= 2 && RES) {
+    if constexpr (WT != W_Q5X16 && MR <= 2) {
         // Decode streams the weights from memory once. Q6_K's super-block is read out of address
         // order (low nibbles, high bits, then the next sub-block's planes), and the hardware
         // prefetchers then fetched it at about a third of the bandwidth Q4_K got: each sub-block
         // prefetches its eighth of the super-block kPrefetchAhead ahead (the next group's first
         // ones at a group's end: a thread's groups are consecutive in memory). Measured on a Q6_K
-        // LM head, one thread: 6.5 -> 17-19 GB/s with residual bytes; the int8-only kernel got
-        // slower with it (7.5 -> 6 GB/s), so it keeps the hardware's prefetching alone.
+        // LM head, one thread: 6.5 -> 17-19 GB/s with residual bytes (into L1). Into L2 instead
+        // (T1), and for int8 activations too (the int8-only kernel once got slower with the L1
+        // prefetch, 7.5 -> 6 GB/s), every K-quant decode matrix of the ~4B Q4_K_M reads faster:
+        // benchmarks/results/kquant_prefetch_l2-loaded.md (all matrices, one thread's CPU time:
+        // fine 224 -> 192 ms per token, int8 202 -> 176 ms). L1 is then left to the lines being
+        // unpacked; 4 super-blocks ahead measured about as 2, 1 ahead lost most of the gain.
         constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392, LINES = (GB / 64 + 7) / 8;
         const uint8_t* pf = g + kPrefetchAhead * GB + k * LINES * 64;
-        for (size_t i = 0; i < LINES; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * i), _MM_HINT_T0);
+        for (size_t i = 0; i < LINES; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * i), _MM_HINT_T1);
     }
     const int8_t* qa[MR];
     const int8_t* qb[MR];
