@@ -29,6 +29,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def gauge_sum(url: str, name: str, headers: dict[str, str] | None = None) -> float:
+    """One `tokenpath:` gauge summed over every model of a server's /metrics (`url`: its root);
+    0 where no model has it."""
+    req = urllib.request.Request(url + "/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(rf"^tokenpath:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
 def group_status_kib(pgid: int, field: str = "VmRSS") -> int:
     """``field`` of /proc/PID/status (VmRSS, VmHWM, ...) in KiB, summed over one process group."""
     total = 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
-from benchmarks.procs import LLAMA_SERVER, free_port, group_status_kib, stop_group, wait_healthy  # noqa: E402
+from benchmarks.procs import LLAMA_SERVER, free_port, gauge_sum, group_status_kib, stop_group, wait_healthy  # noqa: E402
 from benchmarks.safetensors_vs_vllm import command, levels  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -85,17 +84,6 @@ def server_argv(peer: str, model: Path, port: int, args: argparse.Namespace) -> 
     return argv + ["--kv-cache-memory", f"{args.kv_gib}GiB"], env
 
 
-def kv_resident_mib(port: int) -> float | None:
-    """The KV pool's resident bytes by the server's /metrics (tokenpath:kv_cache_resident_bytes: the
-    blocks ever written, which stay resident), in MiB; None if absent. It only grows, so the value
-    after the last level is the one inside the peak."""
-    import httpx
-
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    found = re.findall(r"^tokenpath:kv_cache_resident_bytes\{[^}]*\} (\S+)$", text, re.M)
-    return sum(map(float, found)) / 2**20 if found else None
-
-
 def model_mib(model: Path) -> float:
     """The weights file's size (a GGUF, or a folder's *.safetensors), MiB."""
     files = [model] if model.is_file() else list(model.glob("*.safetensors"))
@@ -132,7 +120,10 @@ def run_server(part: str, peer: str, model: Path, tokenizer: Path, args: argpars
             if path.is_file():
                 found["jsons"].append(path)
         found["peak_rss_mib"] = group_status_kib(proc.pid, "VmHWM") / 1024
-        found["kv_resident_mib"] = kv_resident_mib(port) if peer == "tokenpath" else None
+        # The KV pool's pages (the blocks ever written: they stay resident, so this is the KV
+        # share of the peak), from tokenpath's own gauge.
+        found["kv_resident_mib"] = (gauge_sum(f"http://127.0.0.1:{port}", "kv_cache_resident_bytes") / 2**20
+                                    if peer == "tokenpath" else None)
         found["model_mib"] = model_mib(model)
     finally:
         stop_group(proc)

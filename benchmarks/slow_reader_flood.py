@@ -56,7 +56,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
-from benchmarks.procs import port_of, serve, stop_group  # noqa: E402
+from benchmarks.procs import gauge_sum, port_of, serve, stop_group  # noqa: E402
 from tests.reliability.test_slow_readers import STREAM, non_reader, rss_mib  # noqa: E402
 
 from tokenpath.gateway.base import OPEN_STATUS  # noqa: E402
@@ -82,14 +81,9 @@ MODEL = "smollm2-135m-instruct"
 SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
 
 
-def gauge_sum(url: str, name: str, admin: str | None) -> float:
-    """One gauge summed over every model of /metrics (a flood's requests may sit in any)."""
-    text = httpx.get(url + "/metrics", timeout=60, headers=auth(admin)).text
-    return sum(float(v) for v in re.findall(rf"^tokenpath:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-
-
 def busy(url: str, admin: str | None) -> float:
-    return gauge_sum(url, "num_requests_running", admin) + gauge_sum(url, "num_requests_waiting", admin)
+    """Requests running and waiting, over every model of /metrics (a flood's requests may sit in any)."""
+    return gauge_sum(url, "num_requests_running", auth(admin)) + gauge_sum(url, "num_requests_waiting", auth(admin))
 
 
 def auth(key: str | None) -> dict[str, str]:

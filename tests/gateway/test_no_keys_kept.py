@@ -1,4 +1,4 @@
-"""A gateway with no keys keeps the store's "no keys" between requests (SQLite: one `stat` of the
+"""A gateway with no keys keeps the store's "no keys" between requests (SQLite: one `access()` of the
 key mark, no read), and still sees the first key stored by another process at the next request."""
 
 from __future__ import annotations
