@@ -157,7 +157,11 @@ def test_greedy_is_token_for_token_the_plain_engines_on_smollm2_and_a_repeat_pay
     story = [{"role": "user", "content": "Write a short story about a fox who learns to play the violin."}]
     plain = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB")
     want = [plain.chat(m, p)[0].outputs[0].token_ids for m in (COPY, story)]
-    llm = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", speculative_config=json.dumps(SUFFIX))
+    # The "rule" policy: the step counts below are the trie's doing only. The default "adaptive" one
+    # prices drafts by measured step times, so how much it drafts follows the machine and its load
+    # (on a loaded 2-core AVX2 host it once took 53 steps for the repeat, not under 48).
+    rule = {**SUFFIX, "draft_policy": "rule"}
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory="64MiB", speculative_config=json.dumps(rule))
     assert llm.chat(COPY, p)[0].outputs[0].token_ids == want[0]
     assert llm.engine.spec.stats.num_accepted_tokens > 0
     steps = llm.engine.steps

@@ -235,6 +235,10 @@ async def test_an_unload_waits_for_a_finishing_request_to_let_go_then_frees():
     started = time.monotonic()
     await cat.unload("a")
     assert refs[-1]() is None, "the unload returned with the deployment still alive"
-    assert alive[0] and not alive[-1], alive  # held at the first collection, gone at the last
-    assert 0.25 < time.monotonic() - started < 3.0
+    # Held at the first collection, gone at the last: the wait ended because the holder let go (the
+    # last `free` ran in the wait loop, which stops at LATE_HOLDER_WAIT_S with the deployment alive).
+    # No upper bound on the time: each poll runs a full gc.collect, which on a loaded 2-core host
+    # in a suite's big heap took 4.7 s of polls in all (CI, 2026-12-06).
+    assert alive[0] and not alive[-1], alive
+    assert time.monotonic() - started > 0.25
     await ending
