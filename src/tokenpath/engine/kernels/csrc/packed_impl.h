@@ -223,7 +223,7 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
 // prefetched, a verification step's cost rose against a plain one's, and n-gram speculation on
 // SmolLM2 fell from faster than off to 0.74-0.89x on the `quote` and `free` workloads.
 // On the 2-core Zen 3 (AVX2, loaded), 2048-16384 bytes ahead and T0 or T1 measured alike within
-// its +-20% noise; no prefetch was slower in every round.
+// its +-20% noise; no prefetch was slower than 4096/T0 in both rounds.
 constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
 
 // Block dot products of MR activation rows against lanes [h * L, h * L + NH * L) of one 16-row
