@@ -11,7 +11,7 @@
 // weight byte once, in order.
 //
 // Lanes: AVX-512 VNNI runs a 16-row group in one 512-bit register (L = 16); AVX2 runs it as two
-// 256-bit halves of 8 rows. One layout serves both, and each output sees the same exact integer
+// 256-bit halves of 8 rows (decode: both in one pass, see kOnePass). One layout serves both, and each output sees the same exact integer
 // sums and the same float operations, so the two ISAs agree bit for bit. 512-bit vpdpbusd moved
 // 1.29x the multiply-adds of 256-bit in the fine-activation kernel at M = 32 on this Zen 4
 // (microbenchmarked; 8-row groups were the first layout).
