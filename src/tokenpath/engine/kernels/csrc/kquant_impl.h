@@ -93,7 +93,7 @@ static inline VI kq_weights(const uint8_t* g, int o, int c) {
 // Integer dots of MR activation rows with chunks [c0, c1) of one 32-block (the whole block, or a
 // half for Q6_K): isum[r] = dot (254 * dot + residual dot with RES).
 #if TP_VNNI
-template <int WT, int MR, bool RES, int k>
+template <int WT, int MR, bool RES, int k, int NH = 1>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
     // With few rows (decode) each sum runs as S interleaved chains, so that one chain of 8
@@ -127,23 +127,28 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 template <int WT>
 constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
 
-template <int WT, int MR, bool RES, int k>
+// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h): the two 8-lane halves of each 64-byte chunk
+// in turn, isum[hh * MR + r], the broadcasts shared.
+template <int WT, int MR, bool RES, int k, int NH = 1>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
-    constexpr int SPAN = kq_span<WT>();
+    constexpr int SPAN = kq_span<WT>(), R = NH * MR;
     const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
-    for (int r = 0; r < MR; ++r) isum[r] = vzero();  // folded away: the first add is to zero
+    for (int r = 0; r < R; ++r) isum[r] = vzero();  // folded away: the first add is to zero
     for (int c = c0; c < c1; c += SPAN) {
-        VI coarse[MR], fine[MR];
-        for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+        VI coarse[R], fine[R];
+        for (int r = 0; r < R; ++r) coarse[r] = fine[r] = vzero();
         for (int j = c; j < c + SPAN; ++j) {
-            const VI w = kq_weights<WT, k>(g, o, j);
-            for (int r = 0; r < MR; ++r) {
-                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
-                if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
+            for (int hh = 0; hh < NH; ++hh) {
+                const VI w = kq_weights<WT, k>(g, o + 4 * L * hh, j);
+                for (int r0 = 0; r0 < MR; ++r0) {
+                    const int r = hh * MR + r0;
+                    coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r0] + 4 * j)));
+                    if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r0] + 4 * j)));
+                }
             }
         }
-        for (int r = 0; r < MR; ++r) {
+        for (int r = 0; r < R; ++r) {
             VI part = _mm256_madd_epi16(coarse[r], RES ? w254 : one16);
             if constexpr (RES) part = vadd32(part, _mm256_madd_epi16(fine[r], one16));
             isum[r] = vadd32(isum[r], part);
@@ -157,9 +162,10 @@ constexpr size_t kPrefetchAhead = 2;  // super-blocks
 // One 32-block b (sub-block k of its super-block, or k = 0 for Q5X16) of MR activation rows against
 // lanes [h * L, h * L + L) of one 16-row group, added into acc (see the formulas above). k is a
 // template argument so that every shift and offset of the weight unpacking is a constant.
-template <int WT, int MR, bool RES, int k>
-static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, VF dw, VF dm, VF* acc) {
+template <int WT, int MR, bool RES, int k, int NH>
+static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, const VF* dw, const VF* dm, VF* acc) {
     const int nb = a.nb, o = 4 * L * h;
+    if constexpr (NH > 1) asm volatile("" ::: "memory");  // see kOnePass (packed_impl.h)
     if constexpr (WT != W_Q5X16 && MR <= 2) {
         // Decode streams the weights from memory once. Q6_K's super-block is read out of address
         // order (low nibbles, high bits, then the next sub-block's planes), and the hardware
@@ -178,60 +184,74 @@ static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* r
     }
     const int8_t* qa[MR];
     const int8_t* qb[MR];
-    VI isum[MR];
+    VI isum[NH * MR];
     for (int r = 0; r < MR; ++r) {
         qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
         qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
     }
     if constexpr (WT == W_Q6KX16) {
         for (int half = 0; half < 2; ++half) {
-            kq_isum<WT, MR, RES, k>(g, o, 4 * half, 4 * half + 4, qa, qb, isum);
-            const VF dsc = vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h)));
-            for (int r = 0; r < MR; ++r) {
-                const size_t ab = size_t(rows[r]) * nb + b;
-                const VI off = vset32(32 * a.qsum16[2 * ab + half]);
-                acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
+            kq_isum<WT, MR, RES, k, NH>(g, o, 4 * half, 4 * half + 4, qa, qb, isum);
+            for (int hh = 0; hh < NH; ++hh) {
+                const VF dsc = vmul(dw[hh], vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * (h + hh))));
+                for (int r = 0; r < MR; ++r) {
+                    const size_t ab = size_t(rows[r]) * nb + b;
+                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
+                    acc[hh * MR + r] = vfma(vcvt(vsub32(isum[hh * MR + r], off)), vmul(dsc, vfset(a.d[ab])), acc[hh * MR + r]);
+                }
             }
         }
     } else {
-        kq_isum<WT, MR, RES, k>(g, o, 0, 8, qa, qb, isum);
-        VF dsc = dw, mw;
-        if constexpr (WT == W_Q5X16) {
-            mw = vhalf(g + 32 + 2 * L * h);
-        } else {
-            dsc = vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h)));
-            mw = vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h))));
-        }
-        for (int r = 0; r < MR; ++r) {
-            const size_t ab = size_t(rows[r]) * nb + b;
-            acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
-            acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+        kq_isum<WT, MR, RES, k, NH>(g, o, 0, 8, qa, qb, isum);
+        for (int hh = 0; hh < NH; ++hh) {
+            VF dsc = dw[hh], mw;
+            if constexpr (WT == W_Q5X16) {
+                mw = vhalf(g + 32 + 2 * L * (h + hh));
+            } else {
+                dsc = vmul(dw[hh], vcvt(vu8(g + 64 + 16 * k + L * (h + hh))));
+                mw = vmul(dm[hh], vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * (h + hh)))));
+            }
+            for (int r = 0; r < MR; ++r) {
+                const size_t ab = size_t(rows[r]) * nb + b;
+                acc[hh * MR + r] = vfma(vcvt(isum[hh * MR + r]), vmul(dsc, vfset(a.d[ab])), acc[hh * MR + r]);
+                acc[hh * MR + r] = vfma(mw, vfset(a.s[ab]), acc[hh * MR + r]);
+            }
         }
     }
 }
 
 // The 8 sub-blocks of super-block sb, in order.
-template <int WT, int MR, bool RES, int... K>
+template <int WT, int MR, bool RES, int NH, int... K>
 static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* rows, int sb, VF* acc,
                             std::integer_sequence<int, K...>) {
-    const VF dw = vhalf(g + 2 * L * h), dm = WT == W_Q6KX16 ? dw : vhalf(g + 32 + 2 * L * h);
-    (kq_block<WT, MR, RES, K>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
+    VF dw[NH], dm[NH];
+    for (int hh = 0; hh < NH; ++hh) {
+        dw[hh] = vhalf(g + 2 * L * (h + hh));
+        dm[hh] = WT == W_Q6KX16 ? dw[hh] : vhalf(g + 32 + 2 * L * (h + hh));
+    }
+    (kq_block<WT, MR, RES, K, NH>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
 }
 
-// Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
-// over all nb 32-blocks (a K-quant row is whole super-blocks: nb a multiple of 8).
-template <int WT, int MR, bool RES>
+// Block dot products of MR activation rows against lanes [h * L, h * L + NH * L) of one 16-row
+// group, over all nb 32-blocks (a K-quant row is whole super-blocks: nb a multiple of 8);
+// out[hh * MR + r].
+template <int WT, int MR, bool RES, int NH = 1>
 static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
-    VF acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    constexpr int R = NH * MR;
+    VF acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vfzero();
     if constexpr (WT == W_Q5X16) {
-        for (int b = 0; b < a.nb; ++b, wg += 384) kq_block<WT, MR, RES, 0>(wg, h, a, rows, b, vhalf(wg + 2 * L * h), vfzero(), acc);
+        for (int b = 0; b < a.nb; ++b, wg += 384) {
+            VF dw[NH];
+            for (int hh = 0; hh < NH; ++hh) dw[hh] = vhalf(wg + 2 * L * (h + hh));
+            kq_block<WT, MR, RES, 0, NH>(wg, h, a, rows, b, dw, dw, acc);
+        }
     } else {
         constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
         for (int sb = 0; sb < a.nb / kSuper; ++sb, wg += GB)
-            kq_super<WT, MR, RES>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
+            kq_super<WT, MR, RES, NH>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
     }
-    for (int r = 0; r < MR; ++r) out[r] = acc[r];
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 // F16X16 / BF16X16 (1024 bytes per 16 rows x 32 weights: weight e of lane i at 32 e + 2 i) and

@@ -11,7 +11,7 @@
 // weight byte once, in order.
 //
 // Lanes: AVX-512 VNNI runs a 16-row group in one 512-bit register (L = 16); AVX2 runs it as two
-// 256-bit halves of 8 rows. One layout serves both, and each output sees the same exact integer
+// 256-bit halves of 8 rows (decode: both in one pass, see kOnePass). One layout serves both, and each output sees the same exact integer
 // sums and the same float operations, so the two ISAs agree bit for bit. 512-bit vpdpbusd moved
 // 1.29x the multiply-adds of 256-bit in the fine-activation kernel at M = 32 on this Zen 4
 // (microbenchmarked; 8-row groups were the first layout).
@@ -84,11 +84,12 @@ static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coars
 #endif
 
 // Integer block dots of MR activation rows (qa[r], and with RES qb[r] the residual bytes: a
-// block's 32 int8 values) against L rows of one group-block: isum[r] lane i = dot(row i, q_a)
-// (254 * dot(row i, qa) + dot(row i, qb) with RES). qs points at the lanes' first bytes; the
-// chunks of 4 weights per lane are 64 bytes apart. For Q8X16 on VNNI the weights enter as
-// w + 128, so the caller takes 128 * sum(q_a) off.
-template <int WT, int MR, bool RES>
+// block's 32 int8 values) against NH * L rows of one group-block: isum[hh * MR + r] lane i =
+// dot(row hh * L + i, q_a) (254 * dot(.., qa) + dot(.., qb) with RES). qs points at the lanes'
+// first bytes; the chunks of 4 weights per lane are 64 bytes apart, the next L lanes 4 L bytes on.
+// For Q8X16 on VNNI the weights enter as w + 128, so the caller takes 128 * sum(q_a) off.
+// NH = 2 (AVX2 decode, see kOnePass): both halves of each 64-byte chunk in turn, one broadcast each.
+template <int WT, int MR, bool RES, int NH = 1>
 static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
 #if TP_VNNI
     // With 1-2 rows each sum runs as S = 2 interleaved chains (Q4X16: the low and the high nibbles;
@@ -99,62 +100,69 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
 #else
     constexpr int S = 1;
 #endif
-    VI coarse[S][MR], fine[S][MR];
+    constexpr int R = NH * MR;
+    VI coarse[S][R], fine[S][R];
     for (int i = 0; i < S; ++i)
-        for (int r = 0; r < MR; ++r) coarse[i][r] = fine[i][r] = vzero();
+        for (int r = 0; r < R; ++r) coarse[i][r] = fine[i][r] = vzero();
     if constexpr (WT == W_Q4X16) {
         const VI m4 = vbyte(0x0F);
         for (int c = 0; c < 4; ++c) {
-            const VI raw = vload(qs + 64 * c);
-            const VI lo = vand(raw, m4), hi = vand(vsrl4(raw), m4);
-            for (int r = 0; r < MR; ++r) {
+            for (int hh = 0; hh < NH; ++hh) {
+                const VI raw = vload(qs + 64 * c + 4 * L * hh);
+                const VI lo = vand(raw, m4), hi = vand(vsrl4(raw), m4);
+                for (int r0 = 0; r0 < MR; ++r0) {
+                    const int r = hh * MR + r0;
 #if TP_VNNI
-                coarse[0][r] = vdot(coarse[0][r], lo, bcast4(qa[r] + 4 * c));
-                coarse[S - 1][r] = vdot(coarse[S - 1][r], hi, bcast4(qa[r] + 16 + 4 * c));
-                if constexpr (RES) {
-                    fine[0][r] = vdot(fine[0][r], lo, bcast4(qb[r] + 4 * c));
-                    fine[S - 1][r] = vdot(fine[S - 1][r], hi, bcast4(qb[r] + 16 + 4 * c));
-                }
+                    coarse[0][r] = vdot(coarse[0][r], lo, bcast4(qa[r0] + 4 * c));
+                    coarse[S - 1][r] = vdot(coarse[S - 1][r], hi, bcast4(qa[r0] + 16 + 4 * c));
+                    if constexpr (RES) {
+                        fine[0][r] = vdot(fine[0][r], lo, bcast4(qb[r0] + 4 * c));
+                        fine[S - 1][r] = vdot(fine[S - 1][r], hi, bcast4(qb[r0] + 16 + 4 * c));
+                    }
 #else
-                // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so the 8 of a block still fit int16.
-                coarse[0][r] = _mm256_add_epi16(coarse[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r] + 4 * c)),
-                                                                               _mm256_maddubs_epi16(hi, bcast4(qa[r] + 16 + 4 * c))));
-                if constexpr (RES)
-                    fine[0][r] = _mm256_add_epi16(fine[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r] + 4 * c)),
-                                                                               _mm256_maddubs_epi16(hi, bcast4(qb[r] + 16 + 4 * c))));
+                    // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so the 8 of a block still fit int16.
+                    coarse[0][r] = _mm256_add_epi16(coarse[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r0] + 4 * c)),
+                                                                                   _mm256_maddubs_epi16(hi, bcast4(qa[r0] + 16 + 4 * c))));
+                    if constexpr (RES)
+                        fine[0][r] = _mm256_add_epi16(fine[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r0] + 4 * c)),
+                                                                                   _mm256_maddubs_epi16(hi, bcast4(qb[r0] + 16 + 4 * c))));
 #endif
+                }
             }
         }
 #if !TP_VNNI
-        for (int r = 0; r < MR; ++r) {
+        for (int r = 0; r < R; ++r) {
             coarse[0][r] = _mm256_madd_epi16(coarse[0][r], _mm256_set1_epi16(1));
             if constexpr (RES) fine[0][r] = _mm256_madd_epi16(fine[0][r], _mm256_set1_epi16(1));
         }
 #endif
     } else {  // Q8X16: signed weights
         for (int c = 0; c < 8; ++c) {
-            const VI w = vload(qs + 64 * c);
             const int i = c % S;
+            for (int hh = 0; hh < NH; ++hh) {
+                const VI w = vload(qs + 64 * c + 4 * L * hh);
 #if TP_VNNI
-            // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
-            const VI wu = vxor(w, vbyte(char(0x80)));
-            for (int r = 0; r < MR; ++r) {
-                coarse[i][r] = vdot(coarse[i][r], wu, bcast4(qa[r] + 4 * c));
-                if constexpr (RES) fine[i][r] = vdot(fine[i][r], wu, bcast4(qb[r] + 4 * c));
-            }
+                // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
+                const VI wu = vxor(w, vbyte(char(0x80)));
+                for (int r = 0; r < MR; ++r) {
+                    coarse[i][r] = vdot(coarse[i][r], wu, bcast4(qa[r] + 4 * c));
+                    if constexpr (RES) fine[i][r] = vdot(fine[i][r], wu, bcast4(qb[r] + 4 * c));
+                }
 #else
-            // maddubs would saturate on (w + 128) * q_a pairs: the sign trick keeps |w| unsigned.
-            const VI wa = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < MR; ++r) {
-                coarse[i][r] = vadd32(coarse[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r] + 4 * c), w)));
-                if constexpr (RES) fine[i][r] = vadd32(fine[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r] + 4 * c), w)));
-            }
+                // maddubs would saturate on (w + 128) * q_a pairs: the sign trick keeps |w| unsigned.
+                const VI wa = _mm256_sign_epi8(w, w);
+                for (int r0 = 0; r0 < MR; ++r0) {
+                    const int r = hh * MR + r0;
+                    coarse[i][r] = vadd32(coarse[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r0] + 4 * c), w)));
+                    if constexpr (RES) fine[i][r] = vadd32(fine[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r0] + 4 * c), w)));
+                }
 #endif
+            }
         }
     }
     for (int i = 1; i < S; ++i)
-        for (int r = 0; r < MR; ++r) coarse[0][r] = vadd32(coarse[0][r], coarse[i][r]), fine[0][r] = vadd32(fine[0][r], fine[i][r]);
-    for (int r = 0; r < MR; ++r) isum[r] = RES ? combine(coarse[0][r], fine[0][r]) : coarse[0][r];
+        for (int r = 0; r < R; ++r) coarse[0][r] = vadd32(coarse[0][r], coarse[i][r]), fine[0][r] = vadd32(fine[0][r], fine[i][r]);
+    for (int r = 0; r < R; ++r) isum[r] = RES ? combine(coarse[0][r], fine[0][r]) : coarse[0][r];
 }
 
 #if !TP_VNNI
@@ -177,22 +185,26 @@ static inline __m256i bcast8(const int16_t* p) {
     return _mm256_set1_epi64x(v);
 }
 
-template <int MR>
+template <int MR, int NH = 1>
 static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* isum) {
-    __m256i lo[MR], hi[MR];  // rows 0-3 and 4-7 of the lanes, two pair sums per row
-    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = vzero();
+    constexpr int R = NH * MR;
+    __m256i lo[R], hi[R];  // rows 0-3 and 4-7 of the lanes, two pair sums per row
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = vzero();
     for (int c = 0; c < 8; ++c) {
-        const VI raw = vload(qs + 64 * c);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-        for (int r = 0; r < MR; ++r) {
-            const __m256i av = bcast8(qa[r] + 4 * c);
-            lo[r] = vadd32(lo[r], _mm256_madd_epi16(w0, av));
-            hi[r] = vadd32(hi[r], _mm256_madd_epi16(w1, av));
+        for (int hh = 0; hh < NH; ++hh) {
+            const VI raw = vload(qs + 64 * c + 4 * L * hh);
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+            for (int r0 = 0; r0 < MR; ++r0) {
+                const int r = hh * MR + r0;
+                const __m256i av = bcast8(qa[r0] + 4 * c);
+                lo[r] = vadd32(lo[r], _mm256_madd_epi16(w0, av));
+                hi[r] = vadd32(hi[r], _mm256_madd_epi16(w1, av));
+            }
         }
     }
     // hadd: (r0 r1 r4 r5 | r2 r3 r6 r7); 64-bit units 0 2 1 3 put the rows back in order.
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8);
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8);
 }
 #endif
 
@@ -210,26 +222,30 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
 // the group first, then a 1-row tile from cache) streamed unprefetched, so once plain decode
 // prefetched, a verification step's cost rose against a plain one's, and n-gram speculation on
 // SmolLM2 fell from faster than off to 0.74-0.89x on the `quote` and `free` workloads.
+// On the 2-core Zen 3 (AVX2, loaded), 2048-16384 bytes ahead and T0 or T1 measured alike within
+// its +-20% noise; no prefetch was slower than 4096/T0 in both rounds.
 constexpr size_t kPackedPrefetch = 4096;  // bytes; 2048-8192 measured alike
 
-// Block dot products of MR activation rows against lanes [h * L, h * L + L) of one 16-row group,
-// over all nb blocks: out[r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a (Q4) or
-// d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are the same
-// whatever MR is, so results do not depend on the batch.
+// Block dot products of MR activation rows against lanes [h * L, h * L + NH * L) of one 16-row
+// group, over all nb blocks: out[hh * MR + r] (L floats) = sum_b d_w*d_a*dot(q_w, q_a) + m_w*s_a
+// (Q4) or d_w*d_a*dot (Q8). RES: with the residual bytes (QAct::q2). Every row's operations are
+// the same whatever MR and NH are, so results do not depend on the batch.
 // few: a step of a few rows (kFewRows), whose first tile streams the weights from memory.
-template <int WT, int MR, bool RES>
+template <int WT, int MR, bool RES, int NH = 1>
 static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out, bool few) {
     constexpr size_t GB = WT == W_Q4X16 ? 320 : 576;
     constexpr size_t QS = 64;  // d[16] and m[16] (Q8: padding) come first
+    constexpr int R = NH * MR;
     const int nb = a.nb;
-    VF acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    VF acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b, wg += GB) {
+        if constexpr (NH > 1) asm volatile("" ::: "memory");  // see kOnePass
         if (MR <= 4 || few)  // decode and verification rows: see kPackedPrefetch
             for (size_t i = 0; i < GB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + kPackedPrefetch + i), _MM_HINT_T0);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
-        VI isum[MR];
+        VI isum[R];
         for (int r = 0; r < MR; ++r) {
             qa[r] = a.q + (size_t(rows[r]) * nb + b) * QK;
             qb[r] = RES ? a.q2 + (size_t(rows[r]) * nb + b) * QK : nullptr;
@@ -240,26 +256,28 @@ static inline void packed_tile(const uint8_t* wg, int h, const QAct& a, const in
         if (WT == W_Q8X16 && RES && a.q16) {
             const int16_t* qa16[MR];
             for (int r = 0; r < MR; ++r) qa16[r] = a.q16 + (size_t(rows[r]) * nb + b) * QK;
-            q8_isum16<MR>(wg + QS + 4 * L * h, qa16, isum);
+            q8_isum16<MR, NH>(wg + QS + 4 * L * h, qa16, isum);
         } else {
-            packed_isum<WT, MR, RES>(wg + QS + 4 * L * h, qa, qb, isum);
+            packed_isum<WT, MR, RES, NH>(wg + QS + 4 * L * h, qa, qb, isum);
         }
 #endif
 #if TP_VNNI
         if constexpr (WT == W_Q8X16)
             for (int r = 0; r < MR; ++r) isum[r] = vsub32(isum[r], vset32(128 * a.qsum[size_t(rows[r]) * nb + b]));
 #endif
-        const VF dw = vhalf(wg + 2 * L * h);
-        for (int r = 0; r < MR; ++r) {
-            const size_t ab = size_t(rows[r]) * nb + b;
-            acc[r] = vfma(vcvt(isum[r]), vmul(dw, vfset(a.d[ab])), acc[r]);
-        }
-        if constexpr (WT == W_Q4X16) {
-            const VF mw = vhalf(wg + 32 + 2 * L * h);
-            for (int r = 0; r < MR; ++r) acc[r] = vfma(mw, vfset(a.s[size_t(rows[r]) * nb + b]), acc[r]);
+        for (int hh = 0; hh < NH; ++hh) {
+            const VF dw = vhalf(wg + 2 * L * (h + hh));
+            for (int r = 0; r < MR; ++r) {
+                const size_t ab = size_t(rows[r]) * nb + b;
+                acc[hh * MR + r] = vfma(vcvt(isum[hh * MR + r]), vmul(dw, vfset(a.d[ab])), acc[hh * MR + r]);
+            }
+            if constexpr (WT == W_Q4X16) {
+                const VF mw = vhalf(wg + 32 + 2 * L * (h + hh));
+                for (int r = 0; r < MR; ++r) acc[hh * MR + r] = vfma(mw, vfset(a.s[size_t(rows[r]) * nb + b]), acc[hh * MR + r]);
+            }
         }
     }
-    for (int r = 0; r < MR; ++r) out[r] = acc[r];
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 #include "kquant_impl.h"
@@ -270,6 +288,27 @@ static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* 
     else if constexpr (WT == W_F16X16 || WT == W_BF16X16 || WT == W_F32X16) float_tile<WT, MR>(wg, h, a, rows, out);
     else kq_tile<WT, MR, RES>(wg, h, a, rows, out);
 }
+
+#if !TP_VNNI
+// AVX2 decode (steps of at most kOnePass rows: tiles of 1-2 rows): both 8-lane halves of a group
+// in one pass over its blocks, out[hh * MR + r] for lanes 8 hh... The two-pass loop read each
+// 64-byte line twice (the second pass from L1), redid the activation broadcasts, the scale loads
+// and the prefetches per half, and its memory stream paused during every second pass. Each
+// block (K-quants: each sub-block, kq_block) starts with a compiler barrier: without it GCC
+// hoisted and kept the loads of several blocks (16 weight vectors a Q4_K sub-block pair shares)
+// and spilled them, and the one-pass kernel was no faster than two passes on the ~1B Q4_K_M
+// (ffn_up + attn_q 22-26 vs 21-25 ms a pass; 16-17 ms with the barrier). The barrier moves no
+// arithmetic. One thread's CPU time, loaded 2-core Zen 3, interleaved A/B against two passes:
+// benchmarks/results/avx2_decode_gemv-loaded.md. Each lane's arithmetic is unchanged (the same
+// integer sums, the same float operations in the same order), so the bits equal the two-pass
+// loop's and AVX-512's.
+constexpr int kOnePass = 2;
+template <int WT, int MR, bool RES>
+static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, VF* out, bool few) {
+    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES, 2>(wg, 0, a, rows, out, few);
+    else kq_tile<WT, MR, RES, 2>(wg, 0, a, rows, out);
+}
+#endif
 
 // Rows per tile (packed_gemm_t). MR: what the vector registers hold (32 with AVX-512, 16 with
 // AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
@@ -327,6 +366,30 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     const bool few = M <= kFewRows;
     int rows[CAP];
     VF out[CAP];
+#if !TP_VNNI
+    if constexpr (WT != W_F16X16 && WT != W_BF16X16 && WT != W_F32X16) {
+        if (M >= 1 && M <= kOnePass) {  // see any_tile2
+            VF out2[2 * kOnePass];
+            for (int g = n0 / 16; g < n1 / 16; ++g) {
+                const uint8_t* wg = w + size_t(g) * nb * GB;
+                for (int r = 0; r < M; ++r) rows[r] = r;  // one tile (tile_rows)
+                if (M == 2) any_tile2<WT, 2, RES>(wg, a, rows, out2, few);
+                else any_tile2<WT, 1, RES>(wg, a, rows, out2, few);
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int n = 16 * g + L * hh;
+                    const VF vb = bias ? vfload(bias + n) : vfzero();
+                    for (int r = 0; r < M; ++r) {
+                        float* dst = y + size_t(r) * ldy + n;
+                        VF v = vfadd(out2[hh * M + r], vb);
+                        if (accumulate) v = vfadd(v, vfload(dst));
+                        vfstore(dst, v);
+                    }
+                }
+            }
+            return;
+        }
+    }
+#endif
     for (int g = n0 / 16; g < n1 / 16; ++g) {
         const uint8_t* wg = w + size_t(g) * nb * GB;
         for (int h = 0; h < 16 / L; ++h) {
