@@ -248,3 +248,23 @@ def test_kquant_steps_of_8_and_32_rows_keep_each_rows_bits(wtype):
                 y = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
                 assert np.array_equal(y, alone[:m]), (isa, fine, m)
                 assert np.abs(y - ref[:m]).max() <= 1e-5 * np.abs(ref[:m]).max()
+
+
+@pytest.mark.parametrize("wtype", [K.Q5_0, *KQUANTS], ids=lambda t: K.TYPE_NAMES[t])
+def test_prompt_steps_keep_each_rows_bits_and_tiles(wtype):
+    """Steps of more than 16 rows (a prompt) on AVX2 run some formats on tiles that take both lane
+    halves of a group at once (csrc/kquant_avx2.h), of up to 6 rows and a tail: each row keeps the
+    bits of the same row alone (the decode tiles) and of AVX-512 VNNI, whatever its tile."""
+    rng = np.random.default_rng(7 + wtype)
+    n, k = 48, 512
+    packed_type, packed = K.repack(lib, wtype, random_blocks(wtype, n, k, rng))
+    x = rng.standard_normal((31, k)).astype(np.float32) * 3
+    for fine in (False, True):
+        alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, ISAS[0], threads=1, fine=fine)
+                                for i in range(len(x))])
+        for isa in ISAS:
+            for m in (17, 19, 23, 31):
+                tiles = K.gemm_tiles(lib, packed_type, m, isa, fine)
+                assert sum(tiles) == m and max(tiles) <= 8, (isa, fine, m, tiles)
+                y = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
+                assert np.array_equal(y, alone[:m]), (isa, fine, m)

@@ -314,7 +314,8 @@ static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, 
 // AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
 // VNNI at prefill sizes. kFewCap: the most rows one tile takes in a step of a few rows: 8 for the
 // 8-bit and 4-bit formats on VNNI (8 float sums, 16 integer ones and the unpacked weights fit the
-// 32 registers), MR elsewhere.
+// 32 registers), MR elsewhere. On AVX2, prompt steps (more than kFewRows rows) of Q4_K int8, Q6_K
+// and Q5_0 fine rows run kquant_avx2.h's tiles (both lane halves at once, kPromptMR rows) instead.
 template <int WT, bool RES>
 constexpr int kTileMR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
 template <int WT, bool RES>
@@ -364,6 +365,10 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     const size_t GB = group_block_bytes(WT);
     constexpr int MR = kTileMR<WT, RES>, CAP = kFewCap<WT, RES>;
     const bool few = M <= kFewRows;
+#if !TP_VNNI
+    if constexpr (kPromptMR<WT, RES> > 0)  // prompt steps of these formats: kquant_avx2.h
+        if (!few) return kq_gemm2<WT, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+#endif
     int rows[CAP];
     VF out[CAP];
 #if !TP_VNNI
@@ -498,6 +503,13 @@ template <int WT>
 static int tiles_of(bool fine, int M, int32_t* sizes) {
     const int MR = fine ? kTileMR<WT, true> : kTileMR<WT, false>, cap = fine ? kFewCap<WT, true> : kFewCap<WT, false>;
     int n = 0;
+#if !TP_VNNI
+    const int pmr = fine ? kPromptMR<WT, true> : kPromptMR<WT, false>;  // kquant_avx2.h's kq_gemm2
+    if (pmr > 0 && M > kFewRows) {
+        for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = M - m0 < pmr ? M - m0 : pmr;
+        return n;
+    }
+#endif
     for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = tile_rows(M - m0, MR, cap);
     return n;
 }
