@@ -26,9 +26,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from tokenpath.gateway.keys_listener import KEYS_CHANNEL, KeysListener
+
 R = TypeVar("R")
 
-MIGRATIONS: list[list[str]] = [
+# A statement is SQL for every backend, or `(kind, SQL)` for that backend only (`kind` as below).
+MIGRATIONS: list[list[str | tuple[str, str]]] = [
     [  # 1: tenants, keys, admissions (sliding windows), daily usage (quotas), audit log
         """CREATE TABLE tenants (
             name TEXT PRIMARY KEY, rpm {int}, tpm {int}, daily_tokens {int}, models TEXT,
@@ -83,6 +86,12 @@ MIGRATIONS: list[list[str]] = [
             id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at {float} NOT NULL, size {int} NOT NULL,
             body TEXT NOT NULL)""",
         "CREATE INDEX stored_responses_created ON stored_responses (created_at)",
+    ],
+    [  # 7: PostgreSQL tells listening gateways that a key was stored (`keys_listener`); SQLite has its mark
+        ("postgres", f"""CREATE OR REPLACE FUNCTION tokenpath_keys_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_notify('{KEYS_CHANNEL}', ''); RETURN NULL; END $$"""),
+        ("postgres", """CREATE TRIGGER api_keys_notify AFTER INSERT ON api_keys
+            FOR EACH STATEMENT EXECUTE FUNCTION tokenpath_keys_notify()"""),
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -194,6 +203,11 @@ class SqliteDatabase:
         False once closed (a closed store answers nothing, as `read_nowait`)."""
         return not self._closed and not os.access(self.keys_marker, os.F_OK)  # (access: no exception made)
 
+    def keys_generation(self) -> int | None:
+        """What a kept "no keys" read is checked against (see `PostgresDatabase.keys_generation`):
+        0 while no key is marked, None once one is (nothing then tells when the next is stored)."""
+        return 0 if self.keys_unmarked() else None
+
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """A read that never waits, for the event loop: on a connection of its own (not behind the
         writers' lock, and no `BEGIN IMMEDIATE`: a WAL reader sees the last commit and blocks no
@@ -255,7 +269,7 @@ class SqliteDatabase:
 
     def migrate(self) -> None:
         with self.transaction() as tx:
-            _apply_migrations(tx, self.words)
+            _apply_migrations(tx, self.words, self.kind)
 
     def close(self) -> None:
         self._closed = True
@@ -304,6 +318,9 @@ class PostgresDatabase:
         self._connect = lambda: psycopg.connect(url, autocommit=True)
         self._lock = threading.Lock()
         self._conn = self._connect()
+        self._listener: KeysListener | None = None  # started by the first `keys_generation`
+        self._listener_lock = threading.Lock()
+        self._closed = False
 
     @contextmanager
     def transaction(self, lock_tenant: str | None = None) -> Iterator[_PgTx]:
@@ -320,11 +337,32 @@ class PostgresDatabase:
     reserve_spent = False  # the server's disk is PostgreSQL's to manage: nothing held here
 
     def mark_keys(self) -> None:
-        """Nothing: gateways on other hosts share the database, and a file here is not theirs."""
+        """Nothing: gateways on other hosts share the database, and a file here is not theirs; the
+        `api_keys` trigger notifies them instead (migration 7, `keys_generation`)."""
 
-    def keys_unmarked(self) -> bool:
-        """Never known here (see `SqliteDatabase.mark_keys`): the store is read each time."""
-        return False
+    def keys_generation(self) -> int | None:
+        """The number a "no keys" read is kept against: taken before the read, the answer holds while
+        this returns the same number (`keys_listener` says why the order matters). None while no
+        listener is LISTENing (not yet connected, reconnecting, closed): nothing is kept then, and
+        each request reads as before. The first call starts the listener (lazily: a gateway with
+        keys, or the CLI, never opens the second connection). Two attribute reads per request."""
+        listener = self._listener
+        if listener is None:
+            if self._closed:
+                return None
+            listener = self._start_listener()
+        return listener.generation
+
+    def _start_listener(self) -> KeysListener:
+        with self._listener_lock:
+            if self._listener is None:
+                self._listener = KeysListener(self._connect)
+            return self._listener
+
+    @property
+    def listener_pid(self) -> int | None:
+        """The server pid of the listener's connection, while it has one (tests end it)."""
+        return None if self._listener is None else self._listener.backend_pid
 
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """Never on the event loop: a read is a network round trip (see `SqliteDatabase`)."""
@@ -343,14 +381,19 @@ class PostgresDatabase:
     def migrate(self) -> None:
         with self.transaction() as tx:
             tx.q("SELECT pg_advisory_xact_lock(?)", (self._MIGRATION_LOCK,))
-            _apply_migrations(tx, self.words)
+            _apply_migrations(tx, self.words, self.kind)
 
     def close(self) -> None:
+        self._closed = True
+        with self._listener_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         with self._lock:
             self._conn.close()
 
 
-def _apply_migrations(tx: Tx, words: dict[str, str]) -> None:
+def _apply_migrations(tx: Tx, words: dict[str, str], kind: str) -> None:
     tx.q("CREATE TABLE IF NOT EXISTS tokenpath_gateway_schema (version INTEGER NOT NULL)")
     rows = tx.q("SELECT version FROM tokenpath_gateway_schema")
     current = rows[0][0] if rows else 0
@@ -361,6 +404,10 @@ def _apply_migrations(tx: Tx, words: dict[str, str]) -> None:
         )
     for version in range(current + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS[version - 1]:
+            if isinstance(statement, tuple):
+                only, statement = statement
+                if only != kind:
+                    continue
             tx.q(statement.format(**words))
     if not rows:
         tx.q("INSERT INTO tokenpath_gateway_schema (version) VALUES (?)", (SCHEMA_VERSION,))

@@ -23,9 +23,10 @@ from tokenpath.gateway.keys import NewKey
 
 STORE_FILE = "gateway.sqlite3"
 PRUNE_EVERY = 256  # reservations between deletions of admission rows that left every window
-# How long a gateway keeps a read "no keys" while no key is marked (`SqliteDatabase.mark_keys`):
-# the bound on seeing a key stored around the store (raw SQL); keys made by tokenpath are seen
-# by the next request.
+# How long a gateway keeps a read "no keys" while no key is signalled (`keys_generation`: the
+# SQLite mark, PostgreSQL's LISTEN): the bound on seeing a key the signal misses (raw SQL on SQLite;
+# triggers skipped or a pooler on PostgreSQL). Keys made by tokenpath are seen by the next request
+# (SQLite) or the next one after the notification arrives (PostgreSQL, any INSERT: a trigger).
 NO_KEYS_RECHECK_S = 1.0
 
 
@@ -116,7 +117,9 @@ class GatewayStore:
         self.no_keys_recheck_s = no_keys_recheck_s
         self.kind = self.db.kind
         self._reservations = 0
-        self._no_keys_until = float("-inf")  # (monotonic) `has_keys_nowait` answers "no" unread until then
+        # A kept "no keys": (the db's `keys_generation` taken before the read, monotonic end). One
+        # attribute, so a worker thread's `has_keys` and the loop never leave a mixed pair.
+        self._no_keys: tuple[int, float] | None = None
 
     def close(self) -> None:
         self.db.close()
@@ -184,25 +187,36 @@ class GatewayStore:
         return [_key_from_row(r) for r in rows]
 
     def has_keys(self) -> bool:
-        """Any key, revoked ones included: revoking the last key must not silently turn auth off."""
+        """Any key, revoked ones included: revoking the last key must not silently turn auth off.
+        A "no" is kept for `has_keys_nowait` (on PostgreSQL this, off the loop, is the read)."""
+        generation = self.db.keys_generation()  # before the read: see `_answered`
         with self.db.transaction() as tx:
-            return bool(tx.q(_ANY_KEY))
+            rows = tx.q(_ANY_KEY)
+        return self._answered(generation, rows, time.monotonic())
 
     def has_keys_nowait(self) -> bool | None:
         """`has_keys` on the event loop, where the database answers at once (`read_nowait`); None:
         ask `has_keys` off the loop. What a gateway with no keys asks before every request: a "no"
-        read is kept while no key is marked (`mark_keys`, one `access()`), up to `NO_KEYS_RECHECK_S`.
-        The read it saves was ~75 us of the request's path on two busy cores (the reader's page
-        cache reset by the audit writer's commit of the request before)."""
+        read is kept while the db's `keys_generation` stays the number taken before that read (SQLite:
+        no key marked, one `access()`; PostgreSQL: no notification on the listener, two attribute
+        reads), up to `NO_KEYS_RECHECK_S`. The read it saves was ~75 us of the request's path on two
+        busy cores on SQLite (the reader's page cache reset by the audit writer's commit of the
+        request before); on PostgreSQL a thread hop and a network round trip."""
         now = time.monotonic()
-        unmarked = self.db.keys_unmarked()
-        if unmarked and now < self._no_keys_until:
+        generation = self.db.keys_generation()
+        kept = self._no_keys
+        if kept is not None and generation == kept[0] and now < kept[1]:
             return False
         rows = self.db.read_nowait(_ANY_KEY)
-        if rows is None:
-            return None
-        if not rows and unmarked:
-            self._no_keys_until = now + self.no_keys_recheck_s
+        return None if rows is None else self._answered(generation, rows, now)
+
+    def _answered(self, generation: int | None, rows: list[tuple], now: float) -> bool:
+        """`generation` must be taken before the read of `rows`: a key stored after it is signalled
+        (the mark made, or a notification that changes the number), one stored before it is in
+        `rows`. Taken after the read, a key stored between the read and the signal's start (the mark
+        check, the LISTEN) would be kept out of sight."""
+        if not rows and generation is not None:
+            self._no_keys = (generation, now + self.no_keys_recheck_s)
         return bool(rows)
 
     def revoke_key(self, prefix: str, now: float) -> bool:

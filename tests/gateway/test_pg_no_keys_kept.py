@@ -1,0 +1,193 @@
+"""On PostgreSQL a gateway with no keys keeps the store's "no keys" while its LISTEN on the `api_keys`
+trigger's channel hears nothing (`tokenpath.gateway.keys_listener`), instead of a thread hop and a
+round trip before every request; any key stored (the CLI, raw SQL), and a lost listener, end it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import tokenpath
+from tokenpath.errors import AuthenticationError
+from tokenpath.gateway import Gateway, GatewayStore, Principal
+from tokenpath.gateway.admin import create_key
+from tokenpath.gateway.store import _ANY_KEY
+
+_SRC = str(Path(tokenpath.__file__).resolve().parents[1])
+pytestmark = pytest.mark.parametrize("store_location", ["postgres"], indirect=True)  # PostgreSQL only
+
+
+def _until(check, within_s: float = 5.0):
+    """`check()`'s first truthy answer, polled every 10 ms for at most `within_s`."""
+    end = time.monotonic() + within_s
+    while True:
+        answer = check()
+        if answer or time.monotonic() > end:
+            return answer
+        time.sleep(0.01)
+
+
+def _listening(store: GatewayStore) -> int:
+    generation = _until(lambda: store.db.keys_generation() is not None and store.db.keys_generation())
+    assert generation is not None, "the keys listener never started LISTENing"
+    return generation
+
+
+class _Transactions:
+    """The transactions the store's connection opens on the server from now on (every store read is
+    one: `GatewayStore.has_keys`'s too), counted in libpq's own trace of what that connection sends
+    (not a count of Python calls). BEGIN is counted: after five runs psycopg prepares a statement and
+    sends only its name, so the read's text no longer shows."""
+
+    def __init__(self, store: GatewayStore) -> None:
+        self._pgconn = store.db._conn.pgconn
+        self._file = tempfile.TemporaryFile()  # noqa: SIM115 - closed by `count`
+        self._pgconn.trace(self._file.fileno())
+
+    def count(self) -> int:
+        self._pgconn.untrace()  # (flushes libpq's buffer)
+        self._file.seek(0)
+        sent = [line.split("\t") for line in self._file.read().decode().splitlines()]
+        self._file.close()
+        return sum(f[1:2] == ["F"] and f[3:4] == ["Query"] and f[4:5] == [' "BEGIN"'] for f in sent)
+
+
+async def test_many_requests_with_no_keys_read_postgres_once(store_location, clock):
+    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+    try:
+        gw = Gateway(store, clock=clock)
+        end = time.monotonic() + 5.0  # the first requests start the listener, then one keeps "no"
+        while time.monotonic() < end:
+            assert await gw.authenticate({}) == Principal()
+            if store.has_keys_nowait() is False:
+                break
+            time.sleep(0.01)
+        sent = _Transactions(store)
+        for _ in range(50):
+            assert await gw.authenticate({}) == Principal()
+        assert sent.count() == 0  # (before: a read of api_keys, and a thread hop, per request)
+    finally:
+        store.close()
+    assert store.db.keys_generation() is None  # (closed: nothing kept, no listener)
+
+
+async def test_a_key_made_by_tokenpath_keys_create_ends_the_kept_answer(store_location, clock):
+    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+    try:
+        gw = Gateway(store, clock=clock)
+        assert await gw.authenticate({}) == Principal()
+        _listening(store)
+        assert await gw.authenticate({}) == Principal()
+        assert store.has_keys_nowait() is False  # (kept)
+        made = subprocess.run(
+            [sys.executable, "-c", "import sys; from tokenpath.cli import main; sys.exit(main(sys.argv[1:]))",
+             "keys", "create", "--tenant", "acme", "--database-url", store_location],
+            env={**os.environ, "PYTHONPATH": _SRC}, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        secret = made.stdout.strip()
+        assert secret.startswith("tp-")
+        assert _until(lambda: store.has_keys_nowait() is not False, 2.0)  # the NOTIFY arrived
+        with pytest.raises(AuthenticationError):
+            await gw.authenticate({})
+        assert (await gw.authenticate({"Authorization": f"Bearer {secret}"})).tenant == "acme"
+    finally:
+        store.close()
+
+
+async def test_a_key_inserted_by_raw_sql_ends_the_kept_answer_through_the_trigger(store_location, clock):
+    """No mark, no tokenpath: the trigger of migration 7 notifies (the recheck is an hour here)."""
+    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+    try:
+        gw = Gateway(store, clock=clock)
+        assert await gw.authenticate({}) == Principal()
+        _listening(store)
+        assert await gw.authenticate({}) == Principal()
+        assert store.has_keys_nowait() is False
+        with psycopg.connect(store_location, autocommit=True) as raw:
+            raw.execute("INSERT INTO tenants (name, created_at) VALUES ('acme', 0)")
+            raw.execute("INSERT INTO api_keys (prefix, tenant, salt, digest, created_at) "
+                        "VALUES ('tp-raw', 'acme', 's', 'd', 0)")
+        assert _until(lambda: store.has_keys_nowait() is not False, 2.0)
+        with pytest.raises(AuthenticationError):
+            await gw.authenticate({})
+    finally:
+        store.close()
+
+
+async def test_a_killed_listener_drops_the_kept_answer_and_recovers(store_location, clock):
+    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+    try:
+        gw = Gateway(store, clock=clock)
+        assert await gw.authenticate({}) == Principal()
+        before = _listening(store)
+        assert await gw.authenticate({}) == Principal()
+        assert store.has_keys_nowait() is False
+        pid = store.db.listener_pid
+        with psycopg.connect(store_location, autocommit=True) as admin:
+            assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+        assert _until(lambda: store.db.keys_generation() != before, 2.0)
+        assert store.has_keys_nowait() is None  # not kept: ask the database (off the loop)
+        after = _listening(store)  # reconnected, LISTENing again
+        assert after != before and store.db.listener_pid != pid
+        assert await gw.authenticate({}) == Principal()  # read again, and kept again
+        assert store.has_keys_nowait() is False
+    finally:
+        store.close()
+
+
+async def test_listen_must_be_in_effect_before_the_read_whose_no_is_kept(store_location, clock):
+    """The race of a starting listener: the read says "no", a key is committed, then LISTEN takes
+    effect (so that key is never notified). The number taken before the read (None: not yet
+    listening) keeps nothing; a number taken after the LISTEN would keep the stale "no"."""
+    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+    other = GatewayStore(store_location)
+    try:
+        gw = Gateway(store, clock=clock)
+        generation = store.db.keys_generation()  # starts the listener; it has not connected yet
+        assert generation is None
+        with store.db.transaction() as tx:
+            rows = tx.q(_ANY_KEY)
+        assert rows == []
+        create_key(other, "acme", now=clock())  # between the read and the LISTEN
+        late = _listening(store)
+        assert store._answered(generation, rows, time.monotonic()) is False  # the read's own answer
+        assert store.has_keys_nowait() is None  # not kept: the next request reads, and sees the key
+        with pytest.raises(AuthenticationError):
+            await gw.authenticate({})
+        # The wrong order, for contrast: the number taken after the LISTEN keeps the stale "no".
+        store._answered(late, rows, time.monotonic())
+        assert store.has_keys_nowait() is False
+    finally:
+        other.close()
+        store.close()
+
+
+def test_the_migration_adds_the_trigger_on_postgres_only(store_location, tmp_path):
+    store = GatewayStore(store_location)
+    lite = GatewayStore(tmp_path / "gateway.sqlite3")
+    try:
+        with store.db.transaction() as tx:
+            assert tx.q("SELECT tgname FROM pg_trigger WHERE tgrelid = 'api_keys'::regclass "
+                        "AND NOT tgisinternal") == [("api_keys_notify",)]
+        with lite.db.transaction() as tx:
+            assert tx.q("SELECT name FROM sqlite_master WHERE type = 'trigger'") == []
+    finally:
+        lite.close()
+        store.close()
+
+
+def test_close_does_not_wait_for_the_listener(store_location):
+    store = GatewayStore(store_location)
+    store.db.keys_generation()
+    _listening(store)
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 1.0
+    assert store.db.keys_generation() is None
