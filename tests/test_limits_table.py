@@ -42,6 +42,7 @@ INTERNAL = {
     "engine/spec/state.py:MAX_PAUSE": "speculative decoding's internal back-off",
     "gateway/audit_writer.py:RETRY_MAX_S": "the audit store's retry backoff",
     "gateway/audit_writer.py:WAIT_MAX_S": "the audit store's write wait",
+    "gateway/keys_listener.py:RETRY_MAX_S": "the PostgreSQL keys listener's reconnect backoff",
     "protocol/outputs.py:MAX_STALLS": "stall records kept per request (an output's size, not an input's)",
     "protocol/wire.py:MAX_FRAME": "the engine link's frame bound (between processes, not from clients)",
     "protocol/sampling_params.py:MIN_REPETITION_PENALTY": "a float range the sampler can compute, not a size",

@@ -150,20 +150,23 @@ async def test_listen_must_be_in_effect_before_the_read_whose_no_is_kept(store_l
     other = GatewayStore(store_location)
     try:
         gw = Gateway(store, clock=clock)
-        generation = store.db.keys_generation()  # starts the listener; it has not connected yet
+        store.db.watch_keys(True)  # (as after a first "no": the listener starts, not yet connected)
+        generation = store.db.keys_generation()
         assert generation is None
         with store.db.transaction() as tx:
             rows = tx.q(_ANY_KEY)
         assert rows == []
         create_key(other, "acme", now=clock())  # between the read and the LISTEN
         late = _listening(store)
+        # The wrong order, for contrast: the number taken after the LISTEN keeps the stale "no".
+        assert store._answered(late, rows, time.monotonic()) is False
+        assert store.has_keys_nowait() is False
+        store._no_keys = None
+        # The store's order: the number taken before the read.
         assert store._answered(generation, rows, time.monotonic()) is False  # the read's own answer
         assert store.has_keys_nowait() is None  # not kept: the next request reads, and sees the key
         with pytest.raises(AuthenticationError):
             await gw.authenticate({})
-        # The wrong order, for contrast: the number taken after the LISTEN keeps the stale "no".
-        store._answered(late, rows, time.monotonic())
-        assert store.has_keys_nowait() is False
     finally:
         other.close()
         store.close()
@@ -185,9 +188,27 @@ def test_the_migration_adds_the_trigger_on_postgres_only(store_location, tmp_pat
 
 def test_close_does_not_wait_for_the_listener(store_location):
     store = GatewayStore(store_location)
-    store.db.keys_generation()
+    assert store.has_keys() is False  # (starts the listener)
     _listening(store)
     t0 = time.monotonic()
     store.close()
     assert time.monotonic() - t0 < 1.0
     assert store.db.keys_generation() is None
+
+
+def test_the_listener_starts_after_a_no_and_stops_once_a_key_is_seen(store_location, clock):
+    """A gateway with keys never holds the second connection; one whose first key appears lets it go."""
+    with_key = GatewayStore(store_location)
+    store = GatewayStore(store_location)
+    try:
+        assert store.has_keys() is False
+        _listening(store)
+        create_key(with_key, "acme", now=clock())
+        assert with_key.has_keys() is True
+        assert with_key.db.listener_pid is None and with_key.db.keys_generation() is None
+        assert _until(lambda: store.has_keys_nowait() is not False, 2.0)
+        assert store.has_keys() is True
+        assert store.db.listener_pid is None and store.db.keys_generation() is None
+    finally:
+        store.close()
+        with_key.close()

@@ -9,7 +9,9 @@ the exactness of the limits comes from:
   tenant across every gateway process sharing the database, while other tenants proceed.
 One connection per backend, guarded by a thread lock: calls come from `asyncio.to_thread`. SQLite
 also answers a small read on the event loop itself (`read_nowait`: its own connection, which never
-waits), for the lookups in front of every request.
+waits), for the lookups in front of every request. Each backend also says when a key may have been
+stored (`keys_generation`), so a gateway with no keys need not read before every request: SQLite a
+mark file, PostgreSQL a LISTEN on the channel an `api_keys` trigger notifies (`keys_listener`).
 
 Migrations are numbered; `migrate()` applies the missing ones under the same lock (an advisory
 lock on PostgreSQL), so two processes starting together do not both apply them.
@@ -208,6 +210,9 @@ class SqliteDatabase:
         0 while no key is marked, None once one is (nothing then tells when the next is stored)."""
         return 0 if self.keys_unmarked() else None
 
+    def watch_keys(self, watch: bool) -> None:
+        """Nothing to start or stop: the mark is the signal (see `PostgresDatabase.watch_keys`)."""
+
     def read_nowait(self, sql: str, params: Sequence[Any] = ()) -> list[tuple] | None:
         """A read that never waits, for the event loop: on a connection of its own (not behind the
         writers' lock, and no `BEGIN IMMEDIATE`: a WAL reader sees the last commit and blocks no
@@ -318,8 +323,9 @@ class PostgresDatabase:
         self._connect = lambda: psycopg.connect(url, autocommit=True)
         self._lock = threading.Lock()
         self._conn = self._connect()
-        self._listener: KeysListener | None = None  # started by the first `keys_generation`
+        self._listener: KeysListener | None = None  # started by `watch_keys`
         self._listener_lock = threading.Lock()
+        self._keys_seen = False  # a read found a key: the listener is not (re)started
         self._closed = False
 
     @contextmanager
@@ -343,21 +349,26 @@ class PostgresDatabase:
     def keys_generation(self) -> int | None:
         """The number a "no keys" read is kept against: taken before the read, the answer holds while
         this returns the same number (`keys_listener` says why the order matters). None while no
-        listener is LISTENing (not yet connected, reconnecting, closed): nothing is kept then, and
-        each request reads as before. The first call starts the listener (lazily: a gateway with
-        keys, or the CLI, never opens the second connection). Two attribute reads per request."""
+        listener is LISTENing (not started, connecting, reconnecting, stopped, closed): nothing is
+        kept then, and each request reads as before. Two attribute reads per request."""
         listener = self._listener
-        if listener is None:
-            if self._closed:
-                return None
-            listener = self._start_listener()
-        return listener.generation
+        return None if listener is None else listener.generation
 
-    def _start_listener(self) -> KeysListener:
+    def watch_keys(self, watch: bool) -> None:
+        """Start the listener after a read found no keys (so a gateway with keys, or the CLI, never
+        opens its connection), and stop it for good once a read finds one: keys are revoked, never
+        deleted, and a gateway that has seen one does not ask again. Called off the loop when
+        stopping (`has_keys`: the read that sees a key on PostgreSQL is never on the loop)."""
         with self._listener_lock:
-            if self._listener is None:
+            if watch and self._listener is None and not self._closed and not self._keys_seen:
                 self._listener = KeysListener(self._connect)
-            return self._listener
+                return
+            if watch or self._keys_seen:
+                return
+            self._keys_seen = True
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
 
     @property
     def listener_pid(self) -> int | None:

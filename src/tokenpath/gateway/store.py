@@ -217,6 +217,8 @@ class GatewayStore:
         check, the LISTEN) would be kept out of sight."""
         if not rows and generation is not None:
             self._no_keys = (generation, now + self.no_keys_recheck_s)
+        else:  # a "no" not kept: listen (if not yet) for the next; a key: nothing more to watch
+            self.db.watch_keys(not rows)
         return bool(rows)
 
     def revoke_key(self, prefix: str, now: float) -> bool:
