@@ -20,7 +20,9 @@ The channel is database-wide (schemas do not scope it): a key stored in another 
 costs this gateway one read. A notification is never missed while the number holds, but paths that
 skip triggers (`session_replication_role = replica`: pg_restore --disable-triggers, a logical
 replication subscriber) or a transaction-pooling PgBouncer (LISTEN lands on a pooled server
-connection) are not signalled at all: the store's `NO_KEYS_RECHECK_S` still bounds a kept answer.
+connection) are not signalled at all, and a link that dies without a reset leaves the listener
+waiting on a silent socket: the store's `NO_KEYS_RECHECK_S` still bounds a kept answer (every kept
+"no" is a real read at most that old), so these cost staleness up to that bound, never more.
 """
 
 from __future__ import annotations

@@ -189,10 +189,11 @@ class GatewayStore:
     def has_keys(self) -> bool:
         """Any key, revoked ones included: revoking the last key must not silently turn auth off.
         A "no" is kept for `has_keys_nowait` (on PostgreSQL this, off the loop, is the read)."""
+        now = time.monotonic()  # (the kept answer's age counts from before the read)
         generation = self.db.keys_generation()  # before the read: see `_answered`
         with self.db.transaction() as tx:
             rows = tx.q(_ANY_KEY)
-        return self._answered(generation, rows, time.monotonic())
+        return self._answered(generation, rows, now)
 
     def has_keys_nowait(self) -> bool | None:
         """`has_keys` on the event loop, where the database answers at once (`read_nowait`); None:
