@@ -124,12 +124,11 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 // sums exact: |activation| <= 127 (quantize_row clamps both bytes), so a pair is at most
 // 2 * 127 * qmax: Q4_K 3810 (8 chunks: 30480), 5-bit 7874 (4: 31496), Q6_K 16002 (2: 32004).
 // The int32 results are the same integers as VNNI's, so the ISAs still agree bit for bit.
-// Prompt steps of some formats run kquant_avx2.h's tiles instead (both lane halves per tile).
 template <int WT>
 constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
 
-// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h): the two 8-lane halves of each 64-byte chunk
-// in turn, isum[hh * MR + r], the broadcasts shared.
+// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h, and prompt tiles, kquant_avx2.h): both 8-lane
+// halves of each 64-byte chunk, isum[hh * MR + r]; each activation broadcast feeds NH maddubs.
 template <int WT, int MR, bool RES, int k, int NH = 1>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
@@ -140,12 +139,16 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
         VI coarse[R], fine[R];
         for (int r = 0; r < R; ++r) coarse[r] = fine[r] = vzero();
         for (int j = c; j < c + SPAN; ++j) {
-            for (int hh = 0; hh < NH; ++hh) {
-                const VI w = kq_weights<WT, k>(g, o + 4 * L * hh, j);
-                for (int r0 = 0; r0 < MR; ++r0) {
-                    const int r = hh * MR + r0;
-                    coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r0] + 4 * j)));
-                    if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r0] + 4 * j)));
+            VI w[NH];
+            for (int hh = 0; hh < NH; ++hh) w[hh] = kq_weights<WT, k>(g, o + 4 * L * hh, j);
+            for (int r0 = 0; r0 < MR; ++r0) {
+                const VI x = bcast4(qa[r0] + 4 * j);
+                for (int hh = 0; hh < NH; ++hh)
+                    coarse[hh * MR + r0] = _mm256_add_epi16(coarse[hh * MR + r0], _mm256_maddubs_epi16(w[hh], x));
+                if constexpr (RES) {
+                    const VI x2 = bcast4(qb[r0] + 4 * j);
+                    for (int hh = 0; hh < NH; ++hh)
+                        fine[hh * MR + r0] = _mm256_add_epi16(fine[hh * MR + r0], _mm256_maddubs_epi16(w[hh], x2));
                 }
             }
         }
@@ -161,13 +164,18 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 constexpr size_t kPrefetchAhead = 2;  // super-blocks
 
 // One 32-block b (sub-block k of its super-block, or k = 0 for Q5X16) of MR activation rows against
-// lanes [h * L, h * L + L) of one 16-row group, added into acc (see the formulas above). k is a
-// template argument so that every shift and offset of the weight unpacking is a constant.
-template <int WT, int MR, bool RES, int k, int NH>
+// lanes [h * L, h * L + NH * L) of one 16-row group, added into acc[hh * MR + r] (see the formulas
+// above). k is a template argument so that every shift and offset of the weight unpacking is a
+// constant. STREAM: a tile that streams its weights from memory (decode; the default) prefetches
+// (below) and, with NH > 1, starts with the compiler barrier. AVX2 prompt tiles (kquant_avx2.h)
+// read a group from cache after its first tile and take neither: with them Gemma 3 270M's Q6_K
+// prompt matrix (fine, 2-row tiles, which prefetch) ran at 1.03-1.13x the time of the prompt
+// kernel's former copy of these functions (benchmarks/results/kquant_tile_dedupe-loaded.md).
+template <int WT, int MR, bool RES, int k, int NH, bool STREAM>
 static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, const VF* dw, const VF* dm, VF* acc) {
     const int nb = a.nb, o = 4 * L * h;
-    if constexpr (NH > 1) asm volatile("" ::: "memory");  // see kOnePass (packed_impl.h)
-    if constexpr (WT != W_Q5X16 && MR <= 2) {
+    if constexpr (STREAM && NH > 1) asm volatile("" ::: "memory");  // see kOnePass (packed_impl.h)
+    if constexpr (STREAM && WT != W_Q5X16 && MR <= 2) {
         // Decode streams the weights from memory once. Q6_K's super-block is read out of address
         // order (low nibbles, high bits, then the next sub-block's planes), and the hardware
         // prefetchers then fetched it at about a third of the bandwidth Q4_K got: each sub-block
@@ -193,36 +201,41 @@ static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* r
     if constexpr (WT == W_Q6KX16) {
         for (int half = 0; half < 2; ++half) {
             kq_isum<WT, MR, RES, k, NH>(g, o, 4 * half, 4 * half + 4, qa, qb, isum);
-            for (int hh = 0; hh < NH; ++hh) {
-                const VF dsc = vmul(dw[hh], vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * (h + hh))));
-                for (int r = 0; r < MR; ++r) {
-                    const size_t ab = size_t(rows[r]) * nb + b;
-                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
-                    acc[hh * MR + r] = vfma(vcvt(vsub32(isum[hh * MR + r], off)), vmul(dsc, vfset(a.d[ab])), acc[hh * MR + r]);
-                }
+            VF dsc[NH];
+            for (int hh = 0; hh < NH; ++hh) dsc[hh] = vmul(dw[hh], vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * (h + hh))));
+            for (int r = 0; r < MR; ++r) {  // a row's scales broadcast once for the NH halves
+                const size_t ab = size_t(rows[r]) * nb + b;
+                const VI off = vset32(32 * a.qsum16[2 * ab + half]);
+                const VF da = vfset(a.d[ab]);
+                for (int hh = 0; hh < NH; ++hh)
+                    acc[hh * MR + r] = vfma(vcvt(vsub32(isum[hh * MR + r], off)), vmul(dsc[hh], da), acc[hh * MR + r]);
             }
         }
     } else {
         kq_isum<WT, MR, RES, k, NH>(g, o, 0, 8, qa, qb, isum);
+        VF dsc[NH], mw[NH];
         for (int hh = 0; hh < NH; ++hh) {
-            VF dsc = dw[hh], mw;
             if constexpr (WT == W_Q5X16) {
-                mw = vhalf(g + 32 + 2 * L * (h + hh));
+                dsc[hh] = dw[hh];
+                mw[hh] = vhalf(g + 32 + 2 * L * (h + hh));
             } else {
-                dsc = vmul(dw[hh], vcvt(vu8(g + 64 + 16 * k + L * (h + hh))));
-                mw = vmul(dm[hh], vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * (h + hh)))));
+                dsc[hh] = vmul(dw[hh], vcvt(vu8(g + 64 + 16 * k + L * (h + hh))));
+                mw[hh] = vmul(dm[hh], vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * (h + hh)))));
             }
-            for (int r = 0; r < MR; ++r) {
-                const size_t ab = size_t(rows[r]) * nb + b;
-                acc[hh * MR + r] = vfma(vcvt(isum[hh * MR + r]), vmul(dsc, vfset(a.d[ab])), acc[hh * MR + r]);
-                acc[hh * MR + r] = vfma(mw, vfset(a.s[ab]), acc[hh * MR + r]);
+        }
+        for (int r = 0; r < MR; ++r) {
+            const size_t ab = size_t(rows[r]) * nb + b;
+            const VF da = vfset(a.d[ab]), sa = vfset(a.s[ab]);
+            for (int hh = 0; hh < NH; ++hh) {
+                acc[hh * MR + r] = vfma(vcvt(isum[hh * MR + r]), vmul(dsc[hh], da), acc[hh * MR + r]);
+                acc[hh * MR + r] = vfma(mw[hh], sa, acc[hh * MR + r]);
             }
         }
     }
 }
 
 // The 8 sub-blocks of super-block sb, in order.
-template <int WT, int MR, bool RES, int NH, int... K>
+template <int WT, int MR, bool RES, int NH, bool STREAM, int... K>
 static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* rows, int sb, VF* acc,
                             std::integer_sequence<int, K...>) {
     VF dw[NH], dm[NH];
@@ -230,13 +243,13 @@ static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* r
         dw[hh] = vhalf(g + 2 * L * (h + hh));
         dm[hh] = WT == W_Q6KX16 ? dw[hh] : vhalf(g + 32 + 2 * L * (h + hh));
     }
-    (kq_block<WT, MR, RES, K, NH>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
+    (kq_block<WT, MR, RES, K, NH, STREAM>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
 }
 
 // Block dot products of MR activation rows against lanes [h * L, h * L + NH * L) of one 16-row
 // group, over all nb 32-blocks (a K-quant row is whole super-blocks: nb a multiple of 8);
 // out[hh * MR + r].
-template <int WT, int MR, bool RES, int NH = 1>
+template <int WT, int MR, bool RES, int NH = 1, bool STREAM = true>
 static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
     constexpr int R = NH * MR;
     VF acc[R];
@@ -245,12 +258,12 @@ static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* r
         for (int b = 0; b < a.nb; ++b, wg += 384) {
             VF dw[NH];
             for (int hh = 0; hh < NH; ++hh) dw[hh] = vhalf(wg + 2 * L * (h + hh));
-            kq_block<WT, MR, RES, 0, NH>(wg, h, a, rows, b, dw, dw, acc);
+            kq_block<WT, MR, RES, 0, NH, STREAM>(wg, h, a, rows, b, dw, dw, acc);
         }
     } else {
         constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
         for (int sb = 0; sb < a.nb / kSuper; ++sb, wg += GB)
-            kq_super<WT, MR, RES, NH>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
+            kq_super<WT, MR, RES, NH, STREAM>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
@@ -279,6 +292,3 @@ static inline void float_tile(const uint8_t* wg, int h, const QAct& a, const int
     for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
-#if !TP_VNNI
-#include "kquant_avx2.h"
-#endif

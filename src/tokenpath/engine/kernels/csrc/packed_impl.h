@@ -91,6 +91,7 @@ static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coars
 // NH = 2 (AVX2 decode, see kOnePass): both halves of each 64-byte chunk in turn, one broadcast each.
 template <int WT, int MR, bool RES, int NH = 1>
 static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+    static_assert(!TP_VNNI || NH == 1, "VNNI: one 16-lane register per group");
 #if TP_VNNI
     // With 1-2 rows each sum runs as S = 2 interleaved chains (Q4X16: the low and the high nibbles;
     // Q8X16: even and odd chunks), so that one chain of 8 dependent vpdpbusd does not wait on its
@@ -139,16 +140,17 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
     } else {  // Q8X16: signed weights
         for (int c = 0; c < 8; ++c) {
             const int i = c % S;
+#if TP_VNNI
+            // One register is the whole group (L = 16): no second half, NH is 1.
+            // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
+            const VI wu = vxor(vload(qs + 64 * c), vbyte(char(0x80)));
+            for (int r = 0; r < MR; ++r) {
+                coarse[i][r] = vdot(coarse[i][r], wu, bcast4(qa[r] + 4 * c));
+                if constexpr (RES) fine[i][r] = vdot(fine[i][r], wu, bcast4(qb[r] + 4 * c));
+            }
+#else
             for (int hh = 0; hh < NH; ++hh) {
                 const VI w = vload(qs + 64 * c + 4 * L * hh);
-#if TP_VNNI
-                // w ^ 0x80 = w + 128 as unsigned bytes; the int32 sums cannot overflow.
-                const VI wu = vxor(w, vbyte(char(0x80)));
-                for (int r = 0; r < MR; ++r) {
-                    coarse[i][r] = vdot(coarse[i][r], wu, bcast4(qa[r] + 4 * c));
-                    if constexpr (RES) fine[i][r] = vdot(fine[i][r], wu, bcast4(qb[r] + 4 * c));
-                }
-#else
                 // maddubs would saturate on (w + 128) * q_a pairs: the sign trick keeps |w| unsigned.
                 const VI wa = _mm256_sign_epi8(w, w);
                 for (int r0 = 0; r0 < MR; ++r0) {
@@ -156,8 +158,8 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
                     coarse[i][r] = vadd32(coarse[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qa[r0] + 4 * c), w)));
                     if constexpr (RES) fine[i][r] = vadd32(fine[i][r], dot_us(wa, _mm256_sign_epi8(bcast4(qb[r0] + 4 * c), w)));
                 }
-#endif
             }
+#endif
         }
     }
     for (int i = 1; i < S; ++i)
@@ -302,10 +304,13 @@ static inline void any_tile(const uint8_t* wg, int h, const QAct& a, const int* 
 // benchmarks/results/avx2_decode_gemv-loaded.md. Each lane's arithmetic is unchanged (the same
 // integer sums, the same float operations in the same order), so the bits equal the two-pass
 // loop's and AVX-512's.
+// Tiles of 1-2 rows always prefetch (packed_tile: MR <= 4; kq_block: MR <= 2), whatever the
+// step's size, so any_tile2 takes no `few`.
 constexpr int kOnePass = 2;
 template <int WT, int MR, bool RES>
-static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, VF* out, bool few) {
-    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES, 2>(wg, 0, a, rows, out, few);
+static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, VF* out) {
+    static_assert(MR <= kOnePass, "decode tiles");
+    if constexpr (WT == W_Q4X16 || WT == W_Q8X16) packed_tile<WT, MR, RES, 2>(wg, 0, a, rows, out, true);
     else kq_tile<WT, MR, RES, 2>(wg, 0, a, rows, out);
 }
 #endif
@@ -314,13 +319,24 @@ static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, 
 // AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
 // VNNI at prefill sizes. kFewCap: the most rows one tile takes in a step of a few rows: 8 for the
 // 8-bit and 4-bit formats on VNNI (8 float sums, 16 integer ones and the unpacked weights fit the
-// 32 registers), MR elsewhere. On AVX2, prompt steps (more than kFewRows rows) of Q4_K int8, Q6_K
-// and Q5_0 fine rows run kquant_avx2.h's tiles (both lane halves at once, kPromptMR rows) instead.
+// 32 registers), MR elsewhere.
 template <int WT, bool RES>
 constexpr int kTileMR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
 template <int WT, bool RES>
 constexpr int kFewCap = TP_VNNI && (WT == W_Q4X16 || WT == W_Q8X16) ? 8 : kTileMR<WT, RES>;
 constexpr int kFewRows = 16;  // a step of at most this many rows is a few rows (decode, verification)
+
+// AVX2, rows per tile of the prompt kernel (kquant_avx2.h's kq_gemm2: steps of more than
+// kFewRows rows, both lane halves per tile), by format and precision (RES: int8 with residual
+// bytes); 0: the format keeps packed_gemm_t's tiles of each half. Measured (one thread's CPU time,
+// interleaved A/B against kq_tile's two passes on this 2-core Zen 3, loaded): Q4_K int8 MR 6 ran
+// at 0.84-0.90x kq_tile's time (MR 3 and 4 lost), Q6_K fine MR 2 at 0.83-0.85x (3: 0.9, 4:
+// 0.87-1.07), Q5_0 fine MR 3 at 0.85-0.95x. Q4_K fine lost at every MR (2: 1.14-1.32x, 3:
+// 1.07-1.14x, 4: 1.16-1.26x) and Q5_0 int8 at MR 3-6 (1.03-1.16x): both keep kq_tile. Q5_K and
+// Q6_K int8 (no default prompt matrix) were not measured and keep it too. 0 on VNNI (one 16-lane
+// register is the whole group already).
+template <int WT, bool RES>
+constexpr int kPromptMR = TP_VNNI ? 0 : WT == W_Q4KX16 ? (RES ? 0 : 6) : WT == W_Q6KX16 ? (RES ? 2 : 0) : WT == W_Q5X16 ? (RES ? 3 : 0) : 0;
 
 // Rows of the tile that starts with `rest` rows of the step left: tiles of MR while more than
 // 2 cap rows are left, then ceil(rest / cap) tiles of nearly equal size (at most cap each). Why:
@@ -334,6 +350,37 @@ inline int tile_rows(int rest, int MR, int cap) {
     const int tiles = (rest + cap - 1) / cap;
     return (rest + tiles - 1) / tiles;
 }
+
+// Rows of the next tile of an M-row step with `rest` rows left, as the kernels run them:
+// kPromptMR rows, then what is left, in a prompt step that kq_gemm2 runs; tile_rows otherwise
+// (a step of at most kOnePass rows, AVX2's one pass, is one tile by it too). tp_gemm_tiles
+// reports these, so the tests see the kernels' own rule.
+template <int WT, bool RES>
+inline int next_tile_rows(int M, int rest) {
+    constexpr int PMR = kPromptMR<WT, RES>;
+    if (PMR > 0 && M > kFewRows) return rest < PMR ? rest : PMR;
+    return tile_rows(rest, kTileMR<WT, RES>, kFewCap<WT, RES>);
+}
+
+// A tile's sums into y (the tile's first row; ldy floats a row): out[hh * rows + r] is lanes
+// n + L hh .. n + L hh + L - 1 of row r, nh lane halves of L outputs. Adds the bias and, with
+// accumulate, y's own values, in that order (the same float operations for every kernel).
+static inline void store_tile(float* y, int ldy, int n, const VF* out, int rows, int nh, const float* bias,
+                              bool accumulate) {
+    for (int hh = 0; hh < nh; ++hh) {
+        const VF vb = bias ? vfload(bias + n + L * hh) : vfzero();
+        for (int r = 0; r < rows; ++r) {
+            float* dst = y + size_t(r) * ldy + n + L * hh;
+            VF v = vfadd(out[hh * rows + r], vb);
+            if (accumulate) v = vfadd(v, vfload(dst));
+            vfstore(dst, v);
+        }
+    }
+}
+
+#if !TP_VNNI
+#include "kquant_avx2.h"
+#endif
 
 template <int WT, bool RES, int CAP>
 static inline void tile_of(int mr, const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out, bool few) {
@@ -375,21 +422,12 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     if constexpr (WT != W_F16X16 && WT != W_BF16X16 && WT != W_F32X16) {
         if (M >= 1 && M <= kOnePass) {  // see any_tile2
             VF out2[2 * kOnePass];
+            for (int r = 0; r < M; ++r) rows[r] = r;  // one tile (next_tile_rows)
             for (int g = n0 / 16; g < n1 / 16; ++g) {
                 const uint8_t* wg = w + size_t(g) * nb * GB;
-                for (int r = 0; r < M; ++r) rows[r] = r;  // one tile (tile_rows)
-                if (M == 2) any_tile2<WT, 2, RES>(wg, a, rows, out2, few);
-                else any_tile2<WT, 1, RES>(wg, a, rows, out2, few);
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int n = 16 * g + L * hh;
-                    const VF vb = bias ? vfload(bias + n) : vfzero();
-                    for (int r = 0; r < M; ++r) {
-                        float* dst = y + size_t(r) * ldy + n;
-                        VF v = vfadd(out2[hh * M + r], vb);
-                        if (accumulate) v = vfadd(v, vfload(dst));
-                        vfstore(dst, v);
-                    }
-                }
+                if (M == 2) any_tile2<WT, 2, RES>(wg, a, rows, out2);
+                else any_tile2<WT, 1, RES>(wg, a, rows, out2);
+                store_tile(y, ldy, 16 * g, out2, M, 2, bias, accumulate);
             }
             return;
         }
@@ -398,21 +436,12 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     for (int g = n0 / 16; g < n1 / 16; ++g) {
         const uint8_t* wg = w + size_t(g) * nb * GB;
         for (int h = 0; h < 16 / L; ++h) {
-            const int n = 16 * g + L * h;  // first output of these lanes
-            const VF vb = bias ? vfload(bias + n) : vfzero();
-            auto store = [&](int m, VF v) {
-                float* dst = y + size_t(m) * ldy + n;
-                v = vfadd(v, vb);
-                if (accumulate) v = vfadd(v, vfload(dst));
-                vfstore(dst, v);
-            };
-            for (int m0 = 0; m0 < M;) {
-                const int mr = tile_rows(M - m0, MR, CAP);
+            for (int m0 = 0, mr; m0 < M; m0 += mr) {
+                mr = next_tile_rows<WT, RES>(M, M - m0);
                 for (int r = 0; r < mr; ++r) rows[r] = m0 + r;
                 if (mr == MR) any_tile<WT, MR, RES>(wg, h, a, rows, out, few);
                 else tile_of<WT, RES, CAP>(mr, wg, h, a, rows, out, few);
-                for (int r = 0; r < mr; ++r) store(m0 + r, out[r]);
-                m0 += mr;
+                store_tile(y + size_t(m0) * ldy, ldy, 16 * g + L * h, out, mr, 1, bias, accumulate);
             }
         }
     }
@@ -501,16 +530,9 @@ static void float_gemm16(const uint8_t* w, int nb, const QAct& a, int M, float* 
 // The tiles packed_gemm_t runs for M rows (tp_gemm_tiles, for the tests).
 template <int WT>
 static int tiles_of(bool fine, int M, int32_t* sizes) {
-    const int MR = fine ? kTileMR<WT, true> : kTileMR<WT, false>, cap = fine ? kFewCap<WT, true> : kFewCap<WT, false>;
     int n = 0;
-#if !TP_VNNI
-    const int pmr = fine ? kPromptMR<WT, true> : kPromptMR<WT, false>;  // kquant_avx2.h's kq_gemm2
-    if (pmr > 0 && M > kFewRows) {
-        for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = M - m0 < pmr ? M - m0 : pmr;
-        return n;
-    }
-#endif
-    for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = tile_rows(M - m0, MR, cap);
+    for (int m0 = 0; m0 < M; m0 += sizes[n++])
+        sizes[n] = fine ? next_tile_rows<WT, true>(M, M - m0) : next_tile_rows<WT, false>(M, M - m0);
     return n;
 }
 
