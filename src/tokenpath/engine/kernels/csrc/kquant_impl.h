@@ -281,4 +281,5 @@ static inline void float_tile(const uint8_t* wg, int h, const QAct& a, const int
 
 #if !TP_VNNI
 #include "kquant_avx2.h"
+#include "kquant_unpacked.h"
 #endif

@@ -366,6 +366,8 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     constexpr int MR = kTileMR<WT, RES>, CAP = kFewCap<WT, RES>;
     const bool few = M <= kFewRows;
 #if !TP_VNNI
+    if constexpr (kUnpackMR<WT, RES> > 0)  // prompt steps of these formats: kquant_unpacked.h
+        if (!few) return ku_gemm<WT, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
     if constexpr (kPromptMR<WT, RES> > 0)  // prompt steps of these formats: kquant_avx2.h
         if (!few) return kq_gemm2<WT, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #endif
@@ -504,7 +506,8 @@ static int tiles_of(bool fine, int M, int32_t* sizes) {
     const int MR = fine ? kTileMR<WT, true> : kTileMR<WT, false>, cap = fine ? kFewCap<WT, true> : kFewCap<WT, false>;
     int n = 0;
 #if !TP_VNNI
-    const int pmr = fine ? kPromptMR<WT, true> : kPromptMR<WT, false>;  // kquant_avx2.h's kq_gemm2
+    const int umr = fine ? kUnpackMR<WT, true> : kUnpackMR<WT, false>;  // kquant_unpacked.h's ku_gemm
+    const int pmr = umr > 0 ? umr : fine ? kPromptMR<WT, true> : kPromptMR<WT, false>;  // or kq_gemm2
     if (pmr > 0 && M > kFewRows) {
         for (int m0 = 0; m0 < M; m0 += sizes[n++]) sizes[n] = M - m0 < pmr ? M - m0 : pmr;
         return n;

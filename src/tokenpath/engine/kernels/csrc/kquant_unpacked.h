@@ -1,0 +1,180 @@
+// AVX2 prompt GEMM on unpacked groups (Q5X16, Q4KX16, Q6KX16): steps of more than kFewRows rows
+// of the formats and precisions kUnpackMR names. Included by kquant_impl.h (AVX2 only), after
+// kq_weights, kq_span and kquant_avx2.h.
+//
+// Why: kq_tile and kq_gemm2 unpack a group's weights (nibbles, 5th / 6th bits: 5-9 vector ops
+// per 64-byte chunk) and rebuild its per-block scale vectors (fp16 and u8 conversions) for every
+// tile of activation rows: at 512 rows and 4-6 rows per tile that is ~100 unpackings of the same
+// bytes, and on AVX2 (no VNNI; maddubs + add per chunk and row) the unpacking was about half the
+// vector ops of a tile. Here a group is unpacked once, into a buffer of 32-blocks (512 bytes of
+// unsigned weights, chunk c lane i at 64 c + 4 i as the repacks lay them out, then the block's
+// scale vectors as floats), and every tile reads plain bytes: one load per chunk and lane half.
+// Gemma 3 270M's Q5_0 matrices (q, k, gate, up) were half of its 512-token prefill's CPU time.
+//
+// Bits: the buffer holds the very vectors kq_weights returns and the scale products kq_block
+// computes (the same vmul of the same operands), and every lane sees the same integer sums
+// (exact; the int16 bound of kq_span holds) and the same float operations in the same order as
+// kq_block's; a row's operations do not depend on its tile. So the outputs equal kq_tile's and
+// kq_gemm2's (and the VNNI kernels') bit for bit.
+
+// Bytes per unpacked 32-block: 512 of weights, then 32 floats (Q5X16, Q4KX16: dsc[16], mw[16];
+// Q6KX16: dsc of the block's first 16 weights [16], of its second [16]; lane i at i).
+constexpr size_t kUnpackedBlock = 512 + 32 * sizeof(float);
+
+template <int WT, int k>
+static inline void ku_unpack_block(const uint8_t* g, uint8_t* dst) {
+    for (int c = 0; c < 8; ++c)
+        for (int h = 0; h < 2; ++h)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * c + 4 * L * h), kq_weights<WT, k>(g, 4 * L * h, c));
+    float* s = reinterpret_cast<float*>(dst + 512);
+    for (int h = 0; h < 2; ++h) {
+        const VF dw = vhalf(g + 2 * L * h);
+        if constexpr (WT == W_Q5X16) {
+            vfstore(s + L * h, dw);
+            vfstore(s + 16 + L * h, vhalf(g + 32 + 2 * L * h));
+        } else if constexpr (WT == W_Q6KX16) {
+            for (int half = 0; half < 2; ++half)
+                vfstore(s + 16 * half + L * h, vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h))));
+        } else {
+            const VF dm = vhalf(g + 32 + 2 * L * h);
+            vfstore(s + L * h, vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h))));
+            vfstore(s + 16 + L * h, vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h)))));
+        }
+    }
+}
+
+template <int WT, int... K>
+static inline void ku_unpack_super(const uint8_t* g, uint8_t* dst, std::integer_sequence<int, K...>) {
+    (ku_unpack_block<WT, K>(g, dst + K * kUnpackedBlock), ...);
+}
+
+// One group's nb 32-blocks into buf (nb * kUnpackedBlock bytes).
+template <int WT>
+static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
+    if constexpr (WT == W_Q5X16) {
+        for (int b = 0; b < nb; ++b) ku_unpack_block<WT, 0>(wg + size_t(b) * 384, buf + size_t(b) * kUnpackedBlock);
+    } else {
+        const size_t GB = group_block_bytes(WT) * kSuper;
+        for (int sb = 0; sb < nb / kSuper; ++sb)
+            ku_unpack_super<WT>(wg + sb * GB, buf + size_t(sb) * kSuper * kUnpackedBlock,
+                                std::make_integer_sequence<int, kSuper>{});
+    }
+}
+
+// kq_isum over unpacked chunks [c0, c1) of lane half wb (the block's bytes + 4 L h).
+template <int WT, int MR, bool RES>
+static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+    constexpr int SPAN = kq_span<WT>();
+    const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+    for (int r = 0; r < MR; ++r) isum[r] = vzero();
+    for (int c = c0; c < c1; c += SPAN) {
+        VI coarse[MR], fine[MR];
+        for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+        for (int j = c; j < c + SPAN; ++j) {
+            const VI w = vload(wb + 64 * j);
+            for (int r = 0; r < MR; ++r) {
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
+                if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
+            }
+        }
+        for (int r = 0; r < MR; ++r) {
+            VI part = _mm256_madd_epi16(coarse[r], RES ? w254 : one16);
+            if constexpr (RES) part = vadd32(part, _mm256_madd_epi16(fine[r], one16));
+            isum[r] = vadd32(isum[r], part);
+        }
+    }
+}
+
+// MR rows from m0 against lanes 8 h .. 8 h + 7 of the unpacked group buf; out[r].
+template <int WT, int MR, bool RES>
+static inline void ku_tile(const uint8_t* buf, int h, const QAct& a, int m0, VF* out) {
+    const int nb = a.nb;
+    VF acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* wb = buf + size_t(b) * kUnpackedBlock + 4 * L * h;
+        const float* s = reinterpret_cast<const float*>(buf + size_t(b) * kUnpackedBlock + 512) + L * h;
+        const int8_t* qa[MR];
+        const int8_t* qb[MR];
+        VI isum[MR];
+        for (int r = 0; r < MR; ++r) {
+            qa[r] = a.q + (size_t(m0 + r) * nb + b) * QK;
+            qb[r] = RES ? a.q2 + (size_t(m0 + r) * nb + b) * QK : nullptr;
+        }
+        if constexpr (WT == W_Q6KX16) {
+            for (int half = 0; half < 2; ++half) {
+                ku_isum<WT, MR, RES>(wb, 4 * half, 4 * half + 4, qa, qb, isum);
+                const VF dsc = vfload(s + 16 * half);
+                for (int r = 0; r < MR; ++r) {
+                    const size_t ab = size_t(m0 + r) * nb + b;
+                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
+                    acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
+                }
+            }
+        } else {
+            ku_isum<WT, MR, RES>(wb, 0, 8, qa, qb, isum);
+            const VF dsc = vfload(s), mw = vfload(s + 16);
+            for (int r = 0; r < MR; ++r) {
+                const size_t ab = size_t(m0 + r) * nb + b;
+                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
+                acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = acc[r];
+}
+
+// Rows per tile on unpacked groups, by format and precision (RES: int8 with residual bytes); 0:
+// the format keeps kq_gemm2 / kq_tile. Measured on Gemma 3 270M's layers 0 and 2 at 512 rows (one
+// thread's CPU time, interleaved against the old kernels, loaded 2-core Zen 3): int8 MR 6 beat 4
+// and 5 (Q5_0 0.53-0.61x the old time, Q4_K 0.57-0.66x, where kq_gemm2 ran MR 6 too); fine MR 3
+// beat 2 and 4 (Q5_0 0.69-0.74x, Q4_K 0.63x, Q6_K 0.67x; at MR 4 the 16 sums spill). Figures:
+// benchmarks/results/avx2_prefill_unpacked-loaded.md. Q5_K and Q6_K int8 (no default prompt
+// matrix) were not measured and keep kq_tile.
+template <int WT, bool RES>
+constexpr int kUnpackMR = WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;
+
+template <int WT, bool RES>
+static inline void ku_tile_of(int mr, const uint8_t* buf, int h, const QAct& a, int m0, VF* out) {
+    constexpr int MR = kUnpackMR<WT, RES>;
+    static_assert(MR <= 6, "the tails below go to 5 rows");
+    switch (mr) {
+        case 1: return ku_tile<WT, 1, RES>(buf, h, a, m0, out);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, h, a, m0, out); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, h, a, m0, out); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, h, a, m0, out); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, h, a, m0, out); break;
+        default: break;
+    }
+}
+
+// y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
+// packed_gemm_t, each unpacked once into a buffer of this call (nb * 640 bytes: 12.5 KiB at
+// K = 640, 40 KiB at 2048), which stays in L1/L2 while every tile of rows passes over it.
+template <int WT, bool RES>
+static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+                    const float* bias, bool accumulate) {
+    constexpr int MR = kUnpackMR<WT, RES>;
+    const size_t GB = group_block_bytes(WT);
+    std::vector<uint8_t> buf(size_t(nb) * kUnpackedBlock);
+    VF out[MR];
+    for (int g = n0 / 16; g < n1 / 16; ++g) {
+        ku_unpack<WT>(w + size_t(g) * nb * GB, nb, buf.data());
+        for (int h = 0; h < 2; ++h) {
+            const int n = 16 * g + L * h;
+            const VF vb = bias ? vfload(bias + n) : vfzero();
+            for (int m0 = 0; m0 < M;) {
+                const int mr = M - m0 < MR ? M - m0 : MR;  // MR, then what is left
+                if (mr == MR) ku_tile<WT, MR, RES>(buf.data(), h, a, m0, out);
+                else ku_tile_of<WT, RES>(mr, buf.data(), h, a, m0, out);
+                for (int r = 0; r < mr; ++r) {
+                    float* dst = y + size_t(m0 + r) * ldy + n;
+                    VF v = vfadd(out[r], vb);
+                    if (accumulate) v = vfadd(v, vfload(dst));
+                    vfstore(dst, v);
+                }
+                m0 += mr;
+            }
+        }
+    }
+}
