@@ -4,11 +4,12 @@
 //
 // Why: kq_tile and kq_gemm2 unpack a group's weights (nibbles, 5th / 6th bits: 5-9 vector ops
 // per 64-byte chunk) and rebuild its per-block scale vectors (fp16 and u8 conversions) for every
-// tile of activation rows: at 512 rows and 4-6 rows per tile that is ~100 unpackings of the same
+// tile of activation rows: at 512 rows and 3-6 rows per tile that is ~100 unpackings of the same
 // bytes, and on AVX2 (no VNNI; maddubs + add per chunk and row) the unpacking was about half the
-// vector ops of a tile. Here a group is unpacked once, into a buffer of 32-blocks (512 bytes of
-// unsigned weights, chunk c lane i at 64 c + 4 i as the repacks lay them out, then the block's
-// scale vectors as floats), and every tile reads plain bytes: one load per chunk and lane half.
+// vector ops of a tile. Here a group is unpacked once, into a buffer per 8-lane half (the tiles
+// run one half at a time) of 32-blocks: 256 bytes of unsigned weights (chunk c lane i at 32 c +
+// 4 i), then the block's two scale vectors as floats. Every tile reads plain bytes, one load per
+// chunk, and a half's buffer (320 bytes per block: 20 KiB at K = 2048) stays in L1.
 // Gemma 3 270M's Q5_0 matrices (q, k, gate, up) were half of its 512-token prefill's CPU time.
 //
 // Bits: the buffer holds the very vectors kq_weights returns and the scale products kq_block
@@ -17,51 +18,53 @@
 // kq_block's; a row's operations do not depend on its tile. So the outputs equal kq_tile's and
 // kq_gemm2's (and the VNNI kernels') bit for bit.
 
-// Bytes per unpacked 32-block: 512 of weights, then 32 floats (Q5X16, Q4KX16: dsc[16], mw[16];
-// Q6KX16: dsc of the block's first 16 weights [16], of its second [16]; lane i at i).
-constexpr size_t kUnpackedBlock = 512 + 32 * sizeof(float);
+// Bytes per unpacked 32-block and lane half: 256 of weights, then 16 floats (Q5X16, Q4KX16:
+// dsc[8], mw[8]; Q6KX16: dsc of the block's first 16 weights [8], of its second [8]).
+constexpr size_t kUnpackedBlock = 256 + 16 * sizeof(float);
 
+// Block k of a super-block (0 for Q5X16) at g into the halves' buffers: dst + h * half_bytes.
 template <int WT, int k>
-static inline void ku_unpack_block(const uint8_t* g, uint8_t* dst) {
-    for (int c = 0; c < 8; ++c)
-        for (int h = 0; h < 2; ++h)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * c + 4 * L * h), kq_weights<WT, k>(g, 4 * L * h, c));
-    float* s = reinterpret_cast<float*>(dst + 512);
+static inline void ku_unpack_block(const uint8_t* g, uint8_t* dst, size_t half_bytes) {
     for (int h = 0; h < 2; ++h) {
+        uint8_t* d = dst + h * half_bytes;
+        for (int c = 0; c < 8; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32 * c), kq_weights<WT, k>(g, 4 * L * h, c));
+        float* s = reinterpret_cast<float*>(d + 256);
         const VF dw = vhalf(g + 2 * L * h);
         if constexpr (WT == W_Q5X16) {
-            vfstore(s + L * h, dw);
-            vfstore(s + 16 + L * h, vhalf(g + 32 + 2 * L * h));
+            vfstore(s, dw);
+            vfstore(s + L, vhalf(g + 32 + 2 * L * h));
         } else if constexpr (WT == W_Q6KX16) {
             for (int half = 0; half < 2; ++half)
-                vfstore(s + 16 * half + L * h, vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h))));
+                vfstore(s + L * half, vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h))));
         } else {
             const VF dm = vhalf(g + 32 + 2 * L * h);
-            vfstore(s + L * h, vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h))));
-            vfstore(s + 16 + L * h, vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h)))));
+            vfstore(s, vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h))));
+            vfstore(s + L, vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h)))));
         }
     }
 }
 
 template <int WT, int... K>
-static inline void ku_unpack_super(const uint8_t* g, uint8_t* dst, std::integer_sequence<int, K...>) {
-    (ku_unpack_block<WT, K>(g, dst + K * kUnpackedBlock), ...);
+static inline void ku_unpack_super(const uint8_t* g, uint8_t* dst, size_t half_bytes, std::integer_sequence<int, K...>) {
+    (ku_unpack_block<WT, K>(g, dst + K * kUnpackedBlock, half_bytes), ...);
 }
 
-// One group's nb 32-blocks into buf (nb * kUnpackedBlock bytes).
+// One group's nb 32-blocks into buf: half h's blocks at h * nb * kUnpackedBlock.
 template <int WT>
 static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
+    const size_t half_bytes = size_t(nb) * kUnpackedBlock;
     if constexpr (WT == W_Q5X16) {
-        for (int b = 0; b < nb; ++b) ku_unpack_block<WT, 0>(wg + size_t(b) * 384, buf + size_t(b) * kUnpackedBlock);
+        for (int b = 0; b < nb; ++b) ku_unpack_block<WT, 0>(wg + size_t(b) * 384, buf + size_t(b) * kUnpackedBlock, half_bytes);
     } else {
         const size_t GB = group_block_bytes(WT) * kSuper;
         for (int sb = 0; sb < nb / kSuper; ++sb)
-            ku_unpack_super<WT>(wg + sb * GB, buf + size_t(sb) * kSuper * kUnpackedBlock,
+            ku_unpack_super<WT>(wg + sb * GB, buf + size_t(sb) * kSuper * kUnpackedBlock, half_bytes,
                                 std::make_integer_sequence<int, kSuper>{});
     }
 }
 
-// kq_isum over unpacked chunks [c0, c1) of lane half wb (the block's bytes + 4 L h).
+// kq_isum over unpacked chunks [c0, c1) of one lane half's block wb.
 template <int WT, int MR, bool RES>
 static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
     constexpr int SPAN = kq_span<WT>();
@@ -71,7 +74,7 @@ static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* cons
         VI coarse[MR], fine[MR];
         for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
         for (int j = c; j < c + SPAN; ++j) {
-            const VI w = vload(wb + 64 * j);
+            const VI w = vload(wb + 32 * j);
             for (int r = 0; r < MR; ++r) {
                 coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
                 if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
@@ -85,15 +88,15 @@ static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* cons
     }
 }
 
-// MR rows from m0 against lanes 8 h .. 8 h + 7 of the unpacked group buf; out[r].
+// MR rows from m0 against one lane half's unpacked blocks buf; out[r].
 template <int WT, int MR, bool RES>
-static inline void ku_tile(const uint8_t* buf, int h, const QAct& a, int m0, VF* out) {
+static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, VF* out) {
     const int nb = a.nb;
     VF acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = vfzero();
     for (int b = 0; b < nb; ++b) {
-        const uint8_t* wb = buf + size_t(b) * kUnpackedBlock + 4 * L * h;
-        const float* s = reinterpret_cast<const float*>(buf + size_t(b) * kUnpackedBlock + 512) + L * h;
+        const uint8_t* wb = buf + size_t(b) * kUnpackedBlock;
+        const float* s = reinterpret_cast<const float*>(wb + 256);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
         VI isum[MR];
@@ -104,7 +107,7 @@ static inline void ku_tile(const uint8_t* buf, int h, const QAct& a, int m0, VF*
         if constexpr (WT == W_Q6KX16) {
             for (int half = 0; half < 2; ++half) {
                 ku_isum<WT, MR, RES>(wb, 4 * half, 4 * half + 4, qa, qb, isum);
-                const VF dsc = vfload(s + 16 * half);
+                const VF dsc = vfload(s + L * half);
                 for (int r = 0; r < MR; ++r) {
                     const size_t ab = size_t(m0 + r) * nb + b;
                     const VI off = vset32(32 * a.qsum16[2 * ab + half]);
@@ -113,7 +116,7 @@ static inline void ku_tile(const uint8_t* buf, int h, const QAct& a, int m0, VF*
             }
         } else {
             ku_isum<WT, MR, RES>(wb, 0, 8, qa, qb, isum);
-            const VF dsc = vfload(s), mw = vfload(s + 16);
+            const VF dsc = vfload(s), mw = vfload(s + L);
             for (int r = 0; r < MR; ++r) {
                 const size_t ab = size_t(m0 + r) * nb + b;
                 acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
@@ -135,38 +138,39 @@ template <int WT, bool RES>
 constexpr int kUnpackMR = WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;
 
 template <int WT, bool RES>
-static inline void ku_tile_of(int mr, const uint8_t* buf, int h, const QAct& a, int m0, VF* out) {
+static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, VF* out) {
     constexpr int MR = kUnpackMR<WT, RES>;
     static_assert(MR <= 6, "the tails below go to 5 rows");
     switch (mr) {
-        case 1: return ku_tile<WT, 1, RES>(buf, h, a, m0, out);
-        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, h, a, m0, out); break;
-        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, h, a, m0, out); break;
-        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, h, a, m0, out); break;
-        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, h, a, m0, out); break;
+        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, out);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, out); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, out); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, out); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, out); break;
         default: break;
     }
 }
 
 // y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
-// packed_gemm_t, each unpacked once into a buffer of this call (nb * 640 bytes: 12.5 KiB at
-// K = 640, 40 KiB at 2048), which stays in L1/L2 while every tile of rows passes over it.
+// packed_gemm_t, each unpacked once into a buffer of this call (2 nb * 320 bytes), whose half
+// stays in L1 (K = 640: 6.25 KiB, 2048: 20 KiB) while every tile of rows passes over it.
 template <int WT, bool RES>
 static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                     const float* bias, bool accumulate) {
     constexpr int MR = kUnpackMR<WT, RES>;
     const size_t GB = group_block_bytes(WT);
-    std::vector<uint8_t> buf(size_t(nb) * kUnpackedBlock);
+    std::vector<uint8_t> buf(2 * size_t(nb) * kUnpackedBlock);
     VF out[MR];
     for (int g = n0 / 16; g < n1 / 16; ++g) {
         ku_unpack<WT>(w + size_t(g) * nb * GB, nb, buf.data());
         for (int h = 0; h < 2; ++h) {
+            const uint8_t* half = buf.data() + h * size_t(nb) * kUnpackedBlock;
             const int n = 16 * g + L * h;
             const VF vb = bias ? vfload(bias + n) : vfzero();
             for (int m0 = 0; m0 < M;) {
                 const int mr = M - m0 < MR ? M - m0 : MR;  // MR, then what is left
-                if (mr == MR) ku_tile<WT, MR, RES>(buf.data(), h, a, m0, out);
-                else ku_tile_of<WT, RES>(mr, buf.data(), h, a, m0, out);
+                if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, out);
+                else ku_tile_of<WT, RES>(mr, half, a, m0, out);
                 for (int r = 0; r < mr; ++r) {
                     float* dst = y + size_t(m0 + r) * ldy + n;
                     VF v = vfadd(out[r], vb);
