@@ -88,14 +88,13 @@ static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* cons
     }
 }
 
-// MR rows from m0 against one lane half's unpacked blocks buf; out[r].
+// MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
+// row), added into acc[r].
 template <int WT, int MR, bool RES>
-static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, VF* out) {
+static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
     const int nb = a.nb;
-    VF acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = vfzero();
-    for (int b = 0; b < nb; ++b) {
-        const uint8_t* wb = buf + size_t(b) * kUnpackedBlock;
+    for (int b = b0; b < b0 + nbs; ++b) {
+        const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
         const float* s = reinterpret_cast<const float*>(wb + 256);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
@@ -124,7 +123,6 @@ static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, VF* out) {
             }
         }
     }
-    for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
 // Rows per tile on unpacked groups, by format and precision (RES: int8 with residual bytes); 0:
@@ -138,46 +136,63 @@ template <int WT, bool RES>
 constexpr int kUnpackMR = WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;
 
 template <int WT, bool RES>
-static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, VF* out) {
+static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
     constexpr int MR = kUnpackMR<WT, RES>;
     static_assert(MR <= 6, "the tails below go to 5 rows");
     switch (mr) {
-        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, out);
-        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, out); break;
-        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, out); break;
-        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, out); break;
-        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, out); break;
+        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, b0, nbs, acc);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, b0, nbs, acc); break;
         default: break;
     }
 }
 
+// Blocks per slice of K: a slice is unpacked, and every tile of rows passes over it, before the
+// next. A half's slice (64 * 320 bytes = 20 KiB) stays in L1 at any K (the ~1B's ffn_down, K =
+// 6144, was 60 KiB a half unsliced). Between slices a row's sums wait in `part` as floats, which
+// holds them exactly: the same operations in the same order, so the same bits.
+constexpr int kSliceBlocks = 64;  // a multiple of kSuper
+
 // y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
-// packed_gemm_t, each unpacked once into a buffer of this call (2 nb * 320 bytes), whose half
-// stays in L1 (K = 640: 6.25 KiB, 2048: 20 KiB) while every tile of rows passes over it.
+// packed_gemm_t, each unpacked once, a slice of K at a time, into a buffer of this call.
 template <int WT, bool RES>
 static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                     const float* bias, bool accumulate) {
     constexpr int MR = kUnpackMR<WT, RES>;
     const size_t GB = group_block_bytes(WT);
-    std::vector<uint8_t> buf(2 * size_t(nb) * kUnpackedBlock);
-    VF out[MR];
+    const int S = nb < kSliceBlocks ? nb : kSliceBlocks;
+    std::vector<uint8_t> buf(2 * size_t(S) * kUnpackedBlock);
+    std::vector<float> part(nb > S ? 2 * size_t(M) * L : 0);
     for (int g = n0 / 16; g < n1 / 16; ++g) {
-        ku_unpack<WT>(w + size_t(g) * nb * GB, nb, buf.data());
-        for (int h = 0; h < 2; ++h) {
-            const uint8_t* half = buf.data() + h * size_t(nb) * kUnpackedBlock;
-            const int n = 16 * g + L * h;
-            const VF vb = bias ? vfload(bias + n) : vfzero();
-            for (int m0 = 0; m0 < M;) {
-                const int mr = M - m0 < MR ? M - m0 : MR;  // MR, then what is left
-                if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, out);
-                else ku_tile_of<WT, RES>(mr, half, a, m0, out);
-                for (int r = 0; r < mr; ++r) {
-                    float* dst = y + size_t(m0 + r) * ldy + n;
-                    VF v = vfadd(out[r], vb);
-                    if (accumulate) v = vfadd(v, vfload(dst));
-                    vfstore(dst, v);
+        const uint8_t* wg = w + size_t(g) * nb * GB;
+        for (int b0 = 0; b0 < nb; b0 += S) {
+            const int nbs = nb - b0 < S ? nb - b0 : S;
+            const bool last = b0 + nbs == nb;
+            ku_unpack<WT>(wg + size_t(b0) * GB, nbs, buf.data());
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* half = buf.data() + h * size_t(nbs) * kUnpackedBlock;
+                const int n = 16 * g + L * h;
+                const VF vb = bias ? vfload(bias + n) : vfzero();
+                for (int m0 = 0; m0 < M;) {
+                    const int mr = M - m0 < MR ? M - m0 : MR;  // MR, then what is left
+                    VF acc[MR];
+                    for (int r = 0; r < mr; ++r) acc[r] = b0 ? vfload(&part[(size_t(h) * M + m0 + r) * L]) : vfzero();
+                    if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, b0, nbs, acc);
+                    else ku_tile_of<WT, RES>(mr, half, a, m0, b0, nbs, acc);
+                    for (int r = 0; r < mr; ++r) {
+                        if (!last) {
+                            vfstore(&part[(size_t(h) * M + m0 + r) * L], acc[r]);
+                            continue;
+                        }
+                        float* dst = y + size_t(m0 + r) * ldy + n;
+                        VF v = vfadd(acc[r], vb);
+                        if (accumulate) v = vfadd(v, vfload(dst));
+                        vfstore(dst, v);
+                    }
+                    m0 += mr;
                 }
-                m0 += mr;
             }
         }
     }
