@@ -124,7 +124,7 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 // sums exact: |activation| <= 127 (quantize_row clamps both bytes), so a pair is at most
 // 2 * 127 * qmax: Q4_K 3810 (8 chunks: 30480), 5-bit 7874 (4: 31496), Q6_K 16002 (2: 32004).
 // The int32 results are the same integers as VNNI's, so the ISAs still agree bit for bit.
-// Prompt steps of some formats run kquant_avx2.h's tiles instead (both lane halves per tile).
+// Prompt steps of some formats run kquant_unpacked.h's tiles instead (each group unpacked once).
 template <int WT>
 constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
 

@@ -127,10 +127,10 @@ static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, in
 
 // Rows per tile on unpacked groups, by format and precision (RES: int8 with residual bytes); 0:
 // the format keeps kq_gemm2 / kq_tile. Measured on Gemma 3 270M's layers 0 and 2 at 512 rows (one
-// thread's CPU time, interleaved against the old kernels, loaded 2-core Zen 3): int8 MR 6 beat 4
-// and 5 (Q5_0 0.53-0.61x the old time, Q4_K 0.57-0.66x, where kq_gemm2 ran MR 6 too); fine MR 3
-// beat 2 and 4 (Q5_0 0.69-0.74x, Q4_K 0.63x, Q6_K 0.67x; at MR 4 the 16 sums spill). Figures:
-// benchmarks/results/avx2_prefill_unpacked-loaded.md. Q5_K and Q6_K int8 (no default prompt
+// thread's CPU time, interleaved, loaded 2-core Zen 3): int8 6 rows (as kq_gemm2's Q4_K int8) over 4
+// and 5; fine 3 over 2 and 4 (at 4 the 16 sums spill). Against the old kernels: Q5_0 int8 0.60-0.65x
+// the time, Q4_K int8 0.67-0.74x, Q5_0 fine 0.69-0.76x, Q4_K fine 0.70-0.75x, Q6_K fine 0.68-0.94x
+// (benchmarks/results/avx2_prefill_unpacked-loaded.md). Q5_K and Q6_K int8 (no default prompt
 // matrix) were not measured and keep kq_tile.
 template <int WT, bool RES>
 constexpr int kUnpackMR = WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;

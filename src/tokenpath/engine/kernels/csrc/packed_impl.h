@@ -314,8 +314,8 @@ static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, 
 // AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
 // VNNI at prefill sizes. kFewCap: the most rows one tile takes in a step of a few rows: 8 for the
 // 8-bit and 4-bit formats on VNNI (8 float sums, 16 integer ones and the unpacked weights fit the
-// 32 registers), MR elsewhere. On AVX2, prompt steps (more than kFewRows rows) of Q4_K int8, Q6_K
-// and Q5_0 fine rows run kquant_avx2.h's tiles (both lane halves at once, kPromptMR rows) instead.
+// 32 registers), MR elsewhere. On AVX2, prompt steps (more than kFewRows rows) of Q5_0 and Q4_K
+// rows and Q6_K fine rows run kquant_unpacked.h's tiles (each group unpacked once) instead.
 template <int WT, bool RES>
 constexpr int kTileMR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
 template <int WT, bool RES>
