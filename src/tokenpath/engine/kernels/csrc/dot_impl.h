@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <utility>
+#include <vector>  // kquant_unpacked.h: a GEMM call's unpacked group
 
 #include "tp_kernels.h"
 #include "vec_math.h"

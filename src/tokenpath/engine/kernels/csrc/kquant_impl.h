@@ -124,10 +124,11 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 // sums exact: |activation| <= 127 (quantize_row clamps both bytes), so a pair is at most
 // 2 * 127 * qmax: Q4_K 3810 (8 chunks: 30480), 5-bit 7874 (4: 31496), Q6_K 16002 (2: 32004).
 // The int32 results are the same integers as VNNI's, so the ISAs still agree bit for bit.
+// AVX2 prompt steps of the default formats run kquant_unpacked.h's tiles instead (each group unpacked once).
 template <int WT>
 constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
 
-// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h, and prompt tiles, kquant_avx2.h): both 8-lane
+// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h): both 8-lane
 // halves of each 64-byte chunk, isum[hh * MR + r]; each activation broadcast feeds NH maddubs.
 template <int WT, int MR, bool RES, int k, int NH = 1>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
@@ -166,16 +167,12 @@ constexpr size_t kPrefetchAhead = 2;  // super-blocks
 // One 32-block b (sub-block k of its super-block, or k = 0 for Q5X16) of MR activation rows against
 // lanes [h * L, h * L + NH * L) of one 16-row group, added into acc[hh * MR + r] (see the formulas
 // above). k is a template argument so that every shift and offset of the weight unpacking is a
-// constant. STREAM: a tile that streams its weights from memory (decode; the default) prefetches
-// (below) and, with NH > 1, starts with the compiler barrier. AVX2 prompt tiles (kquant_avx2.h)
-// read a group from cache after its first tile and take neither: with them Gemma 3 270M's Q6_K
-// prompt matrix (fine, 2-row tiles, which prefetch) ran at 1.03-1.13x the time of the prompt
-// kernel's former copy of these functions (benchmarks/results/kquant_tile_dedupe-loaded.md).
-template <int WT, int MR, bool RES, int k, int NH, bool STREAM>
+// constant.
+template <int WT, int MR, bool RES, int k, int NH>
 static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* rows, int b, const VF* dw, const VF* dm, VF* acc) {
     const int nb = a.nb, o = 4 * L * h;
-    if constexpr (STREAM && NH > 1) asm volatile("" ::: "memory");  // see kOnePass (packed_impl.h)
-    if constexpr (STREAM && WT != W_Q5X16 && MR <= 2) {
+    if constexpr (NH > 1) asm volatile("" ::: "memory");  // see kOnePass (packed_impl.h)
+    if constexpr (WT != W_Q5X16 && MR <= 2) {
         // Decode streams the weights from memory once. Q6_K's super-block is read out of address
         // order (low nibbles, high bits, then the next sub-block's planes), and the hardware
         // prefetchers then fetched it at about a third of the bandwidth Q4_K got: each sub-block
@@ -235,7 +232,7 @@ static inline void kq_block(const uint8_t* g, int h, const QAct& a, const int* r
 }
 
 // The 8 sub-blocks of super-block sb, in order.
-template <int WT, int MR, bool RES, int NH, bool STREAM, int... K>
+template <int WT, int MR, bool RES, int NH, int... K>
 static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* rows, int sb, VF* acc,
                             std::integer_sequence<int, K...>) {
     VF dw[NH], dm[NH];
@@ -243,13 +240,13 @@ static inline void kq_super(const uint8_t* g, int h, const QAct& a, const int* r
         dw[hh] = vhalf(g + 2 * L * (h + hh));
         dm[hh] = WT == W_Q6KX16 ? dw[hh] : vhalf(g + 32 + 2 * L * (h + hh));
     }
-    (kq_block<WT, MR, RES, K, NH, STREAM>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
+    (kq_block<WT, MR, RES, K, NH>(g, h, a, rows, kSuper * sb + K, dw, dm, acc), ...);
 }
 
 // Block dot products of MR activation rows against lanes [h * L, h * L + NH * L) of one 16-row
 // group, over all nb 32-blocks (a K-quant row is whole super-blocks: nb a multiple of 8);
 // out[hh * MR + r].
-template <int WT, int MR, bool RES, int NH = 1, bool STREAM = true>
+template <int WT, int MR, bool RES, int NH = 1>
 static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* rows, VF* out) {
     constexpr int R = NH * MR;
     VF acc[R];
@@ -258,12 +255,12 @@ static inline void kq_tile(const uint8_t* wg, int h, const QAct& a, const int* r
         for (int b = 0; b < a.nb; ++b, wg += 384) {
             VF dw[NH];
             for (int hh = 0; hh < NH; ++hh) dw[hh] = vhalf(wg + 2 * L * (h + hh));
-            kq_block<WT, MR, RES, 0, NH, STREAM>(wg, h, a, rows, b, dw, dw, acc);
+            kq_block<WT, MR, RES, 0, NH>(wg, h, a, rows, b, dw, dw, acc);
         }
     } else {
         constexpr size_t GB = WT == W_Q4KX16 ? 2368 : WT == W_Q5KX16 ? 2880 : 3392;
         for (int sb = 0; sb < a.nb / kSuper; ++sb, wg += GB)
-            kq_super<WT, MR, RES, NH, STREAM>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
+            kq_super<WT, MR, RES, NH>(wg, h, a, rows, sb, acc, std::make_integer_sequence<int, kSuper>{});
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];
 }

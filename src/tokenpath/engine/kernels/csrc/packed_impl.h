@@ -319,24 +319,25 @@ static inline void any_tile2(const uint8_t* wg, const QAct& a, const int* rows, 
 // AVX2) with the residual pass's doubled integer sums; measured best at 4 for fine activations on
 // VNNI at prefill sizes. kFewCap: the most rows one tile takes in a step of a few rows: 8 for the
 // 8-bit and 4-bit formats on VNNI (8 float sums, 16 integer ones and the unpacked weights fit the
-// 32 registers), MR elsewhere.
+// 32 registers), MR elsewhere. On AVX2, prompt steps (more than kFewRows rows) of Q5_0 and Q4_K
+// rows and Q6_K fine rows run kquant_unpacked.h's tiles (each group unpacked once) instead.
 template <int WT, bool RES>
 constexpr int kTileMR = TP_VNNI && (!RES || WT == W_Q5X16 || WT == W_Q6KX16) ? 8 : 4;
 template <int WT, bool RES>
 constexpr int kFewCap = TP_VNNI && (WT == W_Q4X16 || WT == W_Q8X16) ? 8 : kTileMR<WT, RES>;
 constexpr int kFewRows = 16;  // a step of at most this many rows is a few rows (decode, verification)
 
-// AVX2, rows per tile of the prompt kernel (kquant_avx2.h's kq_gemm2: steps of more than
-// kFewRows rows, both lane halves per tile), by format and precision (RES: int8 with residual
-// bytes); 0: the format keeps packed_gemm_t's tiles of each half. Measured (one thread's CPU time,
-// interleaved A/B against kq_tile's two passes on this 2-core Zen 3, loaded): Q4_K int8 MR 6 ran
-// at 0.84-0.90x kq_tile's time (MR 3 and 4 lost), Q6_K fine MR 2 at 0.83-0.85x (3: 0.9, 4:
-// 0.87-1.07), Q5_0 fine MR 3 at 0.85-0.95x. Q4_K fine lost at every MR (2: 1.14-1.32x, 3:
-// 1.07-1.14x, 4: 1.16-1.26x) and Q5_0 int8 at MR 3-6 (1.03-1.16x): both keep kq_tile. Q5_K and
-// Q6_K int8 (no default prompt matrix) were not measured and keep it too. 0 on VNNI (one 16-lane
-// register is the whole group already).
+// AVX2, rows per tile on unpacked groups (kquant_unpacked.h's ku_gemm: steps of more than
+// kFewRows rows), by format and precision (RES: int8 with residual bytes); 0: the format keeps
+// packed_gemm_t's tiles of each half (kq_tile). Measured on Gemma 3 270M's layers 0 and 2 at 512
+// rows (one thread's CPU time, interleaved, loaded 2-core Zen 3): int8 6 rows over 4 and 5; fine 3
+// over 2 and 4 (at 4 the 16 sums spill). Against the kernels before (kq_tile per half, or both
+// halves per tile): Q5_0 int8 0.60-0.65x the time, Q4_K int8 0.67-0.74x, Q5_0 fine 0.69-0.76x,
+// Q4_K fine 0.70-0.75x, Q6_K fine 0.68-0.94x (benchmarks/results/avx2_prefill_unpacked-loaded.md).
+// Q5_K and Q6_K int8 (no default prompt matrix) were not measured and keep kq_tile. 0 on VNNI (one
+// 16-lane register is the whole group already).
 template <int WT, bool RES>
-constexpr int kPromptMR = TP_VNNI ? 0 : WT == W_Q4KX16 ? (RES ? 0 : 6) : WT == W_Q6KX16 ? (RES ? 2 : 0) : WT == W_Q5X16 ? (RES ? 3 : 0) : 0;
+constexpr int kUnpackMR = TP_VNNI ? 0 : WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;
 
 // Rows of the tile that starts with `rest` rows of the step left: tiles of MR while more than
 // 2 cap rows are left, then ceil(rest / cap) tiles of nearly equal size (at most cap each). Why:
@@ -352,12 +353,12 @@ inline int tile_rows(int rest, int MR, int cap) {
 }
 
 // Rows of the next tile of an M-row step with `rest` rows left, as the kernels run them:
-// kPromptMR rows, then what is left, in a prompt step that kq_gemm2 runs; tile_rows otherwise
+// kUnpackMR rows, then what is left, in a prompt step that ku_gemm runs; tile_rows otherwise
 // (a step of at most kOnePass rows, AVX2's one pass, is one tile by it too). tp_gemm_tiles
 // reports these, so the tests see the kernels' own rule.
 template <int WT, bool RES>
 inline int next_tile_rows(int M, int rest) {
-    constexpr int PMR = kPromptMR<WT, RES>;
+    constexpr int PMR = kUnpackMR<WT, RES>;
     if (PMR > 0 && M > kFewRows) return rest < PMR ? rest : PMR;
     return tile_rows(rest, kTileMR<WT, RES>, kFewCap<WT, RES>);
 }
@@ -379,7 +380,7 @@ static inline void store_tile(float* y, int ldy, int n, const VF* out, int rows,
 }
 
 #if !TP_VNNI
-#include "kquant_avx2.h"
+#include "kquant_unpacked.h"
 #endif
 
 template <int WT, bool RES, int CAP>
@@ -413,8 +414,8 @@ static void packed_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float*
     constexpr int MR = kTileMR<WT, RES>, CAP = kFewCap<WT, RES>;
     const bool few = M <= kFewRows;
 #if !TP_VNNI
-    if constexpr (kPromptMR<WT, RES> > 0)  // prompt steps of these formats: kquant_avx2.h
-        if (!few) return kq_gemm2<WT, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    if constexpr (kUnpackMR<WT, RES> > 0)  // prompt steps of these formats: kquant_unpacked.h
+        if (!few) return ku_gemm<WT, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 #endif
     int rows[CAP];
     VF out[CAP];

@@ -1,0 +1,181 @@
+// AVX2 prompt GEMM on unpacked groups (Q5X16, Q4KX16, Q6KX16): steps of more than kFewRows rows
+// of the formats and precisions kUnpackMR names (packed_impl.h). Included by packed_impl.h (AVX2
+// only), after kquant_impl.h's kq_weights and kq_span, store_tile and next_tile_rows.
+//
+// Why: kq_tile unpacks a group's weights (nibbles, 5th / 6th bits: 5-9 vector ops
+// per 64-byte chunk) and rebuild its per-block scale vectors (fp16 and u8 conversions) for every
+// tile of activation rows: at 512 rows and 3-6 rows per tile that is ~100 unpackings of the same
+// bytes, and on AVX2 (no VNNI; maddubs + add per chunk and row) the unpacking was about half the
+// vector ops of a tile. Here a group is unpacked once, into a buffer per 8-lane half (the tiles
+// run one half at a time) of 32-blocks: 256 bytes of unsigned weights (chunk c lane i at 32 c +
+// 4 i), then the block's two scale vectors as floats. Every tile reads plain bytes, one load per
+// chunk, and a half's buffer (320 bytes per block: 20 KiB at K = 2048) stays in L1.
+// Gemma 3 270M's Q5_0 matrices (q, k, gate, up) were half of its 512-token prefill's CPU time.
+//
+// Bits: the buffer holds the very vectors kq_weights returns and the scale products kq_block
+// computes (the same vmul of the same operands), and every lane sees the same integer sums
+// (exact; the int16 bound of kq_span holds) and the same float operations in the same order as
+// kq_block's; a row's operations do not depend on its tile. So the outputs equal kq_tile's (and
+// the VNNI kernels') bit for bit.
+
+// Bytes per unpacked 32-block and lane half: 256 of weights, then 16 floats (Q5X16, Q4KX16:
+// dsc[8], mw[8]; Q6KX16: dsc of the block's first 16 weights [8], of its second [8]).
+constexpr size_t kUnpackedBlock = 256 + 16 * sizeof(float);
+
+// Block k of a super-block (0 for Q5X16) at g into the halves' buffers: dst + h * half_bytes.
+template <int WT, int k>
+static inline void ku_unpack_block(const uint8_t* g, uint8_t* dst, size_t half_bytes) {
+    for (int h = 0; h < 2; ++h) {
+        uint8_t* d = dst + h * half_bytes;
+        for (int c = 0; c < 8; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32 * c), kq_weights<WT, k>(g, 4 * L * h, c));
+        float* s = reinterpret_cast<float*>(d + 256);
+        const VF dw = vhalf(g + 2 * L * h);
+        if constexpr (WT == W_Q5X16) {
+            vfstore(s, dw);
+            vfstore(s + L, vhalf(g + 32 + 2 * L * h));
+        } else if constexpr (WT == W_Q6KX16) {
+            for (int half = 0; half < 2; ++half)
+                vfstore(s + L * half, vmul(dw, vcvt(vi8(g + 64 + 16 * (2 * k + half) + L * h))));
+        } else {
+            const VF dm = vhalf(g + 32 + 2 * L * h);
+            vfstore(s, vmul(dw, vcvt(vu8(g + 64 + 16 * k + L * h))));
+            vfstore(s + L, vmul(dm, vcvt(vsub32(vzero(), vu8(g + 192 + 16 * k + L * h)))));
+        }
+    }
+}
+
+template <int WT, int... K>
+static inline void ku_unpack_super(const uint8_t* g, uint8_t* dst, size_t half_bytes, std::integer_sequence<int, K...>) {
+    (ku_unpack_block<WT, K>(g, dst + K * kUnpackedBlock, half_bytes), ...);
+}
+
+// One group's nb 32-blocks into buf: half h's blocks at h * nb * kUnpackedBlock.
+template <int WT>
+static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
+    const size_t half_bytes = size_t(nb) * kUnpackedBlock;
+    if constexpr (WT == W_Q5X16) {
+        for (int b = 0; b < nb; ++b) ku_unpack_block<WT, 0>(wg + size_t(b) * 384, buf + size_t(b) * kUnpackedBlock, half_bytes);
+    } else {
+        const size_t GB = group_block_bytes(WT) * kSuper;
+        for (int sb = 0; sb < nb / kSuper; ++sb)
+            ku_unpack_super<WT>(wg + sb * GB, buf + size_t(sb) * kSuper * kUnpackedBlock, half_bytes,
+                                std::make_integer_sequence<int, kSuper>{});
+    }
+}
+
+// kq_isum over unpacked chunks [c0, c1) of one lane half's block wb.
+template <int WT, int MR, bool RES>
+static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+    constexpr int SPAN = kq_span<WT>();
+    const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+    for (int r = 0; r < MR; ++r) isum[r] = vzero();
+    for (int c = c0; c < c1; c += SPAN) {
+        VI coarse[MR], fine[MR];
+        for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+        for (int j = c; j < c + SPAN; ++j) {
+            const VI w = vload(wb + 32 * j);
+            for (int r = 0; r < MR; ++r) {
+                coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
+                if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
+            }
+        }
+        for (int r = 0; r < MR; ++r) {
+            VI part = _mm256_madd_epi16(coarse[r], RES ? w254 : one16);
+            if constexpr (RES) part = vadd32(part, _mm256_madd_epi16(fine[r], one16));
+            isum[r] = vadd32(isum[r], part);
+        }
+    }
+}
+
+// MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
+// row), added into acc[r].
+template <int WT, int MR, bool RES>
+static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
+    const int nb = a.nb;
+    for (int b = b0; b < b0 + nbs; ++b) {
+        const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
+        const float* s = reinterpret_cast<const float*>(wb + 256);
+        const int8_t* qa[MR];
+        const int8_t* qb[MR];
+        VI isum[MR];
+        for (int r = 0; r < MR; ++r) {
+            qa[r] = a.q + (size_t(m0 + r) * nb + b) * QK;
+            qb[r] = RES ? a.q2 + (size_t(m0 + r) * nb + b) * QK : nullptr;
+        }
+        if constexpr (WT == W_Q6KX16) {
+            for (int half = 0; half < 2; ++half) {
+                ku_isum<WT, MR, RES>(wb, 4 * half, 4 * half + 4, qa, qb, isum);
+                const VF dsc = vfload(s + L * half);
+                for (int r = 0; r < MR; ++r) {
+                    const size_t ab = size_t(m0 + r) * nb + b;
+                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
+                    acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
+                }
+            }
+        } else {
+            ku_isum<WT, MR, RES>(wb, 0, 8, qa, qb, isum);
+            const VF dsc = vfload(s), mw = vfload(s + L);
+            for (int r = 0; r < MR; ++r) {
+                const size_t ab = size_t(m0 + r) * nb + b;
+                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
+                acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+            }
+        }
+    }
+}
+
+template <int WT, bool RES>
+static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
+    constexpr int MR = kUnpackMR<WT, RES>;
+    static_assert(MR <= 6, "the tails below go to 5 rows");
+    switch (mr) {
+        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, b0, nbs, acc);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, b0, nbs, acc); break;
+        default: break;
+    }
+}
+
+// Blocks per slice of K: a slice is unpacked, and every tile of rows passes over it, before the
+// next. A half's slice (64 * 320 bytes = 20 KiB) stays in L1 at any K (the ~1B's ffn_down, K =
+// 6144, was 60 KiB a half unsliced). Between slices a row's sums wait in `part` as floats, which
+// holds them exactly: the same operations in the same order, so the same bits.
+constexpr int kSliceBlocks = 64;  // a multiple of kSuper
+
+// y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
+// packed_gemm_t, each unpacked once, a slice of K at a time, into a buffer of this call.
+template <int WT, bool RES>
+static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+                    const float* bias, bool accumulate) {
+    constexpr int MR = kUnpackMR<WT, RES>;
+    const size_t GB = group_block_bytes(WT);
+    const int S = nb < kSliceBlocks ? nb : kSliceBlocks;
+    std::vector<uint8_t> buf(2 * size_t(S) * kUnpackedBlock);
+    std::vector<float> part(nb > S ? 2 * size_t(M) * L : 0);
+    for (int g = n0 / 16; g < n1 / 16; ++g) {
+        const uint8_t* wg = w + size_t(g) * nb * GB;
+        for (int b0 = 0; b0 < nb; b0 += S) {
+            const int nbs = nb - b0 < S ? nb - b0 : S;
+            const bool last = b0 + nbs == nb;
+            ku_unpack<WT>(wg + size_t(b0) * GB, nbs, buf.data());
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* half = buf.data() + h * size_t(nbs) * kUnpackedBlock;
+                const int n = 16 * g + L * h;
+                for (int m0 = 0; m0 < M;) {
+                    const int mr = next_tile_rows<WT, RES>(M, M - m0);  // MR, then what is left
+                    VF acc[MR];
+                    for (int r = 0; r < mr; ++r) acc[r] = b0 ? vfload(&part[(size_t(h) * M + m0 + r) * L]) : vfzero();
+                    if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, b0, nbs, acc);
+                    else ku_tile_of<WT, RES>(mr, half, a, m0, b0, nbs, acc);
+                    if (last) store_tile(y + size_t(m0) * ldy, ldy, n, acc, mr, 1, bias, accumulate);
+                    else
+                        for (int r = 0; r < mr; ++r) vfstore(&part[(size_t(h) * M + m0 + r) * L], acc[r]);
+                    m0 += mr;
+                }
+            }
+        }
+    }
+}
