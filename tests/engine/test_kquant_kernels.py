@@ -255,15 +255,20 @@ def test_prompt_steps_keep_each_rows_bits_and_tiles(wtype):
     """Steps of more than 16 rows (a prompt) on AVX2 run some formats on groups unpacked once
     (csrc/kquant_unpacked.h), in tiles of up to 6 rows and a tail: each row keeps the bits of the
     same row alone (the decode tiles) and of AVX-512 VNNI, whatever its tile."""
-    rng = np.random.default_rng(7 + wtype)
-    n, k = 48, 512
+    _steps_keep_each_rows_bits(wtype, 48, 512, (17, 19, 23, 31), seed=7)
+
+
+def _steps_keep_each_rows_bits(wtype: int, n: int, k: int, steps: tuple[int, ...], seed: int) -> None:
+    """Each step of m rows (int8 and fine, every ISA here, 2 threads) equals, row for row, the same
+    rows run alone; the tiles the kernels report cover the step."""
+    rng = np.random.default_rng(seed + wtype)
     packed_type, packed = K.repack(lib, wtype, random_blocks(wtype, n, k, rng))
-    x = rng.standard_normal((31, k)).astype(np.float32) * 3
+    x = rng.standard_normal((max(steps), k)).astype(np.float32) * 3
     for fine in (False, True):
         alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, ISAS[0], threads=1, fine=fine)
                                 for i in range(len(x))])
         for isa in ISAS:
-            for m in (17, 19, 23, 31):
+            for m in steps:
                 tiles = K.gemm_tiles(lib, packed_type, m, isa, fine)
                 assert sum(tiles) == m and max(tiles) <= 8, (isa, fine, m, tiles)
                 y = K.gemm(lib, packed_type, packed, x[:m], k, isa, threads=2, fine=fine)
@@ -275,12 +280,4 @@ def test_prompt_steps_over_long_rows_keep_each_rows_bits(wtype):
     """AVX2 prompt steps unpack a group a slice of 64 blocks of K at a time (csrc/kquant_unpacked.h)
     and keep a row's float sums between slices: at K = 2560 (a slice and a 16-block one) each row
     of a 19-row step still has the bits of the same row alone, int8 and fine."""
-    rng = np.random.default_rng(11 + wtype)
-    n, k = 32, 2560
-    packed_type, packed = K.repack(lib, wtype, random_blocks(wtype, n, k, rng))
-    x = rng.standard_normal((19, k)).astype(np.float32) * 3
-    for fine in (False, True):
-        alone = np.concatenate([K.gemm(lib, packed_type, packed, x[i : i + 1], k, ISAS[0], threads=1, fine=fine)
-                                for i in range(len(x))])
-        for isa in ISAS:
-            assert np.array_equal(K.gemm(lib, packed_type, packed, x, k, isa, threads=2, fine=fine), alone), (isa, fine)
+    _steps_keep_each_rows_bits(wtype, 32, 2560, (19,), seed=11)
