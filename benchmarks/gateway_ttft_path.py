@@ -45,11 +45,12 @@ from benchmarks.procs import stop_group  # noqa: E402
 from benchmarks.vllm_peer import NAME, ROOT, Vllm, request_lines, start_gateway, start_vllm  # noqa: E402
 
 
-def streamed(http: httpx.Client, prompt: str) -> tuple[float, str | None, float | None]:
+def streamed(http: httpx.Client, prompt: str | list[int], extra: dict | None = None) -> tuple[float, str | None, float | None]:
     """One short streamed request read to its end: (ms to its first token, the server's request id
-    header, vLLM's own queue + prefill ms from its usage chunk's `metrics` where it sent them)."""
+    header, vLLM's own queue + prefill ms from its usage chunk's `metrics` where it sent them).
+    `extra`: fields added to the body (benchmarks/vllm_body_fields.py)."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     first: float | None = None
     engine: float | None = None
