@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -18,7 +19,6 @@ import tokenpath
 from tokenpath.errors import AuthenticationError
 from tokenpath.gateway import Gateway, GatewayStore, Principal
 from tokenpath.gateway.admin import create_key
-from tokenpath.gateway.store import _ANY_KEY
 
 _SRC = str(Path(tokenpath.__file__).resolve().parents[1])
 pytestmark = pytest.mark.parametrize("store_location", ["postgres"], indirect=True)  # PostgreSQL only
@@ -140,34 +140,35 @@ async def test_a_killed_listener_drops_the_kept_answer_and_recovers(store_locati
     assert store.has_keys_nowait() is False
 
 
-async def test_listen_must_be_in_effect_before_the_read_whose_no_is_kept(store_location, clock):
-    """The race of a starting listener: the read says "no", a key is committed, then LISTEN takes
-    effect (so that key is never notified). The number taken before the read (None: not yet
-    listening) keeps nothing; a number taken after the LISTEN would keep the stale "no"."""
-    store = GatewayStore(store_location, no_keys_recheck_s=3600)
+async def test_a_key_committed_while_the_listener_starts_is_not_kept_out_of_sight(store_location, slow_recheck, clock):
+    """The race of a starting listener, through the store's own `has_keys`: its read says "no", a key
+    is committed, then LISTEN takes effect (so that key is never notified). The store takes the
+    number before its read (here None or a number the key's NOTIFY moves on), so the stale "no" is
+    not kept; a store that took it after the read would keep it, and this test would fail."""
+    store = slow_recheck
     other = GatewayStore(store_location)
+    real = store.db.transaction
+    raced = []
+
+    @contextmanager
+    def read_then_race(*args, **kwargs):
+        with real(*args, **kwargs) as tx:
+            yield tx
+        if not raced:  # after the first read: a key committed, then the listener LISTENing
+            raced.append(create_key(other, "acme", now=clock()))
+            _listening(store)
+
     try:
         gw = Gateway(store, clock=clock)
-        store.db.watch_keys(True)  # (as after a first "no": the listener starts, not yet connected)
-        generation = store.db.keys_generation()
-        assert generation is None
-        with store.db.transaction() as tx:
-            rows = tx.q(_ANY_KEY)
-        assert rows == []
-        create_key(other, "acme", now=clock())  # between the read and the LISTEN
-        late = _listening(store)
-        # The wrong order, for contrast: the number taken after the LISTEN keeps the stale "no".
-        assert store._answered(late, rows, time.monotonic()) is False
-        assert store.has_keys_nowait() is False
-        store._no_keys = None
-        # The store's order: the number taken before the read.
-        assert store._answered(generation, rows, time.monotonic()) is False  # the read's own answer
+        store.db.watch_keys(True)  # (as after a first "no": the listener starts, not yet listening)
+        store.db.transaction = read_then_race
+        assert store.has_keys() is False  # the read's own answer: it ran before the key
+        assert raced
         assert store.has_keys_nowait() is None  # not kept: the next request reads, and sees the key
         with pytest.raises(AuthenticationError):
             await gw.authenticate({})
     finally:
         other.close()
-        store.close()
 
 
 def test_the_migration_adds_the_trigger_on_postgres_only(store_location, tmp_path):

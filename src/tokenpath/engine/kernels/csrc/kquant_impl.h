@@ -128,8 +128,8 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
 template <int WT>
 constexpr int kq_span() { return WT == W_Q4KX16 ? 8 : WT == W_Q6KX16 ? 2 : 4; }
 
-// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h): both 8-lane
-// halves of each 64-byte chunk, isum[hh * MR + r]; each activation broadcast feeds NH maddubs.
+// NH = 2 (AVX2 decode, any_tile2 in packed_impl.h): both 8-lane halves of each 64-byte chunk,
+// isum[hh * MR + r]; each activation broadcast feeds NH maddubs.
 template <int WT, int MR, bool RES, int k, int NH = 1>
 static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t* const* qa,
                            const int8_t* const* qb, VI* isum) {
