@@ -2,7 +2,7 @@
 of it runs outside the native forward (issue 42: the step loop around the kernels).
 
 Why CPU time: the host's 2 cores are shared with other jobs, whose load stretches the wall clock
-by 2-3x and not what this process spends. Each round is a child process per tree (A, B, A, B...),
+by 2-3x and not what this process spends. Each round is a child process per tree (A, B, then B, A: ABBA),
 each timing `--reps` tg128 decodes (128 tokens after a 1-token prompt, greedy, as
 engine_vs_llamacpp.py's tokenpath child) after a warm-up: the process's CPU time per token (all
 kernel threads), the step thread's, and the step thread's outside `tp_model_forward` (the Python
@@ -86,7 +86,9 @@ def main() -> None:
     loads = []
     for r in range(args.rounds):
         for threads in args.threads:
-            for name, src in (("A", args.a), ("B", args.b)):
+            # A, B in odd rounds and B, A in even ones: the second child of a pair ran slower on
+            # the loaded host whichever tree it was (a position effect, not a tree's).
+            for name, src in (("A", args.a), ("B", args.b))[:: 1 if r % 2 == 0 else -1]:
                 loads.append(os.getloadavg()[0])
                 res = run(src, threads, args.reps)
                 runs.setdefault((name, threads), []).append(res)
