@@ -40,6 +40,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
+        self.any_window = any(w is not None for w in self.windows)  # no window: allocate drops nothing
         self.max_chunk = max_chunk
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -207,7 +208,8 @@ class BlockManager:
         out-of-window blocks given back) if the pool cannot."""
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
-        self._drop_out_of_window(seq)
+        if self.any_window:
+            self._drop_out_of_window(seq)
         want = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         need = sum(max(0, want - len(table)) for table in seq.block_tables)
         if need > len(self.free):

@@ -324,11 +324,13 @@ class EngineCore:
             logits = logits[:rows]
         self.steps += 1
         prefills: list[list] | None = None
+        caching = self.blocks.enable_prefix_caching  # (off: no call per sequence)
         for seq, n in scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 (prefills := prefills or []).append([seq.request_id, n])
             seq.num_computed_tokens += n - len(seq.draft_ids)  # drafts count once accepted
-            self.blocks.commit_computed(seq)
+            if caching:
+                self.blocks.commit_computed(seq)
             if seq.events.preempted:
                 self._note_recovered(seq)
         token_logprobs: list[list[Logprob]] | None = None  # (drafting: one per emitted token)

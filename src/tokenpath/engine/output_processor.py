@@ -107,7 +107,7 @@ class OutputProcessor:
             hold = 0 if seq.is_finished or not p.stop else max(len(s) for s in p.stop) - 1
             end = max(c.sent_text, len(c.text) - hold)
             text = c.text[c.sent_text : end]
-            toks = seq.output_token_ids[c.sent_tokens :]
+            toks = seq.token_ids[seq.num_prompt_tokens + c.sent_tokens :]  # (not a copy of all output first)
             lps = c.logprobs[c.sent_logprobs :] if p.logprobs is not None else None
             final = seq.is_finished and not c.sent_final
             if not text and not toks and not final:

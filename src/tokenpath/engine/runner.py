@@ -206,12 +206,18 @@ class ModelRunner:
     def _execute_native(self, native: NativeLlama, scheduled: list[tuple[Sequence, int]]
                         ) -> tuple[np.ndarray, list[Sequence], PromptRows]:
         """The same step on the native kernels: rows in any order, each row's context read in
-        place through its sequence's block table (no padding, no gather, no masks)."""
+        place through its sequence's block table (no padding, no gather, no masks).
+
+        The inputs are built in Python lists and made arrays once each: a decode step has one row
+        a sequence, where per-sequence numpy pieces (an arange, a full, a table array, their
+        concatenations, the slots' fancy indexing) cost more than the row itself (issue 42)."""
         bs = self.block_size
         ids: list[int] = []
-        pos_chunks: list[np.ndarray] = []
-        table_chunks: list[np.ndarray] = []
-        row_tables: list[np.ndarray] = []
+        pos: list[int] = []
+        rt: list[int] = []  # per row: the offset of its sequence's block table in `tables`
+        generated: list[bool] | None = [] if native.rows_differ else None
+        groups: list[list[int]] = [[] for _ in range(self.layout.num_groups)]  # [G][N]: group-major tables
+        slots: list[list[int]] = [[] for _ in groups]  # [G][T]
         logit_rows: list[int] = []
         sampling: list[Sequence] = []
         adapters: list = []  # (rows, adapter or None) per sequence, in row order; rows count its drafts
@@ -227,24 +233,29 @@ class ModelRunner:
             _prompt_rows(seq, start, n, row, extra, prompt_rows)
             ids.extend(seq.token_ids[start : start + n])
             ids.extend(seq.draft_ids)
-            pos_chunks.append(np.arange(start, start + n, dtype=np.int32))
-            table = self._tables(seq, np.int32)  # [G, blocks]
-            table_chunks.append(table)
-            row_tables.append(np.full(n, offset, dtype=np.int32))
-            offset += table.shape[1]
+            span = range(start, start + n)
+            pos.extend(span)
+            rt.extend([offset] * n)
+            if generated is not None:
+                prompt = seq.num_prompt_tokens
+                generated.extend(p >= prompt for p in span)
+            tables = seq.block_tables
+            if len(tables) != len(groups) or any(len(t) != len(tables[0]) for t in tables):
+                raise ValueError(f"sequence {seq.request_id}: {len(tables)} block tables of lengths "
+                                 f"{[len(t) for t in tables]}, the KV cache has {len(groups)} groups of one length")
+            for g, table in enumerate(tables):
+                # A window group's freed entries (NULL_BLOCK) read as block 0 (see _tables).
+                groups[g].extend(b if b > 0 else 0 for b in table)
+                slots[g].extend((table[p // bs] if table[p // bs] > 0 else 0) * bs + p % bs for p in span)
+            offset += len(tables[0])
             row += n
             _sampling_rows(seq, start, n, row, logit_rows, sampling)
-        pos = np.concatenate(pos_chunks)
-        # Rows past their prompt (generated tokens, drafts) take the finer activations, prompt rows
-        # the tiles where they run; with one mask for both and no tiles no row needs telling apart.
-        generated = (pos >= np.repeat([seq.num_prompt_tokens for seq, _ in scheduled], [len(c) for c in pos_chunks])
-                     if native.rows_differ else None)
-        tables = np.ascontiguousarray(np.concatenate(table_chunks, axis=1))  # [G, N]: group-major
-        rt = np.concatenate(row_tables)
-        slots = np.ascontiguousarray(tables[:, rt + pos // bs].astype(np.int64) * bs + pos % bs)  # [G, T]
-        logits = native.forward(np.asarray(ids, dtype=np.int32), pos, slots, rt, tables,
-                                np.asarray(logit_rows + extra, dtype=np.int32),
-                                native_step(adapters) if uses_lora else None, generated)
+        logits = native.forward(np.array(ids, dtype=np.int32), np.array(pos, dtype=np.int32),
+                                np.array(slots, dtype=np.int64), np.array(rt, dtype=np.int32),
+                                np.array(groups, dtype=np.int32), np.array(logit_rows + extra, dtype=np.int32),
+                                native_step(adapters) if uses_lora else None,
+                                # (every row generated: None, which the kernels read alike)
+                                None if generated is None or all(generated) else np.array(generated, dtype=bool))
         return logits, sampling, prompt_rows
 
     def _tables(self, seq: Sequence, dtype: type) -> np.ndarray:

@@ -117,6 +117,9 @@ class Sampler:
     def __call__(self, logits: np.ndarray, seqs: list[Sequence]) -> SampleResult:
         """`logits`: [rows, vocab], one row per sequence (float32; other float dtypes are widened)."""
         logits = np.asarray(logits, dtype=np.float32)
+        if all(s.grammar is None and s.params.logprobs is None and s.params.greedy and not rewrites(s) for s in seqs):
+            # Plain greedy rows (a decode step's usual case): the argmax is the whole answer.
+            return SampleResult(_argmax(logits), [None] * len(seqs))
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw = logits
         raw_logprobs = log_softmax(logits) if any(want_logprobs) else None
@@ -181,7 +184,7 @@ class Sampler:
 def _argmax(logits: np.ndarray) -> list[int]:
     """Per row, the index of the largest value, the first of ties; a NaN counts as the largest
     (torch's argmax: a NaN row picks its first NaN)."""
-    return np.argmax(logits, axis=-1).tolist()
+    return logits.argmax(axis=-1).tolist()
 
 
 DRAW_BLOCK = 1024  # vocabulary entries per first-level interval of the draw

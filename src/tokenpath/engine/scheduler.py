@@ -175,7 +175,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decoding = self._decoding()
+        decoding = self._decoding() if self.spec is not None else 0  # (speculation off: not counted)
         spec = self.spec if self.spec is not None and self.spec.allowed(decoding) else None
         rows = decoding  # the step's decode rows so far: a draft's price depends on them (spec/cost.py)
         for seq in list(self.running):

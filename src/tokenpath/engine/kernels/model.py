@@ -501,9 +501,9 @@ class NativeLlama:
         for rope in self.ropes:  # (their rows up to this step's last position)
             rope.ensure(top)
         logits: np.ndarray = np.empty((len(logit_rows), self.vocab), dtype=np.float32)
-        args = (self._handle, len(ids), ids.ctypes.data, pos.ctypes.data, slot_mapping.ctypes.data,
-                row_table.ctypes.data, tables.ctypes.data, len(logit_rows), logit_rows.ctypes.data,
-                logits.ctypes.data, self.threads or kernel_threads(self._cores), slot_mapping.shape[-1],
+        args = (self._handle, len(ids), _address(ids), _address(pos), _address(slot_mapping),
+                _address(row_table), _address(tables), len(logit_rows), _address(logit_rows),
+                _address(logits), self.threads or kernel_threads(self._cores), slot_mapping.shape[-1],
                 tables.shape[-1], self._row_kinds(generated))
         if lora is None:
             status = self.lib.lib.tp_model_forward(*args)
@@ -573,6 +573,11 @@ def physical_cores() -> int:
     except (OSError, ValueError):
         cores = set()
     return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def _address(a: np.ndarray) -> int:
+    """An array's data pointer (`.ctypes.data` builds a Python object per call: 7 a decode step)."""
+    return a.__array_interface__["data"][0]
 
 
 def kernel_threads(cores: int) -> int:
