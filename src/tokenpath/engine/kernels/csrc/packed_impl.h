@@ -83,7 +83,8 @@ static inline VI bcast4(const int8_t* p) {
 // reassociate freely, and GCC turned each chain of maddubs adds into all of a block's products
 // first, summed at its end: 32 live products, spilled to the stack and reloaded (416 stack
 // references in the Q4_K fine 1-row tile, 42 with the pins). The empty volatile asm moves no
-// arithmetic and the sums are integers, so the bits do not change. Measured:
+// arithmetic and the sums are integers, so the bits do not change. Not in q8_isum16: pinned, its
+// fine Q8X16 tile ran slower in cache (1.55 -> 1.95 ns a 32-block row). Measured:
 // benchmarks/results/avx2_decode_gemv-loaded.md.
 static inline void pin_sum(VI& v) { asm volatile("" : "+x"(v)); }
 #endif
@@ -215,7 +216,6 @@ static inline void q8_isum16(const uint8_t* qs, const int16_t* const* qa, VI* is
                 const __m256i av = bcast8(qa[r0] + 4 * c);
                 lo[r] = vadd32(lo[r], _mm256_madd_epi16(w0, av));
                 hi[r] = vadd32(hi[r], _mm256_madd_epi16(w1, av));
-                if constexpr (NH > 1) pin_sum(lo[r]), pin_sum(hi[r]);
             }
         }
     }
