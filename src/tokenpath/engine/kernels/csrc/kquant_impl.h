@@ -137,7 +137,9 @@ static inline void kq_isum(const uint8_t* g, int o, int c0, int c1, const int8_t
     const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
     for (int r = 0; r < R; ++r) isum[r] = vzero();  // folded away: the first add is to zero
     // Q6_K (SPAN 2) takes each half's c loop as a runtime loop without this; unrolled, its offsets
-    // are constants (decode Q6_K fine, one thread hot: 1.44 -> 1.32 ns a 32-block row).
+    // are constants (decode Q6_K fine, one thread hot: 1.44 -> 1.32 ns a 32-block row). It unrolls
+    // the 5-bit formats' 2 spans too (not measured: no default decode matrix is Q5_K; Q5_0's
+    // prompt steps run kquant_unpacked.h).
 #pragma GCC unroll 8
     for (int c = c0; c < c1; c += SPAN) {
         VI coarse[R], fine[R];

@@ -82,7 +82,7 @@ static inline VI bcast4(const int8_t* p) {
 // AVX2 decode (NH = 2): an integer running sum is pinned to a register after each add. Integer adds
 // reassociate freely, and GCC turned each chain of maddubs adds into all of a block's products
 // first, summed at its end: 32 live products, spilled to the stack and reloaded (416 stack
-// references in the Q4_K fine 1-row tile, 42 with the pins). The empty volatile asm moves no
+// references in the Q4_K fine 1-row tile, 41 with the pins). The empty volatile asm moves no
 // arithmetic and the sums are integers, so the bits do not change. Not in q8_isum16: pinned, its
 // fine Q8X16 tile ran slower in cache (1.55 -> 1.95 ns a 32-block row). Measured:
 // benchmarks/results/avx2_decode_gemv-loaded.md.
