@@ -141,7 +141,9 @@ def test_largest_weights_and_activations_keep_exact_integer_sums(isa, wtype):
     """Every quant at its largest value against activations whose int8 bytes (and residual bytes)
     sit at the clamp: the integer sums are as large as the formats allow. The AVX2 kernels add
     maddubs' int16 pair sums over several 4-weight chunks before widening them (kquant_impl.h); one
-    chunk too many saturates int16 here and misses the float64 reference by far more than 1e-5."""
+    chunk too many saturates int16 here and misses the float64 reference by far more than 1e-5.
+    Steps of 1 and 2 rows too: on AVX2 they run the one-pass decode tiles (packed_impl.h any_tile2),
+    whose sums are written apart from the 3-row tile's."""
     rng = np.random.default_rng(wtype)
     k = 512
     q = random_blocks(wtype, 32, k, rng)
@@ -162,9 +164,11 @@ def test_largest_weights_and_activations_keep_exact_integer_sums(isa, wtype):
     row[::32] = 127
     x = np.stack([row, -row, np.full(k, 3.0, dtype=np.float32)])
     for fine in (False, True):
-        y = K.gemm(lib, packed_type, packed, x, k, isa, threads=1, fine=fine)
         ref = activations(x, fine) @ wd.T
-        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), (K.TYPE_NAMES[wtype], fine)
+        for rows in (slice(0, 3), slice(0, 2), slice(0, 1), slice(1, 2)):
+            y = K.gemm(lib, packed_type, packed, x[rows], k, isa, threads=1, fine=fine)
+            err = np.abs(y - ref[rows]).max()
+            assert err <= 1e-5 * np.abs(ref[rows]).max(), (K.TYPE_NAMES[wtype], fine, rows)
 
 
 def bf16_rounded(x: np.ndarray) -> np.ndarray:

@@ -78,6 +78,17 @@ static inline VI bcast4(const int8_t* p) {
     return vset32(v);
 }
 
+#if !TP_VNNI
+// AVX2 decode (NH = 2): an integer running sum is pinned to a register after each add. Integer adds
+// reassociate freely, and GCC turned each chain of maddubs adds into all of a block's products
+// first, summed at its end: 32 live products, spilled to the stack and reloaded (416 stack
+// references in the Q4_K fine 1-row tile, 41 with the pins). The empty volatile asm moves no
+// arithmetic and the sums are integers, so the bits do not change. Not in q8_isum16: pinned, its
+// fine Q8X16 tile ran slower in cache (1.55 -> 1.95 ns a 32-block row). Measured:
+// benchmarks/results/avx2_decode_gemv-loaded.md.
+static inline void pin_sum(VI& v) { asm volatile("" : "+x"(v)); }
+#endif
+
 #if TP_VNNI
 // combine() (dot_impl.h) for 512-bit sums.
 static inline VI combine(VI coarse, VI fine) { return vadd32(vsub32(vsll32(coarse, 8), vsll32(coarse, 1)), fine); }
@@ -124,9 +135,12 @@ static inline void packed_isum(const uint8_t* qs, const int8_t* const* qa, const
                     // u4 * s8 pairs: |maddubs lane| <= 2*15*127, so the 8 of a block still fit int16.
                     coarse[0][r] = _mm256_add_epi16(coarse[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qa[r0] + 4 * c)),
                                                                                    _mm256_maddubs_epi16(hi, bcast4(qa[r0] + 16 + 4 * c))));
-                    if constexpr (RES)
+                    if constexpr (NH > 1) pin_sum(coarse[0][r]);
+                    if constexpr (RES) {
                         fine[0][r] = _mm256_add_epi16(fine[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qb[r0] + 4 * c)),
                                                                                    _mm256_maddubs_epi16(hi, bcast4(qb[r0] + 16 + 4 * c))));
+                        if constexpr (NH > 1) pin_sum(fine[0][r]);
+                    }
 #endif
                 }
             }
