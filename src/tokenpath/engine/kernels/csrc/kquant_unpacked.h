@@ -64,15 +64,20 @@ static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
     }
 }
 
-// kq_isum over unpacked chunks [c0, c1) of one lane half's block wb.
-template <int WT, int MR, bool RES>
-static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+// kq_isum over unpacked chunks [C0, C1) of one lane half's block wb. The bounds are template
+// arguments so that the loops unroll into constant offsets: with Q6_K's halves passed at run
+// time GCC kept a loop with per-chunk index arithmetic, and the tile's float sums spilled
+// (Q6_K fine ran at half Q4_K fine's MAC rate). The same integer sums either way.
+template <int WT, int MR, bool RES, int C0, int C1>
+static inline void ku_isum(const uint8_t* wb, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
     constexpr int SPAN = kq_span<WT>();
     const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
     for (int r = 0; r < MR; ++r) isum[r] = vzero();
-    for (int c = c0; c < c1; c += SPAN) {
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c += SPAN) {
         VI coarse[MR], fine[MR];
         for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+#pragma GCC unroll 8
         for (int j = c; j < c + SPAN; ++j) {
             const VI w = vload(wb + 32 * j);
             for (int r = 0; r < MR; ++r) {
@@ -88,41 +93,51 @@ static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* cons
     }
 }
 
+// Q6_K: the block's 16-weight half HALF (chunks 4 HALF .. 4 HALF + 3) and its scale vector.
+template <int MR, bool RES, int HALF>
+static inline void ku_q6_half(const uint8_t* wb, const QAct& a, const size_t* ab, const int8_t* const* qa,
+                              const int8_t* const* qb, VF* acc) {
+    VI isum[MR];
+    ku_isum<W_Q6KX16, MR, RES, 4 * HALF, 4 * HALF + 4>(wb, qa, qb, isum);
+    const VF dsc = vfload(reinterpret_cast<const float*>(wb + 256) + L * HALF);
+    for (int r = 0; r < MR; ++r) {
+        const VI off = vset32(32 * a.qsum16[2 * ab[r] + HALF]);
+        acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab[r]])), acc[r]);
+    }
+}
+
 // MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
 // row), added into acc[r].
 template <int WT, int MR, bool RES>
-static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
+static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc_io) {
     const int nb = a.nb;
+    VF acc[MR];  // the tile's sums in registers over the blocks (acc_io is indexed at run time)
+    for (int r = 0; r < MR; ++r) acc[r] = acc_io[r];
     for (int b = b0; b < b0 + nbs; ++b) {
         const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
-        const float* s = reinterpret_cast<const float*>(wb + 256);
         const int8_t* qa[MR];
         const int8_t* qb[MR];
-        VI isum[MR];
+        size_t ab[MR];
         for (int r = 0; r < MR; ++r) {
-            qa[r] = a.q + (size_t(m0 + r) * nb + b) * QK;
-            qb[r] = RES ? a.q2 + (size_t(m0 + r) * nb + b) * QK : nullptr;
+            ab[r] = size_t(m0 + r) * nb + b;
+            qa[r] = a.q + ab[r] * QK;
+            qb[r] = RES ? a.q2 + ab[r] * QK : nullptr;
         }
         if constexpr (WT == W_Q6KX16) {
-            for (int half = 0; half < 2; ++half) {
-                ku_isum<WT, MR, RES>(wb, 4 * half, 4 * half + 4, qa, qb, isum);
-                const VF dsc = vfload(s + L * half);
-                for (int r = 0; r < MR; ++r) {
-                    const size_t ab = size_t(m0 + r) * nb + b;
-                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
-                    acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                }
-            }
+            ku_q6_half<MR, RES, 0>(wb, a, ab, qa, qb, acc);
+            ku_q6_half<MR, RES, 1>(wb, a, ab, qa, qb, acc);
         } else {
-            ku_isum<WT, MR, RES>(wb, 0, 8, qa, qb, isum);
+            VI isum[MR];
+            ku_isum<WT, MR, RES, 0, 8>(wb, qa, qb, isum);
+            const float* s = reinterpret_cast<const float*>(wb + 256);
             const VF dsc = vfload(s), mw = vfload(s + L);
             for (int r = 0; r < MR; ++r) {
-                const size_t ab = size_t(m0 + r) * nb + b;
-                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
+                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab[r]])), acc[r]);
+                acc[r] = vfma(mw, vfset(a.s[ab[r]]), acc[r]);
             }
         }
     }
+    for (int r = 0; r < MR; ++r) acc_io[r] = acc[r];
 }
 
 template <int WT, bool RES>
