@@ -16,7 +16,8 @@
 // computes (the same vmul of the same operands), and every lane sees the same integer sums
 // (exact; the int16 bound of kq_span holds) and the same float operations in the same order as
 // kq_block's; a row's operations do not depend on its tile. So the outputs equal kq_tile's (and
-// the VNNI kernels') bit for bit.
+// the VNNI kernels') bit for bit. Fine rows with QAct::q16 take ku_isum16's int16 dots: the same
+// integers, so the same bits too.
 
 // Bytes per unpacked 32-block and lane half: 256 of weights, then 16 floats (Q5X16, Q4KX16:
 // dsc[8], mw[8]; Q6KX16: dsc of the block's first 16 weights [8], of its second [8]).
@@ -64,15 +65,20 @@ static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
     }
 }
 
-// kq_isum over unpacked chunks [c0, c1) of one lane half's block wb.
-template <int WT, int MR, bool RES>
-static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+// kq_isum over unpacked chunks [C0, C1) of one lane half's block wb. The bounds are template
+// arguments so that the loops unroll into constant offsets: with Q6_K's halves passed at run
+// time GCC kept a loop with per-chunk index arithmetic, and the tile's float sums spilled
+// (Q6_K fine ran at half Q4_K fine's MAC rate). The same integer sums either way.
+template <int WT, int MR, bool RES, int C0, int C1>
+static inline void ku_isum(const uint8_t* wb, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
     constexpr int SPAN = kq_span<WT>();
     const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
     for (int r = 0; r < MR; ++r) isum[r] = vzero();
-    for (int c = c0; c < c1; c += SPAN) {
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c += SPAN) {
         VI coarse[MR], fine[MR];
         for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+#pragma GCC unroll 8
         for (int j = c; j < c + SPAN; ++j) {
             const VI w = vload(wb + 32 * j);
             for (int r = 0; r < MR; ++r) {
@@ -88,53 +94,103 @@ static inline void ku_isum(const uint8_t* wb, int c0, int c1, const int8_t* cons
     }
 }
 
-// MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
-// row), added into acc[r].
-template <int WT, int MR, bool RES>
-static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
-    const int nb = a.nb;
-    for (int b = b0; b < b0 + nbs; ++b) {
-        const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
-        const float* s = reinterpret_cast<const float*>(wb + 256);
-        const int8_t* qa[MR];
-        const int8_t* qb[MR];
-        VI isum[MR];
+// Fine rows with QAct::q16 (254 qa + qb as int16, quantize_row's): the same integer sums as
+// ku_isum's, 254 dot(w, qa) + dot(w, qb), as one vpmaddwd dot of the weights widened to int16
+// with them. Why: with residual bytes a block and row took 16 maddubs plus the vpmaddwd that
+// widen their int16 sums (2 for Q4_K, whose sums hold 8 chunks; 4 for 5-bit; 8 for Q6_K, whose
+// hold 2), 18-24 multiplies on Zen's one vector integer multiply pipe; here 16, and no int16
+// sums. The widening is two vpshufb of each unpacked chunk per tile: chunk c's lane i holds
+// weights 4c..4c+3 of row i as bytes 4i..4i+3, and w0 / w1 take bytes 4i, 4i+1 / 4i+2, 4i+3 of
+// each lane zero-extended, so int32 slot i is row i's pair and vpmaddwd with the broadcast
+// activation pair gives the row's lanes in place. Measured against ku_isum's form (~1B, 256 rows,
+// loaded): Q6_K fine 0.93-1.0x, Q4_K fine 0.95-1.0x. Overflow: a lane adds 4 products of at most
+// 63 * 32385 per chunk, 65 M over a block's 8, far below 2^31.
+template <int MR, int C0, int C1>
+static inline void ku_isum16(const uint8_t* wb, const int16_t* const* qc, VI* isum) {
+    const VI lo = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
+                                   0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+    const VI hi = _mm256_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1,
+                                   2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1);
+    for (int r = 0; r < MR; ++r) isum[r] = vzero();
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; ++c) {
+        const VI w = vload(wb + 32 * c);
+        const VI w0 = _mm256_shuffle_epi8(w, lo), w1 = _mm256_shuffle_epi8(w, hi);
         for (int r = 0; r < MR; ++r) {
-            qa[r] = a.q + (size_t(m0 + r) * nb + b) * QK;
-            qb[r] = RES ? a.q2 + (size_t(m0 + r) * nb + b) * QK : nullptr;
-        }
-        if constexpr (WT == W_Q6KX16) {
-            for (int half = 0; half < 2; ++half) {
-                ku_isum<WT, MR, RES>(wb, 4 * half, 4 * half + 4, qa, qb, isum);
-                const VF dsc = vfload(s + L * half);
-                for (int r = 0; r < MR; ++r) {
-                    const size_t ab = size_t(m0 + r) * nb + b;
-                    const VI off = vset32(32 * a.qsum16[2 * ab + half]);
-                    acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                }
-            }
-        } else {
-            ku_isum<WT, MR, RES>(wb, 0, 8, qa, qb, isum);
-            const VF dsc = vfload(s), mw = vfload(s + L);
-            for (int r = 0; r < MR; ++r) {
-                const size_t ab = size_t(m0 + r) * nb + b;
-                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab])), acc[r]);
-                acc[r] = vfma(mw, vfset(a.s[ab]), acc[r]);
-            }
+            const int8_t* x = reinterpret_cast<const int8_t*>(qc[r] + 4 * c);
+            isum[r] = vadd32(isum[r], _mm256_madd_epi16(w0, bcast4(x)));
+            isum[r] = vadd32(isum[r], _mm256_madd_epi16(w1, bcast4(x + 4)));
         }
     }
 }
 
-template <int WT, bool RES>
+// isum over chunks [C0, C1): int16 dots with q16 where there are (Q16), ku_isum's otherwise.
+template <int WT, int MR, bool RES, bool Q16, int C0, int C1>
+static inline void ku_isum_of(const uint8_t* wb, const int8_t* const* qa, const int8_t* const* qb,
+                              const int16_t* const* qc, VI* isum) {
+    if constexpr (Q16) ku_isum16<MR, C0, C1>(wb, qc, isum);
+    else ku_isum<WT, MR, RES, C0, C1>(wb, qa, qb, isum);
+}
+
+// Q6_K: the block's 16-weight half HALF (chunks 4 HALF .. 4 HALF + 3) and its scale vector.
+template <int MR, bool RES, bool Q16, int HALF>
+static inline void ku_q6_half(const uint8_t* wb, const QAct& a, const size_t* ab, const int8_t* const* qa,
+                              const int8_t* const* qb, const int16_t* const* qc, VF* acc) {
+    VI isum[MR];
+    ku_isum_of<W_Q6KX16, MR, RES, Q16, 4 * HALF, 4 * HALF + 4>(wb, qa, qb, qc, isum);
+    const VF dsc = vfload(reinterpret_cast<const float*>(wb + 256) + L * HALF);
+    for (int r = 0; r < MR; ++r) {
+        const VI off = vset32(32 * a.qsum16[2 * ab[r] + HALF]);
+        acc[r] = vfma(vcvt(vsub32(isum[r], off)), vmul(dsc, vfset(a.d[ab[r]])), acc[r]);
+    }
+}
+
+// MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
+// row), added into acc[r].
+template <int WT, int MR, bool RES, bool Q16>
+static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc_io) {
+    const int nb = a.nb;
+    VF acc[MR];  // the tile's sums in registers over the blocks (acc_io is indexed at run time)
+    for (int r = 0; r < MR; ++r) acc[r] = acc_io[r];
+    for (int b = b0; b < b0 + nbs; ++b) {
+        const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
+        const int8_t* qa[MR];
+        const int8_t* qb[MR];
+        const int16_t* qc[MR];
+        size_t ab[MR];
+        for (int r = 0; r < MR; ++r) {
+            ab[r] = size_t(m0 + r) * nb + b;
+            qa[r] = a.q + ab[r] * QK;
+            qb[r] = RES ? a.q2 + ab[r] * QK : nullptr;
+            qc[r] = Q16 ? a.q16 + ab[r] * QK : nullptr;
+        }
+        if constexpr (WT == W_Q6KX16) {
+            ku_q6_half<MR, RES, Q16, 0>(wb, a, ab, qa, qb, qc, acc);
+            ku_q6_half<MR, RES, Q16, 1>(wb, a, ab, qa, qb, qc, acc);
+        } else {
+            VI isum[MR];
+            ku_isum_of<WT, MR, RES, Q16, 0, 8>(wb, qa, qb, qc, isum);
+            const float* s = reinterpret_cast<const float*>(wb + 256);
+            const VF dsc = vfload(s), mw = vfload(s + L);
+            for (int r = 0; r < MR; ++r) {
+                acc[r] = vfma(vcvt(isum[r]), vmul(dsc, vfset(a.d[ab[r]])), acc[r]);
+                acc[r] = vfma(mw, vfset(a.s[ab[r]]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r) acc_io[r] = acc[r];
+}
+
+template <int WT, bool RES, bool Q16>
 static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
     constexpr int MR = kUnpackMR<WT, RES>;
     static_assert(MR <= 6, "the tails below go to 5 rows");
     switch (mr) {
-        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, b0, nbs, acc);
-        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, b0, nbs, acc); break;
-        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, b0, nbs, acc); break;
-        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, b0, nbs, acc); break;
-        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 1: return ku_tile<WT, 1, RES, Q16>(buf, a, m0, b0, nbs, acc);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
         default: break;
     }
 }
@@ -147,8 +203,8 @@ constexpr int kSliceBlocks = 64;  // a multiple of kSuper
 
 // y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
 // packed_gemm_t, each unpacked once, a slice of K at a time, into a buffer of this call.
-template <int WT, bool RES>
-static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+template <int WT, bool RES, bool Q16>
+static void ku_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                     const float* bias, bool accumulate) {
     constexpr int MR = kUnpackMR<WT, RES>;
     const size_t GB = group_block_bytes(WT);
@@ -168,8 +224,8 @@ static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, in
                     const int mr = next_tile_rows<WT, RES>(M, M - m0);  // MR, then what is left
                     VF acc[MR];
                     for (int r = 0; r < mr; ++r) acc[r] = b0 ? vfload(&part[(size_t(h) * M + m0 + r) * L]) : vfzero();
-                    if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, b0, nbs, acc);
-                    else ku_tile_of<WT, RES>(mr, half, a, m0, b0, nbs, acc);
+                    if (mr == MR) ku_tile<WT, MR, RES, Q16>(half, a, m0, b0, nbs, acc);
+                    else ku_tile_of<WT, RES, Q16>(mr, half, a, m0, b0, nbs, acc);
                     if (last) store_tile(y + size_t(m0) * ldy, ldy, n, acc, mr, 1, bias, accumulate);
                     else
                         for (int r = 0; r < mr; ++r) vfstore(&part[(size_t(h) * M + m0 + r) * L], acc[r]);
@@ -178,4 +234,13 @@ static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, in
             }
         }
     }
+}
+
+// Fine rows take the int16 dots where quantize_row wrote QAct::q16 (tp_gemm and the forward's
+// fine activations on AVX2), ku_isum's otherwise.
+template <int WT, bool RES>
+static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+                    const float* bias, bool accumulate) {
+    if (RES && a.q16) ku_gemm_t<WT, RES, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
+    else ku_gemm_t<WT, RES, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 }
