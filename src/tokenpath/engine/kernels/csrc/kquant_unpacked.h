@@ -16,7 +16,7 @@
 // computes (the same vmul of the same operands), and every lane sees the same integer sums
 // (exact; the int16 bound of kq_span holds) and the same float operations in the same order as
 // kq_block's; a row's operations do not depend on its tile. So the outputs equal kq_tile's (and
-// the VNNI kernels') bit for bit. Fine rows with QAct::q16 take ku_isum16's int16 dots: the same
+// the VNNI kernels') bit for bit. Fine rows take ku_isum16's int16 dots on QAct::q16: the same
 // integers, so the same bits too.
 
 // Bytes per unpacked 32-block and lane half: 256 of weights, then 16 floats (Q5X16, Q4KX16:
@@ -65,32 +65,27 @@ static inline void ku_unpack(const uint8_t* wg, int nb, uint8_t* buf) {
     }
 }
 
-// kq_isum over unpacked chunks [C0, C1) of one lane half's block wb. The bounds are template
-// arguments so that the loops unroll into constant offsets: with Q6_K's halves passed at run
-// time GCC kept a loop with per-chunk index arithmetic, and the tile's float sums spilled
-// (Q6_K fine ran at half Q4_K fine's MAC rate). The same integer sums either way.
-template <int WT, int MR, bool RES, int C0, int C1>
-static inline void ku_isum(const uint8_t* wb, const int8_t* const* qa, const int8_t* const* qb, VI* isum) {
+// kq_isum over unpacked chunks [C0, C1) of one lane half's block wb, int8 rows (fine rows take
+// ku_isum16). The bounds are template arguments so that the loops unroll into constant offsets:
+// with Q6_K's halves passed at run time GCC kept a loop with per-chunk index arithmetic, and the
+// tile's float sums spilled (Q6_K fine ran at half Q4_K fine's MAC rate). The same integer sums
+// either way.
+template <int WT, int MR, int C0, int C1>
+static inline void ku_isum(const uint8_t* wb, const int8_t* const* qa, VI* isum) {
     constexpr int SPAN = kq_span<WT>();
-    const VI one16 = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+    const VI one16 = _mm256_set1_epi16(1);
     for (int r = 0; r < MR; ++r) isum[r] = vzero();
 #pragma GCC unroll 8
     for (int c = C0; c < C1; c += SPAN) {
-        VI coarse[MR], fine[MR];
-        for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = vzero();
+        VI coarse[MR];
+        for (int r = 0; r < MR; ++r) coarse[r] = vzero();
 #pragma GCC unroll 8
         for (int j = c; j < c + SPAN; ++j) {
             const VI w = vload(wb + 32 * j);
-            for (int r = 0; r < MR; ++r) {
+            for (int r = 0; r < MR; ++r)
                 coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(w, bcast4(qa[r] + 4 * j)));
-                if constexpr (RES) fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(w, bcast4(qb[r] + 4 * j)));
-            }
         }
-        for (int r = 0; r < MR; ++r) {
-            VI part = _mm256_madd_epi16(coarse[r], RES ? w254 : one16);
-            if constexpr (RES) part = vadd32(part, _mm256_madd_epi16(fine[r], one16));
-            isum[r] = vadd32(isum[r], part);
-        }
+        for (int r = 0; r < MR; ++r) isum[r] = vadd32(isum[r], _mm256_madd_epi16(coarse[r], one16));
     }
 }
 
@@ -124,20 +119,20 @@ static inline void ku_isum16(const uint8_t* wb, const int16_t* const* qc, VI* is
     }
 }
 
-// isum over chunks [C0, C1): int16 dots with q16 where there are (Q16), ku_isum's otherwise.
-template <int WT, int MR, bool RES, bool Q16, int C0, int C1>
-static inline void ku_isum_of(const uint8_t* wb, const int8_t* const* qa, const int8_t* const* qb,
-                              const int16_t* const* qc, VI* isum) {
-    if constexpr (Q16) ku_isum16<MR, C0, C1>(wb, qc, isum);
-    else ku_isum<WT, MR, RES, C0, C1>(wb, qa, qb, isum);
+// isum over chunks [C0, C1): fine rows (RES) by int16 dots with QAct::q16, which quantize_row
+// writes wherever it writes residual bytes on AVX2 (make_act, tp_gemm); int8 rows by ku_isum.
+template <int WT, int MR, bool RES, int C0, int C1>
+static inline void ku_isum_of(const uint8_t* wb, const int8_t* const* qa, const int16_t* const* qc, VI* isum) {
+    if constexpr (RES) ku_isum16<MR, C0, C1>(wb, qc, isum);
+    else ku_isum<WT, MR, C0, C1>(wb, qa, isum);
 }
 
 // Q6_K: the block's 16-weight half HALF (chunks 4 HALF .. 4 HALF + 3) and its scale vector.
-template <int MR, bool RES, bool Q16, int HALF>
+template <int MR, bool RES, int HALF>
 static inline void ku_q6_half(const uint8_t* wb, const QAct& a, const size_t* ab, const int8_t* const* qa,
-                              const int8_t* const* qb, const int16_t* const* qc, VF* acc) {
+                              const int16_t* const* qc, VF* acc) {
     VI isum[MR];
-    ku_isum_of<W_Q6KX16, MR, RES, Q16, 4 * HALF, 4 * HALF + 4>(wb, qa, qb, qc, isum);
+    ku_isum_of<W_Q6KX16, MR, RES, 4 * HALF, 4 * HALF + 4>(wb, qa, qc, isum);
     const VF dsc = vfload(reinterpret_cast<const float*>(wb + 256) + L * HALF);
     for (int r = 0; r < MR; ++r) {
         const VI off = vset32(32 * a.qsum16[2 * ab[r] + HALF]);
@@ -147,7 +142,7 @@ static inline void ku_q6_half(const uint8_t* wb, const QAct& a, const size_t* ab
 
 // MR rows from m0 against one lane half's unpacked blocks buf (blocks b0 .. b0 + nbs - 1 of the
 // row), added into acc[r].
-template <int WT, int MR, bool RES, bool Q16>
+template <int WT, int MR, bool RES>
 static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc_io) {
     const int nb = a.nb;
     VF acc[MR];  // the tile's sums in registers over the blocks (acc_io is indexed at run time)
@@ -155,21 +150,19 @@ static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, in
     for (int b = b0; b < b0 + nbs; ++b) {
         const uint8_t* wb = buf + size_t(b - b0) * kUnpackedBlock;
         const int8_t* qa[MR];
-        const int8_t* qb[MR];
         const int16_t* qc[MR];
         size_t ab[MR];
         for (int r = 0; r < MR; ++r) {
             ab[r] = size_t(m0 + r) * nb + b;
             qa[r] = a.q + ab[r] * QK;
-            qb[r] = RES ? a.q2 + ab[r] * QK : nullptr;
-            qc[r] = Q16 ? a.q16 + ab[r] * QK : nullptr;
+            qc[r] = RES ? a.q16 + ab[r] * QK : nullptr;
         }
         if constexpr (WT == W_Q6KX16) {
-            ku_q6_half<MR, RES, Q16, 0>(wb, a, ab, qa, qb, qc, acc);
-            ku_q6_half<MR, RES, Q16, 1>(wb, a, ab, qa, qb, qc, acc);
+            ku_q6_half<MR, RES, 0>(wb, a, ab, qa, qc, acc);
+            ku_q6_half<MR, RES, 1>(wb, a, ab, qa, qc, acc);
         } else {
             VI isum[MR];
-            ku_isum_of<WT, MR, RES, Q16, 0, 8>(wb, qa, qb, qc, isum);
+            ku_isum_of<WT, MR, RES, 0, 8>(wb, qa, qc, isum);
             const float* s = reinterpret_cast<const float*>(wb + 256);
             const VF dsc = vfload(s), mw = vfload(s + L);
             for (int r = 0; r < MR; ++r) {
@@ -181,16 +174,16 @@ static inline void ku_tile(const uint8_t* buf, const QAct& a, int m0, int b0, in
     for (int r = 0; r < MR; ++r) acc_io[r] = acc[r];
 }
 
-template <int WT, bool RES, bool Q16>
+template <int WT, bool RES>
 static inline void ku_tile_of(int mr, const uint8_t* buf, const QAct& a, int m0, int b0, int nbs, VF* acc) {
     constexpr int MR = kUnpackMR<WT, RES>;
     static_assert(MR <= 6, "the tails below go to 5 rows");
     switch (mr) {
-        case 1: return ku_tile<WT, 1, RES, Q16>(buf, a, m0, b0, nbs, acc);
-        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
-        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
-        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
-        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES, Q16>(buf, a, m0, b0, nbs, acc); break;
+        case 1: return ku_tile<WT, 1, RES>(buf, a, m0, b0, nbs, acc);
+        case 2: if constexpr (MR > 2) return ku_tile<WT, 2, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 3: if constexpr (MR > 3) return ku_tile<WT, 3, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 4: if constexpr (MR > 4) return ku_tile<WT, 4, RES>(buf, a, m0, b0, nbs, acc); break;
+        case 5: if constexpr (MR > 5) return ku_tile<WT, 5, RES>(buf, a, m0, b0, nbs, acc); break;
         default: break;
     }
 }
@@ -203,8 +196,8 @@ constexpr int kSliceBlocks = 64;  // a multiple of kSuper
 
 // y[m, n0..n1) for M > kFewRows rows (formats with kUnpackMR > 0); groups outermost, as
 // packed_gemm_t, each unpacked once, a slice of K at a time, into a buffer of this call.
-template <int WT, bool RES, bool Q16>
-static void ku_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
+template <int WT, bool RES>
+static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                     const float* bias, bool accumulate) {
     constexpr int MR = kUnpackMR<WT, RES>;
     const size_t GB = group_block_bytes(WT);
@@ -224,8 +217,8 @@ static void ku_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, 
                     const int mr = next_tile_rows<WT, RES>(M, M - m0);  // MR, then what is left
                     VF acc[MR];
                     for (int r = 0; r < mr; ++r) acc[r] = b0 ? vfload(&part[(size_t(h) * M + m0 + r) * L]) : vfzero();
-                    if (mr == MR) ku_tile<WT, MR, RES, Q16>(half, a, m0, b0, nbs, acc);
-                    else ku_tile_of<WT, RES, Q16>(mr, half, a, m0, b0, nbs, acc);
+                    if (mr == MR) ku_tile<WT, MR, RES>(half, a, m0, b0, nbs, acc);
+                    else ku_tile_of<WT, RES>(mr, half, a, m0, b0, nbs, acc);
                     if (last) store_tile(y + size_t(m0) * ldy, ldy, n, acc, mr, 1, bias, accumulate);
                     else
                         for (int r = 0; r < mr; ++r) vfstore(&part[(size_t(h) * M + m0 + r) * L], acc[r]);
@@ -234,13 +227,4 @@ static void ku_gemm_t(const uint8_t* w, int nb, const QAct& a, int M, float* y, 
             }
         }
     }
-}
-
-// Fine rows take the int16 dots where quantize_row wrote QAct::q16 (tp_gemm and the forward's
-// fine activations on AVX2), ku_isum's otherwise.
-template <int WT, bool RES>
-static void ku_gemm(const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
-                    const float* bias, bool accumulate) {
-    if (RES && a.q16) ku_gemm_t<WT, RES, RES>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
-    else ku_gemm_t<WT, RES, false>(w, nb, a, M, y, ldy, n0, n1, bias, accumulate);
 }
