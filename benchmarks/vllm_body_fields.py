@@ -7,7 +7,8 @@ the prompt (token ids, not text) and in `return_token_ids` (so usage and the aud
 tokens: protocol/openai_wire.py). This sends short streamed /v1/completions to one vLLM (pinned to
 core 0, as `vllm_behind_gateway.py` runs it; this client on core 1) with each combination, each
 round in another order, and prints the client's TTFT p50 and vLLM's own (its per-request metrics:
-time to first token + queue time) per variant.
+time to first token + queue time) per variant, and vLLM's own paired with the same round's text
+prompt (the median of the rounds' differences: the same moment's load on both).
 
 Every variant's prompt has the same number of tokens (checked): vLLM CPU's prefill on the AVX2 host
 costs ~23 ms a prompt token, so prompts that differ by a few tokens differ by far more than any
@@ -79,12 +80,15 @@ def main() -> None:
         finally:
             stop_group(vllm.proc)
     print(f"prompt tokens, the same-length variants: {len(tok.encode(prompt(tok, 1, 0)))}")
-    print("| body | client TTFT p50 (ms) | vLLM's own TTFT + queue p50 (ms) |\n|---|---|---|")
+    print("| body | client TTFT p50 (ms) | vLLM's own TTFT + queue p50 (ms) | vLLM's own, paired: this - text "
+          "prompt, median of the rounds (ms) |\n|---|---|---|---|")
+    base = res[names[0]]  # (the same round's text prompt: the same moment's load)
     for k, r in res.items():
         own = [e for _, e in r if e is not None]
-        print(f"| {k} | {statistics.median(f for f, _ in r):.1f} | "
-              f"{statistics.median(own):.1f} |" if own else f"| {k} | {statistics.median(f for f, _ in r):.1f} | - |")
-
+        paired = [e - b for (_, e), (_, b) in zip(r, base, strict=True) if e is not None and b is not None]
+        cells = [f"{statistics.median(f for f, _ in r):.1f}", f"{statistics.median(own):.1f}" if own else "-",
+                 f"{statistics.median(paired):+.1f}" if paired else "-"]
+        print(f"| {k} | {' | '.join(cells)} |")
 
 if __name__ == "__main__":
     main()

@@ -128,8 +128,9 @@ def prompt_payload(payload: str) -> str:
     """A chunk's JSON with its `prompt_token_ids` list (the prompt's ids, echoed back: the gateway
     sent them, and reads nothing from them) replaced by null, before it is parsed. The first chunk,
     the first token's, carries them; parsing them is on the path to the client's first token:
-    ~0.25 ms of the gateway's CPU for a 4096-token prompt, ~0.04 for 512, where finding and
-    cutting them out costs a few microseconds (benchmarks/results/vllm_token_ids-loaded.md). The
+    ~0.3 ms of the gateway's CPU for a 4096-token prompt, ~0.07 for 512 (loaded), where finding
+    and cutting them out costs ~2 us, and <1 us on a chunk without them
+    (benchmarks/sse_prompt_ids.py, results/vllm_token_ids-loaded.md). The
     list is of integers, so the first `]` after its `[` closes it; any other value is left."""
     start = payload.find(_PROMPT_IDS)
     if start < 0:
