@@ -70,6 +70,26 @@ def streamed(http: httpx.Client, prompt: str | list[int], extra: dict | None = N
     return first, rid, engine
 
 
+def pair_prompts(i: int) -> tuple[str, str]:
+    """Round `i`'s prompts, straight to vLLM and through the gateway: the same number of tokens,
+    different in one digit, each shorter than one KV block (so neither is served from the other's
+    prefix cache). Equal lengths matter more than anything the gateway does: vLLM CPU's prefill
+    costs ~23 ms a prompt token on the AVX2 host, and the gateway's prompt once had a trailing
+    space (one token more), most of the 30 ms "added" of results/vllm_behind_gateway-avx2.md
+    (results/vllm_token_ids-loaded.md). `same_length` checks it against both servers' usage."""
+    return f"Request {i} side 0: say something.", f"Request {i} side 1: say something."
+
+
+def same_length(direct: httpx.Client, via: httpx.Client, prompts: tuple[str, str]) -> int:
+    """The prompt tokens of a pair as vLLM (direct) and the gateway (via) count them; raises where
+    they differ, so an unequal pair is never timed as the gateway's overhead."""
+    counts = [http.post("/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 1}).json()
+              ["usage"]["prompt_tokens"] for http, p in zip((direct, via), prompts, strict=True)]
+    if counts[0] != counts[1]:
+        raise RuntimeError(f"the paired prompts {prompts} have {counts} tokens (direct, via)")
+    return counts[0]
+
+
 def p50(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
@@ -162,17 +182,19 @@ def main() -> None:
             t0 = time.strftime("%H:%M:%S", time.gmtime())
             with httpx.Client(base_url=vllm.url, timeout=120) as direct, \
                     httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as via:
+                result["prompt_tokens"] = same_length(direct, via, pair_prompts(args.pairs))
                 for i in range(args.warmup):  # (both connections open, both paths warm)
-                    streamed(direct, f"Warm-up {i}.")
-                    streamed(via, f"Warm-up {i}. ")
+                    warm = pair_prompts(args.pairs + 1 + i)
+                    streamed(direct, warm[0])
+                    streamed(via, warm[1])
                 for i in range(args.pairs):
-                    prompt = f"Request {i}: say something."
+                    to_direct, to_via = pair_prompts(i)
                     if i % 2:
-                        direct_r.append(streamed(direct, prompt))
-                        via_r.append(streamed(via, prompt + " "))
+                        direct_r.append(streamed(direct, to_direct))
+                        via_r.append(streamed(via, to_via))
                     else:
-                        via_r.append(streamed(via, prompt + " "))
-                        direct_r.append(streamed(direct, prompt))
+                        via_r.append(streamed(via, to_via))
+                        direct_r.append(streamed(direct, to_direct))
             result.update(utc=f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}",
                           loadavg=[round(load, 2), round(os.getloadavg()[0], 2)])
             time.sleep(0.5)  # (the last request's log line follows its last byte)

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gateway_ttft_path import streamed, summarize  # noqa: E402
+from benchmarks.gateway_ttft_path import pair_prompts, same_length, streamed, summarize  # noqa: E402
 from benchmarks.vllm_peer import MODEL_DIR, NAME, ROOT, request_lines, start_gateway, start_vllm, stop_group  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -128,17 +128,20 @@ def main() -> None:
             direct_r, via_r = [], []
             with httpx.Client(base_url=f"http://127.0.0.1:{vport}", timeout=120) as direct, \
                     httpx.Client(base_url=f"http://127.0.0.1:{gport}", timeout=120) as via:
+                # (each pair the same length: pair_prompts says why, same_length checks it)
+                result["overhead_prompt_tokens"] = same_length(direct, via, pair_prompts(args.overhead_requests))
                 for i in range(3):  # (both connections open, both paths warm)
-                    streamed(direct, f"Warm-up {i}.")
-                    streamed(via, f"Warm-up {i}. ")
+                    warm = pair_prompts(args.overhead_requests + 1 + i)
+                    streamed(direct, warm[0])
+                    streamed(via, warm[1])
                 for i in range(args.overhead_requests):
-                    prompt = f"Request {i}: say something."
+                    to_direct, to_via = pair_prompts(i)
                     if i % 2:  # (alternating which goes first)
-                        direct_r.append(streamed(direct, prompt))
-                        via_r.append(streamed(via, prompt + " "))
+                        direct_r.append(streamed(direct, to_direct))
+                        via_r.append(streamed(via, to_via))
                     else:
-                        via_r.append(streamed(via, prompt + " "))
-                        direct_r.append(streamed(direct, prompt))
+                        via_r.append(streamed(via, to_via))
+                        direct_r.append(streamed(direct, to_direct))
             time.sleep(0.5)  # (the last request's log line follows its last byte)
             part = summarize(direct_r, via_r, args.out / "gateway-2.log")
             result["ttft_p50_ms"] = {"vllm": round(part["wall"]["direct_p50"], 1),

@@ -4,6 +4,8 @@ constraints and logprobs were dropped through URL replicas, and a 200 came back)
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tokenpath.errors import InvalidRequestError
@@ -14,6 +16,7 @@ from tokenpath.protocol.openai_wire import (
     SAMPLING_FIELDS,
     SAMPLING_REFUSED,
     completion_body,
+    prompt_payload,
     request_fields,
     sampling_params_fields,
 )
@@ -60,3 +63,21 @@ def test_defaults_stay_out_and_the_adapter_is_the_model():
                            "vllm-0", user="session-1")
     assert body["model"] == "sql-lora" and body["user"] == "session-1"
     assert not {"top_k", "min_p", "stop", "seed", "logprobs", "structured_outputs"} & set(body)
+
+
+def test_the_echoed_prompt_ids_are_cut_before_parsing_and_nothing_else():
+    """vLLM's first chunk with `return_token_ids` (its field order): the prompt's ids become null,
+    everything else parses as it was, and ids named inside a string (escaped quotes) stay."""
+    chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [
+        {"index": 0, "text": 'say "prompt_token_ids":[1] ]', "logprobs": None, "finish_reason": None,
+         "stop_reason": None, "prompt_token_ids": list(range(4096)), "token_ids": [42]}]}
+    for dump in (json.dumps(chunk), json.dumps(chunk, separators=(",", ":"))):
+        read = json.loads(prompt_payload(dump))
+        assert read["choices"][0].pop("prompt_token_ids") is None
+        expect = json.loads(dump)
+        del expect["choices"][0]["prompt_token_ids"]
+        assert read == expect
+    later = json.dumps({"choices": [{"index": 0, "text": "x", "token_ids": [7]}]}, separators=(",", ":"))
+    assert prompt_payload(later) is later  # (a chunk without them: untouched, not copied)
+    text_only = json.dumps({"choices": [{"index": 0, "text": '"prompt_token_ids":[1, 2]'}]}, separators=(",", ":"))
+    assert json.loads(prompt_payload(text_only)) == json.loads(text_only)

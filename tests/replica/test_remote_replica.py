@@ -79,6 +79,7 @@ class FakeServer:
         self.disconnected: list[str] = []
         self.metrics = "tokenpath:num_requests_running 1\ntokenpath:num_requests_waiting 0\n"
         self.health = 200
+        self.token_ids = False  # answer `return_token_ids` as vLLM does (ids per chunk, the prompt's first)
         self.app = FastAPI()
         self.app.get("/metrics")(self._metrics)
         self.app.get("/health")(self._health)
@@ -107,6 +108,9 @@ class FakeServer:
                 for i in range(n):
                     await asyncio.sleep(0.01)
                     choice = {"index": 0, "text": f"w{i} ", "finish_reason": "length" if i == n - 1 else None}
+                    if self.token_ids and body.get("return_token_ids"):
+                        choice |= {"prompt_token_ids": body["prompt"]} if i == 0 else {}
+                        choice["token_ids"] = [100 + i]
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                     if body.get("user") == "cut" and i == 1:
                         return  # the stream ends without a finish
@@ -158,6 +162,22 @@ async def test_stream_state_and_body():
         assert body["prompt"] == [5, 6, 7] and body["model"] == "m" and body["stream"] is True
         assert body["temperature"] == 0.0 and body["stop"] == ["x"] and "seed" not in body
         assert fake.request_ids == ["abc"]
+        await rep.close()
+
+
+async def test_token_ids_are_the_backends_and_its_echoed_prompt_ids_are_skipped():
+    """With the backend's ids (vLLM's `return_token_ids`), each output carries them, not a
+    re-encoding of the text; the prompt's ids echoed on the first chunk are not read back
+    (`openai_wire.prompt_payload`): the request's own prompt ids stay the outputs'."""
+    fake = FakeServer()
+    fake.token_ids = True
+    async with serve(fake.app) as (url, _):
+        rep = RemoteReplica("remote-0", RemoteReplicaConfig(url=url, max_num_seqs=8), model="m")
+        await rep.start()
+        outs = [o async for o in rep.generate(req())]
+        assert [o.outputs[0].token_ids for o in outs] == [[100], [101], [102]]
+        assert all(o.prompt_token_ids == [5, 6, 7] for o in outs)
+        assert fake.bodies[0]["return_token_ids"] is True
         await rep.close()
 
 

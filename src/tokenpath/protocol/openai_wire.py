@@ -66,7 +66,11 @@ def completion_body(request: GenerateRequest, model: str, backend: str, user: st
     """The streaming `/v1/completions` body for `request`. `return_token_ids` (vLLM's, and
     tokenpath's) makes each chunk carry its token ids, so usage and quotas count what the backend
     generated, not a re-encoding of its text; `include_usage` brings its usage (and vLLM's
-    per-request metrics) on the last chunk."""
+    per-request metrics) on the last chunk. It costs vLLM 0.32 no engine work: its completions
+    stream (serving.py `completion_stream_generator`) only adds the lists to the chunks it sends,
+    the prompt's ids once, in the first (`prompt_payload` skips those); the 90-270 ms once blamed
+    on it were its benchmark's prompts, longer where it was asked for
+    (benchmarks/results/vllm_token_ids-loaded.md)."""
     p = request.params
     for name, why in SAMPLING_REFUSED.items():
         if getattr(p, name) is not None:
@@ -113,6 +117,31 @@ def completion_logprobs(lp: dict | None, ids: list[int]) -> list[TokenLogprob]:
         alts.sort(key=lambda a: -a[2])
         out.append(TokenLogprob(token_id=tid, token=tok, logprob=float(value if value is not None else 0.0), top=alts))
     return out
+
+
+# The key of a chunk's echoed prompt ids (vLLM's `return_token_ids` sends them on a stream's first
+# chunk). Inside a JSON string every `"` is escaped, so this can only match a key.
+_PROMPT_IDS = '"prompt_token_ids":'
+
+
+def prompt_payload(payload: str) -> str:
+    """A chunk's JSON with its `prompt_token_ids` list (the prompt's ids, echoed back: the gateway
+    sent them, and reads nothing from them) replaced by null, before it is parsed. The first chunk,
+    the first token's, carries them; parsing them is on the path to the client's first token:
+    ~0.3 ms of the gateway's CPU for a 4096-token prompt, ~0.07 for 512 (loaded), where finding
+    and cutting them out costs ~2 us, and <1 us on a chunk without them
+    (benchmarks/sse_prompt_ids.py, results/vllm_token_ids-loaded.md). The
+    list is of integers, so the first `]` after its `[` closes it; any other value is left."""
+    start = payload.find(_PROMPT_IDS)
+    if start < 0:
+        return payload
+    at = start + len(_PROMPT_IDS)
+    while payload[at:at + 1] in (" ", "\t", "\n", "\r") and at < len(payload):
+        at += 1
+    end = payload.find("]", at) if payload[at:at + 1] == "[" else -1
+    if end < 0:
+        return payload  # (null, or not JSON: the parser says so)
+    return f'{payload[:start]}"prompt_token_ids":null{payload[end + 1:]}'
 
 
 def cached_tokens(data: dict) -> int:

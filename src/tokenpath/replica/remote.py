@@ -37,7 +37,7 @@ import httpx
 
 from tokenpath.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from tokenpath.protocol import GenerateRequest, ReplicaState
-from tokenpath.protocol.openai_wire import cached_tokens, completion_body, completion_logprobs
+from tokenpath.protocol.openai_wire import cached_tokens, completion_body, completion_logprobs, prompt_payload
 from tokenpath.protocol.outputs import CompletionOutput, EngineEvents, RequestOutput
 from tokenpath.protocol.submission import Submission
 from tokenpath.replica.backend_timing import BackendTiming, apply_timing, backend_timing
@@ -465,7 +465,7 @@ async def _sse_data(resp: httpx.Response | Http1Response) -> AsyncIterator[dict]
         if payload == "[DONE]":
             await _drain(lines)
             return
-        data = json.loads(payload)
+        data = json.loads(prompt_payload(payload))  # (the echoed prompt ids are not parsed)
         if "error" in data and not data.get("choices"):
             err = data["error"]
             message = err.get("message", err) if isinstance(err, dict) else err
