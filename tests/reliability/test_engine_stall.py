@@ -143,7 +143,7 @@ def queued_in(log_dir: Path, replica: str, rid: str) -> bool:
 
 def gateway_events(srv: Server, event: str) -> list[dict]:
     out = []
-    for line in srv.output().splitlines():
+    for line in srv.lines():
         if f'"event":"{event}"' in line:
             out.append(json.loads(line))
     return out

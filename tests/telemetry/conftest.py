@@ -59,7 +59,7 @@ class Served:
         import json
 
         out = []
-        for line in self.output().splitlines():
+        for line in self.output().split("\n")[:-1]:  # whole lines (the last may be midway written)
             if line.startswith("{"):
                 out.append(json.loads(line))
         return out
