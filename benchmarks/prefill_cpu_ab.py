@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_ab import alternating, run_tree, warm_llm  # noqa: E402
 
 
 def child(model: str, tokens: list[int], reps: int) -> None:
     """In the tree's process: one JSON line, {tokens: [CPU seconds per prefill]}."""
-    from tokenpath import LLM, SamplingParams
+    from tokenpath import SamplingParams
 
-    longest = max(tokens)
-    llm = LLM(model, quantization="auto", dtype="float32", num_kv_blocks=(longest + 16) // 16 + 2,
-              max_num_batched_tokens=longest, enable_prefix_caching=False)
-    ids = [1000 + (i * 7919) % 40000 for i in range(longest)]  # as engine_vs_llamacpp.py's
-    llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    llm, ids = warm_llm(model, max(tokens))
     out: dict[int, list[float]] = {}
     for n in tokens:
         for _ in range(reps):
@@ -40,11 +38,9 @@ def child(model: str, tokens: list[int], reps: int) -> None:
     print(json.dumps(out))
 
 
-def run_tree(tree: str, args: argparse.Namespace) -> dict[int, float]:
-    env = {**os.environ, "PYTHONPATH": tree}
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", args.tokens, "--reps", str(args.reps)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return {int(n): statistics.median(v) for n, v in json.loads(out.strip().splitlines()[-1]).items()}
+def medians(tree: str, args: argparse.Namespace) -> dict[int, float]:
+    out = run_tree(tree, __file__, ["--child", "--model", args.model, "--tokens", args.tokens, "--reps", str(args.reps)])
+    return {int(n): statistics.median(v) for n, v in out.items()}
 
 
 def main() -> None:
@@ -61,11 +57,10 @@ def main() -> None:
     if args.child:
         return child(args.model, tokens, args.reps)
     res: dict[str, list[dict[int, float]]] = {"a": [], "b": []}
-    for i in range(args.rounds):
-        for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
-            res[name].append(run_tree(getattr(args, name), args))
-            print(f"round {i + 1} {name}: " + ", ".join(f"{n}: {s:.3f} s" for n, s in res[name][-1].items()),
-                  file=sys.stderr)
+    for i, name in alternating(args.rounds):
+        res[name].append(medians(getattr(args, name), args))
+        print(f"round {i + 1} {name}: " + ", ".join(f"{n}: {s:.3f} s" for n, s in res[name][-1].items()),
+              file=sys.stderr)
     print("| tokens | rounds | A (s, median) | B (s, median) | per-round B / A | median B / A |")
     print("|---|---|---|---|---|---|")
     for n in tokens:

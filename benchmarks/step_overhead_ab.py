@@ -20,23 +20,20 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_ab import alternating, run_tree, warm_llm  # noqa: E402
 
 
 def child(threads: int, reps: int) -> None:
     """One tree's figures, one JSON line."""
     os.environ["TOKENPATH_NUM_THREADS"] = str(threads)
-    from tokenpath import LLM, SamplingParams
+    from tokenpath import SamplingParams
 
-    llm = LLM("smollm2-135m-instruct", quantization="auto", dtype="float32", num_kv_blocks=(512 + 16) // 16 + 2,
-              max_num_batched_tokens=512, enable_prefix_caching=False)
-    ids = [1000 + (i * 7919) % 40000 for i in range(512)]
-    llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    llm, ids = warm_llm("smollm2-135m-instruct", 512)
     lib = llm.engine.runner.native.lib.lib
     forward, inside = lib.tp_model_forward, [0]
 
@@ -65,10 +62,7 @@ def child(threads: int, reps: int) -> None:
 
 
 def run(src: str, threads: int, reps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": src}
-    out = subprocess.run([sys.executable, __file__, "--child", str(threads), "--reps", str(reps)], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_tree(src, __file__, ["--child", str(threads), "--reps", str(reps)])
 
 
 def main() -> None:
@@ -84,15 +78,12 @@ def main() -> None:
         return child(args.child, args.reps)
     runs: dict[tuple[str, int], list[dict]] = {}
     loads = []
-    for r in range(args.rounds):
-        for threads in args.threads:
-            # A, B in odd rounds and B, A in even ones: the second child of a pair ran slower on
-            # the loaded host whichever tree it was (a position effect, not a tree's).
-            for name, src in (("A", args.a), ("B", args.b))[:: 1 if r % 2 == 0 else -1]:
-                loads.append(os.getloadavg()[0])
-                res = run(src, threads, args.reps)
-                runs.setdefault((name, threads), []).append(res)
-                print(f"round {r + 1} {name} {threads}t: {res}", file=sys.stderr)
+    for threads in args.threads:
+        for r, name in alternating(args.rounds):  # (A, B then B, A: see tree_ab.py)
+            loads.append(os.getloadavg()[0])
+            res = run(getattr(args, name.lower()), threads, args.reps)
+            runs.setdefault((name.upper(), threads), []).append(res)
+            print(f"round {r + 1} {name.upper()} {threads}t: {res}", file=sys.stderr)
     print(f"1-min load average {min(loads):.1f}-{max(loads):.1f}")
     print("| threads | figure (µs per token) | A median | B median | B/A |")
     print("|---|---|---|---|---|")
