@@ -81,17 +81,17 @@ def llama_env(bin_dir: Path) -> dict:
                                                                              os.environ.get("LD_LIBRARY_PATH")]))}
 
 
-def llama_tokens(bin_dir: Path, gguf: Path) -> list[int]:
-    out = subprocess.run(tool(bin_dir, "llama-tokenize") + ["-m", str(gguf), "-f", str(TEXT), "--ids",
+def llama_tokens(bin_dir: Path, gguf: Path, text: Path) -> list[int]:
+    out = subprocess.run(tool(bin_dir, "llama-tokenize") + ["-m", str(gguf), "-f", str(text), "--ids",
                                                             "--log-disable"],
                          capture_output=True, text=True, check=True, env=llama_env(bin_dir)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def llama_perplexity(bin_dir: Path, gguf: Path, ctx: int, threads: int) -> tuple[float, float, float]:
+def llama_perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, threads: int) -> tuple[float, float, float]:
     """(PPL, its +/- figure, seconds) as llama-perplexity prints them."""
     started = time.perf_counter()
-    res = subprocess.run(tool(bin_dir, "llama-perplexity") + ["-m", str(gguf), "-f", str(TEXT), "-c", str(ctx),
+    res = subprocess.run(tool(bin_dir, "llama-perplexity") + ["-m", str(gguf), "-f", str(text), "-c", str(ctx),
                                                               "-b", str(ctx), "-t", str(threads)],
                          capture_output=True, text=True, env=llama_env(bin_dir))
     seconds = time.perf_counter() - started
@@ -149,6 +149,23 @@ def bos_of(llm_model: str) -> int | None:
     return int(field("tokenizer.ggml.bos_token_id")) if add is not None and bool(add) else None
 
 
+def joined_text(files: list[Path]) -> Path:
+    """One file for both engines: `files` itself when it is one, else their texts joined under
+    .cache/bench (both engines read the same bytes)."""
+    if len(files) == 1:
+        return files[0]
+    out = ROOT.parent / ".cache" / "bench" / "perplexity_text_joined.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(f.read_text() for f in files))
+    return out
+
+
+def text_names(files: list[Path]) -> str:
+    """The text as the results name it: repository files relative to the checkout, others by path."""
+    return " + ".join(str(f.resolve().relative_to(ROOT.parent)) if f.resolve().is_relative_to(ROOT.parent)
+                      else str(f) for f in files)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
@@ -158,8 +175,13 @@ def main() -> None:
     ap.add_argument("--prompt-masks", nargs="+", type=int, default=[], metavar="MASK",
                     help="instead of --precisions: one column per --kernels-prompt-fine mask (the default's "
                          "choice; e.g. 0 8 9 27 31 -> results/perplexity_prompt_masks)")
+    ap.add_argument("--text", nargs="+", type=Path, default=[TEXT], metavar="FILE",
+                    help="the text scored (several: joined by blank lines); the committed one by default. More "
+                         "tokens narrow the noise between columns: e.g. the committed text plus Debian's "
+                         "/usr/share/common-licenses/{GPL-3,GFDL-1.3,LGPL-2.1,MPL-2.0,Apache-2.0}, ~10x the tokens")
     ap.add_argument("--out", default=None, help="results/perplexity (or perplexity_prompt_masks), without suffix")
     args = ap.parse_args()
+    text = joined_text(args.text)
     if args.prompt_masks:
         for m in args.prompt_masks:
             PRECISIONS[f"prompt={m}"] = ({"kernels_prompt_fine": m}, f"--kernels-prompt-fine {m}: "
@@ -172,9 +194,9 @@ def main() -> None:
     rows = []
     for model in args.models:
         gguf = resolve_model_path(model)
-        tokens = llama_tokens(bin_dir, gguf)
+        tokens = llama_tokens(bin_dir, gguf, text)
         chunks = windows(tokens, args.ctx, bos_of(model))
-        ppl, err, secs = llama_perplexity(bin_dir, gguf, args.ctx, args.threads)
+        ppl, err, secs = llama_perplexity(bin_dir, gguf, text, args.ctx, args.threads)
         row = {"model": model, "file": gguf.name, "tokens": len(tokens), "windows": len(chunks),
                "scored": len(chunks) * (args.ctx - args.ctx // 2 - 1),
                "llama.cpp": {"ppl": ppl, "pm": err, "seconds": round(secs, 1)}}
@@ -191,7 +213,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
-            platform.machine(), "cpus": os.cpu_count(), "ctx": args.ctx, "text": str(TEXT.relative_to(ROOT.parent))}
+            platform.machine(), "cpus": os.cpu_count(), "ctx": args.ctx, "text": text_names(args.text)}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     names = [n for n in PRECISIONS if n in rows[0]]
     lines = [f"# Perplexity on the same file and text: llama.cpp against tokenpath ({meta['when']})", "",

@@ -257,7 +257,7 @@ class EngineConfig(Settings):
         factory=lambda: env_kernels_prompt_fine(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose prompt rows carry residual bytes too; "
                     "the rest of a prompt runs llama.cpp's int8 activations, for a faster prefill "
-                    "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 9: qkv and down)")
+                    "(default: $TOKENPATH_KERNELS_PROMPT_FINE, else 1: qkv)")
     kernels_bf16: int | None = knob(
         factory=lambda: env_kernels_bf16(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose bf16 weights multiply bf16 activations on "

@@ -2,9 +2,9 @@
 
 Prefill is bound by the integer work of its GEMMs and decode by reading the weights, so by default
 the native kernels run most of a prompt's matmuls at llama.cpp's own precision (int8 activations;
-the quality bar is its perplexity on the same file, which needs qkv and down finer) and the rows
-of generated tokens carry the second, residual byte everywhere. Which a row takes is decided by its position against its own prompt, never by what
-else shares the step: a request gives the same numbers alone, batched, or chunked.
+the quality bar is its perplexity on the same file; qkv keeps the residual byte) and the rows of
+generated tokens carry the second, residual byte everywhere. Which a row takes is decided by its
+position against its own prompt, never by what else shares the step: a request gives the same numbers alone, batched, or chunked.
 
 On a CPU with AMX-BF16 a prompt row's qkv, o, gate_up and down take bf16 activations on tiles
 instead (the weights dequantized into bf16 tiles, csrc/tile_pack.h); the mask tests below run
@@ -65,7 +65,7 @@ def test_prompt_rows_take_the_prompt_mask_and_generated_rows_the_fine_one(model)
     default, fine = _runner(model, kernels_bf16=0), _runner(model, kernels_prompt_fine=31, kernels_bf16=0)
     prompt = np.zeros(40, dtype=bool)
     # Every row a prompt row: the numbers of kernels whose every row takes the prompt mask
-    # (qkv and down with residual bytes), not the all-fine ones.
+    # (qkv with residual bytes), not the all-fine ones.
     got = _forward(default, ids, 0, prompt)
     assert np.array_equal(got, _forward(_runner(model, kernels_fine=DEFAULT_PROMPT_FINE, kernels_bf16=0), ids, 0, None))
     assert not np.array_equal(got, _forward(fine, ids, 0, prompt))

@@ -261,19 +261,19 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # all-int8 scheme.
 # Prompt rows are another matter (issue 42): prefill is bound by that integer work, not by reading
 # the weights, and the quality bar is llama.cpp's own perplexity on the same file. Measured
-# (benchmarks/results/perplexity_prompt_masks.md, AVX2, prompt_logprobs over the committed text,
-# ratio to llama-perplexity's on the same GGUF; SmolLM2 Q4_1 / Gemma 3 270M Q4_K_M):
-#   prompt rows all int8 0.999x / 1.002x    down fine 1.008x / 0.986x    qkv + down fine 0.995x / 0.988x
-#   all but gate_up fine 0.996x / 0.988x    all fine (every row) 0.993x / 0.987x
-# So by default a prompt's rows take the residual bytes for qkv and down only (40% of a layer's
-# multiply-adds; gate_up, o and the head run llama.cpp's int8), and the rows of generated tokens
-# for every matmul, where reading the weights bounds the step and the second pass costs little.
+# (benchmarks/results/perplexity_prompt_masks.md: prompt_logprobs over ~17k tokens, the committed
+# text and five license texts, ratio to llama-perplexity's; SmolLM2 Q4_1 / Gemma 3 270M Q4_K_M):
+#   prompt rows all int8 0.9992x / 0.9979x    qkv fine 0.9994x / 0.9971x    down fine 1.0004x / 0.9956x
+#   qkv + down fine 0.9991x / 0.9957x   (a 1k-token text had all int8 1.002x on Gemma: noise of the text)
+# So by default a prompt's rows take the residual bytes for qkv only (17% of a ~1B layer's
+# multiply-adds; o, gate_up, down and the head run llama.cpp's int8): below llama.cpp on both files,
+# prefill 1.13x qkv + down's speed, and the rows of generated tokens keep them for every matmul.
 # A row's precision follows its position against its own prompt, never what else shares the step,
 # so batching, chunked prefill and speculation give the same tokens (tests/engine/test_prompt_precision.py).
 # --kernels-prompt-fine 31 runs prompts fine everywhere; 0 all-int8, llama.cpp's own scheme.
 DEFAULT_EXACT = 0
 DEFAULT_FINE = KERNEL_MASK_ALL
-DEFAULT_PROMPT_FINE = EXACT_QKV | EXACT_DOWN
+DEFAULT_PROMPT_FINE = EXACT_QKV
 # BF16 weights (a bf16 safetensors checkpoint) on a CPU with AMX-BF16 (Sapphire Rapids and later):
 # every matmul's rows take bf16 activations and run on tiles (csrc/amx_bf16.cpp), as vLLM CPU and
 # transformers compute a bf16 checkpoint, prompt and generated rows alike, so a row's precision never
