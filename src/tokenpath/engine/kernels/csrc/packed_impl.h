@@ -348,10 +348,12 @@ constexpr int kFewRows = 16;  // a step of at most this many rows is a few rows 
 // over 2 and 4 (at 4 the 16 sums spill). Against the kernels before (kq_tile per half, or both
 // halves per tile): Q5_0 int8 0.60-0.65x the time, Q4_K int8 0.67-0.74x, Q5_0 fine 0.69-0.76x,
 // Q4_K fine 0.70-0.75x, Q6_K fine 0.68-0.94x (benchmarks/results/avx2_prefill_unpacked-loaded.md).
-// Q5_K and Q6_K int8 (no default prompt matrix) were not measured and keep kq_tile. 0 on VNNI (one
-// 16-lane register is the whole group already).
+// Q6_K int8 (ffn_down in half a Q4_K_M file's layers, a prompt matrix since --kernels-prompt-fine's
+// default is qkv only): 4 rows, 0.73-0.78x kq_tile's time (the ~1B's 2048x6144 at 64 and 256 rows;
+// 6 rows the same). Q5_K int8 (no default prompt matrix in a Q4_K_M file) was not measured and
+// keeps kq_tile. 0 on VNNI (one 16-lane register is the whole group already).
 template <int WT, bool RES>
-constexpr int kUnpackMR = TP_VNNI ? 0 : WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 && RES ? 3 : 0;
+constexpr int kUnpackMR = TP_VNNI ? 0 : WT == W_Q5X16 || WT == W_Q4KX16 ? (RES ? 3 : 6) : WT == W_Q6KX16 ? (RES ? 3 : 4) : 0;
 
 // Rows of the tile that starts with `rest` rows of the step left: tiles of MR while more than
 // 2 cap rows are left, then ceil(rest / cap) tiles of nearly equal size (at most cap each). Why:
