@@ -207,7 +207,15 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
     async def free() -> None:  # (holds nothing of the model: the catalog runs it after dropping it)
         await asyncio.to_thread(_free)
 
-    return Loaded(dep, close, footprint, free)
+    # (the engines, not the replicas: a replica may go while its engine is still held elsewhere)
+    return Loaded(dep, close, footprint, free, parts=_engines(dep))
+
+
+def _engines(dep: Deployment[Any, Any]) -> tuple[Any, ...]:
+    """The in-process engines of `dep`'s replicas (a function of its own: a comprehension's variable
+    bound in `_finish_load` would be a cell its coroutine's frame keeps)."""
+    engines = (getattr(r, "engine", None) for r in dep.replicas)
+    return tuple(e for e in engines if e is not None)
 
 
 def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None,
