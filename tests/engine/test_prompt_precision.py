@@ -4,7 +4,8 @@ Prefill is bound by the integer work of its GEMMs and decode by reading the weig
 the native kernels run most of a prompt's matmuls at llama.cpp's own precision (int8 activations;
 the quality bar is its perplexity on the same file; qkv keeps the residual byte) and the rows of
 generated tokens carry the second, residual byte everywhere. Which a row takes is decided by its
-position against its own prompt, never by what else shares the step: a request gives the same numbers alone, batched, or chunked.
+position against its own prompt, never by what else shares the step: a request gives the same
+numbers alone, batched, or chunked.
 
 On a CPU with AMX-BF16 a prompt row's qkv, o, gate_up and down take bf16 activations on tiles
 instead (the weights dequantized into bf16 tiles, csrc/tile_pack.h); the mask tests below run

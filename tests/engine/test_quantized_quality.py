@@ -121,7 +121,7 @@ def test_greedy_agrees_with_float32(fine, exact, prompt, at_least, fp32_greedy, 
     --kernels-prompt-fine 31), measured 8/8, as for float activations. The default since issue 42
     (prompt rows fine for qkv only, generated rows fine everywhere) measures 5/8, as all-int8 prompt
     rows and qkv + down (6/8) within one near-tie: the default's bar is llama.cpp's perplexity on the
-    same file (benchmarks/results/perplexity_prompt_masks.md, ~17k tokens), which it beats on both
+    same file (benchmarks/results/perplexity_prompt_masks.md, ~13k scored tokens), which it beats on both
     packaged GGUFs. llama.cpp's scheme, int8 everywhere (TOKENPATH_KERNELS_FINE=0), measures
     3/8 with the default float16 KV cache (5/8 with float32 KV on the kernels before the 16-row
     repack): every miss parts at a near-tie of the float32 path, where its top two log-probabilities

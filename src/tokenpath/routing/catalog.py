@@ -62,15 +62,6 @@ LATE_HOLDER_WAIT_S = 5.0  # how long an unload waits for a finishing request to 
 LATE_HOLDER_POLL_S = 0.1
 
 
-def _weak_refs(objects: tuple[Any, ...]) -> list[weakref.ref[Any]]:
-    """Weak references to `objects`, those that take them (one without is not waited for)."""
-    refs = []
-    for obj in objects:
-        with contextlib.suppress(TypeError):
-            refs.append(weakref.ref(obj))
-    return refs
-
-
 @dataclass
 class Loaded:
     """What a loader hands back: the deployment, what stops it (and frees its memory), and its
@@ -87,7 +78,7 @@ class Loaded:
     # What else holds the model's memory besides the deployment (its replicas' engines): the unload
     # waits for these to be collected too. The deployment can go while an engine is still held a
     # moment longer by something that never held the deployment (seen in CI and here, 1 unload in
-    # 5: the deployment collected, the engine alive, RSS as loaded).
+    # 5: the deployment collected, the engine alive, RSS as loaded). Each must take weak references.
     parts: tuple[Any, ...] = ()
 
 
@@ -366,7 +357,9 @@ class ModelCatalog:
         log.info("unloading model %s (%s)", slot.entry.id, why,
                  extra={"event": "model_unloaded", "model": slot.entry.id, "reason": why})
         free = loaded.free
-        held = _weak_refs((loaded.deployment, *loaded.parts))  # (no local of this frame may hold a part)
+        # (a comprehension, whose variable is its own: a loop variable of this frame would hold the
+        # last part for the whole wait below)
+        held = [weakref.ref(x) for x in (loaded.deployment, *loaded.parts)]
         try:
             await loaded.deployment.close_flow()
             await loaded.close()
@@ -392,10 +385,10 @@ class ModelCatalog:
         if alive:
             import gc
 
-            dep = alive[0]
-            holders = sorted({type(r).__name__ for r in gc.get_referrers(dep)} - {"frame", "list"})
+            first = alive[0]
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(first)} - {"frame", "list"})  # (list: `alive`)
             log.warning("model %s unloaded, but its %s is still held (by %s): its memory goes back when "
-                        "that lets go", model, type(dep).__name__, ", ".join(holders) or "nothing found",
+                        "that lets go", model, type(first).__name__, ", ".join(holders) or "nothing found",
                         extra={"event": "model_memory_held", "model": model})
 
     async def load(self, model: str) -> State:

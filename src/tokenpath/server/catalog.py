@@ -208,14 +208,8 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
         await asyncio.to_thread(_free)
 
     # (the engines, not the replicas: a replica may go while its engine is still held elsewhere)
-    return Loaded(dep, close, footprint, free, parts=_engines(dep))
-
-
-def _engines(dep: Deployment[Any, Any]) -> tuple[Any, ...]:
-    """The in-process engines of `dep`'s replicas (a function of its own: a comprehension's variable
-    bound in `_finish_load` would be a cell its coroutine's frame keeps)."""
-    engines = (getattr(r, "engine", None) for r in dep.replicas)
-    return tuple(e for e in engines if e is not None)
+    engines = tuple(r.engine for r in dep.replicas if hasattr(r, "engine"))
+    return Loaded(dep, close, footprint, free, parts=engines)
 
 
 def on_demand_catalog(specs: list[DeploymentSpec], config: ServerConfig, log_dir: Path | None,

@@ -261,7 +261,7 @@ EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
 # all-int8 scheme.
 # Prompt rows are another matter (issue 42): prefill is bound by that integer work, not by reading
 # the weights, and the quality bar is llama.cpp's own perplexity on the same file. Measured
-# (benchmarks/results/perplexity_prompt_masks.md: prompt_logprobs over ~17k tokens, the committed
+# (benchmarks/results/perplexity_prompt_masks.md: prompt_logprobs, ~13k scored tokens, the committed
 # text and five license texts, ratio to llama-perplexity's; SmolLM2 Q4_1 / Gemma 3 270M Q4_K_M):
 #   prompt rows all int8 0.9992x / 0.9979x    qkv fine 0.9994x / 0.9971x    down fine 1.0004x / 0.9956x
 #   qkv + down fine 0.9991x / 0.9957x   (a 1k-token text had all int8 1.002x on Gemma: noise of the text)
