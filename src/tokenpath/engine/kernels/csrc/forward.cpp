@@ -66,10 +66,10 @@ inline void team_for(PhaseCursor& pc, int n, int grain, F&& fn) {
     }
     Phase& p = pc.phases[pc.idx++];
     const int chunks = (n + grain - 1) / grain;
-    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+    int mine = 0;  // done counts a thread's items once: a per-item add bounced its line between cores
+    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks; ++mine)
         fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n);
-        p.done.fetch_add(1, std::memory_order_acq_rel);
-    }
+    if (mine) p.done.fetch_add(mine, std::memory_order_acq_rel);
     for (int spins = 0; p.done.load(std::memory_order_acquire) < chunks; ++spins) {
         if (spins < 4000) _mm_pause();
         else if (pc.nap) nanosleep(&kNap, nullptr);  // (see Phase)

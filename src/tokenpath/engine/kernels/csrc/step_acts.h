@@ -97,14 +97,32 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
     }
 }
 
+// Output rows per chunk of a decode GEMM phase (a few rows: each weight byte streams from memory
+// once). Up to 16 chunks per thread, so that the last chunks even out the threads' finishing times
+// (a ~1B model's matrices: chunks of ~70 KB and up), but no fewer than kDecodeChunkBytes of weights
+// a chunk: each claim costs the claiming atomics' cache-line trips between the cores and a stream
+// that starts cold (the software prefetch runs ahead within a chunk, not into the next claim), and
+// SmolLM2's 576-wide matrices (qkv 345 KB, o 207 KB, down 553 KB of Q4_1) made 12-35 KB chunks of
+// a few hundred ns each. 128 KB: its decode step 0.87x the time (2 threads; 0.94x at 1), the ~1B
+// and Gemma 3 the same within noise (benchmarks/results/decode_chunks.md).
+constexpr size_t kDecodeChunkBytes = 128 * 1024;
+inline int decode_grain(const Mat& w, int N, int nb, int nthreads) {
+    size_t bytes = 0;
+    for (int p = 0; p < w.parts; ++p)
+        bytes += size_t(w.rows[p]) * nb * (is_packed(w.type[p]) ? group_block_bytes(w.type[p]) / kGroupRows
+                                             : block_bytes(w.type[p]) / (w.type[p] >= W_Q4_K && w.type[p] <= W_Q6_K ? kSuper : 1));
+    const size_t per_thread = bytes / size_t(nthreads) / kDecodeChunkBytes;
+    const int chunks = int(std::clamp<size_t>(per_thread, 1, 16)) * nthreads;
+    const int g = ((N + chunks - 1) / chunks + kGroupRows - 1) / kGroupRows * kGroupRows;
+    return std::max(g, kGroupRows);
+}
+
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
 // Each claimed chunk [n0, n1) is split at the matrix's part boundaries.
 void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Mat& w, int N, const QAct& a,
                int T, float* y, int ldy, const float* bias, bool acc, const uint8_t* kinds) {
     const bool exact = (m.exact >> kind) & 1;
-    // Decode (a few rows): 16 chunks per thread rather than 4, so that the last chunks even out
-    // the threads' finishing times (a chunk is a few microseconds of weight streaming).
-    const int grain = grain_for(N, T <= kOwnRowsMax ? 4 * nthreads : nthreads, 16);
+    const int grain = T <= kOwnRowsMax ? decode_grain(w, N, a.nb, nthreads) : grain_for(N, nthreads, 16);
     team_for(pc, N, grain, [&](int n0, int n1) {
         for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
             const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
