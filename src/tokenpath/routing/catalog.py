@@ -381,12 +381,11 @@ class ModelCatalog:
         while any(r() is not None for r in held) and time.monotonic() < deadline:
             await asyncio.sleep(LATE_HOLDER_POLL_S)
             await free()
-        alive = [x for x in (r() for r in held) if x is not None]
-        if alive:
+        first = next((x for x in (r() for r in held) if x is not None), None)
+        if first is not None:
             import gc
 
-            first = alive[0]
-            holders = sorted({type(r).__name__ for r in gc.get_referrers(first)} - {"frame", "list"})  # (list: `alive`)
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(first)} - {"frame"})
             log.warning("model %s unloaded, but its %s is still held (by %s): its memory goes back when "
                         "that lets go", model, type(first).__name__, ", ".join(holders) or "nothing found",
                         extra={"event": "model_memory_held", "model": model})

@@ -187,6 +187,8 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
     """A loaded deployment made ready to serve, with its measured footprint and its closer: what
     every loader (a catalog file, a routing file's on-demand deployment) does after building it."""
     from tokenpath.api.inputs import warm_tokenizers
+    from tokenpath.replica.local import InProcessReplica
+    from tokenpath.replica.local_embedding import InProcessEmbeddingReplica
     from tokenpath.routing.models import ModelRouter
     from tokenpath.server.routing_config import configure_liveness
 
@@ -207,8 +209,9 @@ async def _finish_load(dep: Deployment[Any, Any], closers: list[Any], procs: lis
     async def free() -> None:  # (holds nothing of the model: the catalog runs it after dropping it)
         await asyncio.to_thread(_free)
 
-    # (the engines, not the replicas: a replica may go while its engine is still held elsewhere)
-    engines = tuple(r.engine for r in dep.replicas if hasattr(r, "engine"))
+    # The in-process engines, not their replicas: a replica may go while its engine is still held.
+    local = (InProcessReplica, InProcessEmbeddingReplica)
+    engines = tuple(r.engine for r in dep.replicas if isinstance(r, local))
     return Loaded(dep, close, footprint, free, parts=engines)
 
 

@@ -107,10 +107,11 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
 // and Gemma 3 the same within noise (benchmarks/results/decode_chunks.md).
 constexpr size_t kDecodeChunkBytes = 128 * 1024;
 inline int decode_grain(const Mat& w, int N, int nb, int nthreads) {
-    size_t bytes = 0;
-    for (int p = 0; p < w.parts; ++p)
-        bytes += size_t(w.rows[p]) * nb * (is_packed(w.type[p]) ? group_block_bytes(w.type[p]) / kGroupRows
-                                             : block_bytes(w.type[p]) / (w.type[p] >= W_Q4_K && w.type[p] <= W_Q6_K ? kSuper : 1));
+    size_t bytes = 0;  // (a part not repacked is a row kernel's type: nb blocks of block_bytes a row)
+    for (int p = 0; p < w.parts; ++p) {
+        const int t = w.type[p];
+        bytes += size_t(w.rows[p]) * nb * (is_packed(t) ? group_block_bytes(t) : kGroupRows * block_bytes(t)) / kGroupRows;
+    }
     const size_t per_thread = bytes / size_t(nthreads) / kDecodeChunkBytes;
     const int chunks = int(std::clamp<size_t>(per_thread, 1, 16)) * nthreads;
     const int g = ((N + chunks - 1) / chunks + kGroupRows - 1) / kGroupRows * kGroupRows;
