@@ -141,6 +141,10 @@ def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> N
     llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     res: dict[str, float] = {}
     for n in (256, 512):  # prefill: one step over n prompt tokens (max_tokens=1: no decode step)
+        # One untimed run of each test first, as llama-bench runs its "warmup prompt run" of the
+        # test's n_prompt tokens before the timed repetitions: the first step of a length touches
+        # its KV pages and grows the step's buffers (the ~1B's first pp512 ran 0.86x the next ones).
+        llm.generate([ids[:n]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         best = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -298,7 +302,8 @@ def write_table(path: Path, med: dict, best: dict, runs: dict, args: argparse.Na
         "llama.cpp: `llama-bench -t N -p 256,512 -n 128` built from llama-cpp-python 0.3.36's vendored source "
         f"(GGML_NATIVE{'; ' + no_amx + ': its AMX matmul crashes here' if no_amx else ''}). "
         "tokenpath: `LLM(...)` offline, default `--quantization auto` (native kernels), tg128 = "
-        "128 tokens after a 1-token prompt, ppN = one N-token prefill step; both include sampling.",
+        "128 tokens after a 1-token prompt, ppN = one N-token prefill step, after one untimed run of the same "
+        "length (llama-bench's warm-up prompt run); both include sampling.",
         f"Medians of {args.rounds} alternating rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
         "(the benchmark's own processes count 1-2; more means other jobs shared the machine)."

@@ -11,7 +11,9 @@ requests per level), then stopped:
 - gguf: `tokenpath serve` on the Q4_K_M GGUF at its default precision (native kernels on the
   file's blocks) vs llama.cpp's `llama-server` on the same file (`--parallel` = the largest c).
 - bf16: vLLM CPU (benchmarks/.venv-vllm, `--dtype bfloat16`) vs `tokenpath serve` on the same
-  weights as bf16 safetensors (vLLM does not run GGUF K-quants).
+  weights as bf16 safetensors (vLLM does not run GGUF K-quants). `--vllm-dtype float32`: vLLM
+  computes them in float32, its faster choice on a CPU without AVX-512 BF16, where its bf16
+  matmuls fall back to emulated ones (results/safetensors_vs_vllm.md); tokenpath keeps the file's bf16.
 
 The models: 1b = benchmarks/make_qwen3_1b.py (GGUF quantized by llama-quantize from float weights;
 `--bf16` is those float weights in bf16); 4b = make_moe_gguf.py --qwen3-4b (random Q4_K_M blocks)
@@ -77,7 +79,8 @@ def server_argv(peer: str, model: Path, port: int, args: argparse.Namespace) -> 
         return [str(LLAMA_SERVER), "-m", str(model), "--alias", NAME, "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(os.cpu_count()), "--parallel", str(slots), "-c", str(ctx), "--cont-batching",
                 "--no-webui"], env
-    argv, env = command(peer, model, port, NAME)
+    argv, env = command(peer if peer != "vllm" or args.vllm_dtype == "bfloat16" else f"vllm:{args.vllm_dtype}",
+                        model, port, NAME)
     if peer == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
         return argv, env
@@ -135,7 +138,8 @@ def table(part: str, runs: list[dict], args: argparse.Namespace) -> list[str]:
     """Markdown rows of one pair: per level, then per server (ready, RSS)."""
     base_label, peer_label = (r["label"] for r in runs)
     per = {r["label"]: {c: s for j in r["jsons"] for c, s in levels(str(j)).items()} for r in runs}
-    title = "GGUF Q4_K_M: tokenpath vs llama-server" if part == "gguf" else "bf16 safetensors: vLLM CPU vs tokenpath"
+    title = ("GGUF Q4_K_M: tokenpath vs llama-server" if part == "gguf"
+             else f"bf16 safetensors: vLLM CPU (--dtype {args.vllm_dtype}) vs tokenpath")
     tp = "tokenpath-" + part
     other = peer_label if base_label == tp else base_label
     lines = [f"## {title}", "", f"| c | requests | server | out tok/s | tokenpath / {other.split('-')[0]} "
@@ -175,6 +179,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, help="default: 64 (1b), 32 (4b)")
     ap.add_argument("--kv-gib", type=int, help="each server's KV budget in GiB (default: 2 for 1b, 1 for 4b)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="vLLM's --dtype on the bf16 folder (float32: its faster choice without AVX-512 BF16)")
     ap.add_argument("--label", default="", help="a note for the results file's title, e.g. 'loaded smoke run'")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -196,7 +202,8 @@ def main() -> None:
                        cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
     cmd = (f"python benchmarks/sizes_http.py --size {args.size} --parts {args.parts} --concurrency {args.concurrency} "
            f"--per-client {args.per_client} --min-requests {args.min_requests} --input-len {args.input_len} "
-           f"--output-len {args.output_len} --kv-gib {args.kv_gib}")
+           f"--output-len {args.output_len} --kv-gib {args.kv_gib}"
+           + (f" --vllm-dtype {args.vllm_dtype}" if args.vllm_dtype != "bfloat16" else ""))
     lines = [f"# Issue 42 over HTTP, the ~{args.size.upper()} Qwen3 shape{': ' + args.label if args.label else ''}", "",
              f"`{cmd}`: {args.input_len} prompt / {args.output_len} output tokens (forced), seed {SEED} + c, completions API, "
              f"requests per level max({args.min_requests}, {args.per_client} x c) + 2 warm-up; each server alone, "
