@@ -79,8 +79,8 @@ def server_argv(peer: str, model: Path, port: int, args: argparse.Namespace) -> 
         return [str(LLAMA_SERVER), "-m", str(model), "--alias", NAME, "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(os.cpu_count()), "--parallel", str(slots), "-c", str(ctx), "--cont-batching",
                 "--no-webui"], env
-    argv, env = command(peer if peer != "vllm" or args.vllm_dtype == "bfloat16" else f"vllm:{args.vllm_dtype}",
-                        model, port, NAME)
+    vllm_float32 = peer == "vllm" and args.vllm_dtype == "float32"
+    argv, env = command("vllm:float32" if vllm_float32 else peer, model, port, NAME)
     if peer == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
         return argv, env
