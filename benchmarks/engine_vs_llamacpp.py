@@ -140,15 +140,16 @@ def tokenpath_child(threads: int, quantization: str, reps: int, model: str) -> N
     ids = [1000 + (i * 7919) % 40000 for i in range(512)]  # arbitrary ordinary tokens (below both vocabularies)
     llm.generate([ids[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     res: dict[str, float] = {}
-    for n in (256, 512):  # prefill: one step over n prompt tokens (max_tokens=1: no decode step)
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # (max_tokens=1: no decode step)
+    for n in (256, 512):  # prefill: one step over n prompt tokens
         # One untimed run of each test first, as llama-bench runs its "warmup prompt run" of the
         # test's n_prompt tokens before the timed repetitions: the first step of a length touches
         # its KV pages and grows the step's buffers (the ~1B's first pp512 ran 0.86x the next ones).
-        llm.generate([ids[:n]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        llm.generate([ids[:n]], prefill)
         best = []
         for _ in range(reps):
             t = time.perf_counter()
-            llm.generate([ids[:n]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            llm.generate([ids[:n]], prefill)
             best.append(n / (time.perf_counter() - t))
         res[f"pp{n}"] = sum(best) / len(best)
     tg = []

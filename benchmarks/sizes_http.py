@@ -79,8 +79,7 @@ def server_argv(peer: str, model: Path, port: int, args: argparse.Namespace) -> 
         return [str(LLAMA_SERVER), "-m", str(model), "--alias", NAME, "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(os.cpu_count()), "--parallel", str(slots), "-c", str(ctx), "--cont-batching",
                 "--no-webui"], env
-    vllm_float32 = peer == "vllm" and args.vllm_dtype == "float32"
-    argv, env = command("vllm:float32" if vllm_float32 else peer, model, port, NAME)
+    argv, env = command(f"vllm:{args.vllm_dtype}" if peer == "vllm" else peer, model, port, NAME)
     if peer == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
         return argv, env
@@ -202,8 +201,7 @@ def main() -> None:
                        cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
     cmd = (f"python benchmarks/sizes_http.py --size {args.size} --parts {args.parts} --concurrency {args.concurrency} "
            f"--per-client {args.per_client} --min-requests {args.min_requests} --input-len {args.input_len} "
-           f"--output-len {args.output_len} --kv-gib {args.kv_gib}"
-           + (f" --vllm-dtype {args.vllm_dtype}" if args.vllm_dtype != "bfloat16" else ""))
+           f"--output-len {args.output_len} --kv-gib {args.kv_gib} --vllm-dtype {args.vllm_dtype}")
     lines = [f"# Issue 42 over HTTP, the ~{args.size.upper()} Qwen3 shape{': ' + args.label if args.label else ''}", "",
              f"`{cmd}`: {args.input_len} prompt / {args.output_len} output tokens (forced), seed {SEED} + c, completions API, "
              f"requests per level max({args.min_requests}, {args.per_client} x c) + 2 warm-up; each server alone, "
