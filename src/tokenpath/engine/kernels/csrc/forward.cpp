@@ -51,30 +51,31 @@ struct alignas(64) Phase {
 // allocated (phases_for_step). A walk past them (a phase added to the forward, not counted) skips
 // the surplus in every thread alike and flags `overflow`: the forward returns TP_STATUS_PHASES.
 struct PhaseCursor {
-    Phase* phases;
-    int n;
+    Phase* phases; int n;
     std::atomic<int>* overflow;
     int idx = 0; bool nap = false;  // nap: a step of at most kNapRows rows
 };
 
+// team_chunks: fn(c) for chunks c in [0, chunks), claimed in order; team_for: chunks of `grain` items.
 template <class F>
-inline void team_for(PhaseCursor& pc, int n, int grain, F&& fn) {
+inline void team_chunks(PhaseCursor& pc, int chunks, F&& fn) {
     if (pc.idx >= pc.n) {
         ++pc.idx;
         pc.overflow->store(1, std::memory_order_relaxed);
         return;
     }
     Phase& p = pc.phases[pc.idx++];
-    const int chunks = (n + grain - 1) / grain;
     int mine = 0;  // done counts a thread's items once: a per-item add bounced its line between cores
-    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks; ++mine)
-        fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n);
+    for (int c; (c = p.next.fetch_add(1, std::memory_order_relaxed)) < chunks; ++mine) fn(c);
     if (mine) p.done.fetch_add(mine, std::memory_order_acq_rel);
     for (int spins = 0; p.done.load(std::memory_order_acquire) < chunks; ++spins) {
         if (spins < 4000) _mm_pause();
         else if (pc.nap) nanosleep(&kNap, nullptr);  // (see Phase)
         else sched_yield();  // the item's owner may be waiting for this core
     }
+}
+template <class F> inline void team_for(PhaseCursor& pc, int n, int grain, F&& fn) {
+    team_chunks(pc, (n + grain - 1) / grain, [&](int c) { fn(c * grain, (c + 1) * grain < n ? (c + 1) * grain : n); });
 }
 
 inline int grain_for(int n, int nthreads, int multiple) {
@@ -89,8 +90,7 @@ inline int grain_for(int n, int nthreads, int multiple) {
 constexpr int kMaxParts = 3;
 struct Mat {
     int parts = 0;
-    int type[kMaxParts];
-    int rows[kMaxParts];
+    int type[kMaxParts], rows[kMaxParts];
     const uint8_t* w[kMaxParts];
 };
 

@@ -97,25 +97,38 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
     }
 }
 
-// Output rows per chunk of a decode GEMM phase (a few rows: each weight byte streams from memory
-// once). Up to 16 chunks per thread, so that the last chunks even out the threads' finishing times
-// (a ~1B model's matrices: chunks of ~70 KB and up), but no fewer than kDecodeChunkBytes of weights
-// a chunk: each claim costs the claiming atomics' cache-line trips between the cores and a stream
-// that starts cold (the software prefetch runs ahead within a chunk, not into the next claim), and
-// SmolLM2's 576-wide matrices (qkv 345 KB, o 207 KB, down 553 KB of Q4_1) made 12-35 KB chunks of
-// a few hundred ns each. 128 KB: its decode step 0.87x the time (2 threads; 0.94x at 1), the ~1B
-// and Gemma 3 the same within noise (benchmarks/results/decode_chunks.md).
-constexpr size_t kDecodeChunkBytes = 128 * 1024;
-inline int decode_grain(const Mat& w, int N, int nb, int nthreads) {
+// A decode GEMM phase's chunks (output rows, multiples of 16: each weight byte streams from memory
+// once). Equal chunks of >= 128 KB left a thread spinning at the phase's end whenever its partner
+// came late or read slower: SmolLM2's 576-wide matrices (qkv 345 KB, o 207 KB, down 553 KB of Q4_1)
+// were one or two chunks a thread, and ~7% of its decode step was that wait. Smaller equal chunks
+// cost more than they saved (12-35 KB: each claim's atomic trips a cache line between the cores, and
+// a stream restarts cold, since the software prefetch runs ahead within a chunk, not into the next
+// claim; benchmarks/results/decode_chunks.md). So the chunks shrink as the work runs out (guided,
+// as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes; a
+// phase is a few large claims that end on small ones. Decode step 0.88-0.96x the equal chunks' time
+// on SmolLM2, the ~1B and Gemma 3 (2 threads; 1/(2 x threads) per claim was 1.05-1.07x on SmolLM2).
+constexpr size_t kDecodeTailBytes = 32 * 1024;
+constexpr int kMaxDecodeChunks = 96;
+struct DecodeChunks {
+    int n = 0;
+    int end[kMaxDecodeChunks];  // chunk c is rows [c ? end[c - 1] : 0, end[c])
+};
+inline DecodeChunks decode_chunks(const Mat& w, int N, int nb, int nthreads) {
     size_t bytes = 0;  // (a part not repacked is a row kernel's type: nb blocks of block_bytes a row)
     for (int p = 0; p < w.parts; ++p) {
         const int t = w.type[p];
         bytes += size_t(w.rows[p]) * nb * (is_packed(t) ? group_block_bytes(t) : kGroupRows * block_bytes(t)) / kGroupRows;
     }
-    const size_t per_thread = bytes / size_t(nthreads) / kDecodeChunkBytes;
-    const int chunks = int(std::clamp<size_t>(per_thread, 1, 16)) * nthreads;
-    const int g = ((N + chunks - 1) / chunks + kGroupRows - 1) / kGroupRows * kGroupRows;
-    return std::max(g, kGroupRows);
+    const int groups = (N + kGroupRows - 1) / kGroupRows;
+    const size_t per_group = std::max<size_t>(bytes / size_t(groups), 1);
+    const int tail = int(std::clamp<size_t>(kDecodeTailBytes / per_group, 1, size_t(groups)));
+    const int floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks);  // n <= kMaxDecodeChunks
+    DecodeChunks dc;
+    for (int done = 0; done < groups;) {
+        done += std::min(groups - done, std::max(floor, (groups - done) / nthreads));
+        dc.end[dc.n++] = std::min(done * kGroupRows, N);
+    }
+    return dc;
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
@@ -123,15 +136,17 @@ inline int decode_grain(const Mat& w, int N, int nb, int nthreads) {
 void gemm_team(const Model& m, PhaseCursor& pc, int nthreads, int kind, const Mat& w, int N, const QAct& a,
                int T, float* y, int ldy, const float* bias, bool acc, const uint8_t* kinds) {
     const bool exact = (m.exact >> kind) & 1;
-    const int grain = T <= kOwnRowsMax ? decode_grain(w, N, a.nb, nthreads) : grain_for(N, nthreads, 16);
-    team_for(pc, N, grain, [&](int n0, int n1) {
+    auto rows = [&](int n0, int n1) {
         for (int p = 0, r0 = 0; p < w.parts && r0 < n1; r0 += w.rows[p], ++p) {
             const int lo = std::max(n0, r0) - r0, hi = std::min(n1, r0 + w.rows[p]) - r0;
             if (lo < hi)
                 gemm_runs(m, w.type[p], w.w[p], a, T, y + r0, ldy, lo, hi, bias ? bias + r0 : nullptr, acc, exact,
                           kinds, kind);
         }
-    });
+    };
+    if (T > kOwnRowsMax) return team_for(pc, N, grain_for(N, nthreads, 16), rows);
+    const DecodeChunks dc = decode_chunks(w, N, a.nb, nthreads);
+    team_chunks(pc, dc.n, [&](int c) { rows(c ? dc.end[c - 1] : 0, dc.end[c]); });
 }
 
 // Where a step's qkv [T, W], attention [T, nq] and gate/up [T, 2I] outputs lie, in m.work. With the
