@@ -120,7 +120,7 @@ inline DecodeChunks decode_chunks(const Mat& w, int N, int nb, int nthreads) {
         bytes += size_t(w.rows[p]) * nb * (is_packed(t) ? group_block_bytes(t) : kGroupRows * block_bytes(t)) / kGroupRows;
     }
     const int groups = (N + kGroupRows - 1) / kGroupRows;
-    const size_t per_group = std::max<size_t>(bytes / size_t(groups), 1);
+    const size_t per_group = std::max<size_t>(bytes / size_t(std::max(groups, 1)), 1);
     const int tail = int(std::clamp<size_t>(kDecodeTailBytes / per_group, 1, size_t(groups)));
     const int floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks);  // n <= kMaxDecodeChunks
     DecodeChunks dc;
