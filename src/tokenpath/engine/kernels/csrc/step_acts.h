@@ -105,8 +105,8 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
 // a stream restarts cold, since the software prefetch runs ahead within a chunk, not into the next
 // claim; benchmarks/results/decode_chunks.md). So the chunks shrink as the work runs out (guided,
 // as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes; a
-// phase is a few large claims that end on small ones. Decode step 0.88-0.96x the equal chunks' time
-// on SmolLM2, the ~1B and Gemma 3 (2 threads; 1/(2 x threads) per claim was 1.05-1.07x on SmolLM2).
+// phase is a few large claims that end on small ones. Decode step 0.88-0.97x the equal chunks' time
+// on the four GGUFs of the benchmarks (2 threads; 1/(2 x threads) per claim: 1.05-1.07x on SmolLM2).
 constexpr size_t kDecodeTailBytes = 32 * 1024;
 constexpr int kMaxDecodeChunks = 96;
 struct DecodeChunks {
@@ -119,11 +119,12 @@ inline DecodeChunks decode_chunks(const Mat& w, int N, int nb, int nthreads) {
         const int t = w.type[p];
         bytes += size_t(w.rows[p]) * nb * (is_packed(t) ? group_block_bytes(t) : kGroupRows * block_bytes(t)) / kGroupRows;
     }
+    DecodeChunks dc;
     const int groups = (N + kGroupRows - 1) / kGroupRows;
-    const size_t per_group = std::max<size_t>(bytes / size_t(std::max(groups, 1)), 1);
+    if (groups == 0) return dc;
+    const size_t per_group = std::max<size_t>(bytes / size_t(groups), 1);
     const int tail = int(std::clamp<size_t>(kDecodeTailBytes / per_group, 1, size_t(groups)));
     const int floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks);  // n <= kMaxDecodeChunks
-    DecodeChunks dc;
     for (int done = 0; done < groups;) {
         done += std::min(groups - done, std::max(floor, (groups - done) / nthreads));
         dc.end[dc.n++] = std::min(done * kGroupRows, N);
