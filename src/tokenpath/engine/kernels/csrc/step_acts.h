@@ -104,8 +104,10 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
 // cost more than they saved (12-35 KB: each claim's atomic trips a cache line between the cores, and
 // a stream restarts cold, since the software prefetch runs ahead within a chunk, not into the next
 // claim; benchmarks/results/decode_chunks.md). So the chunks shrink as the work runs out (guided,
-// as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes; a
-// phase is a few large claims that end on small ones. Decode step 0.88-0.97x the equal chunks' time
+// as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes or
+// 1/kMaxDecodeChunks of the matrix, whichever is larger (the table's bound: a large matrix, such as
+// SmolLM2's 30 MB head, ends on claims of ~1/96 of it, 320 KB, not on 32 KB ones); a phase is a
+// few large claims that end on smaller ones. Decode step 0.88-0.97x the equal chunks' time
 // on the four GGUFs of the benchmarks (2 threads; 1/(2 x threads) per claim: 1.05-1.07x on SmolLM2).
 constexpr size_t kDecodeTailBytes = 32 * 1024;
 constexpr int kMaxDecodeChunks = 96;
