@@ -104,10 +104,10 @@ inline void gemm_runs(const Model& m, int wtype, const uint8_t* w, const QAct& a
 // cost more than they saved (12-35 KB: each claim's atomic trips a cache line between the cores, and
 // a stream restarts cold, since the software prefetch runs ahead within a chunk, not into the next
 // claim; benchmarks/results/decode_chunks.md). So the chunks shrink as the work runs out (guided,
-// as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes or
-// 1/kMaxDecodeChunks of the matrix, whichever is larger (the table's bound: a large matrix, such as
-// SmolLM2's 30 MB head, ends on claims of ~1/96 of it, 320 KB, not on 32 KB ones); a phase is a
-// few large claims that end on smaller ones. Decode step 0.88-0.97x the equal chunks' time
+// as OpenMP's schedule): each claim takes 1/threads of what is left, down to kDecodeTailBytes (at 2
+// threads SmolLM2's 30 MB head is 11 chunks, the last two 29 KB; only where that would overflow the
+// table, many threads on a large matrix, no claim is under 1/kMaxDecodeChunks of the matrix); a
+// phase is a few large claims that end on smaller ones. Decode step 0.88-0.97x the equal chunks' time
 // on the four GGUFs of the benchmarks (2 threads; 1/(2 x threads) per claim: 1.05-1.07x on SmolLM2).
 constexpr size_t kDecodeTailBytes = 32 * 1024;
 constexpr int kMaxDecodeChunks = 96;
@@ -126,12 +126,17 @@ inline DecodeChunks decode_chunks(const Mat& w, int N, int nb, int nthreads) {
     if (groups == 0) return dc;
     const size_t per_group = std::max<size_t>(bytes / size_t(groups), 1);
     const int tail = int(std::clamp<size_t>(kDecodeTailBytes / per_group, 1, size_t(groups)));
-    const int floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks);  // n <= kMaxDecodeChunks
-    for (int done = 0; done < groups;) {
-        done += std::min(groups - done, std::max(floor, (groups - done) / nthreads));
-        dc.end[dc.n++] = std::min(done * kGroupRows, N);
+    // Claims end on the tail's size unless that needs more chunks than the table holds (many threads
+    // on a large matrix): then no claim is smaller than 1/kMaxDecodeChunks of the matrix.
+    for (int floor = tail;; floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks)) {
+        dc.n = 0;
+        int done = 0;
+        while (done < groups && dc.n < kMaxDecodeChunks) {
+            done += std::min(groups - done, std::max(floor, (groups - done) / nthreads));
+            dc.end[dc.n++] = std::min(done * kGroupRows, N);
+        }
+        if (done == groups) return dc;
     }
-    return dc;
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.
