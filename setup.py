@@ -104,7 +104,7 @@ def extensions() -> list[Extension]:
         return []
     return [
         _kernel_extension("_native_avx2", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "forward_avx2.cpp", "bpe.cpp")),
-        _kernel_extension("_native_avx512", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "attn_amx.cpp", "attn_avx512.cpp", "forward.cpp", "bpe.cpp")),
+        _kernel_extension("_native_avx512", ("quant.cpp", "quantize_more.cpp", "dot_avx2.cpp", "dot_avx512.cpp", "amx_bf16.cpp", "bf16_dot.cpp", "attn_amx.cpp", "attn_avx512.cpp", "forward.cpp", "bpe.cpp")),
     ]
 
 

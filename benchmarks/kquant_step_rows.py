@@ -41,7 +41,13 @@ def matrices(lib, tensors: dict, layers: list[int], unfused: bool) -> list[Matri
     """The layers' matrices repacked as the forward repacks them: fused, with fine activations (mode
     2); or one by one, each in a prompt row's precision (2: int8 + residual bytes, 0: int8)."""
     from tokenpath.engine import kernels as K
-    from tokenpath.engine.kernels.model import EXACT_DOWN, EXACT_GATE_UP, EXACT_O, EXACT_QKV, prompt_fine_mask
+    from tokenpath.engine.kernels.precision import (
+        EXACT_DOWN,
+        EXACT_GATE_UP,
+        EXACT_O,
+        EXACT_QKV,
+        prompt_fine_mask,
+    )
 
     prompt_fine = prompt_fine_mask()
     mats = []

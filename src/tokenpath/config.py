@@ -261,9 +261,10 @@ class EngineConfig(Settings):
     kernels_bf16: int | None = knob(
         factory=lambda: env_kernels_bf16(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask (as --kernels-fine) of the matmuls whose bf16 weights multiply bf16 activations on "
-                    "AMX tiles, every row, as vLLM and transformers compute a bf16 checkpoint; the rest take float32 "
-                    "activations (default: $TOKENPATH_KERNELS_BF16, else 31: all, on CPUs with AMX-BF16; none "
-                    "elsewhere); where any bit is set, prompt rows' attention runs on the tiles too")
+                    "AMX tiles or AVX512_BF16's VDPBF16PS, every row, as vLLM and transformers compute a bf16 "
+                    "checkpoint; the rest take float32 activations (default: $TOKENPATH_KERNELS_BF16, else 31: all, "
+                    "on CPUs with AMX-BF16 or AVX512_BF16; none elsewhere); with AMX, where any bit is set, prompt "
+                    "rows' attention runs on the tiles too")
     kernels_exact: int | None = knob(
         factory=lambda: env_kernels_exact(), ge=0, le=KERNEL_MASK_ALL,
         description="bit mask of native matmuls (as --kernels-fine) that keep float activations, slowest "

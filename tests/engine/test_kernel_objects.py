@@ -76,18 +76,22 @@ def test_with_only_the_avx2_object_the_engine_runs_avx2_kernels(tmp_path, caplog
 @pytest.mark.requires("avx512_object")
 def test_with_only_the_avx512_object_it_runs_what_the_cpu_has(tmp_path):
     got = load_library(only(tmp_path, AVX512_OBJECT))
-    assert got is not None and got.lib.tp_kernel_isas() == 1 | 2 | 4  # AVX2, AVX-512 VNNI, the AMX-BF16 GEMM
+    # AVX2, AVX-512 VNNI, the AMX-BF16 GEMM, the VDPBF16PS one
+    assert got is not None and got.lib.tp_kernel_isas() == 1 | 2 | 4 | 8
     want = [K.ISA_AVX2, K.ISA_AVX512] if got.cpu_features & K.FEATURE_AVX512_VNNI else [K.ISA_AVX2]
     assert got.available_isas() == want
     # The tiles where the CPU has them and Linux grants them to this process (tp_cpu_features).
     assert got.has_amx_bf16 == bool(got.cpu_features & K.FEATURE_AMX_BF16)
     assert got.has_amx_bf16 == (" amx_bf16" in Path("/proc/cpuinfo").read_text())
+    # VDPBF16PS where the CPU has AVX512_BF16 (AMX CPUs have it too: the tiles are taken first)
+    assert got.has_bf16_dot == bool(got.cpu_features & K.FEATURE_AVX512_BF16)
+    assert got.has_bf16_dot == (" avx512_bf16" in Path("/proc/cpuinfo").read_text())
 
 
 @pytest.mark.requires("avx2_object")
-def test_the_avx2_object_never_offers_amx_tiles(tmp_path):
+def test_the_avx2_object_never_offers_bf16_activations(tmp_path):
     got = load_library(only(tmp_path, AVX2_OBJECT))
-    assert got is not None and not got.has_amx_bf16
+    assert got is not None and not got.has_amx_bf16 and not got.has_bf16_dot
 
 
 def test_an_old_single_object_is_not_loaded(tmp_path, caplog):

@@ -239,7 +239,7 @@ def test_switched_off_by_environment(monkeypatch, caplog):
 
 
 def test_activation_masks_from_environment(monkeypatch):
-    from tokenpath.engine.kernels.model import DEFAULT_FINE, exact_mask, fine_mask
+    from tokenpath.engine.kernels.precision import DEFAULT_FINE, exact_mask, fine_mask
 
     monkeypatch.delenv("TOKENPATH_KERNELS_FINE", raising=False)
     assert fine_mask() == DEFAULT_FINE == 0b11111

@@ -181,14 +181,16 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("wtype", [K.BF16, K.Q5_0, K.Q5_1, K.Q4_K, K.Q5_K, K.Q6_K], ids=lambda t: K.TYPE_NAMES[t])
 @pytest.mark.parametrize("shape", [(1, 16, 256), (5, 48, 256), (17, 32, 512), (37, 80, 1536), (64, 64, 256),
                                    (70, 1104, 512), (40, 112, 12288)], ids=str)
-def test_bf16_activations_on_amx_tiles(wtype, shape):
+def test_bf16_activations_on_amx_tiles_or_vdpbf16ps(wtype, shape):
     """bf16 activations on AMX tiles (csrc/amx_bf16.cpp): BF16X16 weights as stored, quantized ones
     dequantized into bf16 tiles (csrc/tile_pack.h, a prompt row's path); float32 sums of the bf16
     products, each row alone what it is in any batch (one row is a tile of its own; up to 32 rows
     stream BF16 weights, more pack them once, a panel of up to 8 groups at a time: 1104 outputs
     give whole panels, a short last one and a lone group, at one thread and two; K = 12288 panels
-    of 2). Without AMX the request runs what it would without it: float32 activations for BF16,
-    int8 for the quantized types, exactly."""
+    of 2). Without AMX, BF16 runs on VDPBF16PS where the CPU has AVX512_BF16 (csrc/bf16_dot.cpp,
+    the same numbers' bounds: under 12 rows it streams, from 12 packs panels of 4 to 16 groups);
+    otherwise the request runs what it would without it: float32 activations for BF16, int8 for
+    the quantized types, exactly."""
     m, n, k = shape
     rng = np.random.default_rng(m + n + k + wtype)
     q = random_blocks(wtype, n, k, rng)
@@ -197,7 +199,8 @@ def test_bf16_activations_on_amx_tiles(wtype, shape):
     x = rng.standard_normal((m, k)).astype(np.float32) * 3
     isa = max(ISAS)
     y = K.gemm(lib, packed_type, packed, x, k, isa, threads=2, bf16=True)
-    if not (lib.has_amx_bf16 and isa == K.ISA_AVX512):
+    dot = wtype == K.BF16 and lib.has_bf16_dot
+    if not ((lib.has_amx_bf16 or dot) and isa == K.ISA_AVX512):
         assert np.array_equal(y, K.gemm(lib, packed_type, packed, x, k, isa, threads=2))
         return
     ref, plain = bf16_rounded(x) @ bf16_rounded(wd).T, x.astype(np.float64) @ wd.T

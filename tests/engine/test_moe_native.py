@@ -170,19 +170,19 @@ def test_long_prefill_groups_many_rows_per_expert(tmp_path):
     assert outs[0] == outs[1]
 
 
-def test_bf16_experts_on_amx_tiles_keep_each_rows_numbers(tmp_path):
-    """The default on a CPU with AMX-BF16: the experts' rows in bf16 on tiles too. 160 tokens route
-    ~40 rows to each expert (packed tiles, reused by every 16-row tile) and one token a step puts
-    one row on an expert (the streaming path): the two give the same numbers for every position,
-    and they stay no further from float32 than transformers' bf16 forward. Without AMX: float32
-    activations, as with kernels_bf16=0, exactly."""
+def test_bf16_experts_keep_each_rows_numbers(tmp_path):
+    """The default on a CPU with AMX-BF16 or AVX512_BF16: the experts' rows in bf16 (tiles, or
+    VDPBF16PS) too. 160 tokens route ~40 rows to each expert (packed weights, reused by every tile of
+    rows) and one token a step puts one row on an expert (the streaming path): the two give the
+    same numbers for every position, and they stay no further from float32 than transformers' bf16
+    forward. Without either: float32 activations, as with kernels_bf16=0, exactly."""
     loaded = load_model(_checkpoint("qwen3moe", torch.bfloat16, tmp_path))
     native = runner(loaded)
     assert native.native is not None
     n = 160
     ids = torch.randint(3, loaded.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     got = all_logits(native, ids)
-    if not K.native_library().has_amx_bf16:
+    if not (K.native_library().has_amx_bf16 or K.native_library().has_bf16_dot):
         assert native.native.bf16 == 0 and torch.equal(got, all_logits(runner(loaded, bf16=0), ids))
         return
     one = runner(loaded)

@@ -70,11 +70,12 @@ def test_16_bit_checkpoints_run_natively_on_their_own_values(kind, dtype, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["llama3-rope", "qwen3", "gemma3"])
-def test_bf16_checkpoints_take_bf16_activations_on_amx_tiles(kind, tmp_path, caplog):
-    """By default, where the CPU has AMX-BF16: every matmul's rows in bf16 on tiles, and the logits
-    no further from the float32 arithmetic than transformers' own bf16 forward of the checkpoint
-    (the anchor's precision: vLLM CPU computes it in bf16 too). Without AMX the mask has nothing to
-    run on: the model logs none and computes exactly what --kernels-bf16 0 computes."""
+def test_bf16_checkpoints_take_bf16_activations(kind, tmp_path, caplog):
+    """By default, where the CPU has AMX-BF16 (tiles) or AVX512_BF16 (VDPBF16PS): every matmul's rows
+    in bf16, and the logits no further from the float32 arithmetic than transformers' own bf16
+    forward of the checkpoint (the anchor's precision: vLLM CPU computes it in bf16 too). Without
+    either the mask has nothing to run on: the model logs none and computes exactly what
+    --kernels-bf16 0 computes."""
     loaded = load_model(checkpoint(kind, torch.bfloat16, tmp_path))
     with caplog.at_level(logging.INFO, logger="tokenpath.engine.kernels"):
         native = runner(loaded)
@@ -82,12 +83,13 @@ def test_bf16_checkpoints_take_bf16_activations_on_amx_tiles(kind, tmp_path, cap
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     got = all_logits(native, ids)
     exact = all_logits(runner(loaded, bf16=0), ids)
-    if not lib.has_amx_bf16:
-        assert native.native.bf16 == 0 and "bf16 on AMX tiles for []" in caplog.text
+    if not (lib.has_amx_bf16 or lib.has_bf16_dot):
+        assert native.native.bf16 == 0 and "for []" in caplog.text
         assert torch.equal(got, exact)
         return
     assert native.native.bf16 == KERNEL_MASK_ALL
-    assert "bf16 on AMX tiles for [qkv,o,gate_up,down,head]" in caplog.text
+    engine = "AMX tiles" if lib.has_amx_bf16 else "VDPBF16PS"
+    assert f"bf16 on {engine} for [qkv,o,gate_up,down,head]" in caplog.text
     ref = all_logits(runner(loaded, "none", "float32"), ids)
     anchor = all_logits(runner(loaded, "none", "bfloat16"), ids).float()  # torch, every op in bf16
     ours, theirs = (got - ref).abs().mean().item(), (anchor - ref).abs().mean().item()

@@ -22,7 +22,7 @@ from tests.engine.conftest import make_prompts
 from tests.engine.tiny_models import cached_tiny, save_gguf
 from tokenpath import LLM, SamplingParams
 from tokenpath.config import EngineConfig
-from tokenpath.engine.kernels.model import DEFAULT_PROMPT_FINE
+from tokenpath.engine.kernels.precision import DEFAULT_PROMPT_FINE
 from tokenpath.engine.loader import LoadedModel, load_model
 from tokenpath.engine.runner import ModelRunner
 

@@ -16,14 +16,8 @@ import numpy as np
 
 from tokenpath.config import EngineConfig
 from tokenpath.engine.kernels import NativeLibrary
-from tokenpath.engine.kernels.model import (
-    DEFAULT_BF16,
-    DEFAULT_EXACT,
-    DEFAULT_FINE,
-    DEFAULT_PROMPT_FINE,
-    NativeLlama,
-    select_native,
-)
+from tokenpath.engine.kernels.model import NativeLlama, select_native
+from tokenpath.engine.kernels.precision import DEFAULT_BF16, DEFAULT_EXACT, DEFAULT_FINE, DEFAULT_PROMPT_FINE
 from tokenpath.engine.kv_cache import NATIVE_ONLY, KVCache, head_bytes
 from tokenpath.engine.kv_groups import KVLayout
 from tokenpath.engine.loader import LoadedModel

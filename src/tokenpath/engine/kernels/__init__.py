@@ -23,6 +23,7 @@ from tokenpath.engine.kernels.abi import MODEL_ABI
 from tokenpath.engine.kernels.library import (
     FEATURE_AMX_BF16,
     FEATURE_AVX2,
+    FEATURE_AVX512_BF16,
     FEATURE_AVX512_VNNI,
     FEATURE_F16C,
     ISA_AVX2,
@@ -172,7 +173,8 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     """y[M, N] = x[M, K] @ dequant(w)[N, K].T with x quantized to int8 per 32-block on the fly
     (fine: plus residual bytes, ~15 bits), or (exact, GGUF layouts only) kept in float32 against
     weights dequantized in registers. Float weights (F16X16, BF16X16, F32X16) take float32 x; with
-    bf16, BF16X16 takes x rounded to bfloat16 on AMX tiles where `lib.has_amx_bf16` (float32 elsewhere)."""
+    bf16, BF16X16 takes x rounded to bfloat16 on AMX tiles where `lib.has_amx_bf16`, on VDPBF16PS where
+    `lib.has_bf16_dot` (float32 elsewhere)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape[0], output_rows(wtype, w)
     packed = wtype in GROUP_BLOCK_BYTES
@@ -214,5 +216,5 @@ def stream_read(lib: NativeLibrary, buf: np.ndarray, threads: int, reps: int = 5
     return buf.nbytes / seconds.value / 1e9, checksum.value
 
 
-__all__ = ["FEATURE_AMX_BF16", "FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
+__all__ = ["FEATURE_AMX_BF16", "FEATURE_AVX512_BF16", "FEATURE_AVX2", "FEATURE_AVX512_VNNI", "FEATURE_F16C", "ISA_AVX2", "ISA_AVX512", "ISA_NAMES", "MODEL_ABI",
            "NativeLibrary", "load_library", "native_library"]

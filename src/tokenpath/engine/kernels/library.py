@@ -29,8 +29,9 @@ log = logging.getLogger("tokenpath.engine.kernels")
 
 ISA_AVX2, ISA_AVX512 = 1, 2
 ISA_NAMES = {ISA_AVX2: "AVX2", ISA_AVX512: "AVX-512 VNNI"}
-FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C, FEATURE_AMX_BF16 = 1, 2, 4, 8  # bits of tp_cpu_features()
+FEATURE_AVX2, FEATURE_AVX512_VNNI, FEATURE_F16C, FEATURE_AMX_BF16, FEATURE_AVX512_BF16 = 1, 2, 4, 8, 16  # tp_cpu_features()
 KERNELS_AMX_BF16 = 4  # bit of tp_kernel_isas(): the object carries the AMX-BF16 GEMM
+KERNELS_BF16_DOT = 8  # bit of tp_kernel_isas(): the object carries the VDPBF16PS GEMM (csrc/bf16_dot.cpp)
 PACKAGE_DIR = Path(__file__).parent
 # The extension modules setup.py builds, by the best kernel set each carries.
 OBJECTS = {ISA_AVX512: "_native_avx512", ISA_AVX2: "_native_avx2"}
@@ -42,7 +43,7 @@ class NativeLibrary:
     lib: ctypes.CDLL
     # FEATURE_* bits the kernels can use here: AVX2+FMA, AVX-512 VNNI (only when the CPU has it
     # and this object carries those kernels), F16C (a float16 KV cache), AMX-BF16 (granted to this
-    # process, and the object carries the tile GEMM)
+    # process, and the object carries the tile GEMM), AVX512_BF16 (the object carries its GEMM)
     features: int
     path: Path | None = None  # the object loaded
     cpu_features: int = 0  # tp_cpu_features(): what the CPU has, whatever the object carries
@@ -64,6 +65,12 @@ class NativeLibrary:
     def has_amx_bf16(self) -> bool:
         """Whether BF16 weights can multiply bf16 activations on AMX tiles (csrc/amx_bf16.cpp)."""
         return bool(self.features & FEATURE_AMX_BF16)
+
+    @property
+    def has_bf16_dot(self) -> bool:
+        """Whether BF16 weights can multiply bf16 activations on VDPBF16PS (csrc/bf16_dot.cpp, AVX512_BF16
+        CPUs without AMX, e.g. AMD Zen 4): the same precision as the tiles, for BF16 weights only."""
+        return bool(self.features & FEATURE_AVX512_BF16)
 
     def available_isas(self) -> list[int]:
         return [ISA_AVX2] + ([ISA_AVX512] if self.features & FEATURE_AVX512_VNNI else [])
@@ -98,9 +105,11 @@ def _open(path: Path) -> NativeLibrary | None:
         return None
     cpu = lib.tp_cpu_features()
     carried = lib.tp_kernel_isas()
-    usable = cpu if carried & ISA_AVX512 else cpu & ~(FEATURE_AVX512_VNNI | FEATURE_AMX_BF16)
+    usable = cpu if carried & ISA_AVX512 else cpu & ~(FEATURE_AVX512_VNNI | FEATURE_AMX_BF16 | FEATURE_AVX512_BF16)
     if not carried & KERNELS_AMX_BF16:
         usable &= ~FEATURE_AMX_BF16
+    if not carried & KERNELS_BF16_DOT:
+        usable &= ~FEATURE_AVX512_BF16
     return NativeLibrary(lib=lib, features=usable, path=path, cpu_features=cpu)
 
 

@@ -26,14 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenpath.config import (
-    KERNEL_MASK_ALL,
-    env_kernels_bf16,
-    env_kernels_exact,
-    env_kernels_fine,
-    env_kernels_prompt_fine,
-    env_num_threads,
-)
+from tokenpath.config import env_num_threads
 from tokenpath.engine.kernels import (
     BF16,
     BF16X16,
@@ -46,13 +39,7 @@ from tokenpath.engine.kernels import (
     ISA_AVX512,
     ISA_NAMES,
     Q4_K,
-    Q4KX16,
-    Q4X16,
-    Q5KX16,
-    Q5X16,
-    Q6KX16,
     Q8_0,
-    Q8X16,
     REPACK_BLOCKS,
     TYPE_NAMES,
     NativeLibrary,
@@ -64,6 +51,21 @@ from tokenpath.engine.kernels import (
 )
 from tokenpath.engine.kernels.abi import check_forward
 from tokenpath.engine.kernels.experts import ExpertLayer, expert_layer
+from tokenpath.engine.kernels.precision import (
+    ATTN_TILE_KV,
+    EXACT_DOWN,
+    EXACT_GATE_UP,
+    EXACT_HEAD,
+    EXACT_O,
+    EXACT_QKV,
+    PROMPT_TILE_KINDS,
+    PROMPT_TILES,
+    TILE_PACKED,
+    bf16_mask,
+    exact_mask,
+    fine_mask,
+    prompt_fine_mask,
+)
 from tokenpath.engine.kv_cache import NUMPY_STORAGE, KVCache
 from tokenpath.engine.loader import LoadedModel
 from tokenpath.engine.loader_hf import hf_weights
@@ -244,80 +246,6 @@ def _dense(loaded: LoadedModel, name: str) -> np.ndarray:
 
 MAX_PARTS = 3  # row ranges of their own type per matrix (csrc/forward.cpp kMaxParts)
 
-# Bits of the kernels_exact and kernels_fine masks (EngineConfig; TOKENPATH_KERNELS_EXACT and
-# TOKENPATH_KERNELS_FINE by default), in the order forward.cpp numbers the matmuls.
-EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN, EXACT_HEAD = 1, 2, 4, 8, 16
-# Activations per matmul: int8 per 32-block (llama.cpp's q8 scheme), "fine" (int8 plus a second
-# int8 pass over the rounding error, ~15 bits; csrc/tp_kernels.h QAct::q2), or float ("exact",
-# GGUF layout, slowest). Measured on the quality test (perplexity of the committed text against
-# float32 torch on the same weights; greedy: of 8 prompts, how many keep float32's first 16
-# tokens), float16 KV, repacked kernels:
-#   all int8 +0.75%, 3/8    all fine +0.01%, 8/8    fine but for one matmul +0.11 to +0.19%, 5-8/8
-# Every int8 matmul left in costs about 0.1% perplexity, and with it the greedy agreement becomes
-# a coin toss at the float32 path's near-ties (top two log-probabilities 0.01-0.09 apart), which
-# any change of summation order flips. So fine everywhere is the default: it meets the quality bar
-# with margin, for about 1.8x the integer work of int8 (GEMM time at M >= 32; 1.25x at M = 1, where
-# reading the weights dominates). --kernels-fine 0 (TOKENPATH_KERNELS_FINE=0) selects llama.cpp's
-# all-int8 scheme.
-# Prompt rows are another matter (issue 42): prefill is bound by that integer work, not by reading
-# the weights, and the quality bar is llama.cpp's own perplexity on the same file. Measured
-# (benchmarks/results/perplexity_prompt_masks.md: prompt_logprobs, ~13k scored tokens, the committed
-# text and five license texts, ratio to llama-perplexity's; SmolLM2 Q4_1 / Gemma 3 270M Q4_K_M):
-#   prompt rows all int8 0.9992x / 0.9979x    qkv fine 0.9994x / 0.9971x    down fine 1.0004x / 0.9956x
-#   qkv + down fine 0.9991x / 0.9957x   (a 1k-token text had all int8 1.002x on Gemma: noise of the text)
-# So by default a prompt's rows take the residual bytes for qkv only (17% of a ~1B layer's
-# multiply-adds; o, gate_up, down and the head run llama.cpp's int8): below llama.cpp on both files,
-# prefill 1.13x qkv + down's speed, and the rows of generated tokens keep them for every matmul.
-# A row's precision follows its position against its own prompt, never what else shares the step,
-# so batching, chunked prefill and speculation give the same tokens (tests/engine/test_prompt_precision.py).
-# --kernels-prompt-fine 31 runs prompts fine everywhere; 0 all-int8, llama.cpp's own scheme.
-DEFAULT_EXACT = 0
-DEFAULT_FINE = KERNEL_MASK_ALL
-DEFAULT_PROMPT_FINE = EXACT_QKV
-# BF16 weights (a bf16 safetensors checkpoint) on a CPU with AMX-BF16 (Sapphire Rapids and later):
-# every matmul's rows take bf16 activations and run on tiles (csrc/amx_bf16.cpp), as vLLM CPU and
-# transformers compute a bf16 checkpoint, prompt and generated rows alike, so a row's precision never
-# depends on what shares its step. Elsewhere BF16 weights multiply float32 activations on FMAs.
-# --kernels-bf16 0 (TOKENPATH_KERNELS_BF16=0) keeps float32 activations on AMX CPUs too.
-DEFAULT_BF16 = KERNEL_MASK_ALL
-# Quantized (GGUF) weights on the same CPUs: a prompt row's qkv, o, gate_up and down take bf16
-# activations on tiles, the 16-row groups dequantized to bf16 once per GEMM (csrc/tile_pack.h);
-# generated rows keep their int8 activations (decode reads the weights, it does not multiply them).
-PROMPT_TILE_KINDS = EXACT_QKV | EXACT_O | EXACT_GATE_UP | EXACT_DOWN
-PROMPT_TILES = 0x80  # a row_kinds bit: a prompt row (csrc/forward.cpp kPromptTiles)
-# Where any matmul takes the tiles, a prompt row's attention does too (csrc/attn_amx.cpp: bf16
-# queries, keys, values and weights, float32 sums, as vLLM computes a bf16 checkpoint's prefill),
-# with a float16 or float32 KV cache and a head_dim that is a multiple of 32. Generated rows keep the
-# float32 attention, so speculation and batching still give the same tokens; the prompt's own
-# rows give the same bits in any chunking. --kernels-bf16 0 turns it off with the matmuls' tiles.
-ATTN_TILE_KV = ("float16", "float32")
-TILE_PACKED = (Q4X16, Q8X16, Q5X16, Q4KX16, Q5KX16, Q6KX16)  # the repacks tile_pack.h dequantizes
-
-
-def fine_mask() -> int:
-    """Which matmuls take int8 activations with residual bytes (~15 bits; TOKENPATH_KERNELS_FINE)."""
-    mask = env_kernels_fine()
-    return DEFAULT_FINE if mask is None else mask
-
-
-def prompt_fine_mask() -> int:
-    """Which matmuls' prompt rows take residual bytes too (TOKENPATH_KERNELS_PROMPT_FINE)."""
-    mask = env_kernels_prompt_fine()
-    return DEFAULT_PROMPT_FINE if mask is None else mask
-
-
-def bf16_mask() -> int:
-    """Which matmuls' BF16 weights take bf16 activations on AMX tiles (TOKENPATH_KERNELS_BF16)."""
-    mask = env_kernels_bf16()
-    return DEFAULT_BF16 if mask is None else mask
-
-
-def exact_mask() -> int:
-    """Which matmuls keep float activations (TOKENPATH_KERNELS_EXACT)."""
-    mask = env_kernels_exact()
-    return DEFAULT_EXACT if mask is None else mask
-
-
 @dataclass
 class NativeLoraStep:
     """One step's adapters for `tp_model_forward_lora` (csrc/forward.cpp LoraStep): the rows of
@@ -357,10 +285,13 @@ class NativeLlama:
         fine = fine_mask() if fine is None else fine
         prompt_fine = prompt_fine_mask() if prompt_fine is None else prompt_fine
         self.isa = lib.isa(isa)
-        # bf16 activations need the tiles: none with AVX2 kernels or without AMX (csrc/forward.cpp
-        # checks the same), and never for an exact matmul.
+        # bf16 activations need AMX tiles, or VDPBF16PS for BF16 weights (AVX512_BF16 without AMX:
+        # only the matmuls whose every part is BF16, trimmed below): none with AVX2 kernels
+        # (csrc/forward.cpp checks the same), and never for an exact matmul.
         tiles = lib.has_amx_bf16 and self.isa == ISA_AVX512
-        half = (bf16_mask() if bf16 is None else bf16) & ~exact if tiles else 0
+        dot = not tiles and lib.has_bf16_dot and self.isa == ISA_AVX512
+        half = (bf16_mask() if bf16 is None else bf16) & ~exact if tiles or dot else 0
+        kind_types: dict[int, set[int]] = {}  # matmul bit -> the kernel types of its parts
         requantized: set[str] = set()
 
         def matrix(kind: int, names: list[str]) -> list[Part]:
@@ -390,6 +321,8 @@ class NativeLlama:
             if cfg.is_moe_layer(i):  # no dense gate_up and down: the layer's experts instead
                 sparse[i] = expert_layer(lib, loaded, i, want, not exact & EXACT_GATE_UP, not exact & EXACT_DOWN)
                 used_types |= {int(t) for t in sparse[i].types}
+                kind_types.setdefault(EXACT_GATE_UP, set()).update(int(t) for t in sparse[i].types[:2])
+                kind_types.setdefault(EXACT_DOWN, set()).add(int(sparse[i].types[2]))
                 keep += [sparse[i].router, *sparse[i].blocks]
                 mats += [[], []]
             else:
@@ -404,7 +337,9 @@ class NativeLlama:
                            optional_norm(w("attn_out_norm.weight"), cfg.sandwich_norms),
                            optional_norm(w("ffn_out_norm.weight"), cfg.sandwich_norms),
                            ptr(rope.cos), ptr(rope.sin)]
-            for parts in mats:  # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
+            for kind, parts in zip((EXACT_QKV, EXACT_O, EXACT_GATE_UP, EXACT_DOWN), mats, strict=True):
+                kind_types.setdefault(kind, set()).update(t for t, _, _ in parts)
+                # MAX_PARTS (pointer) and (type, rows) slots per matrix, rows 0 = unused
                 slots: list[tuple[int, int, np.ndarray | None]] = [*parts, *[(0, 0, None)] * (MAX_PARTS - len(parts))]
                 layer_ptrs += [ptr(b) for _, _, b in slots]
                 layer_types += [v for t, rows, _ in slots for v in (t, rows)]
@@ -425,8 +360,11 @@ class NativeLlama:
         if requantized:
             log.warning("native kernels: %s quantized to Q8_0 at load (the kernels do not read them as stored)",
                         ", ".join(sorted(requantized)))
+        kind_types[EXACT_HEAD] = {head_t}
+        if dot:  # VDPBF16PS multiplies BF16 weights only: quantized ones keep their int8 activations
+            half &= sum(kind for kind, types in kind_types.items() if types == {BF16X16})
         # 1: some matrix is float (F16/BF16/F32), 2: every one is, and no row needs int8 activations
-        self.attn_tiles = bool(half) and cache.dtype in ATTN_TILE_KV and cfg.head_dim % 32 == 0
+        self.attn_tiles = tiles and bool(half) and cache.dtype in ATTN_TILE_KV and cfg.head_dim % 32 == 0
         floats = len((used_types | {head_t}) & set(FLOAT_PACKED))
         float_w = 0 if not floats else 2 if floats == len(used_types | {head_t}) else 1
         dims = np.array([cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
@@ -468,16 +406,16 @@ class NativeLlama:
         # bf16 activations on tiles: BF16 weights in every row (bf16), quantized repacks in their
         # prompt rows, never the head's (prompt_tiles; csrc/forward.cpp kPromptTiles)
         self.bf16 = half if BF16X16 in used_types | {head_t} else 0
-        tile_kinds = half & PROMPT_TILE_KINDS if used_types & set(TILE_PACKED) else 0
+        tile_kinds = half & PROMPT_TILE_KINDS if tiles and used_types & set(TILE_PACKED) else 0
         self.prompt_tiles = bool(tile_kinds)
         log.info("native kernels: %s, %s weights (%.0f MiB), activations float for [%s], fine (int8 + residual) "
-                 "for [%s] (prompt rows: [%s]), bf16 on AMX tiles for [%s] (prompt rows of quantized weights: [%s]), "
+                 "for [%s] (prompt rows: [%s]), bf16 on %s for [%s] (prompt rows of quantized weights: [%s]), "
                  "int8 for the rest, %s KV cache, prompt rows' attention %s", ISA_NAMES[self.isa],
                  "/".join(self.weight_types),
                  self.weight_bytes / 2**20, ",".join(n for i, n in enumerate(names) if dims[11] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if dims[13] >> i & 1),
                  ",".join(n for i, n in enumerate(names) if self.prompt_fine >> i & 1),
-                 ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1),
+                 "AMX tiles" if tiles else "VDPBF16PS", ",".join(n for i, n in enumerate(names) if self.bf16 >> i & 1),
                  ",".join(n for i, n in enumerate(names) if tile_kinds >> i & 1), self.kv_dtype,
                  "in bf16 on AMX tiles" if self.attn_tiles else "in float32")
 

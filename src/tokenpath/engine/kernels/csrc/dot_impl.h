@@ -178,13 +178,19 @@ int gemm_tiles(int wtype, bool fine, int M, int32_t* sizes) {
 void gemm_rows(int wtype, const uint8_t* w, int nb, const QAct& a, int M, float* y, int ldy, int n0, int n1,
                const float* bias, bool accumulate, bool exact) {
 #if TP_VNNI
-    // bf16 activations (forward.cpp sets QAct::bf only where amx_permitted()) on AMX tiles: BF16X16
-    // weights every row, quantized ones the prompt rows (gemm_runs passes QAct::bf only for them).
+    // bf16 activations (forward.cpp sets QAct::bf only where amx_permitted() or bf16dot::runs()):
+    // on AMX tiles BF16X16 weights every row, quantized ones the prompt rows (gemm_runs passes
+    // QAct::bf only for them); without AMX, BF16X16 weights on VDPBF16PS and quantized ones keep
+    // their int8 activations.
     if (a.bf) {
-        const amx::PackFn pack = wtype == W_BF16X16 ? nullptr : tile_packer(wtype);
-        if (pack || wtype == W_BF16X16)
-            return amx::gemm_tiles(pack, size_t(nb) * group_block_bytes(wtype), w, nb, a.bf, M, y, ldy, n0, n1, bias,
-                                   accumulate);
+        if (amx_permitted()) {
+            const amx::PackFn pack = wtype == W_BF16X16 ? nullptr : tile_packer(wtype);
+            if (pack || wtype == W_BF16X16)
+                return amx::gemm_tiles(pack, size_t(nb) * group_block_bytes(wtype), w, nb, a.bf, M, y, ldy, n0, n1,
+                                       bias, accumulate);
+        } else if (wtype == W_BF16X16 && bf16dot::runs()) {
+            return bf16dot::gemm(w, nb, a.bf, M, y, ldy, n0, n1, bias, accumulate);
+        }
     }
 #endif
     // Repacked weights: int8 activations only (model.py keeps a float-activation matmul unpacked).

@@ -253,8 +253,8 @@ void* tp_model_create(const int32_t* dims, float eps, int isa, const uint64_t* g
     m->fine = dims[13];  // model.py leaves the exact bits out
     m->gelu = dims[14], m->float_w = dims[15];
 #ifndef TP_NO_AVX512
-    m->half = isa == 2 && amx_permitted() ? dims[16] : 0;
-    m->attn_tiles = m->half && dims[17] && amx::attend_prompt_runs(dims[5], dims[12]);
+    m->half = isa == 2 && (amx_permitted() || bf16dot::runs()) ? dims[16] : 0;  // (dot_impl.h gemm_rows)
+    m->attn_tiles = m->half && dims[17] && amx_permitted() && amx::attend_prompt_runs(dims[5], dims[12]);
 #endif
     m->attn512 = attn512_for(isa, dims[5]);
     bool bf16_all = m->head_t == W_BF16X16;
@@ -326,7 +326,7 @@ int tp_kernel_isas() {
 #ifdef TP_NO_AVX512
     return 1;
 #else
-    return 1 | 2 | 4;  // 4: the AMX-BF16 GEMM (amx_bf16.cpp)
+    return 1 | 2 | 4 | 8;  // 4: the AMX-BF16 GEMM (amx_bf16.cpp), 8: the VDPBF16PS one (bf16_dot.cpp)
 #endif
 }
 
@@ -557,7 +557,7 @@ int tp_model_forward(void* handle, int T, const int32_t* ids, const int32_t* pos
 // Standalone y[M, N] = x[M, K] W[N, K]^T for the tests and the per-call overhead measurement.
 // mode: 0 int8 activations, 1 float activations (exact), 2 int8 with residual bytes (fine),
 // 3 bf16 activations on AMX tiles: BF16X16 weights, or quantized ones dequantized into tiles (as
-// prompt rows take them); where amx_permitted() is false, float activations (BF16X16) or int8.
+// prompt rows take them); without AMX, BF16X16 on VDPBF16PS (bf16dot::runs()), else float; int8.
 void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x, int M, float* y, int nthreads,
              int mode) {
     const bool exact = mode == 1 || is_float_packed(wtype);  // float weights take float activations
@@ -572,7 +572,7 @@ void tp_gemm(int isa, int wtype, const uint8_t* w, int N, int K, const float* x,
     if (mode == 2) a.q16 = q16.data();
     std::vector<uint16_t> bf;
 #ifndef TP_NO_AVX512
-    if (mode == 3 && isa == 2 && amx_permitted()) bf.resize((size_t(M) + 16) * nb * QK), a.bf = bf.data();
+    if (mode == 3 && isa == 2 && (amx_permitted() || bf16dot::runs())) bf.resize((size_t(M) + 16) * nb * QK), a.bf = bf.data();
 #endif
     const GemmRowsFn gemm = gemm_rows_for(isa);
     const QuantRowFn quant = quantize_row_for(isa);

@@ -64,7 +64,8 @@ extern "C" {
 
 // Bit 0: AVX2+FMA (the native path's minimum); bit 1: AVX-512 F/BW/VL/VNNI; bit 2: F16C, the
 // half <-> float conversions a float16 KV cache needs (without it the KV cache stays float32);
-// bit 3: AMX-BF16 tiles, usable by this process (tp::amx_permitted).
+// bit 3: AMX-BF16 tiles, usable by this process (tp::amx_permitted); bit 4: AVX512_BF16 (VDPBF16PS,
+// bf16_dot.cpp's GEMM where there is no AMX).
 int tp_cpu_features() {
     __builtin_cpu_init();
     int f = 0;
@@ -74,6 +75,7 @@ int tp_cpu_features() {
         f |= 2;
     if ((f & 1) && __builtin_cpu_supports("f16c")) f |= 4;
     if ((f & 2) && tp::amx_permitted()) f |= 8;
+    if ((f & 2) && __builtin_cpu_supports("avx512bf16")) f |= 16;
     return f;
 }
 

@@ -137,6 +137,14 @@ size_t attend_prompt_scratch_floats(int head_dim, int queries);
 void attend_prompt_tile(int kv_kind, const void* k_cache, const void* v_cache, const paged::Tile& tile, int bs,
                         int kv_width, int g0, int g1, int D, int rep, float scale, float* scratch);
 }  // namespace amx
+// bf16_dot.cpp (the AVX-512 object only): y (+)= W x for BF16X16 weights W and bf16 rows x on
+// VDPBF16PS, where runs() (AVX512_BF16) and there is no AMX (amx_permitted() takes the tiles).
+// Rows past M are not read (x: M rows of nb * 32 bf16).
+namespace bf16dot {
+bool runs();
+void gemm(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy, int n0, int n1, const float* bias,
+          bool accumulate);
+}  // namespace bf16dot
 // attn_avx512.cpp: attention.h's attend_tile in 512-bit vectors, for any KvKind, where
 // attend_runs(head_dim) (a multiple of 8). attention.h's attn512_for chooses it per model.
 namespace avx512 {
