@@ -249,3 +249,41 @@ def test_activation_masks_from_environment(monkeypatch):
     monkeypatch.setenv("TOKENPATH_KERNELS_EXACT", "down")
     with pytest.raises(ValueError, match="TOKENPATH_KERNELS_EXACT='down'"):
         exact_mask()
+
+
+def _guided(groups: int, floor: int, threads: int) -> list[int]:
+    """Claims (in groups) of 1/threads of what is left, none under `floor` (the last: what remains)."""
+    done, claims = 0, []
+    while done < groups:
+        claims.append(min(groups - done, max(floor, (groups - done) // threads)))
+        done += claims[-1]
+    return claims
+
+
+def test_decode_chunks_cover_the_matrix_in_at_most_96_claims():
+    """A decode GEMM's claims (csrc/step_acts.h decode_chunks): 1/threads of what is left, down to
+    32 KiB of weights, in order, ending on 16-row groups, and never more than the 96-slot table
+    holds: where that rule would need more (many threads on a large matrix), no claim is under 1/96
+    of the matrix instead. That branch runs here at 64 and 256 threads; the engine's steps run 2."""
+    q4, q8, bf = K.Q4X16, K.Q8X16, K.BF16X16
+    # SmolLM2's tied head (Q8X16, 49152 x 576: 10368 bytes a group) at 2 threads: 11 claims, the
+    # first half the matrix, the last two 3 groups (30 KiB).
+    head = K.decode_chunks(lib, [(q8, 49152)], 49152, 576, 2)
+    assert len(head) == 11 and head[0] == 24576 and head[-1] - head[-2] == head[-2] - head[-3] == 48
+    floored = 0
+    for parts, k in (([(q8, 49152)], 576), ([(q4, 300000)], 2048), ([(bf, 4096)], 9216), ([(q4, 24), (q8, 40)], 64),
+                     ([(q4, 2048), (q8, 512), (q8, 512)], 2048), ([(bf, 16)], 32)):
+        n = sum(rows for _, rows in parts)
+        groups, nb = -(-n // 16), -(-k // 32)
+        per_group = max(sum(rows * nb * K.GROUP_BLOCK_BYTES[t] // 16 for t, rows in parts) // groups, 1)
+        tail = min(max(32768 // per_group, 1), groups)
+        for threads in (1, 2, 3, 8, 64, 256):
+            ends = K.decode_chunks(lib, parts, n, k, threads)
+            assert ends[-1] == n and all(e % 16 == 0 for e in ends[:-1]), (parts, threads)
+            want = _guided(groups, tail, threads)
+            if len(want) > 96:  # the table's bound: every claim at least 1/96 of the matrix
+                floored += 1
+                want = _guided(groups, max(tail, -(-groups // 96)), threads)
+            assert len(want) <= 96
+            assert ends == [min(16 * sum(want[: i + 1]), n) for i in range(len(want))], (parts, threads)
+    assert floored >= 2

@@ -191,6 +191,15 @@ def gemm(lib: NativeLibrary, wtype: int, w: np.ndarray, x: np.ndarray, k: int, i
     return y
 
 
+def decode_chunks(lib: NativeLibrary, parts: list[tuple[int, int]], n: int, k: int, threads: int) -> list[int]:
+    """The ends of the row chunks a decode step's GEMM over `parts` ((kernel type, rows) each; n rows
+    of K = k) is claimed in by `threads` threads (csrc/step_acts.h decode_chunks)."""
+    types, rows = (np.array(v, dtype=np.int32) for v in zip(*parts, strict=True))
+    ends: np.ndarray = np.zeros(96, dtype=np.int32)  # csrc/step_acts.h kMaxDecodeChunks
+    count = lib.lib.tp_decode_chunks(_ptr(types), _ptr(rows), len(parts), n, -(-k // 32), threads, _ptr(ends))
+    return [int(e) for e in ends[:count]]
+
+
 def gemm_tiles(lib: NativeLibrary, wtype: int, m: int, isa: int, fine: bool = False) -> list[int]:
     """The rows of each tile, in order, that the repacked GEMM of `wtype` runs for an m-row step
     (csrc/packed_impl.h tile_rows); [] for a type that is not a repacked integer one."""

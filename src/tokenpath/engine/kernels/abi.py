@@ -35,6 +35,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tp_model_forward_lora": (_I, [*FORWARD_ARGS, _I, _P, _P, _P, _P, _P]),
     "tp_model_debug_phase_cap": (None, [_P, _I]),
     "tp_kv_convert": (None, [_I, _I, _P, _P, _I]),
+    "tp_decode_chunks": (_I, [_P, _P, _I, _I, _I, _I, _P]),
     "tp_attend_tile_test": (None, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I]),
     "tp_stream_read": (None, [_I, _P, _I, _I, _I, _P, _P]),
     "tp_gemm": (None, [_I, _I, _P, _I, _I, _P, _I, _P, _I, _I]),
@@ -50,9 +51,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 # row_kinds, each row's residual-byte mask; 11: dims[16], the matmuls whose BF16 weights take bf16
 # activations on AMX tiles, and tp_gemm's mode 3; 12: tp_attend_tile_test's isa, which picks the
 # AVX-512 attention, csrc/attn_avx512.cpp; 13: dims[17], prompt rows' attention on AMX tiles,
-# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3; 14: tp_model_step_buffers; 15: tp_gemm_tiles).
-# A library reporting another is refused at load.
-MODEL_ABI = 15
+# csrc/attn_amx.cpp, and tp_attend_tile_test's isa 3; 14: tp_model_step_buffers; 15: tp_gemm_tiles;
+# 16: tp_decode_chunks). A library reporting another is refused at load.
+MODEL_ABI = 16
 
 # tp_model_forward's statuses (csrc/tp_api.h TP_STATUS_*) other than 0
 FORWARD_STATUS = {

@@ -238,7 +238,7 @@ inline void rope(float* v, const float* c, const float* s, int D) {
 }  // namespace
 
 #include "moe.h"  // the sparse MLPs: moe_prepare, moe_ffn, tp_model_set_moe
-#include "kv_test_api.h"  // tests: tp_kv_convert, tp_attend_tile_test
+#include "test_api.h"  // tests: tp_kv_convert, tp_attend_tile_test, tp_decode_chunks
 #include "read_bw.h"  // tp_stream_read: the read-bandwidth bound
 
 extern "C" {
@@ -334,8 +334,8 @@ void tp_model_debug_phase_cap(void* handle, int cap) { static_cast<Model*>(handl
 
 // The layout of tp_model_create's arrays and tp_model_forward's arguments, checked at load
 // (kernels/abi.py MODEL_ABI, which lists what each number added): a library built from older
-// sources is refused, not misread. 15: tp_gemm_tiles.
-int tp_model_abi() { return 15; }
+// sources is refused, not misread. 16: tp_decode_chunks.
+int tp_model_abi() { return 16; }
 
 // One engine step over T token rows (prefill chunks and decodes mixed).
 //   ids, pos:       [T] token id and position of each row

@@ -126,17 +126,20 @@ inline DecodeChunks decode_chunks(const Mat& w, int N, int nb, int nthreads) {
     if (groups == 0) return dc;
     const size_t per_group = std::max<size_t>(bytes / size_t(groups), 1);
     const int tail = int(std::clamp<size_t>(kDecodeTailBytes / per_group, 1, size_t(groups)));
-    // Claims end on the tail's size unless that needs more chunks than the table holds (many threads
-    // on a large matrix): then no claim is smaller than 1/kMaxDecodeChunks of the matrix.
-    for (int floor = tail;; floor = std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks)) {
+    auto cut = [&](int floor) {  // claims of 1/nthreads of what is left, none under `floor` groups
         dc.n = 0;
         int done = 0;
         while (done < groups && dc.n < kMaxDecodeChunks) {
             done += std::min(groups - done, std::max(floor, (groups - done) / nthreads));
             dc.end[dc.n++] = std::min(done * kGroupRows, N);
         }
-        if (done == groups) return dc;
-    }
+        return done == groups;
+    };
+    // Claims end on the tail's size unless that needs more chunks than the table holds (many threads
+    // on a large matrix): then no claim is smaller than 1/kMaxDecodeChunks of the matrix, which
+    // kMaxDecodeChunks claims always cover (tests/engine/test_kernels.py, tp_decode_chunks).
+    if (!cut(tail)) cut(std::max(tail, (groups + kMaxDecodeChunks - 1) / kMaxDecodeChunks));
+    return dc;
 }
 
 // y[T, N] (+)= W x over the team: chunks of output rows (multiples of 16) are claimed dynamically.

@@ -39,8 +39,10 @@ int tp_model_forward_lora(void* handle, int T, const int32_t* ids, const int32_t
 // Tests only: at most `cap` work phases per step (0: as many as the step needs), to exercise the
 // overflow check (TP_STATUS_PHASES) that a miscounted phase would trip.
 void tp_model_debug_phase_cap(void* handle, int cap);
-// kv_test_api.h, tests only: the KV pool's conversions (floats -> KvKind codes, to_float 0, or back)
-// and one attention tile over a pool of any KvKind.
+// test_api.h, tests only: the KV pool's conversions (floats -> KvKind codes, to_float 0, or back),
+// one attention tile over a pool of any KvKind, and a decode GEMM's chunk ends (step_acts.h).
+int tp_decode_chunks(const int32_t* types, const int32_t* rows, int parts, int N, int nb, int nthreads,
+                     int32_t* ends);
 void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n);
 void tp_attend_tile_test(int kind, const void* k_cache, const void* v_cache, const float* q, float* o,
                          const int32_t* table, int nrows, int p0, int bs, int n_kv, int D, int rep, float scale,

@@ -1,12 +1,26 @@
-// Test entry points into the KV pool's conversions and the paged attention (forward.cpp includes
-// this after store_kv): tests/engine/test_kv_fp8.py checks the fp8 codes against a reference
-// written from the formats' definitions, and attention over an fp8 pool against attention over the
-// float32 values decoded from the same bytes. They run the engine's own functions, not copies.
+// Test entry points (forward.cpp includes this after store_kv and step_acts.h). The KV pool's
+// conversions and the paged attention: tests/engine/test_kv_fp8.py checks the fp8 codes against a
+// reference written from the formats' definitions, and attention over an fp8 pool against attention
+// over the float32 values decoded from the same bytes. A decode GEMM's chunk table:
+// tests/engine/test_kernels.py checks its cover and its bounds for any matrix and team size. They
+// run the engine's own functions, not copies.
 #pragma once
 
 #include <vector>
 
 extern "C" {
+
+// decode_chunks (step_acts.h) for a matrix of `parts` parts (kernel type and rows each), N rows of nb
+// 32-blocks, `nthreads` threads: the chunks' ends into `ends` (room for kMaxDecodeChunks); their number.
+int tp_decode_chunks(const int32_t* types, const int32_t* rows, int parts, int N, int nb, int nthreads,
+                     int32_t* ends) {
+    Mat w;
+    for (; w.parts < std::min(parts, kMaxParts); ++w.parts)
+        w.type[w.parts] = types[w.parts], w.rows[w.parts] = rows[w.parts];
+    const DecodeChunks dc = decode_chunks(w, N, nb, std::max(nthreads, 1));
+    std::copy(dc.end, dc.end + dc.n, ends);
+    return dc.n;
+}
 
 // n values through store_kv / widen: floats -> KvKind `kind` codes or q8_0 blocks (to_float 0), or back (1).
 void tp_kv_convert(int kind, int to_float, const void* src, void* dst, int n) {
