@@ -150,8 +150,11 @@ void gemm(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy,
             for (size_t i = 0; i < size_t(nb) * 16; ++i)
                 _mm512_store_si512(dst + 32 * i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(src + 64 * i)));
         }
-        for (int m0 = 0; m0 < M; m0 += kMR) {
-            const int mr = std::min(kMR, M - m0);
+        // Tiles of nearly equal rows (32: 6, 6, 5, 5, 5, 5), not kMR and a short rest (6 x 5 + 2): a
+        // tile's weight loads cost the same whatever its rows.
+        const int tiles = (M + kMR - 1) / kMR;
+        for (int t = 0, m0 = 0; t < tiles; ++t) {
+            const int mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) ? 1 : 0);
             for (int g = gp; g < gp + gn; g += kNG) {
                 const int ng = std::min(kNG, gp + gn - g);
                 const uint8_t* wg[kNG];
@@ -159,6 +162,7 @@ void gemm(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy,
                     wg[j] = reinterpret_cast<const uint8_t*>(base + (g - gp + std::min(j, ng - 1)) * per_group);
                 tile_any<true>(ng, mr, x + m0 * ldx, ldx, wg, nb, y + size_t(m0) * ldy, ldy, 16 * g, bias, accumulate);
             }
+            m0 += mr;
         }
     }
 }
