@@ -243,7 +243,7 @@ class EngineConfig(Settings):
     # (TOKENPATH_KERNELS_ISA, TOKENPATH_KERNELS_FINE, TOKENPATH_KERNELS_EXACT) as before they were
     # flags. The masks have a bit per matmul (1 qkv, 2 o, 4 gate_up, 8 down, 16 head): "fine"
     # activations are int8 plus residual bytes (~15 bits; all five by default:
-    # engine/kernels/model.py says why), "exact" ones stay float (GGUF layouts, slowest). None:
+    # engine/kernels/precision.py says why), "exact" ones stay float (GGUF layouts, slowest). None:
     # the kernels' default.
     kernels_isa: Literal["auto", "avx2", "avx512"] = knob(
         factory=lambda: kernel_isa_from_env(),

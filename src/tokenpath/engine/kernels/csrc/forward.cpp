@@ -129,7 +129,7 @@ struct Model {
     // This step's per-row masks over the same bits (tp_model_forward's row_kinds): the matmuls
     // whose row t takes residual bytes, within `fine`; nullptr: every row takes `fine`'s. The
     // engine passes them to run prompt rows at llama.cpp's int8 and generated rows finer
-    // (kernels/model.py says why). head_kinds: the same for the head's rows (logit_rows).
+    // (kernels/precision.py says why). head_kinds: the same for the head's rows (logit_rows).
     const uint8_t* kinds = nullptr;
     std::vector<uint8_t> head_kinds;
     int kv_kind;  // KvKind (kv_fp8.h): float32, float16, fp8 e5m2, e4m3 (all but float32 need F16C)
