@@ -7,8 +7,8 @@ arithmetic on those weights. So the reference is the torch path in float32 on th
 and the two agree to float32 rounding (summation order only). A float32 checkpoint runs the same
 way on the kernels' F32 matrices (F32X16), unless a 16-bit --dtype asks for a conversion.
 
-On a CPU with AMX-BF16 a bf16 checkpoint's matmuls take bf16 activations on tiles by default, as
-vLLM CPU and transformers compute it (`--kernels-bf16`, kernels/precision.py DEFAULT_BF16); the exact
+On a CPU with AMX-BF16 (tiles) or AVX512_BF16 (VDPBF16PS) a bf16 checkpoint's matmuls take bf16
+activations by default, as vLLM CPU and transformers compute it (`--kernels-bf16`, kernels/precision.py DEFAULT_BF16); the exact
 comparison runs with `--kernels-bf16 0`, and the default is held to torch's own bf16 arithmetic.
 """
 
