@@ -22,7 +22,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
-BS = 16  # the engine's default block size
+BS = 16  # the engine's default block size (tests/engine/native_steps.py's slots assume it)
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--model", required=True, help="a bf16 safetensors checkpoint folder")
@@ -32,32 +32,13 @@ ap.add_argument("--batch", type=int, default=32, help="sequences of the batched 
 ap.add_argument("--rounds", type=int, default=7, help="rounds; the modes alternate their order")
 
 
-class Steps:
-    """One native runner of `mode` (kernels_bf16: None = the default, 0 = float32 activations)."""
+def steps(loaded, bf16: int | None, blocks: int, max_len: int):
+    """One native runner (tests/engine/native_steps.py) of the checkpoint's own dtype, with
+    kernels_bf16 None (the default) or 0 (float32 activations)."""
+    from tests.engine.native_steps import NativeSteps
 
-    def __init__(self, loaded, bf16: int | None, blocks: int, max_len: int) -> None:
-        from tokenpath.config import EngineConfig
-        from tokenpath.engine.runner import ModelRunner
-
-        extra = {} if bf16 is None else {"kernels_bf16": bf16}
-        config = EngineConfig(num_kv_blocks=blocks, disable_hybrid_kv_cache_manager=True, **extra)
-        self.runner = ModelRunner(loaded, config, max_len)
-        if self.runner.native is None:
-            raise SystemExit("the native kernels do not run this checkpoint here")
-
-    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> np.ndarray:
-        """chunks: (block table, token ids, first position) per sequence; the last row's logits of each."""
-        ids, pos, rt, tables, last = [], [], [], [], []
-        for table, toks, start in chunks:
-            rt += [len(tables)] * len(toks)
-            ids += toks
-            pos += range(start, start + len(toks))
-            tables += table
-            last.append(len(ids) - 1)
-        p, r, t = (np.asarray(a, dtype=np.int32) for a in (pos, rt, tables))
-        slots = t[r + p // BS].astype(np.int64) * BS + p % BS
-        return self.runner.native.forward(np.asarray(ids, dtype=np.int32), p, slots, r, t,
-                                          np.asarray(last, dtype=np.int32))
+    return NativeSteps(loaded, "auto", blocks, max_len, quantization="auto",
+                       **({} if bf16 is None else {"kernels_bf16": bf16}))
 
 
 def main() -> None:
@@ -74,20 +55,20 @@ def main() -> None:
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(args.batch)]
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, cfg.vocab_size, args.prompt).tolist()
-    modes = {"bf16 rows": Steps(loaded, None, blocks, args.prompt + 16),
-             "float32 rows": Steps(loaded, 0, blocks, args.prompt + 16)}
+    modes = {"bf16 rows": steps(loaded, None, blocks, args.prompt + 16),
+             "float32 rows": steps(loaded, 0, blocks, args.prompt + 16)}
     native = modes["bf16 rows"].runner.native
     if not native.bf16:
         print("note: no bf16 rows on this CPU (no AMX-BF16 or AVX512_BF16): both modes run float32 activations")
 
-    def prefill(s: Steps) -> np.ndarray:
-        return s.step([(tables[0], prompt, 0)])
+    def prefill(s) -> np.ndarray:
+        return s.step([(tables[0], prompt, 0)], last_only=True).numpy()
 
-    def batched(s: Steps) -> np.ndarray:  # one row per sequence, after a prompt's worth of positions
-        return s.step([(tables[b], [1000 + b], args.prompt) for b in range(args.batch)])
+    def batched(s) -> np.ndarray:  # one row per sequence, after a prompt's worth of positions
+        return s.step([(tables[b], [1000 + b], args.prompt) for b in range(args.batch)], last_only=True).numpy()
 
-    def single(s: Steps) -> np.ndarray:
-        return s.step([(tables[0], [1000], args.prompt)])
+    def single(s) -> np.ndarray:
+        return s.step([(tables[0], [1000], args.prompt)], last_only=True).numpy()
 
     cases = {f"prefill, {args.prompt} rows": (prefill, args.prompt),
              f"decode step, {args.batch} rows": (batched, args.batch), "decode step, 1 row": (single, 1)}
@@ -110,10 +91,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case, (_, rows) in cases.items():
         b, f = (float(np.median(ms[(case, m)])) for m in modes)
-        lo_b, hi_b = min(ms[(case, 'bf16 rows')]), max(ms[(case, 'bf16 rows')])
-        lo_f, hi_f = min(ms[(case, 'float32 rows')]), max(ms[(case, 'float32 rows')])
-        print(f"| {case} | {b:.1f} ({lo_b:.1f}-{hi_b:.1f}) | {f:.1f} ({lo_f:.1f}-{hi_f:.1f}) | {f / b:.2f}x "
-              f"| {flops * rows / b / 1e6:.0f} |")
+        cells = " | ".join(f"{np.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in (ms[(case, m)] for m in modes))
+        print(f"| {case} | {cells} | {f / b:.2f}x | {flops * rows / b / 1e6:.0f} |")
     print()
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     diff = np.abs(first["bf16 rows"] - first["float32 rows"])

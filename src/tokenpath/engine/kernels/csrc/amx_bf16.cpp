@@ -26,17 +26,12 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "pair_pack.h"  // pack_pairs: B tiles from BF16X16 blocks
 #include "tp_kernels.h"
 
 namespace tp::amx {
 namespace {
 
-// B tiles from BF16X16 blocks: 16 rows x 32 bf16 (k-pairs interleaved), 1 KiB each.
-inline void pack_blocks(const uint8_t* wg, size_t nblocks, uint16_t* dst) {
-    const __m512i idx = _mm512_load_si512(kPairInterleave);
-    for (size_t i = 0; i < nblocks * 16; ++i)
-        _mm512_store_si512(dst + 32 * i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wg + 64 * i)));
-}
 
 // C tiles 0..3 = (m-tile i, group j) at 2 i + j; A tiles 4, 5; B tiles 6, 7. NM m-tiles (1 or 2)
 // by NG groups (1 or 2), K in blocks of 32. B: the groups' packed tiles (b0, b1), or with STREAM
@@ -58,8 +53,8 @@ void tiles(const uint16_t* x, size_t lda, const uint16_t* b0, const uint16_t* b1
                     _mm_prefetch(reinterpret_cast<const char*>(w0 + 1024 * size_t(b + 4) + l), _MM_HINT_T0);
                     if (NG == 2) _mm_prefetch(reinterpret_cast<const char*>(w1 + 1024 * size_t(b + 4) + l), _MM_HINT_T0);
                 }
-            pack_blocks(w0 + 1024 * size_t(b), 1, ring + 1024 * (b & 1));
-            if (NG == 2) pack_blocks(w1 + 1024 * size_t(b), 1, ring + 1024 * (b & 1) + 512);
+            pack_pairs(w0 + 1024 * size_t(b), 1, ring + 1024 * (b & 1));
+            if (NG == 2) pack_pairs(w1 + 1024 * size_t(b), 1, ring + 1024 * (b & 1) + 512);
         }
         _tile_loadd(4, x + 32 * b, lda);
         _tile_loadd(6, t0, 64);
@@ -156,7 +151,7 @@ void gemm_tiles(PackFn pack, size_t group_bytes, const uint8_t* w, int nb, const
         if (!stream)
             for (int j = 0; j < gn; ++j) {
                 const uint8_t* wg = w + size_t(gp + j) * group_bytes;
-                pack ? pack(wg, nb, base + j * per_group) : pack_blocks(wg, size_t(nb), base + j * per_group);
+                pack ? pack(wg, nb, base + j * per_group) : pack_pairs(wg, size_t(nb), base + j * per_group);
             }
         for (int m0 = 0; m0 < M; m0 += 32) {
             const int nm = M - m0 > 16 ? 2 : 1;

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pair_pack.h"  // amx::pack_pairs: a panel's groups as pair rows
 #include "tp_kernels.h"
 
 namespace tp::bf16dot {
@@ -141,15 +142,10 @@ void gemm(const uint8_t* w, int nb, const uint16_t* x, int M, float* y, int ldy,
     const size_t per_group = size_t(nb) * 512;  // uint16 a group
     if (scratch.size() < panel * per_group + 32) scratch.resize(panel * per_group + 32);
     uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-    const __m512i idx = _mm512_load_si512(amx::kPairInterleave);
     for (int gp = g0; gp < g1; gp += panel) {
         const int gn = std::min(panel, g1 - gp);
-        for (int j = 0; j < gn; ++j) {
-            const uint8_t* src = w + size_t(gp + j) * group_bytes;
-            uint16_t* dst = base + j * per_group;
-            for (size_t i = 0; i < size_t(nb) * 16; ++i)
-                _mm512_store_si512(dst + 32 * i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(src + 64 * i)));
-        }
+        for (int j = 0; j < gn; ++j)
+            amx::pack_pairs(w + size_t(gp + j) * group_bytes, size_t(nb), base + j * per_group);
         // Tiles of nearly equal rows (32: 6, 6, 5, 5, 5, 5), not kMR and a short rest (6 x 5 + 2): a
         // tile's weight loads cost the same whatever its rows.
         const int tiles = (M + kMR - 1) / kMR;

@@ -123,7 +123,7 @@ uint64_t stream_xor(const uint8_t* p, size_t n);  // stream_read.h
 // dequantizes into bf16 tiles (tile_pack.h); group_bytes: one group's bytes (nb group-blocks).
 namespace amx {
 // A B tile's k-pair layout from 32 bf16 of two k rows (16 columns each): vpermw's index puts
-// (row 0 column n, row 1 column n) side by side (amx_bf16.cpp pack_blocks, tile_pack.h).
+// (row 0 column n, row 1 column n) side by side (pair_pack.h, tile_pack.h).
 alignas(64) inline constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 using PackFn = void (*)(const uint8_t* wg, int nb, uint16_t* dst);
